@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC modules for the querator.v1 API."""

@@ -1,0 +1,37 @@
+"""The logical-queue actor and the requests it accepts."""
+
+from .logical_queue import LogicalQueue
+from .requests import (
+    ClearRequest,
+    CompleteRequest,
+    DeleteItemsRequest,
+    ExtendRequest,
+    ImportItemsRequest,
+    LeasedItem,
+    LeaseRequest,
+    LeaseResult,
+    ListItemsRequest,
+    PageResult,
+    ProduceRequest,
+    ProduceResult,
+    RetryRequest,
+    StoredItem,
+)
+
+__all__ = [
+    "ClearRequest",
+    "CompleteRequest",
+    "DeleteItemsRequest",
+    "ExtendRequest",
+    "ImportItemsRequest",
+    "LeaseRequest",
+    "LeaseResult",
+    "LeasedItem",
+    "ListItemsRequest",
+    "LogicalQueue",
+    "PageResult",
+    "ProduceRequest",
+    "ProduceResult",
+    "RetryRequest",
+    "StoredItem",
+]

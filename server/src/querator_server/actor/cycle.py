@@ -1,0 +1,399 @@
+"""One cycle of a logical queue: every waiting request applied in one transaction.
+
+``Cycle`` runs on a worker thread inside ``QueueStore.write``. It reads the actor's
+partition views but only changes copies of them; the actor adopts the copies once the
+transaction has committed. If LMDB's map is full the whole cycle runs again from the
+start on a bigger map, so nothing here touches state outside the transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lmdb
+
+from ..errors import FailedPrecondition, InvalidArgument, NotFound, QueratorError, quote
+from ..model import SCHEDULE_MIN_US, QueueConfig
+from ..storage import Item, QueueStore
+from ..storage.record import _HEADER
+from .ids import ItemRef, item_id, parse_id, scheduled_id
+from .requests import (
+    ClearRequest,
+    CompleteRequest,
+    DeleteItemsRequest,
+    ExtendRequest,
+    ImportItemsRequest,
+    LeasedItem,
+    LeaseRequest,
+    LeaseResult,
+    ListItemsRequest,
+    PageResult,
+    ProduceRequest,
+    ProduceResult,
+    Request,
+    RetryRequest,
+    StoredItem,
+)
+from .view import PartitionView
+
+# A lease answered this close to its caller's deadline would arrive too late to use.
+FENCE_MARGIN_US = 2_000
+
+
+class Cycle:
+    """The transaction body of one actor cycle and everything it decided."""
+
+    def __init__(
+        self,
+        store: QueueStore,
+        config: QueueConfig,
+        views: Sequence[PartitionView],
+        now: int,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.uid = config.uid
+        self.now = now
+        self._base = views
+        self.views: dict[int, PartitionView] = {}
+        self.results: list[tuple[Request, object]] = []
+        # Leases granted this cycle: (request, partition, [(seq, raw before lease)]).
+        self._granted: list[tuple[LeaseRequest, int, list[tuple[int, bytes]]]] = []
+        # Lease deadlines to track once committed: (deadline, partition, seq).
+        self.lease_deadlines: list[tuple[int, int, int]] = []
+        # Leases that found nothing and may keep waiting.
+        self.unserved: list[LeaseRequest] = []
+
+    # -- views ---------------------------------------------------------------------
+
+    def view(self, p: int) -> PartitionView:
+        v = self.views.get(p)
+        if v is None:
+            v = self.views[p] = self._base[p].copy()
+        return v
+
+    def _peek(self, p: int) -> PartitionView:
+        return self.views.get(p) or self._base[p]
+
+    def _ok(self, request: Request, result: object) -> None:
+        self.results.append((request, result))
+
+    # -- produce -------------------------------------------------------------------
+
+    def produce(self, txn: lmdb.Transaction, request: ProduceRequest) -> None:
+        counts = [self._peek(p).ready for p in range(len(self._base))]
+        p = counts.index(min(counts))
+        v = self.view(p)
+        store, now = self.store, self.now
+        expire = now + self.config.expire_timeout_us
+        ids: list[str] = []
+        for new in request.items:
+            seq = v.take_seq()
+            item = Item(
+                payload=new.payload,
+                encoding=new.encoding,
+                kind=new.kind,
+                reference=new.reference,
+                created_at=now,
+                expire_deadline=expire,
+            )
+            if new.enqueue_at_us >= now + SCHEDULE_MIN_US:
+                item.enqueue_at = new.enqueue_at_us
+                store.put_scheduled(txn, p, new.enqueue_at_us, seq, item)
+                v.scheduled += 1
+                ids.append(scheduled_id(self.uid, p, seq, new.enqueue_at_us))
+            else:
+                store.append(txn, p, seq, item)
+                v.ready += 1
+                v.created_sum += now
+                ids.append(item_id(self.uid, p, seq))
+        self._ok(request, ProduceResult(p, ids))
+
+    # -- lease ---------------------------------------------------------------------
+
+    def lease(self, txn: lmdb.Transaction, requests: list[LeaseRequest]) -> None:
+        """Share the ready items among ``requests`` (oldest first), round-robin."""
+        total = sum(self._peek(p).ready for p in range(len(self._base)))
+        wanted = [r.batch_size for r in requests]
+        if total >= sum(wanted):
+            quotas = wanted
+        else:
+            quotas = _water_fill(wanted, total)
+        for request, quota in zip(requests, quotas):
+            granted = self._lease_one(txn, request, quota) if quota else None
+            if granted is None:
+                self.unserved.append(request)
+
+    def _lease_one(self, txn: lmdb.Transaction, request: LeaseRequest, quota: int) -> LeaseResult | None:
+        p = max(range(len(self._base)), key=lambda i: self._peek(i).ready)
+        v = self.view(p)
+        if not v.ready:
+            return None
+        now = self.now
+        deadline = now + self.config.lease_timeout_us
+        taken: list[tuple[int, bytes]] = []
+        items: list[LeasedItem] = []
+        last_seq = v.ready_hint - 1
+        for seq, raw in self.store.ready_items(txn, p, v.ready_hint):
+            if len(items) >= quota:
+                break
+            last_seq = seq
+            item = Item.decode(raw)
+            if item.expire_deadline <= now:
+                continue  # expired: the lifecycle dead-letters it, nobody leases it
+            item.is_leased = True
+            item.attempts += 1
+            item.lease_deadline = deadline
+            item.leased_at = now
+            self.store.put(txn, p, seq, item)
+            taken.append((seq, bytes(raw)))
+            items.append(LeasedItem(item_id(self.uid, p, seq), item))
+            self.lease_deadlines.append((deadline, p, seq))
+        if not items:
+            return None
+        v.ready -= len(items)
+        v.leased += len(items)
+        v.leased_at_sum += now * len(items)
+        v.ready_hint = last_seq + 1
+        result = LeaseResult(p, items)
+        self._granted.append((request, p, taken))
+        self._ok(request, result)
+        return result
+
+    def fence_leases(self, txn: lmdb.Transaction, now: int) -> None:
+        """Take back leases whose caller hung up or ran out of time before the commit."""
+        for request, p, taken in self._granted:
+            gone = request.future.done() or (request.deadline_us and now >= request.deadline_us - FENCE_MARGIN_US)
+            if not gone:
+                continue
+            v = self.view(p)
+            for seq, raw in taken:
+                self.store.put_raw(txn, p, seq, raw)
+                v.ready_hint = min(v.ready_hint, seq)
+            v.ready += len(taken)
+            v.leased -= len(taken)
+            v.leased_at_sum -= self.now * len(taken)
+            taken_seqs = {seq for seq, _ in taken}
+            self.lease_deadlines = [d for d in self.lease_deadlines if d[1] != p or d[2] not in taken_seqs]
+            # The caller is gone or too late; answer (if anyone listens) with nothing.
+            self.results = [(r, LeaseResult(p, []) if r is request else res) for r, res in self.results]
+
+    # -- complete / retry / extend ----------------------------------------------------
+
+    def _leased_items(
+        self, txn: lmdb.Transaction, partition: int, ids: Sequence[str], *, check_deadline: bool = False
+    ) -> list[tuple[int, Item]]:
+        """Look up every id as a leased item of ``partition``; all of them or an error."""
+        found: list[tuple[int, Item]] = []
+        missing: list[str] = []
+        unleased: list[str] = []
+        lost: list[str] = []
+        for index, text in enumerate(ids):
+            ref = parse_id(text)
+            item = self._lookup(txn, partition, ref)
+            if ref is None or item is None:
+                missing.append(f"ids[{index}] {quote(text)}")
+            elif not item.is_leased:
+                unleased.append(f"ids[{index}] {quote(text)}")
+            elif check_deadline and item.lease_deadline <= self.now:
+                lost.append(f"ids[{index}] {quote(text)}")
+            else:
+                found.append((ref.seq, item))
+        if missing:
+            raise NotFound(_listing("no such item (completed, moved or never produced)", missing))
+        if unleased:
+            raise FailedPrecondition(_listing("item is not leased", unleased))
+        if lost:
+            raise FailedPrecondition(_listing("lease has expired", lost))
+        return found
+
+    def _lookup(self, txn: lmdb.Transaction, partition: int, ref: ItemRef | None) -> Item | None:
+        if ref is None or ref.uid != self.uid or ref.partition != partition or ref.due:
+            return None
+        return self.store.get(txn, partition, ref.seq)
+
+    def complete(self, txn: lmdb.Transaction, request: CompleteRequest) -> None:
+        found = self._leased_items(txn, request.partition, request.ids)
+        p = request.partition
+        v = self.view(p)
+        for seq, item in found:
+            self.store.delete(txn, p, seq, item.expire_deadline)
+            v.leased -= 1
+            v.created_sum -= item.created_at
+            v.leased_at_sum -= item.leased_at
+        self._ok(request, None)
+
+    def retry(self, txn: lmdb.Transaction, request: RetryRequest) -> None:
+        p = request.partition
+        found = self._leased_items(txn, p, [o.item_id for o in request.orders])
+        v = self.view(p)
+        for (seq, item), order in zip(found, request.orders):
+            self.store.delete(txn, p, seq, item.expire_deadline)
+            v.leased -= 1
+            v.created_sum -= item.created_at
+            v.leased_at_sum -= item.leased_at
+            item.is_leased = False
+            item.lease_deadline = 0
+            item.leased_at = 0
+            new_seq = v.take_seq()
+            if order.retry_at_us >= self.now + SCHEDULE_MIN_US:
+                item.enqueue_at = order.retry_at_us
+                self.store.put_scheduled(txn, p, order.retry_at_us, new_seq, item)
+                v.scheduled += 1
+            else:
+                self.store.append(txn, p, new_seq, item)
+                v.ready += 1
+                v.created_sum += item.created_at
+        self._ok(request, None)
+
+    def extend(self, txn: lmdb.Transaction, request: ExtendRequest) -> None:
+        p = request.partition
+        found = self._leased_items(txn, p, request.ids, check_deadline=True)
+        timeout = request.lease_timeout_us or self.config.lease_timeout_us
+        deadlines: list[int] = []
+        for seq, item in found:
+            item.lease_deadline = min(self.now + timeout, item.expire_deadline)
+            self.store.put(txn, p, seq, item)
+            self.lease_deadlines.append((item.lease_deadline, p, seq))
+            deadlines.append(item.lease_deadline)
+        self._ok(request, deadlines)
+
+    # -- storage requests ------------------------------------------------------------
+
+    def list_items(self, txn: lmdb.Transaction, request: ListItemsRequest) -> None:
+        p = request.partition
+        out: list[StoredItem] = []
+        next_after: tuple[int, int] | None = None
+        if request.scheduled:
+            rows = self.store.page_scheduled(txn, p, request.after, request.limit + 1)
+            for due, seq, item in rows[: request.limit]:
+                out.append(StoredItem(scheduled_id(self.uid, p, seq, due), item))
+            if len(rows) > request.limit:
+                due, seq, _ = rows[request.limit - 1]
+                next_after = (due, seq)
+        else:
+            page = self.store.page_items(txn, p, request.after[0], request.limit + 1)
+            for seq, item in page[: request.limit]:
+                out.append(StoredItem(item_id(self.uid, p, seq), item))
+            if len(page) > request.limit:
+                next_after = (page[request.limit - 1][0], 0)
+        self._ok(request, PageResult(out, next_after))
+
+    def import_items(self, txn: lmdb.Transaction, request: ImportItemsRequest) -> None:
+        p = request.partition
+        v = self.view(p)
+        now = self.now
+        ids: list[str] = []
+        for given in request.items:
+            seq = v.take_seq()
+            item = Item(
+                payload=given.payload,
+                encoding=given.encoding,
+                kind=given.kind,
+                reference=given.reference,
+                source_id=given.source_id,
+                created_at=given.created_at_us or now,
+                expire_deadline=given.expire_deadline_us or now + self.config.expire_timeout_us,
+                enqueue_at=given.enqueue_at_us,
+                attempts=given.attempts,
+            )
+            if given.enqueue_at_us >= now + SCHEDULE_MIN_US:
+                self.store.put_scheduled(txn, p, given.enqueue_at_us, seq, item)
+                v.scheduled += 1
+                ids.append(scheduled_id(self.uid, p, seq, given.enqueue_at_us))
+                continue
+            if given.is_leased:
+                item.is_leased = True
+                item.lease_deadline = given.lease_deadline_us or now + self.config.lease_timeout_us
+                item.leased_at = now
+                v.leased += 1
+                v.leased_at_sum += now
+                self.lease_deadlines.append((item.lease_deadline, p, seq))
+            else:
+                v.ready += 1
+            v.created_sum += item.created_at
+            self.store.append(txn, p, seq, item)
+            ids.append(item_id(self.uid, p, seq))
+        self._ok(request, ids)
+
+    def delete_items(self, txn: lmdb.Transaction, request: DeleteItemsRequest) -> None:
+        p = request.partition
+        v = self.view(p)
+        for text in dict.fromkeys(request.ids):
+            ref = parse_id(text)
+            if ref is None or ref.uid != self.uid or ref.partition != p:
+                continue
+            if ref.due:
+                item = self.store.get_scheduled(txn, p, ref.due, ref.seq)
+                if item is not None:
+                    self.store.delete_scheduled(txn, p, ref.due, ref.seq, item.expire_deadline)
+                    v.scheduled -= 1
+                continue
+            item = self.store.get(txn, p, ref.seq)
+            if item is None:
+                continue
+            self.store.delete(txn, p, ref.seq, item.expire_deadline)
+            v.created_sum -= item.created_at
+            if item.is_leased:
+                v.leased -= 1
+                v.leased_at_sum -= item.leased_at
+            else:
+                v.ready -= 1
+        self._ok(request, None)
+
+    def clear(self, txn: lmdb.Transaction, request: ClearRequest) -> None:
+        for p in range(len(self._base)):
+            self.store.clear(
+                txn,
+                p,
+                ready=request.ready,
+                leased=request.ready and request.destructive,
+                scheduled=request.scheduled,
+            )
+            scan = self.store.scan(txn, p)
+            v = self.view(p)
+            fresh = PartitionView.from_scan(scan)
+            fresh.next_seq = v.next_seq
+            fresh.seq_dirty = v.seq_dirty
+            self.views[p] = fresh
+        self._ok(request, None)
+
+    # -- end of cycle ------------------------------------------------------------------
+
+    def finish(self, txn: lmdb.Transaction) -> None:
+        for p, v in self.views.items():
+            if v.seq_dirty:
+                self.store.write_next_seq(txn, p, v.next_seq)
+                v.seq_dirty = False
+
+    def fail(self, request: Request, error: QueratorError) -> None:
+        self.results.append((request, error))
+
+
+def _water_fill(wanted: list[int], total: int) -> list[int]:
+    """Split ``total`` items round-robin among requests wanting ``wanted`` each."""
+    quotas = [0] * len(wanted)
+    remaining = total
+    open_ = [i for i, w in enumerate(wanted) if w > 0]
+    while remaining > 0 and open_:
+        share = max(1, remaining // len(open_))
+        still: list[int] = []
+        for i in open_:
+            if remaining <= 0:
+                break
+            give = min(share, wanted[i] - quotas[i], remaining)
+            quotas[i] += give
+            remaining -= give
+            if quotas[i] < wanted[i]:
+                still.append(i)
+        open_ = still
+    return quotas
+
+
+def _listing(reason: str, entries: list[str], limit: int = 10) -> str:
+    shown = ", ".join(entries[:limit])
+    more = f" and {len(entries) - limit} more" if len(entries) > limit else ""
+    return f"{reason}: {shown}{more}"
+
+
+__all__ = ["Cycle", "InvalidArgument"]

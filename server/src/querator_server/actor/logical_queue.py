@@ -1,0 +1,365 @@
+"""The logical queue: one asyncio task per queue that owns all of its partitions.
+
+gRPC handlers ``submit`` requests and await their futures. The actor wakes when
+something is waiting, takes *everything* waiting, applies it in one LMDB write
+transaction on a worker thread (so an fsync never stalls the event loop), adopts the
+new partition views, then answers every request of the cycle. Leases that found
+nothing are parked and take part in later cycles until their wait runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import lmdb
+import structlog
+
+from ..clock import now_us
+from ..errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    NotFound,
+    QueratorError,
+    ResourceExhausted,
+    Unavailable,
+)
+from ..model import PartitionStats, QueueConfig, QueueStats
+from ..storage import QueueStore, StorageError, StorageFull
+from .cycle import Cycle
+from .requests import (
+    ClearRequest,
+    CompleteRequest,
+    DeleteItemsRequest,
+    ExtendRequest,
+    ImportItemsRequest,
+    LeaseRequest,
+    LeaseResult,
+    ListItemsRequest,
+    ProduceRequest,
+    Request,
+    RetryRequest,
+)
+from .view import PartitionView
+
+log = structlog.get_logger("querator.queue")
+
+DEFAULT_MAX_INBOX = 10_000
+
+
+@dataclass(eq=False, slots=True)
+class _Reconfigure(Request):
+    config: QueueConfig
+
+
+@dataclass(eq=False, slots=True)
+class _Delete(Request):
+    force: bool
+
+
+@dataclass(slots=True)
+class _Batch:
+    produces: list[ProduceRequest] = field(default_factory=list)
+    leases: list[LeaseRequest] = field(default_factory=list)
+    acks: list[Request] = field(default_factory=list)
+    others: list[Request] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.produces) + len(self.leases) + len(self.acks) + len(self.others)
+
+
+class LogicalQueue:
+    """The actor owning one queue's storage and in-memory state."""
+
+    def __init__(
+        self,
+        config: QueueConfig,
+        store: QueueStore,
+        executor: Executor,
+        *,
+        max_inbox: int = DEFAULT_MAX_INBOX,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self._executor = executor
+        self._max_inbox = max_inbox
+        self._views: list[PartitionView] = []
+        self._lease_heap: list[tuple[int, int, int]] = []
+        self._inbox: list[Request] = []
+        self._waiting: list[LeaseRequest] = []
+        self._clients: set[str] = set()
+        self._wake = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed: QueratorError | None = None
+        self._in_flight = 0
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    # -- life ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._views, self._lease_heap = await loop.run_in_executor(self._executor, self._load)
+        self._task = asyncio.create_task(self._run(), name=f"queue:{self.name}")
+
+    def _load(self) -> tuple[list[PartitionView], list[tuple[int, int, int]]]:
+        views: list[PartitionView] = []
+        heap: list[tuple[int, int, int]] = []
+        with self.store.env.begin() as txn:
+            for p in range(self.store.partitions):
+                scan = self.store.scan(txn, p)
+                views.append(PartitionView.from_scan(scan))
+                heap.extend((deadline, p, seq) for deadline, seq in scan.leases)
+        heapq.heapify(heap)
+        return views, heap
+
+    async def stop(self) -> None:
+        """Finish what was submitted, fail waiting leases with UNAVAILABLE, close storage."""
+        if self._closed is None:
+            self._closed = Unavailable(f"queue {self.name!r} is shutting down")
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.store.close)
+
+    async def delete(self, force: bool) -> None:
+        """Stop the actor for good if the queue is empty (or ``force``); storage stays open."""
+        await self.submit(_Delete(force=force))
+        if self._task is not None:
+            await self._task
+
+    async def reconfigure(self, config: QueueConfig) -> None:
+        await self.submit(_Reconfigure(config=config))
+
+    # -- requests --------------------------------------------------------------------
+
+    def submit(self, request: Request) -> asyncio.Future[Any]:
+        if self._closed is not None:
+            raise self._closed
+        if len(self._inbox) >= self._max_inbox:
+            raise ResourceExhausted(f"queue {self.name!r} is overloaded: {len(self._inbox)} requests waiting")
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        request.future = future
+        if isinstance(request, LeaseRequest) and request.client_id:
+            client = request.client_id
+            if client in self._clients:
+                raise FailedPrecondition(f"client_id {client!r} already has a Lease waiting on queue {self.name!r}")
+            self._clients.add(client)
+            future.add_done_callback(lambda _f: self._clients.discard(client))
+        self._inbox.append(request)
+        self._wake.set()
+        return future
+
+    def stats(self) -> QueueStats:
+        now = now_us()
+        parts: list[PartitionStats] = []
+        for p, v in enumerate(self._views):
+            total = v.ready + v.leased
+            parts.append(
+                PartitionStats(
+                    partition=p,
+                    total=total,
+                    total_leased=v.leased,
+                    scheduled=v.scheduled,
+                    average_age_us=max(0, now - v.created_sum // total) if total else 0,
+                    average_leased_age_us=max(0, now - v.leased_at_sum // v.leased) if v.leased else 0,
+                )
+            )
+        waiting = sum(1 for w in self._waiting if not w.future.done())
+        waiting += sum(1 for r in self._inbox if isinstance(r, LeaseRequest))
+        producing = sum(1 for r in self._inbox if isinstance(r, ProduceRequest))
+        return QueueStats(parts, lease_waiting=waiting, produce_waiting=producing, in_flight=self._in_flight)
+
+    def holds_items(self) -> bool:
+        return any(v.ready or v.leased or v.scheduled for v in self._views)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if not self._inbox:
+                    if self._closed is not None:
+                        break
+                    self._arm_timer()
+                    await self._wake.wait()
+                self._wake.clear()
+                inbox, self._inbox = self._inbox, []
+                await self._cycle(inbox)
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+            closed = self._closed or Unavailable(f"queue {self.name!r} stopped")
+            for request in self._waiting:
+                _answer(request, closed if not isinstance(closed, NotFound) else LeaseResult(0, []))
+            self._waiting = []
+            for request in self._inbox:
+                _answer(request, closed)
+            self._inbox = []
+
+    def _arm_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        wake_at = min((w.wait_until_us for w in self._waiting), default=0)
+        if wake_at:
+            delay = max(0.0, (wake_at - now_us()) / 1e6)
+            self._timer = asyncio.get_running_loop().call_later(delay, self._wake.set)
+
+    async def _cycle(self, inbox: list[Request]) -> None:
+        now = now_us()
+        batch = _Batch()
+        control: list[Request] = []
+        parked, self._waiting = self._waiting, []
+        for lease in parked:
+            if lease.future.done():
+                continue
+            if lease.wait_until_us <= now:
+                _answer(lease, LeaseResult(0, []))
+            else:
+                batch.leases.append(lease)
+        for request in inbox:
+            if request.future.done():
+                continue
+            if request.deadline_us and now >= request.deadline_us:
+                _answer(request, DeadlineExceeded("the request's deadline passed before it could be applied"))
+            elif isinstance(request, ProduceRequest):
+                batch.produces.append(request)
+            elif isinstance(request, LeaseRequest):
+                batch.leases.append(request)
+            elif isinstance(request, CompleteRequest | RetryRequest | ExtendRequest):
+                batch.acks.append(request)
+            elif isinstance(request, _Reconfigure | _Delete):
+                control.append(request)
+            else:
+                batch.others.append(request)
+
+        for request in control:
+            if isinstance(request, _Reconfigure):
+                await self._apply_config(request)
+        if len(batch):
+            await self._apply(batch, now)
+        for request in control:
+            if isinstance(request, _Delete):
+                self._apply_delete(request)
+
+    async def _apply(self, batch: _Batch, now: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._in_flight = len(batch)
+        try:
+            cycle = await loop.run_in_executor(self._executor, self._transaction, batch, now)
+        except StorageFull as exc:
+            self._fail_batch(batch, ResourceExhausted(str(exc)))
+            return
+        except StorageError as exc:
+            log.error("storage_failed", queue=self.name, error=str(exc))
+            self._fail_batch(batch, Unavailable(f"storage failed, retry later: {exc}"))
+            return
+        except Exception as exc:  # a bug must not kill the actor; the cycle is rolled back
+            log.exception("cycle_failed", queue=self.name, error=repr(exc))
+            self._fail_batch(batch, Unavailable("internal error while applying the request; it was not applied"))
+            return
+        finally:
+            self._in_flight = 0
+        for p, view in cycle.views.items():
+            self._views[p] = view
+        for entry in cycle.lease_deadlines:
+            heapq.heappush(self._lease_heap, entry)
+        for request, result in cycle.results:
+            _answer(request, result)
+        later = now_us()
+        for lease in cycle.unserved:
+            if lease.future.done():
+                continue
+            if lease.wait_until_us > later and self._closed is None:
+                self._waiting.append(lease)
+            else:
+                _answer(lease, LeaseResult(0, []))
+
+    def _transaction(self, batch: _Batch, now: int) -> Cycle:
+        def body(txn: lmdb.Transaction) -> Cycle:
+            cycle = Cycle(self.store, self.config, self._views, now)
+            for produce in batch.produces:
+                _guard(cycle, produce, lambda r=produce: cycle.produce(txn, r))
+            if batch.leases:
+                cycle.lease(txn, batch.leases)
+            for request in batch.acks:
+                _guard(cycle, request, lambda r=request: _ACK[type(r)](cycle, txn, r))
+            for request in batch.others:
+                _guard(cycle, request, lambda r=request: _OTHER[type(r)](cycle, txn, r))
+            cycle.fence_leases(txn, now_us())
+            cycle.finish(txn)
+            return cycle
+
+        return self.store.write(body)
+
+    def _fail_batch(self, batch: _Batch, error: QueratorError) -> None:
+        for request in batch.produces + batch.acks + batch.others:
+            _answer(request, error)
+        # Leases lost nothing: the ones still wanted keep waiting.
+        now = now_us()
+        for lease in batch.leases:
+            if lease.future.done():
+                continue
+            if lease.wait_until_us > now and self._closed is None:
+                self._waiting.append(lease)
+            else:
+                _answer(lease, error)
+
+    async def _apply_config(self, request: _Reconfigure) -> None:
+        config = request.config
+        if config.partitions > len(self._views):
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(self._executor, self.store.ensure_partitions, config.partitions)
+            except StorageError as exc:
+                _answer(request, Unavailable(f"storage failed, retry later: {exc}"))
+                return
+            self._views.extend(PartitionView() for _ in range(config.partitions - len(self._views)))
+        self.config = config
+        _answer(request, None)
+
+    def _apply_delete(self, request: _Delete) -> None:
+        if not request.force and self.holds_items():
+            _answer(request, FailedPrecondition(f"queue {self.name!r} still holds items; set force to delete it"))
+            return
+        self._closed = NotFound(f"queue {self.name!r} was deleted")
+        _answer(request, None)
+
+
+_ACK: dict[type, Callable[[Cycle, lmdb.Transaction, Any], None]] = {
+    CompleteRequest: Cycle.complete,
+    RetryRequest: Cycle.retry,
+    ExtendRequest: Cycle.extend,
+}
+
+_OTHER: dict[type, Callable[[Cycle, lmdb.Transaction, Any], None]] = {
+    ListItemsRequest: Cycle.list_items,
+    ImportItemsRequest: Cycle.import_items,
+    DeleteItemsRequest: Cycle.delete_items,
+    ClearRequest: Cycle.clear,
+}
+
+
+def _guard(cycle: Cycle, request: Request, apply: Callable[[], None]) -> None:
+    try:
+        apply()
+    except QueratorError as exc:
+        cycle.fail(request, exc)
+
+
+def _answer(request: Request, result: object) -> None:
+    future = request.future
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

@@ -1,0 +1,109 @@
+"""Requests that gRPC handlers hand to a logical queue, and what they get back.
+
+Each request carries an asyncio future that the actor resolves after the cycle that
+applied it has committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from ..model import ImportedItem, NewItem, RetryOrder
+from ..storage import Item
+
+
+@dataclass(slots=True)
+class LeasedItem:
+    item_id: str
+    item: Item
+
+
+@dataclass(slots=True)
+class StoredItem:
+    item_id: str
+    item: Item
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    future: asyncio.Future[object] = field(init=False, repr=False)
+    # Wall-clock deadline in µs after which applying the request is pointless; 0: none.
+    deadline_us: int = field(default=0, kw_only=True)
+
+
+@dataclass(eq=False, slots=True)
+class ProduceRequest(Request):
+    items: list[NewItem]
+
+
+@dataclass(eq=False, slots=True)
+class LeaseRequest(Request):
+    batch_size: int
+    client_id: str
+    # Until when to wait for items when none are ready (wall µs).
+    wait_until_us: int
+
+
+@dataclass(eq=False, slots=True)
+class CompleteRequest(Request):
+    partition: int
+    ids: list[str]
+
+
+@dataclass(eq=False, slots=True)
+class RetryRequest(Request):
+    partition: int
+    orders: list[RetryOrder]
+
+
+@dataclass(eq=False, slots=True)
+class ExtendRequest(Request):
+    partition: int
+    ids: list[str]
+    lease_timeout_us: int
+
+
+@dataclass(eq=False, slots=True)
+class ListItemsRequest(Request):
+    partition: int
+    limit: int
+    after: tuple[int, int]  # (seq, 0) for items, (due, seq) for scheduled ones
+    scheduled: bool
+
+
+@dataclass(eq=False, slots=True)
+class ImportItemsRequest(Request):
+    partition: int
+    items: list[ImportedItem]
+
+
+@dataclass(eq=False, slots=True)
+class DeleteItemsRequest(Request):
+    partition: int
+    ids: list[str]
+
+
+@dataclass(eq=False, slots=True)
+class ClearRequest(Request):
+    ready: bool
+    scheduled: bool
+    destructive: bool
+
+
+@dataclass(slots=True)
+class LeaseResult:
+    partition: int
+    items: list[LeasedItem]
+
+
+@dataclass(slots=True)
+class ProduceResult:
+    partition: int
+    ids: list[str]
+
+
+@dataclass(slots=True)
+class PageResult:
+    items: list[StoredItem]
+    next_after: tuple[int, int] | None

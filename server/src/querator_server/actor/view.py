@@ -1,0 +1,57 @@
+"""The actor's in-memory view of one partition: exact counts, never estimates.
+
+Rebuilt from storage at start; afterwards changed only by committed cycles. A cycle
+works on copies and the actor swaps them in after the commit, so a failed or retried
+transaction leaves the view untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..storage import PartitionScan
+
+
+@dataclass(slots=True)
+class PartitionView:
+    ready: int = 0
+    leased: int = 0
+    scheduled: int = 0
+    # Sums of created_at (ready + leased) and leased_at (leased), for average ages.
+    created_sum: int = 0
+    leased_at_sum: int = 0
+    next_seq: int = 1
+    # No ready item has a seq below this: the lease scan starts here, so leased items
+    # ahead of the ready ones cost nothing.
+    ready_hint: int = 1
+    seq_dirty: bool = False
+
+    @classmethod
+    def from_scan(cls, scan: PartitionScan) -> PartitionView:
+        return cls(
+            ready=scan.ready,
+            leased=scan.leased,
+            scheduled=scan.scheduled,
+            created_sum=scan.created_sum,
+            leased_at_sum=scan.leased_at_sum,
+            next_seq=scan.next_seq,
+            ready_hint=scan.first_ready_seq,
+        )
+
+    def copy(self) -> PartitionView:
+        return PartitionView(
+            self.ready,
+            self.leased,
+            self.scheduled,
+            self.created_sum,
+            self.leased_at_sum,
+            self.next_seq,
+            self.ready_hint,
+            self.seq_dirty,
+        )
+
+    def take_seq(self) -> int:
+        seq = self.next_seq
+        self.next_seq += 1
+        self.seq_dirty = True
+        return seq

@@ -1,0 +1,48 @@
+"""``querator serve``: run the server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from . import logging as qlogging
+from .config import DEFAULT_ADDRESS, DEFAULT_DATA_DIR, ServerConfig
+from .server import serve
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--address",
+        help=f"host:port to listen on (env QUERATOR_ADDRESS, default {DEFAULT_ADDRESS})",
+    )
+    parser.add_argument(
+        "--data-dir",
+        help=f"directory holding the LMDB data (env QUERATOR_DATA_DIR, default {DEFAULT_DATA_DIR})",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="log level (env QUERATOR_LOG_LEVEL, default info)",
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    config = ServerConfig.from_env(address=args.address, data_dir=args.data_dir, log_level=args.log_level)
+    qlogging.configure(config.log_level)
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        print(f"querator: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="querator serve", description="Run the Querator server.")
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

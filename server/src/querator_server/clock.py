@@ -1,0 +1,19 @@
+"""Wall-clock time in integer microseconds since the Unix epoch.
+
+Every stored instant (deadlines, created_at, due times) uses this unit, so
+comparisons and keys are plain integers.
+"""
+
+from __future__ import annotations
+
+import time
+
+MICROS = 1_000_000
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+def seconds_to_us(seconds: float) -> int:
+    return int(seconds * MICROS)

@@ -1,0 +1,36 @@
+"""Server settings: command-line flags with environment-variable twins."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .model import MAX_REQUEST_BYTES
+
+DEFAULT_ADDRESS = "127.0.0.1:2319"
+DEFAULT_DATA_DIR = "./querator-data"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    address: str = DEFAULT_ADDRESS
+    data_dir: str = DEFAULT_DATA_DIR
+    log_level: str = "info"
+    # Headroom over the 5 MB request limit so an oversized request is answered
+    # RESOURCE_EXHAUSTED by us, with a message, rather than cut off by the transport.
+    max_receive_bytes: int = MAX_REQUEST_BYTES + (4 << 20)
+    # Commit with fsync. Off only for throw-away data (tests, benchmarks of the CPU path).
+    sync: bool = True
+    max_inbox: int = 10_000
+    shutdown_grace_s: float = 10.0
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> ServerConfig:
+        env = os.environ
+        values: dict[str, object] = {
+            "address": env.get("QUERATOR_ADDRESS", DEFAULT_ADDRESS),
+            "data_dir": env.get("QUERATOR_DATA_DIR", DEFAULT_DATA_DIR),
+            "log_level": env.get("QUERATOR_LOG_LEVEL", "info"),
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]

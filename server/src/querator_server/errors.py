@@ -1,0 +1,71 @@
+"""Domain errors raised by the manager, the actors and validation.
+
+They carry no gRPC types; ``grpc_api.status`` maps each class to a status code::
+
+    QueratorError
+     ├── InvalidArgument      bad input, with one (field, description) pair per problem
+     ├── NotFound             no such queue, or an id that does not exist
+     ├── AlreadyExists        the queue name is taken
+     ├── FailedPrecondition   the state forbids it (not leased, DLQ in use, ...)
+     ├── ResourceExhausted    overloaded or request too big
+     ├── Unavailable          shutting down or storage failing; safe to retry
+     └── DeadlineExceeded     the caller's deadline passed first
+"""
+
+from __future__ import annotations
+
+_MAX_QUOTE = 128
+
+
+def quote(value: object, limit: int = _MAX_QUOTE) -> str:
+    """Return ``repr(value)`` cut to ``limit`` characters.
+
+    Error messages travel in gRPC trailers, which the client caps at 16 KB: a quoted
+    10 KB id would otherwise turn the answer into a different status.
+    """
+    text = repr(value)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text
+
+
+class QueratorError(Exception):
+    """Base class of every error the server reports to a caller."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(QueratorError):
+    """The request is malformed; ``violations`` lists (field, description) pairs."""
+
+    def __init__(self, violations: list[tuple[str, str]] | str, description: str = "") -> None:
+        if isinstance(violations, str):
+            violations = [(violations, description)]
+        self.violations = violations
+        super().__init__("; ".join(f"{field}: {desc}" for field, desc in violations))
+
+
+class NotFound(QueratorError):
+    """The queue or item does not exist."""
+
+
+class AlreadyExists(QueratorError):
+    """The queue already exists."""
+
+
+class FailedPrecondition(QueratorError):
+    """The current state forbids the operation."""
+
+
+class ResourceExhausted(QueratorError):
+    """The server is overloaded or the request is too big."""
+
+
+class Unavailable(QueratorError):
+    """The server is shutting down or storage is failing; the caller may retry."""
+
+
+class DeadlineExceeded(QueratorError):
+    """The caller's deadline passed before the work was done."""

@@ -1,0 +1,137 @@
+"""Protobuf values to domain values and back, with the contract's validation."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import zlib
+from collections.abc import Sequence
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from ..clock import now_us
+from ..errors import InvalidArgument, quote
+from ..model import (
+    DEFAULT_PAGE_SIZE,
+    MAX_BATCH,
+    MAX_PAGE_SIZE,
+    MAX_QUEUE_NAME,
+)
+
+# 0001-01-01 .. 9999-12-31 as protobuf allows; we also refuse times before 1970.
+_MAX_SECONDS = 253_402_300_799
+
+
+def queue_name(value: str, field: str = "queue_name") -> str:
+    if not value:
+        raise InvalidArgument(field, "is required")
+    if len(value) > MAX_QUEUE_NAME:
+        raise InvalidArgument(field, f"must be at most {MAX_QUEUE_NAME} characters, got {len(value)}")
+    for ch in value:
+        if ch.isspace():
+            raise InvalidArgument(field, f"must not contain whitespace: {quote(value)}")
+        if ch in "~/":
+            raise InvalidArgument(field, f"must not contain {ch!r}: {quote(value)}")
+        if not ch.isprintable():
+            raise InvalidArgument(field, f"must not contain control characters: {quote(value)}")
+    return value
+
+
+def timestamp_us(ts: timestamp_pb2.Timestamp, field: str) -> int:
+    if not 0 <= ts.seconds <= _MAX_SECONDS or not 0 <= ts.nanos <= 999_999_999:
+        raise InvalidArgument(field, "must be a valid time between 1970 and 9999")
+    return ts.seconds * 1_000_000 + ts.nanos // 1000
+
+
+def optional_timestamp_us(msg: object, name: str, field: str) -> int:
+    if not msg.HasField(name):  # type: ignore[attr-defined]
+        return 0
+    return timestamp_us(getattr(msg, name), field)
+
+
+def duration_us(d: duration_pb2.Duration, field: str, *, maximum_us: int | None = None) -> int:
+    if d.seconds < 0 or d.nanos < 0 or d.nanos > 999_999_999:
+        raise InvalidArgument(field, "must not be negative")
+    if d.seconds > _MAX_SECONDS:
+        raise InvalidArgument(field, "is too long")
+    value = d.seconds * 1_000_000 + d.nanos // 1000
+    if maximum_us is not None and value > maximum_us:
+        raise InvalidArgument(field, f"must be at most {maximum_us // 1_000_000} seconds")
+    return value
+
+
+def optional_duration_us(msg: object, name: str, field: str, *, maximum_us: int | None = None) -> int:
+    if not msg.HasField(name):  # type: ignore[attr-defined]
+        return 0
+    return duration_us(getattr(msg, name), field, maximum_us=maximum_us)
+
+
+def to_timestamp(us: int) -> timestamp_pb2.Timestamp:
+    return timestamp_pb2.Timestamp(seconds=us // 1_000_000, nanos=(us % 1_000_000) * 1000)
+
+
+def to_duration(us: int) -> duration_pb2.Duration:
+    return duration_pb2.Duration(seconds=us // 1_000_000, nanos=(us % 1_000_000) * 1000)
+
+
+def count(values: Sequence[object], field: str, *, noun: str = "items") -> None:
+    if not values:
+        raise InvalidArgument(field, f"must hold at least one of the {noun}")
+    if len(values) > MAX_BATCH:
+        raise InvalidArgument(field, f"must hold at most {MAX_BATCH} {noun}, got {len(values)}")
+
+
+def ids(values: Sequence[str], field: str = "ids") -> list[str]:
+    count(values, field, noun="ids")
+    seen: set[str] = set()
+    for index, value in enumerate(values):
+        if not value:
+            raise InvalidArgument(f"{field}[{index}]", "must not be empty")
+        if value in seen:
+            raise InvalidArgument(f"{field}[{index}]", f"repeats id {quote(value)}")
+        seen.add(value)
+    return list(values)
+
+
+def partition(value: int, partitions: int, field: str = "partition") -> int:
+    if not 0 <= value < partitions:
+        raise InvalidArgument(field, f"must be between 0 and {partitions - 1}, got {value}")
+    return value
+
+
+def page_size(value: int, field: str = "page_size") -> int:
+    if value < 0:
+        raise InvalidArgument(field, "must not be negative")
+    if value == 0:
+        return DEFAULT_PAGE_SIZE
+    return min(value, MAX_PAGE_SIZE)
+
+
+# -- page tokens: opaque, checksummed, bound to what they page over -----------------
+
+_TOKEN_FORMAT = 1
+
+
+def encode_token(kind: bytes, payload: bytes) -> str:
+    data = bytes([_TOKEN_FORMAT]) + kind + payload
+    data += struct.pack(">I", zlib.crc32(data))
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def decode_token(token: str, kind: bytes, field: str = "page_token") -> bytes:
+    try:
+        data = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+    except (ValueError, TypeError):
+        data = b""
+    body, check = data[:-4], data[-4:]
+    if (
+        len(data) < 6
+        or struct.pack(">I", zlib.crc32(body)) != check
+        or body[0] != _TOKEN_FORMAT
+        or body[1 : 1 + len(kind)] != kind
+    ):
+        raise InvalidArgument(field, "is not a page token this server issued for this listing")
+    return body[1 + len(kind) :]
+
+
+__all__ = ["now_us"]

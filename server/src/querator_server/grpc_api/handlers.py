@@ -1,0 +1,100 @@
+"""Registering services with our own deserializers and one error boundary.
+
+Stock grpcio answers INTERNAL when request bytes do not parse; our deserializer
+returns a marker instead, and the wrapper answers INVALID_ARGUMENT (or
+RESOURCE_EXHAUSTED for an oversized request). Every domain error becomes a status
+here, and each one is logged once with its queue name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf.message import DecodeError, Message
+
+from ..errors import QueratorError, ResourceExhausted, Unavailable
+from ..model import MAX_REQUEST_BYTES
+from .status import invalid_argument_status, status_code, to_status
+
+log = structlog.get_logger("querator.rpc")
+
+Behavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]]
+
+
+class _Malformed:
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class _TooLarge:
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+def _deserializer(message_type: type[Message], max_bytes: int) -> Callable[[bytes], object]:
+    parse = message_type.FromString
+
+    def deserialize(data: bytes) -> object:
+        if len(data) > max_bytes:
+            return _TooLarge(len(data))
+        try:
+            return parse(data)
+        except (DecodeError, UnicodeDecodeError, ValueError) as exc:
+            return _Malformed(str(exc) or "undecodable bytes")
+
+    return deserialize
+
+
+def _wrap(service: str, method: str, behavior: Behavior) -> Behavior:
+    full = f"/{service}/{method}"
+
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Message:
+        if isinstance(request, _Malformed):
+            status = invalid_argument_status(f"the request is not a valid {method}Request: {request.reason}")
+            log.info("rpc_error", method=full, code="INVALID_ARGUMENT", message=status.details)
+            await context.abort(status.code, status.details, status.trailing_metadata)
+        if isinstance(request, _TooLarge):
+            error = ResourceExhausted(
+                f"the request is {request.size} bytes; at most {MAX_REQUEST_BYTES} bytes are accepted"
+            )
+            await _abort(context, full, "", error)
+        try:
+            return await behavior(request, context)
+        except QueratorError as error:
+            await _abort(context, full, getattr(request, "queue_name", ""), error)
+            raise  # unreachable: abort raises
+
+    return handler
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, queue: str, error: QueratorError) -> None:
+    status = to_status(error)
+    code = status_code(error)
+    log_event = log.warning if isinstance(error, Unavailable) else log.info
+    log_event("rpc_error", method=method, queue=queue[:200], code=code.name, message=status.details)
+    await context.abort(status.code, status.details, status.trailing_metadata)
+
+
+def generic_handler(
+    service: str,
+    methods: dict[str, tuple[Behavior, type[Message], type[Message]]],
+    *,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+) -> grpc.GenericRpcHandler:
+    """A handler for ``service`` whose methods map name -> (behavior, request, response)."""
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            _wrap(service, name, behavior),
+            request_deserializer=_deserializer(request_type, max_request_bytes),
+            response_serializer=response_type.SerializeToString,
+        )
+        for name, (behavior, request_type, response_type) in methods.items()
+    }
+    return grpc.method_handlers_generic_handler(service, handlers)

@@ -1,0 +1,144 @@
+"""querator.v1.QueueService: Produce, Lease, Complete, Retry, Extend."""
+
+from __future__ import annotations
+
+import grpc
+from querator.v1 import queue_pb2 as pb
+
+from .. import actor as a
+from ..clock import now_us
+from ..errors import InvalidArgument
+from ..manager import QueuesManager
+from ..model import DEFAULT_WAIT_US, MAX_WAIT_US, NewItem, RetryOrder
+from . import convert as c
+from .handlers import generic_handler
+
+SERVICE = "querator.v1.QueueService"
+
+# How long before the caller's deadline a waiting Lease answers (empty), so callers
+# see OK rather than DEADLINE_EXCEEDED.
+_ANSWER_MARGIN_US = 100_000
+
+
+def _call_deadline_us(context: grpc.aio.ServicerContext, now: int) -> int:
+    remaining = context.time_remaining()
+    return 0 if remaining is None else now + int(remaining * 1_000_000)
+
+
+def _request_deadline_us(request: object, context: grpc.aio.ServicerContext, now: int) -> int:
+    timeout = c.optional_duration_us(request, "request_timeout", "request_timeout", maximum_us=MAX_WAIT_US)
+    call = _call_deadline_us(context, now)
+    own = now + timeout if timeout else 0
+    return min(d for d in (own, call) if d) if (own or call) else 0
+
+
+class QueueService:
+    def __init__(self, manager: QueuesManager) -> None:
+        self.manager = manager
+
+    async def produce(self, request: pb.ProduceRequest, context: grpc.aio.ServicerContext) -> pb.ProduceResponse:
+        name = c.queue_name(request.queue_name)
+        c.count(request.items, "items")
+        now = now_us()
+        deadline = _request_deadline_us(request, context, now)
+        items: list[NewItem] = []
+        for index, item in enumerate(request.items):
+            items.append(
+                NewItem(
+                    payload=item.payload or item.utf8.encode(),
+                    encoding=item.encoding,
+                    kind=item.kind,
+                    reference=item.reference,
+                    enqueue_at_us=c.optional_timestamp_us(item, "enqueue_at", f"items[{index}].enqueue_at"),
+                )
+            )
+        result: a.ProduceResult = await self.manager.actor(name).submit(
+            a.ProduceRequest(items, deadline_us=deadline)
+        )
+        return pb.ProduceResponse(partition=result.partition, ids=result.ids)
+
+    async def lease(self, request: pb.LeaseRequest, context: grpc.aio.ServicerContext) -> pb.LeaseResponse:
+        name = c.queue_name(request.queue_name)
+        if not 1 <= request.batch_size <= 1000:
+            raise InvalidArgument("batch_size", f"must be between 1 and 1000, got {request.batch_size}")
+        wait = c.optional_duration_us(request, "request_timeout", "request_timeout", maximum_us=MAX_WAIT_US)
+        now = now_us()
+        call_deadline = _call_deadline_us(context, now)
+        if not wait:
+            wait = min(call_deadline - now, MAX_WAIT_US) if call_deadline else DEFAULT_WAIT_US
+        wait_until = now + wait
+        if call_deadline:
+            margin = min(_ANSWER_MARGIN_US, (call_deadline - now) // 10)
+            wait_until = min(wait_until, call_deadline - margin)
+        result: a.LeaseResult = await self.manager.actor(name).submit(
+            a.LeaseRequest(request.batch_size, request.client_id, wait_until, deadline_us=call_deadline)
+        )
+        ts = c.to_timestamp
+        return pb.LeaseResponse(
+            queue_name=name,
+            partition=result.partition,
+            items=[
+                pb.LeaseItem(
+                    id=leased.item_id,
+                    encoding=leased.item.encoding,
+                    kind=leased.item.kind,
+                    reference=leased.item.reference,
+                    payload=leased.item.payload,
+                    attempts=leased.item.attempts,
+                    lease_deadline=ts(leased.item.lease_deadline),
+                    created_at=ts(leased.item.created_at),
+                )
+                for leased in result.items
+            ],
+        )
+
+    def _partition(self, name: str, partition: int) -> int:
+        return c.partition(partition, self.manager.get(name).partitions)
+
+    async def complete(self, request: pb.CompleteRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
+        name = c.queue_name(request.queue_name)
+        ids = c.ids(request.ids)
+        partition = self._partition(name, request.partition)
+        deadline = _request_deadline_us(request, context, now_us())
+        await self.manager.actor(name).submit(a.CompleteRequest(partition, ids, deadline_us=deadline))
+        return pb.CompleteResponse()
+
+    async def retry(self, request: pb.RetryRequest, context: grpc.aio.ServicerContext) -> pb.RetryResponse:
+        name = c.queue_name(request.queue_name)
+        c.count(request.items, "items")
+        c.ids([item.id for item in request.items], "items.id")
+        partition = self._partition(name, request.partition)
+        orders = [
+            RetryOrder(
+                item_id=item.id,
+                retry_at_us=c.optional_timestamp_us(item, "retry_at", f"items[{index}].retry_at"),
+                dead=item.dead,
+            )
+            for index, item in enumerate(request.items)
+        ]
+        deadline = _request_deadline_us(request, context, now_us())
+        await self.manager.actor(name).submit(a.RetryRequest(partition, orders, deadline_us=deadline))
+        return pb.RetryResponse()
+
+    async def extend(self, request: pb.ExtendRequest, context: grpc.aio.ServicerContext) -> pb.ExtendResponse:
+        name = c.queue_name(request.queue_name)
+        ids = c.ids(request.ids)
+        partition = self._partition(name, request.partition)
+        lease_timeout = c.optional_duration_us(request, "lease_timeout", "lease_timeout")
+        deadline = _request_deadline_us(request, context, now_us())
+        deadlines: list[int] = await self.manager.actor(name).submit(
+            a.ExtendRequest(partition, ids, lease_timeout, deadline_us=deadline)
+        )
+        return pb.ExtendResponse(lease_deadlines=[c.to_timestamp(d) for d in deadlines])
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return generic_handler(
+            SERVICE,
+            {
+                "Produce": (self.produce, pb.ProduceRequest, pb.ProduceResponse),
+                "Lease": (self.lease, pb.LeaseRequest, pb.LeaseResponse),
+                "Complete": (self.complete, pb.CompleteRequest, pb.CompleteResponse),
+                "Retry": (self.retry, pb.RetryRequest, pb.RetryResponse),
+                "Extend": (self.extend, pb.ExtendRequest, pb.ExtendResponse),
+            },
+        )

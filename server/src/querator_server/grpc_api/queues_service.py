@@ -1,0 +1,184 @@
+"""querator.v1.QueuesService: create, get, list, update, delete, clear, stats."""
+
+from __future__ import annotations
+
+import grpc
+from querator.v1 import queues_pb2 as pb
+
+from .. import actor as a
+from ..errors import InvalidArgument
+from ..manager import QueuesManager
+from ..model import (
+    DEFAULT_EXPIRE_TIMEOUT_US,
+    DEFAULT_LEASE_TIMEOUT_US,
+    MAX_ATTEMPTS_LIMIT,
+    MAX_PARTITIONS,
+    QueueConfig,
+)
+from . import convert as c
+from .handlers import generic_handler
+
+SERVICE = "querator.v1.QueuesService"
+
+_UPDATABLE = {
+    "dead_queue",
+    "reference",
+    "lease_timeout",
+    "expire_timeout",
+    "max_attempts",
+    "requested_partitions",
+}
+_IMMUTABLE = {"queue_name", "created_at", "updated_at"}
+
+
+def queue_info(config: QueueConfig) -> pb.QueueInfo:
+    return pb.QueueInfo(
+        queue_name=config.name,
+        dead_queue=config.dead_queue,
+        reference=config.reference,
+        lease_timeout=c.to_duration(config.lease_timeout_us),
+        expire_timeout=c.to_duration(config.expire_timeout_us),
+        max_attempts=config.max_attempts,
+        requested_partitions=config.partitions,
+        created_at=c.to_timestamp(config.created_at_us),
+        updated_at=c.to_timestamp(config.updated_at_us),
+    )
+
+
+def _settings(info: pb.QueueInfo, fields: set[str]) -> dict[str, object]:
+    """The validated values of ``fields`` from ``info`` as QueueConfig keyword arguments."""
+    out: dict[str, object] = {}
+    if "dead_queue" in fields:
+        out["dead_queue"] = c.queue_name(info.dead_queue, "queue.dead_queue") if info.dead_queue else ""
+    if "reference" in fields:
+        out["reference"] = info.reference
+    if "lease_timeout" in fields:
+        value = c.optional_duration_us(info, "lease_timeout", "queue.lease_timeout")
+        out["lease_timeout_us"] = value or DEFAULT_LEASE_TIMEOUT_US
+    if "expire_timeout" in fields:
+        value = c.optional_duration_us(info, "expire_timeout", "queue.expire_timeout")
+        out["expire_timeout_us"] = value or DEFAULT_EXPIRE_TIMEOUT_US
+    if "max_attempts" in fields:
+        if not 0 <= info.max_attempts <= MAX_ATTEMPTS_LIMIT:
+            raise InvalidArgument(
+                "queue.max_attempts", f"must be between 0 and {MAX_ATTEMPTS_LIMIT}, got {info.max_attempts}"
+            )
+        out["max_attempts"] = info.max_attempts
+    if "requested_partitions" in fields:
+        parts = info.requested_partitions
+        if parts < 0 or parts > MAX_PARTITIONS:
+            raise InvalidArgument(
+                "queue.requested_partitions", f"must be between 1 and {MAX_PARTITIONS}, got {parts}"
+            )
+        out["partitions"] = parts or 1
+    return out
+
+
+class QueuesService:
+    def __init__(self, manager: QueuesManager) -> None:
+        self.manager = manager
+
+    async def create_queue(
+        self, request: pb.CreateQueueRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CreateQueueResponse:
+        if not request.HasField("queue"):
+            raise InvalidArgument("queue", "is required")
+        info = request.queue
+        name = c.queue_name(info.queue_name, "queue.queue_name")
+        config = QueueConfig(name=name).replace(**_settings(info, _UPDATABLE))
+        if config.lease_timeout_us > config.expire_timeout_us:
+            raise InvalidArgument("queue.lease_timeout", "must not be longer than expire_timeout")
+        created = await self.manager.create(config)
+        return pb.CreateQueueResponse(queue=queue_info(created))
+
+    async def get_queue(self, request: pb.GetQueueRequest, context: grpc.aio.ServicerContext) -> pb.GetQueueResponse:
+        return pb.GetQueueResponse(queue=queue_info(self.manager.get(c.queue_name(request.queue_name))))
+
+    async def list_queues(
+        self, request: pb.ListQueuesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListQueuesResponse:
+        limit = c.page_size(request.page_size)
+        after = ""
+        if request.page_token:
+            try:
+                after = c.decode_token(request.page_token, b"Q").decode()
+            except UnicodeDecodeError:
+                raise InvalidArgument("page_token", "is not a page token this server issued") from None
+        configs, more = self.manager.list(after, limit)
+        token = c.encode_token(b"Q", configs[-1].name.encode()) if more and configs else ""
+        return pb.ListQueuesResponse(queues=[queue_info(q) for q in configs], next_page_token=token)
+
+    async def update_queue(
+        self, request: pb.UpdateQueueRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateQueueResponse:
+        if not request.HasField("queue"):
+            raise InvalidArgument("queue", "is required")
+        name = c.queue_name(request.queue.queue_name, "queue.queue_name")
+        paths = [p.removeprefix("queue.") for p in request.update_mask.paths]
+        if not paths:
+            raise InvalidArgument("update_mask", "must name at least one field to change")
+        for index, path in enumerate(paths):
+            if path in _IMMUTABLE:
+                raise InvalidArgument(f"update_mask.paths[{index}]", f"{path} cannot be changed")
+            if path not in _UPDATABLE:
+                raise InvalidArgument(
+                    f"update_mask.paths[{index}]",
+                    f"unknown field {path[:100]!r}; one of {', '.join(sorted(_UPDATABLE))}",
+                )
+        changes = _settings(request.queue, set(paths))
+        updated = await self.manager.update(name, changes)
+        return pb.UpdateQueueResponse(queue=queue_info(updated))
+
+    async def delete_queue(
+        self, request: pb.DeleteQueueRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteQueueResponse:
+        await self.manager.delete(c.queue_name(request.queue_name), request.force)
+        return pb.DeleteQueueResponse()
+
+    async def clear_queue(
+        self, request: pb.ClearQueueRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ClearQueueResponse:
+        name = c.queue_name(request.queue_name)
+        if not request.queue and not request.scheduled:
+            raise InvalidArgument("queue", "set queue, scheduled or both to say which items to clear")
+        await self.manager.actor(name).submit(
+            a.ClearRequest(ready=request.queue, scheduled=request.scheduled, destructive=request.destructive)
+        )
+        return pb.ClearQueueResponse()
+
+    async def get_queue_stats(
+        self, request: pb.GetQueueStatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetQueueStatsResponse:
+        name = c.queue_name(request.queue_name)
+        stats = self.manager.actor(name).stats()
+        return pb.GetQueueStatsResponse(
+            queue_name=name,
+            partitions=[
+                pb.PartitionStats(
+                    partition=s.partition,
+                    total=s.total,
+                    total_leased=s.total_leased,
+                    scheduled=s.scheduled,
+                    average_age=c.to_duration(s.average_age_us),
+                    average_leased_age=c.to_duration(s.average_leased_age_us),
+                )
+                for s in stats.partitions
+            ],
+            lease_waiting=stats.lease_waiting,
+            produce_waiting=stats.produce_waiting,
+            in_flight=stats.in_flight,
+        )
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return generic_handler(
+            SERVICE,
+            {
+                "CreateQueue": (self.create_queue, pb.CreateQueueRequest, pb.CreateQueueResponse),
+                "GetQueue": (self.get_queue, pb.GetQueueRequest, pb.GetQueueResponse),
+                "ListQueues": (self.list_queues, pb.ListQueuesRequest, pb.ListQueuesResponse),
+                "UpdateQueue": (self.update_queue, pb.UpdateQueueRequest, pb.UpdateQueueResponse),
+                "DeleteQueue": (self.delete_queue, pb.DeleteQueueRequest, pb.DeleteQueueResponse),
+                "ClearQueue": (self.clear_queue, pb.ClearQueueRequest, pb.ClearQueueResponse),
+                "GetQueueStats": (self.get_queue_stats, pb.GetQueueStatsRequest, pb.GetQueueStatsResponse),
+            },
+        )

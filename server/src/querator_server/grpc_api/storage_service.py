@@ -1,0 +1,137 @@
+"""querator.v1.StorageService: list, import and delete stored items."""
+
+from __future__ import annotations
+
+import struct
+
+import grpc
+from querator.v1 import storage_pb2 as pb
+
+from .. import actor as a
+from ..errors import InvalidArgument
+from ..manager import QueuesManager
+from ..model import ImportedItem
+from . import convert as c
+from .handlers import generic_handler
+
+SERVICE = "querator.v1.StorageService"
+
+_CURSOR = struct.Struct(">QIQQ")  # queue uid, partition, then (seq, 0) or (due, seq)
+
+
+def storage_item(stored: a.StoredItem) -> pb.StorageItem:
+    item = stored.item
+    ts = c.to_timestamp
+    out = pb.StorageItem(
+        id=stored.item_id,
+        is_leased=item.is_leased,
+        expire_deadline=ts(item.expire_deadline),
+        created_at=ts(item.created_at),
+        attempts=item.attempts,
+        reference=item.reference,
+        encoding=item.encoding,
+        kind=item.kind,
+        payload=item.payload,
+        source_id=item.source_id,
+    )
+    if item.is_leased:
+        out.lease_deadline.CopyFrom(ts(item.lease_deadline))
+    if item.enqueue_at:
+        out.enqueue_at.CopyFrom(ts(item.enqueue_at))
+    return out
+
+
+class StorageService:
+    def __init__(self, manager: QueuesManager) -> None:
+        self.manager = manager
+
+    async def _list(
+        self,
+        request: pb.ListItemsRequest | pb.ListScheduledItemsRequest,
+        *,
+        scheduled: bool,
+    ) -> tuple[list[pb.StorageItem], str]:
+        name = c.queue_name(request.queue_name)
+        config = self.manager.get(name)
+        partition = c.partition(request.partition, config.partitions)
+        limit = c.page_size(request.page_size)
+        kind = b"S" if scheduled else b"I"
+        after = (0, -1) if scheduled else (0, 0)
+        if request.page_token:
+            raw = c.decode_token(request.page_token, kind)
+            if len(raw) != _CURSOR.size:
+                raise InvalidArgument("page_token", "is not a page token this server issued")
+            uid, token_partition, first, second = _CURSOR.unpack(raw)
+            if uid != config.uid or token_partition != partition:
+                raise InvalidArgument("page_token", "was issued for another queue or partition")
+            after = (first, second)
+        page: a.PageResult = await self.manager.actor(name).submit(
+            a.ListItemsRequest(partition, limit, after, scheduled)
+        )
+        token = ""
+        if page.next_after is not None:
+            token = c.encode_token(kind, _CURSOR.pack(config.uid, partition, *page.next_after))
+        return [storage_item(s) for s in page.items], token
+
+    async def list_items(self, request: pb.ListItemsRequest, context: grpc.aio.ServicerContext) -> pb.ListItemsResponse:
+        items, token = await self._list(request, scheduled=False)
+        return pb.ListItemsResponse(items=items, next_page_token=token)
+
+    async def list_scheduled_items(
+        self, request: pb.ListScheduledItemsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListScheduledItemsResponse:
+        items, token = await self._list(request, scheduled=True)
+        return pb.ListScheduledItemsResponse(items=items, next_page_token=token)
+
+    async def import_items(
+        self, request: pb.ImportItemsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ImportItemsResponse:
+        name = c.queue_name(request.queue_name)
+        partition = c.partition(request.partition, self.manager.get(name).partitions)
+        c.count(request.items, "items")
+        items: list[ImportedItem] = []
+        for index, item in enumerate(request.items):
+            field = f"items[{index}]"
+            if item.attempts < 0:
+                raise InvalidArgument(f"{field}.attempts", "must not be negative")
+            items.append(
+                ImportedItem(
+                    payload=item.payload,
+                    encoding=item.encoding,
+                    kind=item.kind,
+                    reference=item.reference,
+                    is_leased=item.is_leased,
+                    lease_deadline_us=c.optional_timestamp_us(item, "lease_deadline", f"{field}.lease_deadline"),
+                    expire_deadline_us=c.optional_timestamp_us(item, "expire_deadline", f"{field}.expire_deadline"),
+                    enqueue_at_us=c.optional_timestamp_us(item, "enqueue_at", f"{field}.enqueue_at"),
+                    created_at_us=c.optional_timestamp_us(item, "created_at", f"{field}.created_at"),
+                    attempts=item.attempts,
+                    source_id=item.source_id,
+                )
+            )
+        ids: list[str] = await self.manager.actor(name).submit(a.ImportItemsRequest(partition, items))
+        return pb.ImportItemsResponse(ids=ids)
+
+    async def delete_items(
+        self, request: pb.DeleteItemsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteItemsResponse:
+        name = c.queue_name(request.queue_name)
+        partition = c.partition(request.partition, self.manager.get(name).partitions)
+        ids = c.ids(request.ids)
+        await self.manager.actor(name).submit(a.DeleteItemsRequest(partition, ids))
+        return pb.DeleteItemsResponse()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return generic_handler(
+            SERVICE,
+            {
+                "ListItems": (self.list_items, pb.ListItemsRequest, pb.ListItemsResponse),
+                "ListScheduledItems": (
+                    self.list_scheduled_items,
+                    pb.ListScheduledItemsRequest,
+                    pb.ListScheduledItemsResponse,
+                ),
+                "ImportItems": (self.import_items, pb.ImportItemsRequest, pb.ImportItemsResponse),
+                "DeleteItems": (self.delete_items, pb.DeleteItemsRequest, pb.DeleteItemsResponse),
+            },
+        )

@@ -1,0 +1,223 @@
+"""The queues manager: the catalog of queues and one running actor per queue.
+
+Admin changes (create, update, delete) are serialised by one lock and written to the
+catalog before they take effect, so a crash never leaves an actor the catalog does
+not know, and a queue the catalog knows always gets its actor back at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import os
+import shutil
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+
+from .actor import LogicalQueue
+from .clock import now_us
+from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from .model import QueueConfig
+from .storage import Catalog, QueueStore
+from .storage.queue_store import DEFAULT_MAP_SIZE
+
+log = structlog.get_logger("querator.manager")
+
+
+class QueuesManager:
+    """Owns the catalog and the logical queues."""
+
+    def __init__(
+        self,
+        data_dir: str,
+        *,
+        map_size: int = DEFAULT_MAP_SIZE,
+        sync: bool = True,
+        max_inbox: int = 10_000,
+        workers: int = 8,
+    ) -> None:
+        self.data_dir = os.path.abspath(data_dir)
+        self._map_size = map_size
+        self._sync = sync
+        self._max_inbox = max_inbox
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="querator-storage")
+        self._catalog: Catalog | None = None
+        self._configs: dict[str, QueueConfig] = {}
+        self._names: list[str] = []
+        self._actors: dict[str, LogicalQueue] = {}
+        self._lock = asyncio.Lock()
+        self._closing = False
+
+    # -- start and stop --------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        self._catalog = await loop.run_in_executor(
+            self._executor, lambda: Catalog(os.path.join(self.data_dir, "catalog"), sync=self._sync)
+        )
+        configs = await loop.run_in_executor(self._executor, self._catalog.load)
+        for config in configs:
+            self._configs[config.name] = config
+            self._actors[config.name] = await self._start_actor(config)
+        self._names = sorted(self._configs)
+        await loop.run_in_executor(self._executor, self._remove_orphans)
+        log.info("queues_loaded", queues=len(self._configs), data_dir=self.data_dir)
+
+    def _queue_path(self, uid: int) -> str:
+        return os.path.join(self.data_dir, "queues", str(uid))
+
+    def _remove_orphans(self) -> None:
+        """Delete storage left behind by a queue deletion that a crash interrupted."""
+        root = os.path.join(self.data_dir, "queues")
+        if not os.path.isdir(root):
+            return
+        live = {str(c.uid) for c in self._configs.values()}
+        for entry in os.listdir(root):
+            if entry.isdigit() and entry not in live:
+                shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+
+    async def _start_actor(self, config: QueueConfig) -> LogicalQueue:
+        loop = asyncio.get_running_loop()
+        store = await loop.run_in_executor(
+            self._executor,
+            lambda: QueueStore(
+                self._queue_path(config.uid), config.partitions, map_size=self._map_size, sync=self._sync
+            ),
+        )
+        actor = LogicalQueue(config, store, self._executor, max_inbox=self._max_inbox)
+        await actor.start()
+        return actor
+
+    async def stop(self) -> None:
+        """Drain every actor, then close storage."""
+        self._closing = True
+        async with self._lock:
+            await asyncio.gather(*(actor.stop() for actor in self._actors.values()))
+            self._actors.clear()
+            if self._catalog is not None:
+                self._catalog.close()
+                self._catalog = None
+        self._executor.shutdown(wait=True)
+
+    # -- lookups ------------------------------------------------------------------------
+
+    def actor(self, name: str) -> LogicalQueue:
+        actor = self._actors.get(name)
+        if actor is None:
+            if self._closing:
+                raise Unavailable("the server is shutting down")
+            raise NotFound(f"queue {name!r} does not exist")
+        return actor
+
+    def get(self, name: str) -> QueueConfig:
+        config = self._configs.get(name)
+        if config is None:
+            raise NotFound(f"queue {name!r} does not exist")
+        return config
+
+    def list(self, after: str, limit: int) -> tuple[list[QueueConfig], bool]:
+        """Up to ``limit`` queues named after ``after``, and whether more follow."""
+        start = bisect.bisect_right(self._names, after) if after else 0
+        names = self._names[start : start + limit + 1]
+        return [self._configs[n] for n in names[:limit]], len(names) > limit
+
+    def dead_letter_users(self, name: str) -> list[str]:
+        return sorted(c.name for c in self._configs.values() if c.dead_queue == name)
+
+    # -- admin --------------------------------------------------------------------------
+
+    async def create(self, config: QueueConfig) -> QueueConfig:
+        async with self._lock:
+            self._check_open()
+            if config.name in self._configs:
+                raise AlreadyExists(f"queue {config.name!r} already exists")
+            self._check_dead_queue(config)
+            loop = asyncio.get_running_loop()
+            catalog = self._require_catalog()
+            uid = await loop.run_in_executor(self._executor, catalog.next_uid)
+            now = now_us()
+            config = config.replace(uid=uid, created_at_us=now, updated_at_us=now)
+            actor = await self._start_actor(config)
+            try:
+                await loop.run_in_executor(self._executor, catalog.put, config)
+            except Exception:
+                await actor.stop()
+                raise
+            self._configs[config.name] = config
+            bisect.insort(self._names, config.name)
+            self._actors[config.name] = actor
+            log.info("queue_created", queue=config.name, partitions=config.partitions)
+            return config
+
+    async def update(self, name: str, changes: dict[str, object]) -> QueueConfig:
+        async with self._lock:
+            self._check_open()
+            current = self.get(name)
+            updated = current.replace(**changes, updated_at_us=now_us())
+            if updated.lease_timeout_us > updated.expire_timeout_us:
+                raise InvalidArgument(
+                    "queue.lease_timeout", "must not be longer than expire_timeout"
+                )
+            if updated.partitions < current.partitions:
+                raise FailedPrecondition(
+                    f"requested_partitions cannot be lowered from {current.partitions} to {updated.partitions}"
+                )
+            if "dead_queue" in changes:
+                self._check_dead_queue(updated)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, self._require_catalog().put, updated)
+            self._configs[name] = updated
+            await self._actors[name].reconfigure(updated)
+            return updated
+
+    async def delete(self, name: str, force: bool) -> None:
+        async with self._lock:
+            self._check_open()
+            self.get(name)
+            users = [u for u in self.dead_letter_users(name) if u != name]
+            if users:
+                raise FailedPrecondition(f"queue {name!r} is the dead_queue of {', '.join(map(repr, users[:5]))}")
+            actor = self._actors[name]
+            await actor.delete(force)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, self._require_catalog().delete, name)
+            del self._configs[name]
+            self._names.remove(name)
+            del self._actors[name]
+            await loop.run_in_executor(self._executor, actor.store.destroy)
+            log.info("queue_deleted", queue=name)
+
+    def _check_dead_queue(self, config: QueueConfig) -> None:
+        dead = config.dead_queue
+        if not dead:
+            return
+        if dead == config.name:
+            raise InvalidArgument("queue.dead_queue", "a queue cannot be its own dead_queue")
+        target = self._configs.get(dead)
+        if target is None:
+            raise InvalidArgument("queue.dead_queue", f"queue {dead!r} does not exist; create it first")
+        if target.dead_queue:
+            raise InvalidArgument(
+                "queue.dead_queue", f"queue {dead!r} has a dead_queue of its own; a dead-letter queue may not"
+            )
+        users = self.dead_letter_users(config.name)
+        if users:
+            raise FailedPrecondition(
+                f"queue {config.name!r} is the dead_queue of {', '.join(map(repr, users[:5]))} "
+                "and so cannot have a dead_queue of its own"
+            )
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise Unavailable("the server is shutting down")
+
+    def _require_catalog(self) -> Catalog:
+        if self._catalog is None:
+            raise Unavailable("the server is shutting down")
+        return self._catalog
+
+    def queues(self) -> Iterable[LogicalQueue]:
+        return self._actors.values()

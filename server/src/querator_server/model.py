@@ -1,0 +1,95 @@
+"""Domain values shared by the manager, the actors and the gRPC layer."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .clock import MICROS
+
+DEFAULT_LEASE_TIMEOUT_US = 60 * MICROS
+DEFAULT_EXPIRE_TIMEOUT_US = 24 * 3600 * MICROS
+MAX_ATTEMPTS_LIMIT = 65_536
+MAX_PARTITIONS = 1024
+MAX_QUEUE_NAME = 512
+MAX_BATCH = 1000
+MAX_REQUEST_BYTES = 5 * 1024 * 1024
+MAX_WAIT_US = 15 * 60 * MICROS
+DEFAULT_WAIT_US = 30 * MICROS
+SCHEDULE_MIN_US = 100_000
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    """A queue's settings as stored in the catalog."""
+
+    name: str
+    uid: int = 0
+    dead_queue: str = ""
+    reference: str = ""
+    lease_timeout_us: int = DEFAULT_LEASE_TIMEOUT_US
+    expire_timeout_us: int = DEFAULT_EXPIRE_TIMEOUT_US
+    max_attempts: int = 0
+    partitions: int = 1
+    created_at_us: int = 0
+    updated_at_us: int = 0
+
+    def replace(self, **changes: object) -> QueueConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class NewItem:
+    """An item as a producer (or an import) hands it to a queue."""
+
+    payload: bytes
+    encoding: str = ""
+    kind: str = ""
+    reference: str = ""
+    enqueue_at_us: int = 0
+
+
+@dataclass(slots=True)
+class ImportedItem:
+    """An item given to ImportItems: stored fields kept as given."""
+
+    payload: bytes
+    encoding: str = ""
+    kind: str = ""
+    reference: str = ""
+    is_leased: bool = False
+    lease_deadline_us: int = 0
+    expire_deadline_us: int = 0
+    enqueue_at_us: int = 0
+    created_at_us: int = 0
+    attempts: int = 0
+    source_id: str = ""
+
+
+@dataclass(slots=True)
+class RetryOrder:
+    """What to do with one leased item given back by Retry."""
+
+    item_id: str
+    retry_at_us: int = 0
+    dead: bool = False
+
+
+@dataclass(slots=True)
+class PartitionStats:
+    partition: int
+    total: int
+    total_leased: int
+    scheduled: int
+    average_age_us: int
+    average_leased_age_us: int
+
+
+@dataclass(slots=True)
+class QueueStats:
+    partitions: list[PartitionStats]
+    lease_waiting: int
+    produce_waiting: int
+    in_flight: int

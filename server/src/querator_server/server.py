@@ -1,0 +1,121 @@
+"""Build, run and stop the grpc.aio server around a QueuesManager."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+
+from .config import ServerConfig
+from .grpc_api import QueueService, QueuesService, StorageService
+from .grpc_api.queue_service import SERVICE as QUEUE_SERVICE
+from .grpc_api.queues_service import SERVICE as QUEUES_SERVICE
+from .grpc_api.storage_service import SERVICE as STORAGE_SERVICE
+from .manager import QueuesManager
+
+log = structlog.get_logger("querator.server")
+
+SERVICES = (QUEUE_SERVICE, QUEUES_SERVICE, STORAGE_SERVICE)
+_REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _reflection_v1(servicer: reflection.aio.ReflectionServicer) -> grpc.GenericRpcHandler:
+    # grpcio-reflection serves only v1alpha; v1 is wire-identical, so the same
+    # servicer answers under the v1 name for newer tools.
+    method = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(_REFLECTION_V1, {"ServerReflectionInfo": method})
+
+
+class QueratorServer:
+    """A running server: gRPC, health, reflection and the queues manager."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.manager = QueuesManager(config.data_dir, sync=config.sync, max_inbox=config.max_inbox)
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self.port = 0
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.manager.start()
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", self.config.max_receive_bytes),
+                ("grpc.max_send_message_length", self.config.max_receive_bytes),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        server.add_generic_rpc_handlers(
+            (
+                QueueService(self.manager).handler(),
+                QueuesService(self.manager).handler(),
+                StorageService(self.manager).handler(),
+            )
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        servicer = reflection.aio.ReflectionServicer(
+            (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME, _REFLECTION_V1)
+        )
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+        server.add_generic_rpc_handlers((_reflection_v1(servicer),))
+        self.port = server.add_insecure_port(self.config.address)
+        if not self.port:
+            raise OSError(f"cannot listen on {self.config.address}")
+        await server.start()
+        self._server = server
+        for name in ("", *SERVICES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("server_started", address=self.address, data_dir=self.manager.data_dir, pid=os.getpid())
+
+    @property
+    def address(self) -> str:
+        host = self.config.address.rsplit(":", 1)[0]
+        return f"{host}:{self.port}"
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop accepting calls, fail waiting leases, drain the queues, close storage."""
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        log.info("server_stopping")
+        await self.health.enter_graceful_shutdown()
+        stopping = asyncio.create_task(server.stop(self.config.shutdown_grace_s if grace is None else grace))
+        await self.manager.stop()
+        await stopping
+        self._stopped.set()
+        log.info("server_stopped")
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(config: ServerConfig) -> None:
+    """Run until SIGTERM or SIGINT; a second signal exits at once."""
+    server = QueratorServer(config)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            log.info("shutdown_requested")
+            asyncio.ensure_future(server.stop())
+        else:
+            log.warning("shutdown_forced")
+            os._exit(130)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    await server.wait()

@@ -1,0 +1,121 @@
+"""The catalog: every queue's settings, in an LMDB environment of its own.
+
+Queue settings are stored as JSON under the queue's name. Each queue also gets a
+numeric uid that names its storage directory, so deleting a queue and creating one
+with the same name never finds the old items.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import lmdb
+
+from ..model import QueueConfig
+from .queue_store import StorageError
+
+_NEXT_UID = b"next_uid"
+_FORMAT = b"format"
+_FORMAT_VERSION = b"querator-catalog-1"
+
+
+class CatalogError(StorageError):
+    """The catalog cannot be opened or read."""
+
+
+class Catalog:
+    """Queue settings by name, durable on commit."""
+
+    def __init__(self, path: str, *, sync: bool = True) -> None:
+        self.path = path
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        try:
+            self.env = lmdb.open(path, map_size=64 << 20, max_dbs=4, sync=sync, metasync=sync)
+            self.env.reader_check()
+            with self.env.begin(write=True) as txn:
+                self._queues = self.env.open_db(b"queues", txn=txn)
+                self._meta = self.env.open_db(b"meta", txn=txn)
+                found = txn.get(_FORMAT, db=self._meta)
+                if found is None:
+                    txn.put(_FORMAT, _FORMAT_VERSION, db=self._meta)
+                elif found != _FORMAT_VERSION:
+                    raise CatalogError(f"{path}: unknown catalog format {found!r}")
+        except lmdb.Error as exc:
+            raise CatalogError(f"cannot open the catalog in {path!r}: {exc}") from exc
+
+    def load(self) -> list[QueueConfig]:
+        """Every stored queue, sorted by name."""
+        out: list[QueueConfig] = []
+        with self.env.begin() as txn:
+            for key, raw in txn.cursor(db=self._queues):
+                try:
+                    out.append(_decode(raw))
+                except (ValueError, TypeError, KeyError) as exc:
+                    raise CatalogError(f"{self.path}: queue {key!r} has unreadable settings: {exc}") from exc
+        return out
+
+    def next_uid(self) -> int:
+        """Reserve a storage uid, durably, so it is never handed out twice."""
+
+        def reserve(txn: lmdb.Transaction) -> int:
+            raw = txn.get(_NEXT_UID, db=self._meta)
+            uid = int(raw) if raw else 1
+            txn.put(_NEXT_UID, str(uid + 1).encode(), db=self._meta)
+            return uid
+
+        return self._write(reserve)
+
+    def put(self, config: QueueConfig) -> None:
+        self._write(lambda txn: txn.put(config.name.encode(), _encode(config), db=self._queues))
+
+    def delete(self, name: str) -> None:
+        self._write(lambda txn: txn.delete(name.encode(), db=self._queues))
+
+    def _write(self, fn: Any) -> Any:
+        try:
+            with self.env.begin(write=True) as txn:
+                return fn(txn)
+        except lmdb.MapFullError:
+            self.env.set_mapsize(self.env.info()["map_size"] * 2)
+            return self._write(fn)
+        except lmdb.Error as exc:
+            raise StorageError(f"catalog write failed: {exc}") from exc
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def _encode(config: QueueConfig) -> bytes:
+    return json.dumps(
+        {
+            "name": config.name,
+            "uid": config.uid,
+            "dead_queue": config.dead_queue,
+            "reference": config.reference,
+            "lease_timeout_us": config.lease_timeout_us,
+            "expire_timeout_us": config.expire_timeout_us,
+            "max_attempts": config.max_attempts,
+            "partitions": config.partitions,
+            "created_at_us": config.created_at_us,
+            "updated_at_us": config.updated_at_us,
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def _decode(raw: bytes) -> QueueConfig:
+    data = json.loads(raw)
+    return QueueConfig(
+        name=str(data["name"]),
+        uid=int(data["uid"]),
+        dead_queue=str(data["dead_queue"]),
+        reference=str(data["reference"]),
+        lease_timeout_us=int(data["lease_timeout_us"]),
+        expire_timeout_us=int(data["expire_timeout_us"]),
+        max_attempts=int(data["max_attempts"]),
+        partitions=int(data["partitions"]),
+        created_at_us=int(data["created_at_us"]),
+        updated_at_us=int(data["updated_at_us"]),
+    )

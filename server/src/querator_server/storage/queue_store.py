@@ -1,0 +1,341 @@
+"""One LMDB environment per queue; one named database per partition.
+
+A queue's actor is the only writer of its environment, so LMDB's single-writer lock
+is never contended and every queue commits (and fsyncs) independently of the others.
+The directory is named by the queue's numeric uid, never by its name: nothing a
+client sends reaches a file path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import lmdb
+
+from .record import (
+    _HEADER,
+    KEY_NEXT_SEQ,
+    TAG_EXPIRY,
+    TAG_ITEM,
+    TAG_SCHEDULED,
+    Item,
+    decode_u64,
+    encode_u64,
+    expiry_key,
+    item_key,
+    parse_expiry_key,
+    parse_scheduled_key,
+    scheduled_key,
+    seq_of_item_key,
+)
+
+T = TypeVar("T")
+
+DEFAULT_MAP_SIZE = 1 << 30
+_MAX_GROWTHS = 12
+_MAX_DBS_HEADROOM = 8
+
+
+class StorageError(Exception):
+    """The storage failed (I/O error, full disk); the operation did not happen."""
+
+
+class StorageFull(StorageError):
+    """The LMDB map cannot grow any further."""
+
+
+@dataclass(slots=True)
+class PartitionScan:
+    """What a full read of a partition finds: the basis of the actor's counters."""
+
+    ready: int = 0
+    leased: int = 0
+    scheduled: int = 0
+    created_sum: int = 0
+    leased_at_sum: int = 0
+    next_seq: int = 1
+    first_ready_seq: int = 0
+    leases: list[tuple[int, int]] = field(default_factory=list)  # (deadline, seq)
+    first_due: int = 0
+    first_expiry: int = 0
+
+
+class QueueStore:
+    """The LMDB environment holding one queue's partitions."""
+
+    def __init__(
+        self,
+        path: str,
+        partitions: int,
+        *,
+        max_partitions: int = 1024,
+        map_size: int = DEFAULT_MAP_SIZE,
+        sync: bool = True,
+    ) -> None:
+        self.path = path
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        try:
+            self.env = lmdb.open(
+                path,
+                map_size=map_size,
+                max_dbs=max_partitions + _MAX_DBS_HEADROOM,
+                sync=sync,
+                metasync=sync,
+                subdir=True,
+                lock=True,
+            )
+            self.env.reader_check()
+        except lmdb.Error as exc:
+            raise StorageError(f"cannot open queue storage {path!r}: {exc}") from exc
+        self._dbs: list[Any] = []
+        self.ensure_partitions(partitions)
+
+    # -- environment -------------------------------------------------------------
+
+    def ensure_partitions(self, partitions: int) -> None:
+        """Open (creating when needed) the databases of partitions 0..partitions-1."""
+        while len(self._dbs) < partitions:
+            name = f"p{len(self._dbs)}".encode()
+            self._dbs.append(self.write(lambda txn, n=name: self.env.open_db(n, txn=txn, create=True)))
+
+    @property
+    def partitions(self) -> int:
+        return len(self._dbs)
+
+    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in one durable write transaction and commit it.
+
+        When the map is full the transaction is thrown away, the map doubled and ``fn``
+        run again from the start, so ``fn`` must not change anything outside the
+        transaction before it returns.
+        """
+        for _ in range(_MAX_GROWTHS):
+            txn = self.env.begin(write=True)
+            try:
+                result = fn(txn)
+                txn.commit()
+                return result
+            except lmdb.MapFullError:
+                txn.abort()
+                self._grow()
+            except lmdb.Error as exc:
+                txn.abort()
+                raise StorageError(f"storage write failed: {exc}") from exc
+            except BaseException:
+                txn.abort()
+                raise
+        raise StorageFull("storage is full: the LMDB map could not grow enough")
+
+    def _grow(self) -> None:
+        size = self.env.info()["map_size"]
+        try:
+            self.env.set_mapsize(size * 2)
+        except lmdb.Error as exc:
+            raise StorageFull(f"storage is full and cannot grow past {size} bytes: {exc}") from exc
+
+    def map_usage(self) -> tuple[int, int]:
+        info = self.env.info()
+        used = (info["last_pgno"] + 1) * self.env.stat()["psize"]
+        return used, int(info["map_size"])
+
+    def close(self) -> None:
+        self.env.close()
+
+    def destroy(self) -> None:
+        self.env.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    # -- sequence numbers --------------------------------------------------------
+
+    def read_next_seq(self, txn: lmdb.Transaction, p: int) -> int:
+        raw = txn.get(KEY_NEXT_SEQ, db=self._dbs[p])
+        return decode_u64(raw) if raw is not None else 1
+
+    def write_next_seq(self, txn: lmdb.Transaction, p: int, next_seq: int) -> None:
+        txn.put(KEY_NEXT_SEQ, encode_u64(next_seq), db=self._dbs[p])
+
+    # -- ready and leased items --------------------------------------------------
+
+    def append(self, txn: lmdb.Transaction, p: int, seq: int, item: Item) -> None:
+        """Store a ready or leased item at ``seq`` (the tail of the partition)."""
+        db = self._dbs[p]
+        key = item_key(seq)
+        txn.put(key, item.encode(), db=db, append=False)
+        txn.put(expiry_key(item.expire_deadline, key), b"", db=db)
+
+    def get(self, txn: lmdb.Transaction, p: int, seq: int) -> Item | None:
+        raw = txn.get(item_key(seq), db=self._dbs[p])
+        return None if raw is None else Item.decode(raw)
+
+    def put(self, txn: lmdb.Transaction, p: int, seq: int, item: Item) -> None:
+        """Overwrite an item in place (same key, same expiry)."""
+        txn.put(item_key(seq), item.encode(), db=self._dbs[p])
+
+    def put_raw(self, txn: lmdb.Transaction, p: int, seq: int, raw: bytes) -> None:
+        txn.put(item_key(seq), raw, db=self._dbs[p])
+
+    def delete(self, txn: lmdb.Transaction, p: int, seq: int, expire_deadline: int) -> None:
+        db = self._dbs[p]
+        key = item_key(seq)
+        txn.delete(key, db=db)
+        txn.delete(expiry_key(expire_deadline, key), db=db)
+
+    def ready_items(self, txn: lmdb.Transaction, p: int, from_seq: int) -> Iterator[tuple[int, bytes]]:
+        """Yield (seq, raw) of ready items from ``from_seq`` on, in FIFO order."""
+        cursor = txn.cursor(db=self._dbs[p])
+        if not cursor.set_range(item_key(from_seq)):
+            return
+        for key, raw in cursor:
+            if key[:1] != TAG_ITEM:
+                return
+            if raw[0] & 1:  # leased
+                continue
+            yield seq_of_item_key(key), raw
+
+    def page_items(self, txn: lmdb.Transaction, p: int, after_seq: int, limit: int) -> list[tuple[int, Item]]:
+        cursor = txn.cursor(db=self._dbs[p])
+        out: list[tuple[int, Item]] = []
+        if not cursor.set_range(item_key(after_seq + 1)):
+            return out
+        for key, raw in cursor:
+            if key[:1] != TAG_ITEM or len(out) >= limit:
+                break
+            out.append((seq_of_item_key(key), Item.decode(raw)))
+        return out
+
+    # -- scheduled items ---------------------------------------------------------
+
+    def put_scheduled(self, txn: lmdb.Transaction, p: int, due: int, seq: int, item: Item) -> None:
+        db = self._dbs[p]
+        key = scheduled_key(due, seq)
+        txn.put(key, item.encode(), db=db)
+        txn.put(expiry_key(item.expire_deadline, key), b"", db=db)
+
+    def get_scheduled(self, txn: lmdb.Transaction, p: int, due: int, seq: int) -> Item | None:
+        raw = txn.get(scheduled_key(due, seq), db=self._dbs[p])
+        return None if raw is None else Item.decode(raw)
+
+    def delete_scheduled(self, txn: lmdb.Transaction, p: int, due: int, seq: int, expire_deadline: int) -> None:
+        db = self._dbs[p]
+        key = scheduled_key(due, seq)
+        txn.delete(key, db=db)
+        txn.delete(expiry_key(expire_deadline, key), db=db)
+
+    def page_scheduled(
+        self, txn: lmdb.Transaction, p: int, after: tuple[int, int], limit: int
+    ) -> list[tuple[int, int, Item]]:
+        cursor = txn.cursor(db=self._dbs[p])
+        out: list[tuple[int, int, Item]] = []
+        due, seq = after
+        if not cursor.set_range(scheduled_key(due, seq + 1)):
+            return out
+        for key, raw in cursor:
+            if key[:1] != TAG_SCHEDULED or len(out) >= limit:
+                break
+            d, s = parse_scheduled_key(key)
+            out.append((d, s, Item.decode(raw)))
+        return out
+
+    def due_scheduled(self, txn: lmdb.Transaction, p: int, now: int, limit: int) -> list[tuple[int, int, Item]]:
+        """Scheduled items due at or before ``now``, in (due, seq) order."""
+        return [entry for entry in self.page_scheduled(txn, p, (0, -1), limit) if entry[0] <= now]
+
+    def first_due(self, txn: lmdb.Transaction, p: int) -> int:
+        cursor = txn.cursor(db=self._dbs[p])
+        if cursor.set_range(TAG_SCHEDULED) and cursor.key()[:1] == TAG_SCHEDULED:
+            return parse_scheduled_key(cursor.key())[0]
+        return 0
+
+    # -- expiry index ------------------------------------------------------------
+
+    def expired(self, txn: lmdb.Transaction, p: int, now: int, limit: int) -> list[tuple[int, bytes]]:
+        """(expire_deadline, item key) of items whose deadline is at or before ``now``."""
+        cursor = txn.cursor(db=self._dbs[p])
+        out: list[tuple[int, bytes]] = []
+        if not cursor.set_range(TAG_EXPIRY):
+            return out
+        for key in cursor.iternext(keys=True, values=False):
+            if key[:1] != TAG_EXPIRY or len(out) >= limit:
+                break
+            deadline, target = parse_expiry_key(key)
+            if deadline > now:
+                break
+            out.append((deadline, target))
+        return out
+
+    def first_expiry(self, txn: lmdb.Transaction, p: int) -> int:
+        cursor = txn.cursor(db=self._dbs[p])
+        if cursor.set_range(TAG_EXPIRY) and cursor.key()[:1] == TAG_EXPIRY:
+            return parse_expiry_key(cursor.key())[0]
+        return 0
+
+    # -- whole-partition operations ------------------------------------------------
+
+    def clear(self, txn: lmdb.Transaction, p: int, *, ready: bool, leased: bool, scheduled: bool) -> list[int]:
+        """Delete the chosen kinds of items; return the seqs of deleted leased items."""
+        db = self._dbs[p]
+        removed_leases: list[int] = []
+        cursor = txn.cursor(db=db)
+        doomed: list[bytes] = []
+        if ready or leased:
+            if cursor.set_range(TAG_ITEM):
+                for key, raw in cursor:
+                    if key[:1] != TAG_ITEM:
+                        break
+                    is_leased = bool(raw[0] & 1)
+                    if (is_leased and leased) or (not is_leased and ready):
+                        header = _HEADER.unpack_from(raw)
+                        doomed.append(key)
+                        doomed.append(expiry_key(header[3], key))
+                        if is_leased:
+                            removed_leases.append(seq_of_item_key(key))
+        if scheduled and cursor.set_range(TAG_SCHEDULED):
+            for key, raw in cursor:
+                if key[:1] != TAG_SCHEDULED:
+                    break
+                header = _HEADER.unpack_from(raw)
+                doomed.append(key)
+                doomed.append(expiry_key(header[3], key))
+        for key in doomed:
+            txn.delete(key, db=db)
+        return removed_leases
+
+    def scan(self, txn: lmdb.Transaction, p: int) -> PartitionScan:
+        """Read a whole partition once to rebuild the actor's in-memory view of it."""
+        result = PartitionScan(next_seq=self.read_next_seq(txn, p))
+        cursor = txn.cursor(db=self._dbs[p])
+        unpack = _HEADER.unpack_from
+        max_seq = 0
+        if cursor.set_range(TAG_ITEM):
+            for key, raw in cursor:
+                if key[:1] != TAG_ITEM:
+                    break
+                seq = seq_of_item_key(key)
+                max_seq = seq
+                flags, _att, created, _exp, lease_deadline, _enq, leased_at = unpack(raw)[:7]
+                result.created_sum += created
+                if flags & 1:
+                    result.leased += 1
+                    result.leased_at_sum += leased_at
+                    result.leases.append((lease_deadline, seq))
+                else:
+                    result.ready += 1
+                    if not result.first_ready_seq:
+                        result.first_ready_seq = seq
+        if cursor.set_range(TAG_SCHEDULED):
+            for key in cursor.iternext(keys=True, values=False):
+                if key[:1] != TAG_SCHEDULED:
+                    break
+                _due, seq = parse_scheduled_key(key)
+                max_seq = max(max_seq, seq)
+                result.scheduled += 1
+        result.next_seq = max(result.next_seq, max_seq + 1)
+        if not result.first_ready_seq:
+            result.first_ready_seq = result.next_seq
+        result.first_due = self.first_due(txn, p)
+        result.first_expiry = self.first_expiry(txn, p)
+        return result

@@ -1,0 +1,143 @@
+"""The stored form of an item and the key layout of a partition.
+
+A partition is one named LMDB database whose keys start with a one-byte tag:
+
+- ``i`` + seq (8 bytes, big endian): a ready or leased item; key order is FIFO order.
+- ``s`` + due time (8) + seq (8): a scheduled item, ordered by due time then produce order.
+- ``x`` + expire deadline (8) + item key: the expiry index, value empty.
+- ``n``: the next sequence number, so a seq (and hence an id) is never reused.
+
+Times are microseconds since the epoch; big-endian unsigned integers sort like numbers.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+TAG_ITEM = b"i"
+TAG_SCHEDULED = b"s"
+TAG_EXPIRY = b"x"
+KEY_NEXT_SEQ = b"n"
+
+_U64 = struct.Struct(">Q")
+_ITEM_KEY = struct.Struct(">cQ")
+_SCHED_KEY = struct.Struct(">cQQ")
+_EXPIRY_PREFIX = struct.Struct(">cQ")
+
+# flags, attempts, created_at, expire_deadline, lease_deadline, enqueue_at, leased_at,
+# then the byte lengths of source_id, reference, encoding, kind; the payload is the rest.
+_HEADER = struct.Struct("<BIqqqqqIIII")
+_FLAG_LEASED = 1
+
+
+def item_key(seq: int) -> bytes:
+    return _ITEM_KEY.pack(TAG_ITEM, seq)
+
+
+def scheduled_key(due_us: int, seq: int) -> bytes:
+    return _SCHED_KEY.pack(TAG_SCHEDULED, due_us, seq)
+
+
+def expiry_key(expire_deadline_us: int, key: bytes) -> bytes:
+    return _EXPIRY_PREFIX.pack(TAG_EXPIRY, expire_deadline_us) + key
+
+
+def seq_of_item_key(key: bytes) -> int:
+    return int(_ITEM_KEY.unpack(key)[1])
+
+
+def parse_scheduled_key(key: bytes) -> tuple[int, int]:
+    _, due, seq = _SCHED_KEY.unpack(key)
+    return due, seq
+
+
+def parse_expiry_key(key: bytes) -> tuple[int, bytes]:
+    _, deadline = _EXPIRY_PREFIX.unpack_from(key)
+    return deadline, key[_EXPIRY_PREFIX.size :]
+
+
+def encode_u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def decode_u64(data: bytes) -> int:
+    return int(_U64.unpack(data)[0])
+
+
+@dataclass(slots=True)
+class Item:
+    """Every stored field of an item."""
+
+    payload: bytes
+    encoding: str = ""
+    kind: str = ""
+    reference: str = ""
+    source_id: str = ""
+    created_at: int = 0
+    expire_deadline: int = 0
+    enqueue_at: int = 0
+    attempts: int = 0
+    is_leased: bool = False
+    lease_deadline: int = 0
+    leased_at: int = 0
+
+    def encode(self) -> bytes:
+        source = self.source_id.encode()
+        reference = self.reference.encode()
+        encoding = self.encoding.encode()
+        kind = self.kind.encode()
+        header = _HEADER.pack(
+            _FLAG_LEASED if self.is_leased else 0,
+            self.attempts,
+            self.created_at,
+            self.expire_deadline,
+            self.lease_deadline,
+            self.enqueue_at,
+            self.leased_at,
+            len(source),
+            len(reference),
+            len(encoding),
+            len(kind),
+        )
+        return b"".join((header, source, reference, encoding, kind, self.payload))
+
+    @classmethod
+    def decode(cls, data: bytes) -> Item:
+        (
+            flags,
+            attempts,
+            created_at,
+            expire_deadline,
+            lease_deadline,
+            enqueue_at,
+            leased_at,
+            n_source,
+            n_reference,
+            n_encoding,
+            n_kind,
+        ) = _HEADER.unpack_from(data)
+        pos = _HEADER.size
+        view = bytes(data)
+        source = view[pos : pos + n_source].decode()
+        pos += n_source
+        reference = view[pos : pos + n_reference].decode()
+        pos += n_reference
+        encoding = view[pos : pos + n_encoding].decode()
+        pos += n_encoding
+        kind = view[pos : pos + n_kind].decode()
+        pos += n_kind
+        return cls(
+            payload=view[pos:],
+            encoding=encoding,
+            kind=kind,
+            reference=reference,
+            source_id=source,
+            created_at=created_at,
+            expire_deadline=expire_deadline,
+            enqueue_at=enqueue_at,
+            attempts=attempts,
+            is_leased=bool(flags & _FLAG_LEASED),
+            lease_deadline=lease_deadline,
+            leased_at=leased_at,
+        )
