@@ -22,6 +22,8 @@ class ServerConfig:
     # Commit with fsync. Off only for throw-away data (tests, benchmarks of the CPU path).
     sync: bool = True
     max_inbox: int = 10_000
+    # Initial LMDB map size per queue; the map doubles whenever it fills.
+    map_size: int = 1 << 30
     shutdown_grace_s: float = 10.0
 
     @classmethod

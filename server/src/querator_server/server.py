@@ -40,7 +40,9 @@ class QueratorServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.manager = QueuesManager(config.data_dir, sync=config.sync, max_inbox=config.max_inbox)
+        self.manager = QueuesManager(
+            config.data_dir, sync=config.sync, max_inbox=config.max_inbox, map_size=config.map_size
+        )
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self.port = 0
