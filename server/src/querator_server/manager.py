@@ -87,7 +87,7 @@ class QueuesManager:
                 self._queue_path(config.uid), config.partitions, map_size=self._map_size, sync=self._sync
             ),
         )
-        actor = LogicalQueue(config, store, self._executor, max_inbox=self._max_inbox)
+        actor = LogicalQueue(config, store, self._executor, resolve=self.actor, max_inbox=self._max_inbox)
         await actor.start()
         return actor
 

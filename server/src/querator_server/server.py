@@ -17,6 +17,7 @@ from .grpc_api.queue_service import SERVICE as QUEUE_SERVICE
 from .grpc_api.queues_service import SERVICE as QUEUES_SERVICE
 from .grpc_api.storage_service import SERVICE as STORAGE_SERVICE
 from .manager import QueuesManager
+from .reflection import ReflectionServicer
 
 log = structlog.get_logger("querator.server")
 
@@ -65,7 +66,8 @@ class QueratorServer:
             )
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        servicer = reflection.aio.ReflectionServicer(
+        # Serves our files with their proto comments (see reflection.py).
+        servicer = ReflectionServicer(
             (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME, _REFLECTION_V1)
         )
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)

@@ -15,11 +15,12 @@ import lmdb
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, QueratorError, quote
 from ..model import SCHEDULE_MIN_US, QueueConfig
 from ..storage import Item, QueueStore
-from ..storage.record import _HEADER
+from ..storage.record import TAG_ITEM, parse_scheduled_key, seq_of_item_key
 from .ids import ItemRef, item_id, parse_id, scheduled_id
 from .requests import (
     ClearRequest,
     CompleteRequest,
+    DeadLetterRequest,
     DeleteItemsRequest,
     ExtendRequest,
     ImportItemsRequest,
@@ -27,6 +28,7 @@ from .requests import (
     LeaseRequest,
     LeaseResult,
     ListItemsRequest,
+    OutboxDoneRequest,
     PageResult,
     ProduceRequest,
     ProduceResult,
@@ -38,6 +40,10 @@ from .view import PartitionView
 
 # A lease answered this close to its caller's deadline would arrive too late to use.
 FENCE_MARGIN_US = 2_000
+# Lifecycle work per kind per cycle; more than this waits for the next cycle, which
+# follows at once, so client requests never queue behind a huge backlog.
+LIFECYCLE_BATCH = 1000
+LIMIT_PLUS_ONE = LIFECYCLE_BATCH + 1
 
 
 class Cycle:
@@ -63,6 +69,12 @@ class Cycle:
         self.lease_deadlines: list[tuple[int, int, int]] = []
         # Leases that found nothing and may keep waiting.
         self.unserved: list[LeaseRequest] = []
+        # Items moved to the dead-letter outbox: (partition, seq, item with source_id).
+        self.outbox_added: list[tuple[int, int, Item]] = []
+        # Items deleted because the queue has no dead-letter queue: (id, reason).
+        self.dropped: list[tuple[str, str]] = []
+        # Whether lifecycle work was left for the next cycle.
+        self.more_lifecycle = False
 
     # -- views ---------------------------------------------------------------------
 
@@ -101,12 +113,15 @@ class Cycle:
                 item.enqueue_at = new.enqueue_at_us
                 store.put_scheduled(txn, p, new.enqueue_at_us, seq, item)
                 v.scheduled += 1
+                v.note_due(new.enqueue_at_us)
                 ids.append(scheduled_id(self.uid, p, seq, new.enqueue_at_us))
             else:
                 store.append(txn, p, seq, item)
                 v.ready += 1
                 v.created_sum += now
                 ids.append(item_id(self.uid, p, seq))
+        if request.items:
+            v.note_expiry(expire)
         self._ok(request, ProduceResult(p, ids))
 
     # -- lease ---------------------------------------------------------------------
@@ -139,8 +154,13 @@ class Cycle:
                 break
             last_seq = seq
             item = Item.decode(raw)
-            if item.expire_deadline <= now:
-                continue  # expired: the lifecycle dead-letters it, nobody leases it
+            reason = self._death_reason(item)
+            if reason:  # expired or out of attempts: never leased again
+                self.store.delete(txn, p, seq, item)
+                v.ready -= 1
+                v.created_sum -= item.created_at
+                self._dead_letter(txn, p, seq, item, item_id(self.uid, p, seq), reason)
+                continue
             item.is_leased = True
             item.attempts += 1
             item.lease_deadline = deadline
@@ -195,7 +215,7 @@ class Cycle:
                 missing.append(f"ids[{index}] {quote(text)}")
             elif not item.is_leased:
                 unleased.append(f"ids[{index}] {quote(text)}")
-            elif check_deadline and item.lease_deadline <= self.now:
+            elif check_deadline and min(item.lease_deadline, item.expire_deadline) <= self.now:
                 lost.append(f"ids[{index}] {quote(text)}")
             else:
                 found.append((ref.seq, item))
@@ -204,7 +224,7 @@ class Cycle:
         if unleased:
             raise FailedPrecondition(_listing("item is not leased", unleased))
         if lost:
-            raise FailedPrecondition(_listing("lease has expired", lost))
+            raise FailedPrecondition(_listing("lease (or item) has expired", lost))
         return found
 
     def _lookup(self, txn: lmdb.Transaction, partition: int, ref: ItemRef | None) -> Item | None:
@@ -217,7 +237,7 @@ class Cycle:
         p = request.partition
         v = self.view(p)
         for seq, item in found:
-            self.store.delete(txn, p, seq, item.expire_deadline)
+            self.store.delete(txn, p, seq, item)
             v.leased -= 1
             v.created_sum -= item.created_at
             v.leased_at_sum -= item.leased_at
@@ -228,22 +248,147 @@ class Cycle:
         found = self._leased_items(txn, p, [o.item_id for o in request.orders])
         v = self.view(p)
         for (seq, item), order in zip(found, request.orders):
-            self.store.delete(txn, p, seq, item.expire_deadline)
-            v.leased -= 1
-            v.created_sum -= item.created_at
-            v.leased_at_sum -= item.leased_at
+            old_id = item_id(self.uid, p, seq)
+            self._end_lease(txn, p, seq, item)
+            reason = "retried as dead" if order.dead else self._death_reason(item)
+            if reason:
+                self._dead_letter(txn, p, seq, item, old_id, reason)
+            elif order.retry_at_us >= self.now + SCHEDULE_MIN_US:
+                self._schedule(txn, p, item, order.retry_at_us)
+            else:
+                self._requeue(txn, p, item)
+        self._ok(request, None)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def _death_reason(self, item: Item) -> str:
+        if item.expire_deadline <= self.now:
+            return "expired"
+        limit = self.config.max_attempts
+        if limit and item.attempts >= limit:
+            return "max_attempts reached"
+        return ""
+
+    def _end_lease(self, txn: lmdb.Transaction, p: int, seq: int, item: Item) -> None:
+        """Take a leased item out of its place; the caller puts it somewhere else."""
+        self.store.delete(txn, p, seq, item)
+        v = self.view(p)
+        v.leased -= 1
+        v.created_sum -= item.created_at
+        v.leased_at_sum -= item.leased_at
+        item.is_leased = False
+        item.lease_deadline = 0
+        item.leased_at = 0
+
+    def _requeue(self, txn: lmdb.Transaction, p: int, item: Item) -> None:
+        """Put an item at the tail of its partition under a new id."""
+        v = self.view(p)
+        item.enqueue_at = 0
+        self.store.append(txn, p, v.take_seq(), item)
+        v.ready += 1
+        v.created_sum += item.created_at
+        v.note_expiry(item.expire_deadline)
+
+    def _schedule(self, txn: lmdb.Transaction, p: int, item: Item, due: int) -> None:
+        v = self.view(p)
+        item.enqueue_at = due
+        self.store.put_scheduled(txn, p, due, v.take_seq(), item)
+        v.scheduled += 1
+        v.note_due(due)
+        v.note_expiry(item.expire_deadline)
+
+    def _dead_letter(self, txn: lmdb.Transaction, p: int, seq: int, item: Item, old_id: str, reason: str) -> None:
+        """Send an item (already out of its place) to the dead-letter queue, or drop it.
+
+        The item goes to the partition's outbox in this same transaction; the actor
+        hands the outbox to the dead-letter queue after the commit and removes each
+        entry once that queue has stored it (deduplicated by source_id).
+        """
+        if not self.config.dead_queue:
+            self.dropped.append((old_id, reason))
+            return
+        item.source_id = old_id
+        self.store.put_outbox(txn, p, seq, item)
+        self.outbox_added.append((p, seq, item))
+
+    def lifecycle(self, txn: lmdb.Transaction, expired_leases: Sequence[tuple[int, int, int]]) -> None:
+        """Expired leases, due scheduled items and expired items, as of ``self.now``."""
+        now = self.now
+        for deadline, p, seq in expired_leases:
+            item = self.store.get(txn, p, seq)
+            if item is None or not item.is_leased or item.lease_deadline != deadline:
+                continue  # completed, retried or extended since
+            old_id = item_id(self.uid, p, seq)
+            self._end_lease(txn, p, seq, item)
+            reason = self._death_reason(item)
+            if reason:
+                self._dead_letter(txn, p, seq, item, old_id, f"lease expired, {reason}")
+            else:
+                self._requeue(txn, p, item)
+        for p in range(len(self._base)):
+            first_due = self._peek(p).first_due
+            if first_due and first_due <= now:
+                self._promote(txn, p)
+            first_expiry = self._peek(p).first_expiry
+            if first_expiry and first_expiry <= now:
+                self._expire(txn, p)
+
+    def _promote(self, txn: lmdb.Transaction, p: int) -> None:
+        v = self.view(p)
+        rows = self.store.page_scheduled(txn, p, (0, -1), LIMIT_PLUS_ONE)
+        due_rows = [row for row in rows[:LIFECYCLE_BATCH] if row[0] <= self.now]
+        for due, seq, item in due_rows:
+            self.store.delete_scheduled(txn, p, due, seq, item)
+            v.scheduled -= 1
+            if item.expire_deadline <= self.now:
+                self._dead_letter(txn, p, seq, item, scheduled_id(self.uid, p, seq, due), "expired while scheduled")
+            else:
+                self._requeue(txn, p, item)
+        if len(due_rows) == LIFECYCLE_BATCH:
+            self.more_lifecycle = True
+        v.first_due = self.store.first_due(txn, p)
+
+    def _expire(self, txn: lmdb.Transaction, p: int) -> None:
+        v = self.view(p)
+        entries, next_deadline = self.store.expired(txn, p, self.now, LIFECYCLE_BATCH)
+        for key, item in entries:
+            if key[:1] == TAG_ITEM:
+                seq = seq_of_item_key(key)
+                self.store.delete(txn, p, seq, item)
+                v.ready -= 1
+                v.created_sum -= item.created_at
+                old_id = item_id(self.uid, p, seq)
+            else:
+                due, seq = parse_scheduled_key(key)
+                self.store.delete_scheduled(txn, p, due, seq, item)
+                v.scheduled -= 1
+                old_id = scheduled_id(self.uid, p, seq, due)
+            self._dead_letter(txn, p, seq, item, old_id, "expired")
+        if next_deadline == self.now:
+            self.more_lifecycle = True
+        v.first_expiry = next_deadline
+
+    def receive_dead_letters(self, txn: lmdb.Transaction, request: DeadLetterRequest) -> None:
+        """Store items another queue dead-lettered here, once each by source_id."""
+        counts = [self._peek(p).ready for p in range(len(self._base))]
+        p = counts.index(min(counts))
+        v = self.view(p)
+        expire = self.now + self.config.expire_timeout_us
+        for item in request.items:
+            if item.source_id and self.store.has_source(txn, item.source_id):
+                continue  # sent before a crash; already here
+            item.attempts = 0
             item.is_leased = False
             item.lease_deadline = 0
             item.leased_at = 0
-            new_seq = v.take_seq()
-            if order.retry_at_us >= self.now + SCHEDULE_MIN_US:
-                item.enqueue_at = order.retry_at_us
-                self.store.put_scheduled(txn, p, order.retry_at_us, new_seq, item)
-                v.scheduled += 1
-            else:
-                self.store.append(txn, p, new_seq, item)
-                v.ready += 1
-                v.created_sum += item.created_at
+            item.enqueue_at = 0
+            item.expire_deadline = expire
+            self._requeue(txn, p, item)
+        self._ok(request, None)
+
+    def outbox_done(self, txn: lmdb.Transaction, request: OutboxDoneRequest) -> None:
+        for p, seq in request.entries:
+            self.store.delete_outbox(txn, p, seq)
         self._ok(request, None)
 
     def extend(self, txn: lmdb.Transaction, request: ExtendRequest) -> None:
@@ -297,9 +442,11 @@ class Cycle:
                 enqueue_at=given.enqueue_at_us,
                 attempts=given.attempts,
             )
+            v.note_expiry(item.expire_deadline)
             if given.enqueue_at_us >= now + SCHEDULE_MIN_US:
                 self.store.put_scheduled(txn, p, given.enqueue_at_us, seq, item)
                 v.scheduled += 1
+                v.note_due(given.enqueue_at_us)
                 ids.append(scheduled_id(self.uid, p, seq, given.enqueue_at_us))
                 continue
             if given.is_leased:
@@ -326,13 +473,13 @@ class Cycle:
             if ref.due:
                 item = self.store.get_scheduled(txn, p, ref.due, ref.seq)
                 if item is not None:
-                    self.store.delete_scheduled(txn, p, ref.due, ref.seq, item.expire_deadline)
+                    self.store.delete_scheduled(txn, p, ref.due, ref.seq, item)
                     v.scheduled -= 1
                 continue
             item = self.store.get(txn, p, ref.seq)
             if item is None:
                 continue
-            self.store.delete(txn, p, ref.seq, item.expire_deadline)
+            self.store.delete(txn, p, ref.seq, item)
             v.created_sum -= item.created_at
             if item.is_leased:
                 v.leased -= 1

@@ -20,6 +20,7 @@ import lmdb
 import structlog
 
 from ..clock import now_us
+from ..faults import DEAD_LETTER_STORED, crash_point
 from ..errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -29,17 +30,19 @@ from ..errors import (
     Unavailable,
 )
 from ..model import PartitionStats, QueueConfig, QueueStats
-from ..storage import QueueStore, StorageError, StorageFull
+from ..storage import Item, QueueStore, StorageError, StorageFull
 from .cycle import Cycle
 from .requests import (
     ClearRequest,
     CompleteRequest,
+    DeadLetterRequest,
     DeleteItemsRequest,
     ExtendRequest,
     ImportItemsRequest,
     LeaseRequest,
     LeaseResult,
     ListItemsRequest,
+    OutboxDoneRequest,
     ProduceRequest,
     Request,
     RetryRequest,
@@ -49,6 +52,8 @@ from .view import PartitionView
 log = structlog.get_logger("querator.queue")
 
 DEFAULT_MAX_INBOX = 10_000
+# How long to wait before handing the dead-letter outbox over again after a failure.
+OUTBOX_RETRY_S = 1.0
 
 
 @dataclass(eq=False, slots=True)
@@ -81,9 +86,12 @@ class LogicalQueue:
         store: QueueStore,
         executor: Executor,
         *,
+        resolve: Callable[[str], LogicalQueue] | None = None,
         max_inbox: int = DEFAULT_MAX_INBOX,
     ) -> None:
         self.config = config
+        # Finds another queue's actor by name (for dead letters).
+        self._resolve = resolve
         self.store = store
         self._executor = executor
         self._max_inbox = max_inbox
@@ -97,6 +105,10 @@ class LogicalQueue:
         self._task: asyncio.Task[None] | None = None
         self._closed: QueratorError | None = None
         self._in_flight = 0
+        # Dead letters committed to the outbox but not yet stored by the DLQ.
+        self._outbox: dict[tuple[int, int], Item] = {}
+        self._outbox_task: asyncio.Task[None] | None = None
+        self._lifecycle_pending = False
 
     @property
     def name(self) -> str:
@@ -106,19 +118,26 @@ class LogicalQueue:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._views, self._lease_heap = await loop.run_in_executor(self._executor, self._load)
+        self._views, self._lease_heap, self._outbox = await loop.run_in_executor(self._executor, self._load)
+        # Everything that fell due while the server was down is handled at once.
+        self._lifecycle_pending = True
         self._task = asyncio.create_task(self._run(), name=f"queue:{self.name}")
+        self._kick_outbox()
 
-    def _load(self) -> tuple[list[PartitionView], list[tuple[int, int, int]]]:
+    def _load(
+        self,
+    ) -> tuple[list[PartitionView], list[tuple[int, int, int]], dict[tuple[int, int], Item]]:
         views: list[PartitionView] = []
         heap: list[tuple[int, int, int]] = []
+        outbox: dict[tuple[int, int], Item] = {}
         with self.store.env.begin() as txn:
             for p in range(self.store.partitions):
                 scan = self.store.scan(txn, p)
                 views.append(PartitionView.from_scan(scan))
                 heap.extend((deadline, p, seq) for deadline, seq in scan.leases)
+                outbox.update(((p, seq), item) for seq, item in self.store.outbox(txn, p))
         heapq.heapify(heap)
-        return views, heap
+        return views, heap, outbox
 
     async def stop(self) -> None:
         """Finish what was submitted, fail waiting leases with UNAVAILABLE, close storage."""
@@ -127,13 +146,24 @@ class LogicalQueue:
         self._wake.set()
         if self._task is not None:
             await self._task
+        await self._cancel_outbox()
         await asyncio.get_running_loop().run_in_executor(self._executor, self.store.close)
+
+    async def _cancel_outbox(self) -> None:
+        task, self._outbox_task = self._outbox_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
 
     async def delete(self, force: bool) -> None:
         """Stop the actor for good if the queue is empty (or ``force``); storage stays open."""
         await self.submit(_Delete(force=force))
         if self._task is not None:
             await self._task
+        await self._cancel_outbox()
 
     async def reconfigure(self, config: QueueConfig) -> None:
         await self.submit(_Reconfigure(config=config))
@@ -185,12 +215,14 @@ class LogicalQueue:
     async def _run(self) -> None:
         try:
             while True:
-                if not self._inbox:
+                if not self._inbox and not self._lifecycle_due():
                     if self._closed is not None:
                         break
                     self._arm_timer()
                     await self._wake.wait()
                 self._wake.clear()
+                if self._closed is not None and not self._inbox:
+                    break
                 inbox, self._inbox = self._inbox, []
                 await self._cycle(inbox)
         finally:
@@ -204,11 +236,29 @@ class LogicalQueue:
                 _answer(request, closed)
             self._inbox = []
 
+    def _next_lifecycle_us(self) -> int:
+        """The earliest lease deadline, due time or expiry (0: none)."""
+        times = [v.first_due for v in self._views if v.first_due]
+        times.extend(v.first_expiry for v in self._views if v.first_expiry)
+        if self._lease_heap:
+            times.append(self._lease_heap[0][0])
+        return min(times, default=0)
+
+    def _lifecycle_due(self) -> bool:
+        if self._lifecycle_pending:
+            return True
+        at = self._next_lifecycle_us()
+        return bool(at) and at <= now_us()
+
     def _arm_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        wake_at = min((w.wait_until_us for w in self._waiting), default=0)
+        times = [w.wait_until_us for w in self._waiting]
+        lifecycle = self._next_lifecycle_us()
+        if lifecycle:
+            times.append(lifecycle)
+        wake_at = min(times, default=0)
         if wake_at:
             delay = max(0.0, (wake_at - now_us()) / 1e6)
             self._timer = asyncio.get_running_loop().call_later(delay, self._wake.set)
@@ -244,27 +294,39 @@ class LogicalQueue:
         for request in control:
             if isinstance(request, _Reconfigure):
                 await self._apply_config(request)
-        if len(batch):
-            await self._apply(batch, now)
+        lifecycle = self._lifecycle_due()
+        if len(batch) or lifecycle:
+            await self._apply(batch, now, lifecycle)
         for request in control:
             if isinstance(request, _Delete):
                 self._apply_delete(request)
 
-    async def _apply(self, batch: _Batch, now: int) -> None:
+    async def _apply(self, batch: _Batch, now: int, lifecycle: bool) -> None:
         loop = asyncio.get_running_loop()
         self._in_flight = len(batch)
+        expired: list[tuple[int, int, int]] = []
+        if lifecycle:
+            self._lifecycle_pending = False
+            heap = self._lease_heap
+            while heap and heap[0][0] <= now and len(expired) < 1000:
+                expired.append(heapq.heappop(heap))
         try:
-            cycle = await loop.run_in_executor(self._executor, self._transaction, batch, now)
-        except StorageFull as exc:
-            self._fail_batch(batch, ResourceExhausted(str(exc)))
-            return
-        except StorageError as exc:
-            log.error("storage_failed", queue=self.name, error=str(exc))
-            self._fail_batch(batch, Unavailable(f"storage failed, retry later: {exc}"))
-            return
-        except Exception as exc:  # a bug must not kill the actor; the cycle is rolled back
-            log.exception("cycle_failed", queue=self.name, error=repr(exc))
-            self._fail_batch(batch, Unavailable("internal error while applying the request; it was not applied"))
+            cycle = await loop.run_in_executor(self._executor, self._transaction, batch, now, lifecycle, expired)
+        except Exception as exc:
+            for entry in expired:
+                heapq.heappush(self._lease_heap, entry)
+            if lifecycle:
+                self._lifecycle_pending = True
+            if isinstance(exc, StorageFull):
+                self._fail_batch(batch, ResourceExhausted(str(exc)))
+            elif isinstance(exc, StorageError):
+                log.error("storage_failed", queue=self.name, error=str(exc))
+                self._fail_batch(batch, Unavailable(f"storage failed, retry later: {exc}"))
+            else:  # a bug must not kill the actor; the cycle was rolled back
+                log.exception("cycle_failed", queue=self.name, error=repr(exc))
+                self._fail_batch(batch, Unavailable("internal error while applying the request; it was not applied"))
+            if lifecycle:
+                await asyncio.sleep(OUTBOX_RETRY_S)  # don't spin on a failing disk
             return
         finally:
             self._in_flight = 0
@@ -272,6 +334,14 @@ class LogicalQueue:
             self._views[p] = view
         for entry in cycle.lease_deadlines:
             heapq.heappush(self._lease_heap, entry)
+        if cycle.more_lifecycle or (expired and len(expired) >= 1000):
+            self._lifecycle_pending = True
+        for item_id, reason in cycle.dropped:
+            log.warning("item_dropped", queue=self.name, item_id=item_id, reason=reason, dead_queue=None)
+        if cycle.outbox_added:
+            for p, seq, item in cycle.outbox_added:
+                self._outbox[(p, seq)] = item
+            self._kick_outbox()
         for request, result in cycle.results:
             _answer(request, result)
         later = now_us()
@@ -283,11 +353,15 @@ class LogicalQueue:
             else:
                 _answer(lease, LeaseResult(0, []))
 
-    def _transaction(self, batch: _Batch, now: int) -> Cycle:
+    def _transaction(
+        self, batch: _Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]]
+    ) -> Cycle:
         def body(txn: lmdb.Transaction) -> Cycle:
             cycle = Cycle(self.store, self.config, self._views, now)
             for produce in batch.produces:
                 _guard(cycle, produce, lambda r=produce: cycle.produce(txn, r))
+            if lifecycle:
+                cycle.lifecycle(txn, expired)
             if batch.leases:
                 cycle.lease(txn, batch.leases)
             for request in batch.acks:
@@ -326,6 +400,40 @@ class LogicalQueue:
         self.config = config
         _answer(request, None)
 
+    # -- dead letters ----------------------------------------------------------------
+
+    def _kick_outbox(self) -> None:
+        if self._outbox and (self._outbox_task is None or self._outbox_task.done()):
+            self._outbox_task = asyncio.create_task(self._send_outbox(), name=f"dead-letters:{self.name}")
+
+    async def _send_outbox(self) -> None:
+        """Hand the outbox to the dead-letter queue, then drop what it stored.
+
+        The DLQ deduplicates by source_id, so resending after a crash or a failure
+        between its commit and ours stores nothing twice.
+        """
+        while self._outbox and self._closed is None:
+            entries = list(self._outbox.items())[:1000]
+            dead_queue = self.config.dead_queue
+            try:
+                if dead_queue:
+                    if self._resolve is None:
+                        raise Unavailable("no way to reach other queues")
+                    target = self._resolve(dead_queue)
+                    items = [Item.decode(item.encode()) for _, item in entries]
+                    await target.submit(DeadLetterRequest(items))
+                    crash_point(DEAD_LETTER_STORED)
+                else:
+                    for (_p, _seq), item in entries:
+                        log.warning("item_dropped", queue=self.name, item_id=item.source_id, reason="no dead_queue")
+                await self.submit(OutboxDoneRequest([key for key, _ in entries]))
+            except QueratorError as exc:
+                log.warning("dead_letter_failed", queue=self.name, dead_queue=dead_queue, error=exc.message)
+                await asyncio.sleep(OUTBOX_RETRY_S)
+                continue
+            for key, _ in entries:
+                self._outbox.pop(key, None)
+
     def _apply_delete(self, request: _Delete) -> None:
         if not request.force and self.holds_items():
             _answer(request, FailedPrecondition(f"queue {self.name!r} still holds items; set force to delete it"))
@@ -345,6 +453,8 @@ _OTHER: dict[type, Callable[[Cycle, lmdb.Transaction, Any], None]] = {
     ImportItemsRequest: Cycle.import_items,
     DeleteItemsRequest: Cycle.delete_items,
     ClearRequest: Cycle.clear,
+    DeadLetterRequest: Cycle.receive_dead_letters,
+    OutboxDoneRequest: Cycle.outbox_done,
 }
 
 

@@ -91,6 +91,20 @@ class ClearRequest(Request):
     destructive: bool
 
 
+@dataclass(eq=False, slots=True)
+class DeadLetterRequest(Request):
+    """Items another queue dead-lettered into this one (each with its source_id)."""
+
+    items: list[Item]
+
+
+@dataclass(eq=False, slots=True)
+class OutboxDoneRequest(Request):
+    """Outbox entries the dead-letter queue has durably stored: (partition, seq)."""
+
+    entries: list[tuple[int, int]]
+
+
 @dataclass(slots=True)
 class LeaseResult:
     partition: int

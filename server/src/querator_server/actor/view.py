@@ -25,6 +25,10 @@ class PartitionView:
     # ahead of the ready ones cost nothing.
     ready_hint: int = 1
     seq_dirty: bool = False
+    # The earliest due time of a scheduled item and the earliest expire deadline
+    # indexed (0: none). They may be early, never late: the lifecycle re-reads them.
+    first_due: int = 0
+    first_expiry: int = 0
 
     @classmethod
     def from_scan(cls, scan: PartitionScan) -> PartitionView:
@@ -36,6 +40,8 @@ class PartitionView:
             leased_at_sum=scan.leased_at_sum,
             next_seq=scan.next_seq,
             ready_hint=scan.first_ready_seq,
+            first_due=scan.first_due,
+            first_expiry=scan.first_expiry,
         )
 
     def copy(self) -> PartitionView:
@@ -48,6 +54,8 @@ class PartitionView:
             self.next_seq,
             self.ready_hint,
             self.seq_dirty,
+            self.first_due,
+            self.first_expiry,
         )
 
     def take_seq(self) -> int:
@@ -55,3 +63,11 @@ class PartitionView:
         self.next_seq += 1
         self.seq_dirty = True
         return seq
+
+    def note_due(self, due: int) -> None:
+        if not self.first_due or due < self.first_due:
+            self.first_due = due
+
+    def note_expiry(self, deadline: int) -> None:
+        if not self.first_expiry or deadline < self.first_expiry:
+            self.first_expiry = deadline

@@ -21,16 +21,19 @@ from .record import (
     KEY_NEXT_SEQ,
     TAG_EXPIRY,
     TAG_ITEM,
+    TAG_OUTBOX,
     TAG_SCHEDULED,
     Item,
     decode_u64,
     encode_u64,
     expiry_key,
     item_key,
+    outbox_key,
     parse_expiry_key,
     parse_scheduled_key,
     scheduled_key,
     seq_of_item_key,
+    source_key,
 )
 
 T = TypeVar("T")
@@ -164,8 +167,10 @@ class QueueStore:
         """Store a ready or leased item at ``seq`` (the tail of the partition)."""
         db = self._dbs[p]
         key = item_key(seq)
-        txn.put(key, item.encode(), db=db, append=False)
+        txn.put(key, item.encode(), db=db)
         txn.put(expiry_key(item.expire_deadline, key), b"", db=db)
+        if item.source_id:
+            txn.put(source_key(item.source_id), key, db=db)
 
     def get(self, txn: lmdb.Transaction, p: int, seq: int) -> Item | None:
         raw = txn.get(item_key(seq), db=self._dbs[p])
@@ -178,11 +183,20 @@ class QueueStore:
     def put_raw(self, txn: lmdb.Transaction, p: int, seq: int, raw: bytes) -> None:
         txn.put(item_key(seq), raw, db=self._dbs[p])
 
-    def delete(self, txn: lmdb.Transaction, p: int, seq: int, expire_deadline: int) -> None:
+    def delete(self, txn: lmdb.Transaction, p: int, seq: int, item: Item) -> None:
+        self._forget(txn, p, item_key(seq), item)
+
+    def _forget(self, txn: lmdb.Transaction, p: int, key: bytes, item: Item) -> None:
         db = self._dbs[p]
-        key = item_key(seq)
         txn.delete(key, db=db)
-        txn.delete(expiry_key(expire_deadline, key), db=db)
+        txn.delete(expiry_key(item.expire_deadline, key), db=db)
+        if item.source_id and txn.get(source_key(item.source_id), db=db) == key:
+            txn.delete(source_key(item.source_id), db=db)
+
+    def has_source(self, txn: lmdb.Transaction, source_id: str) -> bool:
+        """Whether any partition holds an item that came from ``source_id``."""
+        key = source_key(source_id)
+        return any(txn.get(key, db=db) is not None for db in self._dbs)
 
     def ready_items(self, txn: lmdb.Transaction, p: int, from_seq: int) -> Iterator[tuple[int, bytes]]:
         """Yield (seq, raw) of ready items from ``from_seq`` on, in FIFO order."""
@@ -214,16 +228,38 @@ class QueueStore:
         key = scheduled_key(due, seq)
         txn.put(key, item.encode(), db=db)
         txn.put(expiry_key(item.expire_deadline, key), b"", db=db)
+        if item.source_id:
+            txn.put(source_key(item.source_id), key, db=db)
 
     def get_scheduled(self, txn: lmdb.Transaction, p: int, due: int, seq: int) -> Item | None:
         raw = txn.get(scheduled_key(due, seq), db=self._dbs[p])
         return None if raw is None else Item.decode(raw)
 
-    def delete_scheduled(self, txn: lmdb.Transaction, p: int, due: int, seq: int, expire_deadline: int) -> None:
-        db = self._dbs[p]
-        key = scheduled_key(due, seq)
-        txn.delete(key, db=db)
-        txn.delete(expiry_key(expire_deadline, key), db=db)
+    def delete_scheduled(self, txn: lmdb.Transaction, p: int, due: int, seq: int, item: Item) -> None:
+        self._forget(txn, p, scheduled_key(due, seq), item)
+
+    def get_by_key(self, txn: lmdb.Transaction, p: int, key: bytes) -> Item | None:
+        raw = txn.get(key, db=self._dbs[p])
+        return None if raw is None else Item.decode(raw)
+
+    # -- the dead-letter outbox --------------------------------------------------
+
+    def put_outbox(self, txn: lmdb.Transaction, p: int, seq: int, item: Item) -> None:
+        txn.put(outbox_key(seq), item.encode(), db=self._dbs[p])
+
+    def delete_outbox(self, txn: lmdb.Transaction, p: int, seq: int) -> None:
+        txn.delete(outbox_key(seq), db=self._dbs[p])
+
+    def outbox(self, txn: lmdb.Transaction, p: int) -> list[tuple[int, Item]]:
+        cursor = txn.cursor(db=self._dbs[p])
+        out: list[tuple[int, Item]] = []
+        if not cursor.set_range(TAG_OUTBOX):
+            return out
+        for key, raw in cursor:
+            if key[:1] != TAG_OUTBOX:
+                break
+            out.append((seq_of_item_key(TAG_ITEM + key[1:]), Item.decode(raw)))
+        return out
 
     def page_scheduled(
         self, txn: lmdb.Transaction, p: int, after: tuple[int, int], limit: int
@@ -252,20 +288,31 @@ class QueueStore:
 
     # -- expiry index ------------------------------------------------------------
 
-    def expired(self, txn: lmdb.Transaction, p: int, now: int, limit: int) -> list[tuple[int, bytes]]:
-        """(expire_deadline, item key) of items whose deadline is at or before ``now``."""
-        cursor = txn.cursor(db=self._dbs[p])
-        out: list[tuple[int, bytes]] = []
+    def expired(self, txn: lmdb.Transaction, p: int, now: int, limit: int) -> tuple[list[tuple[bytes, Item]], int]:
+        """Up to ``limit`` expired items that are not leased, and the next deadline to check.
+
+        Leased items are skipped: they are dead-lettered when their lease ends. The
+        next deadline is 0 when nothing else is indexed, or ``now`` when more expired
+        items remain than ``limit``.
+        """
+        db = self._dbs[p]
+        cursor = txn.cursor(db=db)
+        out: list[tuple[bytes, Item]] = []
         if not cursor.set_range(TAG_EXPIRY):
-            return out
+            return out, 0
         for key in cursor.iternext(keys=True, values=False):
-            if key[:1] != TAG_EXPIRY or len(out) >= limit:
+            if key[:1] != TAG_EXPIRY:
                 break
             deadline, target = parse_expiry_key(key)
             if deadline > now:
-                break
-            out.append((deadline, target))
-        return out
+                return out, deadline
+            if len(out) >= limit:
+                return out, now
+            raw = txn.get(target, db=db)
+            if raw is None or (target[:1] == TAG_ITEM and raw[0] & 1):
+                continue
+            out.append((target, Item.decode(raw)))
+        return out, 0
 
     def first_expiry(self, txn: lmdb.Transaction, p: int) -> int:
         cursor = txn.cursor(db=self._dbs[p])
@@ -288,21 +335,26 @@ class QueueStore:
                         break
                     is_leased = bool(raw[0] & 1)
                     if (is_leased and leased) or (not is_leased and ready):
-                        header = _HEADER.unpack_from(raw)
                         doomed.append(key)
-                        doomed.append(expiry_key(header[3], key))
+                        doomed.extend(self._index_keys(key, raw, db, txn))
                         if is_leased:
                             removed_leases.append(seq_of_item_key(key))
         if scheduled and cursor.set_range(TAG_SCHEDULED):
             for key, raw in cursor:
                 if key[:1] != TAG_SCHEDULED:
                     break
-                header = _HEADER.unpack_from(raw)
                 doomed.append(key)
-                doomed.append(expiry_key(header[3], key))
+                doomed.extend(self._index_keys(key, raw, db, txn))
         for key in doomed:
             txn.delete(key, db=db)
         return removed_leases
+
+    def _index_keys(self, key: bytes, raw: bytes, db: Any, txn: lmdb.Transaction) -> list[bytes]:
+        item = Item.decode(raw)
+        keys = [expiry_key(item.expire_deadline, key)]
+        if item.source_id and txn.get(source_key(item.source_id), db=db) == key:
+            keys.append(source_key(item.source_id))
+        return keys
 
     def scan(self, txn: lmdb.Transaction, p: int) -> PartitionScan:
         """Read a whole partition once to rebuild the actor's in-memory view of it."""
@@ -333,6 +385,8 @@ class QueueStore:
                 _due, seq = parse_scheduled_key(key)
                 max_seq = max(max_seq, seq)
                 result.scheduled += 1
+        for seq, _item in self.outbox(txn, p):
+            max_seq = max(max_seq, seq)
         result.next_seq = max(result.next_seq, max_seq + 1)
         if not result.first_ready_seq:
             result.first_ready_seq = result.next_seq

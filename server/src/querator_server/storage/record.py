@@ -5,6 +5,10 @@ A partition is one named LMDB database whose keys start with a one-byte tag:
 - ``i`` + seq (8 bytes, big endian): a ready or leased item; key order is FIFO order.
 - ``s`` + due time (8) + seq (8): a scheduled item, ordered by due time then produce order.
 - ``x`` + expire deadline (8) + item key: the expiry index, value empty.
+- ``d`` + seq (8): an item on its way to the dead-letter queue (the outbox); it leaves
+  once the dead-letter queue has durably taken it.
+- ``u`` + source id: the key of the item that came from that source item (dead-letter
+  queues only), so a dead letter sent twice across a crash is stored once.
 - ``n``: the next sequence number, so a seq (and hence an id) is never reused.
 
 Times are microseconds since the epoch; big-endian unsigned integers sort like numbers.
@@ -18,6 +22,8 @@ from dataclasses import dataclass
 TAG_ITEM = b"i"
 TAG_SCHEDULED = b"s"
 TAG_EXPIRY = b"x"
+TAG_OUTBOX = b"d"
+TAG_SOURCE = b"u"
 KEY_NEXT_SEQ = b"n"
 
 _U64 = struct.Struct(">Q")
@@ -33,6 +39,14 @@ _FLAG_LEASED = 1
 
 def item_key(seq: int) -> bytes:
     return _ITEM_KEY.pack(TAG_ITEM, seq)
+
+
+def outbox_key(seq: int) -> bytes:
+    return _ITEM_KEY.pack(TAG_OUTBOX, seq)
+
+
+def source_key(source_id: str) -> bytes:
+    return TAG_SOURCE + source_id.encode()
 
 
 def scheduled_key(due_us: int, seq: int) -> bytes:

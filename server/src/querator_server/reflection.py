@@ -1,0 +1,129 @@
+"""Server reflection that serves the querator/v1 files with their comments.
+
+The descriptors compiled into the generated ``*_pb2`` modules carry no
+SourceCodeInfo, so plain reflection gives clients such as ``grpcurl describe``
+the API without its comments, which are the API reference. The client package
+ships ``querator/v1/querator_v1.binpb`` (written by scripts/gen_proto.sh with
+``--include_source_info``); this servicer hands out those richer
+FileDescriptorProtos instead of the plain ones for our files.
+
+It also finds the file of a method name (``package.Service.Method``), which
+the upb descriptor pool does not index.
+
+A file from the set is served only when it describes exactly what the running
+server uses (compared without source info and json_name); a stale or missing
+set falls back to the plain descriptors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from importlib import resources
+
+import structlog
+from google.protobuf import descriptor_pb2, descriptor_pool
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+log = structlog.get_logger("querator.reflection")
+
+DESCRIPTOR_SET_PACKAGE = "querator.v1"
+DESCRIPTOR_SET_NAME = "querator_v1.binpb"
+
+
+def load_source_descriptors() -> dict[str, descriptor_pb2.FileDescriptorProto]:
+    """The FileDescriptorProtos with source info shipped in the client package, by file name."""
+    try:
+        data = resources.files(DESCRIPTOR_SET_PACKAGE).joinpath(DESCRIPTOR_SET_NAME).read_bytes()
+    except (FileNotFoundError, ModuleNotFoundError, OSError) as exc:
+        log.warning("reflection_source_info_missing", error=str(exc))
+        return {}
+    files = descriptor_pb2.FileDescriptorSet.FromString(data).file
+    return {f.name: f for f in files}
+
+
+def _clear_json_names(messages: Iterable[descriptor_pb2.DescriptorProto]) -> None:
+    for message in messages:
+        for field in (*message.field, *message.extension):
+            field.ClearField("json_name")
+        _clear_json_names(message.nested_type)
+
+
+def _normalized(file: descriptor_pb2.FileDescriptorProto) -> descriptor_pb2.FileDescriptorProto:
+    copy = descriptor_pb2.FileDescriptorProto()
+    copy.CopyFrom(file)
+    copy.ClearField("source_code_info")
+    for field in copy.extension:
+        field.ClearField("json_name")
+    _clear_json_names(copy.message_type)
+    return copy
+
+
+class ReflectionServicer(reflection.aio.ReflectionServicer):  # type: ignore[name-defined,misc]
+    """The grpc.aio reflection servicer, answering with source info for our files."""
+
+    def __init__(
+        self,
+        service_names: Iterable[str],
+        pool: descriptor_pool.DescriptorPool | None = None,
+        source_descriptors: Mapping[str, descriptor_pb2.FileDescriptorProto] | None = None,
+    ) -> None:
+        super().__init__(service_names, pool)
+        self._source = dict(load_source_descriptors() if source_descriptors is None else source_descriptors)
+        # Plain serialized FileDescriptorProto -> what to send instead (itself when
+        # there is nothing better). Bounded by the number of files in the pool.
+        self._served: dict[bytes, bytes] = {}
+
+    def _enrich(self, serialized: bytes) -> bytes:
+        served = self._served.get(serialized)
+        if served is not None:
+            return served
+        served = serialized
+        plain = descriptor_pb2.FileDescriptorProto.FromString(serialized)
+        rich = self._source.get(plain.name)
+        if rich is not None:
+            if _normalized(plain) == _normalized(rich):
+                served = rich.SerializeToString()
+            else:
+                log.warning("reflection_source_info_stale", file=plain.name)
+        self._served[serialized] = served
+        return served
+
+    def _with_source_info(
+        self, response: reflection_pb2.ServerReflectionResponse
+    ) -> reflection_pb2.ServerReflectionResponse:
+        if self._source and response.HasField("file_descriptor_response"):
+            protos = response.file_descriptor_response.file_descriptor_proto
+            protos[:] = [self._enrich(p) for p in protos]
+        return response
+
+    def _file_by_filename(
+        self, request: reflection_pb2.ServerReflectionRequest, filename: str
+    ) -> reflection_pb2.ServerReflectionResponse:
+        return self._with_source_info(super()._file_by_filename(request, filename))
+
+    def _file_containing_symbol(
+        self, request: reflection_pb2.ServerReflectionRequest, fully_qualified_name: str
+    ) -> reflection_pb2.ServerReflectionResponse:
+        response = super()._file_containing_symbol(request, fully_qualified_name)
+        if response.HasField("error_response"):
+            # The upb descriptor pool does not index methods, so a method name
+            # ("querator.v1.QueueService.Lease", as in grpcurl describe) is not
+            # found; answer with the file of its service.
+            service, _, method = fully_qualified_name.rpartition(".")
+            try:
+                found = method in self._pool.FindServiceByName(service).methods_by_name
+            except KeyError:
+                found = False
+            if found:
+                response = super()._file_containing_symbol(request, service)
+        return self._with_source_info(response)
+
+    def _file_containing_extension(
+        self, request: reflection_pb2.ServerReflectionRequest, containing_type: str, extension_number: int
+    ) -> reflection_pb2.ServerReflectionResponse:
+        return self._with_source_info(
+            super()._file_containing_extension(request, containing_type, extension_number)
+        )
+
+
+__all__ = ["ReflectionServicer", "load_source_descriptors"]
