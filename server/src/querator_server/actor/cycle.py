@@ -228,8 +228,10 @@ class Cycle:
         return found
 
     def _lookup(self, txn: lmdb.Transaction, partition: int, ref: ItemRef | None) -> Item | None:
-        if ref is None or ref.uid != self.uid or ref.partition != partition or ref.due:
+        if ref is None or ref.uid != self.uid or ref.partition != partition:
             return None
+        if ref.due:  # a scheduled item exists but is never leased
+            return self.store.get_scheduled(txn, partition, ref.due, ref.seq)
         return self.store.get(txn, partition, ref.seq)
 
     def complete(self, txn: lmdb.Transaction, request: CompleteRequest) -> None:

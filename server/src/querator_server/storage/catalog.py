@@ -1,12 +1,13 @@
 """The catalog: every queue's settings, in an LMDB environment of its own.
 
-Queue settings are stored as JSON under the queue's name. Each queue also gets a
+Queue settings are stored as JSON under a digest of the queue's name. Each queue also gets a
 numeric uid that names its storage directory, so deleting a queue and creating one
 with the same name never finds the old items.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
@@ -68,10 +69,10 @@ class Catalog:
         return self._write(reserve)
 
     def put(self, config: QueueConfig) -> None:
-        self._write(lambda txn: txn.put(config.name.encode(), _encode(config), db=self._queues))
+        self._write(lambda txn: txn.put(_key(config.name), _encode(config), db=self._queues))
 
     def delete(self, name: str) -> None:
-        self._write(lambda txn: txn.delete(name.encode(), db=self._queues))
+        self._write(lambda txn: txn.delete(_key(name), db=self._queues))
 
     def _write(self, fn: Any) -> Any:
         try:
@@ -85,6 +86,12 @@ class Catalog:
 
     def close(self) -> None:
         self.env.close()
+
+
+def _key(name: str) -> bytes:
+    # A 512-character name can exceed LMDB's 511-byte key limit, so the key is a
+    # digest; the name itself is in the value and the manager sorts names in memory.
+    return hashlib.sha256(name.encode()).digest()
 
 
 def _encode(config: QueueConfig) -> bytes:
