@@ -81,14 +81,15 @@ def count(values: Sequence[object], field: str, *, noun: str = "items") -> None:
         raise InvalidArgument(field, f"must hold at most {MAX_BATCH} {noun}, got {len(values)}")
 
 
-def ids(values: Sequence[str], field: str = "ids") -> list[str]:
+def ids(values: Sequence[str], field: str = "ids", *, template: str = "{field}[{index}]") -> list[str]:
+    """Check a list of ids; ``template`` names one entry in errors (e.g. ``items[{index}].id``)."""
     count(values, field, noun="ids")
     seen: set[str] = set()
     for index, value in enumerate(values):
         if not value:
-            raise InvalidArgument(f"{field}[{index}]", "must not be empty")
+            raise InvalidArgument(template.format(field=field, index=index), "must not be empty")
         if value in seen:
-            raise InvalidArgument(f"{field}[{index}]", f"repeats id {quote(value)}")
+            raise InvalidArgument(template.format(field=field, index=index), f"repeats id {quote(value)}")
         seen.add(value)
     return list(values)
 

@@ -64,7 +64,8 @@ class QueueService:
         wait = c.optional_duration_us(request, "request_timeout", "request_timeout", maximum_us=MAX_WAIT_US)
         now = now_us()
         call_deadline = _call_deadline_us(context, now)
-        if not wait:
+        # An explicit zero means "answer at once"; unset means "as long as the call allows".
+        if not wait and not request.HasField("request_timeout"):
             wait = min(call_deadline - now, MAX_WAIT_US) if call_deadline else DEFAULT_WAIT_US
         wait_until = now + wait
         if call_deadline:
@@ -105,8 +106,7 @@ class QueueService:
 
     async def retry(self, request: pb.RetryRequest, context: grpc.aio.ServicerContext) -> pb.RetryResponse:
         name = c.queue_name(request.queue_name)
-        c.count(request.items, "items")
-        c.ids([item.id for item in request.items], "items.id")
+        c.ids([item.id for item in request.items], "items", template="items[{index}].id")
         partition = self._partition(name, request.partition)
         orders = [
             RetryOrder(
