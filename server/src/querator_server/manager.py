@@ -20,10 +20,16 @@ from .actor import LogicalQueue
 from .clock import now_us
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from .model import QueueConfig
-from .storage import Catalog, QueueStore
+from .storage import Catalog, QueueStore, StorageError
 from .storage.queue_store import DEFAULT_MAP_SIZE
 
 log = structlog.get_logger("querator.manager")
+
+
+def _storage_failed(exc: BaseException) -> Unavailable:
+    """A storage failure during an admin change: nothing changed, the caller may retry."""
+    log.error("admin_storage_failed", error=str(exc))
+    return Unavailable("storage failed, the change was not made; retry later")
 
 
 class QueuesManager:
@@ -137,14 +143,19 @@ class QueuesManager:
             self._check_dead_queue(config)
             loop = asyncio.get_running_loop()
             catalog = self._require_catalog()
-            uid = await loop.run_in_executor(self._executor, catalog.next_uid)
-            now = now_us()
-            config = config.replace(uid=uid, created_at_us=now, updated_at_us=now)
-            actor = await self._start_actor(config)
+            try:
+                uid = await loop.run_in_executor(self._executor, catalog.next_uid)
+                now = now_us()
+                config = config.replace(uid=uid, created_at_us=now, updated_at_us=now)
+                actor = await self._start_actor(config)
+            except (StorageError, OSError) as exc:
+                raise _storage_failed(exc) from exc
             try:
                 await loop.run_in_executor(self._executor, catalog.put, config)
-            except Exception:
+            except Exception as exc:
                 await actor.stop()
+                if isinstance(exc, StorageError | OSError):
+                    raise _storage_failed(exc) from exc
                 raise
             self._configs[config.name] = config
             bisect.insort(self._names, config.name)
@@ -168,7 +179,10 @@ class QueuesManager:
             if "dead_queue" in changes:
                 self._check_dead_queue(updated)
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._executor, self._require_catalog().put, updated)
+            try:
+                await loop.run_in_executor(self._executor, self._require_catalog().put, updated)
+            except (StorageError, OSError) as exc:
+                raise _storage_failed(exc) from exc
             self._configs[name] = updated
             await self._actors[name].reconfigure(updated)
             return updated
