@@ -197,10 +197,18 @@ class QueuesManager:
             actor = self._actors[name]
             await actor.delete(force)
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._executor, self._require_catalog().delete, name)
+            try:
+                await loop.run_in_executor(self._executor, self._require_catalog().delete, name)
+            except (StorageError, OSError) as exc:
+                # The actor stopped but the catalog still has the queue: bring the
+                # queue back as it was, so nothing is half-deleted.
+                await loop.run_in_executor(self._executor, actor.store.close)
+                self._actors[name] = await self._start_actor(self._configs[name])
+                raise _storage_failed(exc) from exc
             del self._configs[name]
             self._names.remove(name)
             del self._actors[name]
+            # A crash before this point leaves an orphan directory that start-up removes.
             await loop.run_in_executor(self._executor, actor.store.destroy)
             log.info("queue_deleted", queue=name)
 
