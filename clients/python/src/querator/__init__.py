@@ -1,9 +1,94 @@
-"""Querator: a lease-based, almost-exactly-once FIFO work-queue service.
+"""Querator for Python: a client for the Querator lease-based FIFO work-queue service.
+
+::
+
+    import querator
+
+    with querator.Client("127.0.0.1:2319") as client:
+        client.create_queue("emails")
+        client.produce("emails", ["hello", "world"])
+        for item in client.lease("emails", batch_size=10, wait=5):
+            with item:              # completes on success, retries on exception
+                print(item.text)
+
+- :class:`Client` / :class:`AsyncClient`: every call of the v1 API, sync and asyncio.
+- :class:`Producer` / :class:`AsyncProducer`: batch single items into few requests.
+- :class:`Worker` / :class:`AsyncWorker`: lease, run a handler, complete / retry / extend.
+- :mod:`querator.errors`: the exception tree; :mod:`querator.testing` and
+  :mod:`querator.embedded`: a real server inside this process.
 
 The generated gRPC stubs live in ``querator.v1`` (``queue_pb2``, ``queues_pb2``,
 ``storage_pb2`` and their ``_grpc`` twins).
 """
 
+from ._async_client import AsyncClient
+from ._client import Client
+from ._config import Backoff, ClientConfig
+from ._items import AsyncLeasedItem, LeasedItem
+from ._models import (
+    Item,
+    ItemRef,
+    Page,
+    PartitionStats,
+    ProduceResult,
+    QueueInfo,
+    QueueStats,
+    StoredItem,
+)
+from ._paging import AsyncPager, Pager
+from .errors import (
+    Cancelled,
+    DeadLetter,
+    DeadlineExceeded,
+    FailedPrecondition,
+    FieldViolation,
+    InvalidRequest,
+    ItemNotFound,
+    LeaseLost,
+    NotFound,
+    NotLeased,
+    Overloaded,
+    QueratorError,
+    QueueExists,
+    QueueNotFound,
+    ServerError,
+    Unavailable,
+)
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "AsyncClient",
+    "AsyncLeasedItem",
+    "AsyncPager",
+    "Backoff",
+    "Cancelled",
+    "Client",
+    "ClientConfig",
+    "DeadLetter",
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "FieldViolation",
+    "InvalidRequest",
+    "Item",
+    "ItemNotFound",
+    "ItemRef",
+    "LeaseLost",
+    "LeasedItem",
+    "NotFound",
+    "NotLeased",
+    "Overloaded",
+    "Page",
+    "Pager",
+    "PartitionStats",
+    "ProduceResult",
+    "QueratorError",
+    "QueueExists",
+    "QueueInfo",
+    "QueueNotFound",
+    "QueueStats",
+    "ServerError",
+    "StoredItem",
+    "Unavailable",
+    "__version__",
+]

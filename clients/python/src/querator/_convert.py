@@ -1,0 +1,70 @@
+"""Python values <-> protobuf values (times, durations, payloads)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+Seconds = timedelta | float | int
+"""A duration: a :class:`~datetime.timedelta` or a number of seconds."""
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def seconds(value: Seconds) -> float:
+    """``value`` as float seconds; refuses negative durations."""
+    out = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if out < 0:
+        raise ValueError(f"a duration must not be negative, got {value!r}")
+    return out
+
+
+def as_timedelta(value: Seconds) -> timedelta:
+    return value if isinstance(value, timedelta) else timedelta(seconds=float(value))
+
+
+def to_duration(value: Seconds) -> duration_pb2.Duration:
+    micros = round(seconds(value) * 1_000_000)
+    return duration_pb2.Duration(seconds=micros // 1_000_000, nanos=(micros % 1_000_000) * 1000)
+
+
+def from_duration(value: duration_pb2.Duration) -> timedelta:
+    return timedelta(seconds=value.seconds, microseconds=value.nanos // 1000)
+
+
+def utc(value: datetime) -> datetime:
+    """``value`` in UTC; a naive datetime is refused (its zone would be a guess)."""
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(f"datetime values must be timezone-aware (e.g. datetime.now(UTC)), got {value!r}")
+    return value.astimezone(UTC)
+
+
+def to_timestamp(value: datetime) -> timestamp_pb2.Timestamp:
+    delta = utc(value) - _EPOCH
+    micros = (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+    return timestamp_pb2.Timestamp(seconds=micros // 1_000_000, nanos=(micros % 1_000_000) * 1000)
+
+
+def from_timestamp(value: timestamp_pb2.Timestamp) -> datetime:
+    return _EPOCH + timedelta(seconds=value.seconds, microseconds=value.nanos // 1000)
+
+
+def optional_timestamp(message: object, name: str) -> datetime | None:
+    """The timestamp field ``name`` of ``message``, or None when unset or zero."""
+    if not message.HasField(name):  # type: ignore[attr-defined]
+        return None
+    ts: timestamp_pb2.Timestamp = getattr(message, name)
+    if ts.seconds == 0 and ts.nanos == 0:
+        return None
+    return from_timestamp(ts)
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def payload_bytes(value: bytes | bytearray | memoryview | str) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)

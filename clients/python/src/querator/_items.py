@@ -1,0 +1,205 @@
+"""Leased items: the data of one lease plus complete / retry / dead / extend."""
+
+from __future__ import annotations
+
+import json as _json
+import threading
+from datetime import datetime
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from ._convert import Seconds
+from ._models import ItemRef
+from .errors import DeadLetter
+
+if TYPE_CHECKING:
+    from ._async_client import AsyncClient
+    from ._client import Client
+
+#: What happened to a leased item through this object (None: nothing yet).
+COMPLETED = "completed"
+RETRIED = "retried"
+DEAD = "dead"
+
+
+class _LeasedBase:
+    """The fields of a leased item; shared by the sync and async twins."""
+
+    __slots__ = (
+        "queue_name",
+        "partition",
+        "id",
+        "payload",
+        "encoding",
+        "kind",
+        "reference",
+        "attempts",
+        "lease_deadline",
+        "created_at",
+        "_state",
+        "_lock",
+    )
+
+    def __init__(
+        self,
+        *,
+        queue_name: str,
+        partition: int,
+        id: str,
+        payload: bytes,
+        encoding: str = "",
+        kind: str = "",
+        reference: str = "",
+        attempts: int = 0,
+        lease_deadline: datetime,
+        created_at: datetime,
+    ) -> None:
+        self.queue_name = queue_name
+        self.partition = partition
+        self.id = id
+        self.payload = payload
+        self.encoding = encoding
+        self.kind = kind
+        self.reference = reference
+        #: How many times the item has been leased, this lease included (1 the first time).
+        self.attempts = attempts
+        #: When this lease ends unless extended; updated by extend().
+        self.lease_deadline = lease_deadline
+        self.created_at = created_at
+        self._state: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def text(self) -> str:
+        """The payload decoded as UTF-8."""
+        return self.payload.decode()
+
+    def json(self) -> Any:
+        """The payload parsed as JSON."""
+        return _json.loads(self.payload)
+
+    @property
+    def ref(self) -> ItemRef:
+        return ItemRef(self.queue_name, self.partition, self.id)
+
+    @property
+    def state(self) -> str | None:
+        """``"completed"``, ``"retried"``, ``"dead"`` once settled through the SDK, else None."""
+        return self._state
+
+    @property
+    def settled(self) -> bool:
+        return self._state is not None
+
+    def _set_state(self, state: str) -> None:
+        with self._lock:
+            self._state = state
+
+    def _set_deadline(self, deadline: datetime) -> None:
+        self.lease_deadline = deadline
+
+    def _fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _LeasedBase.__slots__ if not name.startswith("_")}
+
+    def __repr__(self) -> str:
+        payload = self.payload if len(self.payload) <= 40 else self.payload[:37] + b"..."
+        return (
+            f"{type(self).__name__}(queue_name={self.queue_name!r}, partition={self.partition}, "
+            f"id={self.id!r}, attempts={self.attempts}, payload={payload!r})"
+        )
+
+
+class LeasedItem(_LeasedBase):
+    """A leased item bound to the :class:`~querator.Client` that leased it.
+
+    As a context manager it completes the item when the block succeeds, sends it to the
+    dead-letter queue when the block raises :class:`~querator.DeadLetter`, and retries
+    it at once on any other exception (which then propagates). An item settled inside
+    the block is left alone.
+    """
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: Client, **fields: Any) -> None:
+        super().__init__(**fields)
+        self._client = client
+
+    def complete(self) -> None:
+        """Remove the item for good. Raises LeaseLost when the lease is no longer ours."""
+        self._client.complete(self)
+
+    def retry(self, *, at: datetime | None = None, in_: Seconds | None = None) -> None:
+        """Give the item back: now, at ``at`` or after ``in_``."""
+        self._client.retry(self, at=at, in_=in_)
+
+    def dead(self) -> None:
+        """Send the item to the queue's dead-letter queue (deleted when it has none)."""
+        self._client.retry(self, dead=True)
+
+    def extend(self, lease_timeout: Seconds | None = None) -> datetime:
+        """Push the lease deadline to now + ``lease_timeout`` (default: the queue's)."""
+        return self._client.extend(self, lease_timeout=lease_timeout)[0]
+
+    def __enter__(self) -> LeasedItem:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if self.settled:
+            return False
+        if exc is None:
+            self.complete()
+        elif isinstance(exc, DeadLetter):
+            self.dead()
+            return True
+        else:
+            self.retry()
+        return False
+
+
+class AsyncLeasedItem(_LeasedBase):
+    """A leased item bound to the :class:`~querator.AsyncClient` that leased it.
+
+    ``async with item:`` completes it on success, dead-letters it on
+    :class:`~querator.DeadLetter` and retries it at once on any other exception.
+    """
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: AsyncClient, **fields: Any) -> None:
+        super().__init__(**fields)
+        self._client = client
+
+    async def complete(self) -> None:
+        """Remove the item for good. Raises LeaseLost when the lease is no longer ours."""
+        await self._client.complete(self)
+
+    async def retry(self, *, at: datetime | None = None, in_: Seconds | None = None) -> None:
+        """Give the item back: now, at ``at`` or after ``in_``."""
+        await self._client.retry(self, at=at, in_=in_)
+
+    async def dead(self) -> None:
+        """Send the item to the queue's dead-letter queue (deleted when it has none)."""
+        await self._client.retry(self, dead=True)
+
+    async def extend(self, lease_timeout: Seconds | None = None) -> datetime:
+        """Push the lease deadline to now + ``lease_timeout`` (default: the queue's)."""
+        return (await self._client.extend(self, lease_timeout=lease_timeout))[0]
+
+    async def __aenter__(self) -> AsyncLeasedItem:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if self.settled:
+            return False
+        if exc is None:
+            await self.complete()
+        elif isinstance(exc, DeadLetter):
+            await self.dead()
+            return True
+        else:
+            await self.retry()
+        return False

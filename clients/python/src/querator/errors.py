@@ -1,0 +1,251 @@
+"""Every error the SDK raises, one class per case a caller handles differently.
+
+A failed call raises a subclass of :class:`QueratorError`, chosen from the gRPC
+status code and, where the same code means different things, from the call::
+
+    QueratorError                   base: .code (grpc.StatusCode), .status (its name), .message
+     ├── InvalidRequest             INVALID_ARGUMENT; .field_violations from google.rpc.BadRequest
+     ├── NotFound                   NOT_FOUND
+     │    ├── QueueNotFound         no such queue (or it was deleted)
+     │    └── ItemNotFound    (*)   an id that does not exist: completed, re-queued under a
+     │                              new id after its lease expired, or never produced
+     ├── QueueExists                ALREADY_EXISTS
+     ├── FailedPrecondition         FAILED_PRECONDITION: the state forbids it (a DLQ in use,
+     │    │                         a queue that still holds items, a busy client_id, ...)
+     │    └── NotLeased       (*)   an id that exists but is not leased, or whose lease ran out
+     ├── Overloaded                 RESOURCE_EXHAUSTED: the queue is overloaded or the request too big
+     ├── Unavailable                UNAVAILABLE: server shutting down, storage failing, or no
+     │                              connection; safe to retry
+     ├── DeadlineExceeded           DEADLINE_EXCEEDED: the call's deadline passed first
+     ├── Cancelled                  CANCELLED
+     └── ServerError                any other status (UNKNOWN, INTERNAL, UNIMPLEMENTED, ...)
+
+    LeaseLost                       (*) base of ItemNotFound and NotLeased: on Complete, Retry
+                                    and Extend, catch it to mean "this lease is no longer mine"
+
+    DeadLetter                      not a server error: raise it from a Worker handler (or in a
+                                    ``with item:`` block) to send the item to the dead-letter
+                                    queue instead of retrying it
+
+A multi-request :meth:`~querator.Client.produce` that fails part way sets ``.produced`` on
+the error: a :class:`~querator.ProduceResult` whose ``ids`` are ``""`` for the items that
+were not stored (None when nothing was stored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+
+if TYPE_CHECKING:
+    from ._models import ProduceResult
+
+__all__ = [
+    "Cancelled",
+    "DeadLetter",
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "FieldViolation",
+    "InvalidRequest",
+    "ItemNotFound",
+    "LeaseLost",
+    "NotFound",
+    "NotLeased",
+    "Overloaded",
+    "QueratorError",
+    "QueueExists",
+    "QueueNotFound",
+    "ServerError",
+    "Unavailable",
+    "from_rpc_error",
+]
+
+_DETAILS_KEY = "grpc-status-details-bin"
+
+
+@dataclass(frozen=True, slots=True)
+class FieldViolation:
+    """One bad field of a request, as the server's ``google.rpc.BadRequest`` names it."""
+
+    field: str
+    description: str
+
+
+class QueratorError(Exception):
+    """Base class of every error a Querator call raises."""
+
+    #: The gRPC status code, or None for errors raised before any call was made.
+    code: grpc.StatusCode | None = None
+
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        #: For a produce that stored some batches before failing: what was stored.
+        self.produced: ProduceResult | None = None
+
+    @property
+    def status(self) -> str:
+        """The status code's name, e.g. ``"NOT_FOUND"`` (``"UNKNOWN"`` when there is none)."""
+        return self.code.name if self.code is not None else "UNKNOWN"
+
+    def __str__(self) -> str:
+        return f"{self.status}: {self.message}" if self.code is not None else self.message
+
+
+class InvalidRequest(QueratorError):
+    """The request is malformed (INVALID_ARGUMENT); ``field_violations`` names each bad field."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: grpc.StatusCode | None = None,
+        field_violations: list[FieldViolation] | None = None,
+    ) -> None:
+        super().__init__(message, code=code)
+        self.field_violations: list[FieldViolation] = list(field_violations or [])
+
+
+class NotFound(QueratorError):
+    """NOT_FOUND: the queue or the item does not exist."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class LeaseLost(QueratorError):
+    """The lease named by an id is no longer the caller's (base of ItemNotFound and NotLeased).
+
+    The item was completed, retried, re-queued after its lease expired (it has a new id
+    now) or was never leased. Whatever the caller did with it may be done again by
+    another consumer: handlers must be idempotent (at-least-once delivery).
+    """
+
+
+class QueueNotFound(NotFound):
+    """The queue does not exist (or was deleted)."""
+
+
+class ItemNotFound(NotFound, LeaseLost):
+    """An id passed to Complete, Retry or Extend does not exist (any more)."""
+
+
+class QueueExists(QueratorError):
+    """ALREADY_EXISTS: a queue of that name exists."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(QueratorError):
+    """FAILED_PRECONDITION: the current state forbids the operation."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotLeased(FailedPrecondition, LeaseLost):
+    """An id passed to Complete, Retry or Extend is not leased, or its lease has run out."""
+
+
+class Overloaded(QueratorError):
+    """RESOURCE_EXHAUSTED: the queue is overloaded or the request is too big."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(QueratorError):
+    """UNAVAILABLE: the server is shutting down, its storage is failing or it cannot be reached.
+
+    The request was not applied when the server said so; after a lost connection it may
+    or may not have been. Reads, Lease and Extend are retried automatically.
+    """
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(QueratorError):
+    """DEADLINE_EXCEEDED: the call's deadline passed before the server answered."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(QueratorError):
+    """CANCELLED: the call was cancelled."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class ServerError(QueratorError):
+    """Any other status (UNKNOWN, INTERNAL, UNIMPLEMENTED, ...): a bug or a mismatched server."""
+
+
+class DeadLetter(Exception):  # noqa: N818 - it is an instruction, not an error condition
+    """Raise from a handler to send the item to the dead-letter queue, without retrying it."""
+
+
+_BY_CODE: dict[grpc.StatusCode, type[QueratorError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: QueueExists,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: Cancelled,
+}
+
+
+def _field_violations(trailing: object) -> list[FieldViolation]:
+    """Decode google.rpc.BadRequest field violations from the status-details trailer."""
+    import google.rpc.error_details_pb2 as error_details_pb2
+    import google.rpc.status_pb2 as status_pb2
+
+    out: list[FieldViolation] = []
+    for entry in trailing or ():  # type: ignore[attr-defined]
+        try:
+            key, value = entry
+        except (TypeError, ValueError):
+            continue
+        if key != _DETAILS_KEY or not isinstance(value, bytes):
+            continue
+        try:
+            status = status_pb2.Status.FromString(value)
+        except Exception:  # a garbled trailer must not hide the real error
+            continue
+        for detail in status.details:
+            if detail.TypeName() == error_details_pb2.BadRequest.DESCRIPTOR.full_name:
+                bad = error_details_pb2.BadRequest()
+                detail.Unpack(bad)
+                out.extend(FieldViolation(v.field, v.description) for v in bad.field_violations)
+    return out
+
+
+def _is_queue_message(message: str) -> bool:
+    return message.startswith("queue ") and ("does not exist" in message or "was deleted" in message)
+
+
+def from_status(
+    code: grpc.StatusCode, message: str, trailing: object = (), *, item_call: bool = False
+) -> QueratorError:
+    """The exception for a status ``code``; ``item_call`` for calls that name leased ids."""
+    cls = _BY_CODE.get(code, ServerError)
+    if cls is NotFound:
+        cls = ItemNotFound if item_call and not _is_queue_message(message) else QueueNotFound
+    elif cls is FailedPrecondition and item_call and "client_id" not in message:
+        cls = NotLeased
+    if cls is InvalidRequest:
+        return InvalidRequest(message, code=code, field_violations=_field_violations(trailing))
+    return cls(message, code=code)
+
+
+def from_rpc_error(error: grpc.RpcError, *, item_call: bool = False) -> QueratorError:
+    """Map a ``grpc.RpcError`` (sync or ``grpc.aio.AioRpcError``) to a :class:`QueratorError`."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return from_status(error.code(), error.details() or "", error.trailing_metadata(), item_call=item_call)
+    if isinstance(error, grpc.Call):
+        return from_status(error.code(), error.details() or "", error.trailing_metadata(), item_call=item_call)
+    return ServerError(str(error) or type(error).__name__)
