@@ -36,6 +36,7 @@ from ._models import (
     StoredItem,
 )
 from ._paging import AsyncPager, Pager
+from ._producer import AsyncProducer, Producer
 from .errors import (
     Cancelled,
     DeadLetter,
@@ -61,6 +62,7 @@ __all__ = [
     "AsyncClient",
     "AsyncLeasedItem",
     "AsyncPager",
+    "AsyncProducer",
     "Backoff",
     "Cancelled",
     "Client",
@@ -82,6 +84,7 @@ __all__ = [
     "Pager",
     "PartitionStats",
     "ProduceResult",
+    "Producer",
     "QueratorError",
     "QueueExists",
     "QueueInfo",

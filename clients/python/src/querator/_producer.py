@@ -1,0 +1,401 @@
+"""Producers: hand over single items, get futures; items travel in batches.
+
+A producer collects items into a batch until it holds ``max_items`` items or
+``max_bytes`` bytes, or its oldest item has waited ``max_latency``; it keeps up to
+``max_in_flight`` batches in flight. ``produce()`` blocks (``Producer``) or waits
+(``AsyncProducer``) while ``max_pending`` items are buffered or in flight: that is the
+flow control that keeps a fast producer from growing memory without bound.
+Each item's future resolves to its id, or to the :class:`~querator.QueratorError` of
+its batch. Items of one batch go to one partition, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import grpc
+
+from . import _protocol as p
+from ._config import BATCH_BYTES, MAX_BATCH
+from ._convert import Seconds, seconds
+from ._models import Item
+from .errors import QueratorError, Unavailable, from_rpc_error
+from .v1 import queue_pb2
+
+if TYPE_CHECKING:
+    from ._async_client import AsyncClient
+    from ._client import Client
+
+F = TypeVar("F")
+
+
+@dataclass
+class _Batch(Generic[F]):
+    items: list[queue_pb2.ProduceItem] = field(default_factory=list)
+    futures: list[F] = field(default_factory=list)
+    size: int = 0
+    started: float = 0.0
+    attempt: int = 0
+    not_before: float = 0.0
+
+
+class _Settings:
+    def __init__(
+        self,
+        queue_name: str,
+        max_items: int,
+        max_bytes: int,
+        max_latency: Seconds,
+        max_in_flight: int,
+        max_pending: int,
+        encoding: str,
+        kind: str,
+        reference: str,
+        enqueue_at: datetime | None,
+    ) -> None:
+        if not 1 <= max_items <= MAX_BATCH:
+            raise ValueError(f"max_items must be between 1 and {MAX_BATCH}")
+        if max_in_flight < 1 or max_pending < 1 or max_bytes < 1:
+            raise ValueError("max_in_flight, max_pending and max_bytes must be at least 1")
+        self.queue_name = queue_name
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self.max_latency = seconds(max_latency)
+        self.max_in_flight = max_in_flight
+        self.max_pending = max_pending
+        self.defaults = Item(b"", encoding=encoding, kind=kind, reference=reference, enqueue_at=enqueue_at)
+
+    def message(self, item: p.ProduceArg) -> tuple[queue_pb2.ProduceItem, int]:
+        message = p.produce_item(item, self.defaults)
+        return message, message.ByteSize() + 6
+
+    def full(self, batch: _Batch[Any], cost: int) -> bool:
+        return bool(batch.items) and (len(batch.items) >= self.max_items or batch.size + cost > self.max_bytes)
+
+
+class Producer:
+    """Batching producer for :class:`~querator.Client`; ``produce()`` returns a Future of the id.
+
+    A background thread sends the batches. ``flush()`` waits for everything produced so
+    far; ``close()`` (or leaving the ``with`` block) flushes and stops the thread.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        queue_name: str,
+        *,
+        max_items: int = MAX_BATCH,
+        max_bytes: int = BATCH_BYTES,
+        max_latency: Seconds = 0.01,
+        max_in_flight: int = 4,
+        max_pending: int = 100_000,
+        retry: bool | None = None,
+        timeout: Seconds | None = None,
+        encoding: str = "",
+        kind: str = "",
+        reference: str = "",
+        enqueue_at: datetime | None = None,
+    ) -> None:
+        self._client = client
+        self._s = _Settings(
+            queue_name, max_items, max_bytes, max_latency, max_in_flight, max_pending,
+            encoding, kind, reference, enqueue_at,
+        )  # fmt: skip
+        self._retry = client.config.retry_produce if retry is None else retry
+        self._timeout = client.config.call_timeout(timeout)
+        self._cond = threading.Condition()
+        self._batch: _Batch[concurrent.futures.Future[str]] = _Batch()
+        self._ready: collections.deque[_Batch[concurrent.futures.Future[str]]] = collections.deque()
+        self._pending = 0
+        self._in_flight = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="querator-producer", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Items buffered or in flight."""
+        return self._pending
+
+    def produce(self, item: p.ProduceArg, *, timeout: Seconds | None = None) -> concurrent.futures.Future[str]:
+        """Queue one item (bytes, str or Item); blocks while ``max_pending`` items wait.
+
+        ``timeout`` bounds that wait (then :class:`~querator.Overloaded` is raised).
+        """
+        message, cost = self._s.message(item)
+        future: concurrent.futures.Future[str] = concurrent.futures.Future()
+        limit = None if timeout is None else time.monotonic() + seconds(timeout)
+        with self._cond:
+            while self._pending >= self._s.max_pending and not self._closed:
+                remaining = None if limit is None else limit - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise _overloaded(self._s.max_pending)
+                self._cond.wait(remaining)
+            if self._closed:
+                raise RuntimeError("the producer is closed")
+            if self._s.full(self._batch, cost):
+                self._seal()
+            if not self._batch.items:
+                self._batch.started = time.monotonic()
+            self._batch.items.append(message)
+            self._batch.futures.append(future)
+            self._batch.size += cost
+            self._pending += 1
+            if self._s.full(self._batch, 0):
+                self._seal()
+            self._cond.notify_all()
+        return future
+
+    def _seal(self) -> None:
+        self._ready.append(self._batch)
+        self._batch = _Batch()
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                if self._batch.items and (self._closed or now - self._batch.started >= self._s.max_latency):
+                    self._seal()
+                sendable = self._ready and self._in_flight < self._s.max_in_flight
+                if sendable and self._ready[0].not_before <= now:
+                    batch = self._ready.popleft()
+                    self._in_flight += 1
+                    self._send(batch)
+                    continue
+                if self._closed and not self._ready and not self._batch.items and self._in_flight == 0:
+                    return
+                wake = 1.0
+                if self._batch.items:
+                    wake = min(wake, self._batch.started + self._s.max_latency - now)
+                if sendable:
+                    wake = min(wake, self._ready[0].not_before - now)
+                self._cond.wait(max(wake, 0.001))
+
+    def _send(self, batch: _Batch[concurrent.futures.Future[str]]) -> None:
+        request = p.produce_request(self._s.queue_name, batch.items, self._timeout)
+        config = self._client.config
+        call = self._client._queue.Produce.future(
+            request,
+            timeout=self._timeout,
+            metadata=tuple(config.call_metadata()),
+            wait_for_ready=config.wait_for_ready or None,
+        )
+        call.add_done_callback(lambda done: self._done(batch, done))
+
+    def _done(self, batch: _Batch[concurrent.futures.Future[str]], call: Any) -> None:
+        try:
+            response = call.result()
+            error: QueratorError | None = None
+        except grpc.RpcError as exc:
+            error = from_rpc_error(exc)
+        except Exception as exc:  # cancelled at close, or a bug: fail the batch's futures
+            error = QueratorError(f"produce failed: {exc!r}")
+        with self._cond:
+            self._in_flight -= 1
+            if error is not None and self._retry and isinstance(error, Unavailable):
+                if batch.attempt < self._client.config.retries:
+                    batch.attempt += 1
+                    batch.not_before = time.monotonic() + self._client._backoff(batch.attempt)
+                    self._ready.appendleft(batch)
+                    self._cond.notify_all()
+                    return
+            self._pending -= len(batch.items)
+            self._cond.notify_all()
+        if error is not None:
+            for future in batch.futures:
+                future.set_exception(error)
+        else:
+            for future, item_id in zip(batch.futures, response.ids):
+                future.set_result(item_id)
+
+    def flush(self, timeout: Seconds | None = None) -> None:
+        """Send what is buffered now and wait until nothing is pending."""
+        limit = None if timeout is None else time.monotonic() + seconds(timeout)
+        with self._cond:
+            if self._batch.items:
+                self._seal()
+                self._cond.notify_all()
+            while self._pending:
+                remaining = None if limit is None else limit - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"{self._pending} items still pending")
+                self._cond.wait(remaining)
+
+    def close(self, timeout: Seconds | None = None) -> None:
+        """Flush, then stop the background thread. Further ``produce()`` calls fail."""
+        try:
+            self.flush(timeout)
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            self._thread.join(None if timeout is None else seconds(timeout))
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _overloaded(limit: int) -> QueratorError:
+    from .errors import Overloaded
+
+    return Overloaded(f"{limit} items are already pending in the producer")
+
+
+class AsyncProducer:
+    """Batching producer for :class:`~querator.AsyncClient`.
+
+    ``fut = await producer.produce(item)`` waits only for room (``max_pending``) and
+    returns an ``asyncio.Future`` of the id; ``await fut`` when you need it. Use it in
+    one event loop; ``async with`` flushes and stops it.
+    """
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        queue_name: str,
+        *,
+        max_items: int = MAX_BATCH,
+        max_bytes: int = BATCH_BYTES,
+        max_latency: Seconds = 0.01,
+        max_in_flight: int = 4,
+        max_pending: int = 100_000,
+        retry: bool | None = None,
+        timeout: Seconds | None = None,
+        encoding: str = "",
+        kind: str = "",
+        reference: str = "",
+        enqueue_at: datetime | None = None,
+    ) -> None:
+        self._client = client
+        self._s = _Settings(
+            queue_name, max_items, max_bytes, max_latency, max_in_flight, max_pending,
+            encoding, kind, reference, enqueue_at,
+        )  # fmt: skip
+        self._retry = client.config.retry_produce if retry is None else retry
+        self._timeout = client.config.call_timeout(timeout)
+        self._batch: _Batch[asyncio.Future[str]] = _Batch()
+        self._pending = 0
+        self._closed = False
+        self._changed: asyncio.Condition | None = None
+        self._flusher: asyncio.Task[None] | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def _start(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+            self._slots = asyncio.Semaphore(self._s.max_in_flight)
+            self._flusher = asyncio.create_task(self._flush_on_time())
+        return self._changed
+
+    async def produce(self, item: p.ProduceArg) -> asyncio.Future[str]:
+        """Queue one item; waits while ``max_pending`` items are pending."""
+        if self._closed:
+            raise RuntimeError("the producer is closed")
+        message, cost = self._s.message(item)
+        changed = self._start()
+        async with changed:
+            await changed.wait_for(lambda: self._pending < self._s.max_pending)
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        if self._s.full(self._batch, cost):
+            await self._seal()
+        if not self._batch.items:
+            self._batch.started = time.monotonic()
+        self._batch.items.append(message)
+        self._batch.futures.append(future)
+        self._batch.size += cost
+        self._pending += 1
+        if self._s.full(self._batch, 0):
+            await self._seal()
+        return future
+
+    async def _seal(self) -> None:
+        batch, self._batch = self._batch, _Batch()
+        if not batch.items:
+            return
+        assert self._slots is not None
+        await self._slots.acquire()
+        task = asyncio.create_task(self._send(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _flush_on_time(self) -> None:
+        while True:
+            if self._batch.items:
+                due = self._batch.started + self._s.max_latency - time.monotonic()
+                if due <= 0:
+                    await self._seal()
+                    continue
+                await asyncio.sleep(due)
+            else:
+                await asyncio.sleep(self._s.max_latency or 0.001)
+
+    async def _send(self, batch: _Batch[asyncio.Future[str]]) -> None:
+        assert self._slots is not None and self._changed is not None
+        try:
+            request = p.produce_request(self._s.queue_name, batch.items, self._timeout)
+            queue_stub = self._client._stubs()[0]
+            try:
+                response = await self._client._call(
+                    queue_stub.Produce, request, timeout=self._timeout, retry=self._retry
+                )
+            except QueratorError as error:
+                for future in batch.futures:
+                    if not future.done():
+                        future.set_exception(error)
+            else:
+                for future, item_id in zip(batch.futures, response.ids):
+                    if not future.done():
+                        future.set_result(item_id)
+        finally:
+            self._slots.release()
+            self._pending -= len(batch.items)
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def flush(self) -> None:
+        """Send what is buffered and wait until nothing is pending."""
+        if self._changed is None:
+            return
+        await self._seal()
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._pending == 0)
+
+    async def close(self) -> None:
+        """Flush, then stop. Further ``produce()`` calls fail."""
+        try:
+            await self.flush()
+        finally:
+            self._closed = True
+            if self._flusher is not None:
+                self._flusher.cancel()
+                try:
+                    await self._flusher
+                except asyncio.CancelledError:
+                    pass
+
+    async def __aenter__(self) -> AsyncProducer:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
