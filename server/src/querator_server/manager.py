@@ -25,6 +25,9 @@ from .storage.queue_store import DEFAULT_MAP_SIZE
 
 log = structlog.get_logger("querator.manager")
 
+# How long start-up waits for dead letters left by a crash to reach their queues.
+_RESUME_TIMEOUT_S = 30.0
+
 
 def _storage_failed(exc: BaseException) -> Unavailable:
     """A storage failure during an admin change: nothing changed, the caller may retry."""
@@ -70,6 +73,13 @@ class QueuesManager:
             self._actors[config.name] = await self._start_actor(config)
         self._names = sorted(self._configs)
         await loop.run_in_executor(self._executor, self._remove_orphans)
+        pending = [actor.resume_dead_letters() for actor in self._actors.values()]
+        if pending:
+            done = asyncio.gather(*pending)
+            try:
+                await asyncio.wait_for(asyncio.shield(done), timeout=_RESUME_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("dead_letters_pending", detail="still handing over dead letters after start")
         log.info("queues_loaded", queues=len(self._configs), data_dir=self.data_dir)
 
     def _queue_path(self, uid: int) -> str:

@@ -87,6 +87,9 @@ class Cycle:
     def _peek(self, p: int) -> PartitionView:
         return self.views.get(p) or self._base[p]
 
+    def ready_total(self) -> int:
+        return sum(self._peek(p).ready for p in range(len(self._base)))
+
     def _ok(self, request: Request, result: object) -> None:
         self.results.append((request, result))
 
@@ -128,7 +131,7 @@ class Cycle:
 
     def lease(self, txn: lmdb.Transaction, requests: list[LeaseRequest]) -> None:
         """Share the ready items among ``requests`` (oldest first), round-robin."""
-        total = sum(self._peek(p).ready for p in range(len(self._base)))
+        total = self.ready_total()
         wanted = [r.batch_size for r in requests]
         if total >= sum(wanted):
             quotas = wanted

@@ -122,7 +122,17 @@ class LogicalQueue:
         # Everything that fell due while the server was down is handled at once.
         self._lifecycle_pending = True
         self._task = asyncio.create_task(self._run(), name=f"queue:{self.name}")
+
+    async def resume_dead_letters(self) -> None:
+        """Hand over dead letters a crash left in the outbox, and wait until they are.
+
+        The manager calls this once every queue is running and before the server
+        accepts calls: the dead-letter queue deduplicates by source_id only while it
+        still holds the first copy, so nobody may consume that copy before the resend.
+        """
         self._kick_outbox()
+        if self._outbox_task is not None:
+            await asyncio.shield(self._outbox_task)
 
     def _load(
         self,
@@ -360,14 +370,21 @@ class LogicalQueue:
             cycle = Cycle(self.store, self.config, self._views, now)
             for produce in batch.produces:
                 _guard(cycle, produce, lambda r=produce: cycle.produce(txn, r))
-            if lifecycle:
-                cycle.lifecycle(txn, expired)
             if batch.leases:
                 cycle.lease(txn, batch.leases)
+            # Client acks come before the lifecycle: a Complete or Retry that arrives
+            # after the lease deadline but before the re-queue still succeeds.
             for request in batch.acks:
                 _guard(cycle, request, lambda r=request: _ACK[type(r)](cycle, txn, r))
             for request in batch.others:
                 _guard(cycle, request, lambda r=request: _OTHER[type(r)](cycle, txn, r))
+            if lifecycle:
+                cycle.lifecycle(txn, expired)
+            # Items that became ready in this cycle (retry, expiry, promotion, import,
+            # dead letters) go to leases that found nothing, without waiting a cycle.
+            if cycle.unserved and cycle.ready_total():
+                waiting, cycle.unserved = cycle.unserved, []
+                cycle.lease(txn, waiting)
             cycle.fence_leases(txn, now_us())
             cycle.finish(txn)
             return cycle
