@@ -79,14 +79,6 @@ def test_complete_after_the_deadline_but_before_the_requeue_succeeds(store: Queu
     assert (views[0].ready, views[0].leased) == (0, 0)
 
 
-def test_without_the_complete_the_same_cycle_requeues_the_item(store: QueueStore) -> None:
-    config = QueueConfig(name="q", uid=1, lease_timeout_us=SECOND)
-    views = [PartitionView()]
-    leased = _leased_one(store, config, views)
-    _run(store, config, views, T0 + 2 * SECOND, lambda c, t: c.lifecycle(t, [(T0 + SECOND, 0, _seq(leased))]))
-    assert (views[0].ready, views[0].leased) == (1, 0)
-
-
 def test_extend_after_the_deadline_fails_even_before_the_requeue(store: QueueStore) -> None:
     config = QueueConfig(name="q", uid=1, lease_timeout_us=SECOND)
     views = [PartitionView()]
