@@ -10,6 +10,8 @@ from . import logging as qlogging
 from .config import DEFAULT_ADDRESS, DEFAULT_DATA_DIR, ServerConfig
 from .server import serve
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -22,13 +24,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--log-level",
-        choices=["debug", "info", "warning", "error"],
+        choices=LOG_LEVELS,
         help="log level (env QUERATOR_LOG_LEVEL, default info)",
     )
 
 
 def run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig.from_env(address=args.address, data_dir=args.data_dir, log_level=args.log_level)
+    if config.log_level.lower() not in LOG_LEVELS:
+        print(f"querator: log level {config.log_level!r} must be one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
+        return 2
     qlogging.configure(config.log_level)
     try:
         asyncio.run(serve(config))

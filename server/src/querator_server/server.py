@@ -72,9 +72,13 @@ class QueratorServer:
         )
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
         server.add_generic_rpc_handlers((_reflection_v1(servicer),))
-        self.port = server.add_insecure_port(self.config.address)
+        try:
+            self.port = server.add_insecure_port(self.config.address)
+        except RuntimeError:  # grpcio raises instead of returning 0 when the bind fails
+            self.port = 0
         if not self.port:
-            raise OSError(f"cannot listen on {self.config.address}")
+            await self.manager.stop()
+            raise OSError(f"cannot listen on {self.config.address} (address in use or invalid)")
         await server.start()
         self._server = server
         for name in ("", *SERVICES):
