@@ -37,6 +37,7 @@ from ._models import (
 )
 from ._paging import AsyncPager, Pager
 from ._producer import AsyncProducer, Producer
+from ._worker import AsyncWorker, Worker, WorkerHooks, WorkerOptions, WorkerStats
 from .errors import (
     Cancelled,
     DeadLetter,
@@ -63,6 +64,7 @@ __all__ = [
     "AsyncLeasedItem",
     "AsyncPager",
     "AsyncProducer",
+    "AsyncWorker",
     "Backoff",
     "Cancelled",
     "Client",
@@ -93,5 +95,9 @@ __all__ = [
     "ServerError",
     "StoredItem",
     "Unavailable",
+    "Worker",
+    "WorkerHooks",
+    "WorkerOptions",
+    "WorkerStats",
     "__version__",
 ]

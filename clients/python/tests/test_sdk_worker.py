@@ -1,0 +1,238 @@
+"""Worker / AsyncWorker under concurrency, failures, slow handlers and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+
+from sdk_helpers import client, run, srv, unique, wait_until  # noqa: F401 (fixtures)
+
+import querator
+from querator.embedded import EmbeddedServer
+
+FAST_RETRY = querator.Backoff(initial=timedelta(milliseconds=1), maximum=timedelta(milliseconds=1))
+
+
+class Recorder(querator.WorkerHooks):
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.events: Counter[str] = Counter()
+        self.lost: list[str] = []
+
+    def _count(self, name: str) -> None:
+        with self.lock:
+            self.events[name] += 1
+
+    def on_start(self, item: object) -> None:
+        self._count("start")
+
+    def on_complete(self, item: object, elapsed: timedelta) -> None:
+        self._count("complete")
+
+    def on_retry(self, item: object, error: BaseException, retry_at: object) -> None:
+        self._count("retry")
+
+    def on_dead(self, item: object, error: BaseException | None) -> None:
+        self._count("dead")
+
+    def on_extend(self, items: object) -> None:
+        self._count("extend")
+
+    def on_lease_lost(self, item: querator.LeasedItem, error: querator.QueratorError) -> None:  # type: ignore[override]
+        self._count("lost")
+        self.lost.append(item.text)
+
+
+def test_sync_worker_handles_every_item_once(client: querator.Client) -> None:
+    name = unique()
+    client.create_queue(name)
+    client.produce(name, [f"job-{i}" for i in range(300)])
+    seen: Counter[str] = Counter()
+    lock = threading.Lock()
+    running = 0
+    peak = 0
+
+    def handler(item: querator.LeasedItem) -> None:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+            seen[item.text] += 1
+        time.sleep(0.002)
+        with lock:
+            running -= 1
+
+    hooks = Recorder()
+    with querator.Worker(client, name, handler, concurrency=8, batch_size=50, lease_wait=1, hooks=hooks) as worker:
+        wait_until(lambda: worker.stats.completed == 300, timeout=20)
+    assert set(seen) == {f"job-{i}" for i in range(300)} and max(seen.values()) == 1
+    assert 1 < peak <= 8
+    assert hooks.events["complete"] == 300 and hooks.events["start"] == 300
+    assert client.queue_stats(name).total == 0
+
+
+def test_crashing_handler_is_retried_then_dead_lettered(client: querator.Client) -> None:
+    dlq, name = unique("dlq"), unique()
+    client.create_queue(dlq)
+    client.create_queue(name, dead_queue=dlq, max_attempts=3)
+    client.produce(name, ["ok-1", "crash", "poison", "ok-2", "flaky"])
+    attempts: Counter[str] = Counter()
+
+    def handler(item: querator.LeasedItem) -> None:
+        attempts[item.text] += 1
+        assert item.attempts == attempts[item.text]
+        if item.text == "crash":
+            raise RuntimeError("always fails")
+        if item.text == "poison":
+            raise querator.DeadLetter("bad payload")
+        if item.text == "flaky" and item.attempts < 2:
+            raise ValueError("fails once")
+
+    hooks = Recorder()
+    worker = querator.Worker(client, name, handler, concurrency=2, lease_wait=0.5, retry_backoff=FAST_RETRY, hooks=hooks)
+    with worker:
+        wait_until(lambda: len(list(client.list_items(dlq))) == 2 and worker.stats.completed == 3, timeout=20)
+    assert attempts == Counter({"crash": 3, "poison": 1, "ok-1": 1, "ok-2": 1, "flaky": 2})
+    assert sorted(i.payload for i in client.list_items(dlq)) == [b"crash", b"poison"]
+    assert (worker.stats.dead, worker.stats.retried, worker.stats.completed) == (2, 3, 3)
+    assert hooks.events["dead"] == 2 and hooks.events["retry"] == 3
+    assert client.queue_stats(name).total == 0
+
+
+def test_keep_alive_extends_a_slow_sync_handler(client: querator.Client) -> None:
+    name = unique()
+    client.create_queue(name, lease_timeout=timedelta(seconds=1))
+    client.produce(name, ["slow"])
+    calls: list[int] = []
+
+    def handler(item: querator.LeasedItem) -> None:
+        calls.append(item.attempts)
+        time.sleep(2.5)
+
+    hooks = Recorder()
+    with querator.Worker(client, name, handler, concurrency=1, lease_wait=0.5, hooks=hooks) as worker:
+        wait_until(lambda: worker.stats.completed == 1, timeout=15)
+    assert calls == [1]  # never re-leased: the lease was kept alive
+    assert worker.stats.extended >= 3 and worker.stats.lost == 0 and hooks.events["extend"] >= 3
+    assert client.queue_stats(name).total == 0
+
+
+def test_keep_alive_extends_a_slow_async_handler(srv: EmbeddedServer) -> None:
+    async def main() -> None:
+        async with srv.async_client() as c:
+            name = unique()
+            await c.create_queue(name, lease_timeout=1)
+            await c.produce(name, ["slow-a", "slow-b"])
+            calls: list[tuple[str, int]] = []
+
+            async def handler(item: querator.AsyncLeasedItem) -> None:
+                calls.append((item.text, item.attempts))
+                await asyncio.sleep(2.5)
+
+            async with querator.AsyncWorker(c, name, handler, concurrency=2, lease_wait=0.5) as worker:
+                for _ in range(1000):
+                    if worker.stats.completed == 2:
+                        break
+                    await asyncio.sleep(0.02)
+            assert sorted(calls) == [("slow-a", 1), ("slow-b", 1)]
+            assert worker.stats.completed == 2 and worker.stats.lost == 0 and worker.stats.extended >= 4
+            assert (await c.queue_stats(name)).total == 0
+
+    run(main(), timeout=30)
+
+
+def test_without_keep_alive_a_slow_handler_loses_its_lease(client: querator.Client) -> None:
+    name = unique()
+    client.create_queue(name, lease_timeout=timedelta(seconds=1))
+    client.produce(name, ["late"])
+    calls: list[int] = []
+
+    def handler(item: querator.LeasedItem) -> None:
+        calls.append(item.attempts)
+        if item.attempts == 1:
+            time.sleep(1.6)  # longer than the lease: it expires and the item is leased again
+
+    hooks = Recorder()
+    with querator.Worker(client, name, handler, concurrency=2, lease_wait=0.3, keep_alive=False, hooks=hooks) as worker:
+        wait_until(lambda: worker.stats.completed == 1 and worker.stats.lost == 1, timeout=15)
+    assert sorted(calls) == [1, 2] and hooks.lost == ["late"]
+    assert client.queue_stats(name).total == 0
+
+
+def test_async_worker_concurrency_and_sync_handler(srv: EmbeddedServer) -> None:
+    async def main() -> None:
+        async with srv.async_client() as c:
+            name = unique()
+            await c.create_queue(name)
+            await c.produce(name, [f"a{i}" for i in range(200)])
+            running = 0
+            peak = 0
+            done: list[str] = []
+
+            async def handler(item: querator.AsyncLeasedItem) -> None:
+                nonlocal running, peak
+                running += 1
+                peak = max(peak, running)
+                await asyncio.sleep(0.005)
+                running -= 1
+                if item.text == "a7":
+                    await item.complete()  # settled by the handler: the worker leaves it
+                done.append(item.text)
+
+            async with querator.AsyncWorker(c, name, handler, concurrency=16, batch_size=40, lease_wait=0.5) as w:
+                for _ in range(1000):
+                    if w.stats.completed == 200:
+                        break
+                    await asyncio.sleep(0.02)
+            assert sorted(done) == sorted(f"a{i}" for i in range(200))
+            assert 1 < peak <= 16
+
+            # A sync handler under AsyncWorker runs in threads with LeasedItem objects.
+            await c.produce(name, ["t1", "t2", "t3"])
+            kinds: list[str] = []
+
+            def sync_handler(item: querator.LeasedItem) -> None:
+                kinds.append(type(item).__name__)
+
+            async with querator.AsyncWorker(c, name, sync_handler, concurrency=3, lease_wait=0.3) as w2:
+                for _ in range(500):
+                    if w2.stats.completed == 3:
+                        break
+                    await asyncio.sleep(0.02)
+            assert kinds == ["LeasedItem"] * 3
+            assert (await c.queue_stats(name)).total == 0
+
+    run(main(), timeout=40)
+
+
+def test_worker_on_a_missing_queue_fails_to_start(client: querator.Client) -> None:
+    worker = querator.Worker(client, unique("missing"), lambda item: None)
+    try:
+        worker.start(timeout=10)
+    except querator.QueueNotFound:
+        pass
+    else:
+        raise AssertionError("start() should raise QueueNotFound")
+
+
+def test_stop_releases_buffered_and_unfinished_items(client: querator.Client) -> None:
+    name = unique()
+    client.create_queue(name, lease_timeout=timedelta(minutes=5))
+    client.produce(name, [f"s{i}" for i in range(40)])
+    started = threading.Event()
+
+    def handler(item: querator.LeasedItem) -> None:
+        started.set()
+        time.sleep(3)  # longer than shutdown_timeout: these are released unfinished
+
+    worker = querator.Worker(client, name, handler, concurrency=4, batch_size=10, shutdown_timeout=0.2, lease_wait=0.5)
+    worker.start()
+    assert started.wait(10)
+    wait_until(lambda: client.queue_stats(name).total_leased >= 4, timeout=10)
+    worker.stop(timeout=15)
+    stats = client.queue_stats(name)
+    assert (stats.total, stats.total_leased) == (40, 0)  # everything back, nothing lost
+    assert worker.stats.released >= 4 and worker.stats.completed == 0
