@@ -1,0 +1,197 @@
+"""The querator command line, end to end against a real server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from sdk_helpers import client, srv, unique  # noqa: F401 (fixtures)
+
+import querator
+from querator.cli import main, parse_duration
+from querator.embedded import EmbeddedServer
+
+
+def querator_cmd(address: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, QUERATOR_ADDRESS=address)
+    return subprocess.run(
+        [sys.executable, "-m", "querator.cli", *args],
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def cli(capsys: pytest.CaptureFixture[str], srv: EmbeddedServer, *args: str) -> tuple[int, str, str]:
+    code = main([*args, "--address", srv.address])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_produce_10000_lines_then_drain_with_lease_and_complete(srv: EmbeddedServer, tmp_path: Path) -> None:
+    name = unique()
+    assert querator_cmd(srv.address, "queues", "create", name, "--lease-timeout", "5m").returncode == 0
+    lines = tmp_path / "lines.txt"
+    lines.write_text("".join(f"line-{i}\n" for i in range(10_000)))
+
+    produced = querator_cmd(srv.address, "produce", name, "--file", str(lines))
+    assert produced.returncode == 0, produced.stderr
+    assert produced.stdout.strip() == f"produced 10000 items into {name}"
+    assert "produced 10000 items" in produced.stderr  # progress on stderr for large inputs
+
+    stats = json.loads(querator_cmd(srv.address, "queues", "stats", name, "--json").stdout)
+    assert stats["total"] == 10_000
+
+    drained: list[str] = []
+    for _ in range(30):  # bounded: 10 rounds are enough
+        leased = querator_cmd(srv.address, "lease", name, "-n", "1000", "--json")
+        assert leased.returncode == 0, leased.stderr
+        batch = json.loads(leased.stdout)
+        if not batch["items"]:
+            break
+        ids = [item["id"] for item in batch["items"]]
+        drained.extend(item["payload"] for item in batch["items"])
+        done = querator_cmd(
+            srv.address, "complete", name, "--partition", str(batch["partition"]), "--json", stdin="\n".join(ids)
+        )
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == {"completed": len(ids)}
+    assert drained == [f"line-{i}" for i in range(10_000)]  # FIFO, each exactly once
+    final = json.loads(querator_cmd(srv.address, "queues", "stats", name, "--json").stdout)
+    assert (final["total"], final["total_leased"]) == (0, 0)
+
+
+def test_exit_codes(srv: EmbeddedServer) -> None:
+    missing = querator_cmd(srv.address, "queues", "get", unique("missing"))
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+    bad = querator_cmd(srv.address, "queues", "create", "bad name")
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "queue.queue_name" in bad.stderr
+    usage = querator_cmd(srv.address, "lease")
+    assert usage.returncode == 2 and "usage:" in usage.stderr
+    assert querator_cmd(srv.address, "lease", "q", "--wait", "soon").returncode == 2
+    assert querator_cmd(srv.address, "nonsense").returncode == 2
+    down = querator_cmd("127.0.0.1:1", "queues", "list", "--timeout", "2s")
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+
+
+def test_queues_commands(capsys: pytest.CaptureFixture[str], srv: EmbeddedServer) -> None:
+    dlq, name = unique("dlq"), unique()
+    assert cli(capsys, srv, "queues", "create", dlq)[0] == 0
+    code, out, _ = cli(
+        capsys, srv, "queues", "create", name, "--dead-queue", dlq, "--max-attempts", "4", "--lease-timeout", "90s",
+        "--partitions", "2", "--json",
+    )  # fmt: skip
+    info = json.loads(out)
+    assert code == 0 and info["name"] == name and info["dead_queue"] == dlq and info["lease_timeout"] == 90.0
+    code, out, _ = cli(capsys, srv, "queues", "get", name)
+    assert code == 0 and out.splitlines()[0].split()[:3] == ["NAME", "PARTITIONS", "LEASE"]
+    assert out.splitlines()[1].split()[:3] == [name, "2", "90s"]
+    code, out, _ = cli(capsys, srv, "queues", "update", name, "--max-attempts", "7", "--json")
+    assert json.loads(out)["max_attempts"] == 7
+    assert cli(capsys, srv, "queues", "update", name)[0] == 2
+    code, out, _ = cli(capsys, srv, "queues", "list", "--json", "--page-size", "1")
+    assert {name, dlq} <= {q["name"] for q in json.loads(out)}
+    cli(capsys, srv, "produce", name, "a", "b", "-q")
+    cli(capsys, srv, "produce", name, "later", "--delay", "1h", "-q")
+    code, out, _ = cli(capsys, srv, "queues", "stats", name)
+    assert code == 0 and "PARTITION" in out and "lease_waiting=0" in out
+    code, out, _ = cli(capsys, srv, "queues", "stats", name, "--json")
+    stats = json.loads(out)
+    assert (stats["total"], stats["scheduled"]) == (2, 1)
+    assert cli(capsys, srv, "queues", "clear", name)[0] == 0
+    stats = json.loads(cli(capsys, srv, "queues", "stats", name, "--json")[1])
+    assert (stats["total"], stats["scheduled"]) == (0, 1)
+    assert cli(capsys, srv, "queues", "clear", name, "--scheduled")[0] == 0
+    assert json.loads(cli(capsys, srv, "queues", "stats", name, "--json")[1])["scheduled"] == 0
+    code, _, err = cli(capsys, srv, "queues", "delete", dlq)
+    assert code == 1 and "FAILED_PRECONDITION" in err
+    assert cli(capsys, srv, "queues", "delete", name)[0] == 0
+    assert cli(capsys, srv, "queues", "delete", dlq)[0] == 0
+
+
+def test_produce_jsonl_lease_retry_and_items(
+    capsys: pytest.CaptureFixture[str], srv: EmbeddedServer, client: querator.Client, tmp_path: Path
+) -> None:
+    dlq, name = unique("dlq"), unique()
+    client.create_queue(dlq)
+    client.create_queue(name, dead_queue=dlq)
+    at = (datetime.now(UTC) + timedelta(hours=3)).isoformat()
+    jsonl = tmp_path / "items.jsonl"
+    jsonl.write_text(
+        json.dumps({"payload": "one", "kind": "k1", "reference": "r1"}) + "\n"
+        + json.dumps({"payload_base64": "//4=", "encoding": "bin"}) + "\n"
+        + json.dumps({"payload": {"nested": True}}) + "\n"
+        + json.dumps({"payload": "scheduled", "enqueue_at": at}) + "\n"
+    )  # fmt: skip
+    code, out, _ = cli(capsys, srv, "produce", name, "--file", str(jsonl), "--json")
+    assert code == 0 and json.loads(out)["count"] == 4
+
+    code, out, _ = cli(capsys, srv, "lease", name, "-n", "10", "--json")
+    leased = json.loads(out)["items"]
+    assert [i.get("payload") for i in leased] == ["one", None, '{"nested":true}']
+    assert leased[1]["payload_base64"] == "//4=" and leased[0]["kind"] == "k1"
+    ids = [i["id"] for i in leased]
+
+    assert cli(capsys, srv, "retry", name, ids[0])[0] == 0
+    assert cli(capsys, srv, "retry", name, ids[1], "--in", "2h")[0] == 0
+    code, out, _ = cli(capsys, srv, "retry", name, ids[2], "--dead", "--json")
+    assert code == 0 and json.loads(out) == {"dead_lettered": 1}
+    code, _, err = cli(capsys, srv, "complete", name, ids[0])
+    assert code == 1 and "NOT_FOUND" in err  # retried: it has a new id now
+
+    code, out, _ = cli(capsys, srv, "items", "list", name, "--json")
+    ready = [json.loads(line) for line in out.splitlines()]
+    assert [r["payload"] for r in ready] == ["one"] and ready[0]["attempts"] == 1
+    code, out, _ = cli(capsys, srv, "items", "scheduled", name)
+    assert code == 0 and "scheduled" in out and "base64://4=" in out
+    assert len(out.splitlines()) == 3  # header, the retried item, the scheduled one
+    code, out, _ = cli(capsys, srv, "items", "list", dlq, "--json")
+    assert json.loads(out)["payload"] == '{"nested":true}'
+
+    export = tmp_path / "export.jsonl"
+    export.write_text(out)
+    code, out, _ = cli(capsys, srv, "items", "import", name, str(export), "--json")
+    assert code == 0 and json.loads(out)["count"] == 1
+    code, out, _ = cli(capsys, srv, "items", "list", name, "--json", "--limit", "5")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["payload"] for r in rows] == ["one", '{"nested":true}'] and rows[1]["source_id"] == ids[2]
+    assert cli(capsys, srv, "items", "delete", name, rows[1]["id"])[0] == 0
+    assert [i.payload for i in client.list_items(name)] == [b"one"]
+
+    code, out, _ = cli(capsys, srv, "lease", name)
+    assert code == 0 and out.splitlines()[0].split() == ["PARTITION", "ID", "ATTEMPTS", "LEASE_DEADLINE", "PAYLOAD"]
+    code, out, err = cli(capsys, srv, "lease", name, "--wait", "100ms")
+    assert code == 0 and out == "" and "no items" in err
+
+
+def test_produce_from_stdin(srv: EmbeddedServer, client: querator.Client) -> None:
+    name = unique()
+    client.create_queue(name)
+    done = querator_cmd(srv.address, "produce", name, "--kind", "line", stdin="x\ny\n\nz\n")
+    assert done.returncode == 0 and len(done.stdout.splitlines()) == 4  # header + 3 (blank lines skipped)
+    assert [(i.text, i.kind) for i in client.lease(name, batch_size=5, wait=0)] == [("x", "line"), ("y", "line"), ("z", "line")]
+
+
+def test_serve_still_delegates_to_the_server() -> None:
+    help_text = subprocess.run(
+        [sys.executable, "-m", "querator.cli", "serve", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert help_text.returncode == 0
+    assert "--data-dir" in help_text.stdout and "--log-level" in help_text.stdout
+    top = subprocess.run([sys.executable, "-m", "querator.cli", "--help"], capture_output=True, text=True, timeout=60)
+    for command in ("serve", "queues", "produce", "lease", "complete", "retry", "items"):
+        assert command in top.stdout
+
+
+def test_parse_duration() -> None:
+    assert parse_duration("1.5") == timedelta(seconds=1.5)
+    assert parse_duration("500ms") == timedelta(milliseconds=500)
+    assert parse_duration("1h30m") == timedelta(minutes=90)
+    assert parse_duration("2d") == timedelta(days=2)
