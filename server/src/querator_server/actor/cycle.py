@@ -15,7 +15,15 @@ import lmdb
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, QueratorError, quote
 from ..model import SCHEDULE_MIN_US, QueueConfig
 from ..storage import Item, QueueStore
-from ..storage.record import TAG_ITEM, parse_scheduled_key, seq_of_item_key
+from ..storage.record import (
+    TAG_ITEM,
+    ItemState,
+    parse_scheduled_key,
+    read_state,
+    scheduled_key,
+    seq_of_item_key,
+    with_lease,
+)
 from .ids import ItemRef, item_id, parse_id, scheduled_id
 from .requests import (
     ClearRequest,
@@ -156,21 +164,19 @@ class Cycle:
             if len(items) >= quota:
                 break
             last_seq = seq
-            item = Item.decode(raw)
-            reason = self._death_reason(item)
+            state = read_state(raw)
+            reason = self._death_reason(state)
             if reason:  # expired or out of attempts: never leased again
+                item = Item.decode(raw)
                 self.store.delete(txn, p, seq, item)
                 v.ready -= 1
                 v.created_sum -= item.created_at
                 self._dead_letter(txn, p, seq, item, item_id(self.uid, p, seq), reason)
                 continue
-            item.is_leased = True
-            item.attempts += 1
-            item.lease_deadline = deadline
-            item.leased_at = now
-            self.store.put(txn, p, seq, item)
-            taken.append((seq, bytes(raw)))
-            items.append(LeasedItem(item_id(self.uid, p, seq), item))
+            leased = with_lease(raw, state, attempts=state.attempts + 1, deadline=deadline, leased_at=now)
+            self.store.put_raw(txn, p, seq, leased)
+            taken.append((seq, raw))
+            items.append(LeasedItem(item_id(self.uid, p, seq), Item.decode(leased)))
             self.lease_deadlines.append((deadline, p, seq))
         if not items:
             return None
@@ -205,23 +211,26 @@ class Cycle:
 
     def _leased_items(
         self, txn: lmdb.Transaction, partition: int, ids: Sequence[str], *, check_deadline: bool = False
-    ) -> list[tuple[int, Item]]:
-        """Look up every id as a leased item of ``partition``; all of them or an error."""
-        found: list[tuple[int, Item]] = []
+    ) -> list[tuple[int, bytes, ItemState]]:
+        """Look up every id as a leased item of ``partition``: (seq, raw, state) for
+        all of them, or an error naming each id that is not."""
+        found: list[tuple[int, bytes, ItemState]] = []
         missing: list[str] = []
         unleased: list[str] = []
         lost: list[str] = []
         for index, text in enumerate(ids):
             ref = parse_id(text)
-            item = self._lookup(txn, partition, ref)
-            if ref is None or item is None:
+            raw = self._lookup(txn, partition, ref)
+            if ref is None or raw is None:
                 missing.append(f"ids[{index}] {quote(text)}")
-            elif not item.is_leased:
+                continue
+            state = read_state(raw)
+            if ref.due or not state.is_leased:
                 unleased.append(f"ids[{index}] {quote(text)}")
-            elif check_deadline and min(item.lease_deadline, item.expire_deadline) <= self.now:
+            elif check_deadline and min(state.lease_deadline, state.expire_deadline) <= self.now:
                 lost.append(f"ids[{index}] {quote(text)}")
             else:
-                found.append((ref.seq, item))
+                found.append((ref.seq, raw, state))
         if missing:
             raise NotFound(_listing("no such item (completed, moved or never produced)", missing))
         if unleased:
@@ -230,29 +239,30 @@ class Cycle:
             raise FailedPrecondition(_listing("lease (or item) has expired", lost))
         return found
 
-    def _lookup(self, txn: lmdb.Transaction, partition: int, ref: ItemRef | None) -> Item | None:
+    def _lookup(self, txn: lmdb.Transaction, partition: int, ref: ItemRef | None) -> bytes | None:
         if ref is None or ref.uid != self.uid or ref.partition != partition:
             return None
         if ref.due:  # a scheduled item exists but is never leased
-            return self.store.get_scheduled(txn, partition, ref.due, ref.seq)
-        return self.store.get(txn, partition, ref.seq)
+            raw: bytes | None = txn.get(scheduled_key(ref.due, ref.seq), db=self.store.db(partition))
+            return raw
+        return self.store.get_raw(txn, partition, ref.seq)
 
     def complete(self, txn: lmdb.Transaction, request: CompleteRequest) -> None:
         found = self._leased_items(txn, request.partition, request.ids)
         p = request.partition
         v = self.view(p)
-        for seq, item in found:
-            self.store.delete(txn, p, seq, item)
+        for seq, _raw, state in found:
+            self.store.delete(txn, p, seq, state)
             v.leased -= 1
-            v.created_sum -= item.created_at
-            v.leased_at_sum -= item.leased_at
+            v.created_sum -= state.created_at
+            v.leased_at_sum -= state.leased_at
         self._ok(request, None)
 
     def retry(self, txn: lmdb.Transaction, request: RetryRequest) -> None:
         p = request.partition
         found = self._leased_items(txn, p, [o.item_id for o in request.orders])
-        v = self.view(p)
-        for (seq, item), order in zip(found, request.orders):
+        for (seq, raw, _state), order in zip(found, request.orders):
+            item = Item.decode(raw)
             old_id = item_id(self.uid, p, seq)
             self._end_lease(txn, p, seq, item)
             reason = "retried as dead" if order.dead else self._death_reason(item)
@@ -266,7 +276,7 @@ class Cycle:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def _death_reason(self, item: Item) -> str:
+    def _death_reason(self, item: Item | ItemState) -> str:
         if item.expire_deadline <= self.now:
             return "expired"
         limit = self.config.max_attempts
@@ -401,11 +411,13 @@ class Cycle:
         found = self._leased_items(txn, p, request.ids, check_deadline=True)
         timeout = request.lease_timeout_us or self.config.lease_timeout_us
         deadlines: list[int] = []
-        for seq, item in found:
-            item.lease_deadline = min(self.now + timeout, item.expire_deadline)
-            self.store.put(txn, p, seq, item)
-            self.lease_deadlines.append((item.lease_deadline, p, seq))
-            deadlines.append(item.lease_deadline)
+        for seq, raw, state in found:
+            deadline = min(self.now + timeout, state.expire_deadline)
+            self.store.put_raw(
+                txn, p, seq, with_lease(raw, state, attempts=state.attempts, deadline=deadline, leased_at=state.leased_at)
+            )
+            self.lease_deadlines.append((deadline, p, seq))
+            deadlines.append(deadline)
         self._ok(request, deadlines)
 
     # -- storage requests ------------------------------------------------------------

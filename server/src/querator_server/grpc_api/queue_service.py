@@ -74,24 +74,7 @@ class QueueService:
         result: a.LeaseResult = await self.manager.actor(name).submit(
             a.LeaseRequest(request.batch_size, request.client_id, wait_until, deadline_us=call_deadline)
         )
-        ts = c.to_timestamp
-        return pb.LeaseResponse(
-            queue_name=name,
-            partition=result.partition,
-            items=[
-                pb.LeaseItem(
-                    id=leased.item_id,
-                    encoding=leased.item.encoding,
-                    kind=leased.item.kind,
-                    reference=leased.item.reference,
-                    payload=leased.item.payload,
-                    attempts=leased.item.attempts,
-                    lease_deadline=ts(leased.item.lease_deadline),
-                    created_at=ts(leased.item.created_at),
-                )
-                for leased in result.items
-            ],
-        )
+        return _lease_response(name, result)
 
     def _partition(self, name: str, partition: int) -> int:
         return c.partition(partition, self.manager.get(name).partitions)
@@ -142,3 +125,26 @@ class QueueService:
                 "Extend": (self.extend, pb.ExtendRequest, pb.ExtendResponse),
             },
         )
+
+
+def _lease_response(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
+    # Filling sub-messages in place costs less than half of building LeaseItem and
+    # Timestamp objects and copying them in; this runs for every leased item.
+    response = pb.LeaseResponse(queue_name=name, partition=result.partition)
+    add = response.items.add
+    for leased in result.items:
+        item = leased.item
+        out = add(
+            id=leased.item_id,
+            encoding=item.encoding,
+            kind=item.kind,
+            reference=item.reference,
+            payload=item.payload,
+            attempts=item.attempts,
+        )
+        deadline, created = out.lease_deadline, out.created_at
+        deadline.seconds, micros = divmod(item.lease_deadline, 1_000_000)
+        deadline.nanos = micros * 1000
+        created.seconds, micros = divmod(item.created_at, 1_000_000)
+        created.nanos = micros * 1000
+    return response

@@ -24,6 +24,7 @@ from .record import (
     TAG_OUTBOX,
     TAG_SCHEDULED,
     Item,
+    ItemState,
     decode_u64,
     encode_u64,
     expiry_key,
@@ -105,6 +106,9 @@ class QueueStore:
             name = f"p{len(self._dbs)}".encode()
             self._dbs.append(self.write(lambda txn, n=name: self.env.open_db(n, txn=txn, create=True)))
 
+    def db(self, p: int) -> Any:
+        return self._dbs[p]
+
     @property
     def partitions(self) -> int:
         return len(self._dbs)
@@ -183,10 +187,14 @@ class QueueStore:
     def put_raw(self, txn: lmdb.Transaction, p: int, seq: int, raw: bytes) -> None:
         txn.put(item_key(seq), raw, db=self._dbs[p])
 
-    def delete(self, txn: lmdb.Transaction, p: int, seq: int, item: Item) -> None:
+    def delete(self, txn: lmdb.Transaction, p: int, seq: int, item: Item | ItemState) -> None:
         self._forget(txn, p, item_key(seq), item)
 
-    def _forget(self, txn: lmdb.Transaction, p: int, key: bytes, item: Item) -> None:
+    def get_raw(self, txn: lmdb.Transaction, p: int, seq: int) -> bytes | None:
+        raw: bytes | None = txn.get(item_key(seq), db=self._dbs[p])
+        return raw
+
+    def _forget(self, txn: lmdb.Transaction, p: int, key: bytes, item: Item | ItemState) -> None:
         db = self._dbs[p]
         txn.delete(key, db=db)
         txn.delete(expiry_key(item.expire_deadline, key), db=db)

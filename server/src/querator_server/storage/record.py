@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 TAG_ITEM = b"i"
 TAG_SCHEDULED = b"s"
@@ -35,6 +36,10 @@ _EXPIRY_PREFIX = struct.Struct(">cQ")
 # then the byte lengths of source_id, reference, encoding, kind; the payload is the rest.
 _HEADER = struct.Struct("<BIqqqqqIIII")
 _FLAG_LEASED = 1
+# The header up to the source_id length: what lease, complete and extend need, read
+# and rewritten without decoding the strings and payload behind it.
+_STATE = struct.Struct("<BIqqqqqI")
+_STATE_FIXED = struct.Struct("<BIqqqqq")
 
 
 def item_key(seq: int) -> bytes:
@@ -155,3 +160,32 @@ class Item:
             lease_deadline=lease_deadline,
             leased_at=leased_at,
         )
+
+
+class ItemState(NamedTuple):
+    """The lease-related fields of a stored item, read from its header alone."""
+
+    is_leased: bool
+    attempts: int
+    created_at: int
+    expire_deadline: int
+    lease_deadline: int
+    enqueue_at: int
+    leased_at: int
+    source_id: str
+
+
+def read_state(raw: bytes) -> ItemState:
+    flags, attempts, created, expire, lease_deadline, enqueue_at, leased_at, n_source = _STATE.unpack_from(raw)
+    source = bytes(raw[_HEADER.size : _HEADER.size + n_source]).decode() if n_source else ""
+    return ItemState(
+        bool(flags & _FLAG_LEASED), attempts, created, expire, lease_deadline, enqueue_at, leased_at, source
+    )
+
+
+def with_lease(raw: bytes, state: ItemState, *, attempts: int, deadline: int, leased_at: int) -> bytes:
+    """``raw`` rewritten as leased with these lease fields; everything else kept."""
+    head = _STATE_FIXED.pack(
+        _FLAG_LEASED, attempts, state.created_at, state.expire_deadline, deadline, state.enqueue_at, leased_at
+    )
+    return head + raw[_STATE_FIXED.size :]
