@@ -917,3 +917,67 @@ def test_stats_count_waiting_leases(stubs: Stubs) -> None:
     wait_until(lambda: stubs.stats("q").lease_waiting == 1, timeout=5)
     assert list(call.result(timeout=5).items) == []
     wait_until(lambda: stubs.stats("q").lease_waiting == 0, timeout=5)
+
+
+# -- Lease with complete_ids: one call per batch -------------------------------------
+
+
+def _lease_completing(stubs: Stubs, name: str, partition: int, ids: list[str], **kw: object) -> queue_pb2.LeaseResponse:
+    request = queue_pb2.LeaseRequest(
+        queue_name=name, batch_size=10, complete_ids=ids, complete_partition=partition, **kw  # type: ignore[arg-type]
+    )
+    return stubs.queue.Lease(request, timeout=5)
+
+
+def test_lease_completes_the_previous_batch_then_leases(stubs: Stubs) -> None:
+    stubs.create("lc")
+    stubs.produce("lc", [b"a", b"b"])
+    first = stubs.lease("lc", batch_size=1)
+    stubs.produce("lc", [b"c"])
+    second = _lease_completing(stubs, "lc", first.partition, [first.items[0].id])
+    assert [i.payload for i in second.items] == [b"b", b"c"]
+    stored = {i.id for i in stubs.list_items("lc")}
+    assert first.items[0].id not in stored
+    assert stubs.stats("lc").partitions[0].total_leased == 2
+
+
+def test_lease_with_a_bad_complete_id_completes_and_leases_nothing(stubs: Stubs) -> None:
+    stubs.create("lcbad")
+    stubs.produce("lcbad", [b"a", b"b"])
+    first = stubs.lease("lcbad", batch_size=1)
+    with pytest.raises(grpc.RpcError) as err:
+        _lease_completing(stubs, "lcbad", first.partition, [first.items[0].id, "1.0.ff"])
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "complete_ids[1]" in err.value.details()
+    stats = stubs.stats("lcbad").partitions[0]
+    assert (stats.total, stats.total_leased) == (2, 1)
+
+
+def test_lease_completion_is_applied_once_even_when_the_lease_waits(stubs: Stubs) -> None:
+    stubs.create("lcwait")
+    stubs.produce("lcwait", [b"only"])
+    first = stubs.lease("lcwait", batch_size=1)
+    # Nothing else is ready: the completion commits at once, then the lease waits.
+    future = stubs.queue.Lease.future(
+        queue_pb2.LeaseRequest(
+            queue_name="lcwait",
+            batch_size=1,
+            complete_ids=[first.items[0].id],
+            complete_partition=first.partition,
+            request_timeout={"seconds": 5},
+        ),
+        timeout=10,
+    )
+    wait_until(lambda: stubs.stats("lcwait").partitions[0].total == 0, timeout=5)
+    assert stubs.stats("lcwait").lease_waiting == 1
+    stubs.produce("lcwait", [b"next"])
+    assert [i.payload for i in future.result(timeout=5).items] == [b"next"]
+
+
+def test_lease_complete_ids_are_validated(stubs: Stubs) -> None:
+    stubs.create("lcval", requested_partitions=2)
+    for ids, partition, field in ((["", "x"], 0, "complete_ids[0]"), (["x", "x"], 0, "complete_ids[1]"), (["x"], 2, "complete_partition")):
+        with pytest.raises(grpc.RpcError) as err:
+            _lease_completing(stubs, "lcval", partition, ids)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details()

@@ -83,6 +83,8 @@ class Cycle:
         self.dropped: list[tuple[str, str]] = []
         # Whether lifecycle work was left for the next cycle.
         self.more_lifecycle = False
+        # Leases whose complete_ids were applied in this cycle.
+        self.completed_by_lease: list[LeaseRequest] = []
 
     # -- views ---------------------------------------------------------------------
 
@@ -210,7 +212,13 @@ class Cycle:
     # -- complete / retry / extend ----------------------------------------------------
 
     def _leased_items(
-        self, txn: lmdb.Transaction, partition: int, ids: Sequence[str], *, check_deadline: bool = False
+        self,
+        txn: lmdb.Transaction,
+        partition: int,
+        ids: Sequence[str],
+        *,
+        check_deadline: bool = False,
+        field: str = "ids",
     ) -> list[tuple[int, bytes, ItemState]]:
         """Look up every id as a leased item of ``partition``: (seq, raw, state) for
         all of them, or an error naming each id that is not."""
@@ -222,13 +230,13 @@ class Cycle:
             ref = parse_id(text)
             raw = self._lookup(txn, partition, ref)
             if ref is None or raw is None:
-                missing.append(f"ids[{index}] {quote(text)}")
+                missing.append(f"{field}[{index}] {quote(text)}")
                 continue
             state = read_state(raw)
             if ref.due or not state.is_leased:
-                unleased.append(f"ids[{index}] {quote(text)}")
+                unleased.append(f"{field}[{index}] {quote(text)}")
             elif check_deadline and min(state.lease_deadline, state.expire_deadline) <= self.now:
-                lost.append(f"ids[{index}] {quote(text)}")
+                lost.append(f"{field}[{index}] {quote(text)}")
             else:
                 found.append((ref.seq, raw, state))
         if missing:
@@ -248,15 +256,34 @@ class Cycle:
         return self.store.get_raw(txn, partition, ref.seq)
 
     def complete(self, txn: lmdb.Transaction, request: CompleteRequest) -> None:
-        found = self._leased_items(txn, request.partition, request.ids)
-        p = request.partition
+        self._complete(txn, request.partition, request.ids)
+        self._ok(request, None)
+
+    def _complete(self, txn: lmdb.Transaction, p: int, ids: Sequence[str], field: str = "ids") -> None:
+        found = self._leased_items(txn, p, ids, field=field)
         v = self.view(p)
         for seq, _raw, state in found:
             self.store.delete(txn, p, seq, state)
             v.leased -= 1
             v.created_sum -= state.created_at
             v.leased_at_sum -= state.leased_at
-        self._ok(request, None)
+
+    def complete_before_lease(self, txn: lmdb.Transaction, requests: list[LeaseRequest]) -> list[LeaseRequest]:
+        """Apply the completions that leases carry; return the leases still to serve.
+
+        A lease whose completion fails is answered with that error and leases nothing.
+        """
+        kept: list[LeaseRequest] = []
+        for request in requests:
+            if request.complete_ids:
+                try:
+                    self._complete(txn, request.complete_partition, request.complete_ids, "complete_ids")
+                except QueratorError as exc:
+                    self.fail(request, exc)
+                    continue
+                self.completed_by_lease.append(request)
+            kept.append(request)
+        return kept
 
     def retry(self, txn: lmdb.Transaction, request: RetryRequest) -> None:
         p = request.partition

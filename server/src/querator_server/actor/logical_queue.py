@@ -342,6 +342,8 @@ class LogicalQueue:
             self._in_flight = 0
         for p, view in cycle.views.items():
             self._views[p] = view
+        for lease in cycle.completed_by_lease:
+            lease.complete_ids = []  # committed: a lease that keeps waiting must not repeat it
         for entry in cycle.lease_deadlines:
             heapq.heappush(self._lease_heap, entry)
         if cycle.more_lifecycle or (expired and len(expired) >= 1000):
@@ -370,8 +372,11 @@ class LogicalQueue:
             cycle = Cycle(self.store, self.config, self._views, now)
             for produce in batch.produces:
                 _guard(cycle, produce, lambda r=produce: cycle.produce(txn, r))
-            if batch.leases:
-                cycle.lease(txn, batch.leases)
+            leases = batch.leases
+            if any(lease.complete_ids for lease in leases):
+                leases = cycle.complete_before_lease(txn, leases)
+            if leases:
+                cycle.lease(txn, leases)
             # Client acks come before the lifecycle: a Complete or Retry that arrives
             # after the lease deadline but before the re-queue still succeeds.
             for request in batch.acks:

@@ -43,6 +43,10 @@ class LeaseRequest(Request):
     client_id: str
     # Until when to wait for items when none are ready (wall µs).
     wait_until_us: int
+    # Items of an earlier lease to complete first (all-or-nothing), and their
+    # partition; emptied by the actor once the completion has committed.
+    complete_ids: list[str] = field(default_factory=list)
+    complete_partition: int = 0
 
 
 @dataclass(eq=False, slots=True)

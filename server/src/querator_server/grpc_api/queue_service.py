@@ -71,8 +71,22 @@ class QueueService:
         if call_deadline:
             margin = min(_ANSWER_MARGIN_US, (call_deadline - now) // 10)
             wait_until = min(wait_until, call_deadline - margin)
+        complete_ids: list[str] = []
+        complete_partition = 0
+        if request.complete_ids:
+            complete_ids = c.ids(request.complete_ids, "complete_ids")
+            complete_partition = c.partition(
+                request.complete_partition, self.manager.get(name).partitions, "complete_partition"
+            )
         result: a.LeaseResult = await self.manager.actor(name).submit(
-            a.LeaseRequest(request.batch_size, request.client_id, wait_until, deadline_us=call_deadline)
+            a.LeaseRequest(
+                request.batch_size,
+                request.client_id,
+                wait_until,
+                complete_ids,
+                complete_partition,
+                deadline_us=call_deadline,
+            )
         )
         return _lease_response(name, result)
 

@@ -145,6 +145,8 @@ class LeaseRequest(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
     CLIENT_ID_FIELD_NUMBER: _builtins.int
     REQUEST_TIMEOUT_FIELD_NUMBER: _builtins.int
+    COMPLETE_IDS_FIELD_NUMBER: _builtins.int
+    COMPLETE_PARTITION_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue to lease from."""
     batch_size: _builtins.int
@@ -153,12 +155,25 @@ class LeaseRequest(_message.Message):
     """Identifies the consumer. Two concurrent Lease calls with the same
     non-empty client_id on the same queue are refused (FAILED_PRECONDITION).
     """
+    complete_partition: _builtins.int
+    """The partition of complete_ids (the partition of the earlier LeaseResponse)."""
     @_builtins.property
     def request_timeout(self) -> _duration_pb2.Duration:
         """How long to wait for items when none are ready. Optional: defaults to
         the call's gRPC deadline, else 30 s; at most 15 minutes. The server
         answers a little before the call's deadline so callers see OK with no
         items, not DEADLINE_EXCEEDED.
+        """
+
+    @_builtins.property
+    def complete_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Optional: ids of items this caller leased before (from complete_partition)
+        to complete first, so a consumer needs one call per batch instead of two.
+        All-or-nothing exactly as Complete: if any id cannot be completed the call
+        fails with Complete's status, and nothing is completed or leased. An OK
+        answer means the completion is durable, even when no items were leased.
+        The completion is applied once, before any waiting; if the reply is lost,
+        a retry of the same ids answers NOT_FOUND for the ones already completed.
         """
 
     def __init__(
@@ -168,10 +183,12 @@ class LeaseRequest(_message.Message):
         batch_size: _builtins.int = ...,
         client_id: _builtins.str = ...,
         request_timeout: _duration_pb2.Duration | None = ...,
+        complete_ids: _abc.Iterable[_builtins.str] | None = ...,
+        complete_partition: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["request_timeout", b"request_timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "client_id", b"client_id", "queue_name", b"queue_name", "request_timeout", b"request_timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "client_id", b"client_id", "complete_ids", b"complete_ids", "complete_partition", b"complete_partition", "queue_name", b"queue_name", "request_timeout", b"request_timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
