@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import grpc
 import pytest
-from sdk_helpers import client, queue, srv, unique, wait_until  # noqa: F401 (fixtures)
+from sdk_helpers import client, queue, srv, unique  # noqa: F401 (fixtures)
 
 import querator
 from querator import Item, ItemRef
@@ -165,12 +165,13 @@ def test_leased_item_context_manager(client: querator.Client) -> None:
 
 def test_produce_splits_by_count_and_bytes(client: querator.Client, queue: str) -> None:
     progress: list[int] = []
-    result = client.produce(queue, (f"n{i}" for i in range(2500)), on_progress=progress.append)
+    # One request in flight: requests are stored in order (FIFO across requests too).
+    result = client.produce(queue, (f"n{i}" for i in range(2500)), on_progress=progress.append, max_in_flight=1)
     assert len(result) == 2500 and len(set(result.ids)) == 2500
     assert progress[-1] == 2500 and len(progress) == 3  # 1000 + 1000 + 500
 
     big = b"x" * 1_500_000
-    result = client.produce(queue, [big] * 6)  # 9 MB: over the 5 MB request limit as one request
+    result = client.produce(queue, [big] * 6)  # 9 MB: over the 5 MB limit as one request; several in flight
     assert len(result) == 6 and all(result.ids)
     assert client.queue_stats(queue).total == 2506
 
@@ -298,4 +299,3 @@ def test_config_is_shared_between_twins(srv: EmbeddedServer) -> None:
     a = querator.AsyncClient(config=c.config)
     assert a.config is c.config and a.config.timeout == timedelta(seconds=3)
     c.close()
-    wait_until(lambda: True)

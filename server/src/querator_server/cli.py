@@ -23,6 +23,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"directory holding the LMDB data (env QUERATOR_DATA_DIR, default {DEFAULT_DATA_DIR})",
     )
     parser.add_argument(
+        "--metrics-address",
+        help="host:port to serve Prometheus metrics on, at /metrics (env QUERATOR_METRICS_ADDRESS; "
+        "default: off)",
+    )
+    parser.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         help="log level (env QUERATOR_LOG_LEVEL, default info)",
@@ -30,7 +35,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    config = ServerConfig.from_env(address=args.address, data_dir=args.data_dir, log_level=args.log_level)
+    config = ServerConfig.from_env(address=args.address, data_dir=args.data_dir, log_level=args.log_level, metrics_address=args.metrics_address)
     if config.log_level.lower() not in LOG_LEVELS:
         print(f"querator: log level {config.log_level!r} must be one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
         return 2

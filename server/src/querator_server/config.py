@@ -16,6 +16,8 @@ class ServerConfig:
     address: str = DEFAULT_ADDRESS
     data_dir: str = DEFAULT_DATA_DIR
     log_level: str = "info"
+    # host:port serving Prometheus metrics over HTTP (/metrics); empty: off.
+    metrics_address: str = ""
     # Headroom over the 5 MB request limit so an oversized request is answered
     # RESOURCE_EXHAUSTED by us, with a message, rather than cut off by the transport.
     max_receive_bytes: int = MAX_REQUEST_BYTES + (4 << 20)
@@ -33,6 +35,7 @@ class ServerConfig:
             "address": env.get("QUERATOR_ADDRESS", DEFAULT_ADDRESS),
             "data_dir": env.get("QUERATOR_DATA_DIR", DEFAULT_DATA_DIR),
             "log_level": env.get("QUERATOR_LOG_LEVEL", "info"),
+            "metrics_address": env.get("QUERATOR_METRICS_ADDRESS", ""),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

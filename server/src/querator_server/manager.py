@@ -13,6 +13,7 @@ import os
 import shutil
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import structlog
 
@@ -58,6 +59,8 @@ class QueuesManager:
         self._actors: dict[str, LogicalQueue] = {}
         self._lock = asyncio.Lock()
         self._closing = False
+        # Metrics (metrics.Metrics) hooks each actor as it is made; None when off.
+        self.observer: Any = None
 
     # -- start and stop --------------------------------------------------------------
 
@@ -104,6 +107,8 @@ class QueuesManager:
             ),
         )
         actor = LogicalQueue(config, store, self._executor, resolve=self.actor, max_inbox=self._max_inbox)
+        if self.observer is not None:
+            self.observer.attach(actor)
         await actor.start()
         return actor
 

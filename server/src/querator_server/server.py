@@ -48,10 +48,18 @@ class QueratorServer:
         self._server: grpc.aio.Server | None = None
         self.port = 0
         self._stopped = asyncio.Event()
+        self.metrics = None
+        if config.metrics_address:  # prometheus_client is imported only when metrics are on
+            from .metrics import Metrics
+
+            self.metrics = self.manager.observer = Metrics(self.manager)
 
     async def start(self) -> None:
+        if self.metrics is not None:
+            self.metrics.serve(self.config.metrics_address)
         await self.manager.start()
         server = grpc.aio.server(
+            interceptors=self.metrics.interceptors() if self.metrics is not None else None,
             options=[
                 ("grpc.max_receive_message_length", self.config.max_receive_bytes),
                 ("grpc.max_send_message_length", self.config.max_receive_bytes),
@@ -100,6 +108,8 @@ class QueratorServer:
         stopping = asyncio.create_task(server.stop(self.config.shutdown_grace_s if grace is None else grace))
         await self.manager.stop()
         await stopping
+        if self.metrics is not None:
+            self.metrics.close()
         self._stopped.set()
         log.info("server_stopped")
 

@@ -183,12 +183,16 @@ class Producer:
     def _send(self, batch: _Batch[concurrent.futures.Future[str]]) -> None:
         request = p.produce_request(self._s.queue_name, batch.items, self._timeout)
         config = self._client.config
-        call = self._client._queue.Produce.future(
-            request,
-            timeout=self._timeout,
-            metadata=tuple(config.call_metadata()),
-            wait_for_ready=config.wait_for_ready or None,
-        )
+        try:
+            call = self._client._queue.Produce.future(
+                request,
+                timeout=self._timeout,
+                metadata=tuple(config.call_metadata()),
+                wait_for_ready=config.wait_for_ready or None,
+            )
+        except Exception as exc:  # e.g. the client was closed: fail this batch, keep running
+            self._done(batch, _Failed(exc))
+            return
         call.add_done_callback(lambda done: self._done(batch, done))
 
     def _done(self, batch: _Batch[concurrent.futures.Future[str]], call: Any) -> None:
@@ -247,6 +251,16 @@ class Producer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+class _Failed:
+    """Stands in for a call that could not even be started."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def result(self) -> Any:
+        raise self.error
 
 
 def _overloaded(limit: int) -> QueratorError:

@@ -392,6 +392,7 @@ def cmd_produce(args: argparse.Namespace, client: Client) -> int:
             reference=args.reference,
             enqueue_at=enqueue_at,
             batch_size=args.batch_size,
+            max_in_flight=args.in_flight,
             on_progress=progress,
         )
     finally:
@@ -588,6 +589,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--at", type=parse_time, help="schedule the items for this time (ISO 8601, UTC if no zone)")
     p.add_argument("--delay", type=parse_duration, help="schedule the items this long from now")
     p.add_argument("--batch-size", type=int, default=1000, help="items per request (at most 1000)")
+    p.add_argument(
+        "--in-flight",
+        type=int,
+        default=1,
+        help="requests in flight (default 1: the queue keeps the input's order; more is faster, "
+        "but requests may then be stored in any order)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
 
     p = leaf(commands, "lease", cmd_lease, "lease items (prints their ids and partition)")

@@ -32,8 +32,12 @@ def _server_modules() -> tuple[Any, Any, Any]:
         from querator_server import logging as server_logging
         from querator_server.config import ServerConfig
         from querator_server.server import QueratorServer
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(_MISSING) from exc
+    except ModuleNotFoundError as exc:
+        # Only the missing package gets the install hint; an import error inside an
+        # installed server propagates as it is.
+        if exc.name == "querator_server":
+            raise ImportError(_MISSING) from exc
+        raise
     return ServerConfig, QueratorServer, server_logging
 
 

@@ -85,6 +85,8 @@ class Cycle:
         self.more_lifecycle = False
         # Leases whose complete_ids were applied in this cycle.
         self.completed_by_lease: list[LeaseRequest] = []
+        # Leases that ran out in this cycle's lifecycle (for metrics).
+        self.lease_expirations = 0
 
     # -- views ---------------------------------------------------------------------
 
@@ -360,6 +362,7 @@ class Cycle:
             item = self.store.get(txn, p, seq)
             if item is None or not item.is_leased or item.lease_deadline != deadline:
                 continue  # completed, retried or extended since
+            self.lease_expirations += 1
             old_id = item_id(self.uid, p, seq)
             self._end_lease(txn, p, seq, item)
             reason = self._death_reason(item)

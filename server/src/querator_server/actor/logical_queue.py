@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -109,6 +110,8 @@ class LogicalQueue:
         self._outbox: dict[tuple[int, int], Item] = {}
         self._outbox_task: asyncio.Task[None] | None = None
         self._lifecycle_pending = False
+        # Metrics hook (metrics.QueueProbe) when --metrics-address is set.
+        self.observer: Any = None
 
     @property
     def name(self) -> str:
@@ -320,6 +323,7 @@ class LogicalQueue:
             heap = self._lease_heap
             while heap and heap[0][0] <= now and len(expired) < 1000:
                 expired.append(heapq.heappop(heap))
+        started = time.perf_counter()
         try:
             cycle = await loop.run_in_executor(self._executor, self._transaction, batch, now, lifecycle, expired)
         except Exception as exc:
@@ -342,6 +346,8 @@ class LogicalQueue:
             self._in_flight = 0
         for p, view in cycle.views.items():
             self._views[p] = view
+        if self.observer is not None:
+            self.observer.cycle_done(self, cycle, len(batch), time.perf_counter() - started)
         for lease in cycle.completed_by_lease:
             lease.complete_ids = []  # committed: a lease that keeps waiting must not repeat it
         for entry in cycle.lease_deadlines:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -96,6 +97,8 @@ class QueueStore:
         except lmdb.Error as exc:
             raise StorageError(f"cannot open queue storage {path!r}: {exc}") from exc
         self._dbs: list[Any] = []
+        # Called with each commit's duration in seconds (metrics), when set.
+        self.on_commit: Callable[[float], None] | None = None
         self.ensure_partitions(partitions)
 
     # -- environment -------------------------------------------------------------
@@ -124,7 +127,10 @@ class QueueStore:
             txn = self.env.begin(write=True)
             try:
                 result = fn(txn)
+                started = time.perf_counter()
                 txn.commit()
+                if self.on_commit is not None:
+                    self.on_commit(time.perf_counter() - started)
                 return result
             except lmdb.MapFullError:
                 txn.abort()

@@ -1,0 +1,395 @@
+"""Prometheus metrics, served over HTTP on ``--metrics-address`` (off when unset).
+
+Two kinds of data:
+
+- Gauges (items per state, the age of the item at the head of each partition, waiting
+  requests, LMDB map usage) are read at scrape time by ``QueueCollector`` from the
+  actors' in-memory views, which are exact counts, so a scrape costs no storage read.
+  The head item's age and the map usage are refreshed by the actor hook after each
+  committed cycle (on the event loop, between transactions, the only time the actor's
+  LMDB environment is guaranteed idle) and read from that cache at scrape time.
+- Counters and histograms are updated by small hooks: an interceptor around every
+  ``querator.v1`` call (latency, status, items moved), the actor after every cycle
+  (duration, batch size, lease expirations, dead letters) and the queue store after
+  every commit (commit time).
+
+Nothing here is imported unless metrics are on, and no hook runs when they are off.
+See docs/operations.md ("Metrics") for the list.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .errors import NotFound
+from .storage.record import TAG_ITEM, item_key, read_state
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from .actor import LogicalQueue
+    from .actor.cycle import Cycle
+    from .manager import QueuesManager
+
+log = structlog.get_logger("querator.metrics")
+
+# Only calls of our own API are measured (not health checks or reflection).
+_API_PREFIX = "/querator.v1."
+# Latencies from 100 us (a cached read) to 15 min (the longest Lease wait).
+RPC_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
+)  # fmt: skip
+STORAGE_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+    0.5, 1.0, 2.5,
+)  # fmt: skip
+BATCH_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+# How far the head-of-partition lookup walks past leased items before giving up
+# (the value then stays as it was; the lease scan moves the hint on soon after).
+_HEAD_SCAN_LIMIT = 1000
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port`` or ``:port`` (all interfaces) to (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"metrics address {address!r} must be host:port")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port)
+
+
+class QueueProbe:
+    """Per-queue state the actor hook keeps for the collector, and the hook itself."""
+
+    __slots__ = ("heads", "map_used", "map_size", "_metrics", "_queue", "_children")
+
+    def __init__(self, metrics: Metrics, queue: str) -> None:
+        self._metrics = metrics
+        self._queue = queue
+        # created_at (us) of the first ready item of each partition; 0: none ready.
+        self.heads: dict[int, int] = {}
+        self.map_used = 0
+        self.map_size = 0
+        m = metrics
+        self._children = (
+            m.cycle_duration.labels(queue),
+            m.cycle_batch.labels(queue),
+            m.lease_expirations.labels(queue),
+            m.dead_letters.labels(queue, "moved"),
+            m.dead_letters.labels(queue, "dropped"),
+        )
+
+    def commit_hook(self) -> Callable[[float], None]:
+        return self._metrics.commit_duration.labels(self._queue).observe
+
+    def cycle_done(self, actor: LogicalQueue, cycle: Cycle, batch_size: int, seconds: float) -> None:
+        """Called by the actor after each committed cycle, before it answers anyone."""
+        duration, batch, expirations, moved, dropped = self._children
+        duration.observe(seconds)
+        batch.observe(batch_size)
+        expired = getattr(cycle, "lease_expirations", 0)
+        if expired:
+            expirations.inc(expired)
+        if cycle.outbox_added:
+            moved.inc(len(cycle.outbox_added))
+        if cycle.dropped:
+            dropped.inc(len(cycle.dropped))
+        self.refresh(actor, cycle.views)
+
+    def refresh(self, actor: LogicalQueue, changed: object = ()) -> None:
+        """Re-read the head item of changed (or never read) partitions, and map usage.
+
+        Runs on the event loop while the actor is between transactions, so the
+        environment is neither being resized nor closed.
+        """
+        store = actor.store
+        views = actor._views
+        todo = [p for p in range(len(views)) if p in changed or p not in self.heads]  # type: ignore[operator]
+        try:
+            if todo:
+                with store.env.begin() as txn:
+                    for p in todo:
+                        view = views[p]
+                        if not view.ready:
+                            self.heads[p] = 0
+                            continue
+                        head = _head_created_at(txn, store, p, view.ready_hint)
+                        if head is not None:
+                            self.heads[p] = head
+            self.map_used, self.map_size = store.map_usage()
+        except Exception as exc:  # metrics never break the actor
+            log.debug("metrics_refresh_failed", queue=self._queue, error=repr(exc))
+
+
+def _head_created_at(txn: Any, store: Any, p: int, from_seq: int) -> int | None:
+    """created_at of the first ready item at or after ``from_seq`` (0: none), or None
+    when more than _HEAD_SCAN_LIMIT leased items come first."""
+    cursor = txn.cursor(db=store.db(p))
+    if not cursor.set_range(item_key(from_seq)):
+        return 0
+    for n, (key, raw) in enumerate(cursor):
+        if key[:1] != TAG_ITEM:
+            return 0
+        if not raw[0] & 1:  # not leased
+            return int(read_state(raw).created_at)
+        if n >= _HEAD_SCAN_LIMIT:
+            return None
+    return 0
+
+
+class QueueCollector(Collector):
+    """Gauges read from the actors' in-memory views at scrape time."""
+
+    def __init__(self, manager: QueuesManager) -> None:
+        self._manager = manager
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        items = GaugeMetricFamily(
+            "querator_partition_items",
+            "Items in a partition by state: ready (leasable now), leased, scheduled (exact).",
+            labels=["queue", "partition", "state"],
+        )
+        head_age = GaugeMetricFamily(
+            "querator_partition_oldest_ready_age_seconds",
+            "Age since produce of the first ready item of the partition (the next one a Lease "
+            "takes); 0 when nothing is ready.",
+            labels=["queue", "partition"],
+        )
+        avg_age = GaugeMetricFamily(
+            "querator_partition_average_age_seconds",
+            "Average age since produce of the ready and leased items of the partition.",
+            labels=["queue", "partition"],
+        )
+        lease_waiting = GaugeMetricFamily(
+            "querator_queue_lease_waiting", "Lease calls waiting for items.", labels=["queue"]
+        )
+        produce_waiting = GaugeMetricFamily(
+            "querator_queue_produce_waiting", "Produce calls waiting for the next cycle.", labels=["queue"]
+        )
+        map_used = GaugeMetricFamily(
+            "querator_lmdb_map_used_bytes", "Bytes of the queue's LMDB map in use.", labels=["queue"]
+        )
+        map_size = GaugeMetricFamily(
+            "querator_lmdb_map_size_bytes",
+            "Size of the queue's LMDB map (it doubles when full).",
+            labels=["queue"],
+        )
+        now = time.time()
+        actors = list(self._manager.queues())  # one atomic copy; the loop may change the dict
+        for actor in actors:
+            name = actor.name
+            try:
+                stats = actor.stats()
+            except Exception:  # an actor mid-reconfigure; skip it this scrape
+                continue
+            probe = getattr(actor, "observer", None)
+            heads = probe.heads if isinstance(probe, QueueProbe) else {}
+            for part in stats.partitions:
+                p = str(part.partition)
+                items.add_metric([name, p, "ready"], part.total - part.total_leased)
+                items.add_metric([name, p, "leased"], part.total_leased)
+                items.add_metric([name, p, "scheduled"], part.scheduled)
+                head = heads.get(part.partition, 0)
+                head_age.add_metric([name, p], max(0.0, now - head / 1e6) if head else 0.0)
+                avg_age.add_metric([name, p], part.average_age_us / 1e6)
+            lease_waiting.add_metric([name], stats.lease_waiting)
+            produce_waiting.add_metric([name], stats.produce_waiting)
+            if isinstance(probe, QueueProbe) and probe.map_size:
+                map_used.add_metric([name], probe.map_used)
+                map_size.add_metric([name], probe.map_size)
+        queues = GaugeMetricFamily("querator_queues", "Queues on this server.")
+        queues.add_metric([], len(actors))
+        yield from (queues, items, head_age, avg_age, lease_waiting, produce_waiting, map_used, map_size)
+
+
+def _queue_of(request: Any) -> str:
+    name = getattr(request, "queue_name", None)
+    if name is None:
+        queue = getattr(request, "queue", None)
+        name = getattr(queue, "queue_name", "")
+    return name if isinstance(name, str) else ""
+
+
+# Items each successful call moved: (action, count(request, response)).
+_ITEMS: dict[str, tuple[str, Callable[[Any, Any], int]]] = {
+    "Produce": ("produced", lambda req, _resp: len(req.items)),
+    "Lease": ("leased", lambda _req, resp: len(resp.items)),
+    "Complete": ("completed", lambda req, _resp: len(req.ids)),
+    "Retry": ("retried", lambda req, _resp: len(req.items)),
+    "Extend": ("extended", lambda req, _resp: len(req.ids)),
+}
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Latency, status and items of every querator.v1 call, by queue and method."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method_path = handler_call_details.method
+        if handler is None or handler.unary_unary is None or not method_path.startswith(_API_PREFIX):
+            return handler
+        cached = self._wrapped.get(method_path)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = grpc.unary_unary_rpc_method_handler(
+            self._measure(method_path.rsplit("/", 1)[-1], handler.unary_unary),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+        self._wrapped[method_path] = (handler, wrapped)
+        return wrapped
+
+    def _measure(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        metrics = self._metrics
+        counted = _ITEMS.get(method)
+
+        async def measured(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            queue = _queue_of(request)
+            known = metrics.known_queue(queue)
+            started = time.perf_counter()
+            code = "OK"
+            try:
+                response = await behavior(request, context)
+            except BaseException as exc:
+                found = context.code()
+                code = found.name if isinstance(found, grpc.StatusCode) else type(exc).__name__
+                raise
+            else:
+                if counted is not None:
+                    action, count = counted
+                    metrics.items.labels(queue if known else "", action).inc(count(request, response))
+                if method == "Lease" and request.complete_ids:
+                    metrics.items.labels(queue if known else "", "completed").inc(len(request.complete_ids))
+                return response
+            finally:
+                elapsed = time.perf_counter() - started
+                label = queue if known or metrics.known_queue(queue) else ""
+                metrics.rpc_duration.labels(label, method).observe(elapsed)
+                metrics.rpc_requests.labels(label, method, code).inc()
+
+        return measured
+
+
+class Metrics:
+    """The registry, the event metrics, the collector and the HTTP endpoint."""
+
+    def __init__(self, manager: QueuesManager) -> None:
+        self.manager = manager
+        disable_created_metrics()  # no *_created series: half the output, no use here
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.rpc_duration = Histogram(
+            "querator_rpc_duration_seconds",
+            "Time to answer a querator.v1 call, by queue and method. Lease includes the time "
+            "spent waiting for items.",
+            ["queue", "method"],
+            buckets=RPC_BUCKETS,
+            registry=r,
+        )
+        self.rpc_requests = Counter(
+            "querator_rpc_requests",
+            "querator.v1 calls answered, by queue, method and status code.",
+            ["queue", "method", "code"],
+            registry=r,
+        )
+        self.items = Counter(
+            "querator_items",
+            "Items moved by successful calls: produced, leased, completed, retried, extended.",
+            ["queue", "action"],
+            registry=r,
+        )
+        self.lease_expirations = Counter(
+            "querator_lease_expirations",
+            "Leases that ran out (the item went back to the queue or was dead-lettered).",
+            ["queue"],
+            registry=r,
+        )
+        self.dead_letters = Counter(
+            "querator_dead_letters",
+            "Items dead-lettered: moved to the dead-letter queue, or dropped (no dead_queue).",
+            ["queue", "outcome"],
+            registry=r,
+        )
+        self.cycle_duration = Histogram(
+            "querator_cycle_duration_seconds",
+            "Time an actor cycle spends in its storage transaction, commit included.",
+            ["queue"],
+            buckets=STORAGE_BUCKETS,
+            registry=r,
+        )
+        self.cycle_batch = Histogram(
+            "querator_cycle_batch_requests",
+            "Requests applied per actor cycle (0: a cycle run only by the lifecycle timers).",
+            ["queue"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.commit_duration = Histogram(
+            "querator_lmdb_commit_duration_seconds",
+            "Time of the LMDB commit (with fsync) of a queue's write transaction.",
+            ["queue"],
+            buckets=STORAGE_BUCKETS,
+            registry=r,
+        )
+        r.register(QueueCollector(manager))
+        self._http: WSGIServer | None = None
+        self.port = 0
+
+    # -- wiring (called by the manager and the server) ---------------------------------
+
+    def attach(self, actor: LogicalQueue) -> None:
+        """Hook a new actor and its store before the actor starts."""
+        probe = QueueProbe(self, actor.name)
+        actor.observer = probe
+        actor.store.on_commit = probe.commit_hook()
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        return [MetricsInterceptor(self)]
+
+    def known_queue(self, name: str) -> bool:
+        if not name:
+            return False
+        try:
+            self.manager.get(name)
+        except NotFound:
+            return False
+        return True
+
+    # -- the HTTP endpoint ----------------------------------------------------------------
+
+    def serve(self, address: str) -> None:
+        """Serve /metrics on ``address``; raises OSError when it cannot be bound."""
+        try:
+            host, port = parse_address(address)
+        except ValueError as exc:
+            raise OSError(str(exc)) from None
+        try:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise OSError(f"cannot serve metrics on {address}: {exc.strerror or exc}") from exc
+        self._http = server
+        self.port = int(server.server_port)
+        log.info("metrics_started", address=f"{address.rpartition(':')[0]}:{self.port}")
+
+    def close(self) -> None:
+        server, self._http = self._http, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
