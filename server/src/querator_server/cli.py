@@ -32,10 +32,32 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=LOG_LEVELS,
         help="log level (env QUERATOR_LOG_LEVEL, default info)",
     )
+    parser.add_argument(
+        "--auth",
+        action="store_true",
+        default=None,
+        help="require an API key on every call (env QUERATOR_AUTH=true); the bootstrap admin "
+        "token comes from env QUERATOR_ADMIN_TOKEN",
+    )
+    parser.add_argument("--tls-cert", help="PEM certificate chain for TLS (env QUERATOR_TLS_CERT)")
+    parser.add_argument("--tls-key", help="PEM private key for TLS (env QUERATOR_TLS_KEY)")
+    parser.add_argument(
+        "--tls-client-ca",
+        help="PEM CA bundle; clients must present a certificate it signed (mutual TLS; env QUERATOR_TLS_CLIENT_CA)",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    config = ServerConfig.from_env(address=args.address, data_dir=args.data_dir, log_level=args.log_level, metrics_address=args.metrics_address)
+    config = ServerConfig.from_env(
+        address=args.address,
+        data_dir=args.data_dir,
+        log_level=args.log_level,
+        metrics_address=args.metrics_address,
+        auth=args.auth,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+    )
     if config.log_level.lower() not in LOG_LEVELS:
         print(f"querator: log level {config.log_level!r} must be one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
         return 2

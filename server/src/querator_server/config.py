@@ -27,6 +27,16 @@ class ServerConfig:
     # Initial LMDB map size per queue; the map doubles whenever it fills.
     map_size: int = 1 << 30
     shutdown_grace_s: float = 10.0
+    # API keys required on every call (health and reflection excepted).
+    auth: bool = False
+    # With auth: a token that acts as an admin key for every queue, to create the
+    # first keys. Never stored; given through the environment, not a flag.
+    admin_token: str = ""
+    # TLS: PEM files of the server's certificate chain and key; with a client CA,
+    # clients must present a certificate signed by it (mutual TLS).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig:
@@ -36,6 +46,11 @@ class ServerConfig:
             "data_dir": env.get("QUERATOR_DATA_DIR", DEFAULT_DATA_DIR),
             "log_level": env.get("QUERATOR_LOG_LEVEL", "info"),
             "metrics_address": env.get("QUERATOR_METRICS_ADDRESS", ""),
+            "auth": env.get("QUERATOR_AUTH", "").strip().lower() in ("1", "true", "yes", "on"),
+            "admin_token": env.get("QUERATOR_ADMIN_TOKEN", ""),
+            "tls_cert": env.get("QUERATOR_TLS_CERT", ""),
+            "tls_key": env.get("QUERATOR_TLS_KEY", ""),
+            "tls_client_ca": env.get("QUERATOR_TLS_CLIENT_CA", ""),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

@@ -9,7 +9,9 @@ They carry no gRPC types; ``grpc_api.status`` maps each class to a status code::
      ├── FailedPrecondition   the state forbids it (not leased, DLQ in use, ...)
      ├── ResourceExhausted    overloaded or request too big
      ├── Unavailable          shutting down or storage failing; safe to retry
-     └── DeadlineExceeded     the caller's deadline passed first
+     ├── DeadlineExceeded     the caller's deadline passed first
+     ├── Unauthenticated      authentication is on and no valid key came with the call
+     └── PermissionDenied     the key's role or queue patterns do not allow the call
 """
 
 from __future__ import annotations
@@ -69,3 +71,11 @@ class Unavailable(QueratorError):
 
 class DeadlineExceeded(QueratorError):
     """The caller's deadline passed before the work was done."""
+
+
+class Unauthenticated(QueratorError):
+    """Authentication is on and the call carried no valid key."""
+
+
+class PermissionDenied(QueratorError):
+    """The caller's key does not allow this call on this queue."""

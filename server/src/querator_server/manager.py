@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
 
 from .actor import LogicalQueue
+from .auth import ApiKey, KeyRing, Role, new_key
 from .clock import now_us
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from .model import QueueConfig
@@ -47,7 +49,9 @@ class QueuesManager:
         sync: bool = True,
         max_inbox: int = 10_000,
         workers: int = 8,
+        bootstrap_token: str = "",
     ) -> None:
+        self._bootstrap_token = bootstrap_token
         self.data_dir = os.path.abspath(data_dir)
         self._map_size = map_size
         self._sync = sync
@@ -61,6 +65,7 @@ class QueuesManager:
         self._closing = False
         # Metrics (metrics.Metrics) hooks each actor as it is made; None when off.
         self.observer: Any = None
+        self.keyring = KeyRing()
 
     # -- start and stop --------------------------------------------------------------
 
@@ -71,6 +76,10 @@ class QueuesManager:
             self._executor, lambda: Catalog(os.path.join(self.data_dir, "catalog"), sync=self._sync)
         )
         configs = await loop.run_in_executor(self._executor, self._catalog.load)
+        records = await loop.run_in_executor(self._executor, self._catalog.load_keys)
+        self.keyring = KeyRing(
+            (_key_from_record(r) for r in records), bootstrap_token=self._bootstrap_token
+        )
         for config in configs:
             self._configs[config.name] = config
             self._actors[config.name] = await self._start_actor(config)
@@ -139,10 +148,20 @@ class QueuesManager:
             raise NotFound(f"queue {name!r} does not exist")
         return config
 
-    def list(self, after: str, limit: int) -> tuple[list[QueueConfig], bool]:
-        """Up to ``limit`` queues named after ``after``, and whether more follow."""
+    def list(
+        self, after: str, limit: int, visible: Callable[[str], bool] | None = None
+    ) -> tuple[list[QueueConfig], bool]:
+        """Up to ``limit`` queues named after ``after`` (and ``visible``), and whether more follow."""
         start = bisect.bisect_right(self._names, after) if after else 0
-        names = self._names[start : start + limit + 1]
+        if visible is None:
+            names = self._names[start : start + limit + 1]
+        else:
+            names = []
+            for name in itertools.islice(self._names, start, None):
+                if visible(name):
+                    names.append(name)
+                    if len(names) > limit:
+                        break
         return [self._configs[n] for n in names[:limit]], len(names) > limit
 
     def dead_letter_users(self, name: str) -> list[str]:
@@ -258,3 +277,49 @@ class QueuesManager:
 
     def queues(self) -> Iterable[LogicalQueue]:
         return self._actors.values()
+
+    # -- API keys -----------------------------------------------------------------------
+
+    async def create_key(self, role: Role, queues: list[str], description: str) -> tuple[ApiKey, str]:
+        key, token = new_key(role, queues, description, now_us())
+        record = {
+            "key_id": key.key_id,
+            "role": int(key.role),
+            "queues": list(key.queues),
+            "description": key.description,
+            "created_at_us": key.created_at_us,
+            "secret_sha256": key.secret_hash,
+        }
+        async with self._lock:
+            self._check_open()
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(self._executor, self._require_catalog().put_key, key.key_id, record)
+            except (StorageError, OSError) as exc:
+                raise _storage_failed(exc) from exc
+            self.keyring.add(key)
+        log.info("key_created", key_id=key.key_id, role=key.role.name.lower(), queues=list(key.queues))
+        return key, token
+
+    async def revoke_key(self, key_id: str) -> None:
+        async with self._lock:
+            self._check_open()
+            self.keyring.get(key_id)
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(self._executor, self._require_catalog().delete_key, key_id)
+            except (StorageError, OSError) as exc:
+                raise _storage_failed(exc) from exc
+            self.keyring.remove(key_id)
+        log.info("key_revoked", key_id=key_id)
+
+
+def _key_from_record(record: dict[str, object]) -> ApiKey:
+    return ApiKey(
+        key_id=str(record["key_id"]),
+        role=Role(int(record["role"])),  # type: ignore[call-overload]
+        queues=tuple(str(q) for q in record["queues"]),  # type: ignore[attr-defined]
+        description=str(record["description"]),
+        created_at_us=int(record["created_at_us"]),  # type: ignore[call-overload]
+        secret_hash=str(record["secret_sha256"]),
+    )

@@ -13,6 +13,9 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 
 from .config import ServerConfig
 from .grpc_api import QueueService, QueuesService, StorageService
+from .grpc_api.authz import Guard
+from .grpc_api.keys_service import SERVICE as KEYS_SERVICE
+from .grpc_api.keys_service import KeysService
 from .grpc_api.queue_service import SERVICE as QUEUE_SERVICE
 from .grpc_api.queues_service import SERVICE as QUEUES_SERVICE
 from .grpc_api.storage_service import SERVICE as STORAGE_SERVICE
@@ -21,7 +24,8 @@ from .reflection import ReflectionServicer
 
 log = structlog.get_logger("querator.server")
 
-SERVICES = (QUEUE_SERVICE, QUEUES_SERVICE, STORAGE_SERVICE)
+SERVICES = (QUEUE_SERVICE, QUEUES_SERVICE, STORAGE_SERVICE, KEYS_SERVICE)
+_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}
 _REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
@@ -42,7 +46,11 @@ class QueratorServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.manager = QueuesManager(
-            config.data_dir, sync=config.sync, max_inbox=config.max_inbox, map_size=config.map_size
+            config.data_dir,
+            sync=config.sync,
+            max_inbox=config.max_inbox,
+            map_size=config.map_size,
+            bootstrap_token=config.admin_token if config.auth else "",
         )
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -66,11 +74,13 @@ class QueratorServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
+        guard = Guard(lambda: self.manager.keyring) if self.config.auth else None
         server.add_generic_rpc_handlers(
             (
-                QueueService(self.manager).handler(),
-                QueuesService(self.manager).handler(),
-                StorageService(self.manager).handler(),
+                QueueService(self.manager, guard).handler(),
+                QueuesService(self.manager, guard).handler(),
+                StorageService(self.manager, guard).handler(),
+                KeysService(self.manager, guard).handler(),
             )
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -81,9 +91,16 @@ class QueratorServer:
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
         server.add_generic_rpc_handlers((_reflection_v1(servicer),))
         try:
-            self.port = server.add_insecure_port(self.config.address)
+            credentials = self._tls_credentials()
+            if credentials is None:
+                self.port = server.add_insecure_port(self.config.address)
+            else:
+                self.port = server.add_secure_port(self.config.address, credentials)
         except RuntimeError:  # grpcio raises instead of returning 0 when the bind fails
             self.port = 0
+        except OSError:
+            await self.manager.stop()
+            raise
         if not self.port:
             await self.manager.stop()
             raise OSError(f"cannot listen on {self.config.address} (address in use or invalid)")
@@ -91,7 +108,46 @@ class QueratorServer:
         self._server = server
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("server_started", address=self.address, data_dir=self.manager.data_dir, pid=os.getpid())
+        log.info(
+            "server_started",
+            address=self.address,
+            data_dir=self.manager.data_dir,
+            pid=os.getpid(),
+            tls=credentials is not None,
+            mutual_tls=bool(self.config.tls_client_ca),
+            auth=self.config.auth,
+        )
+        host = self.config.address.rsplit(":", 1)[0]
+        if not self.config.auth and host not in _LOOPBACK_HOSTS:
+            log.warning(
+                "AUTHENTICATION_IS_OFF",
+                address=self.address,
+                detail="anyone who can reach this address can read, change and delete every queue; "
+                "set QUERATOR_AUTH=true (and QUERATOR_ADMIN_TOKEN) to require API keys",
+            )
+        if self.config.auth and not self.config.admin_token and not self.manager.keyring.keys():
+            log.warning("no_api_keys", detail="auth is on but there are no keys and no QUERATOR_ADMIN_TOKEN")
+
+    def _tls_credentials(self) -> grpc.ServerCredentials | None:
+        config = self.config
+        if not (config.tls_cert or config.tls_key or config.tls_client_ca):
+            return None
+        if not (config.tls_cert and config.tls_key):
+            raise OSError("TLS needs both a certificate (--tls-cert) and a key (--tls-key)")
+
+        def read(path: str, what: str) -> bytes:
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as exc:
+                raise OSError(f"cannot read the TLS {what} {path!r}: {exc.strerror}") from exc
+
+        chain = read(config.tls_cert, "certificate")
+        key = read(config.tls_key, "key")
+        client_ca = read(config.tls_client_ca, "client CA") if config.tls_client_ca else None
+        return grpc.ssl_server_credentials(
+            [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
+        )
 
     @property
     def address(self) -> str:

@@ -15,8 +15,10 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError, Message
 
+from ..auth import Action
 from ..errors import QueratorError, ResourceExhausted, Unavailable
 from ..model import MAX_REQUEST_BYTES
+from .authz import Guard
 from .status import invalid_argument_status, status_code, to_status
 
 log = structlog.get_logger("querator.rpc")
@@ -52,10 +54,16 @@ def _deserializer(message_type: type[Message], max_bytes: int) -> Callable[[byte
     return deserialize
 
 
-def _wrap(service: str, method: str, behavior: Behavior) -> Behavior:
+def _wrap(service: str, method: str, behavior: Behavior, action: Action, guard: Guard | None) -> Behavior:
     full = f"/{service}/{method}"
 
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Message:
+        if guard is not None:
+            try:
+                # Before anything else, even before looking at a malformed request.
+                guard.check(action, None if isinstance(request, _Malformed | _TooLarge) else request, context)
+            except QueratorError as error:
+                await _abort(context, full, "", error)
         if isinstance(request, _Malformed):
             status = invalid_argument_status(f"the request is not a valid {method}Request: {request.reason}")
             log.info("rpc_error", method=full, code="INVALID_ARGUMENT", message=status.details)
@@ -84,17 +92,21 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, queue: str, err
 
 def generic_handler(
     service: str,
-    methods: dict[str, tuple[Behavior, type[Message], type[Message]]],
+    methods: dict[str, tuple[Behavior, type[Message], type[Message], Action]],
     *,
+    guard: Guard | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> grpc.GenericRpcHandler:
-    """A handler for ``service`` whose methods map name -> (behavior, request, response)."""
+    """A handler for ``service``: name -> (behavior, request type, response type, action).
+
+    With a ``guard`` every call is authenticated and authorized for its action first.
+    """
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
-            _wrap(service, name, behavior),
+            _wrap(service, name, behavior, action, guard),
             request_deserializer=_deserializer(request_type, max_request_bytes),
             response_serializer=response_type.SerializeToString,
         )
-        for name, (behavior, request_type, response_type) in methods.items()
+        for name, (behavior, request_type, response_type, action) in methods.items()
     }
     return grpc.method_handlers_generic_handler(service, handlers)

@@ -11,6 +11,8 @@ from ..errors import InvalidArgument
 from ..manager import QueuesManager
 from ..model import DEFAULT_WAIT_US, MAX_WAIT_US, NewItem, RetryOrder
 from . import convert as c
+from ..auth import Action
+from .authz import Guard
 from .handlers import generic_handler
 
 SERVICE = "querator.v1.QueueService"
@@ -33,8 +35,9 @@ def _request_deadline_us(request: object, context: grpc.aio.ServicerContext, now
 
 
 class QueueService:
-    def __init__(self, manager: QueuesManager) -> None:
+    def __init__(self, manager: QueuesManager, guard: Guard | None = None) -> None:
         self.manager = manager
+        self.guard = guard
 
     async def produce(self, request: pb.ProduceRequest, context: grpc.aio.ServicerContext) -> pb.ProduceResponse:
         name = c.queue_name(request.queue_name)
@@ -132,12 +135,13 @@ class QueueService:
         return generic_handler(
             SERVICE,
             {
-                "Produce": (self.produce, pb.ProduceRequest, pb.ProduceResponse),
-                "Lease": (self.lease, pb.LeaseRequest, pb.LeaseResponse),
-                "Complete": (self.complete, pb.CompleteRequest, pb.CompleteResponse),
-                "Retry": (self.retry, pb.RetryRequest, pb.RetryResponse),
-                "Extend": (self.extend, pb.ExtendRequest, pb.ExtendResponse),
+                "Produce": (self.produce, pb.ProduceRequest, pb.ProduceResponse, Action.PRODUCE),
+                "Lease": (self.lease, pb.LeaseRequest, pb.LeaseResponse, Action.CONSUME),
+                "Complete": (self.complete, pb.CompleteRequest, pb.CompleteResponse, Action.CONSUME),
+                "Retry": (self.retry, pb.RetryRequest, pb.RetryResponse, Action.CONSUME),
+                "Extend": (self.extend, pb.ExtendRequest, pb.ExtendResponse, Action.CONSUME),
             },
+            guard=self.guard,
         )
 
 

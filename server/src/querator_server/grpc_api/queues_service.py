@@ -16,6 +16,8 @@ from ..model import (
     QueueConfig,
 )
 from . import convert as c
+from ..auth import Action
+from .authz import Guard, current_principal
 from .handlers import generic_handler
 
 SERVICE = "querator.v1.QueuesService"
@@ -75,8 +77,9 @@ def _settings(info: pb.QueueInfo, fields: set[str]) -> dict[str, object]:
 
 
 class QueuesService:
-    def __init__(self, manager: QueuesManager) -> None:
+    def __init__(self, manager: QueuesManager, guard: Guard | None = None) -> None:
         self.manager = manager
+        self.guard = guard
 
     async def create_queue(
         self, request: pb.CreateQueueRequest, context: grpc.aio.ServicerContext
@@ -104,7 +107,9 @@ class QueuesService:
                 after = c.decode_token(request.page_token, b"Q").decode()
             except UnicodeDecodeError:
                 raise InvalidArgument("page_token", "is not a page token this server issued") from None
-        configs, more = self.manager.list(after, limit)
+        principal = current_principal.get()
+        visible = None if principal is None or "*" in principal.queues else principal.matches
+        configs, more = self.manager.list(after, limit, visible)
         token = c.encode_token(b"Q", configs[-1].name.encode()) if more and configs else ""
         return pb.ListQueuesResponse(queues=[queue_info(q) for q in configs], next_page_token=token)
 
@@ -173,12 +178,13 @@ class QueuesService:
         return generic_handler(
             SERVICE,
             {
-                "CreateQueue": (self.create_queue, pb.CreateQueueRequest, pb.CreateQueueResponse),
-                "GetQueue": (self.get_queue, pb.GetQueueRequest, pb.GetQueueResponse),
-                "ListQueues": (self.list_queues, pb.ListQueuesRequest, pb.ListQueuesResponse),
-                "UpdateQueue": (self.update_queue, pb.UpdateQueueRequest, pb.UpdateQueueResponse),
-                "DeleteQueue": (self.delete_queue, pb.DeleteQueueRequest, pb.DeleteQueueResponse),
-                "ClearQueue": (self.clear_queue, pb.ClearQueueRequest, pb.ClearQueueResponse),
-                "GetQueueStats": (self.get_queue_stats, pb.GetQueueStatsRequest, pb.GetQueueStatsResponse),
+                "CreateQueue": (self.create_queue, pb.CreateQueueRequest, pb.CreateQueueResponse, Action.ADMIN),
+                "GetQueue": (self.get_queue, pb.GetQueueRequest, pb.GetQueueResponse, Action.READ),
+                "ListQueues": (self.list_queues, pb.ListQueuesRequest, pb.ListQueuesResponse, Action.LIST),
+                "UpdateQueue": (self.update_queue, pb.UpdateQueueRequest, pb.UpdateQueueResponse, Action.ADMIN),
+                "DeleteQueue": (self.delete_queue, pb.DeleteQueueRequest, pb.DeleteQueueResponse, Action.ADMIN),
+                "ClearQueue": (self.clear_queue, pb.ClearQueueRequest, pb.ClearQueueResponse, Action.ADMIN),
+                "GetQueueStats": (self.get_queue_stats, pb.GetQueueStatsRequest, pb.GetQueueStatsResponse, Action.READ),
             },
+            guard=self.guard,
         )

@@ -12,6 +12,8 @@ from ..errors import InvalidArgument
 from ..manager import QueuesManager
 from ..model import ImportedItem
 from . import convert as c
+from ..auth import Action
+from .authz import Guard
 from .handlers import generic_handler
 
 SERVICE = "querator.v1.StorageService"
@@ -42,8 +44,9 @@ def storage_item(stored: a.StoredItem) -> pb.StorageItem:
 
 
 class StorageService:
-    def __init__(self, manager: QueuesManager) -> None:
+    def __init__(self, manager: QueuesManager, guard: Guard | None = None) -> None:
         self.manager = manager
+        self.guard = guard
 
     async def _list(
         self,
@@ -125,13 +128,13 @@ class StorageService:
         return generic_handler(
             SERVICE,
             {
-                "ListItems": (self.list_items, pb.ListItemsRequest, pb.ListItemsResponse),
+                "ListItems": (self.list_items, pb.ListItemsRequest, pb.ListItemsResponse, Action.ADMIN),
                 "ListScheduledItems": (
                     self.list_scheduled_items,
                     pb.ListScheduledItemsRequest,
-                    pb.ListScheduledItemsResponse,
-                ),
-                "ImportItems": (self.import_items, pb.ImportItemsRequest, pb.ImportItemsResponse),
-                "DeleteItems": (self.delete_items, pb.DeleteItemsRequest, pb.DeleteItemsResponse),
+                    pb.ListScheduledItemsResponse, Action.ADMIN),
+                "ImportItems": (self.import_items, pb.ImportItemsRequest, pb.ImportItemsResponse, Action.ADMIN),
+                "DeleteItems": (self.delete_items, pb.DeleteItemsRequest, pb.DeleteItemsResponse, Action.ADMIN),
             },
+            guard=self.guard,
         )

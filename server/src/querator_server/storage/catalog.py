@@ -15,7 +15,7 @@ from typing import Any
 import lmdb
 
 from ..model import QueueConfig
-from .queue_store import StorageError
+from .queue_store import StorageError, inject_write_fault
 
 _NEXT_UID = b"next_uid"
 _FORMAT = b"format"
@@ -38,6 +38,7 @@ class Catalog:
             with self.env.begin(write=True) as txn:
                 self._queues = self.env.open_db(b"queues", txn=txn)
                 self._meta = self.env.open_db(b"meta", txn=txn)
+                self._keys = self.env.open_db(b"keys", txn=txn)
                 found = txn.get(_FORMAT, db=self._meta)
                 if found is None:
                     txn.put(_FORMAT, _FORMAT_VERSION, db=self._meta)
@@ -74,10 +75,31 @@ class Catalog:
     def delete(self, name: str) -> None:
         self._write(lambda txn: txn.delete(_key(name), db=self._queues))
 
+    # -- API keys: JSON records under the key id; only a hash of each secret ----------
+
+    def load_keys(self) -> list[dict[str, Any]]:
+        with self.env.begin() as txn:
+            out: list[dict[str, Any]] = []
+            for key, raw in txn.cursor(db=self._keys):
+                try:
+                    out.append(json.loads(raw))
+                except ValueError as exc:
+                    raise CatalogError(f"{self.path}: API key {key!r} is unreadable: {exc}") from exc
+            return out
+
+    def put_key(self, key_id: str, record: dict[str, Any]) -> None:
+        raw = json.dumps(record, separators=(",", ":")).encode()
+        self._write(lambda txn: txn.put(key_id.encode(), raw, db=self._keys))
+
+    def delete_key(self, key_id: str) -> None:
+        self._write(lambda txn: txn.delete(key_id.encode(), db=self._keys))
+
     def _write(self, fn: Any) -> Any:
         try:
             with self.env.begin(write=True) as txn:
-                return fn(txn)
+                result = fn(txn)
+                inject_write_fault()
+                return result
         except lmdb.MapFullError:
             self.env.set_mapsize(self.env.info()["map_size"] * 2)
             return self._write(fn)

@@ -1,0 +1,144 @@
+"""API keys: who may call what, on which queues.
+
+A key is ``qk_<key_id>_<secret>``. The server keeps only a SHA-256 of the secret
+(in the catalog), so a copy of the data dir does not leak usable tokens. A key has a
+role and shell-style queue-name patterns; every call is checked against both
+*before* its queue is looked up, so a caller cannot learn which queues exist.
+
+With authentication on, a bootstrap admin token (given to the server at start, never
+stored) lets an operator create the first keys.
+"""
+
+from __future__ import annotations
+
+import enum
+import fnmatch
+import hashlib
+import hmac
+import re
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+
+
+class Role(enum.IntEnum):
+    PRODUCER = 1
+    CONSUMER = 2
+    ADMIN = 3
+
+
+class Action(enum.Enum):
+    PRODUCE = "produce"
+    CONSUME = "consume"
+    READ = "read"  # get a queue, its stats
+    LIST = "list"  # list queues (answers are filtered by pattern)
+    ADMIN = "admin"  # change queues, storage calls
+    KEYS = "keys"  # manage API keys
+
+
+_GRANTS: dict[Role, frozenset[Action]] = {
+    Role.PRODUCER: frozenset({Action.PRODUCE, Action.READ, Action.LIST}),
+    Role.CONSUMER: frozenset({Action.CONSUME, Action.READ, Action.LIST}),
+    Role.ADMIN: frozenset({Action.PRODUCE, Action.CONSUME, Action.READ, Action.LIST, Action.ADMIN, Action.KEYS}),
+}
+
+_TOKEN = re.compile(r"qk_([0-9a-f]{16})_([A-Za-z0-9_-]{20,100})")
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    key_id: str
+    role: Role
+    queues: tuple[str, ...]
+    description: str
+    created_at_us: int
+    secret_hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: the key's id (or "bootstrap"), role and queue patterns."""
+
+    key_id: str
+    role: Role
+    queues: tuple[str, ...]
+
+    def may(self, action: Action) -> bool:
+        if action not in _GRANTS[self.role]:
+            return False
+        return action is not Action.KEYS or "*" in self.queues
+
+    def matches(self, queue: str) -> bool:
+        return any(fnmatch.fnmatchcase(queue, pattern) for pattern in self.queues)
+
+    def check(self, action: Action, queues: Iterable[str] = ()) -> None:
+        if not self.may(action):
+            raise PermissionDenied(f"key {self.key_id} ({self.role.name.lower()}) may not {action.value}")
+        for queue in queues:
+            if queue and not self.matches(queue):
+                raise PermissionDenied(f"key {self.key_id} may not touch this queue")
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def new_key(role: Role, queues: Iterable[str], description: str, now_us: int) -> tuple[ApiKey, str]:
+    """A fresh key and its token (the only time the token exists in clear)."""
+    patterns = tuple(queues)
+    if not patterns:
+        raise InvalidArgument("queues", "name at least one queue pattern, e.g. 'orders*' or '*'")
+    for index, pattern in enumerate(patterns):
+        if not pattern or len(pattern) > 512 or any(ch.isspace() for ch in pattern):
+            raise InvalidArgument(f"queues[{index}]", "must be 1..512 characters without whitespace")
+    if len(description) > 1024:
+        raise InvalidArgument("description", "must be at most 1024 characters")
+    key_id = secrets.token_hex(8)
+    secret = secrets.token_urlsafe(32)
+    key = ApiKey(key_id, role, patterns, description, now_us, _digest(secret))
+    return key, f"qk_{key_id}_{secret}"
+
+
+class KeyRing:
+    """The keys in force, checked in memory on every call."""
+
+    def __init__(self, keys: Iterable[ApiKey] = (), *, bootstrap_token: str = "") -> None:
+        self._keys = {key.key_id: key for key in keys}
+        self._bootstrap = _digest(bootstrap_token) if bootstrap_token else ""
+
+    def authenticate(self, metadata: Iterable[tuple[str, str | bytes]]) -> Principal:
+        token = ""
+        for name, value in metadata:
+            if name == "authorization" and isinstance(value, str):
+                scheme, _, rest = value.partition(" ")
+                if scheme.lower() == "bearer":
+                    token = rest.strip()
+        if not token:
+            raise Unauthenticated("this server needs an API key: send 'authorization: Bearer <token>'")
+        if self._bootstrap and hmac.compare_digest(_digest(token), self._bootstrap):
+            return Principal("bootstrap", Role.ADMIN, ("*",))
+        match = _TOKEN.fullmatch(token)
+        key = self._keys.get(match.group(1)) if match else None
+        if key is None or match is None or not hmac.compare_digest(_digest(match.group(2)), key.secret_hash):
+            raise Unauthenticated("the API key is not valid (revoked, mistyped or from another server)")
+        return Principal(key.key_id, key.role, key.queues)
+
+    def add(self, key: ApiKey) -> None:
+        self._keys[key.key_id] = key
+
+    def remove(self, key_id: str) -> ApiKey:
+        key = self._keys.pop(key_id, None)
+        if key is None:
+            raise NotFound(f"no key with id {key_id[:40]!r}")
+        return key
+
+    def get(self, key_id: str) -> ApiKey:
+        key = self._keys.get(key_id)
+        if key is None:
+            raise NotFound(f"no key with id {key_id[:40]!r}")
+        return key
+
+    def keys(self) -> list[ApiKey]:
+        return [self._keys[k] for k in sorted(self._keys)]

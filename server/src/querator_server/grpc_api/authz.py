@@ -1,0 +1,46 @@
+"""Authentication and authorization of each call, before anything else happens.
+
+The guard reads the bearer token from the call's metadata, finds the key, and checks
+the method's action and every queue the request names (including a dead_queue being
+set) against the key's role and patterns. It runs before validation and before any
+queue lookup, so without the right key a caller learns nothing about which queues
+exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextvars import ContextVar
+
+import grpc
+
+from ..auth import Action, KeyRing, Principal
+
+# The principal of the call being handled (None when authentication is off).
+current_principal: ContextVar[Principal | None] = ContextVar("current_principal", default=None)
+
+
+def queues_named(request: object) -> list[str]:
+    """Every queue a request names: queue_name, or queue.queue_name and queue.dead_queue."""
+    names: list[str] = []
+    name = getattr(request, "queue_name", None)
+    if isinstance(name, str):
+        names.append(name)
+    info = getattr(request, "queue", None)
+    if info is not None and not isinstance(info, bool):
+        names.append(getattr(info, "queue_name", ""))
+        names.append(getattr(info, "dead_queue", ""))
+    return names
+
+
+class Guard:
+    """Checks calls against the key ring the manager holds."""
+
+    def __init__(self, keyring: Callable[[], KeyRing]) -> None:
+        self._keyring = keyring
+
+    def check(self, action: Action, request: object, context: grpc.aio.ServicerContext) -> Principal:
+        principal = self._keyring().authenticate(context.invocation_metadata() or ())
+        principal.check(action, queues_named(request))
+        current_principal.set(principal)
+        return principal

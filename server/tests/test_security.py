@@ -1,0 +1,244 @@
+"""API keys (UNAUTHENTICATED / PERMISSION_DENIED before any queue lookup) and TLS."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from querator.v1 import keys_pb2, keys_pb2_grpc, queue_pb2, queues_pb2, storage_pb2
+
+from conftest import Stubs, ThreadServer
+
+BOOTSTRAP = "bootstrap-admin-token-for-tests"
+
+
+class Authed(Stubs):
+    """Stubs whose calls carry a bearer token."""
+
+    def __init__(self, channel: grpc.Channel, token: str) -> None:
+        self.token = token
+        super().__init__(grpc.intercept_channel(channel, _Bearer(token)))
+        self.keys = keys_pb2_grpc.KeysServiceStub(self.channel)
+
+
+class _Bearer(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        metadata = list(details.metadata or []) + [("authorization", f"Bearer {self.token}")]
+        details = details._replace(metadata=metadata)
+        return continuation(details, request)
+
+
+@pytest.fixture
+def auth_server(data_dir: str) -> Iterator[ThreadServer]:
+    srv = ThreadServer(data_dir, auth=True, admin_token=BOOTSTRAP)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def channel(auth_server: ThreadServer) -> Iterator[grpc.Channel]:
+    ch = grpc.insecure_channel(auth_server.address)
+    yield ch
+    ch.close()
+
+
+def _code(call: object) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        call()  # type: ignore[operator]
+    return err.value.code()  # type: ignore[no-any-return]
+
+
+def _key(admin: Authed, role: int, *queues: str) -> str:
+    response = admin.keys.CreateKey(keys_pb2.CreateKeyRequest(role=role, queues=list(queues)), timeout=10)
+    assert response.token.startswith("qk_")
+    return str(response.token)
+
+
+def test_calls_without_a_valid_key_are_unauthenticated(channel: grpc.Channel) -> None:
+    anonymous = Stubs(channel)
+    assert _code(lambda: anonymous.create("q")) == grpc.StatusCode.UNAUTHENTICATED
+    assert _code(lambda: anonymous.produce("q", [b"x"])) == grpc.StatusCode.UNAUTHENTICATED
+    bogus = Authed(channel, "qk_0123456789abcdef_" + "A" * 43)
+    assert _code(lambda: bogus.stats("q")) == grpc.StatusCode.UNAUTHENTICATED
+    # Health and reflection stay open for load balancers and grpcurl.
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == 1
+
+
+def test_roles_and_queue_patterns(channel: grpc.Channel) -> None:
+    admin = Authed(channel, BOOTSTRAP)
+    admin.create("orders-eu")
+    admin.create("billing")
+    producer = Authed(channel, _key(admin, keys_pb2.ROLE_PRODUCER, "orders*"))
+    consumer = Authed(channel, _key(admin, keys_pb2.ROLE_CONSUMER, "orders*"))
+
+    producer.produce("orders-eu", [b"a"])
+    assert _code(lambda: producer.produce("billing", [b"x"])) == grpc.StatusCode.PERMISSION_DENIED
+    assert _code(lambda: producer.lease("orders-eu")) == grpc.StatusCode.PERMISSION_DENIED
+    assert _code(lambda: producer.create("orders-new")) == grpc.StatusCode.PERMISSION_DENIED
+
+    leased = consumer.lease("orders-eu", batch_size=5)
+    assert [i.payload for i in leased.items] == [b"a"]
+    consumer.complete("orders-eu", leased.partition, [leased.items[0].id])
+    assert _code(lambda: consumer.produce("orders-eu", [b"x"])) == grpc.StatusCode.PERMISSION_DENIED
+    assert _code(lambda: consumer.list_items("orders-eu")) == grpc.StatusCode.PERMISSION_DENIED
+    assert consumer.stats("orders-eu").queue_name == "orders-eu"
+    # Listing shows only the queues the key matches.
+    listed = consumer.queues.ListQueues(queues_pb2.ListQueuesRequest(), timeout=5)
+    assert [q.queue_name for q in listed.queues] == ["orders-eu"]
+    # Only an admin key for "*" manages keys.
+    assert _code(lambda: consumer.keys.ListKeys(keys_pb2.ListKeysRequest(), timeout=5)) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+
+
+def test_authorization_comes_before_the_queue_lookup(channel: grpc.Channel) -> None:
+    admin = Authed(channel, BOOTSTRAP)
+    admin.create("orders-1")
+    outsider = Authed(channel, _key(admin, keys_pb2.ROLE_ADMIN, "team-a*"))
+    # Existing and missing queues outside the key's patterns answer the same.
+    for name in ("orders-1", "orders-missing"):
+        assert _code(lambda n=name: outsider.stats(n)) == grpc.StatusCode.PERMISSION_DENIED
+        assert _code(lambda n=name: outsider.produce(n, [b"x"])) == grpc.StatusCode.PERMISSION_DENIED
+    # Naming a dead_queue outside the patterns is refused too.
+    assert _code(lambda: outsider.create("team-a-jobs", dead_queue="orders-1")) == grpc.StatusCode.PERMISSION_DENIED
+    outsider.create("team-a-jobs")
+    assert _code(
+        lambda: outsider.storage.ListItems(storage_pb2.ListItemsRequest(queue_name="orders-1"), timeout=5)
+    ) == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_revoked_keys_stop_working_and_keys_survive_restart(data_dir: str) -> None:
+    srv = ThreadServer(data_dir, auth=True, admin_token=BOOTSTRAP)
+    try:
+        channel = grpc.insecure_channel(srv.address)
+        admin = Authed(channel, BOOTSTRAP)
+        admin.create("jobs")
+        kept = _key(admin, keys_pb2.ROLE_PRODUCER, "jobs")
+        dropped = _key(admin, keys_pb2.ROLE_PRODUCER, "jobs")
+        dropped_id = dropped.split("_")[1]
+        listed = admin.keys.ListKeys(keys_pb2.ListKeysRequest(), timeout=5).keys
+        assert dropped_id in {k.key_id for k in listed}
+        admin.keys.RevokeKey(keys_pb2.RevokeKeyRequest(key_id=dropped_id), timeout=5)
+        assert _code(lambda: Authed(channel, dropped).produce("jobs", [b"x"])) == grpc.StatusCode.UNAUTHENTICATED
+        channel.close()
+    finally:
+        srv.stop()
+    # Restart without the bootstrap token: stored keys still work, the revoked one does not.
+    srv = ThreadServer(data_dir, auth=True)
+    try:
+        channel = grpc.insecure_channel(srv.address)
+        Authed(channel, kept).produce("jobs", [b"after restart"])
+        assert _code(lambda: Authed(channel, dropped).produce("jobs", [b"x"])) == grpc.StatusCode.UNAUTHENTICATED
+        assert _code(lambda: Authed(channel, BOOTSTRAP).create("x")) == grpc.StatusCode.UNAUTHENTICATED
+        channel.close()
+    finally:
+        srv.stop()
+    # Only hashes are stored: the token's secret appears nowhere in the data dir.
+    secret = kept.split("_", 2)[2].encode()
+    for path in Path(data_dir).rglob("*"):
+        if path.is_file():
+            assert secret not in path.read_bytes()
+
+
+def test_create_key_validation(channel: grpc.Channel) -> None:
+    admin = Authed(channel, BOOTSTRAP)
+    assert _code(lambda: admin.keys.CreateKey(keys_pb2.CreateKeyRequest(role=0, queues=["*"]), timeout=5)) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert _code(lambda: admin.keys.CreateKey(keys_pb2.CreateKeyRequest(role=1), timeout=5)) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert _code(lambda: admin.keys.RevokeKey(keys_pb2.RevokeKeyRequest(key_id="nope"), timeout=5)) == (
+        grpc.StatusCode.NOT_FOUND
+    )
+
+
+# -- TLS ------------------------------------------------------------------------------
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pki")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+             "-days", "2", "-subj", "/CN=test-ca", cwd=d)
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN={name}", cwd=d)
+        (d / f"{name}.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
+    return d
+
+
+def _tls_channel(address: str, pki: Path, *, client_cert: bool) -> grpc.Channel:
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=(pki / "ca.pem").read_bytes(),
+        private_key=(pki / "client.key").read_bytes() if client_cert else None,
+        certificate_chain=(pki / "client.pem").read_bytes() if client_cert else None,
+    )
+    return grpc.secure_channel(address, creds)
+
+
+def test_tls_serves_encrypted_and_refuses_plaintext(data_dir: str, pki: Path) -> None:
+    srv = ThreadServer(data_dir, tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"))
+    try:
+        with _tls_channel(srv.address, pki, client_cert=False) as ch:
+            Stubs(ch).create("secure")
+        with grpc.insecure_channel(srv.address) as plain:
+            assert _code(lambda: Stubs(plain).stats("secure")) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.stop()
+
+
+def test_mutual_tls_requires_a_client_certificate(data_dir: str, pki: Path) -> None:
+    srv = ThreadServer(
+        data_dir,
+        tls_cert=str(pki / "server.pem"),
+        tls_key=str(pki / "server.key"),
+        tls_client_ca=str(pki / "ca.pem"),
+    )
+    try:
+        with _tls_channel(srv.address, pki, client_cert=True) as ch:
+            Stubs(ch).create("mtls")
+            assert Stubs(ch).stats("mtls").queue_name == "mtls"
+        with _tls_channel(srv.address, pki, client_cert=False) as ch:
+            assert _code(lambda: Stubs(ch).stats("mtls")) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.stop()
+
+
+def test_a_missing_tls_file_fails_start_with_its_name(data_dir: str, tmp_path: Path) -> None:
+    missing = tmp_path / "nope.pem"
+    with pytest.raises(OSError, match="nope.pem"):
+        ThreadServer(data_dir, tls_cert=str(missing), tls_key=str(missing))
+
+
+def test_produce_lease_round_trip_with_auth_and_tls(data_dir: str, pki: Path) -> None:
+    srv = ThreadServer(
+        data_dir, auth=True, admin_token=BOOTSTRAP, tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key")
+    )
+    try:
+        with _tls_channel(srv.address, pki, client_cert=False) as ch:
+            admin = Authed(ch, BOOTSTRAP)
+            admin.create("both")
+            worker = Authed(ch, _key(admin, keys_pb2.ROLE_ADMIN, "both"))
+            worker.produce("both", [b"p"])
+            leased = worker.lease("both")
+            worker.queue.Complete(
+                queue_pb2.CompleteRequest(queue_name="both", partition=0, ids=[leased.items[0].id]), timeout=5
+            )
+    finally:
+        srv.stop()
