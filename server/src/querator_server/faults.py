@@ -1,19 +1,75 @@
-"""Named crash points for crash-recovery tests.
+"""Fault injection for reliability tests: named crash points and storage write faults.
 
-Setting ``QUERATOR_CRASH_AT=<name>`` in a server's environment makes the process
-kill itself with SIGKILL when it reaches that point, so tests can prove recovery
+Crash points. Setting ``QUERATOR_CRASH_AT=<name>`` in a server's environment makes the
+process kill itself with SIGKILL when it reaches that point, so tests can prove recovery
 from a crash at exactly the worst moment. Unset, a crash point costs one dict lookup.
+
+Write faults. Setting ``QUERATOR_FAULT_FILE=<path>`` makes every storage commit look at
+that path first. While no file is there nothing happens; while it exists, its first word
+names the fault that every commit meets:
+
+- ``no-space`` (also an empty file): the commit fails as on a full file system.
+- ``io-error``: the commit fails with an I/O error.
+- ``map-full``: the LMDB map is full and cannot grow.
+- ``stall``: the commit waits (a slow disk) until the file is removed or changed.
+
+A test creates, rewrites or removes the file while the server runs, so one server process
+can be made to fail and then recover. Unset, a commit pays one dict lookup.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 DEAD_LETTER_STORED = "dead-letter-stored"
 """After the dead-letter queue committed an outbox batch, before the source dropped it."""
+
+FAULT_FILE_ENV = "QUERATOR_FAULT_FILE"
+NO_SPACE = "no-space"
+IO_ERROR = "io-error"
+MAP_FULL = "map-full"
+STALL = "stall"
+WRITE_FAULTS = (NO_SPACE, IO_ERROR, MAP_FULL, STALL)
+
+# A stalled commit gives up waiting after this long, so a forgotten switch cannot hang
+# a test run forever.
+STALL_LIMIT_S = 120.0
+_STALL_POLL_S = 0.01
 
 
 def crash_point(name: str) -> None:
     if os.environ.get("QUERATOR_CRASH_AT") == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _read_fault(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            words = f.read(64).split()
+    except OSError:  # no file: no fault
+        return ""
+    return words[0] if words else NO_SPACE
+
+
+def write_fault() -> str:
+    """The write fault a storage commit meets now: "" for none, else one of WRITE_FAULTS.
+
+    A ``stall`` is served here: the call returns only once the stall is over (with the
+    fault that replaced it, if any). An unknown word counts as ``io-error``.
+    """
+    path = os.environ.get(FAULT_FILE_ENV)
+    if not path:
+        return ""
+    fault = _read_fault(path)
+    if fault == STALL:
+        give_up = time.monotonic() + STALL_LIMIT_S
+        while fault == STALL and time.monotonic() < give_up:
+            time.sleep(_STALL_POLL_S)
+            fault = _read_fault(path)
+        if fault == STALL:
+            fault = ""
+    if fault and fault not in WRITE_FAULTS:
+        fault = IO_ERROR
+    return fault

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from ..faults import MAP_FULL, NO_SPACE, write_fault
 from .record import (
     _HEADER,
     KEY_NEXT_SEQ,
@@ -51,6 +52,18 @@ class StorageError(Exception):
 
 class StorageFull(StorageError):
     """The LMDB map cannot grow any further."""
+
+
+def inject_write_fault() -> None:
+    """Fail this commit as ``QUERATOR_FAULT_FILE`` asks (reliability tests; see faults.py)."""
+    fault = write_fault()
+    if not fault:
+        return
+    if fault == MAP_FULL:
+        raise StorageFull("storage is full: the LMDB map cannot grow (injected fault)")
+    if fault == NO_SPACE:
+        raise StorageError("storage write failed: No space left on device (injected fault)")
+    raise StorageError("storage write failed: Input/output error (injected fault)")
 
 
 @dataclass(slots=True)
@@ -127,6 +140,7 @@ class QueueStore:
             txn = self.env.begin(write=True)
             try:
                 result = fn(txn)
+                inject_write_fault()
                 started = time.perf_counter()
                 txn.commit()
                 if self.on_commit is not None:
