@@ -31,6 +31,55 @@ log = structlog.get_logger("querator.manager")
 # How long start-up waits for dead letters left by a crash to reach their queues.
 _RESUME_TIMEOUT_S = 30.0
 
+# What a data directory may hold; start-up refuses anything else (docs/operations.md).
+_DATA_DIR_ENTRIES = frozenset({"catalog", "queues", "lost+found"})
+_LMDB_FILES = frozenset({"data.mdb", "lock.mdb"})
+
+
+class DataDirError(StorageError, OSError):
+    """The data directory holds something start-up cannot trust, so the server does not start.
+
+    Also an OSError, so ``querator serve`` prints the message (naming the file) and exits 1.
+    """
+
+
+def _foreign(path: str) -> DataDirError:
+    return DataDirError(
+        f"{path}: not something Querator keeps in its data directory; refusing to start "
+        "(move it away, or point the data directory at the right place)"
+    )
+
+
+def _check_lmdb_dir(path: str) -> None:
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise _foreign(path)
+    for entry in sorted(os.listdir(path)):
+        if entry not in _LMDB_FILES or not os.path.isfile(os.path.join(path, entry)):
+            raise _foreign(os.path.join(path, entry))
+
+
+def _check_layout(data_dir: str) -> list[int]:
+    """Refuse foreign files in the data directory; return the uids of the queue directories."""
+    for entry in sorted(os.listdir(data_dir)):
+        if entry not in _DATA_DIR_ENTRIES:
+            raise _foreign(os.path.join(data_dir, entry))
+    _check_lmdb_dir(os.path.join(data_dir, "catalog"))
+    root = os.path.join(data_dir, "queues")
+    if not os.path.lexists(root):
+        return []
+    if not os.path.isdir(root):
+        raise _foreign(root)
+    uids: list[int] = []
+    for entry in sorted(os.listdir(root)):
+        path = os.path.join(root, entry)
+        if not (entry.isascii() and entry.isdigit() and str(int(entry)) == entry and os.path.isdir(path)):
+            raise _foreign(path)
+        _check_lmdb_dir(path)
+        uids.append(int(entry))
+    return uids
+
 
 def _storage_failed(exc: BaseException) -> Unavailable:
     """A storage failure during an admin change: nothing changed, the caller may retry."""
@@ -72,17 +121,26 @@ class QueuesManager:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
-        self._catalog = await loop.run_in_executor(
-            self._executor, lambda: Catalog(os.path.join(self.data_dir, "catalog"), sync=self._sync)
-        )
-        configs = await loop.run_in_executor(self._executor, self._catalog.load)
+        uids = await loop.run_in_executor(self._executor, _check_layout, self.data_dir)
+        try:
+            self._catalog = await loop.run_in_executor(
+                self._executor, lambda: Catalog(os.path.join(self.data_dir, "catalog"), sync=self._sync)
+            )
+            configs = await loop.run_in_executor(self._executor, self._catalog.load)
+        except StorageError as exc:
+            raise DataDirError(f"{exc}; refusing to start") from exc
+        self._check_queue_dirs(configs, uids, self._catalog.uids_issued())
         records = await loop.run_in_executor(self._executor, self._catalog.load_keys)
         self.keyring = KeyRing(
             (_key_from_record(r) for r in records), bootstrap_token=self._bootstrap_token
         )
         for config in configs:
             self._configs[config.name] = config
-            self._actors[config.name] = await self._start_actor(config)
+            try:
+                self._actors[config.name] = await self._start_actor(config)
+            except Exception as exc:
+                path = os.path.join(self._queue_path(config.uid), "data.mdb")
+                raise DataDirError(f"queue {config.name!r}: cannot load {path}: {exc}; refusing to start") from exc
         self._names = sorted(self._configs)
         await loop.run_in_executor(self._executor, self._remove_orphans)
         pending = [actor.resume_dead_letters() for actor in self._actors.values()]
@@ -96,6 +154,24 @@ class QueuesManager:
 
     def _queue_path(self, uid: int) -> str:
         return os.path.join(self.data_dir, "queues", str(uid))
+
+    def _check_queue_dirs(self, configs: list[QueueConfig], uids: list[int], issued: int) -> None:
+        """Never serve a queue empty because its file is gone, nor delete data the catalog never made."""
+        live = {c.uid for c in configs}
+        for uid in uids:
+            if uid not in live and uid > issued:
+                raise DataDirError(
+                    f"{self._queue_path(uid)}: a queue directory the catalog never created (it issued uids up to "
+                    f"{issued}); was {os.path.join(self.data_dir, 'catalog', 'data.mdb')} replaced or lost? "
+                    "refusing to start rather than delete that data"
+                )
+        for config in configs:
+            data = os.path.join(self._queue_path(config.uid), "data.mdb")
+            if not os.path.isfile(data) or os.path.getsize(data) == 0:
+                raise DataDirError(
+                    f"{data}: the storage of queue {config.name!r} is missing or empty; "
+                    "refusing to start rather than serve the queue empty"
+                )
 
     def _remove_orphans(self) -> None:
         """Delete storage left behind by a queue deletion that a crash interrupted."""

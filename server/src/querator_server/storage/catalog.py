@@ -15,7 +15,7 @@ from typing import Any
 import lmdb
 
 from ..model import QueueConfig
-from .queue_store import StorageError, inject_write_fault
+from .queue_store import StorageError, check_data_file, inject_write_fault
 
 _NEXT_UID = b"next_uid"
 _FORMAT = b"format"
@@ -35,6 +35,7 @@ class Catalog:
         try:
             self.env = lmdb.open(path, map_size=64 << 20, max_dbs=4, sync=sync, metasync=sync)
             self.env.reader_check()
+            check_data_file(self.env, path)
             with self.env.begin(write=True) as txn:
                 self._queues = self.env.open_db(b"queues", txn=txn)
                 self._meta = self.env.open_db(b"meta", txn=txn)
@@ -45,7 +46,7 @@ class Catalog:
                 elif found != _FORMAT_VERSION:
                     raise CatalogError(f"{path}: unknown catalog format {found!r}")
         except lmdb.Error as exc:
-            raise CatalogError(f"cannot open the catalog in {path!r}: {exc}") from exc
+            raise CatalogError(f"cannot open the catalog {os.path.join(path, 'data.mdb')!r}: {exc}") from exc
 
     def load(self) -> list[QueueConfig]:
         """Every stored queue, sorted by name."""
@@ -57,6 +58,12 @@ class Catalog:
                 except (ValueError, TypeError, KeyError) as exc:
                     raise CatalogError(f"{self.path}: queue {key!r} has unreadable settings: {exc}") from exc
         return out
+
+    def uids_issued(self) -> int:
+        """How many storage uids were ever handed out (uids 1..n); nothing is reserved."""
+        with self.env.begin() as txn:
+            raw = txn.get(_NEXT_UID, db=self._meta)
+        return int(raw) - 1 if raw else 0
 
     def next_uid(self) -> int:
         """Reserve a storage uid, durably, so it is never handed out twice."""

@@ -66,6 +66,18 @@ def inject_write_fault() -> None:
     raise StorageError("storage write failed: Input/output error (injected fault)")
 
 
+def check_data_file(env: lmdb.Environment, path: str) -> None:
+    """Refuse an LMDB file shorter than its own header says (truncated or damaged).
+
+    Reading a page past the end of the file would kill the process with SIGBUS.
+    """
+    data = os.path.join(path, "data.mdb")
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    size = os.path.getsize(data)
+    if size < need:
+        raise StorageError(f"{data}: the file is {size} bytes but its LMDB header needs {need}: truncated or damaged")
+
+
 @dataclass(slots=True)
 class PartitionScan:
     """What a full read of a partition finds: the basis of the actor's counters."""
@@ -107,8 +119,9 @@ class QueueStore:
                 lock=True,
             )
             self.env.reader_check()
+            check_data_file(self.env, path)
         except lmdb.Error as exc:
-            raise StorageError(f"cannot open queue storage {path!r}: {exc}") from exc
+            raise StorageError(f"cannot open queue storage {os.path.join(path, 'data.mdb')!r}: {exc}") from exc
         self._dbs: list[Any] = []
         # Called with each commit's duration in seconds (metrics), when set.
         self.on_commit: Callable[[float], None] | None = None
