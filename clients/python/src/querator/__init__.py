@@ -24,7 +24,7 @@ The generated gRPC stubs live in ``querator.v1`` (``queue_pb2``, ``queues_pb2``,
 from ._async_client import AsyncClient
 from ._client import Client
 from ._config import Backoff, ClientConfig
-from ._items import AsyncLeasedItem, LeasedItem
+from ._items import AnyLeasedItem, AsyncLeasedItem, LeasedItem
 from ._models import (
     Item,
     ItemRef,
@@ -60,6 +60,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AnyLeasedItem",
     "AsyncClient",
     "AsyncLeasedItem",
     "AsyncPager",

@@ -203,3 +203,7 @@ class AsyncLeasedItem(_LeasedBase):
         else:
             await self.retry()
         return False
+
+
+AnyLeasedItem = LeasedItem | AsyncLeasedItem
+"""A leased item of either client (what WorkerHooks receive)."""

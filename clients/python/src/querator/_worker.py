@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Union, cast
 
 from ._config import MAX_BATCH, Backoff
 from ._convert import Seconds, seconds
-from ._items import COMPLETED, DEAD, LeasedItem, _LeasedBase
+from ._items import COMPLETED, DEAD, AnyLeasedItem, LeasedItem, _LeasedBase
 from .errors import DeadLetter, LeaseLost, QueratorError, Unavailable
 
 if TYPE_CHECKING:
@@ -48,31 +48,31 @@ class WorkerHooks:
     ``item`` is the object the handler received (LeasedItem or AsyncLeasedItem).
     """
 
-    def on_lease(self, items: Sequence[_LeasedBase]) -> None:
+    def on_lease(self, items: Sequence[AnyLeasedItem]) -> None:
         """A Lease call returned ``items`` (not called for empty replies)."""
 
-    def on_start(self, item: _LeasedBase) -> None:
+    def on_start(self, item: AnyLeasedItem) -> None:
         """The handler is about to run for ``item``."""
 
-    def on_complete(self, item: _LeasedBase, elapsed: timedelta) -> None:
+    def on_complete(self, item: AnyLeasedItem, elapsed: timedelta) -> None:
         """``item`` was handled in ``elapsed`` and completed."""
 
-    def on_retry(self, item: _LeasedBase, error: BaseException, retry_at: datetime) -> None:
+    def on_retry(self, item: AnyLeasedItem, error: BaseException, retry_at: datetime) -> None:
         """The handler raised ``error``; ``item`` comes back at ``retry_at``."""
         log.warning("handler failed for item %s (attempt %d), retry at %s: %r", item.id, item.attempts, retry_at, error)
 
-    def on_dead(self, item: _LeasedBase, error: BaseException | None) -> None:
+    def on_dead(self, item: AnyLeasedItem, error: BaseException | None) -> None:
         """``item`` went to the dead-letter queue (DeadLetter raised, or out of attempts)."""
         log.warning("item %s dead-lettered after %d attempts: %r", item.id, item.attempts, error)
 
-    def on_extend(self, items: Sequence[_LeasedBase]) -> None:
+    def on_extend(self, items: Sequence[AnyLeasedItem]) -> None:
         """The leases of ``items`` were extended (keep-alive)."""
 
-    def on_lease_lost(self, item: _LeasedBase, error: QueratorError) -> None:
+    def on_lease_lost(self, item: AnyLeasedItem, error: QueratorError) -> None:
         """The lease of ``item`` was lost; another consumer may handle it again."""
         log.warning("lease of item %s lost: %s", item.id, error)
 
-    def on_release(self, items: Sequence[_LeasedBase]) -> None:
+    def on_release(self, items: Sequence[AnyLeasedItem]) -> None:
         """At shutdown, ``items`` were given back unhandled (Retry now)."""
 
     def on_error(self, error: BaseException) -> None:
