@@ -9,6 +9,9 @@ from .clock import MICROS
 
 DEFAULT_LEASE_TIMEOUT_US = 60 * MICROS
 DEFAULT_EXPIRE_TIMEOUT_US = 24 * 3600 * MICROS
+DEFAULT_DEDUP_WINDOW_US = 24 * 3600 * MICROS
+DEFAULT_LEASE_KEY_TTL_US = 3600 * MICROS
+MAX_KEY_BYTES = 512
 MAX_ATTEMPTS_LIMIT = 65_536
 MAX_PARTITIONS = 1024
 MAX_QUEUE_NAME = 512
@@ -35,6 +38,8 @@ class QueueConfig:
     partitions: int = 1
     created_at_us: int = 0
     updated_at_us: int = 0
+    dedup_window_us: int = DEFAULT_DEDUP_WINDOW_US
+    lease_key_ttl_us: int = DEFAULT_LEASE_KEY_TTL_US
 
     def replace(self, **changes: object) -> QueueConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
@@ -49,6 +54,7 @@ class NewItem:
     kind: str = ""
     reference: str = ""
     enqueue_at_us: int = 0
+    idempotency_key: str = ""
 
 
 @dataclass(slots=True)

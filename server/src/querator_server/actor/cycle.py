@@ -15,6 +15,7 @@ import lmdb
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, QueratorError, quote
 from ..model import SCHEDULE_MIN_US, QueueConfig
 from ..storage import Item, QueueStore
+from ..storage.keyed import KeyedIndex, LeaseKeyRecord
 from ..storage.record import (
     TAG_ITEM,
     ItemState,
@@ -28,6 +29,7 @@ from .ids import ItemRef, item_id, parse_id, scheduled_id
 from .requests import (
     ClearRequest,
     CompleteRequest,
+    ExtendResult,
     DeadLetterRequest,
     DeleteItemsRequest,
     ExtendRequest,
@@ -63,8 +65,10 @@ class Cycle:
         config: QueueConfig,
         views: Sequence[PartitionView],
         now: int,
+        keyed: KeyedIndex | None = None,
     ) -> None:
         self.store = store
+        self.keyed = keyed
         self.config = config
         self.uid = config.uid
         self.now = now
@@ -85,6 +89,13 @@ class Cycle:
         self.more_lifecycle = False
         # Leases whose complete_ids were applied in this cycle.
         self.completed_by_lease: list[LeaseRequest] = []
+        # When the oldest remembered idempotency key / lease key was taken, as
+        # found by this cycle's forgetting (None: not looked at), and whether the
+        # cycle remembered new ones: the actor's timers for forgetting follow these.
+        self.dedup_next: int | None = None
+        self.lease_keys_next: int | None = None
+        self.dedup_added = False
+        self.lease_keys_added = False
         # Leases that ran out in this cycle's lifecycle (for metrics).
         self.lease_expirations = 0
 
@@ -114,7 +125,16 @@ class Cycle:
         store, now = self.store, self.now
         expire = now + self.config.expire_timeout_us
         ids: list[str] = []
+        duplicates = 0
+        since = now - self.config.dedup_window_us
         for new in request.items:
+            key = new.idempotency_key
+            if key and self.keyed is not None:
+                first = self.keyed.seen(txn, key, since)
+                if first is not None:
+                    ids.append(first)
+                    duplicates += 1
+                    continue
             seq = v.take_seq()
             item = Item(
                 payload=new.payload,
@@ -135,14 +155,26 @@ class Cycle:
                 v.ready += 1
                 v.created_sum += now
                 ids.append(item_id(self.uid, p, seq))
-        if request.items:
+            if key and self.keyed is not None:
+                self.keyed.remember(txn, key, now, ids[-1])
+                self.dedup_added = True
+        if len(request.items) > duplicates:
             v.note_expiry(expire)
-        self._ok(request, ProduceResult(p, ids))
+        self._ok(request, ProduceResult(p, ids, duplicates))
 
     # -- lease ---------------------------------------------------------------------
 
     def lease(self, txn: lmdb.Transaction, requests: list[LeaseRequest]) -> None:
         """Share the ready items among ``requests`` (oldest first), round-robin."""
+        if self.keyed is not None and any(r.lease_key for r in requests):
+            fresh: list[LeaseRequest] = []
+            for request in requests:
+                record = self.keyed.lease_key(txn, request.lease_key) if request.lease_key else None
+                if record is None:
+                    fresh.append(request)
+                else:
+                    self._replay(txn, request, record)
+            requests = fresh
         total = self.ready_total()
         wanted = [r.batch_size for r in requests]
         if total >= sum(wanted):
@@ -177,7 +209,16 @@ class Cycle:
                 v.created_sum -= item.created_at
                 self._dead_letter(txn, p, seq, item, item_id(self.uid, p, seq), reason)
                 continue
-            leased = with_lease(raw, state, attempts=state.attempts + 1, deadline=deadline, leased_at=now)
+            if state.lease_key or request.lease_key:
+                # Tagged items change their tag (and their old key loses them).
+                item = Item.decode(raw)
+                if state.lease_key and state.lease_key != request.lease_key:
+                    self._untag(txn, state.lease_key, seq)
+                item.is_leased, item.attempts, item.lease_deadline = True, state.attempts + 1, deadline
+                item.leased_at, item.lease_key = now, request.lease_key
+                leased = item.encode()
+            else:
+                leased = with_lease(raw, state, attempts=state.attempts + 1, deadline=deadline, leased_at=now)
             self.store.put_raw(txn, p, seq, leased)
             taken.append((seq, raw))
             items.append(LeasedItem(item_id(self.uid, p, seq), Item.decode(leased)))
@@ -189,9 +230,71 @@ class Cycle:
         v.leased_at_sum += now * len(items)
         v.ready_hint = last_seq + 1
         result = LeaseResult(p, items)
-        self._granted.append((request, p, taken))
+        if request.lease_key and self.keyed is not None:
+            record = LeaseKeyRecord(now, p, tuple(seq for seq, _ in taken))
+            self.keyed.put_lease_key(txn, request.lease_key, record, new=True)
+            self.lease_keys_added = True
+        else:
+            # A keyed lease is not taken back when its caller vanishes: the caller
+            # replays the key and gets the same items.
+            self._granted.append((request, p, taken))
         self._ok(request, result)
         return result
+
+    def _replay(self, txn: lmdb.Transaction, request: LeaseRequest, record: LeaseKeyRecord) -> None:
+        """Answer a repeated lease key with the items still leased under it.
+
+        Items whose lease expired and that are ready again are leased again; items
+        that left the key (completed, leased by others, dead-lettered) are dropped.
+        """
+        key, p, now = request.lease_key, record.partition, self.now
+        if p >= len(self._base):
+            self._ok(request, LeaseResult(0, []))
+            return
+        v = self.view(p)
+        deadline = now + self.config.lease_timeout_us
+        items: list[LeasedItem] = []
+        kept: list[int] = []
+        for seq in record.seqs:
+            raw = self.store.get_raw(txn, p, seq)
+            state = read_state(raw) if raw is not None else None
+            if raw is None or state is None or state.lease_key != key:
+                continue
+            if not state.is_leased:
+                if self._death_reason(state):
+                    continue  # the lease scan or the lifecycle dead-letters it
+                item = Item.decode(raw)
+                item.is_leased, item.attempts, item.lease_deadline, item.leased_at = True, state.attempts + 1, deadline, now
+                raw = item.encode()
+                self.store.put_raw(txn, p, seq, raw)
+                v.ready -= 1
+                v.leased += 1
+                v.leased_at_sum += now
+                self.lease_deadlines.append((deadline, p, seq))
+            items.append(LeasedItem(item_id(self.uid, p, seq), Item.decode(raw)))
+            kept.append(seq)
+        if tuple(kept) != record.seqs:
+            assert self.keyed is not None
+            self.keyed.put_lease_key(txn, key, record._replace(seqs=tuple(kept)), new=False)
+        self._ok(request, LeaseResult(p, items))
+
+    def _untag(self, txn: lmdb.Transaction, key: str, seq: int) -> None:
+        """Take item ``seq`` out of lease key ``key`` (forgetting the key once empty)."""
+        if self.keyed is None:
+            return
+        record = self.keyed.lease_key(txn, key)
+        if record is not None and seq in record.seqs:
+            seqs = tuple(s for s in record.seqs if s != seq)
+            self.keyed.put_lease_key(txn, key, record._replace(seqs=seqs), new=False)
+
+    def _follow(self, txn: lmdb.Transaction, key: str, old_seq: int, new_seq: int) -> None:
+        """Item ``old_seq`` of lease key ``key`` re-entered its partition as ``new_seq``."""
+        if self.keyed is None:
+            return
+        record = self.keyed.lease_key(txn, key)
+        if record is not None and old_seq in record.seqs:
+            seqs = tuple(new_seq if s == old_seq else s for s in record.seqs)
+            self.keyed.put_lease_key(txn, key, record._replace(seqs=seqs), new=False)
 
     def fence_leases(self, txn: lmdb.Transaction, now: int) -> None:
         """Take back leases whose caller hung up or ran out of time before the commit."""
@@ -258,17 +361,42 @@ class Cycle:
         return self.store.get_raw(txn, partition, ref.seq)
 
     def complete(self, txn: lmdb.Transaction, request: CompleteRequest) -> None:
-        self._complete(txn, request.partition, request.ids)
+        if request.ids:
+            self._complete(txn, request.partition, request.ids)
+        self._complete_keys(txn, request.lease_keys)
         self._ok(request, None)
 
     def _complete(self, txn: lmdb.Transaction, p: int, ids: Sequence[str], field: str = "ids") -> None:
         found = self._leased_items(txn, p, ids, field=field)
-        v = self.view(p)
         for seq, _raw, state in found:
-            self.store.delete(txn, p, seq, state)
-            v.leased -= 1
-            v.created_sum -= state.created_at
-            v.leased_at_sum -= state.leased_at
+            self._remove_leased(txn, p, seq, state)
+            if state.lease_key:
+                self._untag(txn, state.lease_key, seq)
+
+    def _remove_leased(self, txn: lmdb.Transaction, p: int, seq: int, state: ItemState) -> None:
+        self.store.delete(txn, p, seq, state)
+        v = self.view(p)
+        v.leased -= 1
+        v.created_sum -= state.created_at
+        v.leased_at_sum -= state.leased_at
+
+    def _complete_keys(self, txn: lmdb.Transaction, keys: Sequence[str]) -> None:
+        """Complete every item still leased under each key; forget the keys. Idempotent."""
+        if self.keyed is None:
+            return
+        for key in keys:
+            record = self.keyed.lease_key(txn, key)
+            if record is None:
+                continue
+            p = record.partition
+            for seq in record.seqs if p < len(self._base) else ():
+                raw = self.store.get_raw(txn, p, seq)
+                if raw is None:
+                    continue
+                state = read_state(raw)
+                if state.is_leased and state.lease_key == key:
+                    self._remove_leased(txn, p, seq, state)
+            self.keyed.drop_lease_key(txn, key)
 
     def complete_before_lease(self, txn: lmdb.Transaction, requests: list[LeaseRequest]) -> list[LeaseRequest]:
         """Apply the completions that leases carry; return the leases still to serve.
@@ -298,9 +426,9 @@ class Cycle:
             if reason:
                 self._dead_letter(txn, p, seq, item, old_id, reason)
             elif order.retry_at_us >= self.now + SCHEDULE_MIN_US:
-                self._schedule(txn, p, item, order.retry_at_us)
+                self._schedule(txn, p, item, order.retry_at_us, seq)
             else:
-                self._requeue(txn, p, item)
+                self._requeue(txn, p, item, seq)
         self._ok(request, None)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -324,16 +452,22 @@ class Cycle:
         item.lease_deadline = 0
         item.leased_at = 0
 
-    def _requeue(self, txn: lmdb.Transaction, p: int, item: Item) -> None:
+    def _requeue(self, txn: lmdb.Transaction, p: int, item: Item, old_seq: int = 0) -> None:
         """Put an item at the tail of its partition under a new id."""
         v = self.view(p)
         item.enqueue_at = 0
-        self.store.append(txn, p, v.take_seq(), item)
+        new_seq = v.take_seq()
+        if item.lease_key and old_seq:
+            self._follow(txn, item.lease_key, old_seq, new_seq)
+        self.store.append(txn, p, new_seq, item)
         v.ready += 1
         v.created_sum += item.created_at
         v.note_expiry(item.expire_deadline)
 
-    def _schedule(self, txn: lmdb.Transaction, p: int, item: Item, due: int) -> None:
+    def _schedule(self, txn: lmdb.Transaction, p: int, item: Item, due: int, old_seq: int) -> None:
+        if item.lease_key:
+            self._untag(txn, item.lease_key, old_seq)
+            item.lease_key = ""
         v = self.view(p)
         item.enqueue_at = due
         self.store.put_scheduled(txn, p, due, v.take_seq(), item)
@@ -348,6 +482,9 @@ class Cycle:
         hands the outbox to the dead-letter queue after the commit and removes each
         entry once that queue has stored it (deduplicated by source_id).
         """
+        if item.lease_key:
+            self._untag(txn, item.lease_key, seq)
+            item.lease_key = ""
         if not self.config.dead_queue:
             self.dropped.append((old_id, reason))
             return
@@ -355,9 +492,23 @@ class Cycle:
         self.store.put_outbox(txn, p, seq, item)
         self.outbox_added.append((p, seq, item))
 
-    def lifecycle(self, txn: lmdb.Transaction, expired_leases: Sequence[tuple[int, int, int]]) -> None:
-        """Expired leases, due scheduled items and expired items, as of ``self.now``."""
+    def lifecycle(
+        self,
+        txn: lmdb.Transaction,
+        expired_leases: Sequence[tuple[int, int, int]],
+        *,
+        forget_keys: bool = False,
+    ) -> None:
+        """Expired leases, due scheduled items and expired items, as of ``self.now``;
+        with ``forget_keys``, idempotency and lease keys past their window."""
         now = self.now
+        if forget_keys and self.keyed is not None:
+            n, self.dedup_next = self.keyed.forget_dedup_before(txn, now - self.config.dedup_window_us, LIFECYCLE_BATCH)
+            m, self.lease_keys_next = self.keyed.forget_lease_keys_before(
+                txn, now - self.config.lease_key_ttl_us, LIFECYCLE_BATCH
+            )
+            if n == LIFECYCLE_BATCH or m == LIFECYCLE_BATCH:
+                self.more_lifecycle = True
         for deadline, p, seq in expired_leases:
             item = self.store.get(txn, p, seq)
             if item is None or not item.is_leased or item.lease_deadline != deadline:
@@ -369,7 +520,7 @@ class Cycle:
             if reason:
                 self._dead_letter(txn, p, seq, item, old_id, f"lease expired, {reason}")
             else:
-                self._requeue(txn, p, item)
+                self._requeue(txn, p, item, seq)
         for p in range(len(self._base)):
             first_due = self._peek(p).first_due
             if first_due and first_due <= now:
@@ -438,17 +589,32 @@ class Cycle:
 
     def extend(self, txn: lmdb.Transaction, request: ExtendRequest) -> None:
         p = request.partition
-        found = self._leased_items(txn, p, request.ids, check_deadline=True)
+        found = self._leased_items(txn, p, request.ids, check_deadline=True) if request.ids else []
         timeout = request.lease_timeout_us or self.config.lease_timeout_us
-        deadlines: list[int] = []
-        for seq, raw, state in found:
-            deadline = min(self.now + timeout, state.expire_deadline)
-            self.store.put_raw(
-                txn, p, seq, with_lease(raw, state, attempts=state.attempts, deadline=deadline, leased_at=state.leased_at)
-            )
-            self.lease_deadlines.append((deadline, p, seq))
-            deadlines.append(deadline)
-        self._ok(request, deadlines)
+        deadlines = [self._extend_one(txn, p, seq, raw, state, timeout) for seq, raw, state in found]
+        by_keys = 0
+        for key in request.lease_keys if self.keyed is not None else ():
+            record = self.keyed.lease_key(txn, key)  # type: ignore[union-attr]
+            if record is None or record.partition >= len(self._base):
+                continue
+            for seq in record.seqs:
+                raw = self.store.get_raw(txn, record.partition, seq)
+                if raw is None:
+                    continue
+                state = read_state(raw)
+                live = state.is_leased and min(state.lease_deadline, state.expire_deadline) > self.now
+                if live and state.lease_key == key:
+                    self._extend_one(txn, record.partition, seq, raw, state, timeout)
+                    by_keys += 1
+        self._ok(request, ExtendResult(deadlines, by_keys))
+
+    def _extend_one(self, txn: lmdb.Transaction, p: int, seq: int, raw: bytes, state: ItemState, timeout: int) -> int:
+        deadline = min(self.now + timeout, state.expire_deadline)
+        self.store.put_raw(
+            txn, p, seq, with_lease(raw, state, attempts=state.attempts, deadline=deadline, leased_at=state.leased_at)
+        )
+        self.lease_deadlines.append((deadline, p, seq))
+        return deadline
 
     # -- storage requests ------------------------------------------------------------
 

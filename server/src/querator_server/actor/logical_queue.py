@@ -32,6 +32,7 @@ from ..errors import (
 )
 from ..model import PartitionStats, QueueConfig, QueueStats
 from ..storage import Item, QueueStore, StorageError, StorageFull
+from ..storage.keyed import KeyedIndex
 from .cycle import Cycle
 from .requests import (
     ClearRequest,
@@ -110,6 +111,10 @@ class LogicalQueue:
         self._outbox: dict[tuple[int, int], Item] = {}
         self._outbox_task: asyncio.Task[None] | None = None
         self._lifecycle_pending = False
+        self._keyed: KeyedIndex | None = None
+        # When the oldest remembered idempotency key and lease key were taken (0: none).
+        self._dedup_at = 0
+        self._lease_keys_at = 0
         # Metrics hook (metrics.QueueProbe) when --metrics-address is set.
         self.observer: Any = None
 
@@ -122,9 +127,16 @@ class LogicalQueue:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._views, self._lease_heap, self._outbox = await loop.run_in_executor(self._executor, self._load)
+        self._keyed = await loop.run_in_executor(self._executor, KeyedIndex, self.store)
+        self._dedup_at, self._lease_keys_at = await loop.run_in_executor(self._executor, self._load_key_times)
         # Everything that fell due while the server was down is handled at once.
         self._lifecycle_pending = True
         self._task = asyncio.create_task(self._run(), name=f"queue:{self.name}")
+
+    def _load_key_times(self) -> tuple[int, int]:
+        assert self._keyed is not None
+        with self.store.env.begin() as txn:
+            return self._keyed.first_dedup_at(txn), self._keyed.first_lease_key_at(txn)
 
     async def resume_dead_letters(self) -> None:
         """Hand over dead letters a crash left in the outbox, and wait until they are.
@@ -253,6 +265,10 @@ class LogicalQueue:
         """The earliest lease deadline, due time or expiry (0: none)."""
         times = [v.first_due for v in self._views if v.first_due]
         times.extend(v.first_expiry for v in self._views if v.first_expiry)
+        if self._dedup_at:
+            times.append(self._dedup_at + self.config.dedup_window_us)
+        if self._lease_keys_at:
+            times.append(self._lease_keys_at + self.config.lease_key_ttl_us)
         if self._lease_heap:
             times.append(self._lease_heap[0][0])
         return min(times, default=0)
@@ -348,6 +364,14 @@ class LogicalQueue:
             self._views[p] = view
         if self.observer is not None:
             self.observer.cycle_done(self, cycle, len(batch), time.perf_counter() - started)
+        if cycle.dedup_next is not None:
+            self._dedup_at = cycle.dedup_next
+        if cycle.dedup_added and not self._dedup_at:
+            self._dedup_at = cycle.now
+        if cycle.lease_keys_next is not None:
+            self._lease_keys_at = cycle.lease_keys_next
+        if cycle.lease_keys_added and not self._lease_keys_at:
+            self._lease_keys_at = cycle.now
         for lease in cycle.completed_by_lease:
             lease.complete_ids = []  # committed: a lease that keeps waiting must not repeat it
         for entry in cycle.lease_deadlines:
@@ -374,8 +398,12 @@ class LogicalQueue:
     def _transaction(
         self, batch: _Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]]
     ) -> Cycle:
+        forget_keys = bool(
+            (self._dedup_at and self._dedup_at + self.config.dedup_window_us <= now)
+            or (self._lease_keys_at and self._lease_keys_at + self.config.lease_key_ttl_us <= now)
+        )
         def body(txn: lmdb.Transaction) -> Cycle:
-            cycle = Cycle(self.store, self.config, self._views, now)
+            cycle = Cycle(self.store, self.config, self._views, now, self._keyed)
             for produce in batch.produces:
                 _guard(cycle, produce, lambda r=produce: cycle.produce(txn, r))
             leases = batch.leases
@@ -390,7 +418,7 @@ class LogicalQueue:
             for request in batch.others:
                 _guard(cycle, request, lambda r=request: _OTHER[type(r)](cycle, txn, r))
             if lifecycle:
-                cycle.lifecycle(txn, expired)
+                cycle.lifecycle(txn, expired, forget_keys=forget_keys)
             # Items that became ready in this cycle (retry, expiry, promotion, import,
             # dead letters) go to leases that found nothing, without waiting a cycle.
             if cycle.unserved and cycle.ready_total():

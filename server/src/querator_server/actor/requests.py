@@ -47,12 +47,15 @@ class LeaseRequest(Request):
     # partition; emptied by the actor once the completion has committed.
     complete_ids: list[str] = field(default_factory=list)
     complete_partition: int = 0
+    # An idempotent lease: a repeated key returns the items taken under it.
+    lease_key: str = ""
 
 
 @dataclass(eq=False, slots=True)
 class CompleteRequest(Request):
     partition: int
     ids: list[str]
+    lease_keys: list[str] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
@@ -66,6 +69,7 @@ class ExtendRequest(Request):
     partition: int
     ids: list[str]
     lease_timeout_us: int
+    lease_keys: list[str] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
@@ -119,6 +123,13 @@ class LeaseResult:
 class ProduceResult:
     partition: int
     ids: list[str]
+    duplicates: int = 0
+
+
+@dataclass(slots=True)
+class ExtendResult:
+    deadlines: list[int]
+    key_items_extended: int = 0
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from ..errors import InvalidArgument, quote
 from ..model import (
     DEFAULT_PAGE_SIZE,
     MAX_BATCH,
+    MAX_KEY_BYTES,
     MAX_PAGE_SIZE,
     MAX_QUEUE_NAME,
 )
@@ -92,6 +93,13 @@ def ids(values: Sequence[str], field: str = "ids", *, template: str = "{field}[{
             raise InvalidArgument(template.format(field=field, index=index), f"repeats id {quote(value)}")
         seen.add(value)
     return list(values)
+
+
+def key(value: str, field: str) -> str:
+    """An optional idempotency or lease key: at most MAX_KEY_BYTES bytes of UTF-8."""
+    if len(value) > MAX_KEY_BYTES or len(value.encode()) > MAX_KEY_BYTES:
+        raise InvalidArgument(field, f"must be at most {MAX_KEY_BYTES} bytes")
+    return value
 
 
 def partition(value: int, partitions: int, field: str = "partition") -> int:

@@ -53,12 +53,13 @@ class QueueService:
                     kind=item.kind,
                     reference=item.reference,
                     enqueue_at_us=c.optional_timestamp_us(item, "enqueue_at", f"items[{index}].enqueue_at"),
+                    idempotency_key=c.key(item.idempotency_key, f"items[{index}].idempotency_key"),
                 )
             )
         result: a.ProduceResult = await self.manager.actor(name).submit(
             a.ProduceRequest(items, deadline_us=deadline)
         )
-        return pb.ProduceResponse(partition=result.partition, ids=result.ids)
+        return pb.ProduceResponse(partition=result.partition, ids=result.ids, duplicates=result.duplicates)
 
     async def lease(self, request: pb.LeaseRequest, context: grpc.aio.ServicerContext) -> pb.LeaseResponse:
         name = c.queue_name(request.queue_name)
@@ -88,6 +89,7 @@ class QueueService:
                 wait_until,
                 complete_ids,
                 complete_partition,
+                c.key(request.lease_key, "lease_key"),
                 deadline_us=call_deadline,
             )
         )
@@ -96,12 +98,19 @@ class QueueService:
     def _partition(self, name: str, partition: int) -> int:
         return c.partition(partition, self.manager.get(name).partitions)
 
+    def _ids_and_keys(self, name: str, request: pb.CompleteRequest | pb.ExtendRequest) -> tuple[list[str], int, list[str]]:
+        keys = [c.key(k, f"lease_keys[{i}]") for i, k in enumerate(request.lease_keys)]
+        if len(keys) > 1000:
+            raise InvalidArgument("lease_keys", f"must hold at most 1000 keys, got {len(keys)}")
+        if keys and not request.ids:
+            return [], 0, keys
+        return c.ids(request.ids), self._partition(name, request.partition), keys
+
     async def complete(self, request: pb.CompleteRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         name = c.queue_name(request.queue_name)
-        ids = c.ids(request.ids)
-        partition = self._partition(name, request.partition)
+        ids, partition, keys = self._ids_and_keys(name, request)
         deadline = _request_deadline_us(request, context, now_us())
-        await self.manager.actor(name).submit(a.CompleteRequest(partition, ids, deadline_us=deadline))
+        await self.manager.actor(name).submit(a.CompleteRequest(partition, ids, keys, deadline_us=deadline))
         return pb.CompleteResponse()
 
     async def retry(self, request: pb.RetryRequest, context: grpc.aio.ServicerContext) -> pb.RetryResponse:
@@ -122,14 +131,16 @@ class QueueService:
 
     async def extend(self, request: pb.ExtendRequest, context: grpc.aio.ServicerContext) -> pb.ExtendResponse:
         name = c.queue_name(request.queue_name)
-        ids = c.ids(request.ids)
-        partition = self._partition(name, request.partition)
+        ids, partition, keys = self._ids_and_keys(name, request)
         lease_timeout = c.optional_duration_us(request, "lease_timeout", "lease_timeout")
         deadline = _request_deadline_us(request, context, now_us())
-        deadlines: list[int] = await self.manager.actor(name).submit(
-            a.ExtendRequest(partition, ids, lease_timeout, deadline_us=deadline)
+        result: a.ExtendResult = await self.manager.actor(name).submit(
+            a.ExtendRequest(partition, ids, lease_timeout, keys, deadline_us=deadline)
         )
-        return pb.ExtendResponse(lease_deadlines=[c.to_timestamp(d) for d in deadlines])
+        return pb.ExtendResponse(
+            lease_deadlines=[c.to_timestamp(d) for d in result.deadlines],
+            key_items_extended=result.key_items_extended,
+        )
 
     def handler(self) -> grpc.GenericRpcHandler:
         return generic_handler(

@@ -9,7 +9,9 @@ from .. import actor as a
 from ..errors import InvalidArgument
 from ..manager import QueuesManager
 from ..model import (
+    DEFAULT_DEDUP_WINDOW_US,
     DEFAULT_EXPIRE_TIMEOUT_US,
+    DEFAULT_LEASE_KEY_TTL_US,
     DEFAULT_LEASE_TIMEOUT_US,
     MAX_ATTEMPTS_LIMIT,
     MAX_PARTITIONS,
@@ -29,6 +31,8 @@ _UPDATABLE = {
     "expire_timeout",
     "max_attempts",
     "requested_partitions",
+    "dedup_window",
+    "lease_key_ttl",
 }
 _IMMUTABLE = {"queue_name", "created_at", "updated_at"}
 
@@ -44,6 +48,8 @@ def queue_info(config: QueueConfig) -> pb.QueueInfo:
         requested_partitions=config.partitions,
         created_at=c.to_timestamp(config.created_at_us),
         updated_at=c.to_timestamp(config.updated_at_us),
+        dedup_window=c.to_duration(config.dedup_window_us),
+        lease_key_ttl=c.to_duration(config.lease_key_ttl_us),
     )
 
 
@@ -73,6 +79,12 @@ def _settings(info: pb.QueueInfo, fields: set[str]) -> dict[str, object]:
                 "queue.requested_partitions", f"must be between 1 and {MAX_PARTITIONS}, got {parts}"
             )
         out["partitions"] = parts or 1
+    if "dedup_window" in fields:
+        value = c.optional_duration_us(info, "dedup_window", "queue.dedup_window")
+        out["dedup_window_us"] = value or DEFAULT_DEDUP_WINDOW_US
+    if "lease_key_ttl" in fields:
+        value = c.optional_duration_us(info, "lease_key_ttl", "queue.lease_key_ttl")
+        out["lease_key_ttl_us"] = value or DEFAULT_LEASE_KEY_TTL_US
     return out
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import lmdb
 
-from ..model import QueueConfig
+from ..model import DEFAULT_DEDUP_WINDOW_US, DEFAULT_LEASE_KEY_TTL_US, QueueConfig
 from .queue_store import StorageError, check_data_file, inject_write_fault
 
 _NEXT_UID = b"next_uid"
@@ -136,6 +136,8 @@ def _encode(config: QueueConfig) -> bytes:
             "partitions": config.partitions,
             "created_at_us": config.created_at_us,
             "updated_at_us": config.updated_at_us,
+            "dedup_window_us": config.dedup_window_us,
+            "lease_key_ttl_us": config.lease_key_ttl_us,
         },
         separators=(",", ":"),
     ).encode()
@@ -154,4 +156,6 @@ def _decode(raw: bytes) -> QueueConfig:
         partitions=int(data["partitions"]),
         created_at_us=int(data["created_at_us"]),
         updated_at_us=int(data["updated_at_us"]),
+        dedup_window_us=int(data.get("dedup_window_us", DEFAULT_DEDUP_WINDOW_US)),
+        lease_key_ttl_us=int(data.get("lease_key_ttl_us", DEFAULT_LEASE_KEY_TTL_US)),
     )

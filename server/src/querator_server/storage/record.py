@@ -33,12 +33,12 @@ _SCHED_KEY = struct.Struct(">cQQ")
 _EXPIRY_PREFIX = struct.Struct(">cQ")
 
 # flags, attempts, created_at, expire_deadline, lease_deadline, enqueue_at, leased_at,
-# then the byte lengths of source_id, reference, encoding, kind; the payload is the rest.
-_HEADER = struct.Struct("<BIqqqqqIIII")
+# then the byte lengths of source_id, reference, encoding, kind, lease_key; the
+# payload is the rest.
+_HEADER = struct.Struct("<BIqqqqqIIIII")
 _FLAG_LEASED = 1
-# The header up to the source_id length: what lease, complete and extend need, read
-# and rewritten without decoding the strings and payload behind it.
-_STATE = struct.Struct("<BIqqqqqI")
+# The fixed part of the header: what lease and extend rewrite without decoding the
+# strings and payload behind it.
 _STATE_FIXED = struct.Struct("<BIqqqqq")
 
 
@@ -100,12 +100,15 @@ class Item:
     is_leased: bool = False
     lease_deadline: int = 0
     leased_at: int = 0
+    # The idempotent lease (LeaseRequest.lease_key) the item was last leased under.
+    lease_key: str = ""
 
     def encode(self) -> bytes:
         source = self.source_id.encode()
         reference = self.reference.encode()
         encoding = self.encoding.encode()
         kind = self.kind.encode()
+        lease_key = self.lease_key.encode()
         header = _HEADER.pack(
             _FLAG_LEASED if self.is_leased else 0,
             self.attempts,
@@ -118,8 +121,9 @@ class Item:
             len(reference),
             len(encoding),
             len(kind),
+            len(lease_key),
         )
-        return b"".join((header, source, reference, encoding, kind, self.payload))
+        return b"".join((header, source, reference, encoding, kind, lease_key, self.payload))
 
     @classmethod
     def decode(cls, data: bytes) -> Item:
@@ -135,6 +139,7 @@ class Item:
             n_reference,
             n_encoding,
             n_kind,
+            n_lease_key,
         ) = _HEADER.unpack_from(data)
         pos = _HEADER.size
         view = bytes(data)
@@ -146,6 +151,8 @@ class Item:
         pos += n_encoding
         kind = view[pos : pos + n_kind].decode()
         pos += n_kind
+        lease_key = view[pos : pos + n_lease_key].decode()
+        pos += n_lease_key
         return cls(
             payload=view[pos:],
             encoding=encoding,
@@ -159,6 +166,7 @@ class Item:
             is_leased=bool(flags & _FLAG_LEASED),
             lease_deadline=lease_deadline,
             leased_at=leased_at,
+            lease_key=lease_key,
         )
 
 
@@ -173,13 +181,32 @@ class ItemState(NamedTuple):
     enqueue_at: int
     leased_at: int
     source_id: str
+    lease_key: str
 
 
 def read_state(raw: bytes) -> ItemState:
-    flags, attempts, created, expire, lease_deadline, enqueue_at, leased_at, n_source = _STATE.unpack_from(raw)
-    source = bytes(raw[_HEADER.size : _HEADER.size + n_source]).decode() if n_source else ""
+    (
+        flags,
+        attempts,
+        created,
+        expire,
+        lease_deadline,
+        enqueue_at,
+        leased_at,
+        n_source,
+        n_reference,
+        n_encoding,
+        n_kind,
+        n_lease_key,
+    ) = _HEADER.unpack_from(raw)
+    pos = _HEADER.size
+    source = bytes(raw[pos : pos + n_source]).decode() if n_source else ""
+    lease_key = ""
+    if n_lease_key:
+        pos += n_source + n_reference + n_encoding + n_kind
+        lease_key = bytes(raw[pos : pos + n_lease_key]).decode()
     return ItemState(
-        bool(flags & _FLAG_LEASED), attempts, created, expire, lease_deadline, enqueue_at, leased_at, source
+        bool(flags & _FLAG_LEASED), attempts, created, expire, lease_deadline, enqueue_at, leased_at, source, lease_key
     )
 
 

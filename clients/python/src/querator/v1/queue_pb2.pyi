@@ -32,6 +32,7 @@ class ProduceItem(_message.Message):
     PAYLOAD_FIELD_NUMBER: _builtins.int
     UTF8_FIELD_NUMBER: _builtins.int
     ENQUEUE_AT_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     encoding: _builtins.str
     """A free-form label describing how the payload is encoded, for example
     "application/json". Stored and returned as given.
@@ -45,6 +46,11 @@ class ProduceItem(_message.Message):
     utf8: _builtins.str
     """Convenience for JSON and grpcurl users: the payload as UTF-8 text. Used
     only when payload is empty.
+    """
+    idempotency_key: _builtins.str
+    """Optional, at most 512 bytes: a second produce of an item with the same
+    key into the same queue within the queue's dedup_window stores nothing
+    and answers the first item's id (counted in ProduceResponse.duplicates).
     """
     @_builtins.property
     def enqueue_at(self) -> _timestamp_pb2.Timestamp:
@@ -62,10 +68,11 @@ class ProduceItem(_message.Message):
         payload: _builtins.bytes = ...,
         utf8: _builtins.str = ...,
         enqueue_at: _timestamp_pb2.Timestamp | None = ...,
+        idempotency_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["enqueue_at", b"enqueue_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "enqueue_at", b"enqueue_at", "kind", b"kind", "payload", b"payload", "reference", b"reference", "utf8", b"utf8"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "enqueue_at", b"enqueue_at", "idempotency_key", b"idempotency_key", "kind", b"kind", "payload", b"payload", "reference", b"reference", "utf8", b"utf8"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -115,21 +122,27 @@ class ProduceResponse(_message.Message):
 
     PARTITION_FIELD_NUMBER: _builtins.int
     IDS_FIELD_NUMBER: _builtins.int
+    DUPLICATES_FIELD_NUMBER: _builtins.int
     partition: _builtins.int
     """The partition that received every item of the request."""
+    duplicates: _builtins.int
+    """How many items of the request were duplicates (stored nothing)."""
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """One id per produced item, in request order."""
+        """One id per produced item, in request order. For an item whose
+        idempotency_key was seen before, the id the first one was given.
+        """
 
     def __init__(
         self,
         *,
         partition: _builtins.int = ...,
         ids: _abc.Iterable[_builtins.str] | None = ...,
+        duplicates: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids", "partition", b"partition"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicates", b"duplicates", "ids", b"ids", "partition", b"partition"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -147,6 +160,7 @@ class LeaseRequest(_message.Message):
     REQUEST_TIMEOUT_FIELD_NUMBER: _builtins.int
     COMPLETE_IDS_FIELD_NUMBER: _builtins.int
     COMPLETE_PARTITION_FIELD_NUMBER: _builtins.int
+    LEASE_KEY_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue to lease from."""
     batch_size: _builtins.int
@@ -157,6 +171,15 @@ class LeaseRequest(_message.Message):
     """
     complete_partition: _builtins.int
     """The partition of complete_ids (the partition of the earlier LeaseResponse)."""
+    lease_key: _builtins.str
+    """Optional, at most 512 bytes: makes the lease idempotent. The first call
+    with a key leases up to batch_size items and remembers them under the
+    key; a later call with the same key returns exactly the items of that key
+    still leased under it (re-leasing any whose lease expired and that are
+    still ready), never new items. Complete and Extend accept the key too. A
+    key is forgotten once all its items are completed, or after the queue's
+    lease_key_ttl.
+    """
     @_builtins.property
     def request_timeout(self) -> _duration_pb2.Duration:
         """How long to wait for items when none are ready. Optional: defaults to
@@ -185,10 +208,11 @@ class LeaseRequest(_message.Message):
         request_timeout: _duration_pb2.Duration | None = ...,
         complete_ids: _abc.Iterable[_builtins.str] | None = ...,
         complete_partition: _builtins.int = ...,
+        lease_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["request_timeout", b"request_timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "client_id", b"client_id", "complete_ids", b"complete_ids", "complete_partition", b"complete_partition", "queue_name", b"queue_name", "request_timeout", b"request_timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "client_id", b"client_id", "complete_ids", b"complete_ids", "complete_partition", b"complete_partition", "lease_key", b"lease_key", "queue_name", b"queue_name", "request_timeout", b"request_timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -290,18 +314,28 @@ class CompleteRequest(_message.Message):
     PARTITION_FIELD_NUMBER: _builtins.int
     IDS_FIELD_NUMBER: _builtins.int
     REQUEST_TIMEOUT_FIELD_NUMBER: _builtins.int
+    LEASE_KEYS_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue the items were leased from."""
     partition: _builtins.int
     """The partition given in the LeaseResponse."""
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """The ids of the leased items, 1 to 1,000 of them."""
+        """The ids of the leased items, up to 1,000 of them (with lease_keys, may
+        be empty).
+        """
 
     @_builtins.property
     def request_timeout(self) -> _duration_pb2.Duration:
         """How long the server may take before it gives up. Optional: defaults to
         the call's gRPC deadline, else 30 s.
+        """
+
+    @_builtins.property
+    def lease_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Lease keys whose items to complete (every item still leased under each
+        key, in any partition). Idempotent: a key already completed or forgotten
+        is not an error.
         """
 
     def __init__(
@@ -311,10 +345,11 @@ class CompleteRequest(_message.Message):
         partition: _builtins.int = ...,
         ids: _abc.Iterable[_builtins.str] | None = ...,
         request_timeout: _duration_pb2.Duration | None = ...,
+        lease_keys: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["request_timeout", b"request_timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids", "partition", b"partition", "queue_name", b"queue_name", "request_timeout", b"request_timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids", "lease_keys", b"lease_keys", "partition", b"partition", "queue_name", b"queue_name", "request_timeout", b"request_timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -441,13 +476,16 @@ class ExtendRequest(_message.Message):
     IDS_FIELD_NUMBER: _builtins.int
     LEASE_TIMEOUT_FIELD_NUMBER: _builtins.int
     REQUEST_TIMEOUT_FIELD_NUMBER: _builtins.int
+    LEASE_KEYS_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue the items were leased from."""
     partition: _builtins.int
     """The partition given in the LeaseResponse."""
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """The ids of the leased items, 1 to 1,000 of them."""
+        """The ids of the leased items, up to 1,000 of them (with lease_keys, may
+        be empty).
+        """
 
     @_builtins.property
     def lease_timeout(self) -> _duration_pb2.Duration:
@@ -461,6 +499,13 @@ class ExtendRequest(_message.Message):
         the call's gRPC deadline, else 30 s.
         """
 
+    @_builtins.property
+    def lease_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Lease keys whose items to extend: every item still leased under each key
+        with an unexpired lease (others are left alone; an unknown key extends
+        nothing).
+        """
+
     def __init__(
         self,
         *,
@@ -469,10 +514,11 @@ class ExtendRequest(_message.Message):
         ids: _abc.Iterable[_builtins.str] | None = ...,
         lease_timeout: _duration_pb2.Duration | None = ...,
         request_timeout: _duration_pb2.Duration | None = ...,
+        lease_keys: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_timeout", b"lease_timeout", "request_timeout", b"request_timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids", "lease_timeout", b"lease_timeout", "partition", b"partition", "queue_name", b"queue_name", "request_timeout", b"request_timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids", "lease_keys", b"lease_keys", "lease_timeout", b"lease_timeout", "partition", b"partition", "queue_name", b"queue_name", "request_timeout", b"request_timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -485,6 +531,9 @@ class ExtendResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LEASE_DEADLINES_FIELD_NUMBER: _builtins.int
+    KEY_ITEMS_EXTENDED_FIELD_NUMBER: _builtins.int
+    key_items_extended: _builtins.int
+    """How many items were extended through lease_keys."""
     @_builtins.property
     def lease_deadlines(self) -> _containers.RepeatedCompositeFieldContainer[_timestamp_pb2.Timestamp]:
         """One new lease deadline per id, in request order."""
@@ -493,10 +542,11 @@ class ExtendResponse(_message.Message):
         self,
         *,
         lease_deadlines: _abc.Iterable[_timestamp_pb2.Timestamp] | None = ...,
+        key_items_extended: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_deadlines", b"lease_deadlines"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_items_extended", b"key_items_extended", "lease_deadlines", b"lease_deadlines"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -36,6 +36,8 @@ class QueueInfo(_message.Message):
     REQUESTED_PARTITIONS_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
+    DEDUP_WINDOW_FIELD_NUMBER: _builtins.int
+    LEASE_KEY_TTL_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue's name: 1 to 512 characters, no whitespace, no "~", no "/"."""
     dead_queue: _builtins.str
@@ -74,6 +76,19 @@ class QueueInfo(_message.Message):
     def updated_at(self) -> _timestamp_pb2.Timestamp:
         """When the queue's settings last changed (output only)."""
 
+    @_builtins.property
+    def dedup_window(self) -> _duration_pb2.Duration:
+        """How long a produced item's idempotency_key is remembered: a second
+        produce with the same key within this window stores nothing. Default
+        24 hours.
+        """
+
+    @_builtins.property
+    def lease_key_ttl(self) -> _duration_pb2.Duration:
+        """How long a lease_key is remembered after its lease was taken, unless all
+        of its items are completed first. Default 1 hour.
+        """
+
     def __init__(
         self,
         *,
@@ -86,10 +101,12 @@ class QueueInfo(_message.Message):
         requested_partitions: _builtins.int = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
+        dedup_window: _duration_pb2.Duration | None = ...,
+        lease_key_ttl: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expire_timeout", b"expire_timeout", "lease_timeout", b"lease_timeout", "updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dedup_window", b"dedup_window", "expire_timeout", b"expire_timeout", "lease_key_ttl", b"lease_key_ttl", "lease_timeout", b"lease_timeout", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dead_queue", b"dead_queue", "expire_timeout", b"expire_timeout", "lease_timeout", b"lease_timeout", "max_attempts", b"max_attempts", "queue_name", b"queue_name", "reference", b"reference", "requested_partitions", b"requested_partitions", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dead_queue", b"dead_queue", "dedup_window", b"dedup_window", "expire_timeout", b"expire_timeout", "lease_key_ttl", b"lease_key_ttl", "lease_timeout", b"lease_timeout", "max_attempts", b"max_attempts", "queue_name", b"queue_name", "reference", b"reference", "requested_partitions", b"requested_partitions", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
