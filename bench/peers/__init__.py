@@ -1,0 +1,1 @@
+"""Peer systems the benchmark compares against: Redis Streams and PostgreSQL."""
