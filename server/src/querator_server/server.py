@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import signal
 
 import grpc
@@ -173,8 +174,20 @@ class QueratorServer:
         await self._stopped.wait()
 
 
+def _raise_open_file_limit() -> None:
+    # Each queue holds its own LMDB environment (two or three files open), so a
+    # server with many queues outgrows the usual soft limit of 1024 descriptors.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            log.warning("open_file_limit", soft=soft, hard=hard, detail="could not raise the limit")
+
+
 async def serve(config: ServerConfig) -> None:
     """Run until SIGTERM or SIGINT; a second signal exits at once."""
+    _raise_open_file_limit()
     server = QueratorServer(config)
     await server.start()
     loop = asyncio.get_running_loop()
