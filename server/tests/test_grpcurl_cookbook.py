@@ -21,7 +21,7 @@ from conftest import ThreadServer
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "grpcurl.md"
 DOC_ADDRESS = "127.0.0.1:2319"
-_FENCE = re.compile(r"^(?:<!-- cookbook: exit (\d+) -->\n)?```(\w*)\n(.*?)^```$", re.M | re.S)
+_FENCE = re.compile(r"^(?:<!-- (?:cookbook: exit (\d+)|(walkthrough)) -->\n)?```(\w*)\n(.*?)^```$", re.M | re.S)
 
 
 @dataclass
@@ -33,12 +33,13 @@ class Step:
     sample: str = ""
 
 
-def steps(text: str) -> list[Step]:
+def steps(text: str, *, marked_only: bool = False) -> list[Step]:
+    """The commands of a page; with ``marked_only``, only blocks marked ``<!-- walkthrough -->``."""
     out: list[Step] = []
     for match in _FENCE.finditer(text):
-        exit_code, lang, body = match.groups()
+        exit_code, marked, lang, body = match.groups()
         line = text.count("\n", 0, match.start()) + 1
-        if lang == "sh":
+        if lang == "sh" and (marked or not marked_only):
             out.append(Step(line, body, int(exit_code or 0)))
         elif lang in ("json", "text") and out and not out[-1].sample_kind:
             # A sample belongs to the command just above it, with only prose between.
@@ -80,7 +81,7 @@ def _holds(actual: object, sample: object, path: str) -> list[str]:
 
 
 def check_output(step: Step, stdout: str, stderr: str) -> None:
-    where = f"docs/grpcurl.md line {step.line}"
+    where = f"line {step.line}"
     if step.sample_kind == "json":
         docs = _json_documents(stdout)
         assert len(docs) == 1, f"{where}: expected one JSON reply, got: {stdout!r}"
@@ -91,6 +92,48 @@ def check_output(step: Step, stdout: str, stderr: str) -> None:
         for wanted in step.sample.splitlines():
             if wanted.strip() and wanted.strip() != "...":
                 assert wanted.strip() in lines, f"{where}: {wanted.strip()!r} not in output:\n{stdout}{stderr}"
+
+
+def run_steps(found: list[Step], substitutions: dict[str, str], tmp_path: Path, page: str) -> None:
+    """Run ``found`` in order in one bash, each block's output, errors and exit code to files."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = ["set -euo pipefail"]
+    for i, step in enumerate(found):
+        body = step.script
+        for old, new in substitutions.items():
+            body = body.replace(old, new)
+        capture = f'>"{out}/{i}.out" 2>"{out}/{i}.err"'
+        if step.exit_code:
+            script += ["set +e", f"{{\n{body}\n}} {capture}", f'echo $? >"{out}/{i}.rc"', "set -e"]
+        else:
+            script += [f"{{\n{body}\n}} {capture}", f'echo 0 >"{out}/{i}.rc"']
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUERATOR_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    run = subprocess.run(
+        ["bash", "-c", "\n".join(script)],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    for i, step in enumerate(found):
+        rc_file = out / f"{i}.rc"
+        stdout = (out / f"{i}.out").read_text() if (out / f"{i}.out").exists() else ""
+        stderr = (out / f"{i}.err").read_text() if (out / f"{i}.err").exists() else ""
+        assert rc_file.exists(), (
+            f"{page} line {step.line} failed (bash exit {run.returncode}):\n{step.script}\n"
+            f"stdout: {stdout}\nstderr: {stderr}{run.stderr}"
+        )
+        code = int(rc_file.read_text())
+        assert code == step.exit_code, f"{page} line {step.line}: exit {code}, expected {step.exit_code}"
+        try:
+            check_output(step, stdout, stderr)
+        except AssertionError as exc:
+            raise AssertionError(f"{page}: {exc}") from None
+    assert run.returncode == 0, run.stderr
 
 
 def test_cookbook_runs_in_order(server: ThreadServer, tmp_path: Path) -> None:
@@ -114,40 +157,7 @@ def test_cookbook_runs_in_order(server: ThreadServer, tmp_path: Path) -> None:
     ):
         assert needed in covered, f"the cookbook should show {needed.strip()}"
 
-    # One bash runs every block; each block's output, errors and exit code go to files.
-    out = tmp_path / "out"
-    out.mkdir()
-    script = ["set -euo pipefail"]
-    for i, step in enumerate(cookbook):
-        body = step.script.replace(DOC_ADDRESS, server.address)
-        capture = f'>"{out}/{i}.out" 2>"{out}/{i}.err"'
-        if step.exit_code:
-            script += ["set +e", f"{{\n{body}\n}} {capture}", f'echo $? >"{out}/{i}.rc"', "set -e"]
-        else:
-            script += [f"{{\n{body}\n}} {capture}", f'echo 0 >"{out}/{i}.rc"']
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUERATOR_")}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    run = subprocess.run(
-        ["bash", "-c", "\n".join(script)],
-        cwd=tmp_path,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    for i, step in enumerate(cookbook):
-        rc_file = out / f"{i}.rc"
-        stdout = (out / f"{i}.out").read_text() if (out / f"{i}.out").exists() else ""
-        stderr = (out / f"{i}.err").read_text() if (out / f"{i}.err").exists() else ""
-        assert rc_file.exists(), (
-            f"docs/grpcurl.md line {step.line} failed (bash exit {run.returncode}):\n{step.script}\n"
-            f"stdout: {stdout}\nstderr: {stderr}{run.stderr}"
-        )
-        code = int(rc_file.read_text())
-        assert code == step.exit_code, f"docs/grpcurl.md line {step.line}: exit {code}, expected {step.exit_code}"
-        check_output(step, stdout, stderr)
-    assert run.returncode == 0, run.stderr
+    run_steps(cookbook, {DOC_ADDRESS: server.address}, tmp_path, "docs/grpcurl.md")
 
 
 def test_cookbook_parser_finds_samples_and_exit_codes() -> None:
