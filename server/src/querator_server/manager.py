@@ -78,6 +78,13 @@ def _check_layout(data_dir: str) -> list[int]:
             raise _foreign(path)
         _check_lmdb_dir(path)
         uids.append(int(entry))
+    catalog = os.path.join(data_dir, "catalog", "data.mdb")
+    if uids and (not os.path.isfile(catalog) or os.path.getsize(catalog) == 0):
+        # Checked before LMDB would create a fresh, empty catalog in its place.
+        raise DataDirError(
+            f"{catalog}: the catalog is missing or empty but {root} holds queue data; "
+            "refusing to start rather than delete that data"
+        )
     return uids
 
 
