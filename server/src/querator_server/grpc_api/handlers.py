@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError, Message
 from ..auth import Action
 from ..errors import QueratorError, ResourceExhausted, Unavailable
 from ..model import MAX_REQUEST_BYTES
+from ..storage import StorageError
 from .authz import Guard
 from .status import invalid_argument_status, status_code, to_status
 
@@ -76,6 +77,12 @@ def _wrap(service: str, method: str, behavior: Behavior, action: Action, guard: 
         try:
             return await behavior(request, context)
         except QueratorError as error:
+            await _abort(context, full, getattr(request, "queue_name", ""), error)
+            raise  # unreachable: abort raises
+        except StorageError as exc:
+            # A storage failure that no layer below turned into a domain error: the
+            # write did not happen, so the caller may retry (never UNKNOWN).
+            error = Unavailable(f"storage failed, retry later: {exc}")
             await _abort(context, full, getattr(request, "queue_name", ""), error)
             raise  # unreachable: abort raises
 
