@@ -60,15 +60,19 @@ def _check_lmdb_dir(path: str) -> None:
             raise _foreign(os.path.join(path, entry))
 
 
-def _check_layout(data_dir: str) -> list[int]:
-    """Refuse foreign files in the data directory; return the uids of the queue directories."""
+def _check_layout(data_dir: str) -> None:
+    """Refuse foreign files in the data directory, and queue data without a catalog.
+
+    A queue directory the catalog does not know is not refused: a crash during a delete,
+    or a backup taken while a queue was created, leaves one; start-up removes it.
+    """
     for entry in sorted(os.listdir(data_dir)):
         if entry not in _DATA_DIR_ENTRIES:
             raise _foreign(os.path.join(data_dir, entry))
     _check_lmdb_dir(os.path.join(data_dir, "catalog"))
     root = os.path.join(data_dir, "queues")
     if not os.path.lexists(root):
-        return []
+        return
     if not os.path.isdir(root):
         raise _foreign(root)
     uids: list[int] = []
@@ -85,7 +89,6 @@ def _check_layout(data_dir: str) -> list[int]:
             f"{catalog}: the catalog is missing or empty but {root} holds queue data; "
             "refusing to start rather than delete that data"
         )
-    return uids
 
 
 def _storage_failed(exc: BaseException) -> Unavailable:
@@ -128,7 +131,7 @@ class QueuesManager:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
-        uids = await loop.run_in_executor(self._executor, _check_layout, self.data_dir)
+        await loop.run_in_executor(self._executor, _check_layout, self.data_dir)
         try:
             self._catalog = await loop.run_in_executor(
                 self._executor, lambda: Catalog(os.path.join(self.data_dir, "catalog"), sync=self._sync)
@@ -136,7 +139,7 @@ class QueuesManager:
             configs = await loop.run_in_executor(self._executor, self._catalog.load)
         except StorageError as exc:
             raise DataDirError(f"{exc}; refusing to start") from exc
-        self._check_queue_dirs(configs, uids, self._catalog.uids_issued())
+        self._check_queue_files(configs)
         records = await loop.run_in_executor(self._executor, self._catalog.load_keys)
         self.keyring = KeyRing(
             (_key_from_record(r) for r in records), bootstrap_token=self._bootstrap_token
@@ -162,16 +165,8 @@ class QueuesManager:
     def _queue_path(self, uid: int) -> str:
         return os.path.join(self.data_dir, "queues", str(uid))
 
-    def _check_queue_dirs(self, configs: list[QueueConfig], uids: list[int], issued: int) -> None:
-        """Never serve a queue empty because its file is gone, nor delete data the catalog never made."""
-        live = {c.uid for c in configs}
-        for uid in uids:
-            if uid not in live and uid > issued:
-                raise DataDirError(
-                    f"{self._queue_path(uid)}: a queue directory the catalog never created (it issued uids up to "
-                    f"{issued}); was {os.path.join(self.data_dir, 'catalog', 'data.mdb')} replaced or lost? "
-                    "refusing to start rather than delete that data"
-                )
+    def _check_queue_files(self, configs: list[QueueConfig]) -> None:
+        """Never serve a queue empty because its file is gone."""
         for config in configs:
             data = os.path.join(self._queue_path(config.uid), "data.mdb")
             if not os.path.isfile(data) or os.path.getsize(data) == 0:

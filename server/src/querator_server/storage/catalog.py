@@ -59,12 +59,6 @@ class Catalog:
                     raise CatalogError(f"{self.path}: queue {key!r} has unreadable settings: {exc}") from exc
         return out
 
-    def uids_issued(self) -> int:
-        """How many storage uids were ever handed out (uids 1..n); nothing is reserved."""
-        with self.env.begin() as txn:
-            raw = txn.get(_NEXT_UID, db=self._meta)
-        return int(raw) - 1 if raw else 0
-
     def next_uid(self) -> int:
         """Reserve a storage uid, durably, so it is never handed out twice."""
 
