@@ -18,7 +18,7 @@
   :mod:`querator.embedded`: a real server inside this process.
 
 The generated gRPC stubs live in ``querator.v1`` (``queue_pb2``, ``queues_pb2``,
-``storage_pb2`` and their ``_grpc`` twins).
+``storage_pb2``, ``keys_pb2`` and their ``_grpc`` twins).
 """
 
 from ._async_client import AsyncClient
@@ -26,6 +26,9 @@ from ._client import Client
 from ._config import Backoff, ClientConfig
 from ._items import AnyLeasedItem, AsyncLeasedItem, LeasedItem
 from ._models import (
+    ApiKey,
+    CreatedKey,
+    ExtendResult,
     Item,
     ItemRef,
     Page,
@@ -50,10 +53,12 @@ from .errors import (
     NotFound,
     NotLeased,
     Overloaded,
+    PermissionDenied,
     QueratorError,
     QueueExists,
     QueueNotFound,
     ServerError,
+    Unauthenticated,
     Unavailable,
 )
 
@@ -61,6 +66,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AnyLeasedItem",
+    "ApiKey",
     "AsyncClient",
     "AsyncLeasedItem",
     "AsyncPager",
@@ -70,8 +76,10 @@ __all__ = [
     "Cancelled",
     "Client",
     "ClientConfig",
+    "CreatedKey",
     "DeadLetter",
     "DeadlineExceeded",
+    "ExtendResult",
     "FailedPrecondition",
     "FieldViolation",
     "InvalidRequest",
@@ -86,6 +94,7 @@ __all__ = [
     "Page",
     "Pager",
     "PartitionStats",
+    "PermissionDenied",
     "ProduceResult",
     "Producer",
     "QueratorError",
@@ -95,6 +104,7 @@ __all__ = [
     "QueueStats",
     "ServerError",
     "StoredItem",
+    "Unauthenticated",
     "Unavailable",
     "Worker",
     "WorkerHooks",

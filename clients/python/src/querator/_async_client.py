@@ -16,10 +16,30 @@ from . import _protocol as p
 from ._base import BaseClient, ProduceCollector
 from ._convert import Seconds, seconds
 from ._items import COMPLETED, DEAD, RETRIED, AsyncLeasedItem
-from ._models import Item, Page, Payload, ProduceResult, QueueInfo, QueueStats, StoredItem
+from ._models import (
+    ApiKey,
+    CreatedKey,
+    ExtendResult,
+    Item,
+    Page,
+    Payload,
+    ProduceResult,
+    QueueInfo,
+    QueueStats,
+    StoredItem,
+)
 from ._paging import AsyncPager
 from .errors import QueratorError, Unavailable, from_rpc_error
-from .v1 import queue_pb2, queue_pb2_grpc, queues_pb2, queues_pb2_grpc, storage_pb2, storage_pb2_grpc
+from .v1 import (
+    keys_pb2,
+    keys_pb2_grpc,
+    queue_pb2,
+    queue_pb2_grpc,
+    queues_pb2,
+    queues_pb2_grpc,
+    storage_pb2,
+    storage_pb2_grpc,
+)
 
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
@@ -56,6 +76,7 @@ class AsyncClient(BaseClient):
             self._queue = queue_pb2_grpc.QueueServiceStub(self._channel)
             self._queues = queues_pb2_grpc.QueuesServiceStub(self._channel)
             self._storage = storage_pb2_grpc.StorageServiceStub(self._channel)
+            self._keys = keys_pb2_grpc.KeysServiceStub(self._channel)
         return self._queue, self._queues, self._storage
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -96,6 +117,7 @@ class AsyncClient(BaseClient):
         timeout: float,
         retry: bool,
         item_call: bool = False,
+        key_call: bool = False,
     ) -> Resp:
         attempt = 0
         while True:
@@ -107,7 +129,7 @@ class AsyncClient(BaseClient):
                     wait_for_ready=self._config.wait_for_ready or None,
                 )
             except grpc.aio.AioRpcError as exc:
-                error = from_rpc_error(exc, item_call=item_call)
+                error = from_rpc_error(exc, item_call=item_call, key_call=key_call)
                 if not (retry and isinstance(error, Unavailable) and attempt < self._config.retries):
                     raise error from exc
             attempt += 1
@@ -148,7 +170,7 @@ class AsyncClient(BaseClient):
             except QueratorError as error:
                 collector.failed(error)
                 return
-            collector.stored(index, list(response.ids), response.partition)
+            collector.stored(index, list(response.ids), response.partition, response.duplicates)
 
         pending: set[asyncio.Task[None]] = set()
         try:
@@ -168,21 +190,48 @@ class AsyncClient(BaseClient):
         return collector.finish()
 
     async def lease(
-        self, queue_name: str, *, batch_size: int = 1, wait: Seconds = 30, client_id: str = ""
+        self,
+        queue_name: str,
+        *,
+        batch_size: int = 1,
+        wait: Seconds = 30,
+        client_id: str = "",
+        complete: p.ItemsArg | None = None,
+        lease_key: str = "",
     ) -> list[AsyncLeasedItem]:
-        """Lease up to ``batch_size`` ready items; see :meth:`querator.Client.lease`."""
-        request, wait_s = p.lease_request(queue_name, batch_size, wait, client_id)
-        response = await self._call(self._stubs()[0].Lease, request, timeout=self._lease_deadline(wait_s), retry=True)
+        """Lease up to ``batch_size`` ready items, after completing ``complete`` (one
+        partition of this queue) in the same call; see :meth:`querator.Client.lease`."""
+        completing = p.lease_completions(queue_name, complete)
+        request, wait_s = p.lease_request(queue_name, batch_size, wait, client_id, completing, lease_key)
+        response = await self._call(
+            self._stubs()[0].Lease,
+            request,
+            timeout=self._lease_deadline(wait_s),
+            retry=not completing,
+            item_call=bool(completing),
+        )
+        p.mark(completing, COMPLETED)
         return [AsyncLeasedItem(self, **fields) for fields in p.leased_fields(response)]
 
-    async def complete(self, items: p.ItemsArg, *, timeout: Seconds | None = None) -> None:
-        """Complete leased items; see :meth:`querator.Client.complete`."""
+    async def complete(
+        self,
+        items: p.ItemsArg = (),
+        *,
+        lease_keys: Iterable[str] | str | None = None,
+        queue_name: str | None = None,
+        timeout: Seconds | None = None,
+    ) -> None:
+        """Complete leased items, or by ``lease_keys``; see :meth:`querator.Client.complete`."""
         call_timeout = self._config.call_timeout(timeout)
         stub = self._stubs()[0]
         for queue, partition, members in p.group_refs(items):
             request = p.complete_request(queue, partition, members, call_timeout)
             await self._call(stub.Complete, request, timeout=call_timeout, retry=False, item_call=True)
             p.mark(members, COMPLETED)
+        queue, key_chunks = p.lease_keys(lease_keys, queue_name)
+        for keys in key_chunks:
+            request = p.complete_keys_request(queue, keys, call_timeout)
+            await self._call(stub.Complete, request, timeout=call_timeout, retry=True, item_call=True)
 
     async def retry(
         self,
@@ -212,17 +261,29 @@ class AsyncClient(BaseClient):
                     p.mark([ref], DEAD if dead else RETRIED)
 
     async def extend(
-        self, items: p.ItemsArg, *, lease_timeout: Seconds | None = None, timeout: Seconds | None = None
-    ) -> list[datetime]:
-        """Push lease deadlines; see :meth:`querator.Client.extend`."""
+        self,
+        items: p.ItemsArg = (),
+        *,
+        lease_timeout: Seconds | None = None,
+        lease_keys: Iterable[str] | str | None = None,
+        queue_name: str | None = None,
+        timeout: Seconds | None = None,
+    ) -> ExtendResult:
+        """Push lease deadlines, of items or by ``lease_keys``; see :meth:`querator.Client.extend`."""
         call_timeout = self._config.call_timeout(timeout)
         stub = self._stubs()[0]
         out: list[datetime] = []
+        key_items = 0
         for queue, partition, members in p.group_refs(items):
             request = p.extend_request(queue, partition, members, lease_timeout, call_timeout)
             response = await self._call(stub.Extend, request, timeout=call_timeout, retry=True, item_call=True)
             out.extend(p.apply_deadlines(members, response))
-        return out
+        queue, key_chunks = p.lease_keys(lease_keys, queue_name)
+        for keys in key_chunks:
+            request = p.extend_request(queue, 0, [], lease_timeout, call_timeout, keys)
+            response = await self._call(stub.Extend, request, timeout=call_timeout, retry=True, item_call=True)
+            key_items += response.key_items_extended
+        return p.extend_result(out, key_items)
 
     # -- QueuesService ------------------------------------------------------------------
 
@@ -236,6 +297,8 @@ class AsyncClient(BaseClient):
         expire_timeout: Seconds | None = None,
         max_attempts: int | None = None,
         partitions: int | None = None,
+        dedup_window: Seconds | None = None,
+        lease_key_ttl: Seconds | None = None,
         timeout: Seconds | None = None,
     ) -> QueueInfo:
         """Create a queue; see :meth:`querator.Client.create_queue`."""
@@ -248,6 +311,8 @@ class AsyncClient(BaseClient):
                 "expire_timeout": expire_timeout,
                 "max_attempts": max_attempts,
                 "partitions": partitions,
+                "dedup_window": dedup_window,
+                "lease_key_ttl": lease_key_ttl,
             },
         )
         request = queues_pb2.CreateQueueRequest(queue=info)
@@ -286,6 +351,8 @@ class AsyncClient(BaseClient):
         expire_timeout: Seconds | None = None,
         max_attempts: int | None = None,
         partitions: int | None = None,
+        dedup_window: Seconds | None = None,
+        lease_key_ttl: Seconds | None = None,
         timeout: Seconds | None = None,
     ) -> QueueInfo:
         """Change exactly the settings given; see :meth:`querator.Client.update_queue`."""
@@ -298,6 +365,8 @@ class AsyncClient(BaseClient):
                 "expire_timeout": expire_timeout,
                 "max_attempts": max_attempts,
                 "partitions": partitions,
+                "dedup_window": dedup_window,
+                "lease_key_ttl": lease_key_ttl,
             },
         )
         if not paths:
@@ -406,6 +475,42 @@ class AsyncClient(BaseClient):
         for chunk in p.chunks(list(ids)):
             request = storage_pb2.DeleteItemsRequest(queue_name=queue_name, partition=partition, ids=chunk)
             await self._call(self._stubs()[2].DeleteItems, request, timeout=call_timeout, retry=True)
+
+    # -- KeysService --------------------------------------------------------------------------
+
+    def _keys_stub(self) -> keys_pb2_grpc.KeysServiceAsyncStub:
+        self._stubs()
+        return self._keys
+
+    async def create_key(
+        self,
+        role: str,
+        queues: Iterable[str] | str,
+        *,
+        description: str = "",
+        timeout: Seconds | None = None,
+    ) -> CreatedKey:
+        """Create an API key; see :meth:`querator.Client.create_key`."""
+        request = p.create_key_request(role, queues, description)
+        response = await self._call(
+            self._keys_stub().CreateKey, request, timeout=self._config.call_timeout(timeout), retry=False, key_call=True
+        )
+        return p.created_key(response)
+
+    async def list_keys(self, *, timeout: Seconds | None = None) -> list[ApiKey]:
+        """Every key, sorted by id (never the tokens)."""
+        request = keys_pb2.ListKeysRequest()
+        response = await self._call(
+            self._keys_stub().ListKeys, request, timeout=self._config.call_timeout(timeout), retry=True, key_call=True
+        )
+        return [p.api_key(k) for k in response.keys]
+
+    async def revoke_key(self, key_id: str, *, timeout: Seconds | None = None) -> None:
+        """Delete a key; calls with its token fail with Unauthenticated from then on."""
+        request = keys_pb2.RevokeKeyRequest(key_id=key_id)
+        await self._call(
+            self._keys_stub().RevokeKey, request, timeout=self._config.call_timeout(timeout), retry=False, key_call=True
+        )
 
 
 __all__ = ["AsyncClient"]

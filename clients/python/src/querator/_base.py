@@ -97,15 +97,17 @@ class ProduceCollector:
         self._batches: dict[int, tuple[list[str], list[int]]] = {}
         self._sizes: dict[int, int] = {}
         self._done = 0
+        self._duplicates = 0
         self._on_progress = on_progress
         self.error: QueratorError | None = None
 
     def sent(self, index: int, size: int) -> None:
         self._sizes[index] = size
 
-    def stored(self, index: int, ids: list[str], partition: int) -> None:
+    def stored(self, index: int, ids: list[str], partition: int, duplicates: int = 0) -> None:
         self._batches[index] = (ids, [partition] * len(ids))
         self._done += len(ids)
+        self._duplicates += duplicates
         if self._on_progress is not None:
             self._on_progress(self._done)
 
@@ -124,7 +126,7 @@ class ProduceCollector:
             else:
                 ids.extend(got[0])
                 partitions.extend(got[1])
-        return ProduceResult(ids, partitions)
+        return ProduceResult(ids, partitions, self._duplicates)
 
     def finish(self) -> ProduceResult:
         result = self.result()

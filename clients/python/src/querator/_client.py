@@ -16,10 +16,30 @@ from . import _protocol as p
 from ._base import BaseClient, ProduceCollector
 from ._convert import Seconds, seconds
 from ._items import COMPLETED, DEAD, RETRIED, LeasedItem
-from ._models import Item, Page, Payload, ProduceResult, QueueInfo, QueueStats, StoredItem
+from ._models import (
+    ApiKey,
+    CreatedKey,
+    ExtendResult,
+    Item,
+    Page,
+    Payload,
+    ProduceResult,
+    QueueInfo,
+    QueueStats,
+    StoredItem,
+)
 from ._paging import Pager
 from .errors import QueratorError, Unavailable, from_rpc_error
-from .v1 import queue_pb2, queue_pb2_grpc, queues_pb2, queues_pb2_grpc, storage_pb2, storage_pb2_grpc
+from .v1 import (
+    keys_pb2,
+    keys_pb2_grpc,
+    queue_pb2,
+    queue_pb2_grpc,
+    queues_pb2,
+    queues_pb2_grpc,
+    storage_pb2,
+    storage_pb2_grpc,
+)
 
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
@@ -42,6 +62,7 @@ class Client(BaseClient):
         self._queue = queue_pb2_grpc.QueueServiceStub(self._channel)
         self._queues = queues_pb2_grpc.QueuesServiceStub(self._channel)
         self._storage = storage_pb2_grpc.StorageServiceStub(self._channel)
+        self._keys = keys_pb2_grpc.KeysServiceStub(self._channel)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -80,6 +101,7 @@ class Client(BaseClient):
         timeout: float,
         retry: bool,
         item_call: bool = False,
+        key_call: bool = False,
     ) -> Resp:
         attempt = 0
         while True:
@@ -91,7 +113,7 @@ class Client(BaseClient):
                     wait_for_ready=self._config.wait_for_ready or None,
                 )
             except grpc.RpcError as exc:
-                error = from_rpc_error(exc, item_call=item_call)
+                error = from_rpc_error(exc, item_call=item_call, key_call=key_call)
                 if not (retry and isinstance(error, Unavailable) and attempt < self._config.retries):
                     raise error from exc
             attempt += 1
@@ -119,8 +141,10 @@ class Client(BaseClient):
         They are sent in requests of at most ``batch_size`` (<= 1,000) items and ~4 MB,
         ``max_in_flight`` at a time; each request's items go to one partition, in order.
         ``encoding``/``kind``/``reference``/``enqueue_at`` apply to items that do not set
-        their own. Returns every id in the order given. ``retry=True`` retries a request
-        after UNAVAILABLE, at the risk of storing it twice if only its reply was lost.
+        their own. Returns every id in the order given (``duplicates`` counts the items
+        whose ``Item.idempotency_key`` was seen before). ``retry=True`` retries a request
+        after UNAVAILABLE, at the risk of storing it twice if only its reply was lost
+        (unless every item carries an idempotency key: then a repeat stores nothing).
         ``on_progress`` is called with the number of items stored so far.
         """
         defaults = Item(b"", encoding=encoding, kind=kind, reference=reference, enqueue_at=enqueue_at)
@@ -145,7 +169,7 @@ class Client(BaseClient):
                 except QueratorError as again:
                     collector.failed(again)
                     return
-            collector.stored(index, list(response.ids), response.partition)
+            collector.stored(index, list(response.ids), response.partition, response.duplicates)
 
         for index, batch in enumerate(p.produce_batches(items, defaults, max_items=batch_size)):
             if collector.error is not None:
@@ -168,7 +192,14 @@ class Client(BaseClient):
         return collector.finish()
 
     def lease(
-        self, queue_name: str, *, batch_size: int = 1, wait: Seconds = 30, client_id: str = ""
+        self,
+        queue_name: str,
+        *,
+        batch_size: int = 1,
+        wait: Seconds = 30,
+        client_id: str = "",
+        complete: p.ItemsArg | None = None,
+        lease_key: str = "",
     ) -> list[LeasedItem]:
         """Lease up to ``batch_size`` ready items, oldest first, all from one partition.
 
@@ -176,16 +207,45 @@ class Client(BaseClient):
         list (``wait=0``: answer at once). The call's deadline is ``wait`` plus the
         client's ``lease_margin``. Retried after UNAVAILABLE: items leased by an attempt
         whose reply was lost come back by lease expiry.
+
+        ``complete``: items of an earlier lease (one partition of this queue, at most
+        1,000) to complete first, in the same call. All-or-nothing like :meth:`complete`:
+        if one cannot be completed the call raises (:class:`~querator.LeaseLost`) and
+        nothing is completed or leased; an answer, even an empty list, means they are
+        completed. Such a call is not retried (a repeat would answer NOT_FOUND).
+
+        ``lease_key`` makes the lease idempotent: a later call with the same key returns
+        the items still leased under it instead of new ones (complete them with
+        ``complete(lease_keys=...)``).
         """
-        request, wait_s = p.lease_request(queue_name, batch_size, wait, client_id)
-        response = self._call(self._queue.Lease, request, timeout=self._lease_deadline(wait_s), retry=True)
+        completing = p.lease_completions(queue_name, complete)
+        request, wait_s = p.lease_request(queue_name, batch_size, wait, client_id, completing, lease_key)
+        response = self._call(
+            self._queue.Lease,
+            request,
+            timeout=self._lease_deadline(wait_s),
+            retry=not completing,
+            item_call=bool(completing),
+        )
+        p.mark(completing, COMPLETED)
         return [LeasedItem(self, **fields) for fields in p.leased_fields(response)]
 
-    def complete(self, items: p.ItemsArg, *, timeout: Seconds | None = None) -> None:
+    def complete(
+        self,
+        items: p.ItemsArg = (),
+        *,
+        lease_keys: Iterable[str] | str | None = None,
+        queue_name: str | None = None,
+        timeout: Seconds | None = None,
+    ) -> None:
         """Complete leased items (LeasedItem or ItemRef, one or many).
 
         Each (queue, partition) group of up to 1,000 ids is one all-or-nothing request:
         one lost lease (:class:`~querator.LeaseLost`) fails its whole request.
+
+        ``lease_keys`` (with ``queue_name``) completes every item still leased under
+        each key. Idempotent: a key already completed or forgotten is no error, so these
+        requests are retried after UNAVAILABLE.
         """
         call_timeout = self._config.call_timeout(timeout)
         stub = self._queue
@@ -193,6 +253,10 @@ class Client(BaseClient):
             request = p.complete_request(queue, partition, members, call_timeout)
             self._call(stub.Complete, request, timeout=call_timeout, retry=False, item_call=True)
             p.mark(members, COMPLETED)
+        queue, key_chunks = p.lease_keys(lease_keys, queue_name)
+        for keys in key_chunks:
+            request = p.complete_keys_request(queue, keys, call_timeout)
+            self._call(stub.Complete, request, timeout=call_timeout, retry=True, item_call=True)
 
     def retry(
         self,
@@ -224,21 +288,36 @@ class Client(BaseClient):
                     p.mark([ref], DEAD if dead else RETRIED)
 
     def extend(
-        self, items: p.ItemsArg, *, lease_timeout: Seconds | None = None, timeout: Seconds | None = None
-    ) -> list[datetime]:
+        self,
+        items: p.ItemsArg = (),
+        *,
+        lease_timeout: Seconds | None = None,
+        lease_keys: Iterable[str] | str | None = None,
+        queue_name: str | None = None,
+        timeout: Seconds | None = None,
+    ) -> ExtendResult:
         """Push lease deadlines to now + ``lease_timeout`` (default: the queue's).
 
-        Returns the new deadlines in order and updates ``lease_deadline`` of LeasedItems.
-        A lease whose deadline already passed fails with :class:`~querator.NotLeased`.
+        Returns the new deadlines in order (a list) and updates ``lease_deadline`` of
+        LeasedItems. A lease whose deadline already passed fails with
+        :class:`~querator.NotLeased`. ``lease_keys`` (with ``queue_name``) extends every
+        item still validly leased under each key; the result's ``key_items_extended``
+        counts them.
         """
         call_timeout = self._config.call_timeout(timeout)
         stub = self._queue
         out: list[datetime] = []
+        key_items = 0
         for queue, partition, members in p.group_refs(items):
             request = p.extend_request(queue, partition, members, lease_timeout, call_timeout)
             response = self._call(stub.Extend, request, timeout=call_timeout, retry=True, item_call=True)
             out.extend(p.apply_deadlines(members, response))
-        return out
+        queue, key_chunks = p.lease_keys(lease_keys, queue_name)
+        for keys in key_chunks:
+            request = p.extend_request(queue, 0, [], lease_timeout, call_timeout, keys)
+            response = self._call(stub.Extend, request, timeout=call_timeout, retry=True, item_call=True)
+            key_items += response.key_items_extended
+        return p.extend_result(out, key_items)
 
     # -- QueuesService ------------------------------------------------------------------
 
@@ -252,6 +331,8 @@ class Client(BaseClient):
         expire_timeout: Seconds | None = None,
         max_attempts: int | None = None,
         partitions: int | None = None,
+        dedup_window: Seconds | None = None,
+        lease_key_ttl: Seconds | None = None,
         timeout: Seconds | None = None,
     ) -> QueueInfo:
         """Create a queue; unset settings take the server's defaults. QueueExists if taken."""
@@ -264,6 +345,8 @@ class Client(BaseClient):
                 "expire_timeout": expire_timeout,
                 "max_attempts": max_attempts,
                 "partitions": partitions,
+                "dedup_window": dedup_window,
+                "lease_key_ttl": lease_key_ttl,
             },
         )
         request = queues_pb2.CreateQueueRequest(queue=info)
@@ -300,6 +383,8 @@ class Client(BaseClient):
         expire_timeout: Seconds | None = None,
         max_attempts: int | None = None,
         partitions: int | None = None,
+        dedup_window: Seconds | None = None,
+        lease_key_ttl: Seconds | None = None,
         timeout: Seconds | None = None,
     ) -> QueueInfo:
         """Change exactly the settings given (``dead_queue=""`` removes the DLQ)."""
@@ -312,6 +397,8 @@ class Client(BaseClient):
                 "expire_timeout": expire_timeout,
                 "max_attempts": max_attempts,
                 "partitions": partitions,
+                "dedup_window": dedup_window,
+                "lease_key_ttl": lease_key_ttl,
             },
         )
         if not paths:
@@ -422,6 +509,42 @@ class Client(BaseClient):
         for chunk in p.chunks(list(ids)):
             request = storage_pb2.DeleteItemsRequest(queue_name=queue_name, partition=partition, ids=chunk)
             self._call(self._storage.DeleteItems, request, timeout=call_timeout, retry=True)
+
+    # -- KeysService (servers with auth on; an admin key for "*") -----------------------------
+
+    def create_key(
+        self,
+        role: str,
+        queues: Iterable[str] | str,
+        *,
+        description: str = "",
+        timeout: Seconds | None = None,
+    ) -> CreatedKey:
+        """Create an API key: ``role`` is producer, consumer or admin; ``queues`` name patterns.
+
+        The result's ``token`` is shown only here (the server keeps a hash). Not retried:
+        a repeat would make a second key.
+        """
+        request = p.create_key_request(role, queues, description)
+        response = self._call(
+            self._keys.CreateKey, request, timeout=self._config.call_timeout(timeout), retry=False, key_call=True
+        )
+        return p.created_key(response)
+
+    def list_keys(self, *, timeout: Seconds | None = None) -> list[ApiKey]:
+        """Every key, sorted by id (never the tokens)."""
+        request = keys_pb2.ListKeysRequest()
+        response = self._call(
+            self._keys.ListKeys, request, timeout=self._config.call_timeout(timeout), retry=True, key_call=True
+        )
+        return [p.api_key(k) for k in response.keys]
+
+    def revoke_key(self, key_id: str, *, timeout: Seconds | None = None) -> None:
+        """Delete a key; calls with its token fail with Unauthenticated from then on."""
+        request = keys_pb2.RevokeKeyRequest(key_id=key_id)
+        self._call(
+            self._keys.RevokeKey, request, timeout=self._config.call_timeout(timeout), retry=False, key_call=True
+        )
 
 
 __all__ = ["Client"]

@@ -18,7 +18,9 @@ class Item:
     """An item to produce. A ``str`` payload is stored as UTF-8.
 
     ``enqueue_at`` (timezone-aware) at least 100 ms in the future schedules the item:
-    it becomes leasable at that time.
+    it becomes leasable at that time. ``idempotency_key`` (at most 512 bytes) makes the
+    produce idempotent: a second item with the same key in the same queue within the
+    queue's ``dedup_window`` stores nothing and gets the first item's id.
     """
 
     payload: Payload
@@ -26,6 +28,7 @@ class Item:
     kind: str = ""
     reference: str = ""
     enqueue_at: datetime | None = None
+    idempotency_key: str = ""
 
     @classmethod
     def from_json(cls, value: Any, **options: Any) -> Item:
@@ -36,10 +39,15 @@ class Item:
 
 @dataclass(frozen=True, slots=True)
 class ProduceResult:
-    """The ids of produced items, in the order given, and the partition each went to."""
+    """The ids of produced items, in the order given, and the partition each went to.
+
+    ``duplicates`` counts the items whose ``idempotency_key`` had been seen before: they
+    stored nothing, and their id is the first item's.
+    """
 
     ids: list[str] = field(default_factory=list)
     partitions: list[int] = field(default_factory=list)
+    duplicates: int = 0
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -63,7 +71,12 @@ class ItemRef:
 
 @dataclass(frozen=True, slots=True)
 class QueueInfo:
-    """A queue's settings. ``partitions`` is the contract's ``requested_partitions``."""
+    """A queue's settings. ``partitions`` is the contract's ``requested_partitions``.
+
+    ``dedup_window``: how long a produced item's ``idempotency_key`` is remembered;
+    ``lease_key_ttl``: how long a Lease's ``lease_key`` is remembered (unless all of its
+    items are completed first).
+    """
 
     name: str
     dead_queue: str = ""
@@ -74,6 +87,8 @@ class QueueInfo:
     partitions: int = 1
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    dedup_window: timedelta = timedelta(hours=24)
+    lease_key_ttl: timedelta = timedelta(hours=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +152,48 @@ class StoredItem:
     encoding: str = ""
     kind: str = ""
     source_id: str = ""
+
+
+class ExtendResult(list[datetime]):
+    """What :meth:`~querator.Client.extend` returns: the new deadline of each item, in order.
+
+    A list; ``key_items_extended`` adds how many items were extended through ``lease_keys``.
+    """
+
+    key_items_extended: int = 0
+
+
+#: The roles of an API key: what it may do on the queues its patterns match.
+ROLES = ("producer", "consumer", "admin")
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """An API key as the server describes it (never its token).
+
+    ``role`` is ``"producer"`` (Produce, plus reading queue settings and stats),
+    ``"consumer"`` (Lease, Complete, Retry, Extend, plus the same reads) or ``"admin"``
+    (every call on its queues; with the pattern ``"*"`` also the key calls). ``queues``
+    are shell-style name patterns (``"orders*"``).
+    """
+
+    key_id: str
+    role: str
+    queues: list[str] = field(default_factory=list)
+    description: str = ""
+    created_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CreatedKey:
+    """A new key and its token: send the token as ``bearer_token``. Shown only once."""
+
+    key: ApiKey
+    token: str = field(repr=False)
+
+    @property
+    def key_id(self) -> str:
+        return self.key.key_id
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,20 @@ from google.protobuf import field_mask_pb2
 
 from . import _convert as c
 from ._config import BATCH_BYTES, MAX_BATCH
-from ._models import Item, ItemRef, Payload, PartitionStats, QueueInfo, QueueStats, StoredItem
-from .v1 import queue_pb2, queues_pb2, storage_pb2
+from ._models import (
+    ROLES,
+    ApiKey,
+    CreatedKey,
+    ExtendResult,
+    Item,
+    ItemRef,
+    PartitionStats,
+    Payload,
+    QueueInfo,
+    QueueStats,
+    StoredItem,
+)
+from .v1 import keys_pb2, queue_pb2, queues_pb2, storage_pb2
 
 
 @runtime_checkable
@@ -67,7 +79,11 @@ def produce_item(value: ProduceArg, defaults: Item | None) -> queue_pb2.ProduceI
         reference = reference or defaults.reference
         enqueue_at = enqueue_at or defaults.enqueue_at
     out = queue_pb2.ProduceItem(
-        payload=c.payload_bytes(item.payload), encoding=encoding, kind=kind, reference=reference
+        payload=c.payload_bytes(item.payload),
+        encoding=encoding,
+        kind=kind,
+        reference=reference,
+        idempotency_key=item.idempotency_key,
     )
     if enqueue_at is not None:
         out.enqueue_at.CopyFrom(c.to_timestamp(enqueue_at))
@@ -106,14 +122,48 @@ def produce_request(
 
 
 def lease_request(
-    queue_name: str, batch_size: int, wait: c.Seconds, client_id: str
+    queue_name: str,
+    batch_size: int,
+    wait: c.Seconds,
+    client_id: str,
+    complete: list[Ref] | None = None,
+    lease_key: str = "",
 ) -> tuple[queue_pb2.LeaseRequest, float]:
-    """The request and the call deadline (the wait plus the margin comes from the caller)."""
+    """The request and the wait in seconds (the caller adds its margin for the deadline).
+
+    ``complete``: items of an earlier lease to complete first, all of ``queue_name`` and
+    of one partition (:func:`lease_completions` checks that).
+    """
     wait_s = c.seconds(wait)
     request = queue_pb2.LeaseRequest(
-        queue_name=queue_name, batch_size=batch_size, client_id=client_id, request_timeout=c.to_duration(wait_s)
+        queue_name=queue_name,
+        batch_size=batch_size,
+        client_id=client_id,
+        request_timeout=c.to_duration(wait_s),
+        lease_key=lease_key,
     )
+    if complete:
+        request.complete_ids.extend(m.id for m in complete)
+        request.complete_partition = complete[0].partition
     return request, wait_s
+
+
+def lease_completions(queue_name: str, items: ItemsArg | None) -> list[Ref]:
+    """The items a Lease should complete first; they must name one partition of its queue."""
+    if items is None:
+        return []
+    members = refs(items)
+    if not members:
+        return []
+    if len(members) > MAX_BATCH:
+        raise ValueError(f"a Lease completes at most {MAX_BATCH} items, got {len(members)}")
+    partition = members[0].partition
+    for ref in members:
+        if ref.queue_name != queue_name:
+            raise ValueError(f"complete= names an item of queue {ref.queue_name!r}, not {queue_name!r}")
+        if ref.partition != partition:
+            raise ValueError("complete= items must all come from one partition (one earlier Lease)")
+    return members
 
 
 def leased_fields(response: queue_pb2.LeaseResponse) -> Iterator[dict[str, Any]]:
@@ -141,6 +191,22 @@ def complete_request(queue: str, partition: int, members: list[Ref], timeout: fl
     )
 
 
+def lease_keys(keys: Iterable[str] | str | None, queue_name: str | None) -> tuple[str, list[list[str]]]:
+    """The queue and the request-sized chunks of ``lease_keys`` (none: no chunks)."""
+    if keys is None:
+        return "", []
+    values = [keys] if isinstance(keys, str) else list(keys)
+    if not values:
+        return "", []
+    if not queue_name:
+        raise ValueError("lease_keys need queue_name= (the queue the keys leased from)")
+    return queue_name, list(chunks(values))
+
+
+def complete_keys_request(queue: str, keys: list[str], timeout: float) -> queue_pb2.CompleteRequest:
+    return queue_pb2.CompleteRequest(queue_name=queue, lease_keys=keys, request_timeout=c.to_duration(timeout))
+
+
 def retry_at(at: datetime | None, in_: c.Seconds | None) -> datetime | None:
     if at is not None and in_ is not None:
         raise ValueError("give at= or in_=, not both")
@@ -164,10 +230,19 @@ def retry_request(
 
 
 def extend_request(
-    queue: str, partition: int, members: list[Ref], lease_timeout: c.Seconds | None, timeout: float
+    queue: str,
+    partition: int,
+    members: list[Ref],
+    lease_timeout: c.Seconds | None,
+    timeout: float,
+    keys: list[str] | None = None,
 ) -> queue_pb2.ExtendRequest:
     request = queue_pb2.ExtendRequest(
-        queue_name=queue, partition=partition, ids=[m.id for m in members], request_timeout=c.to_duration(timeout)
+        queue_name=queue,
+        partition=partition,
+        ids=[m.id for m in members],
+        request_timeout=c.to_duration(timeout),
+        lease_keys=keys or [],
     )
     if lease_timeout is not None:
         request.lease_timeout.CopyFrom(c.to_duration(lease_timeout))
@@ -191,7 +266,10 @@ _SETTINGS = {
     "expire_timeout": "expire_timeout",
     "max_attempts": "max_attempts",
     "partitions": "requested_partitions",
+    "dedup_window": "dedup_window",
+    "lease_key_ttl": "lease_key_ttl",
 }
+_DURATIONS = ("lease_timeout", "expire_timeout", "dedup_window", "lease_key_ttl")
 
 
 def queue_info_message(name: str, settings: dict[str, Any]) -> tuple[queues_pb2.QueueInfo, list[str]]:
@@ -202,7 +280,7 @@ def queue_info_message(name: str, settings: dict[str, Any]) -> tuple[queues_pb2.
         if value is None:
             continue
         proto_name = _SETTINGS[key]
-        if key in ("lease_timeout", "expire_timeout"):
+        if key in _DURATIONS:
             getattr(info, proto_name).CopyFrom(c.to_duration(value))
         else:
             setattr(info, proto_name, value)
@@ -225,6 +303,8 @@ def queue_info(info: queues_pb2.QueueInfo) -> QueueInfo:
         partitions=info.requested_partitions,
         created_at=c.optional_timestamp(info, "created_at"),
         updated_at=c.optional_timestamp(info, "updated_at"),
+        dedup_window=c.from_duration(info.dedup_window),
+        lease_key_ttl=c.from_duration(info.lease_key_ttl),
     )
 
 
@@ -303,3 +383,45 @@ def chunks(values: list[Any], size: int = MAX_BATCH) -> Iterator[list[Any]]:
 
 def as_ref(queue_name: str, partition: int, ids: Iterable[str]) -> list[ItemRef]:
     return [ItemRef(queue_name, partition, i) for i in ids]
+
+
+def extend_result(deadlines: list[datetime], key_items: int) -> ExtendResult:
+    out = ExtendResult(deadlines)
+    out.key_items_extended = key_items
+    return out
+
+
+# -- keys ----------------------------------------------------------------------------------
+
+
+def role_value(role: str) -> keys_pb2.Role.ValueType:
+    name = role.strip().lower().removeprefix("role_")
+    if name not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    return keys_pb2.Role.Value(f"ROLE_{name.upper()}")
+
+
+def role_name(value: keys_pb2.Role.ValueType) -> str:
+    try:
+        return keys_pb2.Role.Name(value).removeprefix("ROLE_").lower()
+    except ValueError:
+        return str(int(value))
+
+
+def api_key(key: keys_pb2.ApiKey) -> ApiKey:
+    return ApiKey(
+        key_id=key.key_id,
+        role=role_name(key.role),
+        queues=list(key.queues),
+        description=key.description,
+        created_at=c.optional_timestamp(key, "created_at"),
+    )
+
+
+def create_key_request(role: str, queues: Iterable[str] | str, description: str) -> keys_pb2.CreateKeyRequest:
+    patterns = [queues] if isinstance(queues, str) else list(queues)
+    return keys_pb2.CreateKeyRequest(role=role_value(role), queues=patterns, description=description)
+
+
+def created_key(response: keys_pb2.CreateKeyResponse) -> CreatedKey:
+    return CreatedKey(api_key(response.key), response.token)

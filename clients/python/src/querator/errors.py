@@ -16,6 +16,10 @@ status code and, where the same code means different things, from the call::
      ├── Overloaded                 RESOURCE_EXHAUSTED: the queue is overloaded or the request too big
      ├── Unavailable                UNAVAILABLE: server shutting down, storage failing, or no
      │                              connection; safe to retry
+     ├── Unauthenticated            UNAUTHENTICATED: no API key, or one the server does not know
+     │                              (revoked, mistyped); send ``bearer_token=``
+     ├── PermissionDenied           PERMISSION_DENIED: the key's role or queue patterns do not
+     │                              allow this call on this queue
      ├── DeadlineExceeded           DEADLINE_EXCEEDED: the call's deadline passed first
      ├── Cancelled                  CANCELLED
      └── ServerError                any other status (UNKNOWN, INTERNAL, UNIMPLEMENTED, ...)
@@ -54,10 +58,12 @@ __all__ = [
     "NotFound",
     "NotLeased",
     "Overloaded",
+    "PermissionDenied",
     "QueratorError",
     "QueueExists",
     "QueueNotFound",
     "ServerError",
+    "Unauthenticated",
     "Unavailable",
     "from_rpc_error",
 ]
@@ -167,6 +173,25 @@ class Unavailable(QueratorError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Unauthenticated(QueratorError):
+    """UNAUTHENTICATED: the server requires an API key and the call had none it accepts.
+
+    No ``authorization: Bearer`` metadata, or a token that is unknown or revoked.
+    """
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(QueratorError):
+    """PERMISSION_DENIED: the key may not make this call on this queue.
+
+    Its role does not allow the call (a producer key leasing, say) or none of its queue
+    patterns matches the queue. A missing queue outside the patterns answers the same.
+    """
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class DeadlineExceeded(QueratorError):
     """DEADLINE_EXCEEDED: the call's deadline passed before the server answered."""
 
@@ -194,6 +219,8 @@ _BY_CODE: dict[grpc.StatusCode, type[QueratorError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,
 }
@@ -229,11 +256,12 @@ def _is_queue_message(message: str) -> bool:
 
 
 def from_status(
-    code: grpc.StatusCode, message: str, trailing: object = (), *, item_call: bool = False
+    code: grpc.StatusCode, message: str, trailing: object = (), *, item_call: bool = False, key_call: bool = False
 ) -> QueratorError:
-    """The exception for a status ``code``; ``item_call`` for calls that name leased ids."""
+    """The exception for a status ``code``; ``item_call`` for calls that name leased ids,
+    ``key_call`` for KeysService calls (NOT_FOUND is then a missing key)."""
     cls = _BY_CODE.get(code, ServerError)
-    if cls is NotFound:
+    if cls is NotFound and not key_call:
         cls = ItemNotFound if item_call and not _is_queue_message(message) else QueueNotFound
     elif cls is FailedPrecondition and item_call and "client_id" not in message:
         cls = NotLeased
@@ -242,10 +270,10 @@ def from_status(
     return cls(message, code=code)
 
 
-def from_rpc_error(error: grpc.RpcError, *, item_call: bool = False) -> QueratorError:
+def from_rpc_error(error: grpc.RpcError, *, item_call: bool = False, key_call: bool = False) -> QueratorError:
     """Map a ``grpc.RpcError`` (sync or ``grpc.aio.AioRpcError``) to a :class:`QueratorError`."""
-    if isinstance(error, grpc.aio.AioRpcError):
-        return from_status(error.code(), error.details() or "", error.trailing_metadata(), item_call=item_call)
-    if isinstance(error, grpc.Call):
-        return from_status(error.code(), error.details() or "", error.trailing_metadata(), item_call=item_call)
+    if isinstance(error, (grpc.aio.AioRpcError, grpc.Call)):
+        return from_status(
+            error.code(), error.details() or "", error.trailing_metadata(), item_call=item_call, key_call=key_call
+        )
     return ServerError(str(error) or type(error).__name__)
