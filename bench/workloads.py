@@ -348,9 +348,18 @@ def w3(client: Any, s: Settings, memory: Any) -> dict[str, Any]:
     mem_after = memory()
     expect_left(client, [q], [s.w3_stored - drain.items_of("consume")])
     admin(client, "drop", [q])
+    # The same drain from a queue holding only what is drained, right away: a reference
+    # taken within the same minute, less exposed to the machine's changing load than W1.
+    q = "w3-shallow"
+    admin(client, "create", [q], 1)
+    run_phase(client, [Producer([q], s.items, s.produce_inflight)], s)
+    shallow = run_phase(client, [Consumer([q] * s.consume_inflight)], s, targets={q: s.items})
+    expect_left(client, [q], [0])
+    admin(client, "drop", [q])
     return {
         "fill": fill.items_of("produce") / fill.elapsed_of("produce"),
         "drain": drain.items_of("consume") / drain.elapsed_of("consume"),
+        "shallow_drain": shallow.items_of("consume") / shallow.elapsed_of("consume"),
         "drained": drain.items_of("consume"),
         "memory_mib": mem_full,
         "memory_after_drain_mib": mem_after,
