@@ -92,3 +92,23 @@ def test_async_pipeline_calls(srv: EmbeddedServer) -> None:
             assert (await client.queue_stats(name)).total == 1
 
     run(main())
+
+
+def test_producers_carry_idempotency_keys(srv: EmbeddedServer, client: querator.Client, queue: str) -> None:
+    with querator.Producer(client, queue, max_items=10, max_latency=0.005) as producer:
+        futures = [producer.produce(f"p{i}", idempotency_key=f"k{i % 4}") for i in range(8)]
+        keyed = producer.produce(Item("own", idempotency_key="k0"))
+    ids = [f.result(timeout=5) for f in futures]
+    assert ids[4:] == ids[:4] and keyed.result() == ids[0] and producer.duplicates == 5
+    assert client.queue_stats(queue).total == 4
+
+    async def main() -> None:
+        async with srv.async_client() as aclient, querator.AsyncProducer(aclient, queue, max_latency=0.005) as ap:
+            first = await ap.produce("again", idempotency_key="k1")
+            fresh = await ap.produce(Item("new", idempotency_key="k-new"))
+            assert await first == ids[1] and await fresh not in ids
+            await ap.flush()
+            assert ap.duplicates == 1
+
+    run(main())
+    assert client.queue_stats(queue).total == 5

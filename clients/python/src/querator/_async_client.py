@@ -166,7 +166,8 @@ class AsyncClient(BaseClient):
 
         async def send(index: int, request: queue_pb2.ProduceRequest) -> None:
             try:
-                response = await self._call(stub.Produce, request, timeout=call_timeout, retry=retry)
+                keyed = p.all_keyed(list(request.items))
+                response = await self._call(stub.Produce, request, timeout=call_timeout, retry=retry or keyed)
             except QueratorError as error:
                 collector.failed(error)
                 return

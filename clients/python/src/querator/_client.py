@@ -161,7 +161,7 @@ class Client(BaseClient):
                 response = future.result()
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)
-                if not (retry and isinstance(error, Unavailable)):
+                if not ((retry or p.all_keyed(list(request.items))) and isinstance(error, Unavailable)):
                     collector.failed(error)
                     return
                 try:

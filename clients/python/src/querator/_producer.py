@@ -7,6 +7,12 @@ A producer collects items into a batch until it holds ``max_items`` items or
 flow control that keeps a fast producer from growing memory without bound.
 Each item's future resolves to its id, or to the :class:`~querator.QueratorError` of
 its batch. Items of one batch go to one partition, in order.
+
+An item may carry an idempotency key (``Item(..., idempotency_key=k)`` or
+``produce(item, idempotency_key=k)``): a repeat of the key within the queue's
+``dedup_window`` stores nothing and its future resolves to the first item's id
+(``duplicates`` counts them). A batch whose every item has a key is retried after
+UNAVAILABLE even without ``retry=True``: repeating it cannot store anything twice.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import grpc
 from . import _protocol as p
 from ._config import BATCH_BYTES, MAX_BATCH
 from ._convert import Seconds, seconds
-from ._models import Item
+from ._models import Item, Payload
 from .errors import QueratorError, Unavailable, from_rpc_error
 from .v1 import queue_pb2
 
@@ -73,8 +79,10 @@ class _Settings:
         self.max_pending = max_pending
         self.defaults = Item(b"", encoding=encoding, kind=kind, reference=reference, enqueue_at=enqueue_at)
 
-    def message(self, item: p.ProduceArg) -> tuple[queue_pb2.ProduceItem, int]:
+    def message(self, item: p.ProduceArg, idempotency_key: str | None) -> tuple[queue_pb2.ProduceItem, int]:
         message = p.produce_item(item, self.defaults)
+        if idempotency_key is not None:
+            message.idempotency_key = idempotency_key
         return message, message.ByteSize() + 6
 
     def full(self, batch: _Batch[Any], cost: int) -> bool:
@@ -117,6 +125,7 @@ class Producer:
         self._ready: collections.deque[_Batch[concurrent.futures.Future[str]]] = collections.deque()
         self._pending = 0
         self._in_flight = 0
+        self._duplicates = 0
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="querator-producer", daemon=True)
         self._thread.start()
@@ -126,12 +135,20 @@ class Producer:
         """Items buffered or in flight."""
         return self._pending
 
-    def produce(self, item: p.ProduceArg, *, timeout: Seconds | None = None) -> concurrent.futures.Future[str]:
+    @property
+    def duplicates(self) -> int:
+        """Items so far whose idempotency key had been seen before (they stored nothing)."""
+        return self._duplicates
+
+    def produce(
+        self, item: Item | Payload, *, idempotency_key: str | None = None, timeout: Seconds | None = None
+    ) -> concurrent.futures.Future[str]:
         """Queue one item (bytes, str or Item); blocks while ``max_pending`` items wait.
 
-        ``timeout`` bounds that wait (then :class:`~querator.Overloaded` is raised).
+        ``idempotency_key`` overrides the item's own. ``timeout`` bounds the wait (then
+        :class:`~querator.Overloaded` is raised).
         """
-        message, cost = self._s.message(item)
+        message, cost = self._s.message(item, idempotency_key)
         future: concurrent.futures.Future[str] = concurrent.futures.Future()
         limit = None if timeout is None else time.monotonic() + seconds(timeout)
         with self._cond:
@@ -205,7 +222,8 @@ class Producer:
             error = QueratorError(f"produce failed: {exc!r}")
         with self._cond:
             self._in_flight -= 1
-            if error is not None and self._retry and isinstance(error, Unavailable):
+            retry = self._retry or p.all_keyed(batch.items)
+            if error is not None and retry and isinstance(error, Unavailable):
                 if batch.attempt < self._client.config.retries:
                     batch.attempt += 1
                     batch.not_before = time.monotonic() + self._client._backoff(batch.attempt)
@@ -213,6 +231,8 @@ class Producer:
                     self._cond.notify_all()
                     return
             self._pending -= len(batch.items)
+            if error is None:
+                self._duplicates += response.duplicates
             self._cond.notify_all()
         if error is not None:
             for future in batch.futures:
@@ -303,6 +323,7 @@ class AsyncProducer:
         self._timeout = client.config.call_timeout(timeout)
         self._batch: _Batch[asyncio.Future[str]] = _Batch()
         self._pending = 0
+        self._duplicates = 0
         self._closed = False
         self._changed: asyncio.Condition | None = None
         self._flusher: asyncio.Task[None] | None = None
@@ -313,6 +334,11 @@ class AsyncProducer:
     def pending(self) -> int:
         return self._pending
 
+    @property
+    def duplicates(self) -> int:
+        """Items so far whose idempotency key had been seen before (they stored nothing)."""
+        return self._duplicates
+
     def _start(self) -> asyncio.Condition:
         if self._changed is None:
             self._changed = asyncio.Condition()
@@ -320,11 +346,11 @@ class AsyncProducer:
             self._flusher = asyncio.create_task(self._flush_on_time())
         return self._changed
 
-    async def produce(self, item: p.ProduceArg) -> asyncio.Future[str]:
+    async def produce(self, item: Item | Payload, *, idempotency_key: str | None = None) -> asyncio.Future[str]:
         """Queue one item; waits while ``max_pending`` items are pending."""
         if self._closed:
             raise RuntimeError("the producer is closed")
-        message, cost = self._s.message(item)
+        message, cost = self._s.message(item, idempotency_key)
         changed = self._start()
         async with changed:
             await changed.wait_for(lambda: self._pending < self._s.max_pending)
@@ -368,14 +394,14 @@ class AsyncProducer:
             request = p.produce_request(self._s.queue_name, batch.items, self._timeout)
             queue_stub = self._client._stubs()[0]
             try:
-                response = await self._client._call(
-                    queue_stub.Produce, request, timeout=self._timeout, retry=self._retry
-                )
+                retry = self._retry or p.all_keyed(batch.items)
+                response = await self._client._call(queue_stub.Produce, request, timeout=self._timeout, retry=retry)
             except QueratorError as error:
                 for future in batch.futures:
                     if not future.done():
                         future.set_exception(error)
             else:
+                self._duplicates += response.duplicates
                 for future, item_id in zip(batch.futures, response.ids):
                     if not future.done():
                         future.set_result(item_id)

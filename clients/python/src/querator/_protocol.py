@@ -112,6 +112,11 @@ def produce_batches(
         yield batch
 
 
+def all_keyed(batch: list[queue_pb2.ProduceItem]) -> bool:
+    """Every item carries an idempotency key: repeating the request cannot store twice."""
+    return all(item.idempotency_key for item in batch)
+
+
 def produce_request(
     queue_name: str, batch: list[queue_pb2.ProduceItem], timeout: float
 ) -> queue_pb2.ProduceRequest:
