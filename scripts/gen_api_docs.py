@@ -52,7 +52,7 @@ _WELL_KNOWN = "https://protobuf.dev/reference/protobuf/google.protobuf/#"
 
 def _comment(text: str) -> str:
     """A proto comment as markdown: one leading space off each line, ends trimmed."""
-    lines = [line[1:] if line.startswith(" ") else line for line in text.split("\n")]
+    lines = [line.removeprefix(" ") for line in text.split("\n")]
     return "\n".join(lines).strip()
 
 
@@ -87,7 +87,9 @@ class Generator:
 
     # -- walking -----------------------------------------------------------------------
 
-    def _messages(self, f: descriptor_pb2.FileDescriptorProto) -> list[tuple[descriptor_pb2.DescriptorProto, tuple[int, ...], str]]:
+    def _messages(
+        self, f: descriptor_pb2.FileDescriptorProto
+    ) -> list[tuple[descriptor_pb2.DescriptorProto, tuple[int, ...], str]]:
         out = []
 
         def walk(message: descriptor_pb2.DescriptorProto, path: tuple[int, ...], prefix: str) -> None:
@@ -100,7 +102,9 @@ class Generator:
             walk(message, (_FILE_MESSAGE, i), f".{f.package}")
         return out
 
-    def _enums(self, f: descriptor_pb2.FileDescriptorProto) -> list[tuple[descriptor_pb2.EnumDescriptorProto, tuple[int, ...], str]]:
+    def _enums(
+        self, f: descriptor_pb2.FileDescriptorProto
+    ) -> list[tuple[descriptor_pb2.EnumDescriptorProto, tuple[int, ...], str]]:
         out = [(e, (_FILE_ENUM, i), f".{f.package}.{e.name}") for i, e in enumerate(f.enum_type)]
         for message, path, full in self._messages(f):
             out += [(e, (*path, _MESSAGE_ENUM, i), f"{full}.{e.name}") for i, e in enumerate(message.enum_type)]
@@ -174,7 +178,9 @@ class Generator:
             out.pop()
         return "\n".join(out) + "\n"
 
-    def _service(self, f: descriptor_pb2.FileDescriptorProto, index: int, service: descriptor_pb2.ServiceDescriptorProto) -> list[str]:
+    def _service(
+        self, f: descriptor_pb2.FileDescriptorProto, index: int, service: descriptor_pb2.ServiceDescriptorProto
+    ) -> list[str]:
         path = (_FILE_SERVICE, index)
         out = [f"### {service.name}", "", f"`{PACKAGE}.{service.name}`, in `proto/{f.name}`.", ""]
         doc = _comment(self._doc(f, path))
@@ -200,7 +206,13 @@ class Generator:
                 out += [doc, ""]
         return out
 
-    def _message(self, f: descriptor_pb2.FileDescriptorProto, path: tuple[int, ...], full: str, message: descriptor_pb2.DescriptorProto) -> list[str]:
+    def _message(
+        self,
+        f: descriptor_pb2.FileDescriptorProto,
+        path: tuple[int, ...],
+        full: str,
+        message: descriptor_pb2.DescriptorProto,
+    ) -> list[str]:
         short = self._short(full)
         out = [f"### {short}", ""]
         doc = _comment(self._doc(f, path))
@@ -219,7 +231,13 @@ class Generator:
             out.append(f"| `{field.name}` = {field.number} | {self._field_type(field)} | {description} |")
         return [*out, ""]
 
-    def _enum(self, f: descriptor_pb2.FileDescriptorProto, path: tuple[int, ...], full: str, enum: descriptor_pb2.EnumDescriptorProto) -> list[str]:
+    def _enum(
+        self,
+        f: descriptor_pb2.FileDescriptorProto,
+        path: tuple[int, ...],
+        full: str,
+        enum: descriptor_pb2.EnumDescriptorProto,
+    ) -> list[str]:
         short = self._short(full)
         out = [f"### {short}", ""]
         doc = _comment(self._doc(f, path))

@@ -31,14 +31,16 @@ def test_every_rpc_and_message_of_the_protos_is_in_the_reference() -> None:
     text = _generator().generate()
     for proto in sorted((ROOT / "proto" / "querator" / "v1").glob("*.proto")):
         source = proto.read_text()
-        for service in re.findall(r"^service (\w+)", source, re.M):
+        for service in re.findall(r"^service (\w+)", source, re.MULTILINE):
             assert f"### {service}\n" in text
-        for rpc in re.findall(r"^\s*rpc (\w+)\(", source, re.M):
-            assert re.search(rf"^#### \w+\.{rpc}$", text, re.M), rpc
-        for message in re.findall(r"^message (\w+)", source, re.M):
+        for rpc in re.findall(r"^\s*rpc (\w+)\(", source, re.MULTILINE):
+            assert re.search(rf"^#### \w+\.{rpc}$", text, re.MULTILINE), rpc
+        for message in re.findall(r"^message (\w+)", source, re.MULTILINE):
             assert f"### {message}\n" in text, message
     # Comments made it, and cross-references link to anchors that exist.
     assert "The most items to return, 1 to 1,000." in text
-    anchors = {re.sub(r"[^a-z0-9_-]", "", h.lower().replace(" ", "-")) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+    anchors = {
+        re.sub(r"[^a-z0-9_-]", "", h.lower().replace(" ", "-")) for h in re.findall(r"^#+ (.+)$", text, re.MULTILINE)
+    }
     for target in re.findall(r"\]\(#([^)]+)\)", text):
         assert target in anchors, target

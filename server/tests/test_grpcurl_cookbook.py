@@ -21,7 +21,9 @@ from conftest import ThreadServer
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "grpcurl.md"
 DOC_ADDRESS = "127.0.0.1:2319"
-_FENCE = re.compile(r"^(?:<!-- (?:cookbook: exit (\d+)|(walkthrough)) -->\n)?```(\w*)\n(.*?)^```$", re.M | re.S)
+_FENCE = re.compile(
+    r"^(?:<!-- (?:cookbook: exit (\d+)|(walkthrough)) -->\n)?```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL
+)
 
 
 @dataclass
@@ -112,6 +114,7 @@ def run_steps(found: list[Step], substitutions: dict[str, str], tmp_path: Path, 
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     run = subprocess.run(
         ["bash", "-c", "\n".join(script)],
+        check=False,
         cwd=tmp_path,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -161,14 +164,12 @@ def test_cookbook_runs_in_order(server: ThreadServer, tmp_path: Path) -> None:
 
 
 def test_cookbook_parser_finds_samples_and_exit_codes() -> None:
-    page = "\n".join(
-        [
-            "```sh\necho hi\n```",
-            "prose\n```json\n{\"a\": 1}\n```",
-            "<!-- cookbook: exit 3 -->\n```sh\nexit 3\n```",
-            "```text\nERROR\n```",
-            "```sh\ntrue\n```",
-        ]
+    page = (
+        "```sh\necho hi\n```\n"
+        'prose\n```json\n{"a": 1}\n```\n'
+        "<!-- cookbook: exit 3 -->\n```sh\nexit 3\n```\n"
+        "```text\nERROR\n```\n"
+        "```sh\ntrue\n```"
     )
     found = steps(page)
     assert [(s.script.strip(), s.exit_code, s.sample_kind) for s in found] == [

@@ -9,11 +9,10 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from conftest import Stubs, ThreadServer, wait_until
 from google.protobuf import duration_pb2, timestamp_pb2
 from prometheus_client.parser import text_string_to_metric_families
 from querator.v1 import queue_pb2
-
-from conftest import Stubs, ThreadServer, wait_until
 from querator_server.config import ServerConfig
 from querator_server.metrics import parse_address
 from querator_server.server import QueratorServer
@@ -82,9 +81,9 @@ def test_depth_and_age_follow_produce_lease_complete(metered: tuple[ThreadServer
     assert scrape.value("querator_partition_oldest_ready_age_seconds", queue="jobs", partition="0") == 0
 
     s = scrape.samples()
-    total = lambda action: s.get(("querator_items_total", frozenset({("queue", "jobs"), ("action", action)})), 0)  # noqa: E731
+    total = lambda action: s.get(("querator_items_total", frozenset({("queue", "jobs"), ("action", action)})), 0)
     assert (total("produced"), total("leased"), total("completed")) == (4, 4, 4)
-    ok = lambda method: s.get(  # noqa: E731
+    ok = lambda method: s.get(
         ("querator_rpc_requests_total", frozenset({("queue", "jobs"), ("method", method), ("code", "OK")})), 0
     )
     assert (ok("Produce"), ok("Lease"), ok("Complete")) == (1, 2, 2)

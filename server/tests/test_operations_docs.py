@@ -8,9 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ruamel.yaml import YAML
-
 from conftest import ThreadServer
+from ruamel.yaml import YAML
 from test_grpcurl_cookbook import run_steps, steps
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +35,7 @@ def test_drain_walkthrough_shows_the_depth_moving(metered: ThreadServer, tmp_pat
 
 def test_health_check_command_is_the_images() -> None:
     page = PAGE.read_text()
-    shown = re.search(r'^python -c "(.*)"$', page, re.M)
+    shown = re.search(r'^python -c "(.*)"$', page, re.MULTILINE)
     assert shown, "operations.md should show the health-check command"
     compose = YAML(typ="safe").load((ROOT / "docker-compose.yml").read_text())
     assert compose["services"]["querator"]["healthcheck"]["test"] == ["CMD", "python", "-c", shown[1]]

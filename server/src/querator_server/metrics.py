@@ -70,7 +70,7 @@ def parse_address(address: str) -> tuple[str, int]:
 class QueueProbe:
     """Per-queue state the actor hook keeps for the collector, and the hook itself."""
 
-    __slots__ = ("heads", "map_used", "map_size", "_metrics", "_queue", "_children")
+    __slots__ = ("_children", "_metrics", "_queue", "heads", "map_size", "map_used")
 
     def __init__(self, metrics: Metrics, queue: str) -> None:
         self._metrics = metrics
@@ -126,7 +126,7 @@ class QueueProbe:
                         if head is not None:
                             self.heads[p] = head
             self.map_used, self.map_size = store.map_usage()
-        except Exception as exc:  # metrics never break the actor
+        except Exception as exc:  # noqa: BLE001 -- metrics never break the actor
             log.debug("metrics_refresh_failed", queue=self._queue, error=repr(exc))
 
 
@@ -189,7 +189,8 @@ class QueueCollector(Collector):
             name = actor.name
             try:
                 stats = actor.stats()
-            except Exception:  # an actor mid-reconfigure; skip it this scrape
+            except Exception as exc:  # noqa: BLE001 -- a scrape must not fail for one queue
+                log.debug("metrics_stats_failed", queue=name, error=repr(exc))
                 continue
             probe = getattr(actor, "observer", None)
             heads = probe.heads if isinstance(probe, QueueProbe) else {}
@@ -297,8 +298,7 @@ class Metrics:
         r = self.registry
         self.rpc_duration = Histogram(
             "querator_rpc_duration_seconds",
-            "Time to answer a querator.v1 call, by queue and method. Lease includes the time "
-            "spent waiting for items.",
+            "Time to answer a querator.v1 call, by queue and method. Lease includes the time spent waiting for items.",
             ["queue", "method"],
             buckets=RPC_BUCKETS,
             registry=r,
