@@ -484,3 +484,13 @@ def test_small_map_grows_instead_of_failing(data_dir: str) -> None:
     finally:
         stubs.channel.close()
         srv.stop()
+
+
+def test_a_second_server_on_the_same_data_dir_refuses_to_start(data_dir: str) -> None:
+    first = ThreadServer(data_dir)
+    try:
+        with pytest.raises(OSError, match="another Querator server is using this data directory"):
+            ThreadServer(data_dir)
+    finally:
+        first.stop()
+    ThreadServer(data_dir).stop()  # free again once the first one stopped

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import fcntl
 import itertools
 import os
 import shutil
@@ -32,7 +33,8 @@ log = structlog.get_logger("querator.manager")
 _RESUME_TIMEOUT_S = 30.0
 
 # What a data directory may hold; start-up refuses anything else (docs/operations.md).
-_DATA_DIR_ENTRIES = frozenset({"catalog", "queues", "lost+found"})
+_LOCK_FILE = "querator.lock"
+_DATA_DIR_ENTRIES = frozenset({"catalog", "queues", "lost+found", _LOCK_FILE})
 _LMDB_FILES = frozenset({"data.mdb", "lock.mdb"})
 
 
@@ -58,6 +60,22 @@ def _check_lmdb_dir(path: str) -> None:
     for entry in sorted(os.listdir(path)):
         if entry not in _LMDB_FILES or not os.path.isfile(os.path.join(path, entry)):
             raise _foreign(os.path.join(path, entry))
+
+
+def _lock_data_dir(data_dir: str) -> int:
+    """Hold an exclusive lock on the data directory while this server runs.
+
+    Two servers writing one directory would corrupt it (each believes it is the only
+    writer of every queue); the second one refuses to start instead.
+    """
+    path = os.path.join(data_dir, _LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise DataDirError(f"{path}: another Querator server is using this data directory") from None
+    return fd
 
 
 def _check_layout(data_dir: str) -> None:
@@ -131,7 +149,12 @@ class QueuesManager:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
-        await loop.run_in_executor(self._executor, _check_layout, self.data_dir)
+        self._lock_fd = _lock_data_dir(self.data_dir)
+        try:
+            await loop.run_in_executor(self._executor, _check_layout, self.data_dir)
+        except BaseException:
+            self._unlock()
+            raise
         try:
             self._catalog = await loop.run_in_executor(
                 self._executor, lambda: Catalog(os.path.join(self.data_dir, "catalog"), sync=self._sync)
@@ -209,6 +232,12 @@ class QueuesManager:
                 self._catalog.close()
                 self._catalog = None
         self._executor.shutdown(wait=True)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
 
     # -- lookups ------------------------------------------------------------------------
 
