@@ -192,6 +192,10 @@ def report(all_results: dict[str, dict[str, Any]], ceilings: dict[str, Any], arg
             if isinstance(res.get(w), str) and not any(p.startswith(w + ".") for _, p, _ in throughput_rows(res, s)):
                 add(f"| {system} | {w} | failed: {res[w]} | |")
     add("")
+    walls = [f"{system} {r['W1']['wall_s']:.1f} s" for system, r in all_results.items() if isinstance(r.get("W1"), dict)]
+    if walls:
+        add(f"W1 wall time, produce + drain of {s.items:,} items (median): " + ", ".join(walls) + ".")
+        add("")
     if any(isinstance(r.get("W2"), dict) for r in all_results.values()):
         add("W2 produce → lease latency (timestamp in the payload, over every item), ms:")
         add("")
