@@ -236,3 +236,98 @@ def test_stop_releases_buffered_and_unfinished_items(client: querator.Client) ->
     stats = client.queue_stats(name)
     assert (stats.total, stats.total_leased) == (40, 0)  # everything back, nothing lost
     assert worker.stats.released >= 4 and worker.stats.completed == 0
+
+
+class CallCounter:
+    """Wraps an AsyncClient's lease and complete to count the calls a worker makes."""
+
+    def __init__(self, client: querator.AsyncClient) -> None:
+        self.leases = self.leases_completing = self.completes = 0
+        self.completed_by_lease = 0
+        self.lease_errors: list[Exception] = []
+        lease, complete = client.lease, client.complete
+
+        async def counted_lease(*args: object, **kwargs: object) -> object:
+            done = kwargs.get("complete")
+            self.leases += 1
+            if done:
+                self.leases_completing += 1
+            try:
+                result = await lease(*args, **kwargs)  # type: ignore[arg-type]
+            except Exception as error:
+                self.lease_errors.append(error)
+                raise
+            self.completed_by_lease += len(done) if isinstance(done, list) else 0
+            return result
+
+        async def counted_complete(*args: object, **kwargs: object) -> None:
+            self.completes += 1
+            await complete(*args, **kwargs)  # type: ignore[arg-type]
+
+        client.lease = counted_lease  # type: ignore[method-assign,assignment]
+        client.complete = counted_complete  # type: ignore[method-assign,assignment]
+
+
+def test_completions_ride_on_the_next_lease(srv: EmbeddedServer) -> None:
+    async def main() -> None:
+        async with srv.async_client() as c:
+            name = unique()
+            await c.create_queue(name)
+            await c.produce(name, [f"r{i}" for i in range(1000)])
+            calls = CallCounter(c)
+
+            async def handler(item: querator.AsyncLeasedItem) -> None:
+                await asyncio.sleep(0)
+
+            async with querator.AsyncWorker(c, name, handler, concurrency=50, batch_size=100, lease_wait=0.5) as w:
+                for _ in range(1000):
+                    if w.stats.completed == 1000:
+                        break
+                    await asyncio.sleep(0.01)
+            assert w.stats.completed == 1000 and w.stats.lost == 0
+            assert (await c.queue_stats(name)).total == 0
+            # One call per batch instead of two: nearly every completion went with a Lease.
+            assert calls.completed_by_lease >= 900, vars(calls)
+            assert calls.leases <= 20 and calls.completes <= 5, vars(calls)
+
+            # Switched off, the same work takes a Complete call per batch.
+            await c.produce(name, [f"s{i}" for i in range(200)])
+            off = CallCounter(c)
+            async with querator.AsyncWorker(
+                c, name, handler, concurrency=50, batch_size=100, lease_wait=0.5, complete_with_lease=False
+            ) as w2:
+                for _ in range(1000):
+                    if w2.stats.completed == 200:
+                        break
+                    await asyncio.sleep(0.01)
+            assert off.leases_completing == 0 and off.completes >= 2
+            assert (await c.queue_stats(name)).total == 0
+
+    run(main(), timeout=30)
+
+
+def test_a_lost_lease_among_piggy_backed_completions_costs_only_that_item(srv: EmbeddedServer) -> None:
+    async def main() -> None:
+        async with srv.async_client() as c:
+            name = unique()
+            await c.create_queue(name)
+            await c.produce(name, [f"x{i}" for i in range(30)])
+            hooks = Recorder()
+            calls = CallCounter(c)
+
+            async def handler(item: querator.AsyncLeasedItem) -> None:
+                if item.text == "x3":  # someone else removes it: its lease is lost
+                    await c.delete_items(name, [item.id], partition=item.partition)
+
+            async with querator.AsyncWorker(c, name, handler, concurrency=10, batch_size=10, lease_wait=0.5, hooks=hooks) as w:
+                for _ in range(1000):
+                    if w.stats.completed + w.stats.lost == 30:
+                        break
+                    await asyncio.sleep(0.01)
+            assert (w.stats.completed, w.stats.lost, w.stats.errors) == (29, 1, 0)
+            # The Lease that carried x3 failed as a whole; Complete calls then found the lost one.
+            assert [type(e) for e in calls.lease_errors] == [querator.ItemNotFound] and calls.completes >= 1
+            assert hooks.lost == ["x3"]
+            assert (await c.queue_stats(name)).total == 0
+
+    run(main(), timeout=30)

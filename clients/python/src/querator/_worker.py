@@ -3,6 +3,13 @@
 Delivery is at least once. An item is completed only after its handler returned; an
 item whose worker crashed (or lost its lease) comes back by lease expiry and is
 handled again, with ``attempts`` one higher. Handlers must therefore be idempotent.
+
+Calls per batch: one Lease call is in flight at a time. Items whose handler returned
+wait for the next Lease and are completed by it (``LeaseRequest.complete_ids``: one
+call completes a batch and leases the next); such a Lease does not wait on the server
+(``wait=0``), so a completion is confirmed within one round trip. Items the next Lease
+cannot carry (another partition, no room to lease, nothing sent within a short linger)
+are completed by Complete calls, batched. Retries and dead-letters always go by Retry.
 """
 
 from __future__ import annotations
@@ -125,6 +132,9 @@ class WorkerOptions:
     hooks: WorkerHooks | None = None
     #: The Lease client_id (default: host, pid and a random suffix).
     client_id: str | None = None
+    #: Complete handled items with the next Lease call (``complete_ids``) instead of
+    #: separate Complete calls. Needs a server that knows ``LeaseRequest.complete_ids``.
+    complete_with_lease: bool = True
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -148,7 +158,18 @@ class _Held:
     settling: bool = False
     lost: bool = False
     abandoned: bool = False
+    #: The handler returned and the item only waits to be completed: it no longer
+    #: takes room from leasing.
+    finished: bool = False
+    #: Leased, not started, not abandoned (counted in _Engine.n_waiting).
+    waiting: bool = True
     task: asyncio.Task[None] | None = None
+
+
+# How long a handled item may wait for the next Lease to complete it before a Complete
+# call does: a few Lease round trips, within these bounds.
+_LINGER_MIN = 0.02
+_LINGER_MAX = 0.5
 
 
 class _Engine:
@@ -177,6 +198,14 @@ class _Engine:
         self.max_held = options.concurrency + buffered
         self.client_id = options.client_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.held: dict[str, _Held] = {}
+        self.n_waiting = 0  # held items not started yet
+        self.n_finished = 0  # held items whose handler returned, waiting for completion
+        # Completions for the next Lease call: (held, future of True = completed by the
+        # Lease, None = not sent with a Lease, complete it with Complete).
+        self.to_complete: list[tuple[_Held, asyncio.Future[bool | None]]] = []
+        self.accepting = False  # the lease loop takes completions
+        self.linger: asyncio.TimerHandle | None = None
+        self.lease_rtt = 0.01
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stopping: asyncio.Event | None = None
         self.started = threading.Event()
@@ -265,21 +294,37 @@ class _Engine:
     # -- leasing ----------------------------------------------------------------------------
 
     async def _lease_loop(self) -> None:
+        self.accepting = self.o.complete_with_lease
+        try:
+            await self._leasing()
+        finally:
+            self.accepting = False
+            self._flush_completions()
+
+    async def _leasing(self) -> None:
         assert self.stopping is not None
         failures = 0
         while not self.stopping.is_set():
-            room = self.max_held - len(self.held)
-            if room <= 0:
+            room = self.max_held - (len(self.held) - self.n_finished)
+            # Lease a full batch, or whatever fits once no leased item waits for a
+            # handler (the handlers would run dry): few, large Lease calls.
+            if room <= 0 or (room < self.batch_size and self.n_waiting > 0):
+                if room <= 0:
+                    self._flush_completions()  # no Lease soon: complete them on their own
                 self.room.clear()
                 await _first(self.room.wait(), self.stopping.wait())
                 continue
+            completing = self._take_completions()
             sent = time.monotonic()
             call = asyncio.create_task(
                 self.aclient.lease(
                     self.queue_name,
                     batch_size=min(self.batch_size, room),
-                    wait=self.o.lease_wait,
+                    # A Lease that completes answers at once: the completion is confirmed
+                    # within a round trip, never held up by a long poll.
+                    wait=0 if completing else self.o.lease_wait,
                     client_id=self.client_id,
+                    complete=[h.item for h, _ in completing] or None,
                 )
             )
             await _first(call, self.stopping.wait())
@@ -290,15 +335,24 @@ class _Engine:
                 if not done:
                     call.cancel()
                     await asyncio.gather(call, return_exceptions=True)
+                    _resolve_all(completing, None)
                     return
             try:
                 items = call.result()
             except QueratorError as error:
+                # Nothing was completed (all-or-nothing): Complete calls take over and
+                # find any lost lease among them.
+                _resolve_all(completing, None)
+                if completing and isinstance(error, LeaseLost):
+                    continue
                 failures += 1
                 self.stats.errors += 1
                 self._hook("on_error", error)
                 await self._sleep(self.aclient._backoff(failures) if isinstance(error, Unavailable) else min(5.0, 0.2 * 2**failures))
                 continue
+            if completing:
+                self.lease_rtt = 0.8 * self.lease_rtt + 0.2 * (time.monotonic() - sent)
+                _resolve_all(completing, True)
             failures = 0
             if not items:
                 continue
@@ -312,8 +366,54 @@ class _Engine:
                 length = self.lease_timeout
                 held = _Held(obj, extend_at=sent + length / 2, length=length)
                 self.held[obj.id] = held
+                self.n_waiting += 1
                 held.task = asyncio.create_task(self._process(held))
             self.new_leases.set()
+
+    # -- completing with the next Lease ---------------------------------------------------
+
+    async def _complete(self, held: _Held) -> bool:
+        """Complete a handled item: with the next Lease when one is coming, else by Complete."""
+        held.finished = True
+        self.n_finished += 1
+        self.room.set()
+        if self.accepting:
+            assert self.loop is not None
+            future: asyncio.Future[bool | None] = self.loop.create_future()
+            self.to_complete.append((held, future))
+            if self.linger is None:
+                linger = min(max(_LINGER_MIN, 3 * self.lease_rtt), _LINGER_MAX)
+                self.linger = self.loop.call_later(linger, self._flush_completions)
+            done = await future
+            if done is not None:
+                return done
+        return await self.settler.submit(held, "complete", None, False)
+
+    def _take_completions(self) -> list[tuple[_Held, asyncio.Future[bool | None]]]:
+        """Up to 1,000 waiting completions of one partition (the one with most) for a Lease."""
+        if not self.to_complete:
+            return []
+        counts: dict[int, int] = {}
+        for held, _ in self.to_complete:
+            counts[held.item.partition] = counts.get(held.item.partition, 0) + 1
+        partition = max(counts, key=counts.__getitem__)
+        taken: list[tuple[_Held, asyncio.Future[bool | None]]] = []
+        rest: list[tuple[_Held, asyncio.Future[bool | None]]] = []
+        for entry in self.to_complete:
+            (taken if entry[0].item.partition == partition and len(taken) < MAX_BATCH else rest).append(entry)
+        self.to_complete = rest
+        if not rest and self.linger is not None:
+            self.linger.cancel()
+            self.linger = None
+        return taken
+
+    def _flush_completions(self) -> None:
+        """Hand every waiting completion to Complete calls."""
+        if self.linger is not None:
+            self.linger.cancel()
+            self.linger = None
+        waiting, self.to_complete = self.to_complete, []
+        _resolve_all(waiting, None)
 
     def _hand_over(self, item: AsyncLeasedItem) -> _LeasedBase:
         """The object the handler gets: the async item, or a sync twin for sync handlers."""
@@ -327,8 +427,18 @@ class _Engine:
         return LeasedItem(self._sync_client, **item._fields())
 
     def _forget(self, held: _Held) -> None:
-        self.held.pop(held.item.id, None)
+        if self.held.pop(held.item.id, None) is not None:
+            self._unwait(held)
+            if held.finished:
+                self.n_finished -= 1
         self.room.set()
+
+    def _unwait(self, held: _Held) -> None:
+        if held.waiting:
+            held.waiting = False
+            self.n_waiting -= 1
+            if not self.n_waiting:
+                self.room.set()  # the handlers may run dry: lease what fits
 
     # -- handling ---------------------------------------------------------------------------
 
@@ -340,6 +450,7 @@ class _Engine:
                 if self.stopping.is_set() or held.abandoned:
                     return  # not started: _shutdown releases it
                 held.started = True
+                self._unwait(held)
                 self._hook("on_start", item)
                 began = time.monotonic()
                 error: BaseException | None = None
@@ -378,7 +489,7 @@ class _Engine:
                 self.stats.retried += 1
             return
         if error is None:
-            if await self.settler.submit(held, "complete", None, False):
+            if await self._complete(held):
                 self.stats.completed += 1
                 self._hook("on_complete", item, timedelta(seconds=elapsed))
             return
@@ -580,6 +691,12 @@ class _Settler:
 def _resolve(future: asyncio.Future[bool], value: bool) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _resolve_all(entries: list[tuple[_Held, asyncio.Future[bool | None]]], value: bool | None) -> None:
+    for _, future in entries:
+        if not future.done():
+            future.set_result(value)
 
 
 async def _first(*aws: Awaitable[Any]) -> None:
