@@ -171,6 +171,25 @@ def test_produce_jsonl_lease_retry_and_items(
     assert code == 0 and out == "" and "no items" in err
 
 
+def test_pipeline_options(capsys: pytest.CaptureFixture[str], srv: EmbeddedServer, tmp_path: Path) -> None:
+    name = unique()
+    code, out, _ = cli(capsys, srv, "queues", "create", name, "--dedup-window", "10m", "--lease-key-ttl", "2h", "--json")
+    info = json.loads(out)
+    assert code == 0 and (info["dedup_window"], info["lease_key_ttl"]) == (600.0, 7200.0)
+    jsonl = tmp_path / "keyed.jsonl"
+    jsonl.write_text("".join(json.dumps({"payload": f"p{i % 2}", "idempotency_key": f"k{i % 2}"}) + "\n" for i in range(4)))
+    code, out, _ = cli(capsys, srv, "produce", name, "--file", str(jsonl), "--json")
+    produced = json.loads(out)
+    assert code == 0 and produced["duplicates"] == 2 and produced["ids"][2:] == produced["ids"][:2]
+
+    first = json.loads(cli(capsys, srv, "lease", name, "-n", "5", "--lease-key", "job-1", "--json")[1])["items"]
+    again = json.loads(cli(capsys, srv, "lease", name, "-n", "5", "--lease-key", "job-1", "--json")[1])["items"]
+    assert [i["id"] for i in again] == [i["id"] for i in first] and len(first) == 2
+    code, out, _ = cli(capsys, srv, "complete", name, "--lease-key", "job-1", "--json")
+    assert code == 0 and json.loads(out) == {"completed_keys": 1}
+    assert json.loads(cli(capsys, srv, "queues", "stats", name, "--json")[1])["total"] == 0
+
+
 def test_produce_from_stdin(srv: EmbeddedServer, client: querator.Client) -> None:
     name = unique()
     client.create_queue(name)
@@ -186,7 +205,7 @@ def test_serve_still_delegates_to_the_server() -> None:
     assert help_text.returncode == 0
     assert "--data-dir" in help_text.stdout and "--log-level" in help_text.stdout
     top = subprocess.run([sys.executable, "-m", "querator.cli", "--help"], capture_output=True, text=True, timeout=60)
-    for command in ("serve", "queues", "produce", "lease", "complete", "retry", "items"):
+    for command in ("serve", "queues", "produce", "lease", "complete", "retry", "items", "keys"):
         assert command in top.stdout
 
 

@@ -2,8 +2,11 @@
 
 ``querator serve`` runs the server (needs the querator-server package). Every other
 command is a client of a running server: ``--address`` (env QUERATOR_ADDRESS, default
-127.0.0.1:2319). Output is a table for people, or JSON with ``--json``. Exit codes:
-0 ok, 1 the server answered an error (its status name is printed), 2 bad usage.
+127.0.0.1:2319), ``--token`` (env QUERATOR_TOKEN) for a server with API keys, and
+``--tls-ca`` (env QUERATOR_TLS_CA), ``--tls-cert``/``--tls-key`` for TLS and mutual TLS;
+these go before or after the command. Output is a table for people, or JSON with
+``--json``. Exit codes: 0 ok, 1 the server answered an error (its status name is
+printed), 2 bad usage.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from typing import IO, Any
 from ._client import Client
 from ._config import ADDRESS_ENV, DEFAULT_ADDRESS
 from ._items import LeasedItem
-from ._models import Item, ItemRef, QueueInfo, StoredItem
+from ._models import ROLES, ApiKey, Item, ItemRef, QueueInfo, StoredItem
 from .errors import InvalidRequest, QueratorError
 
 TOKEN_ENV = "QUERATOR_TOKEN"
+TLS_CA_ENV = "QUERATOR_TLS_CA"
 _PROGRESS_EVERY = 10_000
 
 
@@ -217,6 +221,7 @@ def produce_items(lines: Iterable[str], name: str, jsonl: bool) -> Iterator[Item
             kind=str(obj.get("kind", "")),
             reference=str(obj.get("reference", "")),
             enqueue_at=_time_field(obj, "enqueue_at", where),
+            idempotency_key=str(obj.get("idempotency_key", "")),
         )
 
 
@@ -267,6 +272,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "expire_timeout": args.expire_timeout,
         "max_attempts": args.max_attempts,
         "partitions": args.partitions,
+        "dedup_window": args.dedup_window,
+        "lease_key_ttl": args.lease_key_ttl,
     }
 
 
@@ -400,18 +407,25 @@ def cmd_produce(args: argparse.Namespace, client: Client) -> int:
         if source is not None and source is not sys.stdin:
             source.close()
     if args.json:
-        emit_json({"count": len(result), "ids": result.ids, "partitions": result.partitions}, sys.stdout)
+        emit_json(
+            {"count": len(result), "ids": result.ids, "partitions": result.partitions, "duplicates": result.duplicates},
+            sys.stdout,
+        )
     elif args.quiet:
         pass
     elif len(result) <= 20:
         emit_table(["PARTITION", "ID"], zip(result.partitions, result.ids), sys.stdout)
     else:
         print(f"produced {len(result)} items into {args.queue}")
+    if result.duplicates and not args.json and not args.quiet:
+        print(f"{result.duplicates} duplicates (idempotency_key seen before) stored nothing", file=sys.stderr)
     return 0
 
 
 def cmd_lease(args: argparse.Namespace, client: Client) -> int:
-    items = client.lease(args.queue, batch_size=args.batch_size, wait=args.wait, client_id=args.client_id)
+    items = client.lease(
+        args.queue, batch_size=args.batch_size, wait=args.wait, client_id=args.client_id, lease_key=args.lease_key
+    )
     if args.json:
         emit_json(
             {"queue_name": args.queue, "partition": items[0].partition if items else None, "items": [leased_json(i) for i in items]},
@@ -430,8 +444,12 @@ def _refs(args: argparse.Namespace) -> list[ItemRef]:
 
 
 def cmd_complete(args: argparse.Namespace, client: Client) -> int:
+    if args.lease_key and not args.ids:
+        client.complete(lease_keys=args.lease_key, queue_name=args.queue)
+        keys = len(args.lease_key)
+        return _done(args, f"completed the items of {keys} lease keys", completed_keys=keys)
     refs = _refs(args)
-    client.complete(refs)
+    client.complete(refs, lease_keys=args.lease_key, queue_name=args.queue)
     return _done(args, f"completed {len(refs)} items", completed=len(refs))
 
 
@@ -502,26 +520,91 @@ def cmd_items_delete(args: argparse.Namespace, client: Client) -> int:
     return _done(args, f"deleted {len(ids)} items", deleted=len(ids))
 
 
+KEY_HEADERS = ["KEY_ID", "ROLE", "QUEUES", "DESCRIPTION", "CREATED_AT"]
+
+
+def key_row(key: ApiKey) -> list[Any]:
+    return [key.key_id, key.role, ",".join(key.queues), key.description, key.created_at]
+
+
+def cmd_keys_create(args: argparse.Namespace, client: Client) -> int:
+    created = client.create_key(args.role, args.queues, description=args.description)
+    if args.json:
+        emit_json({"key": created.key, "token": created.token}, sys.stdout)
+        return 0
+    # The token alone on standard output (TOKEN=$(querator keys create ...)); the rest on stderr.
+    print(created.token)
+    key = created.key
+    print(
+        f"created {key.role} key {key.key_id} for {', '.join(key.queues)}; "
+        "the token above is shown only once",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace, client: Client) -> int:
+    keys = client.list_keys()
+    if args.json:
+        emit_json(keys, sys.stdout)
+    else:
+        emit_table(KEY_HEADERS, [key_row(k) for k in keys], sys.stdout)
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace, client: Client) -> int:
+    client.revoke_key(args.key_id)
+    return _done(args, f"revoked key {args.key_id}", revoked=args.key_id)
+
+
 # -- the parser ---------------------------------------------------------------------------
+
+
+def _add_common(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """The connection and output options. Given on the top-level parser (``defaults``)
+    and on every command without defaults, so they may come before or after the command."""
+
+    def default(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
+    group = parser.add_argument_group("connection and output")
+    group.add_argument(
+        "--address",
+        default=default(os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS),
+        help=f"server host:port (env {ADDRESS_ENV}, default {DEFAULT_ADDRESS})",
+    )
+    group.add_argument(
+        "--json", action="store_true", default=default(False), help="print JSON (one document, or one line per item)"
+    )
+    group.add_argument(
+        "--timeout", type=parse_duration, default=default(timedelta(seconds=30)), help="call deadline (default 30s)"
+    )
+    group.add_argument(
+        "--token",
+        default=default(os.environ.get(TOKEN_ENV)),
+        help=f"API key sent as 'authorization: Bearer TOKEN' on every call (env {TOKEN_ENV})",
+    )
+    group.add_argument(
+        "--tls", action="store_true", default=default(False), help="connect with TLS (system roots unless --tls-ca)"
+    )
+    group.add_argument(
+        "--tls-ca",
+        "--ca-file",
+        dest="tls_ca",
+        default=default(os.environ.get(TLS_CA_ENV) or None),
+        help=f"PEM CA certificates to trust; implies --tls (env {TLS_CA_ENV})",
+    )
+    group.add_argument(
+        "--tls-cert", "--cert-file", dest="tls_cert", default=default(None), help="PEM client certificate chain (mutual TLS)"
+    )
+    group.add_argument(
+        "--tls-key", "--key-file", dest="tls_key", default=default(None), help="PEM client private key (mutual TLS)"
+    )
 
 
 def _common() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    group = common.add_argument_group("connection and output")
-    group.add_argument(
-        "--address",
-        default=os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS,
-        help=f"server host:port (env {ADDRESS_ENV}, default {DEFAULT_ADDRESS})",
-    )
-    group.add_argument("--json", action="store_true", help="print JSON (one document, or one line per item)")
-    group.add_argument("--timeout", type=parse_duration, default=timedelta(seconds=30), help="call deadline (default 30s)")
-    group.add_argument("--tls", action="store_true", help="connect with TLS (system roots unless --ca-file)")
-    group.add_argument("--ca-file", help="PEM root certificates to trust (implies --tls)")
-    group.add_argument("--cert-file", help="PEM client certificate chain, for mutual TLS")
-    group.add_argument("--key-file", help="PEM client private key, for mutual TLS")
-    group.add_argument(
-        "--token", default=os.environ.get(TOKEN_ENV), help=f"bearer token sent as authorization metadata (env {TOKEN_ENV})"
-    )
+    _add_common(common, defaults=False)
     return common
 
 
@@ -532,6 +615,10 @@ def _queue_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expire-timeout", type=parse_duration, help="item lifetime, e.g. 24h (default 24h)")
     parser.add_argument("--max-attempts", type=int, help="leases before dead-lettering (0 = unlimited)")
     parser.add_argument("--partitions", type=int, help="number of partitions (may be raised, not lowered)")
+    parser.add_argument(
+        "--dedup-window", type=parse_duration, help="how long idempotency keys are remembered (default 24h)"
+    )
+    parser.add_argument("--lease-key-ttl", type=parse_duration, help="how long lease keys are remembered (default 1h)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -540,6 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Querator work-queue service: run the server, or talk to one.",
         epilog="Exit codes: 0 ok, 1 the server answered an error (status printed), 2 bad usage.",
     )
+    _add_common(parser, defaults=True)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = _common()
 
@@ -580,8 +668,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--jsonl",
         action="store_true",
-        help="lines are JSON objects: payload (or payload_base64), kind, encoding, reference, enqueue_at "
-        "(implied for *.jsonl files)",
+        help="lines are JSON objects: payload (or payload_base64), kind, encoding, reference, enqueue_at, "
+        "idempotency_key (implied for *.jsonl files)",
     )
     p.add_argument("--kind", default="", help="kind of every item (JSON lines may set their own)")
     p.add_argument("--encoding", default="", help="encoding label of every item")
@@ -603,6 +691,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--batch-size", type=int, default=10, help="most items to lease (1..1000, default 10)")
     p.add_argument("--wait", type=parse_duration, default=timedelta(0), help="wait this long for items (default 0)")
     p.add_argument("--client-id", default="", help="consumer id (one waiting Lease per id)")
+    p.add_argument(
+        "--lease-key", default="", help="idempotent lease: the same key returns the same items (complete with it too)"
+    )
 
     for name, func, text in (
         ("complete", cmd_complete, "complete leased items"),
@@ -612,6 +703,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("queue")
         p.add_argument("ids", nargs="*", help="item ids; none or '-': read them from standard input")
         p.add_argument("-p", "--partition", type=int, default=0, help="the partition the lease named (default 0)")
+        if name == "complete":
+            p.add_argument(
+                "--lease-key",
+                action="append",
+                default=[],
+                help="complete every item leased under this key (repeatable; no ids needed)",
+            )
         if name == "retry":
             p.add_argument("--at", type=parse_time, help="retry at this time (ISO 8601)")
             p.add_argument("--in", dest="in_", type=parse_duration, help="retry after this long")
@@ -636,6 +734,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("queue")
     p.add_argument("ids", nargs="*", help="item ids; none or '-': read them from standard input")
     p.add_argument("-p", "--partition", type=int, default=0)
+
+    keys = commands.add_parser("keys", help="API keys (a server with auth on; needs an admin token for '*')")
+    ksub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    p = leaf(ksub, "create", cmd_keys_create, "create a key and print its token (shown only once)")
+    p.add_argument(
+        "--queues", nargs="+", action="extend", required=True, metavar="PATTERN",
+        help="queue-name patterns the key may touch, e.g. 'orders*' or '*'",
+    )  # fmt: skip
+    p.add_argument("--role", required=True, choices=ROLES, help="producer, consumer or admin")
+    p.add_argument("--description", default="", help="a note, e.g. the service that uses the key")
+    leaf(ksub, "list", cmd_keys_list, "list keys (never their tokens)")
+    p = leaf(ksub, "revoke", cmd_keys_revoke, "revoke a key: calls with its token fail from now on")
+    p.add_argument("key_id")
     return parser
 
 
@@ -649,14 +760,16 @@ def _client(args: argparse.Namespace) -> Client:
         except OSError as exc:
             raise UsageError(f"cannot read {path}: {exc.strerror}") from None
 
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UsageError("mutual TLS needs both --tls-cert and --tls-key")
     return Client(
         args.address,
         timeout=args.timeout,
         tls=args.tls or None,
-        root_certificates=read(args.ca_file),
-        certificate_chain=read(args.cert_file),
-        private_key=read(args.key_file),
-        bearer_token=args.token,
+        root_certificates=read(args.tls_ca),
+        certificate_chain=read(args.tls_cert),
+        private_key=read(args.tls_key),
+        bearer_token=args.token or None,
     )
 
 

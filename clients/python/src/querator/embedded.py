@@ -9,6 +9,11 @@ on stop). Clients talk to it over real gRPC, exactly as they would to a remote o
 
     with EmbeddedServer() as server, server.client() as client:
         client.create_queue("jobs")
+
+With ``tls=TLSFiles(...)`` it serves TLS (``mutual_tls=True``: clients must show a
+certificate signed by ``tls.ca``), and with ``admin_token=`` it requires API keys, the
+token acting as the bootstrap admin key. ``server.client()`` then connects with the CA,
+the client certificate and the admin token filled in (override any of them).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import asyncio
 import shutil
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -41,13 +47,30 @@ def _server_modules() -> tuple[Any, Any, Any]:
     return ServerConfig, QueratorServer, server_logging
 
 
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    """PEM files for a TLS server and its clients (:func:`querator.testing.make_certificates`).
+
+    ``ca`` signed the server's certificate (clients trust it) and, for mutual TLS, the
+    client's; the server's certificate must name the host clients dial (127.0.0.1).
+    """
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path | None = None
+    client_key: Path | None = None
+
+
 class EmbeddedServer:
     """A Querator server on a background thread of this process.
 
     ``address`` defaults to ``127.0.0.1:0`` (a free port; read :attr:`address` after
     start). ``sync=False`` skips fsync (faster; for throw-away data such as tests).
     ``log_level`` configures the server's structured logs (to stderr); None leaves
-    logging as the application set it up. ``settings`` go to ``ServerConfig``.
+    logging as the application set it up. ``tls`` serves TLS (``mutual_tls``: client
+    certificates signed by ``tls.ca`` required); ``admin_token`` turns API keys on with
+    that bootstrap admin token. Other ``settings`` go to ``ServerConfig``.
     """
 
     def __init__(
@@ -57,12 +80,26 @@ class EmbeddedServer:
         address: str = "127.0.0.1:0",
         sync: bool = True,
         log_level: str | None = None,
+        tls: TLSFiles | None = None,
+        mutual_tls: bool = False,
+        admin_token: str | None = None,
         **settings: Any,
     ) -> None:
+        if mutual_tls and (tls is None or tls.client_cert is None or tls.client_key is None):
+            raise ValueError("mutual_tls needs tls= with client_cert and client_key")
         self._given_dir = data_dir
         self._address = address
         self._sync = sync
         self._log_level = log_level
+        self.tls = tls
+        self.mutual_tls = mutual_tls
+        self.admin_token = admin_token
+        if tls is not None:
+            settings.update(tls_cert=str(tls.server_cert), tls_key=str(tls.server_key))
+            if mutual_tls:
+                settings["tls_client_ca"] = str(tls.ca)
+        if admin_token is not None:
+            settings.update(auth=True, admin_token=admin_token)
         self._settings = settings
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -122,15 +159,28 @@ class EmbeddedServer:
             if not loop.is_running():
                 loop.close()
 
+    def client_options(self) -> dict[str, Any]:
+        """The client settings this server needs: CA, client certificate, admin token."""
+        out: dict[str, Any] = {}
+        if self.tls is not None:
+            out["root_certificates"] = self.tls.ca.read_bytes()
+            if self.mutual_tls and self.tls.client_cert is not None and self.tls.client_key is not None:
+                out["certificate_chain"] = self.tls.client_cert.read_bytes()
+                out["private_key"] = self.tls.client_key.read_bytes()
+        if self.admin_token is not None:
+            out["bearer_token"] = self.admin_token
+        return out
+
     def client(self, **options: Any) -> Client:
-        """A :class:`~querator.Client` connected to this server."""
+        """A :class:`~querator.Client` connected to this server (``options`` override
+        :meth:`client_options`, e.g. ``bearer_token=`` another key)."""
         self._require_running()
-        return Client(self.address, **options)
+        return Client(self.address, **{**self.client_options(), **options})
 
     def async_client(self, **options: Any) -> AsyncClient:
         """An :class:`~querator.AsyncClient` connected to this server (use it in one loop)."""
         self._require_running()
-        return AsyncClient(self.address, **options)
+        return AsyncClient(self.address, **{**self.client_options(), **options})
 
     def _require_running(self) -> None:
         if self._server is None:
@@ -149,4 +199,4 @@ class EmbeddedServer:
         return f"EmbeddedServer({state}, data_dir={self.data_dir!r})"
 
 
-__all__ = ["EmbeddedServer"]
+__all__ = ["EmbeddedServer", "TLSFiles"]
