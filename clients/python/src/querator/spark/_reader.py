@@ -24,10 +24,12 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
@@ -37,6 +39,7 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
+from ..v1 import queue_pb2
 from ._options import ReadOptions
 from ._rpc import Rpc, connect
 from ._schema import leased_batch, stored_batch
@@ -46,6 +49,8 @@ log = logging.getLogger("querator.spark")
 #: How long a lease under a new key waits when nothing is ready (seconds). Planning
 #: only asks for items that were ready, so waiting longer rarely finds more.
 LEASE_WAIT_S = 0.05
+#: Keyed Lease calls one task keeps in flight (the keys are fixed, so their order is free).
+LEASES_IN_FLIGHT = 2
 
 
 # -- snapshot --------------------------------------------------------------------------
@@ -133,13 +138,31 @@ def read_leased(rpc: Rpc, part: LeasePartition) -> Iterator[Any]:
     answers: a replay must see every key of the batch, since every key is completed
     when the batch is.
     """
-    remaining = part.count
+    requests, remaining = [], part.count
     for key in part.lease_keys():
         size = min(part.chunk, remaining)
         remaining -= size
-        reply = rpc.lease(key, size, LEASE_WAIT_S)
-        if reply.items:
-            yield leased_batch(reply.partition, reply.items)
+        requests.append(rpc.lease_request(key, size, LEASE_WAIT_S))
+    timeout = rpc.conn.timeout + LEASE_WAIT_S
+    pending: deque[tuple[grpc.Future[queue_pb2.LeaseResponse], queue_pb2.LeaseRequest]] = deque()
+    try:
+        for request in requests:
+            pending.append((rpc.start(rpc.queue.Lease, request, timeout=timeout), request))
+            if len(pending) >= LEASES_IN_FLIGHT:
+                yield from _leased(rpc, *pending.popleft(), timeout)
+        while pending:
+            yield from _leased(rpc, *pending.popleft(), timeout)
+    finally:
+        for future, _ in pending:
+            future.cancel()
+
+
+def _leased(
+    rpc: Rpc, future: grpc.Future[queue_pb2.LeaseResponse], request: queue_pb2.LeaseRequest, timeout: float
+) -> Iterator[Any]:
+    reply = rpc.finish(future, rpc.queue.Lease, request, timeout=timeout)
+    if reply.items:
+        yield leased_batch(reply.partition, reply.items)
 
 
 class _KeepAlive:

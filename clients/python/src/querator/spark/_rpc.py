@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import duration_pb2
@@ -25,6 +25,7 @@ from ..errors import from_rpc_error
 from ..v1 import queue_pb2, queue_pb2_grpc, queues_pb2, queues_pb2_grpc, storage_pb2, storage_pb2_grpc
 from ._options import Connection
 
+Request = TypeVar("Request")
 Response = TypeVar("Response")
 
 #: Most lease keys one Complete or Extend request may name.
@@ -74,7 +75,7 @@ class Rpc:
 
     # -- plumbing ----------------------------------------------------------------------
 
-    def call(self, method: Callable[..., Response], request: object, *, timeout: float | None = None) -> Response:
+    def call(self, method: Callable[..., Response], request: Any, *, timeout: float | None = None) -> Response:
         """``method(request)`` with the connection's deadline, retried while retryable."""
         attempt = 0
         while True:
@@ -86,24 +87,22 @@ class Rpc:
                     raise from_rpc_error(error) from error
                 time.sleep(_BACKOFF_S * 2 ** (attempt - 1))
 
-    def produce_async(self, items: Sequence[queue_pb2.ProduceItem]) -> grpc.Future[queue_pb2.ProduceResponse]:
-        request = queue_pb2.ProduceRequest(queue_name=self.queue_name, items=items)
-        future: grpc.Future[queue_pb2.ProduceResponse] = self.queue.Produce.future(
-            request, timeout=self.conn.timeout, metadata=self.metadata
-        )
+    def start(self, method: Any, request: Request, *, timeout: float | None = None) -> grpc.Future[Any]:
+        """Send ``request`` without waiting; :meth:`finish` gets the reply."""
+        future: grpc.Future[Any] = method.future(request, timeout=timeout or self.conn.timeout, metadata=self.metadata)
         return future
 
-    def produce_result(
-        self, future: grpc.Future[queue_pb2.ProduceResponse], items: Sequence[queue_pb2.ProduceItem]
-    ) -> queue_pb2.ProduceResponse:
-        """The reply of a :meth:`produce_async` call; a retryable failure is sent again."""
+    def finish(
+        self, future: grpc.Future[Response], method: Any, request: Request, *, timeout: float | None = None
+    ) -> Response:
+        """The reply of a :meth:`start`; a retryable failure is sent again with :meth:`call`."""
         try:
-            response: queue_pb2.ProduceResponse = future.result()
-            return response
+            return future.result()
         except grpc.RpcError as error:
             if not retryable(error) or self.conn.retries < 1:
                 raise from_rpc_error(error) from error
-        return self.produce(items)
+        reply: Response = self.call(method, request, timeout=timeout)
+        return reply
 
     # -- calls -------------------------------------------------------------------------
 
@@ -111,11 +110,13 @@ class Rpc:
         request = queue_pb2.ProduceRequest(queue_name=self.queue_name, items=items)
         return self.call(self.queue.Produce, request)
 
-    def lease(self, key: str, batch_size: int, wait: float) -> queue_pb2.LeaseResponse:
-        request = queue_pb2.LeaseRequest(
+    def produce_request(self, items: Sequence[queue_pb2.ProduceItem]) -> queue_pb2.ProduceRequest:
+        return queue_pb2.ProduceRequest(queue_name=self.queue_name, items=items)
+
+    def lease_request(self, key: str, batch_size: int, wait: float) -> queue_pb2.LeaseRequest:
+        return queue_pb2.LeaseRequest(
             queue_name=self.queue_name, batch_size=batch_size, lease_key=key, request_timeout=duration(wait)
         )
-        return self.call(self.queue.Lease, request, timeout=self.conn.timeout + wait)
 
     def complete_keys(self, keys: Sequence[str]) -> None:
         for i in range(0, len(keys), MAX_KEYS):

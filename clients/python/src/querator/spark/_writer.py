@@ -157,14 +157,15 @@ class _Sender:
     def __init__(self, rpc: Rpc, in_flight: int) -> None:
         self.rpc = rpc
         self.in_flight = in_flight
-        self.pending: deque[tuple[grpc.Future[queue_pb2.ProduceResponse], list[queue_pb2.ProduceItem]]] = deque()
+        self.pending: deque[tuple[grpc.Future[queue_pb2.ProduceResponse], queue_pb2.ProduceRequest]] = deque()
         self.rows = 0
         self.duplicates = 0
 
     def send(self, items: list[queue_pb2.ProduceItem]) -> None:
         while len(self.pending) >= self.in_flight:
             self._settle_oldest()
-        self.pending.append((self.rpc.produce_async(items), items))
+        request = self.rpc.produce_request(items)
+        self.pending.append((self.rpc.start(self.rpc.queue.Produce, request), request))
 
     def flush(self) -> None:
         while self.pending:
@@ -176,9 +177,9 @@ class _Sender:
         self.pending.clear()
 
     def _settle_oldest(self) -> None:
-        future, items = self.pending.popleft()
-        response = self.rpc.produce_result(future, items)
-        self.rows += len(items)
+        future, request = self.pending.popleft()
+        response = self.rpc.finish(future, self.rpc.queue.Produce, request)
+        self.rows += len(request.items)
         self.duplicates += response.duplicates
 
 
