@@ -21,7 +21,6 @@ import lmdb
 import structlog
 
 from ..clock import now_us
-from ..faults import DEAD_LETTER_STORED, crash_point
 from ..errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -30,6 +29,7 @@ from ..errors import (
     ResourceExhausted,
     Unavailable,
 )
+from ..faults import DEAD_LETTER_STORED, crash_point
 from ..model import PartitionStats, QueueConfig, QueueStats
 from ..storage import Item, QueueStore, StorageError, StorageFull
 from ..storage.keyed import KeyedIndex

@@ -1,0 +1,170 @@
+"""Lifecycle steps of a cycle: re-queue, schedule and dead-letter items; expiry.
+
+The actor runs them inside the same transaction as the client requests of the cycle,
+working only on what is due: popped lease deadlines, the first keys of the scheduled
+keyspace and of the expiry index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lmdb
+
+from ..storage import Item
+from ..storage.record import TAG_ITEM, parse_scheduled_key, seq_of_item_key
+from .cycle_base import CycleBase
+from .ids import item_id, scheduled_id
+from .requests import DeadLetterRequest, OutboxDoneRequest
+
+# Lifecycle work per kind per cycle; more than this waits for the next cycle, which
+# follows at once, so client requests never queue behind a huge backlog.
+LIFECYCLE_BATCH = 1000
+LIMIT_PLUS_ONE = LIFECYCLE_BATCH + 1
+
+
+class LifecycleSteps(CycleBase):
+    def _end_lease(self, txn: lmdb.Transaction, p: int, seq: int, item: Item) -> None:
+        """Take a leased item out of its place; the caller puts it somewhere else."""
+        self.store.delete(txn, p, seq, item)
+        v = self.view(p)
+        v.leased -= 1
+        v.created_sum -= item.created_at
+        v.leased_at_sum -= item.leased_at
+        item.is_leased = False
+        item.lease_deadline = 0
+        item.leased_at = 0
+
+    def _requeue(self, txn: lmdb.Transaction, p: int, item: Item, old_seq: int = 0) -> None:
+        """Put an item at the tail of its partition under a new id."""
+        v = self.view(p)
+        item.enqueue_at = 0
+        new_seq = v.take_seq()
+        if item.lease_key and old_seq:
+            self._follow(txn, item.lease_key, old_seq, new_seq)
+        self.store.append(txn, p, new_seq, item)
+        v.ready += 1
+        v.created_sum += item.created_at
+        v.note_expiry(item.expire_deadline)
+
+    def _schedule(self, txn: lmdb.Transaction, p: int, item: Item, due: int, old_seq: int) -> None:
+        if item.lease_key:
+            self._untag(txn, item.lease_key, old_seq)
+            item.lease_key = ""
+        v = self.view(p)
+        item.enqueue_at = due
+        self.store.put_scheduled(txn, p, due, v.take_seq(), item)
+        v.scheduled += 1
+        v.note_due(due)
+        v.note_expiry(item.expire_deadline)
+
+    def _dead_letter(self, txn: lmdb.Transaction, p: int, seq: int, item: Item, old_id: str, reason: str) -> None:
+        """Send an item (already out of its place) to the dead-letter queue, or drop it.
+
+        The item goes to the partition's outbox in this same transaction; the actor
+        hands the outbox to the dead-letter queue after the commit and removes each
+        entry once that queue has stored it (deduplicated by source_id).
+        """
+        if item.lease_key:
+            self._untag(txn, item.lease_key, seq)
+            item.lease_key = ""
+        if not self.config.dead_queue:
+            self.dropped.append((old_id, reason))
+            return
+        item.source_id = old_id
+        self.store.put_outbox(txn, p, seq, item)
+        self.outbox_added.append((p, seq, item))
+
+    def lifecycle(
+        self,
+        txn: lmdb.Transaction,
+        expired_leases: Sequence[tuple[int, int, int]],
+        *,
+        forget_keys: bool = False,
+    ) -> None:
+        """Expired leases, due scheduled items and expired items, as of ``self.now``;
+        with ``forget_keys``, idempotency and lease keys past their window."""
+        now = self.now
+        if forget_keys and self.keyed is not None:
+            n, self.dedup_next = self.keyed.forget_dedup_before(txn, now - self.config.dedup_window_us, LIFECYCLE_BATCH)
+            m, self.lease_keys_next = self.keyed.forget_lease_keys_before(
+                txn, now - self.config.lease_key_ttl_us, LIFECYCLE_BATCH
+            )
+            if n == LIFECYCLE_BATCH or m == LIFECYCLE_BATCH:
+                self.more_lifecycle = True
+        for deadline, p, seq in expired_leases:
+            item = self.store.get(txn, p, seq)
+            if item is None or not item.is_leased or item.lease_deadline != deadline:
+                continue  # completed, retried or extended since
+            self.lease_expirations += 1
+            old_id = item_id(self.uid, p, seq)
+            self._end_lease(txn, p, seq, item)
+            reason = self._death_reason(item)
+            if reason:
+                self._dead_letter(txn, p, seq, item, old_id, f"lease expired, {reason}")
+            else:
+                self._requeue(txn, p, item, seq)
+        for p in range(len(self._base)):
+            first_due = self._peek(p).first_due
+            if first_due and first_due <= now:
+                self._promote(txn, p)
+            first_expiry = self._peek(p).first_expiry
+            if first_expiry and first_expiry <= now:
+                self._expire(txn, p)
+
+    def _promote(self, txn: lmdb.Transaction, p: int) -> None:
+        v = self.view(p)
+        rows = self.store.page_scheduled(txn, p, (0, -1), LIMIT_PLUS_ONE)
+        due_rows = [row for row in rows[:LIFECYCLE_BATCH] if row[0] <= self.now]
+        for due, seq, item in due_rows:
+            self.store.delete_scheduled(txn, p, due, seq, item)
+            v.scheduled -= 1
+            if item.expire_deadline <= self.now:
+                self._dead_letter(txn, p, seq, item, scheduled_id(self.uid, p, seq, due), "expired while scheduled")
+            else:
+                self._requeue(txn, p, item)
+        if len(due_rows) == LIFECYCLE_BATCH:
+            self.more_lifecycle = True
+        v.first_due = self.store.first_due(txn, p)
+
+    def _expire(self, txn: lmdb.Transaction, p: int) -> None:
+        v = self.view(p)
+        entries, next_deadline = self.store.expired(txn, p, self.now, LIFECYCLE_BATCH)
+        for key, item in entries:
+            if key[:1] == TAG_ITEM:
+                seq = seq_of_item_key(key)
+                self.store.delete(txn, p, seq, item)
+                v.ready -= 1
+                v.created_sum -= item.created_at
+                old_id = item_id(self.uid, p, seq)
+            else:
+                due, seq = parse_scheduled_key(key)
+                self.store.delete_scheduled(txn, p, due, seq, item)
+                v.scheduled -= 1
+                old_id = scheduled_id(self.uid, p, seq, due)
+            self._dead_letter(txn, p, seq, item, old_id, "expired")
+        if next_deadline == self.now:
+            self.more_lifecycle = True
+        v.first_expiry = next_deadline
+
+    def receive_dead_letters(self, txn: lmdb.Transaction, request: DeadLetterRequest) -> None:
+        """Store items another queue dead-lettered here, once each by source_id."""
+        counts = [self._peek(p).ready for p in range(len(self._base))]
+        p = counts.index(min(counts))
+        expire = self.now + self.config.expire_timeout_us
+        for item in request.items:
+            if item.source_id and self.store.has_source(txn, item.source_id):
+                continue  # sent before a crash; already here
+            item.attempts = 0
+            item.is_leased = False
+            item.lease_deadline = 0
+            item.leased_at = 0
+            item.enqueue_at = 0
+            item.expire_deadline = expire
+            self._requeue(txn, p, item)
+        self._ok(request, None)
+
+    def outbox_done(self, txn: lmdb.Transaction, request: OutboxDoneRequest) -> None:
+        for p, seq in request.entries:
+            self.store.delete_outbox(txn, p, seq)
+        self._ok(request, None)

@@ -1,0 +1,121 @@
+"""Storage requests in a cycle: list, import, delete and clear items."""
+
+from __future__ import annotations
+
+import lmdb
+
+from ..model import SCHEDULE_MIN_US
+from ..storage import Item
+from .cycle_base import CycleBase
+from .ids import item_id, parse_id, scheduled_id
+from .requests import (
+    ClearRequest,
+    DeleteItemsRequest,
+    ImportItemsRequest,
+    ListItemsRequest,
+    PageResult,
+    StoredItem,
+)
+from .view import PartitionView
+
+
+class StorageSteps(CycleBase):
+    def list_items(self, txn: lmdb.Transaction, request: ListItemsRequest) -> None:
+        p = request.partition
+        out: list[StoredItem] = []
+        next_after: tuple[int, int] | None = None
+        if request.scheduled:
+            rows = self.store.page_scheduled(txn, p, request.after, request.limit + 1)
+            for due, seq, item in rows[: request.limit]:
+                out.append(StoredItem(scheduled_id(self.uid, p, seq, due), item))
+            if len(rows) > request.limit:
+                due, seq, _ = rows[request.limit - 1]
+                next_after = (due, seq)
+        else:
+            page = self.store.page_items(txn, p, request.after[0], request.limit + 1)
+            for seq, item in page[: request.limit]:
+                out.append(StoredItem(item_id(self.uid, p, seq), item))
+            if len(page) > request.limit:
+                next_after = (page[request.limit - 1][0], 0)
+        self._ok(request, PageResult(out, next_after))
+
+    def import_items(self, txn: lmdb.Transaction, request: ImportItemsRequest) -> None:
+        p = request.partition
+        v = self.view(p)
+        now = self.now
+        ids: list[str] = []
+        for given in request.items:
+            seq = v.take_seq()
+            item = Item(
+                payload=given.payload,
+                encoding=given.encoding,
+                kind=given.kind,
+                reference=given.reference,
+                source_id=given.source_id,
+                created_at=given.created_at_us or now,
+                expire_deadline=given.expire_deadline_us or now + self.config.expire_timeout_us,
+                enqueue_at=given.enqueue_at_us,
+                attempts=given.attempts,
+            )
+            v.note_expiry(item.expire_deadline)
+            if given.enqueue_at_us >= now + SCHEDULE_MIN_US:
+                self.store.put_scheduled(txn, p, given.enqueue_at_us, seq, item)
+                v.scheduled += 1
+                v.note_due(given.enqueue_at_us)
+                ids.append(scheduled_id(self.uid, p, seq, given.enqueue_at_us))
+                continue
+            if given.is_leased:
+                item.is_leased = True
+                item.lease_deadline = given.lease_deadline_us or now + self.config.lease_timeout_us
+                item.leased_at = now
+                v.leased += 1
+                v.leased_at_sum += now
+                self.lease_deadlines.append((item.lease_deadline, p, seq))
+            else:
+                v.ready += 1
+            v.created_sum += item.created_at
+            self.store.append(txn, p, seq, item)
+            ids.append(item_id(self.uid, p, seq))
+        self._ok(request, ids)
+
+    def delete_items(self, txn: lmdb.Transaction, request: DeleteItemsRequest) -> None:
+        p = request.partition
+        v = self.view(p)
+        for text in dict.fromkeys(request.ids):
+            ref = parse_id(text)
+            if ref is None or ref.uid != self.uid or ref.partition != p:
+                continue
+            if ref.due:
+                item = self.store.get_scheduled(txn, p, ref.due, ref.seq)
+                if item is not None:
+                    self.store.delete_scheduled(txn, p, ref.due, ref.seq, item)
+                    v.scheduled -= 1
+                continue
+            item = self.store.get(txn, p, ref.seq)
+            if item is None:
+                continue
+            self.store.delete(txn, p, ref.seq, item)
+            v.created_sum -= item.created_at
+            if item.is_leased:
+                v.leased -= 1
+                v.leased_at_sum -= item.leased_at
+            else:
+                v.ready -= 1
+        self._ok(request, None)
+
+    def clear(self, txn: lmdb.Transaction, request: ClearRequest) -> None:
+        for p in range(len(self._base)):
+            self.store.clear(
+                txn,
+                p,
+                ready=request.ready,
+                leased=request.ready and request.destructive,
+                scheduled=request.scheduled,
+            )
+            scan = self.store.scan(txn, p)
+            v = self.view(p)
+            fresh = PartitionView.from_scan(scan)
+            fresh.next_seq = v.next_seq
+            fresh.seq_dirty = v.seq_dirty
+            self.views[p] = fresh
+        self._ok(request, None)
