@@ -1,0 +1,474 @@
+"""Disk faults: a full disk or map, failing writes, and a data directory start-up cannot trust.
+
+docs/operations.md, "Faults and what they return". A write that storage refuses is
+answered UNAVAILABLE (full file system, I/O error) or RESOURCE_EXHAUSTED (LMDB map full),
+with a message that says why; nothing already acknowledged is lost and the server
+carries on once space returns. A corrupt or foreign file in the data directory stops
+start-up with a message naming the file, never a silently empty queue.
+
+Most faults are injected with ``QUERATOR_FAULT_FILE`` (faults.py): while the named file
+exists, every storage commit meets the fault it names, so a running server can be made to
+fail and then recover. One test fills a real, small tmpfs; it needs permission to mount.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import ProcessServer, Stubs, ThreadServer, free_port
+from google.protobuf import field_mask_pb2
+from querator.v1 import queue_pb2, queues_pb2, storage_pb2
+from querator_server.faults import FAULT_FILE_ENV
+
+OK = grpc.StatusCode.OK
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+LONG_LEASE = {"seconds": 600}
+SHORT_WAIT = {"nanos": 200_000_000}
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def connect(address: str) -> Stubs:
+    return Stubs(grpc.insecure_channel(address))
+
+
+def status_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
+    try:
+        call()
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or ""
+    return OK, ""
+
+
+def stored(stubs: Stubs, name: str) -> list[storage_pb2.StorageItem]:
+    """Every ready and leased item of every partition, following page tokens."""
+    info = stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name=name), timeout=10).queue
+    items: list[storage_pb2.StorageItem] = []
+    for partition in range(info.requested_partitions):
+        token = ""
+        for _ in range(1000):
+            request = storage_pb2.ListItemsRequest(queue_name=name, partition=partition, page_size=500, page_token=token)
+            page = stubs.storage.ListItems(request, timeout=10)
+            items.extend(page.items)
+            token = page.next_page_token
+            if not token:
+                break
+    return items
+
+
+def stats_total(stubs: Stubs, name: str) -> tuple[int, int]:
+    parts = stubs.stats(name).partitions
+    return sum(p.total for p in parts), sum(p.total_leased for p in parts)
+
+
+@pytest.fixture
+def fault_switch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The file whose presence injects a write fault; servers started after this see it."""
+    switch = tmp_path / "write-fault"
+    monkeypatch.setenv(FAULT_FILE_ENV, str(switch))
+    return switch
+
+
+# -- injected faults on a running server ---------------------------------------------------
+
+
+def test_a_full_disk_refuses_writes_with_unavailable_loses_nothing_and_recovers(
+    data_dir: str, fault_switch: Path
+) -> None:
+    srv = ThreadServer(data_dir)
+    stubs = connect(srv.address)
+    try:
+        stubs.create("dlq")
+        stubs.create("q", dead_queue="dlq", lease_timeout=LONG_LEASE)
+        acked = {f"a{i}".encode() for i in range(20)}
+        stubs.produce("q", sorted(acked))
+        lease = stubs.lease("q", batch_size=5)
+        leased = [i.id for i in lease.items]
+        assert len(leased) == 5
+
+        fault_switch.write_text("no-space")
+        writes: dict[str, Callable[[], object]] = {
+            "Produce": lambda: stubs.produce("q", [b"refused"]),
+            "Complete": lambda: stubs.complete("q", 0, leased[:1]),
+            "Retry": lambda: stubs.queue.Retry(
+                queue_pb2.RetryRequest(queue_name="q", items=[queue_pb2.RetryItem(id=leased[1])]), timeout=10
+            ),
+            "Extend": lambda: stubs.queue.Extend(queue_pb2.ExtendRequest(queue_name="q", ids=leased[2:3]), timeout=10),
+            "ImportItems": lambda: stubs.storage.ImportItems(
+                storage_pb2.ImportItemsRequest(queue_name="q", items=[storage_pb2.StorageItem(payload=b"refused")]),
+                timeout=10,
+            ),
+            "ClearQueue": lambda: stubs.queues.ClearQueue(
+                queues_pb2.ClearQueueRequest(queue_name="q", queue=True), timeout=10
+            ),
+        }
+        for rpc, call in writes.items():
+            code, message = status_of(call)
+            assert code == UNAVAILABLE, (rpc, code, message)
+            assert "no space left on device" in message.lower(), (rpc, message)
+        # A Lease cannot take ready items while their lease cannot be written: it waits
+        # and answers empty (or UNAVAILABLE), and gives nothing out that is not on disk.
+        code, message = status_of(lambda: stubs.lease("q", batch_size=5, request_timeout=SHORT_WAIT))
+        if code == OK:
+            assert not stubs.lease("q", batch_size=5, request_timeout=SHORT_WAIT).items
+        else:
+            assert code == UNAVAILABLE, (code, message)
+        # Reads that need no commit keep working.
+        assert stats_total(stubs, "q") == (20, 5)
+        assert stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="q"), timeout=10).queue.queue_name == "q"
+
+        fault_switch.unlink()  # space returns
+        stubs.complete("q", lease.partition, leased)  # the leases held through the fault
+        stubs.produce("q", [b"after"])
+        payloads = sorted(i.payload for i in stored(stubs, "q"))
+        done = {p.payload for p in lease.items}
+        assert payloads == sorted((acked - done) | {b"after"})
+        assert stats_total(stubs, "q") == (16, 0)
+    finally:
+        stubs.channel.close()
+        srv.stop()
+
+    srv = ThreadServer(data_dir)  # and it all holds across a restart
+    stubs = connect(srv.address)
+    try:
+        assert sorted(i.payload for i in stored(stubs, "q")) == sorted((acked - done) | {b"after"})
+        assert stats_total(stubs, "q") == (16, 0)
+    finally:
+        stubs.channel.close()
+        srv.stop()
+
+
+def test_admin_calls_on_a_full_disk_say_why_they_failed(data_dir: str, fault_switch: Path) -> None:
+    srv = ThreadServer(data_dir)
+    stubs = connect(srv.address)
+    try:
+        stubs.create("q")
+        fault_switch.write_text("no-space")
+        update = queues_pb2.UpdateQueueRequest(
+            queue=queues_pb2.QueueInfo(queue_name="q", max_attempts=3),
+            update_mask=field_mask_pb2.FieldMask(paths=["max_attempts"]),
+        )
+        admin: dict[str, Callable[[], object]] = {
+            "CreateQueue": lambda: stubs.create("new"),
+            "UpdateQueue": lambda: stubs.queues.UpdateQueue(update, timeout=10),
+        }
+        results = {rpc: status_of(call) for rpc, call in admin.items()}
+        fault_switch.unlink()
+        # Nothing changed, and the server carries on.
+        names = [q.queue_name for q in stubs.queues.ListQueues(queues_pb2.ListQueuesRequest(), timeout=10).queues]
+        assert names == ["q"]
+        assert stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="q"), timeout=10).queue.max_attempts == 0
+        stubs.create("new")
+        assert all(code == UNAVAILABLE for code, _ in results.values()), results
+        unclear = {rpc: message for rpc, (_, message) in results.items() if "no space" not in message.lower()}
+        assert not unclear, f"admin errors do not say the disk is full: {unclear}"
+    finally:
+        stubs.channel.close()
+        srv.stop()
+
+
+def test_a_delete_queue_that_storage_refuses_leaves_the_queue_working(data_dir: str, fault_switch: Path) -> None:
+    srv = ThreadServer(data_dir)
+    stubs = connect(srv.address)
+    try:
+        stubs.create("q")
+        stubs.produce("q", [b"kept"])
+        fault_switch.write_text("io-error")
+        code, message = status_of(
+            lambda: stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="q", force=True), timeout=10)
+        )
+        fault_switch.unlink()
+        assert code == UNAVAILABLE, (code, message)
+        # The catalog still has the queue, so it must still work, not answer "deleted".
+        assert stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="q"), timeout=10).queue.queue_name == "q"
+        stubs.produce("q", [b"after"])
+        assert [i.payload for i in stored(stubs, "q")] == [b"kept", b"after"]
+    finally:
+        stubs.channel.close()
+        srv.stop()
+
+
+def test_a_lease_whose_complete_ids_storage_refused_does_not_answer_ok(data_dir: str, fault_switch: Path) -> None:
+    """Lease.complete_ids is all-or-nothing: an OK must mean the completions are on disk."""
+    srv = ThreadServer(data_dir)
+    stubs = connect(srv.address)
+    try:
+        stubs.create("q", lease_timeout=LONG_LEASE)
+        stubs.produce("q", [b"x", b"y"])
+        first = stubs.lease("q", batch_size=2)
+        done = [i.id for i in first.items]
+        fault_switch.write_text("io-error")
+        request = queue_pb2.LeaseRequest(
+            queue_name="q", batch_size=1, complete_ids=done, complete_partition=first.partition, request_timeout=SHORT_WAIT
+        )
+        code, message = status_of(lambda: stubs.queue.Lease(request, timeout=5))
+        fault_switch.unlink()
+        completed = stats_total(stubs, "q") == (0, 0)
+        assert code != OK or completed, "Lease answered OK but its complete_ids were not applied"
+        assert code == UNAVAILABLE, (code, message)
+        assert stats_total(stubs, "q") == (2, 2)  # nothing was completed; the leases still hold
+        stubs.complete("q", first.partition, done)
+    finally:
+        stubs.channel.close()
+        srv.stop()
+
+
+def test_a_map_that_cannot_grow_gives_resource_exhausted_and_recovers(data_dir: str, fault_switch: Path) -> None:
+    srv = ThreadServer(data_dir)
+    stubs = connect(srv.address)
+    try:
+        stubs.create("q", lease_timeout=LONG_LEASE)
+        acked = [f"m{i}".encode() for i in range(10)]
+        stubs.produce("q", acked)
+        lease = stubs.lease("q", batch_size=2)
+
+        fault_switch.write_text("map-full")
+        code, message = status_of(lambda: stubs.produce("q", [b"refused"]))
+        assert code == EXHAUSTED and "storage is full" in message, (code, message)
+        code, message = status_of(lambda: stubs.complete("q", lease.partition, [i.id for i in lease.items]))
+        assert code == EXHAUSTED, (code, message)
+        assert stats_total(stubs, "q") == (10, 2)
+
+        fault_switch.unlink()
+        stubs.complete("q", lease.partition, [i.id for i in lease.items])
+        stubs.produce("q", [b"after"])
+        assert [i.payload for i in stored(stubs, "q")] == acked[2:] + [b"after"]
+    finally:
+        stubs.channel.close()
+        srv.stop()
+
+
+def test_a_server_process_fails_and_recovers_by_switch_and_a_refused_produce_stores_nothing(
+    data_dir: str, fault_switch: Path
+) -> None:
+    proc = ProcessServer(data_dir)  # inherits QUERATOR_FAULT_FILE from this process
+    proc.start()
+    try:
+        stubs = connect(proc.address)
+        stubs.create("q", requested_partitions=2)
+        acked = [f"p{i}".encode() for i in range(30)]
+        for start in range(0, 30, 10):
+            stubs.produce("q", acked[start : start + 10])
+        fault_switch.write_text("io-error")
+        code, message = status_of(lambda: stubs.produce("q", [b"refused"]))
+        assert code == UNAVAILABLE and "input/output error" in message.lower(), (code, message)
+        stubs.channel.close()
+        proc.kill9()
+        fault_switch.unlink()
+        proc.start()
+        stubs = connect(proc.address)
+        try:
+            assert sorted(i.payload for i in stored(stubs, "q")) == sorted(acked)
+            stubs.produce("q", [b"after"])
+            assert stats_total(stubs, "q") == (31, 0)
+        finally:
+            stubs.channel.close()
+    finally:
+        proc.stop()
+
+
+# -- a real full file system ----------------------------------------------------------------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs mounted for this test (skipped where mounting is not permitted)."""
+    mount_point = tmp_path / "small-fs"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "querator-test", str(mount_point)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, check=False)
+
+
+def test_a_real_full_file_system_refuses_writes_loses_nothing_and_recovers_when_space_returns(
+    small_tmpfs: Path,
+) -> None:
+    proc = ProcessServer(str(small_tmpfs / "data"))
+    proc.start()
+    acked: list[bytes] = []
+    try:
+        stubs = connect(proc.address)
+        stubs.create("q")
+        refused: tuple[grpc.StatusCode, str] | None = None
+        for batch in range(400):  # 400 x 10 x 8 KiB = 32 MB, far more than 4 MiB
+            payloads = [f"{batch}-{i}-".encode() + bytes(10_000) for i in range(10)]
+            code, message = status_of(lambda payloads=payloads: stubs.produce("q", payloads))  # type: ignore[misc]
+            if code != OK:
+                refused = (code, message)
+                break
+            acked += payloads
+        assert refused is not None, "the file system never filled up"
+        assert refused[0] in (UNAVAILABLE, EXHAUSTED), refused
+        assert len(acked) > 50
+        # Everything acknowledged is there, also while the disk is full.
+        assert sorted(i.payload for i in stored(stubs, "q")) == sorted(acked)
+
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small_tmpfs)], check=True)
+        more = [b"after-" + bytes(8192) for _ in range(10)]
+        stubs.produce("q", more)  # space is back: writes work at once
+        acked += more
+        stubs.channel.close()
+
+        proc.kill9()
+        proc.start()
+        stubs = connect(proc.address)
+        try:
+            assert sorted(i.payload for i in stored(stubs, "q")) == sorted(acked)
+            assert stats_total(stubs, "q") == (len(acked), 0)
+        finally:
+            stubs.channel.close()
+        # Last, so the checks above run whatever the wording: the caller is told why.
+        assert "space" in refused[1].lower() or "full" in refused[1].lower(), (
+            f"a full file system is reported as {refused[1]!r}"
+        )
+    finally:
+        proc.stop()
+
+
+# -- start-up refuses a data directory it cannot trust ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A data directory with one queue (uid 1) of 300 items, some leased."""
+    data = str(tmp_path_factory.mktemp("template") / "data")
+    srv = ThreadServer(data)
+    stubs = connect(srv.address)
+    try:
+        stubs.create("q", requested_partitions=2, lease_timeout=LONG_LEASE)
+        for batch in range(3):
+            stubs.produce("q", [f"{batch}-{i}".encode() + bytes(1000) for i in range(100)])
+        stubs.lease("q", batch_size=10)
+    finally:
+        stubs.channel.close()
+        srv.stop()
+    return data
+
+
+def _garbage(path: str, size: int, *, keep: int = 0) -> None:
+    """Overwrite ``path`` from byte ``keep`` on with ``size`` fixed pseudo-random bytes."""
+    noise = random.Random(20240611).randbytes(size)
+    with open(path, "r+b" if keep else "wb") as f:
+        f.seek(keep)
+        f.write(noise)
+
+
+def _truncate(path: str, size: int) -> None:
+    os.truncate(path, size)
+
+
+def _write(path: str, text: str = "not ours") -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+QUEUE_FILE = os.path.join("queues", "1", "data.mdb")
+CATALOG_FILE = os.path.join("catalog", "data.mdb")
+
+# name -> (how to damage the data directory, the path the message must name)
+DAMAGE: dict[str, tuple[Callable[[str], None], str]] = {
+    "catalog-garbage": (lambda d: _garbage(os.path.join(d, CATALOG_FILE), 65536), CATALOG_FILE),
+    "catalog-emptied": (lambda d: _truncate(os.path.join(d, CATALOG_FILE), 0), CATALOG_FILE),
+    "catalog-removed": (lambda d: shutil.rmtree(os.path.join(d, "catalog")), CATALOG_FILE),
+    "queue-garbage": (lambda d: _garbage(os.path.join(d, QUEUE_FILE), 65536), QUEUE_FILE),
+    "queue-emptied": (lambda d: _truncate(os.path.join(d, QUEUE_FILE), 0), QUEUE_FILE),
+    "queue-truncated": (lambda d: _truncate(os.path.join(d, QUEUE_FILE), 3 * 4096), QUEUE_FILE),
+    "queue-pages-corrupt": (
+        lambda d: _garbage(os.path.join(d, QUEUE_FILE), os.path.getsize(os.path.join(d, QUEUE_FILE)) - 8192, keep=8192),
+        QUEUE_FILE,
+    ),
+    "queue-file-removed": (lambda d: os.remove(os.path.join(d, QUEUE_FILE)), QUEUE_FILE),
+    "queue-dir-removed": (lambda d: shutil.rmtree(os.path.join(d, "queues", "1")), QUEUE_FILE),
+    "foreign-top": (lambda d: _write(os.path.join(d, "notes.txt")), "notes.txt"),
+    "foreign-in-queues": (lambda d: _write(os.path.join(d, "queues", "backup")), os.path.join("queues", "backup")),
+    "foreign-in-queue-dir": (
+        lambda d: _write(os.path.join(d, "queues", "1", "data.mdb.old")),
+        os.path.join("queues", "1", "data.mdb.old"),
+    ),
+    "foreign-in-catalog": (lambda d: _write(os.path.join(d, "catalog", "x.json")), os.path.join("catalog", "x.json")),
+}
+
+
+def _snapshot(root: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            if name != "lock.mdb":
+                path = os.path.join(dirpath, name)
+                out[os.path.relpath(path, root)] = os.path.getsize(path)
+    return out
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_start_up_refuses_a_damaged_or_foreign_data_dir_naming_the_file(
+    template: str, tmp_path: Path, damage: str
+) -> None:
+    data = str(tmp_path / "data")
+    shutil.copytree(template, data)
+    mutate, named = DAMAGE[damage]
+    mutate(data)
+    before = _snapshot(data)
+    env = dict(os.environ, QUERATOR_LOG_LEVEL="warning")
+    env.pop(FAULT_FILE_ENV, None)
+    result = subprocess.run(
+        [sys.executable, "-m", "querator_server.cli", "--address", f"127.0.0.1:{free_port()}", "--data-dir", data],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+    assert os.path.join(data, named) in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "refusing to start" in result.stderr
+    assert _snapshot(data) == before, "a refused start-up changed the data directory"
+
+
+def test_start_up_accepts_lost_found_and_removes_queue_dirs_the_catalog_does_not_know(
+    template: str, tmp_path: Path
+) -> None:
+    """An interrupted delete, or a backup taken while a queue was created (docs: Restore)."""
+    data = str(tmp_path / "data")
+    shutil.copytree(template, data)
+    os.mkdir(os.path.join(data, "lost+found"))
+    srv = ThreadServer(data)
+    stubs = connect(srv.address)
+    try:
+        stubs.create("gone")  # uid 2
+        stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="gone"), timeout=10)
+    finally:
+        stubs.channel.close()
+        srv.stop()
+    # A crash after the catalog forgot "gone" but before its directory was removed, and
+    # a queue the backed-up catalog never saw.
+    shutil.copytree(os.path.join(data, "queues", "1"), os.path.join(data, "queues", "2"))
+    shutil.copytree(os.path.join(data, "queues", "1"), os.path.join(data, "queues", "9"))
+    srv = ThreadServer(data)
+    stubs = connect(srv.address)
+    try:
+        assert sorted(os.listdir(os.path.join(data, "queues"))) == ["1"]
+        assert stats_total(stubs, "q") == (300, 10)
+        assert len(stored(stubs, "q")) == 300
+    finally:
+        stubs.channel.close()
+        srv.stop()
