@@ -221,3 +221,46 @@ def test_snapshot_schema_is_the_stream_schema_and_modes_are_checked(
     assert stream.schema == READ_SCHEMA
     with pytest.raises(Exception, match="mode"):
         reader.option("mode", "lease").load().collect()
+
+
+# -- streaming writes ------------------------------------------------------------------
+
+
+def test_a_replayed_streaming_batch_stores_nothing_twice(
+    spark: Any, srv: EmbeddedServer, stubs: Stubs, tmp_path: Any
+) -> None:
+    from pathlib import Path
+
+    queue = stubs.create(requested_partitions=2)
+    source, checkpoint = Path(tmp_path) / "in", Path(tmp_path) / "cp"
+    source.mkdir()
+    for f in range(3):
+        (source / f"part-{f}.txt").write_text("\n".join(f"line-{f}-{i}" for i in range(400)))
+
+    def run() -> None:
+        query = (
+            spark.readStream.option("maxFilesPerTrigger", 1)
+            .text(str(source))
+            .selectExpr("value as payload", "'line' as kind")
+            .writeStream.format("querator")
+            .option("address", srv.address)
+            .option("queue", queue)
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(120)
+        assert query.exception() is None
+
+    run()
+    expected = Counter(f"line-{f}-{i}".encode() for f in range(3) for i in range(400))
+    assert Counter(stubs.payloads(queue)) == expected
+    # Forget that the last batch was committed: the restart runs it again, with the same
+    # query id and batch id, so the same keys.
+    commits = sorted((checkpoint / "commits").glob("[0-9]*"), key=lambda p: int(p.name))
+    assert [p.name for p in commits] == ["0", "1", "2"]
+    commits[-1].unlink()
+    (checkpoint / "commits" / ".2.crc").unlink(missing_ok=True)
+    run()
+    assert (checkpoint / "commits" / "2").exists()  # batch 2 ran again
+    assert Counter(stubs.payloads(queue)) == expected

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -51,6 +52,8 @@ log = logging.getLogger("querator.spark")
 LEASE_WAIT_S = 0.05
 #: Keyed Lease calls one task keeps in flight (the keys are fixed, so their order is free).
 LEASES_IN_FLIGHT = 2
+#: How often the stream re-reads the queue's settings (lease timeout, partitions), seconds.
+QUEUE_REFRESH_S = 5.0
 
 
 # -- snapshot --------------------------------------------------------------------------
@@ -218,6 +221,8 @@ class QueratorStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target: int | None = None
         self._planned: dict[int, int] = {}
         self._lease_timeout_s = 60.0
+        self._queue_partitions = 1
+        self._queue_read_at: float | None = None
         self._keep_alive = _KeepAlive(self)
 
     # Spark pickles the reader to run read() on the executors: only the options travel.
@@ -236,11 +241,15 @@ class QueratorStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._rpc
 
     def _refresh_queue(self) -> int:
-        """Re-read the queue's lease timeout and partition count; return the latter."""
-        info = self.rpc().queue_info()
-        timeout = info.lease_timeout.seconds + info.lease_timeout.nanos / 1e9
-        self._lease_timeout_s = timeout or 60.0
-        return max(1, info.requested_partitions)
+        """The queue's partition count; its settings are re-read every few seconds."""
+        now = time.monotonic()
+        if self._queue_read_at is None or now - self._queue_read_at >= QUEUE_REFRESH_S:
+            info = self.rpc().queue_info()
+            timeout = info.lease_timeout.seconds + info.lease_timeout.nanos / 1e9
+            self._lease_timeout_s = timeout or 60.0
+            self._queue_partitions = max(1, info.requested_partitions)
+            self._queue_read_at = now
+        return self._queue_partitions
 
     def keep_alive_interval(self) -> float:
         return self.options.keep_alive_interval or max(0.1, self._lease_timeout_s / 3)
