@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 from google.protobuf import duration_pb2
-from pyspark.errors import StreamingQueryException
 from querator.embedded import EmbeddedServer
 from spark_helpers import Stubs, session_fixture, spark_env, srv, stubs, wait_until  # noqa: F401 - fixtures
 
@@ -31,6 +30,8 @@ def stream(spark: Any, srv: EmbeddedServer, queue: str, **options: str) -> Any:
 
 
 def run_available_now(df: Any, handler: Any, checkpoint: Path, timeout: float = 120) -> Any:
+    from pyspark.errors import StreamingQueryException
+
     query = df.writeStream.foreachBatch(handler).option("checkpointLocation", str(checkpoint))
     query = query.trigger(availableNow=True).start()
     try:
@@ -238,6 +239,8 @@ def test_server_down_fails_the_query(spark: Any, stubs: Stubs, tmp_path: Path) -
         )
         query = df.writeStream.format("noop").option("checkpointLocation", str(tmp_path / "cp")).start()
         wait_until(lambda: query.lastProgress is not None or query.exception() is not None, timeout=60)
+    from pyspark.errors import StreamingQueryException
+
     # The server is gone: the next trigger cannot plan or complete, and the query fails.
     try:
         query.awaitTermination(60)
