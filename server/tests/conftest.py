@@ -1,22 +1,25 @@
 """Fixtures: a real server on 127.0.0.1:0 with real LMDB in a temp dir.
 
 ``server`` runs in-process on a thread of its own (its own event loop), so tests
-talk to it through real gRPC channels exactly as other services do. ``subprocess_server``
+talk to it through real gRPC channels exactly as other services do. ``process_server``
 runs ``querator serve`` as a child process for tests that must ``kill -9`` it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import IO
 
 import grpc
 import pytest
@@ -117,28 +120,108 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# Channel options that retry a refused connection every few tens of milliseconds instead
+# of backing off for seconds, so a wait for a booting server ends as soon as it listens.
+FAST_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 20),
+    ("grpc.min_reconnect_backoff_ms", 20),
+    ("grpc.max_reconnect_backoff_ms", 100),
+]
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a socket listening on ``port`` (true where /proc cannot tell)."""
+    owned: set[str] = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                owned.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    except OSError:
+        return True
+    tables = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except OSError:
+            continue
+        tables += 1
+        for row in rows:  # local address "hex-ip:hex-port", state 0A is LISTEN, then the inode
+            if row[3] == "0A" and int(row[1].rsplit(":", 1)[1], 16) == port and f"socket:[{row[9]}]" in owned:
+                return True
+    return tables == 0
+
+
+def wait_for_server(address: str, proc: subprocess.Popen[bytes], timeout: float, log: Callable[[], str]) -> None:
+    """Wait until the child ``proc`` answers on ``address``; fail with its stderr if it
+    exits first or does not answer within ``timeout`` seconds (it is then killed).
+
+    An answer counts only once the child itself listens on the port: a free port picked
+    beforehand can be taken by another process in the meantime, and the test must not
+    go on talking to that one.
+    """
+    port = int(address.rsplit(":", 1)[1])
+    deadline = time.monotonic() + timeout
+    channel = grpc.insecure_channel(address, options=FAST_RECONNECT)
+    ready = grpc.channel_ready_future(channel)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"the server exited with {proc.returncode} before it answered on {address}:\n{log()}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                proc.kill()
+                proc.wait(10)
+                raise AssertionError(f"the server did not answer on {address} within {timeout}s:\n{log()}")
+            try:
+                ready.result(timeout=min(0.25, remaining))
+            except grpc.FutureTimeoutError:
+                continue
+            if _listens(proc.pid, port):
+                return
+            time.sleep(0.05)  # an answer, but not from the child (not yet, or another process's)
+    finally:
+        ready.cancel()
+        channel.close()
+
+
 class ProcessServer:
-    """``querator serve`` in a child process, for kill -9 and signal tests."""
+    """``querator serve`` in a child process, for kill -9 and signal tests.
+
+    The child's stderr goes to a file (never a pipe nobody reads); ``stderr_text()``
+    returns what the latest start wrote.
+    """
 
     def __init__(self, data_dir: str) -> None:
         self.data_dir = data_dir
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._stderr: IO[bytes] | None = None
 
-    def start(self, timeout: float = 20) -> None:
+    def start(self, timeout: float = 30) -> None:
         env = dict(os.environ, QUERATOR_LOG_LEVEL="warning")
+        self._close_stderr()
+        self._stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "querator_server.cli", "--address", self.address, "--data-dir", self.data_dir],
             env=env,
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=self._stderr,
         )
-        channel = grpc.insecure_channel(self.address)
-        try:
-            grpc.channel_ready_future(channel).result(timeout=timeout)
-        finally:
-            channel.close()
+        wait_for_server(self.address, self.proc, timeout, self.stderr_text)
+
+    def stderr_text(self) -> str:
+        if self._stderr is None:
+            return ""
+        self._stderr.seek(0)
+        return self._stderr.read().decode("utf-8", errors="replace")
+
+    def _close_stderr(self) -> None:
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
 
     def kill9(self) -> None:
         assert self.proc is not None
@@ -154,6 +237,7 @@ class ProcessServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        self._close_stderr()
 
 
 @pytest.fixture

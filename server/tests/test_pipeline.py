@@ -48,8 +48,9 @@ def test_idempotency_outlives_the_item_and_a_restart_but_not_the_window(data_dir
     srv = ThreadServer(data_dir)
     try:
         stubs = Stubs(grpc.insecure_channel(srv.address))
-        stubs.create("window", dedup_window=duration_pb2.Duration(seconds=1))
+        stubs.create("window")  # the default window, a day, outlasts the restart however slow it is
         produce_keyed(stubs, "window", [(b"x", "once")])
+        produced_by = time.time()
         leased = stubs.lease("window")
         stubs.complete("window", leased.partition, [leased.items[0].id])
     finally:
@@ -59,7 +60,14 @@ def test_idempotency_outlives_the_item_and_a_restart_but_not_the_window(data_dir
         stubs = Stubs(grpc.insecure_channel(srv.address))
         assert produce_keyed(stubs, "window", [(b"x", "once")]).duplicates == 1
         assert stored(stubs, "window") == []
-        time.sleep(1.1)  # the window (1 s) passes; the key is forgotten
+        # The window is checked when a key comes again: shortened to one second, it has
+        # passed for the stored key once a second has gone by since the first produce.
+        update = queues_pb2.UpdateQueueRequest(
+            queue=queues_pb2.QueueInfo(queue_name="window", dedup_window=SHORT),
+            update_mask=field_mask_pb2.FieldMask(paths=["dedup_window"]),
+        )
+        stubs.queues.UpdateQueue(update, timeout=5)
+        time.sleep(max(0.0, produced_by + 1.1 - time.time()))
         assert produce_keyed(stubs, "window", [(b"x", "once")]).duplicates == 0
         assert stored(stubs, "window") == [b"x"]
     finally:
@@ -121,7 +129,13 @@ def test_a_key_re_leases_its_expired_items_unless_someone_else_took_them(stubs: 
     first = lease_keyed(stubs, "lkx", "k", batch=2)
     assert len(first.items) == 2
     # Both leases expire and the items go back to the tail under new ids.
-    wait_until(lambda: stubs.stats("lkx").partitions[0].total_leased == 0, timeout=5)
+    wait_until(lambda: stubs.stats("lkx").partitions[0].total_leased == 0, timeout=10)
+    # The leases taken from now on last long enough not to end during the checks below.
+    update = queues_pb2.UpdateQueueRequest(
+        queue=queues_pb2.QueueInfo(queue_name="lkx", lease_timeout=duration_pb2.Duration(seconds=60)),
+        update_mask=field_mask_pb2.FieldMask(paths=["lease_timeout"]),
+    )
+    stubs.queues.UpdateQueue(update, timeout=5)
     taken = stubs.lease("lkx", batch_size=1)  # an ordinary lease takes item "1"
     assert [i.payload for i in taken.items] == [b"1"]
     again = lease_keyed(stubs, "lkx", "k", batch=2)
@@ -153,7 +167,7 @@ def test_lease_keys_are_forgotten_after_their_ttl(stubs: Stubs) -> None:
     stubs.produce("lkt", [b"1", b"2"])
     assert [i.payload for i in lease_keyed(stubs, "lkt", "k", batch=1).items] == [b"1"]
     time.sleep(1.1)  # the key's TTL passes
-    wait_until(lambda: [i.payload for i in lease_keyed(stubs, "lkt", "k", batch=1).items] == [b"2"], timeout=3)
+    wait_until(lambda: [i.payload for i in lease_keyed(stubs, "lkt", "k", batch=1).items] == [b"2"], timeout=10)
 
 
 def test_lease_keys_survive_a_restart(data_dir: str) -> None:

@@ -512,12 +512,12 @@ def test_update_lease_timeout_applies_to_new_leases_only(stubs: Stubs) -> None:
     stubs.produce("q", [b"first", b"second"])
     t0 = time.time()
     old = stubs.lease("q", batch_size=1).items[0]
-    assert abs(secs(old.lease_deadline) - (t0 + 60)) < 2
+    assert t0 + 60 - 0.01 <= secs(old.lease_deadline) <= time.time() + 60 + 0.01
     update(stubs, queues_pb2.QueueInfo(queue_name="q", lease_timeout=dur(5)), ["lease_timeout"])
     t1 = time.time()
     new = stubs.lease("q", batch_size=1).items[0]
     assert new.payload == b"second"
-    assert abs(secs(new.lease_deadline) - (t1 + 5)) < 2
+    assert t1 + 5 - 0.01 <= secs(new.lease_deadline) <= time.time() + 5 + 0.01
     stored = {i.id: i for i in stubs.list_items("q")}
     assert stored[old.id].lease_deadline == old.lease_deadline, "an existing lease must keep its deadline"
     assert stored[new.id].lease_deadline == new.lease_deadline
@@ -617,16 +617,16 @@ def test_delete_answers_a_waiting_lease_promptly(stubs: Stubs) -> None:
     request = queue_pb2.LeaseRequest(queue_name="q", batch_size=1, client_id="waiter", request_timeout=dur(20))
     waiting = stubs.queue.Lease.future(request, timeout=25)
     try:
-        wait_until(lambda: stubs.stats("q").lease_waiting == 1, timeout=5)
+        wait_until(lambda: stubs.stats("q").lease_waiting == 1, timeout=10)
         started = time.monotonic()
         delete(stubs, "q")
         try:
-            reply = waiting.result(timeout=5)
+            reply = waiting.result(timeout=15)
         except grpc.RpcError as error:
             assert error.code() == Code.UNAVAILABLE, f"{error.code().name}: {error.details()}"
         else:
             assert list(reply.items) == []
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 10, "answered by the delete, not by its 20 s request_timeout"
     finally:
         waiting.cancel()
     # The other queue is untouched and a queue of the same name can be made again.
@@ -738,9 +738,9 @@ def test_stats_counts_waiting_leases(stubs: Stubs) -> None:
     request = queue_pb2.LeaseRequest(queue_name="q", batch_size=1, client_id="w", request_timeout=dur(10))
     waiting = stubs.queue.Lease.future(request, timeout=15)
     try:
-        wait_until(lambda: stubs.stats("q").lease_waiting == 1, timeout=5)
+        wait_until(lambda: stubs.stats("q").lease_waiting == 1, timeout=10)
         stubs.produce("q", [b"x"])
-        assert [i.payload for i in waiting.result(timeout=5).items] == [b"x"]
+        assert [i.payload for i in waiting.result(timeout=10).items] == [b"x"]
         assert stubs.stats("q").lease_waiting == 0
     finally:
         waiting.cancel()
