@@ -12,6 +12,8 @@ DEFAULT_EXPIRE_TIMEOUT_US = 24 * 3600 * MICROS
 DEFAULT_DEDUP_WINDOW_US = 24 * 3600 * MICROS
 DEFAULT_LEASE_KEY_TTL_US = 3600 * MICROS
 MAX_KEY_BYTES = 512
+MAX_METADATA_PAIRS = 64
+MAX_METADATA_BYTES = 16 * 1024
 MAX_ATTEMPTS_LIMIT = 65_536
 MAX_PARTITIONS = 1024
 MAX_QUEUE_NAME = 512
@@ -55,6 +57,7 @@ class NewItem:
     reference: str = ""
     enqueue_at_us: int = 0
     idempotency_key: str = ""
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -72,6 +75,7 @@ class ImportedItem:
     created_at_us: int = 0
     attempts: int = 0
     source_id: str = ""
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -66,6 +66,7 @@ class Cycle(LifecycleSteps, StorageSteps):
                 reference=new.reference,
                 created_at=now,
                 expire_deadline=expire,
+                metadata=new.metadata,
             )
             if new.enqueue_at_us >= now + SCHEDULE_MIN_US:
                 item.enqueue_at = new.enqueue_at_us

@@ -52,6 +52,7 @@ class StorageSteps(CycleBase):
                 kind=given.kind,
                 reference=given.reference,
                 source_id=given.source_id,
+                metadata=given.metadata,
                 created_at=given.created_at_us or now,
                 expire_deadline=given.expire_deadline_us or now + self.config.expire_timeout_us,
                 enqueue_at=given.enqueue_at_us,

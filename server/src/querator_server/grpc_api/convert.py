@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
@@ -15,6 +15,8 @@ from ..model import (
     DEFAULT_PAGE_SIZE,
     MAX_BATCH,
     MAX_KEY_BYTES,
+    MAX_METADATA_BYTES,
+    MAX_METADATA_PAIRS,
     MAX_PAGE_SIZE,
     MAX_QUEUE_NAME,
 )
@@ -100,6 +102,22 @@ def key(value: str, field: str) -> str:
     if len(value) > MAX_KEY_BYTES or len(value.encode()) > MAX_KEY_BYTES:
         raise InvalidArgument(field, f"must be at most {MAX_KEY_BYTES} bytes")
     return value
+
+
+def metadata(pairs: Mapping[str, str], field: str) -> dict[str, str]:
+    """Item metadata: at most MAX_METADATA_PAIRS pairs, MAX_METADATA_BYTES in all."""
+    if not pairs:
+        return {}
+    if len(pairs) > MAX_METADATA_PAIRS:
+        raise InvalidArgument(field, f"must hold at most {MAX_METADATA_PAIRS} pairs, got {len(pairs)}")
+    size = 0
+    for name, value in pairs.items():
+        if not 1 <= len(name) <= 256:
+            raise InvalidArgument(field, f"keys must be 1 to 256 characters, got {quote(name)}")
+        size += len(name.encode()) + len(value.encode())
+    if size > MAX_METADATA_BYTES:
+        raise InvalidArgument(field, f"must be at most {MAX_METADATA_BYTES} bytes in all, got {size}")
+    return dict(pairs)
 
 
 def partition(value: int, partitions: int, field: str = "partition") -> int:

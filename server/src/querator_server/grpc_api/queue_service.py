@@ -54,6 +54,7 @@ class QueueService:
                     reference=item.reference,
                     enqueue_at_us=c.optional_timestamp_us(item, "enqueue_at", f"items[{index}].enqueue_at"),
                     idempotency_key=c.key(item.idempotency_key, f"items[{index}].idempotency_key"),
+                    metadata=c.metadata(item.metadata, f"items[{index}].metadata"),
                 )
             )
         result: a.ProduceResult = await self.manager.actor(name).submit(
@@ -171,6 +172,8 @@ def _lease_response(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
             payload=item.payload,
             attempts=item.attempts,
         )
+        if item.metadata:
+            out.metadata.update(item.metadata)
         deadline, created = out.lease_deadline, out.created_at
         deadline.seconds, micros = divmod(item.lease_deadline, 1_000_000)
         deadline.nanos = micros * 1000

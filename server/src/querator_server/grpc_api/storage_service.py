@@ -35,6 +35,7 @@ def storage_item(stored: a.StoredItem) -> pb.StorageItem:
         kind=item.kind,
         payload=item.payload,
         source_id=item.source_id,
+        metadata=item.metadata,
     )
     if item.is_leased:
         out.lease_deadline.CopyFrom(ts(item.lease_deadline))
@@ -110,6 +111,7 @@ class StorageService:
                     created_at_us=c.optional_timestamp_us(item, "created_at", f"{field}.created_at"),
                     attempts=item.attempts,
                     source_id=item.source_id,
+                    metadata=c.metadata(item.metadata, f"{field}.metadata"),
                 )
             )
         ids: list[str] = await self.manager.actor(name).submit(a.ImportItemsRequest(partition, items))

@@ -16,8 +16,9 @@ Times are microseconds since the epoch; big-endian unsigned integers sort like n
 
 from __future__ import annotations
 
+import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 TAG_ITEM = b"i"
@@ -33,9 +34,9 @@ _SCHED_KEY = struct.Struct(">cQQ")
 _EXPIRY_PREFIX = struct.Struct(">cQ")
 
 # flags, attempts, created_at, expire_deadline, lease_deadline, enqueue_at, leased_at,
-# then the byte lengths of source_id, reference, encoding, kind, lease_key; the
-# payload is the rest.
-_HEADER = struct.Struct("<BIqqqqqIIIII")
+# then the byte lengths of source_id, reference, encoding, kind, lease_key and the
+# metadata (JSON, empty when there is none); the payload is the rest.
+_HEADER = struct.Struct("<BIqqqqqIIIIII")
 _FLAG_LEASED = 1
 # The fixed part of the header: what lease and extend rewrite without decoding the
 # strings and payload behind it.
@@ -102,6 +103,8 @@ class Item:
     leased_at: int = 0
     # The idempotent lease (LeaseRequest.lease_key) the item was last leased under.
     lease_key: str = ""
+    # String pairs given at produce (e.g. trace context), passed to consumers.
+    metadata: dict[str, str] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         source = self.source_id.encode()
@@ -109,6 +112,7 @@ class Item:
         encoding = self.encoding.encode()
         kind = self.kind.encode()
         lease_key = self.lease_key.encode()
+        metadata = json.dumps(self.metadata, separators=(",", ":")).encode() if self.metadata else b""
         header = _HEADER.pack(
             _FLAG_LEASED if self.is_leased else 0,
             self.attempts,
@@ -122,8 +126,9 @@ class Item:
             len(encoding),
             len(kind),
             len(lease_key),
+            len(metadata),
         )
-        return b"".join((header, source, reference, encoding, kind, lease_key, self.payload))
+        return b"".join((header, source, reference, encoding, kind, lease_key, metadata, self.payload))
 
     @classmethod
     def decode(cls, data: bytes) -> Item:
@@ -140,6 +145,7 @@ class Item:
             n_encoding,
             n_kind,
             n_lease_key,
+            n_metadata,
         ) = _HEADER.unpack_from(data)
         pos = _HEADER.size
         view = bytes(data)
@@ -153,6 +159,8 @@ class Item:
         pos += n_kind
         lease_key = view[pos : pos + n_lease_key].decode()
         pos += n_lease_key
+        metadata = json.loads(view[pos : pos + n_metadata]) if n_metadata else {}
+        pos += n_metadata
         return cls(
             payload=view[pos:],
             encoding=encoding,
@@ -167,6 +175,7 @@ class Item:
             lease_deadline=lease_deadline,
             leased_at=leased_at,
             lease_key=lease_key,
+            metadata=metadata,
         )
 
 
@@ -198,6 +207,7 @@ def read_state(raw: bytes) -> ItemState:
         n_encoding,
         n_kind,
         n_lease_key,
+        _n_metadata,
     ) = _HEADER.unpack_from(raw)
     pos = _HEADER.size
     source = bytes(raw[pos : pos + n_source]).decode() if n_source else ""

@@ -26,6 +26,26 @@ class ProduceItem(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ENCODING_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     REFERENCE_FIELD_NUMBER: _builtins.int
@@ -33,6 +53,7 @@ class ProduceItem(_message.Message):
     UTF8_FIELD_NUMBER: _builtins.int
     ENQUEUE_AT_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
     encoding: _builtins.str
     """A free-form label describing how the payload is encoded, for example
     "application/json". Stored and returned as given.
@@ -59,6 +80,13 @@ class ProduceItem(_message.Message):
         now.
         """
 
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Optional string pairs carried with the item to whoever leases it, e.g.
+        trace context ("traceparent"). At most 64 pairs and 16 KB in all; keys
+        are 1 to 256 characters.
+        """
+
     def __init__(
         self,
         *,
@@ -69,10 +97,11 @@ class ProduceItem(_message.Message):
         utf8: _builtins.str = ...,
         enqueue_at: _timestamp_pb2.Timestamp | None = ...,
         idempotency_key: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["enqueue_at", b"enqueue_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "enqueue_at", b"enqueue_at", "idempotency_key", b"idempotency_key", "kind", b"kind", "payload", b"payload", "reference", b"reference", "utf8", b"utf8"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "enqueue_at", b"enqueue_at", "idempotency_key", b"idempotency_key", "kind", b"kind", "metadata", b"metadata", "payload", b"payload", "reference", b"reference", "utf8", b"utf8"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -224,6 +253,26 @@ class LeaseItem(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ID_FIELD_NUMBER: _builtins.int
     ENCODING_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
@@ -232,6 +281,7 @@ class LeaseItem(_message.Message):
     ATTEMPTS_FIELD_NUMBER: _builtins.int
     LEASE_DEADLINE_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The item's id for this lease: pass it to Complete, Retry or Extend."""
     encoding: _builtins.str
@@ -252,6 +302,10 @@ class LeaseItem(_message.Message):
     def created_at(self) -> _timestamp_pb2.Timestamp:
         """When the item was first produced."""
 
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """As given at produce."""
+
     def __init__(
         self,
         *,
@@ -263,10 +317,11 @@ class LeaseItem(_message.Message):
         attempts: _builtins.int = ...,
         lease_deadline: _timestamp_pb2.Timestamp | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "lease_deadline", b"lease_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "encoding", b"encoding", "id", b"id", "kind", b"kind", "lease_deadline", b"lease_deadline", "payload", b"payload", "reference", b"reference"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "encoding", b"encoding", "id", b"id", "kind", b"kind", "lease_deadline", b"lease_deadline", "metadata", b"metadata", "payload", b"payload", "reference", b"reference"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,6 +25,26 @@ class StorageItem(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ID_FIELD_NUMBER: _builtins.int
     IS_LEASED_FIELD_NUMBER: _builtins.int
     LEASE_DEADLINE_FIELD_NUMBER: _builtins.int
@@ -37,6 +57,7 @@ class StorageItem(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     PAYLOAD_FIELD_NUMBER: _builtins.int
     SOURCE_ID_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The item's current id."""
     is_leased: _builtins.bool
@@ -69,6 +90,10 @@ class StorageItem(_message.Message):
     def created_at(self) -> _timestamp_pb2.Timestamp:
         """When the item was first produced."""
 
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """As given at produce."""
+
     def __init__(
         self,
         *,
@@ -84,10 +109,11 @@ class StorageItem(_message.Message):
         kind: _builtins.str = ...,
         payload: _builtins.bytes = ...,
         source_id: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "enqueue_at", b"enqueue_at", "expire_deadline", b"expire_deadline", "lease_deadline", b"lease_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "encoding", b"encoding", "enqueue_at", b"enqueue_at", "expire_deadline", b"expire_deadline", "id", b"id", "is_leased", b"is_leased", "kind", b"kind", "lease_deadline", b"lease_deadline", "payload", b"payload", "reference", b"reference", "source_id", b"source_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "encoding", b"encoding", "enqueue_at", b"enqueue_at", "expire_deadline", b"expire_deadline", "id", b"id", "is_leased", b"is_leased", "kind", b"kind", "lease_deadline", b"lease_deadline", "metadata", b"metadata", "payload", b"payload", "reference", b"reference", "source_id", b"source_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
