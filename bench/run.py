@@ -319,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         from querator_target import export_commit
 
         source_dir = os.path.join(workdir, "source")
-        commit = export_commit(args.at_commit, REPO_DIR, source_dir)[:10] + " (server run from `git archive` of that commit)"
+        commit = export_commit(args.at_commit, REPO_DIR, source_dir)[:10] + " (server and client stubs from `git archive` of that commit)"
+        # Client processes (spawned: they inherit sys.path) import that commit's stubs too.
+        sys.path.insert(0, os.path.join(source_dir, "clients", "python", "src"))
     print(f"bench: server code from {commit}", flush=True)
 
     ceilings: dict[str, Any] = {}
