@@ -16,6 +16,8 @@
 - :class:`Worker` / :class:`AsyncWorker`: lease, run a handler, complete / retry / extend.
 - :mod:`querator.errors`: the exception tree; :mod:`querator.testing` and
   :mod:`querator.embedded`: a real server inside this process.
+- :mod:`querator.tracing`: OpenTelemetry trace context from produce to the worker
+  (``ClientConfig(tracing=True)``; the ``otel`` extra).
 
 The generated gRPC stubs live in ``querator.v1`` (``queue_pb2``, ``queues_pb2``,
 ``storage_pb2``, ``keys_pb2`` and their ``_grpc`` twins).

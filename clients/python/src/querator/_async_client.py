@@ -175,7 +175,8 @@ class AsyncClient(BaseClient):
 
         pending: set[asyncio.Task[None]] = set()
         try:
-            for index, batch in enumerate(p.produce_batches(items, defaults, max_items=batch_size)):
+            batches = p.produce_batches(items, defaults, max_items=batch_size, trace=self._trace())
+            for index, batch in enumerate(batches):
                 while len(pending) >= window:
                     _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if collector.error is not None:

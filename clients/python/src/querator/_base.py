@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from . import tracing as _tracing
 from ._config import Backoff, ClientConfig, make_config
 from ._convert import Seconds
 from ._models import ProduceResult
@@ -43,6 +44,7 @@ class BaseClient:
         max_in_flight: int | None = None,
         wait_for_ready: bool | None = None,
         channel_options: Iterable[tuple[str, Any]] | None = None,
+        tracing: bool | None = None,
     ) -> None:
         options: dict[str, Any] = {
             "timeout": timeout,
@@ -62,10 +64,13 @@ class BaseClient:
             "max_in_flight": max_in_flight,
             "wait_for_ready": wait_for_ready,
             "channel_options": tuple(channel_options) if channel_options is not None else None,
+            "tracing": tracing,
         }
         self._config = make_config(address, config, options)
         # Fails early on impossible combinations (e.g. call credentials without TLS).
         self._config.credentials()
+        if self._config.tracing:
+            _tracing.require()  # tracing=True without the otel extra: say so now
         self._setup()
 
     def _setup(self) -> None:
@@ -78,6 +83,10 @@ class BaseClient:
     @property
     def address(self) -> str:
         return self._config.address
+
+    def _trace(self) -> dict[str, str] | None:
+        """The current trace context for produced items, when tracing is on."""
+        return _tracing._carrier() if self._config.tracing else None
 
     def _lease_deadline(self, wait: float) -> float:
         return wait + self._config.lease_margin.total_seconds()

@@ -145,7 +145,9 @@ class Client(BaseClient):
         whose ``Item.idempotency_key`` was seen before). ``retry=True`` retries a request
         after UNAVAILABLE, at the risk of storing it twice if only its reply was lost
         (unless every item carries an idempotency key: then a repeat stores nothing).
-        ``on_progress`` is called with the number of items stored so far.
+        ``on_progress`` is called with the number of items stored so far. With the
+        client's ``tracing=True`` each item's metadata also gets the current trace
+        context (:mod:`querator.tracing`).
         """
         defaults = Item(b"", encoding=encoding, kind=kind, reference=reference, enqueue_at=enqueue_at)
         call_timeout = self._config.call_timeout(timeout)
@@ -171,7 +173,8 @@ class Client(BaseClient):
                     return
             collector.stored(index, list(response.ids), response.partition, response.duplicates)
 
-        for index, batch in enumerate(p.produce_batches(items, defaults, max_items=batch_size)):
+        batches = p.produce_batches(items, defaults, max_items=batch_size, trace=self._trace())
+        for index, batch in enumerate(batches):
             if collector.error is not None:
                 break
             while len(inflight) >= window:

@@ -95,6 +95,10 @@ class ClientConfig:
     wait_for_ready: bool = False
     #: Extra grpc channel options, e.g. ``(("grpc.keepalive_time_ms", 30000),)``.
     channel_options: tuple[tuple[str, Any], ...] = ()
+    #: OpenTelemetry (:mod:`querator.tracing`, the ``otel`` extra): produce writes the
+    #: current trace context into each item's metadata, and workers run each handler in
+    #: a CONSUMER span that continues the producer's trace.
+    tracing: bool = False
 
     def __post_init__(self) -> None:
         if not self.address:

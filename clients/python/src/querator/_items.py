@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json as _json
 import threading
+from collections.abc import Mapping
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,8 @@ from ._models import ItemRef
 from .errors import DeadLetter
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
     from ._async_client import AsyncClient
     from ._client import Client
 
@@ -36,6 +39,7 @@ class _LeasedBase:
         "attempts",
         "lease_deadline",
         "created_at",
+        "metadata",
         "_state",
         "_lock",
     )
@@ -53,6 +57,7 @@ class _LeasedBase:
         attempts: int = 0,
         lease_deadline: datetime,
         created_at: datetime,
+        metadata: Mapping[str, str] | None = None,
     ) -> None:
         self.queue_name = queue_name
         self.partition = partition
@@ -66,6 +71,8 @@ class _LeasedBase:
         #: When this lease ends unless extended; updated by extend().
         self.lease_deadline = lease_deadline
         self.created_at = created_at
+        #: The string pairs given at produce (e.g. trace context); empty when none.
+        self.metadata: Mapping[str, str] = {} if metadata is None else metadata
         self._state: str | None = None
         self._lock = threading.Lock()
 
@@ -77,6 +84,16 @@ class _LeasedBase:
     def json(self) -> Any:
         """The payload parsed as JSON."""
         return _json.loads(self.payload)
+
+    def trace_context(self) -> Context:
+        """The producer's OpenTelemetry context, from ``metadata`` (empty when it has none).
+
+        Parent or link a span to it: ``tracer.start_as_current_span("work",
+        context=item.trace_context())``. Needs the ``otel`` extra (ImportError without).
+        """
+        from .tracing import extract
+
+        return extract(self.metadata)
 
     @property
     def ref(self) -> ItemRef:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json as _json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
@@ -21,6 +21,9 @@ class Item:
     it becomes leasable at that time. ``idempotency_key`` (at most 512 bytes) makes the
     produce idempotent: a second item with the same key in the same queue within the
     queue's ``dedup_window`` stores nothing and gets the first item's id.
+
+    ``metadata``: string pairs handed to whoever leases the item (``LeasedItem.metadata``),
+    e.g. trace context; at most 64 pairs and 16 KB in all, keys 1 to 256 characters.
     """
 
     payload: Payload
@@ -29,6 +32,11 @@ class Item:
     reference: str = ""
     enqueue_at: datetime | None = None
     idempotency_key: str = ""
+    metadata: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.metadata:
+            object.__setattr__(self, "metadata", dict(self.metadata))
 
     @classmethod
     def from_json(cls, value: Any, **options: Any) -> Item:
@@ -152,6 +160,12 @@ class StoredItem:
     encoding: str = ""
     kind: str = ""
     source_id: str = ""
+    #: String pairs given at produce (e.g. trace context), kept by import.
+    metadata: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.metadata:
+            object.__setattr__(self, "metadata", dict(self.metadata))
 
 
 class ExtendResult(list[datetime]):

@@ -13,6 +13,10 @@ An item may carry an idempotency key (``Item(..., idempotency_key=k)`` or
 ``dedup_window`` stores nothing and its future resolves to the first item's id
 (``duplicates`` counts them). A batch whose every item has a key is retried after
 UNAVAILABLE even without ``retry=True``: repeating it cannot store anything twice.
+
+An item may carry metadata (``Item(..., metadata={...})`` or ``produce(item,
+metadata={...})``). With the client's ``tracing=True`` each item also gets the trace
+context current where ``produce()`` was called (:mod:`querator.tracing`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import collections
 import concurrent.futures
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import grpc
 
 from . import _protocol as p
+from . import tracing as _tracing
 from ._config import BATCH_BYTES, MAX_BATCH
 from ._convert import Seconds, seconds
 from ._models import Item, Payload
@@ -66,6 +72,7 @@ class _Settings:
         kind: str,
         reference: str,
         enqueue_at: datetime | None,
+        tracing: bool,
     ) -> None:
         if not 1 <= max_items <= MAX_BATCH:
             raise ValueError(f"max_items must be between 1 and {MAX_BATCH}")
@@ -78,9 +85,16 @@ class _Settings:
         self.max_in_flight = max_in_flight
         self.max_pending = max_pending
         self.defaults = Item(b"", encoding=encoding, kind=kind, reference=reference, enqueue_at=enqueue_at)
+        self.tracing = tracing
 
-    def message(self, item: p.ProduceArg, idempotency_key: str | None) -> tuple[queue_pb2.ProduceItem, int]:
-        message = p.produce_item(item, self.defaults)
+    def message(
+        self, item: p.ProduceArg, idempotency_key: str | None, metadata: Mapping[str, str] | None
+    ) -> tuple[queue_pb2.ProduceItem, int]:
+        """The item's message (in the caller's context: that is the trace context added)."""
+        if metadata:
+            base = item if isinstance(item, Item) else Item(item)
+            item = replace(base, metadata={**base.metadata, **metadata})
+        message = p.produce_item(item, self.defaults, _tracing._carrier() if self.tracing else None)
         if idempotency_key is not None:
             message.idempotency_key = idempotency_key
         return message, message.ByteSize() + 6
@@ -116,7 +130,7 @@ class Producer:
         self._client = client
         self._s = _Settings(
             queue_name, max_items, max_bytes, max_latency, max_in_flight, max_pending,
-            encoding, kind, reference, enqueue_at,
+            encoding, kind, reference, enqueue_at, client.config.tracing,
         )  # fmt: skip
         self._retry = client.config.retry_produce if retry is None else retry
         self._timeout = client.config.call_timeout(timeout)
@@ -141,14 +155,20 @@ class Producer:
         return self._duplicates
 
     def produce(
-        self, item: Item | Payload, *, idempotency_key: str | None = None, timeout: Seconds | None = None
+        self,
+        item: Item | Payload,
+        *,
+        idempotency_key: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        timeout: Seconds | None = None,
     ) -> concurrent.futures.Future[str]:
         """Queue one item (bytes, str or Item); blocks while ``max_pending`` items wait.
 
-        ``idempotency_key`` overrides the item's own. ``timeout`` bounds the wait (then
+        ``idempotency_key`` overrides the item's own; ``metadata`` pairs are added to the
+        item's own (these win). ``timeout`` bounds the wait (then
         :class:`~querator.Overloaded` is raised).
         """
-        message, cost = self._s.message(item, idempotency_key)
+        message, cost = self._s.message(item, idempotency_key, metadata)
         future: concurrent.futures.Future[str] = concurrent.futures.Future()
         limit = None if timeout is None else time.monotonic() + seconds(timeout)
         with self._cond:
@@ -317,7 +337,7 @@ class AsyncProducer:
         self._client = client
         self._s = _Settings(
             queue_name, max_items, max_bytes, max_latency, max_in_flight, max_pending,
-            encoding, kind, reference, enqueue_at,
+            encoding, kind, reference, enqueue_at, client.config.tracing,
         )  # fmt: skip
         self._retry = client.config.retry_produce if retry is None else retry
         self._timeout = client.config.call_timeout(timeout)
@@ -346,11 +366,13 @@ class AsyncProducer:
             self._flusher = asyncio.create_task(self._flush_on_time())
         return self._changed
 
-    async def produce(self, item: Item | Payload, *, idempotency_key: str | None = None) -> asyncio.Future[str]:
-        """Queue one item; waits while ``max_pending`` items are pending."""
+    async def produce(
+        self, item: Item | Payload, *, idempotency_key: str | None = None, metadata: Mapping[str, str] | None = None
+    ) -> asyncio.Future[str]:
+        """Queue one item; waits while ``max_pending`` items are pending (see :meth:`Producer.produce`)."""
         if self._closed:
             raise RuntimeError("the producer is closed")
-        message, cost = self._s.message(item, idempotency_key)
+        message, cost = self._s.message(item, idempotency_key, metadata)
         changed = self._start()
         async with changed:
             await changed.wait_for(lambda: self._pending < self._s.max_pending)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
@@ -23,6 +23,7 @@ from ._models import (
     QueueStats,
     StoredItem,
 )
+from .tracing import _merge_trace as merge_trace
 from .v1 import keys_pb2, queue_pb2, queues_pb2, storage_pb2
 
 
@@ -70,7 +71,11 @@ def mark(items: Iterable[Ref], state: str) -> None:
 # -- produce --------------------------------------------------------------------------
 
 
-def produce_item(value: ProduceArg, defaults: Item | None) -> queue_pb2.ProduceItem:
+def produce_item(
+    value: ProduceArg, defaults: Item | None, trace: Mapping[str, str] | None = None
+) -> queue_pb2.ProduceItem:
+    """The ProduceItem for ``value``; ``trace``: trace context to add to its metadata
+    (the keys the item sets itself win)."""
     item = value if isinstance(value, Item) else Item(value)
     encoding, kind, reference, enqueue_at = item.encoding, item.kind, item.reference, item.enqueue_at
     if defaults is not None:
@@ -87,11 +92,19 @@ def produce_item(value: ProduceArg, defaults: Item | None) -> queue_pb2.ProduceI
     )
     if enqueue_at is not None:
         out.enqueue_at.CopyFrom(c.to_timestamp(enqueue_at))
+    metadata = merge_trace(item.metadata, trace) if trace else item.metadata
+    if metadata:
+        out.metadata.update(metadata)
     return out
 
 
 def produce_batches(
-    items: Iterable[ProduceArg] | ProduceArg, defaults: Item | None, *, max_items: int = MAX_BATCH, max_bytes: int = BATCH_BYTES
+    items: Iterable[ProduceArg] | ProduceArg,
+    defaults: Item | None,
+    *,
+    max_items: int = MAX_BATCH,
+    max_bytes: int = BATCH_BYTES,
+    trace: Mapping[str, str] | None = None,
 ) -> Iterator[list[queue_pb2.ProduceItem]]:
     """Split ``items`` into request-sized batches (count and serialized bytes)."""
     if isinstance(items, (bytes, bytearray, memoryview, str, Item)):
@@ -100,7 +113,7 @@ def produce_batches(
     batch: list[queue_pb2.ProduceItem] = []
     size = 0
     for value in items:
-        message = produce_item(value, defaults)
+        message = produce_item(value, defaults, trace)
         # Each repeated entry costs its bytes plus a tag and a length prefix.
         cost = message.ByteSize() + 6
         if batch and (len(batch) >= max_items or size + cost > max_bytes):
@@ -184,6 +197,7 @@ def leased_fields(response: queue_pb2.LeaseResponse) -> Iterator[dict[str, Any]]
             "attempts": item.attempts,
             "lease_deadline": c.from_timestamp(item.lease_deadline),
             "created_at": c.from_timestamp(item.created_at),
+            "metadata": dict(item.metadata) if item.metadata else {},
         }
 
 
@@ -351,6 +365,7 @@ def stored_item(item: storage_pb2.StorageItem, partition: int) -> StoredItem:
         encoding=item.encoding,
         kind=item.kind,
         source_id=item.source_id,
+        metadata=dict(item.metadata),
     )
 
 
@@ -362,6 +377,7 @@ def storage_item(item: StoredItem | Item | Payload) -> storage_pb2.StorageItem:
             kind=item.kind,
             reference=item.reference,
             enqueue_at=item.enqueue_at,
+            metadata=item.metadata,
         )
     elif not isinstance(item, StoredItem):
         item = StoredItem(payload=c.payload_bytes(item))
@@ -374,6 +390,8 @@ def storage_item(item: StoredItem | Item | Payload) -> storage_pb2.StorageItem:
         payload=c.payload_bytes(item.payload),
         source_id=item.source_id,
     )
+    if item.metadata:
+        out.metadata.update(item.metadata)
     for name in ("lease_deadline", "expire_deadline", "enqueue_at", "created_at"):
         value: datetime | None = getattr(item, name)
         if value is not None:

@@ -15,6 +15,7 @@ are completed by Complete calls, batched. Retries and dead-letters always go by 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -32,6 +33,7 @@ from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Union, cast
 
+from . import tracing as _tracing
 from ._config import MAX_BATCH, Backoff
 from ._convert import Seconds, seconds
 from ._items import COMPLETED, DEAD, AnyLeasedItem, LeasedItem, _LeasedBase
@@ -190,6 +192,7 @@ class _Engine:
         self.hooks = options.hooks or WorkerHooks()
         self.stats = WorkerStats()
         self.is_async = _is_async(handler)
+        self.tracing = aclient.config.tracing
         self._make_sync_client = make_sync_client
         self._sync_client: Client | None = None
         self._owns_sync_client = False
@@ -455,14 +458,16 @@ class _Engine:
                 began = time.monotonic()
                 error: BaseException | None = None
                 try:
-                    if self.is_async:
-                        await self.handler(item)  # type: ignore[arg-type,misc]
-                    else:
-                        assert self.loop is not None
-                        ctx = contextvars.copy_context()
-                        sync_handler = cast(Callable[[_LeasedBase], object], self.handler)
-                        call = functools.partial(ctx.run, sync_handler, item)
-                        await self.loop.run_in_executor(self.pool, call)
+                    with self._span(item):
+                        if self.is_async:
+                            await self.handler(item)  # type: ignore[arg-type,misc]
+                        else:
+                            assert self.loop is not None
+                            # The handler's thread sees this task's context (the span).
+                            ctx = contextvars.copy_context()
+                            sync_handler = cast(Callable[[_LeasedBase], object], self.handler)
+                            call = functools.partial(ctx.run, sync_handler, item)
+                            await self.loop.run_in_executor(self.pool, call)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
@@ -474,6 +479,12 @@ class _Engine:
         finally:
             if not held.abandoned:
                 self._forget(held)
+
+    def _span(self, item: _LeasedBase) -> contextlib.AbstractContextManager[object]:
+        """The handler's CONSUMER span when tracing is on (querator.tracing)."""
+        if not self.tracing:
+            return contextlib.nullcontext()
+        return _tracing.process_span(item, client_id=self.client_id)
 
     async def _settle(self, held: _Held, error: BaseException | None, elapsed: float) -> None:
         item = held.item
@@ -730,6 +741,9 @@ class AsyncWorker:
     - it raised :class:`~querator.DeadLetter`: the item goes to the dead-letter queue;
     - it raised anything else: the item is retried at ``now + retry_backoff(attempts)``
       (dead-lettered instead once it used the queue's ``max_attempts``).
+
+    With the client's ``tracing=True`` each handler runs inside a CONSUMER span that
+    continues the producer's trace (:func:`querator.tracing.process_span`).
 
     Options are :class:`WorkerOptions` fields, as keywords. ``await worker.run()`` runs
     until :meth:`stop` (or SIGTERM/SIGINT): leasing stops, buffered items are released,

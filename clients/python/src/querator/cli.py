@@ -157,6 +157,7 @@ def leased_json(item: LeasedItem) -> dict[str, Any]:
         "encoding": item.encoding,
         "kind": item.kind,
         "reference": item.reference,
+        "metadata": dict(item.metadata),
         **payload_fields(item.payload),
     }
 
@@ -197,6 +198,15 @@ def _json_objects(lines: Iterable[str], name: str) -> Iterator[tuple[str, dict[s
         yield where, obj
 
 
+def _metadata_of(obj: dict[str, Any], where: str) -> dict[str, str]:
+    value = obj.get("metadata")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise UsageError(f"{where}: metadata must be an object of strings, e.g. {{\"team\": \"billing\"}}")
+    return value
+
+
 def _time_field(obj: dict[str, Any], key: str, where: str) -> datetime | None:
     value = obj.get(key)
     if value in (None, ""):
@@ -222,6 +232,7 @@ def produce_items(lines: Iterable[str], name: str, jsonl: bool) -> Iterator[Item
             reference=str(obj.get("reference", "")),
             enqueue_at=_time_field(obj, "enqueue_at", where),
             idempotency_key=str(obj.get("idempotency_key", "")),
+            metadata=_metadata_of(obj, where),
         )
 
 
@@ -239,6 +250,7 @@ def import_items(lines: Iterable[str], name: str) -> Iterator[StoredItem]:
             encoding=str(obj.get("encoding", "")),
             kind=str(obj.get("kind", "")),
             source_id=str(obj.get("source_id", "")),
+            metadata=_metadata_of(obj, where),
         )
 
 
@@ -669,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--jsonl",
         action="store_true",
         help="lines are JSON objects: payload (or payload_base64), kind, encoding, reference, enqueue_at, "
-        "idempotency_key (implied for *.jsonl files)",
+        "idempotency_key, metadata (an object of strings) (implied for *.jsonl files)",
     )
     p.add_argument("--kind", default="", help="kind of every item (JSON lines may set their own)")
     p.add_argument("--encoding", default="", help="encoding label of every item")
