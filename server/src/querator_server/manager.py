@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import re
 import fcntl
 import itertools
 import os
@@ -109,10 +110,17 @@ def _check_layout(data_dir: str) -> None:
         )
 
 
+_PATH = re.compile(r"""['"]?/[^\s'"]+['"]?""")
+
+
 def _storage_failed(exc: BaseException) -> Unavailable:
-    """A storage failure during an admin change: nothing changed, the caller may retry."""
+    """A storage failure during an admin change: nothing changed, the caller may retry.
+
+    The caller learns why (a full disk, an I/O error) but not the server's file paths.
+    """
     log.error("admin_storage_failed", error=str(exc))
-    return Unavailable("storage failed, the change was not made; retry later")
+    reason = _PATH.sub("<file>", str(exc))[:300]
+    return Unavailable(f"storage failed ({reason}); the change was not made, retry later")
 
 
 class QueuesManager:
@@ -208,9 +216,10 @@ class QueuesManager:
             if entry.isdigit() and entry not in live:
                 shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
 
-    async def _start_actor(self, config: QueueConfig) -> LogicalQueue:
+    async def _start_actor(self, config: QueueConfig, stopped: LogicalQueue | None = None) -> LogicalQueue:
+        """Start an actor for ``config``; on ``stopped``'s open storage when given."""
         loop = asyncio.get_running_loop()
-        store = await loop.run_in_executor(
+        store = stopped.store if stopped is not None else await loop.run_in_executor(
             self._executor,
             lambda: QueueStore(
                 self._queue_path(config.uid), config.partitions, map_size=self._map_size, sync=self._sync
@@ -219,7 +228,7 @@ class QueuesManager:
         actor = LogicalQueue(config, store, self._executor, resolve=self.actor, max_inbox=self._max_inbox)
         if self.observer is not None:
             self.observer.attach(actor)
-        await actor.start()
+        await actor.start(stopped.keyed_index if stopped is not None else None)
         return actor
 
     async def stop(self) -> None:
@@ -342,9 +351,9 @@ class QueuesManager:
                 await loop.run_in_executor(self._executor, self._require_catalog().delete, name)
             except (StorageError, OSError) as exc:
                 # The actor stopped but the catalog still has the queue: bring the
-                # queue back as it was, so nothing is half-deleted.
-                await loop.run_in_executor(self._executor, actor.store.close)
-                self._actors[name] = await self._start_actor(self._configs[name])
+                # queue back as it was on its still-open storage (reading needs no
+                # write), so nothing is half-deleted.
+                self._actors[name] = await self._start_actor(self._configs[name], actor)
                 raise _storage_failed(exc) from exc
             del self._configs[name]
             self._names.remove(name)

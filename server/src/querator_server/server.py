@@ -73,6 +73,11 @@ class QueratorServer:
                 ("grpc.max_receive_message_length", self.config.max_receive_bytes),
                 ("grpc.max_send_message_length", self.config.max_receive_bytes),
                 ("grpc.so_reuseport", 0),
+                # gRPC core cancels calls beyond its pending-request limit before any
+                # handler runs (CANCELLED, not a documented code); admission is the
+                # actors' bounded inboxes' job, so lift it.
+                ("grpc.server.max_pending_requests", 10_000),
+                ("grpc.server.max_pending_requests_hard_limit", 20_000),
             ]
         )
         guard = Guard(lambda: self.manager.keyring) if self.config.auth else None

@@ -9,6 +9,7 @@ name never matches a live item.
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 
@@ -27,18 +28,25 @@ def scheduled_id(uid: int, partition: int, seq: int, due: int) -> str:
     return f"{uid:x}.{partition:x}.{seq:x}.{due:x}"
 
 
+_HEX = re.compile(r"[0-9a-f]{1,16}")
+_MAX_PARTITION = 0xFFFF
+
+
 def parse_id(text: str) -> ItemRef | None:
-    """The parts of an id, or None when ``text`` is not one of ours."""
+    """The parts of an id, or None when ``text`` is not exactly an id we issue.
+
+    Only lowercase hex fields of at most 64 bits are accepted, so "-1", "0x1",
+    "1_0" or an overflowing number never reach the storage key encoders.
+    """
     if len(text) > 80:
         return None
     parts = text.split(".")
-    try:
-        if len(parts) == 3:
-            return ItemRef(int(parts[0], 16), int(parts[1], 16), int(parts[2], 16), 0)
-        if len(parts) == 4:
-            due = int(parts[3], 16)
-            if due > 0:
-                return ItemRef(int(parts[0], 16), int(parts[1], 16), int(parts[2], 16), due)
-    except ValueError:
+    if len(parts) not in (3, 4) or not all(_HEX.fullmatch(part) for part in parts):
         return None
-    return None
+    uid, partition, seq = (int(part, 16) for part in parts[:3])
+    if partition > _MAX_PARTITION:
+        return None
+    due = int(parts[3], 16) if len(parts) == 4 else 0
+    if len(parts) == 4 and due == 0:
+        return None
+    return ItemRef(uid, partition, seq, due)

@@ -122,12 +122,18 @@ class LogicalQueue:
     def name(self) -> str:
         return self.config.name
 
+    @property
+    def keyed_index(self) -> KeyedIndex | None:
+        return self._keyed
+
     # -- life ----------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, keyed: KeyedIndex | None = None) -> None:
+        """Load the queue's state and start the actor; ``keyed`` reuses the handles of
+        an earlier actor on the same (still open) storage, so no write is needed."""
         loop = asyncio.get_running_loop()
         self._views, self._lease_heap, self._outbox = await loop.run_in_executor(self._executor, self._load)
-        self._keyed = await loop.run_in_executor(self._executor, KeyedIndex, self.store)
+        self._keyed = keyed or await loop.run_in_executor(self._executor, KeyedIndex, self.store)
         self._dedup_at, self._lease_keys_at = await loop.run_in_executor(self._executor, self._load_key_times)
         # Everything that fell due while the server was down is handled at once.
         self._lifecycle_pending = True
@@ -433,12 +439,15 @@ class LogicalQueue:
     def _fail_batch(self, batch: _Batch, error: QueratorError) -> None:
         for request in batch.produces + batch.acks + batch.others:
             _answer(request, error)
-        # Leases lost nothing: the ones still wanted keep waiting.
+        # Leases lost nothing: the ones still wanted keep waiting, except those that
+        # carry completions, which must not later answer OK as if they had committed.
         now = now_us()
         for lease in batch.leases:
             if lease.future.done():
                 continue
-            if lease.wait_until_us > now and self._closed is None:
+            if lease.complete_ids:
+                _answer(lease, error)
+            elif lease.wait_until_us > now and self._closed is None:
                 self._waiting.append(lease)
             else:
                 _answer(lease, error)
