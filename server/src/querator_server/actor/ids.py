@@ -28,25 +28,21 @@ def scheduled_id(uid: int, partition: int, seq: int, due: int) -> str:
     return f"{uid:x}.{partition:x}.{seq:x}.{due:x}"
 
 
-_HEX = re.compile(r"[0-9a-f]{1,16}")
-_MAX_PARTITION = 0xFFFF
+_ID = re.compile(r"([0-9a-f]{1,16})\.([0-9a-f]{1,4})\.([0-9a-f]{1,16})(?:\.([0-9a-f]{1,16}))?")
 
 
 def parse_id(text: str) -> ItemRef | None:
     """The parts of an id, or None when ``text`` is not exactly an id we issue.
 
-    Only lowercase hex fields of at most 64 bits are accepted, so "-1", "0x1",
-    "1_0" or an overflowing number never reach the storage key encoders.
+    Only lowercase hex fields of at most 64 bits (16 bits for the partition) are
+    accepted, so "-1", "0x1", "1_0" or an overflowing number never reach the
+    storage key encoders.
     """
-    if len(text) > 80:
+    match = _ID.fullmatch(text)
+    if match is None:
         return None
-    parts = text.split(".")
-    if len(parts) not in (3, 4) or not all(_HEX.fullmatch(part) for part in parts):
-        return None
-    uid, partition, seq = (int(part, 16) for part in parts[:3])
-    if partition > _MAX_PARTITION:
-        return None
-    due = int(parts[3], 16) if len(parts) == 4 else 0
-    if len(parts) == 4 and due == 0:
-        return None
-    return ItemRef(uid, partition, seq, due)
+    uid, partition, seq, due = match.groups()
+    if due is None:
+        return ItemRef(int(uid, 16), int(partition, 16), int(seq, 16), 0)
+    due_us = int(due, 16)
+    return ItemRef(int(uid, 16), int(partition, 16), int(seq, 16), due_us) if due_us else None
