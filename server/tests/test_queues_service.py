@@ -799,3 +799,9 @@ def test_create_when_storage_fails_is_unavailable_and_retryable(server: ThreadSe
     stubs.create("q")
     stubs.produce("q", [b"x"])
     assert [i.payload for i in stubs.lease("q").items] == [b"x"]
+
+
+def test_a_short_expire_timeout_without_a_lease_timeout_shrinks_the_default_lease(stubs: Stubs) -> None:
+    created = stubs.create("shortlived", expire_timeout=dur(10))
+    assert created.expire_timeout == dur(10)
+    assert created.lease_timeout == dur(10)

@@ -101,6 +101,11 @@ class QueuesService:
         info = request.queue
         name = c.queue_name(info.queue_name, "queue.queue_name")
         config = QueueConfig(name=name).replace(**_settings(info, _UPDATABLE))
+        lease_given = info.HasField("lease_timeout") and (info.lease_timeout.seconds or info.lease_timeout.nanos)
+        if not lease_given and config.lease_timeout_us > config.expire_timeout_us:
+            # A short-lived queue without a lease timeout of its own: the default lease
+            # (1 min) shrinks to the item lifetime rather than refusing the queue.
+            config = config.replace(lease_timeout_us=config.expire_timeout_us)
         if config.lease_timeout_us > config.expire_timeout_us:
             raise InvalidArgument("queue.lease_timeout", "must not be longer than expire_timeout")
         created = await self.manager.create(config)

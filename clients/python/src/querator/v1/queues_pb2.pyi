@@ -59,7 +59,8 @@ class QueueInfo(_message.Message):
     @_builtins.property
     def lease_timeout(self) -> _duration_pb2.Duration:
         """How long a lease lasts before the item goes back to the queue. Default
-        1 minute; at most expire_timeout. Changes apply to new leases.
+        1 minute, or expire_timeout when that is shorter; at most expire_timeout.
+        Changes apply to new leases.
         """
 
     @_builtins.property
