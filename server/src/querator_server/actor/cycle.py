@@ -16,7 +16,13 @@ from ..errors import FailedPrecondition, NotFound, QueratorError, quote
 from ..model import SCHEDULE_MIN_US
 from ..storage import Item
 from ..storage.keyed import LeaseKeyRecord
-from ..storage.record import ItemState, read_state, scheduled_key, with_lease
+from ..storage.record import (
+    ItemState,
+    read_state,
+    scheduled_key,
+    with_lease,
+    with_lease_key,
+)
 from .ids import ItemRef, item_id, parse_id, scheduled_id
 from .lifecycle import LifecycleSteps
 from .requests import (
@@ -135,12 +141,11 @@ class Cycle(LifecycleSteps, StorageSteps):
                 continue
             if state.lease_key or request.lease_key:
                 # Tagged items change their tag (and their old key loses them).
-                item = Item.decode(raw)
                 if state.lease_key and state.lease_key != request.lease_key:
                     self._untag(txn, state.lease_key, seq)
-                item.is_leased, item.attempts, item.lease_deadline = True, state.attempts + 1, deadline
-                item.leased_at, item.lease_key = now, request.lease_key
-                leased = item.encode()
+                leased = with_lease_key(
+                    raw, attempts=state.attempts + 1, deadline=deadline, leased_at=now, lease_key=request.lease_key
+                )
             else:
                 leased = with_lease(raw, state, attempts=state.attempts + 1, deadline=deadline, leased_at=now)
             self.store.put_raw(txn, p, seq, leased)
@@ -187,9 +192,7 @@ class Cycle(LifecycleSteps, StorageSteps):
             if not state.is_leased:
                 if self._death_reason(state):
                     continue  # the lease scan or the lifecycle dead-letters it
-                item = Item.decode(raw)
-                item.is_leased, item.attempts, item.lease_deadline, item.leased_at = True, state.attempts + 1, deadline, now
-                raw = item.encode()
+                raw = with_lease_key(raw, attempts=state.attempts + 1, deadline=deadline, leased_at=now, lease_key=key)
                 self.store.put_raw(txn, p, seq, raw)
                 v.ready -= 1
                 v.leased += 1

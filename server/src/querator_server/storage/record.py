@@ -226,3 +226,18 @@ def with_lease(raw: bytes, state: ItemState, *, attempts: int, deadline: int, le
         _FLAG_LEASED, attempts, state.created_at, state.expire_deadline, deadline, state.enqueue_at, leased_at
     )
     return head + raw[_STATE_FIXED.size :]
+
+
+def with_lease_key(raw: bytes, *, attempts: int, deadline: int, leased_at: int, lease_key: str) -> bytes:
+    """``raw`` rewritten as leased under ``lease_key`` ("" for none), strings and payload
+    copied as bytes rather than decoded and encoded again."""
+    header = list(_HEADER.unpack_from(raw))
+    n_source, n_reference, n_encoding, n_kind, n_lease_key = header[7:12]
+    start = _HEADER.size + n_source + n_reference + n_encoding + n_kind
+    key = lease_key.encode()
+    header[0] = _FLAG_LEASED
+    header[1] = attempts
+    header[4] = deadline
+    header[6] = leased_at
+    header[11] = len(key)
+    return b"".join((_HEADER.pack(*header), raw[_HEADER.size : start], key, raw[start + n_lease_key :]))

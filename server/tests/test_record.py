@@ -1,0 +1,55 @@
+"""The stored item record: encode/decode and the in-place rewrites used on hot paths."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+from querator_server.storage.record import Item, read_state, with_lease, with_lease_key
+
+text = st.text(max_size=40)
+items = st.builds(
+    Item,
+    payload=st.binary(max_size=200),
+    encoding=text,
+    kind=text,
+    reference=text,
+    source_id=text,
+    created_at=st.integers(0, 2**62),
+    expire_deadline=st.integers(0, 2**62),
+    enqueue_at=st.integers(0, 2**62),
+    attempts=st.integers(0, 2**31),
+    is_leased=st.booleans(),
+    lease_deadline=st.integers(0, 2**62),
+    leased_at=st.integers(0, 2**62),
+    lease_key=text,
+    metadata=st.dictionaries(st.text(min_size=1, max_size=10), text, max_size=4),
+)
+
+
+@given(items)
+def test_records_round_trip(item: Item) -> None:
+    raw = item.encode()
+    assert Item.decode(raw) == item
+    state = read_state(raw)
+    assert (state.is_leased, state.attempts, state.source_id, state.lease_key) == (
+        item.is_leased,
+        item.attempts,
+        item.source_id,
+        item.lease_key,
+    )
+
+
+@given(items, st.integers(0, 2**31), st.integers(0, 2**62), st.integers(0, 2**62), text)
+def test_lease_rewrites_change_only_the_lease_fields(
+    item: Item, attempts: int, deadline: int, leased_at: int, key: str
+) -> None:
+    raw = item.encode()
+    expected = Item.decode(raw)
+    expected.is_leased, expected.attempts, expected.lease_deadline, expected.leased_at = True, attempts, deadline, leased_at
+    assert Item.decode(with_lease(raw, read_state(raw), attempts=attempts, deadline=deadline, leased_at=leased_at)) == (
+        expected
+    )
+    expected.lease_key = key
+    assert Item.decode(with_lease_key(raw, attempts=attempts, deadline=deadline, leased_at=leased_at, lease_key=key)) == (
+        expected
+    )
