@@ -16,7 +16,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 
-from conftest import Stubs
+from conftest import Stubs, ThreadServer
 
 Code = grpc.StatusCode
 HOUR = 3600
@@ -467,3 +467,14 @@ def test_stats_follow_storage_changes(stubs: Stubs) -> None:
     assert counts(stubs, "q") == [(2, 0, 0), (1, 0, 0)]
     stats = stubs.stats("q")
     assert secs(stats.partitions[0].average_age) > 0
+
+
+def test_listing_items_commits_nothing(server: ThreadServer, stubs: Stubs) -> None:
+    stubs.create("reads")
+    stubs.produce("reads", [b"a", b"b"])
+    env = server.server.manager.actor("reads").store.env
+    before = env.info()["last_txnid"]
+    for _ in range(3):
+        assert len(stubs.list_items("reads")) == 2
+        stubs.storage.ListScheduledItems(storage_pb2.ListScheduledItemsRequest(queue_name="reads"), timeout=5)
+    assert env.info()["last_txnid"] == before

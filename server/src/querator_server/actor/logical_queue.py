@@ -434,6 +434,11 @@ class LogicalQueue:
             cycle.finish(txn)
             return cycle
 
+        if not lifecycle and not (batch.produces or batch.leases or batch.acks) and all(
+            isinstance(r, ListItemsRequest) for r in batch.others
+        ):
+            # Only listings: a read transaction, no commit and no fsync.
+            return self.store.read(body)
         return self.store.write(body)
 
     def _fail_batch(self, batch: _Batch, error: QueratorError) -> None:

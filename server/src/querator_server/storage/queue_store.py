@@ -142,6 +142,14 @@ class QueueStore:
     def partitions(self) -> int:
         return len(self._dbs)
 
+    def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in a read-only transaction: no commit, no fsync."""
+        try:
+            with self.env.begin() as txn:
+                return fn(txn)
+        except lmdb.Error as exc:
+            raise StorageError(f"storage read failed: {exc}") from exc
+
     def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn`` in one durable write transaction and commit it.
 
