@@ -192,3 +192,16 @@ def test_complete_needs_ids_or_lease_keys(stubs: Stubs) -> None:
     with pytest.raises(grpc.RpcError) as err:
         stubs.queue.Complete(queue_pb2.CompleteRequest(queue_name="lkv"), timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_lease_key_that_found_nothing_never_returns_later_items(stubs: Stubs) -> None:
+    stubs.create("lkempty")
+    started = time.monotonic()
+    request = queue_pb2.LeaseRequest(
+        queue_name="lkempty", batch_size=10, lease_key="k", request_timeout=duration_pb2.Duration(seconds=20)
+    )
+    assert list(stubs.queue.Lease(request, timeout=30).items) == []
+    assert time.monotonic() - started < 10  # a keyed lease answers at once, it does not wait 20 s
+    stubs.produce("lkempty", [b"late"])
+    assert list(lease_keyed(stubs, "lkempty", "k").items) == []
+    assert [i.payload for i in lease_keyed(stubs, "lkempty", "other").items] == [b"late"]

@@ -113,7 +113,15 @@ class Cycle(LifecycleSteps, StorageSteps):
             quotas = _water_fill(wanted, total)
         for request, quota in zip(requests, quotas):
             granted = self._lease_one(txn, request, quota) if quota else None
-            if granted is None:
+            if granted is not None:
+                continue
+            if request.lease_key and self.keyed is not None:
+                # A keyed lease does not wait: it records that it found nothing, so a
+                # replay of the key answers nothing too, never items that came later.
+                self.keyed.put_lease_key(txn, request.lease_key, LeaseKeyRecord(self.now, 0, ()), new=True)
+                self.lease_keys_added = True
+                self._ok(request, LeaseResult(0, []))
+            else:
                 self.unserved.append(request)
 
     def _lease_one(self, txn: lmdb.Transaction, request: LeaseRequest, quota: int) -> LeaseResult | None:

@@ -82,7 +82,7 @@ class KeyedIndex:
 
     def put_lease_key(self, txn: lmdb.Transaction, key: str, record: LeaseKeyRecord, *, new: bool) -> None:
         k = _key(key)
-        if not record.seqs:
+        if not record.seqs and not new:  # all its items left: the key is forgotten
             self.drop_lease_key(txn, key)
             return
         value = _LEASE_HEAD.pack(record.taken_at, record.partition) + struct.pack(

@@ -205,9 +205,10 @@ class LeaseRequest(_message.Message):
     with a key leases up to batch_size items and remembers them under the
     key; a later call with the same key returns exactly the items of that key
     still leased under it (re-leasing any whose lease expired and that are
-    still ready), never new items. Complete and Extend accept the key too. A
-    key is forgotten once all its items are completed, or after the queue's
-    lease_key_ttl.
+    still ready), never new items. A keyed lease does not wait: it answers
+    at once with what was ready (possibly nothing, which is remembered too).
+    Complete and Extend accept the key too. A key is forgotten once all its
+    items are completed, or after the queue's lease_key_ttl.
     """
     @_builtins.property
     def request_timeout(self) -> _duration_pb2.Duration:
