@@ -23,6 +23,9 @@ from typing import IO
 
 import grpc
 import pytest
+from google.protobuf import duration_pb2
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from querator.v1 import (
     queue_pb2,
     queue_pb2_grpc,
@@ -256,3 +259,31 @@ def wait_until(predicate: object, timeout: float = 10.0, interval: float = 0.02)
             return
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s")
+
+
+# -- protobuf and status helpers shared by the test modules ----------------------------
+
+
+def dur(seconds: float = 0, nanos: int = 0) -> duration_pb2.Duration:
+    """A Duration of ``seconds`` (fractions allowed) plus ``nanos``."""
+    whole = int(seconds // 1)
+    total = round((seconds - whole) * 1e9) + nanos
+    return duration_pb2.Duration(seconds=whole + total // 1_000_000_000, nanos=total % 1_000_000_000)
+
+
+def secs(value: object) -> float:
+    """A Timestamp or Duration as float seconds."""
+    return value.seconds + value.nanos / 1e9  # type: ignore[attr-defined, no-any-return]
+
+
+def bad_request_fields(error: grpc.RpcError) -> list[str]:
+    """The fields named by the google.rpc.BadRequest details of an INVALID_ARGUMENT."""
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    assert status is not None, "INVALID_ARGUMENT must carry a google.rpc.Status with details"
+    fields: list[str] = []
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            fields.extend(v.field for v in bad.field_violations)
+    return fields

@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
-from google.protobuf import duration_pb2, field_mask_pb2, timestamp_pb2
+from google.protobuf import field_mask_pb2, timestamp_pb2
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 
-from conftest import ProcessServer, Stubs, ThreadServer, wait_until
+from conftest import dur, ProcessServer, secs, Stubs, ThreadServer, wait_until
 
 OK = grpc.StatusCode.OK
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -44,9 +44,6 @@ WAKE_LIMIT = 3.0
 # -- helpers -----------------------------------------------------------------------
 
 
-def dur(seconds: float) -> duration_pb2.Duration:
-    whole = int(seconds // 1)
-    return duration_pb2.Duration(seconds=whole, nanos=round((seconds - whole) * 1e9))
 
 
 def ts_at(epoch_seconds: float) -> timestamp_pb2.Timestamp:
@@ -55,8 +52,6 @@ def ts_at(epoch_seconds: float) -> timestamp_pb2.Timestamp:
     return at
 
 
-def secs(ts: timestamp_pb2.Timestamp) -> float:
-    return ts.seconds + ts.nanos / 1e9
 
 
 def code_of(call: Callable[[], object]) -> grpc.StatusCode:

@@ -14,11 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from google.protobuf import duration_pb2, timestamp_pb2
-from google.rpc import error_details_pb2  # type: ignore[import-untyped]
-from grpc_status import rpc_status
 from querator.v1 import queue_pb2, storage_pb2
 
-from conftest import Stubs, ThreadServer, wait_until
+from conftest import bad_request_fields as violation_fields, dur, secs, Stubs, ThreadServer, wait_until
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -32,9 +30,6 @@ PROMPT = 3.0
 # -- helpers -----------------------------------------------------------------------
 
 
-def dur(seconds: float) -> duration_pb2.Duration:
-    whole = int(seconds // 1)
-    return duration_pb2.Duration(seconds=whole, nanos=round((seconds - whole) * 1e9))
 
 
 def ts_in(seconds: float) -> timestamp_pb2.Timestamp:
@@ -44,8 +39,6 @@ def ts_in(seconds: float) -> timestamp_pb2.Timestamp:
     return at
 
 
-def secs(ts: timestamp_pb2.Timestamp) -> float:
-    return ts.seconds + ts.nanos / 1e9
 
 
 def rpc_error(call: Callable[..., object], *args: object, **kwargs: object) -> grpc.RpcError:
@@ -58,16 +51,6 @@ def message(err: grpc.RpcError) -> str:
     return err.details() or ""  # type: ignore[attr-defined]
 
 
-def violation_fields(err: grpc.RpcError) -> list[str]:
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    assert status is not None, "INVALID_ARGUMENT must carry a google.rpc.Status with details"
-    fields: list[str] = []
-    for detail in status.details:
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            fields.extend(v.field for v in bad.field_violations)
-    return fields
 
 
 def assert_invalid(err: grpc.RpcError, field: str) -> None:

@@ -12,12 +12,10 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from google.protobuf import duration_pb2, field_mask_pb2, timestamp_pb2
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
+from google.protobuf import field_mask_pb2, timestamp_pb2
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 
-from conftest import Stubs, ThreadServer, wait_until
+from conftest import bad_request_fields, dur, secs, Stubs, ThreadServer, wait_until
 
 Code = grpc.StatusCode
 HOUR = 3600
@@ -26,12 +24,8 @@ HOUR = 3600
 # -- helpers ------------------------------------------------------------------------
 
 
-def dur(seconds: int = 0, nanos: int = 0) -> duration_pb2.Duration:
-    return duration_pb2.Duration(seconds=seconds, nanos=nanos)
 
 
-def secs(value: timestamp_pb2.Timestamp | duration_pb2.Duration) -> float:
-    return value.seconds + value.nanos / 1e9
 
 
 def in_future(seconds: float) -> timestamp_pb2.Timestamp:
@@ -46,16 +40,6 @@ def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
     return info.value
 
 
-def bad_request_fields(error: grpc.RpcError) -> list[str]:
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    assert status is not None, "INVALID_ARGUMENT must carry a google.rpc.Status with details"
-    fields: list[str] = []
-    for detail in status.details:
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            fields.extend(v.field for v in bad.field_violations)
-    return fields
 
 
 def expect_code(call: Callable[[], object], code: grpc.StatusCode) -> grpc.RpcError:

@@ -11,12 +11,12 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from google.protobuf import duration_pb2, field_mask_pb2, timestamp_pb2
+from google.protobuf import field_mask_pb2, timestamp_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 
-from conftest import Stubs, ThreadServer
+from conftest import dur, secs, Stubs, ThreadServer
 
 Code = grpc.StatusCode
 HOUR = 3600
@@ -25,12 +25,8 @@ HOUR = 3600
 # -- helpers ------------------------------------------------------------------------
 
 
-def dur(seconds: int = 0, nanos: int = 0) -> duration_pb2.Duration:
-    return duration_pb2.Duration(seconds=seconds, nanos=nanos)
 
 
-def secs(value: timestamp_pb2.Timestamp | duration_pb2.Duration) -> float:
-    return value.seconds + value.nanos / 1e9
 
 
 def ts_at(seconds: float) -> timestamp_pb2.Timestamp:
