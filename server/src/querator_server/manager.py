@@ -142,6 +142,11 @@ class QueuesManager:
         self._sync = sync
         self._max_inbox = max_inbox
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="querator-storage")
+        # A queue's held write transaction must begin and end on one thread
+        # (queue_store.py), so each queue commits on one single-thread lane, by uid.
+        self._lanes = [
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"querator-lane-{i}") for i in range(max(1, workers))
+        ]
         self._catalog: Catalog | None = None
         self._configs: dict[str, QueueConfig] = {}
         self._names: list[str] = []
@@ -225,7 +230,8 @@ class QueuesManager:
                 self._queue_path(config.uid), config.partitions, map_size=self._map_size, sync=self._sync
             ),
         )
-        actor = LogicalQueue(config, store, self._executor, resolve=self.actor, max_inbox=self._max_inbox)
+        lane = self._lanes[config.uid % len(self._lanes)]
+        actor = LogicalQueue(config, store, lane, resolve=self.actor, max_inbox=self._max_inbox)
         if self.observer is not None:
             self.observer.attach(actor)
         await actor.start(stopped.keyed_index if stopped is not None else None)
@@ -241,6 +247,8 @@ class QueuesManager:
                 self._catalog.close()
                 self._catalog = None
         self._executor.shutdown(wait=True)
+        for lane in self._lanes:
+            lane.shutdown(wait=True)
         self._unlock()
 
     def _unlock(self) -> None:
@@ -359,7 +367,7 @@ class QueuesManager:
             self._names.remove(name)
             del self._actors[name]
             # A crash before this point leaves an orphan directory that start-up removes.
-            await loop.run_in_executor(self._executor, actor.store.destroy)
+            await loop.run_in_executor(self._lanes[actor.config.uid % len(self._lanes)], actor.store.destroy)
             log.info("queue_deleted", queue=name)
 
     def _check_dead_queue(self, config: QueueConfig) -> None:

@@ -31,7 +31,7 @@ from ..errors import (
 )
 from ..faults import DEAD_LETTER_STORED, crash_point
 from ..model import PartitionStats, QueueConfig, QueueStats
-from ..storage import Item, QueueStore, StorageError, StorageFull
+from ..storage import MAX_GROWTHS, Item, MapFull, QueueStore, StorageError, StorageFull
 from ..storage.keyed import KeyedIndex
 from .cycle import Cycle
 from .requests import (
@@ -195,6 +195,7 @@ class LogicalQueue:
         if self._task is not None:
             await self._task
         await self._cancel_outbox()
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.store.abort_held)
 
     async def reconfigure(self, config: QueueConfig) -> None:
         await self.submit(_Reconfigure(config=config))
@@ -347,7 +348,7 @@ class LogicalQueue:
                 expired.append(heapq.heappop(heap))
         started = time.perf_counter()
         try:
-            cycle = await loop.run_in_executor(self._executor, self._transaction, batch, now, lifecycle, expired)
+            cycle = await self._transaction(batch, now, lifecycle, expired)
         except Exception as exc:
             for entry in expired:
                 heapq.heappush(self._lease_heap, entry)
@@ -401,9 +402,36 @@ class LogicalQueue:
             else:
                 _answer(lease, LeaseResult(0, []))
 
-    def _transaction(
+    async def _transaction(
         self, batch: _Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]]
     ) -> Cycle:
+        """Apply the cycle on the loop in the store's held transaction; commit it on the
+        queue's storage thread (see queue_store.py for why the work stays on the loop)."""
+        body = self._body(batch, now, lifecycle, expired)
+        if not lifecycle and not (batch.produces or batch.leases or batch.acks) and all(
+            isinstance(r, ListItemsRequest) for r in batch.others
+        ):
+            # Only listings: a read transaction, no commit and no fsync.
+            return self.store.read(body)
+        loop = asyncio.get_running_loop()
+        store = self.store
+        for _ in range(MAX_GROWTHS):
+            if not store.held:
+                await loop.run_in_executor(self._executor, store.hold)
+            try:
+                cycle = store.run_held(body)
+                await loop.run_in_executor(self._executor, store.commit_held)
+                return cycle
+            except MapFull:
+                await loop.run_in_executor(self._executor, store.grow)
+            except Exception:
+                await loop.run_in_executor(self._executor, store.abort_held)
+                raise
+        raise StorageFull("storage is full: the LMDB map could not grow enough")
+
+    def _body(
+        self, batch: _Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]]
+    ) -> Callable[[lmdb.Transaction], Cycle]:
         forget_keys = bool(
             (self._dedup_at and self._dedup_at + self.config.dedup_window_us <= now)
             or (self._lease_keys_at and self._lease_keys_at + self.config.lease_key_ttl_us <= now)
@@ -434,12 +462,7 @@ class LogicalQueue:
             cycle.finish(txn)
             return cycle
 
-        if not lifecycle and not (batch.produces or batch.leases or batch.acks) and all(
-            isinstance(r, ListItemsRequest) for r in batch.others
-        ):
-            # Only listings: a read transaction, no commit and no fsync.
-            return self.store.read(body)
-        return self.store.write(body)
+        return body
 
     def _fail_batch(self, batch: _Batch, error: QueratorError) -> None:
         for request in batch.produces + batch.acks + batch.others:

@@ -4,13 +4,15 @@ Nothing in this package knows about gRPC; it stores and finds items by key.
 """
 
 from .catalog import Catalog, CatalogError
-from .queue_store import PartitionScan, QueueStore, StorageError, StorageFull
+from .queue_store import MAX_GROWTHS, MapFull, PartitionScan, QueueStore, StorageError, StorageFull
 from .record import Item
 
 __all__ = [
     "Catalog",
     "CatalogError",
     "Item",
+    "MAX_GROWTHS",
+    "MapFull",
     "PartitionScan",
     "QueueStore",
     "StorageError",

@@ -2,6 +2,15 @@
 
 A queue's actor is the only writer of its environment, so LMDB's single-writer lock
 is never contended and every queue commits (and fsyncs) independently of the others.
+
+The actor's cycles use a *held* write transaction (``hold`` / ``run_held`` /
+``commit_held``): its storage thread begins it, the actor fills it on the event loop,
+and the same thread commits it and at once begins the next. py-lmdb releases the GIL
+around every put, get and delete; on a worker thread each of those calls meant waiting
+for the event loop to hand the GIL back, a few microseconds each, hundreds per cycle.
+On the loop thread nobody else wants the GIL, so they cost nothing, while the fsync
+still happens off the loop. LMDB ties a write transaction's lock to the thread that
+began it, so beginning and ending one must stay on that one thread.
 The directory is named by the queue's numeric uid, never by its name: nothing a
 client sends reaches a file path.
 """
@@ -42,7 +51,7 @@ from .record import (
 T = TypeVar("T")
 
 DEFAULT_MAP_SIZE = 1 << 30
-_MAX_GROWTHS = 12
+MAX_GROWTHS = 12
 _MAX_DBS_HEADROOM = 8
 
 
@@ -52,6 +61,10 @@ class StorageError(Exception):
 
 class StorageFull(StorageError):
     """The LMDB map cannot grow any further."""
+
+
+class MapFull(Exception):
+    """The held transaction ran out of map: call ``grow`` and run the cycle again."""
 
 
 def inject_write_fault() -> None:
@@ -123,6 +136,7 @@ class QueueStore:
         except lmdb.Error as exc:
             raise StorageError(f"cannot open queue storage {os.path.join(path, 'data.mdb')!r}: {exc}") from exc
         self._dbs: list[Any] = []
+        self._held: lmdb.Transaction | None = None
         # Called with each commit's duration in seconds (metrics), when set.
         self.on_commit: Callable[[float], None] | None = None
         self.ensure_partitions(partitions)
@@ -155,9 +169,11 @@ class QueueStore:
 
         When the map is full the transaction is thrown away, the map doubled and ``fn``
         run again from the start, so ``fn`` must not change anything outside the
-        transaction before it returns.
+        transaction before it returns. Runs on the thread that holds the held
+        transaction, if any, and gives it up first (LMDB has one writer at a time).
         """
-        for _ in range(_MAX_GROWTHS):
+        self.abort_held()
+        for _ in range(MAX_GROWTHS):
             txn = self.env.begin(write=True)
             try:
                 result = fn(txn)
@@ -178,6 +194,76 @@ class QueueStore:
                 raise
         raise StorageFull("storage is full: the LMDB map could not grow enough")
 
+    # -- the held write transaction ----------------------------------------------
+    # hold, commit_held, abort_held and grow run on the storage thread that owns this
+    # store; run_held on whichever thread the owner lets run it, one at a time.
+
+    @property
+    def held(self) -> bool:
+        return self._held is not None
+
+    def hold(self) -> None:
+        """Begin the write transaction the next cycle will fill (if none is open)."""
+        if self._held is None:
+            try:
+                self._held = self.env.begin(write=True)
+            except lmdb.Error as exc:
+                raise StorageError(f"storage write failed: {exc}") from exc
+
+    def run_held(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in the held transaction without committing it.
+
+        Raises ``MapFull`` when the map is full; any other exception leaves the
+        transaction to be aborted by ``abort_held``.
+        """
+        if self._held is None:
+            raise StorageError("no write transaction is held")
+        try:
+            return fn(self._held)
+        except lmdb.MapFullError as exc:
+            raise MapFull() from exc
+        except lmdb.Error as exc:
+            raise StorageError(f"storage write failed: {exc}") from exc
+
+    def commit_held(self) -> None:
+        """Commit the held transaction durably, then begin the next one.
+
+        On ``MapFull`` or ``StorageError`` nothing was committed and nothing is held.
+        """
+        txn, self._held = self._held, None
+        if txn is None:
+            raise StorageError("no write transaction is held")
+        try:
+            inject_write_fault()
+            started = time.perf_counter()
+            txn.commit()
+            if self.on_commit is not None:
+                self.on_commit(time.perf_counter() - started)
+        except lmdb.MapFullError as exc:
+            txn.abort()
+            raise MapFull() from exc
+        except lmdb.Error as exc:
+            txn.abort()
+            raise StorageError(f"storage write failed: {exc}") from exc
+        except BaseException:
+            txn.abort()
+            raise
+        try:
+            self.hold()
+        except StorageError:
+            pass  # the commit stands; the next cycle's hold() reports the failure
+
+    def abort_held(self) -> None:
+        """Throw the held transaction away (a failed cycle, a write, or closing)."""
+        txn, self._held = self._held, None
+        if txn is not None:
+            txn.abort()
+
+    def grow(self) -> None:
+        """Double the map after ``MapFull``; the next cycle holds a new transaction."""
+        self.abort_held()
+        self._grow()
+
     def _grow(self) -> None:
         size = self.env.info()["map_size"]
         try:
@@ -191,9 +277,11 @@ class QueueStore:
         return used, int(info["map_size"])
 
     def close(self) -> None:
+        self.abort_held()
         self.env.close()
 
     def destroy(self) -> None:
+        self.abort_held()
         self.env.close()
         shutil.rmtree(self.path, ignore_errors=True)
 
