@@ -1,6 +1,6 @@
 """One cycle of a logical queue: every waiting request applied in one transaction.
 
-``Cycle`` runs on a worker thread inside ``QueueStore.write`` (see cycle_base.py for
+``Cycle`` runs on the event loop in the store's held transaction (see cycle_base.py for
 the rules every step follows). This module holds the client requests: produce,
 lease (shared round-robin, idempotent lease keys), complete, retry and extend; the
 lifecycle and storage steps come from lifecycle.py and storage_steps.py.

@@ -1,6 +1,6 @@
 """What every step of a cycle shares: the views, the results, the lease-key bookkeeping.
 
-A ``Cycle`` (cycle.py) runs on a worker thread inside ``QueueStore.write``. It reads
+A ``Cycle`` (cycle.py) runs in the store's held write transaction. It reads
 the actor's partition views but only changes copies of them; the actor adopts the
 copies once the transaction has committed. If LMDB's map is full the whole cycle
 runs again from the start on a bigger map, so no step touches state outside the

@@ -2,7 +2,8 @@
 
 gRPC handlers ``submit`` requests and await their futures. The actor wakes when
 something is waiting, takes *everything* waiting, applies it in one LMDB write
-transaction on a worker thread (so an fsync never stalls the event loop), adopts the
+transaction, which the queue's storage lane commits (so an fsync never stalls the
+event loop; see queue_store.py for why the work itself stays on the loop), adopts the
 new partition views, then answers every request of the cycle. Leases that found
 nothing are parked and take part in later cycles until their wait runs out.
 """
