@@ -53,9 +53,13 @@ class Cycle(LifecycleSteps, StorageSteps):
         v = self.view(p)
         store, now = self.store, self.now
         expire = now + self.config.expire_timeout_us
+        scheduled_before = v.scheduled
         ids: list[str] = []
         duplicates = 0
         since = now - self.config.dedup_window_us
+        # Ready items are stored in runs of consecutive seqs, sharing their key prefixes.
+        run: list[Item] = []
+        run_first = 0
         for new in request.items:
             key = new.idempotency_key
             if key and self.keyed is not None:
@@ -81,13 +85,21 @@ class Cycle(LifecycleSteps, StorageSteps):
                 v.note_due(new.enqueue_at_us)
                 ids.append(scheduled_id(self.uid, p, seq, new.enqueue_at_us))
             else:
-                store.append(txn, p, seq, item)
-                v.ready += 1
-                v.created_sum += now
+                if run and run_first + len(run) != seq:
+                    store.append_new(txn, p, run_first, run, expire)
+                    run = []
+                if not run:
+                    run_first = seq
+                run.append(item)
                 ids.append(item_id(self.uid, p, seq))
             if key and self.keyed is not None:
                 self.keyed.remember(txn, key, now, ids[-1])
                 self.dedup_added = True
+        if run:
+            store.append_new(txn, p, run_first, run, expire)
+        ready = len(request.items) - duplicates - (v.scheduled - scheduled_before)
+        v.ready += ready
+        v.created_sum += now * ready
         if len(request.items) > duplicates:
             v.note_expiry(expire)
         self._ok(request, ProduceResult(p, ids, duplicates))

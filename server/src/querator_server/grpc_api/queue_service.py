@@ -45,19 +45,7 @@ class QueueService:
         c.count(request.items, "items")
         now = now_us()
         deadline = _request_deadline_us(request, context, now)
-        items: list[NewItem] = []
-        for index, item in enumerate(request.items):
-            items.append(
-                NewItem(
-                    payload=item.payload or item.utf8.encode(),
-                    encoding=item.encoding,
-                    kind=item.kind,
-                    reference=item.reference,
-                    enqueue_at_us=c.optional_timestamp_us(item, "enqueue_at", f"items[{index}].enqueue_at"),
-                    idempotency_key=c.key(item.idempotency_key, f"items[{index}].idempotency_key"),
-                    metadata=c.metadata(item.metadata, f"items[{index}].metadata"),
-                )
-            )
+        items = [_new_item(index, item) for index, item in enumerate(request.items)]
         result: a.ProduceResult = await self.manager.actor(name).submit(
             a.ProduceRequest(items, deadline_us=deadline)
         )
@@ -156,6 +144,21 @@ class QueueService:
             },
             guard=self.guard,
         )
+
+
+def _new_item(index: int, item: pb.ProduceItem) -> NewItem:
+    fields = item.ListFields()
+    if len(fields) == 1 and fields[0][0].name == "payload":
+        return NewItem(fields[0][1])  # the common case, in half the time of the full one
+    return NewItem(
+        payload=item.payload or item.utf8.encode(),
+        encoding=item.encoding,
+        kind=item.kind,
+        reference=item.reference,
+        enqueue_at_us=c.optional_timestamp_us(item, "enqueue_at", f"items[{index}].enqueue_at"),
+        idempotency_key=c.key(item.idempotency_key, f"items[{index}].idempotency_key"),
+        metadata=c.metadata(item.metadata, f"items[{index}].metadata"),
+    )
 
 
 def _lease_response(name: str, result: a.LeaseResult) -> pb.LeaseResponse:

@@ -39,6 +39,7 @@ from .record import (
     decode_u64,
     encode_u64,
     expiry_key,
+    expiry_prefix,
     item_key,
     outbox_key,
     parse_expiry_key,
@@ -304,6 +305,17 @@ class QueueStore:
         txn.put(expiry_key(item.expire_deadline, key), b"", db=db)
         if item.source_id:
             txn.put(source_key(item.source_id), key, db=db)
+
+    def append_new(self, txn: lmdb.Transaction, p: int, first_seq: int, items: list[Item], expire_deadline: int) -> None:
+        """Store freshly produced items at first_seq, first_seq + 1, ... (no source ids),
+        all expiring at ``expire_deadline``: ``append`` with the shared parts built once."""
+        db = self._dbs[p]
+        put = txn.put
+        prefix = expiry_prefix(expire_deadline)
+        for seq, item in enumerate(items, first_seq):
+            key = item_key(seq)
+            put(key, item.encode(), db=db)
+            put(prefix + key, b"", db=db)
 
     def get(self, txn: lmdb.Transaction, p: int, seq: int) -> Item | None:
         raw = txn.get(item_key(seq), db=self._dbs[p])
