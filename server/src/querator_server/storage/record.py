@@ -169,6 +169,17 @@ class Item:
         ) = _HEADER.unpack_from(data)
         pos = _HEADER.size
         view = bytes(data)
+        if not (n_source or n_reference or n_encoding or n_kind or n_lease_key or n_metadata):
+            return cls(
+                payload=view[pos:],
+                created_at=created_at,
+                expire_deadline=expire_deadline,
+                enqueue_at=enqueue_at,
+                attempts=attempts,
+                is_leased=bool(flags & _FLAG_LEASED),
+                lease_deadline=lease_deadline,
+                leased_at=leased_at,
+            )
         source = view[pos : pos + n_source].decode()
         pos += n_source
         reference = view[pos : pos + n_reference].decode()
