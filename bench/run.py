@@ -244,15 +244,17 @@ def report(all_results: dict[str, dict[str, Any]], ceilings: dict[str, Any], arg
             add(f"| LMDB commit | failed: {lm} | |")
         add("")
         if isinstance(e, dict) and isinstance(lm, dict) and ours:
+            drain_calls = 1 if args.complete_in_lease else 2
+            drain_how = "one to drain (a Lease that completes the last batch)" if args.complete_in_lease else "two to drain (Lease, Complete)"
             add("Ours as a fraction of the ceilings. gRPC: calls/s needed ÷ echo calls/s, counting per batch one call "
-                "to produce, two to drain (Lease, Complete), three end to end (W2). LMDB: items/s ÷ the items/s of one "
+                f"to produce, {drain_how}, {1 + drain_calls} end to end (W2). LMDB: items/s ÷ the items/s of one "
                 "100-item durable commit at a time (the server puts many batches in one commit, so it can pass 1).")
             add("")
             add("| figure | items/s | ÷ gRPC echo items/s | ÷ LMDB commit items/s |")
             add("|---|---:|---:|---:|")
             for label, path, value in throughput_rows(ours, s):
                 if isinstance(value, float):
-                    calls = 3 if path.startswith("W2") else 2 if path.endswith("drain") else 1
+                    calls = 1 + drain_calls if path.startswith("W2") else drain_calls if path.endswith("drain") else 1
                     add(f"| {label} | {_n(value)} | {value * calls / e['items_per_s']:.2f} | {value / lm['items_per_s']:.2f} |")
             add("")
     add("Targets (from the issue):")
@@ -261,7 +263,34 @@ def report(all_results: dict[str, dict[str, Any]], ceilings: dict[str, Any], arg
     add("|---|---|---|")
     for target, figure, met in targets(all_results):
         add(f"| {target} | {figure} | {met} |")
+    e = ceilings.get("echo")
+    needs = peer_needs(all_results, args) if isinstance(e, dict) else []
+    if needs:
+        add("")
+        add("What each peer ratio asks of ours, against the gRPC echo ceiling of the same run (a server "
+            "that only parses each call and answers it). A share above about 1 cannot be reached by any "
+            "server behind Python gRPC here, whatever it does per item.")
+        add("")
+        add("| target | ours would need, items/s | calls/s at 100 items per call | ÷ echo calls/s |")
+        add("|---|---:|---:|---:|")
+        for target, items_per_s, calls_per_s in needs:
+            add(f"| {target} | {_n(items_per_s)} | {_n(calls_per_s)} | {calls_per_s / e['calls_per_s']:.2f} |")
     return "\n".join(lines)
+
+
+def peer_needs(all_results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[tuple[str, float, float]]:
+    """(target, items/s ours would need, calls/s that takes) for every peer-ratio target."""
+    drain_calls = 1 if args.complete_in_lease else 2
+    calls_per_batch = {"W1.produce": 1, "W1.drain": drain_calls, "W2.total": 1 + drain_calls}
+    out = []
+    for peer, factor in (("Redis Streams", 1.5), ("PostgreSQL", 2.0)):
+        other = all_results.get(peer) or {}
+        for path, calls in calls_per_batch.items():
+            b = _get(other, path)
+            if isinstance(b, float):
+                need = factor * b
+                out.append((f"{path} >= {factor}x {peer}", need, need * calls / 100))
+    return out
 
 
 def targets(all_results: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
