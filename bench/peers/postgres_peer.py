@@ -6,10 +6,10 @@ is its own (autocommit) transaction, so each reply means the change is flushed t
 Mapping of the queue operations (a table per queue, `id bigserial` primary key):
 - produce: `INSERT INTO q (payload) SELECT unnest($1::bytea[])`: 100 rows per statement;
 - lease:   an UPDATE lease that mirrors our lease semantics (lease column, expiry, attempts):
-             UPDATE q SET lease_deadline = now() + 300 s, attempts = attempts + 1, leased_by = $1
-             WHERE id IN (SELECT id FROM q WHERE lease_deadline IS NULL OR lease_deadline < now()
-                          ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED)
-             RETURNING id, payload
+             WITH picked AS (SELECT id FROM q WHERE lease_deadline IS NULL OR lease_deadline < now()
+                             ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED)
+             UPDATE q SET lease_deadline = now() + 300 s, attempts = q.attempts + 1, leased_by = $1
+             FROM picked WHERE q.id = picked.id RETURNING q.id, q.payload
            PostgreSQL has no blocking read: an empty lease polls again after 1 ms, backing
            off to 10 ms, until the wait time is up;
 - complete: `DELETE FROM q WHERE id = ANY($1)`.
@@ -203,17 +203,21 @@ class PostgresClient:
 
     async def lease(self, queue: str, client_id: str, batch: int, wait_s: float) -> tuple[object, list[bytes]]:
         table = _table(queue)
+        # The rows are picked in a CTE, which PostgreSQL runs exactly once; with
+        # `WHERE id IN (subquery)` the planner may run the locking subquery again per
+        # row, and one W2 run under full load spun for 14 minutes that way.
         sql = (
-            f"UPDATE {table} SET lease_deadline = now() + interval '{LEASE_SECONDS} seconds', "
-            "attempts = attempts + 1, leased_by = %s "
-            f"WHERE id IN (SELECT id FROM {table} WHERE lease_deadline IS NULL OR lease_deadline < now() "
-            "ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING id, payload"
+            f"WITH picked AS (SELECT id FROM {table} WHERE lease_deadline IS NULL OR lease_deadline < now() "
+            "ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED) "
+            f"UPDATE {table} AS q SET lease_deadline = now() + interval '{LEASE_SECONDS} seconds', "
+            "attempts = q.attempts + 1, leased_by = %s "
+            "FROM picked WHERE q.id = picked.id RETURNING q.id, q.payload"
         )
         loop = asyncio.get_running_loop()
         give_up = loop.time() + wait_s
         pause = _POLL_MIN_S
         while True:
-            rows = await self._execute(sql, [client_id, batch], fetch=True)
+            rows = await self._execute(sql, [batch, client_id], fetch=True)
             if rows or loop.time() >= give_up:
                 return [row[0] for row in rows], [bytes(row[1]) for row in rows]
             await asyncio.sleep(pause)
