@@ -339,7 +339,6 @@ class LogicalQueue:
                 self._apply_delete(request)
 
     async def _apply(self, batch: _Batch, now: int, lifecycle: bool) -> None:
-        loop = asyncio.get_running_loop()
         self._in_flight = len(batch)
         expired: list[tuple[int, int, int]] = []
         if lifecycle:
