@@ -6,11 +6,12 @@ is never contended and every queue commits (and fsyncs) independently of the oth
 The actor's cycles use a *held* write transaction (``hold`` / ``run_held`` /
 ``commit_held``): its storage thread begins it, the actor fills it on the event loop,
 and the same thread commits it and at once begins the next. py-lmdb releases the GIL
-around every put, get and delete; on a worker thread each of those calls meant waiting
+around every put, get and delete; on a worker thread each of those calls would wait
 for the event loop to hand the GIL back, a few microseconds each, hundreds per cycle.
 On the loop thread nobody else wants the GIL, so they cost nothing, while the fsync
 still happens off the loop. LMDB ties a write transaction's lock to the thread that
 began it, so beginning and ending one must stay on that one thread.
+
 The directory is named by the queue's numeric uid, never by its name: nothing a
 client sends reaches a file path.
 """
