@@ -179,11 +179,7 @@ class QueueStore:
             txn = self.env.begin(write=True)
             try:
                 result = fn(txn)
-                inject_write_fault()
-                started = time.perf_counter()
-                txn.commit()
-                if self.on_commit is not None:
-                    self.on_commit(time.perf_counter() - started)
+                self._commit(txn)
                 return result
             except lmdb.MapFullError:
                 txn.abort()
@@ -195,6 +191,14 @@ class QueueStore:
                 txn.abort()
                 raise
         raise StorageFull("storage is full: the LMDB map could not grow enough")
+
+    def _commit(self, txn: lmdb.Transaction) -> None:
+        """Commit ``txn`` durably (after any injected fault), timing it for the metrics."""
+        inject_write_fault()
+        started = time.perf_counter()
+        txn.commit()
+        if self.on_commit is not None:
+            self.on_commit(time.perf_counter() - started)
 
     # -- the held write transaction ----------------------------------------------
     # hold, commit_held, abort_held and grow run on the storage thread that owns this
@@ -236,11 +240,7 @@ class QueueStore:
         if txn is None:
             raise StorageError("no write transaction is held")
         try:
-            inject_write_fault()
-            started = time.perf_counter()
-            txn.commit()
-            if self.on_commit is not None:
-                self.on_commit(time.perf_counter() - started)
+            self._commit(txn)
         except lmdb.MapFullError as exc:
             txn.abort()
             raise MapFull() from exc

@@ -169,29 +169,22 @@ class Item:
         ) = _HEADER.unpack_from(data)
         pos = _HEADER.size
         view = bytes(data)
-        if not (n_source or n_reference or n_encoding or n_kind or n_lease_key or n_metadata):
-            return cls(
-                payload=view[pos:],
-                created_at=created_at,
-                expire_deadline=expire_deadline,
-                enqueue_at=enqueue_at,
-                attempts=attempts,
-                is_leased=bool(flags & _FLAG_LEASED),
-                lease_deadline=lease_deadline,
-                leased_at=leased_at,
-            )
-        source = view[pos : pos + n_source].decode() if n_source else ""
-        pos += n_source
-        reference = view[pos : pos + n_reference].decode() if n_reference else ""
-        pos += n_reference
-        encoding = view[pos : pos + n_encoding].decode() if n_encoding else ""
-        pos += n_encoding
-        kind = view[pos : pos + n_kind].decode() if n_kind else ""
-        pos += n_kind
-        lease_key = view[pos : pos + n_lease_key].decode() if n_lease_key else ""
-        pos += n_lease_key
-        metadata = json.loads(view[pos : pos + n_metadata]) if n_metadata else {}
-        pos += n_metadata
+        source = reference = encoding = kind = lease_key = ""
+        metadata: dict[str, str] = {}
+        if n_source or n_reference or n_encoding or n_kind or n_lease_key or n_metadata:
+            # Most items carry only a payload and skip this.
+            source = view[pos : pos + n_source].decode() if n_source else ""
+            pos += n_source
+            reference = view[pos : pos + n_reference].decode() if n_reference else ""
+            pos += n_reference
+            encoding = view[pos : pos + n_encoding].decode() if n_encoding else ""
+            pos += n_encoding
+            kind = view[pos : pos + n_kind].decode() if n_kind else ""
+            pos += n_kind
+            lease_key = view[pos : pos + n_lease_key].decode() if n_lease_key else ""
+            pos += n_lease_key
+            metadata = json.loads(view[pos : pos + n_metadata]) if n_metadata else {}
+            pos += n_metadata
         return cls(
             payload=view[pos:],
             encoding=encoding,
