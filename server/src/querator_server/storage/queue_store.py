@@ -22,6 +22,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -79,6 +80,22 @@ def inject_write_fault() -> None:
     if fault == NO_SPACE:
         raise StorageError("storage write failed: No space left on device (injected fault)")
     raise StorageError("storage write failed: Input/output error (injected fault)")
+
+
+@contextmanager
+def _aborted_on_failure(txn: lmdb.Transaction) -> Iterator[None]:
+    """Abort ``txn`` if the block fails; LMDB errors become MapFull or StorageError."""
+    try:
+        yield
+    except lmdb.MapFullError as exc:
+        txn.abort()
+        raise MapFull() from exc
+    except lmdb.Error as exc:
+        txn.abort()
+        raise StorageError(f"storage write failed: {exc}") from exc
+    except BaseException:
+        txn.abort()
+        raise
 
 
 def check_data_file(env: lmdb.Environment, path: str) -> None:
@@ -178,18 +195,12 @@ class QueueStore:
         for _ in range(MAX_GROWTHS):
             txn = self.env.begin(write=True)
             try:
-                result = fn(txn)
-                self._commit(txn)
+                with _aborted_on_failure(txn):
+                    result = fn(txn)
+                    self._commit(txn)
                 return result
-            except lmdb.MapFullError:
-                txn.abort()
+            except MapFull:
                 self._grow()
-            except lmdb.Error as exc:
-                txn.abort()
-                raise StorageError(f"storage write failed: {exc}") from exc
-            except BaseException:
-                txn.abort()
-                raise
         raise StorageFull("storage is full: the LMDB map could not grow enough")
 
     def _commit(self, txn: lmdb.Transaction) -> None:
@@ -239,17 +250,8 @@ class QueueStore:
         txn, self._held = self._held, None
         if txn is None:
             raise StorageError("no write transaction is held")
-        try:
+        with _aborted_on_failure(txn):
             self._commit(txn)
-        except lmdb.MapFullError as exc:
-            txn.abort()
-            raise MapFull() from exc
-        except lmdb.Error as exc:
-            txn.abort()
-            raise StorageError(f"storage write failed: {exc}") from exc
-        except BaseException:
-            txn.abort()
-            raise
         try:
             self.hold()
         except StorageError:

@@ -112,28 +112,7 @@ class Item:
     metadata: dict[str, str] = field(default_factory=dict)
 
     def encode(self) -> bytes:
-        if not (self.source_id or self.reference or self.encoding or self.kind or self.lease_key or self.metadata):
-            # Most items carry only a payload: skip six encodes and an eight-part join.
-            return (
-                _HEADER.pack(
-                    _FLAG_LEASED if self.is_leased else 0,
-                    self.attempts,
-                    self.created_at,
-                    self.expire_deadline,
-                    self.lease_deadline,
-                    self.enqueue_at,
-                    self.leased_at,
-                    0, 0, 0, 0, 0, 0,
-                )
-                + self.payload
-            )
-        source = self.source_id.encode()
-        reference = self.reference.encode()
-        encoding = self.encoding.encode()
-        kind = self.kind.encode()
-        lease_key = self.lease_key.encode()
-        metadata = json.dumps(self.metadata, separators=(",", ":")).encode() if self.metadata else b""
-        header = _HEADER.pack(
+        fixed = (
             _FLAG_LEASED if self.is_leased else 0,
             self.attempts,
             self.created_at,
@@ -141,12 +120,18 @@ class Item:
             self.lease_deadline,
             self.enqueue_at,
             self.leased_at,
-            len(source),
-            len(reference),
-            len(encoding),
-            len(kind),
-            len(lease_key),
-            len(metadata),
+        )
+        if not (self.source_id or self.reference or self.encoding or self.kind or self.lease_key or self.metadata):
+            # Most items carry only a payload: skip six encodes and an eight-part join.
+            return _HEADER.pack(*fixed, 0, 0, 0, 0, 0, 0) + self.payload
+        source = self.source_id.encode()
+        reference = self.reference.encode()
+        encoding = self.encoding.encode()
+        kind = self.kind.encode()
+        lease_key = self.lease_key.encode()
+        metadata = json.dumps(self.metadata, separators=(",", ":")).encode() if self.metadata else b""
+        header = _HEADER.pack(
+            *fixed, len(source), len(reference), len(encoding), len(kind), len(lease_key), len(metadata)
         )
         return b"".join((header, source, reference, encoding, kind, lease_key, metadata, self.payload))
 
