@@ -45,6 +45,9 @@ class CycleBase:
         self._granted: list[tuple[LeaseRequest, int, list[tuple[int, bytes]]]] = []
         # Lease deadlines to track once committed: (deadline, partition, seq).
         self.lease_deadlines: list[tuple[int, int, int]] = []
+        # Leases that ended before their deadline (completed, retried, deleted), so
+        # the actor's lease timer forgets them: (partition, seq).
+        self.lease_ends: list[tuple[int, int]] = []
         # Leases that found nothing and may keep waiting.
         self.unserved: list[LeaseRequest] = []
         # Items moved to the dead-letter outbox: (partition, seq, item with source_id).
@@ -105,6 +108,7 @@ class CycleBase:
 
     def _remove_leased(self, txn: lmdb.Transaction, p: int, seq: int, state: ItemState) -> None:
         self.store.delete(txn, p, seq, state)
+        self.lease_ends.append((p, seq))
         v = self.view(p)
         v.leased -= 1
         v.created_sum -= state.created_at

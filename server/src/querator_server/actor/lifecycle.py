@@ -27,6 +27,7 @@ class LifecycleSteps(CycleBase):
     def _end_lease(self, txn: lmdb.Transaction, p: int, seq: int, item: Item) -> None:
         """Take a leased item out of its place; the caller puts it somewhere else."""
         self.store.delete(txn, p, seq, item)
+        self.lease_ends.append((p, seq))
         v = self.view(p)
         v.leased -= 1
         v.created_sum -= item.created_at

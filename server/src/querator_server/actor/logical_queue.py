@@ -11,7 +11,6 @@ nothing are parked and take part in later cycles until their wait runs out.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -35,6 +34,8 @@ from ..model import PartitionStats, QueueConfig, QueueStats
 from ..storage import MAX_GROWTHS, Item, MapFull, QueueStore, StorageError, StorageFull
 from ..storage.keyed import KeyedIndex
 from .cycle import Cycle
+from .leases import LeaseDeadlines
+from .lifecycle import LIFECYCLE_BATCH
 from .requests import (
     ClearRequest,
     CompleteRequest,
@@ -99,7 +100,7 @@ class LogicalQueue:
         self._executor = executor
         self._max_inbox = max_inbox
         self._views: list[PartitionView] = []
-        self._lease_heap: list[tuple[int, int, int]] = []
+        self._leases = LeaseDeadlines()
         self._inbox: list[Request] = []
         self._waiting: list[LeaseRequest] = []
         self._clients: set[str] = set()
@@ -133,7 +134,8 @@ class LogicalQueue:
         """Load the queue's state and start the actor; ``keyed`` reuses the handles of
         an earlier actor on the same (still open) storage, so no write is needed."""
         loop = asyncio.get_running_loop()
-        self._views, self._lease_heap, self._outbox = await loop.run_in_executor(self._executor, self._load)
+        self._views, leases, self._outbox = await loop.run_in_executor(self._executor, self._load)
+        self._leases = LeaseDeadlines(leases)
         self._keyed = keyed or await loop.run_in_executor(self._executor, KeyedIndex, self.store)
         self._dedup_at, self._lease_keys_at = await loop.run_in_executor(self._executor, self._load_key_times)
         # Everything that fell due while the server was down is handled at once.
@@ -160,16 +162,15 @@ class LogicalQueue:
         self,
     ) -> tuple[list[PartitionView], list[tuple[int, int, int]], dict[tuple[int, int], Item]]:
         views: list[PartitionView] = []
-        heap: list[tuple[int, int, int]] = []
+        leases: list[tuple[int, int, int]] = []
         outbox: dict[tuple[int, int], Item] = {}
         with self.store.env.begin() as txn:
             for p in range(self.store.partitions):
                 scan = self.store.scan(txn, p)
                 views.append(PartitionView.from_scan(scan))
-                heap.extend((deadline, p, seq) for deadline, seq in scan.leases)
+                leases.extend((deadline, p, seq) for deadline, seq in scan.leases)
                 outbox.update(((p, seq), item) for seq, item in self.store.outbox(txn, p))
-        heapq.heapify(heap)
-        return views, heap, outbox
+        return views, leases, outbox
 
     async def stop(self) -> None:
         """Finish what was submitted, fail waiting leases with UNAVAILABLE, close storage."""
@@ -277,8 +278,9 @@ class LogicalQueue:
             times.append(self._dedup_at + self.config.dedup_window_us)
         if self._lease_keys_at:
             times.append(self._lease_keys_at + self.config.lease_key_ttl_us)
-        if self._lease_heap:
-            times.append(self._lease_heap[0][0])
+        first_lease_end = self._leases.first()
+        if first_lease_end:
+            times.append(first_lease_end)
         return min(times, default=0)
 
     def _lifecycle_due(self) -> bool:
@@ -343,15 +345,12 @@ class LogicalQueue:
         expired: list[tuple[int, int, int]] = []
         if lifecycle:
             self._lifecycle_pending = False
-            heap = self._lease_heap
-            while heap and heap[0][0] <= now and len(expired) < 1000:
-                expired.append(heapq.heappop(heap))
+            expired = self._leases.pop_due(now, LIFECYCLE_BATCH)
         started = time.perf_counter()
         try:
             cycle = await self._transaction(batch, now, lifecycle, expired)
         except Exception as exc:
-            for entry in expired:
-                heapq.heappush(self._lease_heap, entry)
+            self._leases.restore(expired)
             if lifecycle:
                 self._lifecycle_pending = True
             if isinstance(exc, StorageFull):
@@ -381,9 +380,11 @@ class LogicalQueue:
             self._lease_keys_at = cycle.now
         for lease in cycle.completed_by_lease:
             lease.complete_ids = []  # committed: a lease that keeps waiting must not repeat it
-        for entry in cycle.lease_deadlines:
-            heapq.heappush(self._lease_heap, entry)
-        if cycle.more_lifecycle or (expired and len(expired) >= 1000):
+        for p, seq in cycle.lease_ends:
+            self._leases.end(p, seq)
+        for deadline, p, seq in cycle.lease_deadlines:
+            self._leases.add(deadline, p, seq)
+        if cycle.more_lifecycle or len(expired) >= LIFECYCLE_BATCH:
             self._lifecycle_pending = True
         for item_id, reason in cycle.dropped:
             log.warning("item_dropped", queue=self.name, item_id=item_id, reason=reason, dead_queue=None)

@@ -100,19 +100,21 @@ class StorageSteps(CycleBase):
             if item.is_leased:
                 v.leased -= 1
                 v.leased_at_sum -= item.leased_at
+                self.lease_ends.append((p, ref.seq))
             else:
                 v.ready -= 1
         self._ok(request, None)
 
     def clear(self, txn: lmdb.Transaction, request: ClearRequest) -> None:
         for p in range(len(self._base)):
-            self.store.clear(
+            removed = self.store.clear(
                 txn,
                 p,
                 ready=request.ready,
                 leased=request.ready and request.destructive,
                 scheduled=request.scheduled,
             )
+            self.lease_ends.extend((p, seq) for seq in removed)
             scan = self.store.scan(txn, p)
             v = self.view(p)
             fresh = PartitionView.from_scan(scan)

@@ -1,0 +1,79 @@
+"""The actor's lease timer: live leases only, stale heap entries dropped and bounded."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from querator_server.actor.leases import STALE_SLACK, LeaseDeadlines
+from querator_server.actor.logical_queue import LogicalQueue
+from querator_server.actor.requests import (
+    ClearRequest,
+    CompleteRequest,
+    DeleteItemsRequest,
+    ExtendRequest,
+    LeaseRequest,
+    ProduceRequest,
+    RetryRequest,
+)
+from querator_server.model import NewItem, QueueConfig, RetryOrder
+from querator_server.storage import QueueStore
+
+
+def test_only_live_leases_fall_due_with_their_latest_deadline() -> None:
+    leases = LeaseDeadlines([(100, 0, 1), (200, 0, 2)])
+    leases.add(150, 0, 3)
+    leases.end(0, 1)  # completed: its entry is stale now
+    leases.add(300, 0, 2)  # extended: the entry at 200 is stale
+    assert leases.first() == 150
+    assert leases.pop_due(1_000, limit=10) == [(150, 0, 3), (300, 0, 2)]
+    assert len(leases) == 0 and leases.first() == 0
+
+
+def test_pop_due_respects_the_limit_and_restore_puts_leases_back() -> None:
+    leases = LeaseDeadlines((10 + i, 1, i) for i in range(5))
+    due = leases.pop_due(100, limit=2)
+    assert due == [(10, 1, 0), (11, 1, 1)]
+    assert len(leases) == 3
+    leases.restore(due)
+    assert leases.pop_due(100, limit=10) == [(10 + i, 1, i) for i in range(5)]
+
+
+def test_completed_leases_do_not_pile_up_in_the_heap() -> None:
+    leases = LeaseDeadlines()
+    for seq in range(5 * STALE_SLACK):
+        leases.add(1_000_000 + seq, 0, seq)
+        if seq >= 100:
+            leases.end(0, seq - 100)  # completed a little after it was leased
+    assert len(leases) == 100
+    assert leases.heap_size <= 2 * len(leases) + STALE_SLACK + 1
+    assert leases.first() == 1_000_000 + 5 * STALE_SLACK - 100
+
+
+def test_every_way_a_lease_ends_early_leaves_the_actor_timer(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        store = QueueStore(str(tmp_path / "q"), 1, sync=False)
+        lane = ThreadPoolExecutor(max_workers=1)
+        actor = LogicalQueue(QueueConfig(name="q"), store, lane)
+        await actor.start()
+        try:
+            await actor.submit(ProduceRequest([NewItem(str(i).encode()) for i in range(40)]))
+            leased = await actor.submit(LeaseRequest(40, "", 0))
+            ids = [item.item_id for item in leased.items]
+            assert len(actor._leases) == 40
+            await actor.submit(CompleteRequest(0, ids[:10]))
+            assert len(actor._leases) == 30
+            await actor.submit(RetryRequest(0, [RetryOrder(i) for i in ids[10:20]]))
+            assert len(actor._leases) == 20
+            await actor.submit(DeleteItemsRequest(0, ids[20:25]))
+            assert len(actor._leases) == 15
+            await actor.submit(ExtendRequest(0, ids[25:30], 120_000_000))
+            assert len(actor._leases) == 15  # still leased, with a later deadline
+            await actor.submit(ClearRequest(ready=True, scheduled=True, destructive=True))
+            assert len(actor._leases) == 0
+        finally:
+            await actor.stop()
+            lane.shutdown(wait=True)
+
+    asyncio.run(scenario())
