@@ -3,7 +3,9 @@
 Each LMDB environment (the catalog first, then every queue) is copied inside one read
 transaction with LMDB's own copy (``mdb_env_copy2`` with compaction, as ``mdb_copy -c``),
 so each copy is a consistent snapshot of that environment even while the server writes
-to it. The environments are copied one after another, so the backup as a whole is not
+to it. Compaction also matters for another reason: LMDB's plain copy takes the writer
+lock, which a running server always holds (queue_store.py, the held transaction). The
+environments are copied one after another, so the backup as a whole is not
 one instant: see docs/operations.md ("Backups") for what that means and when to use a
 file-system snapshot instead. DEST must not exist (or be an empty directory); start a
 server on it to restore.
