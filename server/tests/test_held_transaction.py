@@ -151,3 +151,23 @@ def test_more_queues_than_storage_lanes_work_side_by_side_and_survive_delete_and
     finally:
         stubs.channel.close()
         srv.stop()
+
+
+def test_queues_spread_over_the_lanes_and_a_deleted_queue_frees_its_lane(data_dir: str) -> None:
+    srv = ThreadServer(data_dir)
+    stubs = Stubs(grpc.insecure_channel(srv.address))
+    try:
+        manager = srv.server.manager
+        lanes = len(manager._lanes)
+        for i in range(2 * lanes):
+            stubs.create(f"s{i}")
+        users = [list(manager._lane_of.values()).count(lane) for lane in range(lanes)]
+        assert users == [2] * lanes
+        stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="s3", force=True), timeout=10)
+        freed = [lane for lane in range(lanes) if list(manager._lane_of.values()).count(lane) == 1]
+        assert len(freed) == 1
+        stubs.create("after")
+        assert [list(manager._lane_of.values()).count(lane) for lane in range(lanes)] == [2] * lanes
+    finally:
+        stubs.channel.close()
+        srv.stop()

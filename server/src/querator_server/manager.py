@@ -143,10 +143,12 @@ class QueuesManager:
         self._max_inbox = max_inbox
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="querator-storage")
         # A queue's held write transaction must begin and end on one thread
-        # (queue_store.py), so each queue commits on one single-thread lane, by uid.
+        # (queue_store.py), so each queue commits on one single-thread lane: the lane
+        # with the fewest queues when the queue starts, kept until it is deleted.
         self._lanes = [
             ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"querator-lane-{i}") for i in range(max(1, workers))
         ]
+        self._lane_of: dict[int, int] = {}  # queue uid -> lane index
         self._catalog: Catalog | None = None
         self._configs: dict[str, QueueConfig] = {}
         self._names: list[str] = []
@@ -221,6 +223,14 @@ class QueuesManager:
             if entry.isdigit() and entry not in live:
                 shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
 
+    def _lane(self, uid: int) -> ThreadPoolExecutor:
+        if uid not in self._lane_of:
+            users = [0] * len(self._lanes)
+            for index in self._lane_of.values():
+                users[index] += 1
+            self._lane_of[uid] = users.index(min(users))
+        return self._lanes[self._lane_of[uid]]
+
     async def _start_actor(self, config: QueueConfig, stopped: LogicalQueue | None = None) -> LogicalQueue:
         """Start an actor for ``config``; on ``stopped``'s open storage when given."""
         loop = asyncio.get_running_loop()
@@ -230,8 +240,7 @@ class QueuesManager:
                 self._queue_path(config.uid), config.partitions, map_size=self._map_size, sync=self._sync
             ),
         )
-        lane = self._lanes[config.uid % len(self._lanes)]
-        actor = LogicalQueue(config, store, lane, resolve=self.actor, max_inbox=self._max_inbox)
+        actor = LogicalQueue(config, store, self._lane(config.uid), resolve=self.actor, max_inbox=self._max_inbox)
         if self.observer is not None:
             self.observer.attach(actor)
         await actor.start(stopped.keyed_index if stopped is not None else None)
@@ -307,11 +316,13 @@ class QueuesManager:
                 config = config.replace(uid=uid, created_at_us=now, updated_at_us=now)
                 actor = await self._start_actor(config)
             except (StorageError, OSError) as exc:
+                self._lane_of.pop(config.uid, None)
                 raise _storage_failed(exc) from exc
             try:
                 await loop.run_in_executor(self._executor, catalog.put, config)
             except Exception as exc:
                 await actor.stop()
+                self._lane_of.pop(config.uid, None)
                 if isinstance(exc, StorageError | OSError):
                     raise _storage_failed(exc) from exc
                 raise
@@ -367,7 +378,8 @@ class QueuesManager:
             self._names.remove(name)
             del self._actors[name]
             # A crash before this point leaves an orphan directory that start-up removes.
-            await loop.run_in_executor(self._lanes[actor.config.uid % len(self._lanes)], actor.store.destroy)
+            await loop.run_in_executor(self._lane(actor.config.uid), actor.store.destroy)
+            del self._lane_of[actor.config.uid]
             log.info("queue_deleted", queue=name)
 
     def _check_dead_queue(self, config: QueueConfig) -> None:
