@@ -27,6 +27,8 @@ log = structlog.get_logger("querator.server")
 
 SERVICES = (QUEUE_SERVICE, QUEUES_SERVICE, STORAGE_SERVICE, KEYS_SERVICE)
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}
+# How long the server keeps answering UNAVAILABLE after its queues stopped (see stop()).
+SHUTDOWN_DRAIN_S = 0.2
 _REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
@@ -166,10 +168,17 @@ class QueratorServer:
             return
         server, self._server = self._server, None
         log.info("server_stopping")
+        grace = self.config.shutdown_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
-        stopping = asyncio.create_task(server.stop(self.config.shutdown_grace_s if grace is None else grace))
+        # The queues stop first, while gRPC still hands calls to their handlers, and
+        # gRPC keeps doing so for a moment after: a call arriving meanwhile is answered
+        # UNAVAILABLE ("shutting down", safe to retry). Calls that gRPC has taken in but
+        # not yet handed over when it stops are cancelled by gRPC itself (CANCELLED),
+        # which a client cannot tell from a lost reply; the pause lets a client that
+        # calls in a loop get its UNAVAILABLE first.
         await self.manager.stop()
-        await stopping
+        await asyncio.sleep(min(SHUTDOWN_DRAIN_S, grace))
+        await server.stop(grace)
         if self.metrics is not None:
             self.metrics.close()
         self._stopped.set()
