@@ -149,6 +149,8 @@ class QueuesManager:
             ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"querator-lane-{i}") for i in range(max(1, workers))
         ]
         self._lane_of: dict[int, int] = {}  # queue uid -> lane index
+        # Calls refused because the server is closing (the shutdown waits for a lull).
+        self.refused_while_closing = 0
         self._catalog: Catalog | None = None
         self._configs: dict[str, QueueConfig] = {}
         self._names: list[str] = []
@@ -271,7 +273,7 @@ class QueuesManager:
         actor = self._actors.get(name)
         if actor is None:
             if self._closing:
-                raise Unavailable("the server is shutting down")
+                raise self._shutting_down()
             raise NotFound(f"queue {name!r} does not exist")
         return actor
 
@@ -404,7 +406,11 @@ class QueuesManager:
 
     def _check_open(self) -> None:
         if self._closing:
-            raise Unavailable("the server is shutting down")
+            raise self._shutting_down()
+
+    def _shutting_down(self) -> Unavailable:
+        self.refused_while_closing += 1
+        return Unavailable("the server is shutting down")
 
     def _require_catalog(self) -> Catalog:
         if self._catalog is None:

@@ -27,8 +27,10 @@ log = structlog.get_logger("querator.server")
 
 SERVICES = (QUEUE_SERVICE, QUEUES_SERVICE, STORAGE_SERVICE, KEYS_SERVICE)
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}
-# How long the server keeps answering UNAVAILABLE after its queues stopped (see stop()).
-SHUTDOWN_DRAIN_S = 0.2
+# After its queues stopped, the server answers UNAVAILABLE until no call came for
+# SHUTDOWN_LULL_S, at most SHUTDOWN_DRAIN_S (see stop()).
+SHUTDOWN_LULL_S = 0.05
+SHUTDOWN_DRAIN_S = 0.5
 _REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
@@ -171,18 +173,25 @@ class QueratorServer:
         grace = self.config.shutdown_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
         # The queues stop first, while gRPC still hands calls to their handlers, and
-        # gRPC keeps doing so for a moment after: a call arriving meanwhile is answered
-        # UNAVAILABLE ("shutting down", safe to retry). Calls that gRPC has taken in but
-        # not yet handed over when it stops are cancelled by gRPC itself (CANCELLED),
-        # which a client cannot tell from a lost reply; the pause lets a client that
-        # calls in a loop get its UNAVAILABLE first.
+        # gRPC keeps doing so until calls stop coming: a call arriving meanwhile is
+        # answered UNAVAILABLE ("shutting down", safe to retry). Calls that gRPC has
+        # taken in but not yet handed over when it stops are cancelled by gRPC itself
+        # (CANCELLED), which a client cannot tell from a lost reply.
         await self.manager.stop()
-        await asyncio.sleep(min(SHUTDOWN_DRAIN_S, grace))
+        await self._await_lull(min(SHUTDOWN_DRAIN_S, grace))
         await server.stop(grace)
         if self.metrics is not None:
             self.metrics.close()
         self._stopped.set()
         log.info("server_stopped")
+
+    async def _await_lull(self, limit: float) -> None:
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + limit
+        seen = -1
+        while seen != self.manager.refused_while_closing and loop.time() < give_up:
+            seen = self.manager.refused_while_closing
+            await asyncio.sleep(SHUTDOWN_LULL_S)
 
     async def wait(self) -> None:
         await self._stopped.wait()
