@@ -18,6 +18,7 @@ from ..storage import Item
 from ..storage.keyed import LeaseKeyRecord
 from ..storage.record import (
     ItemState,
+    lease_plain,
     read_state,
     scheduled_key,
     with_lease,
@@ -146,10 +147,24 @@ class Cycle(LifecycleSteps, StorageSteps):
         taken: list[tuple[int, bytes]] = []
         items: list[LeasedItem] = []
         last_seq = v.ready_hint - 1
+        key, key_bytes = request.lease_key, request.lease_key.encode()
+        max_attempts = self.config.max_attempts
+        id_prefix = item_id(self.uid, p, 0)[:-1]
+        put_raw, deadlines = self.store.put_raw, self.lease_deadlines
         for seq, raw in self.store.ready_items(txn, p, v.ready_hint):
             if len(items) >= quota:
                 break
             last_seq = seq
+            plain = lease_plain(
+                raw, now=now, max_attempts=max_attempts, deadline=deadline, lease_key=key, key_bytes=key_bytes
+            )
+            if plain is not None:
+                leased, item = plain
+                put_raw(txn, p, seq, leased)
+                taken.append((seq, raw))
+                items.append(LeasedItem(id_prefix + format(seq, "x"), item))
+                deadlines.append((deadline, p, seq))
+                continue
             state = read_state(raw)
             reason = self._death_reason(state)
             if reason:  # expired or out of attempts: never leased again
@@ -314,8 +329,8 @@ class Cycle(LifecycleSteps, StorageSteps):
 
     def _complete(self, txn: lmdb.Transaction, p: int, ids: Sequence[str], field: str = "ids") -> None:
         found = self._leased_items(txn, p, ids, field=field)
+        self._remove_leased(txn, p, [(seq, state) for seq, _raw, state in found])
         for seq, _raw, state in found:
-            self._remove_leased(txn, p, seq, state)
             if state.lease_key:
                 self._untag(txn, state.lease_key, seq)
 
@@ -328,13 +343,8 @@ class Cycle(LifecycleSteps, StorageSteps):
             if record is None:
                 continue
             p = record.partition
-            for seq in record.seqs if p < len(self._base) else ():
-                raw = self.store.get_raw(txn, p, seq)
-                if raw is None:
-                    continue
-                state = read_state(raw)
-                if state.is_leased and state.lease_key == key:
-                    self._remove_leased(txn, p, seq, state)
+            if p < len(self._base):
+                self._remove_leased(txn, p, self.store.leased_under(txn, p, record.seqs, key))
             self.keyed.drop_lease_key(txn, key)
 
     def retry(self, txn: lmdb.Transaction, request: RetryRequest) -> None:

@@ -9,7 +9,7 @@ transaction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import lmdb
 
@@ -106,13 +106,22 @@ class CycleBase:
             return "max_attempts reached"
         return ""
 
-    def _remove_leased(self, txn: lmdb.Transaction, p: int, seq: int, state: ItemState) -> None:
-        self.store.delete(txn, p, seq, state)
-        self.lease_ends.append((p, seq))
-        v = self.view(p)
-        v.leased -= 1
-        v.created_sum -= state.created_at
-        v.leased_at_sum -= state.leased_at
+    def _remove_leased(self, txn: lmdb.Transaction, p: int, found: Iterable[tuple[int, ItemState]]) -> None:
+        """Delete these leased items of partition ``p`` (completed)."""
+        found = list(found)
+        self.store.delete_leased(txn, p, found)
+        ends = self.lease_ends
+        count = created = leased_at = 0
+        for seq, state in found:
+            ends.append((p, seq))
+            count += 1
+            created += state.created_at
+            leased_at += state.leased_at
+        if count:
+            v = self.view(p)
+            v.leased -= count
+            v.created_sum -= created
+            v.leased_at_sum -= leased_at
 
     def _untag(self, txn: lmdb.Transaction, key: str, seq: int) -> None:
         """Take item ``seq`` out of lease key ``key`` (forgetting the key once empty)."""

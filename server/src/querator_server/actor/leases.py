@@ -36,12 +36,26 @@ class LeaseDeadlines:
 
     def add(self, deadline: int, p: int, seq: int) -> None:
         """A lease was granted or extended: it now ends at ``deadline``."""
-        self._live[(p, seq)] = deadline
-        heapq.heappush(self._heap, (deadline, p, seq))
+        self.add_all(((deadline, p, seq),))
+
+    def add_all(self, leases: Iterable[tuple[int, int, int]]) -> None:
+        """Leases granted or extended: (deadline, partition, seq) each."""
+        live, heap, push = self._live, self._heap, heapq.heappush
+        # Deadlines mostly grow (now + the lease timeout), so each push stops at once.
+        for entry in leases:
+            live[(entry[1], entry[2])] = entry[0]
+            push(heap, entry)
 
     def end(self, p: int, seq: int) -> None:
         """A lease ended before its deadline (completed, retried, deleted)."""
-        if self._live.pop((p, seq), None) is not None and len(self._heap) > 2 * len(self._live) + STALE_SLACK:
+        self.end_all(((p, seq),))
+
+    def end_all(self, ended: Iterable[tuple[int, int]]) -> None:
+        """Leases that ended before their deadline: (partition, seq) each."""
+        pop = self._live.pop
+        for key in ended:
+            pop(key, None)
+        if len(self._heap) > 2 * len(self._live) + STALE_SLACK:
             self._rebuild()
 
     def first(self) -> int:
@@ -64,8 +78,7 @@ class LeaseDeadlines:
 
     def restore(self, leases: Iterable[tuple[int, int, int]]) -> None:
         """Put back leases taken by ``pop_due`` whose cycle failed."""
-        for deadline, p, seq in leases:
-            self.add(deadline, p, seq)
+        self.add_all(leases)
 
     def _rebuild(self) -> None:
         self._heap = [(deadline, p, seq) for (p, seq), deadline in self._live.items()]

@@ -380,10 +380,8 @@ class LogicalQueue:
             self._lease_keys_at = cycle.now
         for lease in cycle.completed_by_lease:
             lease.complete_ids = []  # committed: a lease that keeps waiting must not repeat it
-        for p, seq in cycle.lease_ends:
-            self._leases.end(p, seq)
-        for deadline, p, seq in cycle.lease_deadlines:
-            self._leases.add(deadline, p, seq)
+        self._leases.end_all(cycle.lease_ends)
+        self._leases.add_all(cycle.lease_deadlines)
         if cycle.more_lifecycle or len(expired) >= LIFECYCLE_BATCH:
             self._lifecycle_pending = True
         for item_id, reason in cycle.dropped:

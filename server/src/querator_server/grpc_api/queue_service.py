@@ -168,14 +168,17 @@ def _lease_response(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
     add = response.items.add
     for leased in result.items:
         item = leased.item
-        out = add(
-            id=leased.item_id,
-            encoding=item.encoding,
-            kind=item.kind,
-            reference=item.reference,
-            payload=item.payload,
-            attempts=item.attempts,
-        )
+        if item.encoding or item.kind or item.reference:
+            out = add(
+                id=leased.item_id,
+                encoding=item.encoding,
+                kind=item.kind,
+                reference=item.reference,
+                payload=item.payload,
+                attempts=item.attempts,
+            )
+        else:  # most items: three keyword arguments fewer to parse
+            out = add(id=leased.item_id, payload=item.payload, attempts=item.attempts)
         if item.metadata:
             out.metadata.update(item.metadata)
         deadline, created = out.lease_deadline, out.created_at

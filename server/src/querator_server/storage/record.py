@@ -256,3 +256,30 @@ def with_lease_key(raw: bytes, *, attempts: int, deadline: int, leased_at: int, 
     header[6] = leased_at
     header[11] = len(key)
     return b"".join((_HEADER.pack(*header), raw[_HEADER.size : start], key, raw[start + n_lease_key :]))
+
+
+_NO_STRINGS = bytes(24)  # the six string lengths of a payload-only item, all zero
+_LENGTHS = slice(_STATE_FIXED.size, _HEADER.size)
+
+
+def lease_plain(
+    raw: bytes, *, now: int, max_attempts: int, deadline: int, lease_key: str, key_bytes: bytes
+) -> tuple[bytes, Item] | None:
+    """``raw`` leased under ``lease_key`` and the item as leased, in one pass, for the
+    common item: a payload and nothing else, not tagged by a lease key, not due to die.
+
+    None for every other item, which takes the general path (``read_state``,
+    ``with_lease_key``, ``Item.decode``). A lease touches every item it hands out, so
+    this saves the header being unpacked three times and an ``Item`` built by keyword.
+    """
+    if raw[_LENGTHS] != _NO_STRINGS:
+        return None
+    _flags, attempts, created, expire, _deadline, enqueue_at, _leased_at = _STATE_FIXED.unpack_from(raw)
+    if expire <= now or (max_attempts and attempts >= max_attempts):
+        return None
+    attempts += 1
+    payload = raw[_HEADER.size :]
+    header = _HEADER.pack(_FLAG_LEASED, attempts, created, expire, deadline, enqueue_at, now, 0, 0, 0, 0, len(key_bytes), 0)
+    # Positional, in field order: this runs for every leased item.
+    item = Item(payload, "", "", "", "", created, expire, enqueue_at, attempts, True, deadline, now, lease_key, {})
+    return header + key_bytes + payload, item
