@@ -36,7 +36,9 @@ HOST = "127.0.0.1"
 SERVER = """
 import signal, sys, threading
 from querator.embedded import EmbeddedServer
+from querator_server.server import tune_gc
 srv = EmbeddedServer(sys.argv[1], address=sys.argv[2], sync=sys.argv[3] == "1", log_level="warning").start()
+tune_gc()  # as the `querator serve` process does
 done = threading.Event()
 signal.signal(signal.SIGTERM, lambda *_: done.set())
 print("ready", flush=True)
