@@ -213,8 +213,10 @@ def _raise_open_file_limit() -> None:
 #: a server process (Python's default is 700). Every leased item allocates a handful of
 #: short-lived objects, so with the default a 1,000,000-item Spark write and read
 #: cost 11,765 young, 1,069 middle and 97 full passes, 2.3 s of the server's loop;
-#: with 50,000 it was 59, 5 and 0 passes, 0.3 s (bench/RESULTS.md).
-GC_YOUNG_THRESHOLD = 50_000
+#: with 10,000 it was 451, 40 and 3 passes, 0.5 s (bench/RESULTS.md). Not higher:
+#: garbage in reference cycles lives until a pass, and a cycle that holds a request
+#: holds its payload (up to 5 MB).
+GC_YOUNG_THRESHOLD = 10_000
 
 
 def tune_gc() -> None:

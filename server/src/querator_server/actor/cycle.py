@@ -150,8 +150,9 @@ class Cycle(LifecycleSteps, StorageSteps):
         key, key_bytes = request.lease_key, request.lease_key.encode()
         max_attempts = self.config.max_attempts
         id_prefix = item_id(self.uid, p, 0)[:-1]
-        put_raw, deadlines = self.store.put_raw, self.lease_deadlines
-        for seq, raw in self.store.ready_items(txn, p, v.ready_hint):
+        deadlines = self.lease_deadlines
+        ready = self.store.ready_items(txn, p, v.ready_hint)
+        for seq, raw in ready:
             if len(items) >= quota:
                 break
             last_seq = seq
@@ -160,7 +161,7 @@ class Cycle(LifecycleSteps, StorageSteps):
             )
             if plain is not None:
                 leased, item = plain
-                put_raw(txn, p, seq, leased)
+                ready.replace(seq, leased)
                 taken.append((seq, raw))
                 items.append(LeasedItem(id_prefix + format(seq, "x"), item))
                 deadlines.append((deadline, p, seq))

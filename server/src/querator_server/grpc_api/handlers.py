@@ -60,11 +60,16 @@ def _wrap(service: str, method: str, behavior: Behavior, action: Action, guard: 
 
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Message:
         if guard is not None:
+            denied: QueratorError | None = None
             try:
                 # Before anything else, even before looking at a malformed request.
                 guard.check(action, None if isinstance(request, _Malformed | _TooLarge) else request, context)
-            except QueratorError as error:
-                await _abort(context, full, "", error)
+            except QueratorError as exc:
+                denied = exc
+            if denied is not None:  # aborted outside the except block, as below
+                denied.__traceback__ = None
+                del request
+                await _abort(context, full, "", denied)
         if isinstance(request, _Malformed):
             status = invalid_argument_status(f"the request is not a valid {method}Request: {request.reason}")
             log.info("rpc_error", method=full, code="INVALID_ARGUMENT", message=status.details)
@@ -74,17 +79,22 @@ def _wrap(service: str, method: str, behavior: Behavior, action: Action, guard: 
                 f"the request is {request.size} bytes; at most {MAX_REQUEST_BYTES} bytes are accepted"
             )
             await _abort(context, full, "", error)
+        queue = getattr(request, "queue_name", "")
         try:
             return await behavior(request, context)
-        except QueratorError as error:
-            await _abort(context, full, getattr(request, "queue_name", ""), error)
-            raise  # unreachable: abort raises
+        except QueratorError as exc:
+            error = exc
         except StorageError as exc:
             # A storage failure that no layer below turned into a domain error: the
             # write did not happen, so the caller may retry (never UNKNOWN).
             error = Unavailable(f"storage failed, retry later: {exc}")
-            await _abort(context, full, getattr(request, "queue_name", ""), error)
-            raise  # unreachable: abort raises
+        # Abort outside the except block and without the error's traceback: both would
+        # keep this call's frames, and so the refused request with its payload, alive
+        # in a reference cycle until the garbage collector's next full pass.
+        error.__traceback__ = None
+        del request
+        await _abort(context, full, queue, error)
+        raise AssertionError("unreachable: abort raises")
 
     return handler
 

@@ -51,7 +51,10 @@ log = logging.getLogger("querator.spark")
 #: only asks for items that were ready, so waiting longer rarely finds more.
 LEASE_WAIT_S = 0.05
 #: Keyed Lease calls one task keeps in flight (the keys are fixed, so their order is free).
-LEASES_IN_FLIGHT = 2
+#: Enough that the server always finds calls waiting when a cycle ends; with 2 its loop
+#: idled while the tasks turned replies into rows (1 M items: 84,888 items/s, with 8
+#: 94,798).
+LEASES_IN_FLIGHT = 8
 #: How often the stream re-reads the queue's settings (lease timeout, partitions), seconds.
 QUEUE_REFRESH_S = 5.0
 
