@@ -7,6 +7,7 @@ the lifecycle's re-queue; here one transaction holds both, as a busy actor's wou
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +18,8 @@ from querator_server.actor.view import PartitionView
 from querator_server.errors import FailedPrecondition
 from querator_server.model import NewItem, QueueConfig
 from querator_server.storage import QueueStore
+from querator_server.storage.keyed import KeyedIndex
+from querator_server.storage.record import TAG_EXPIRY, TAG_ITEM, expiry_key, item_key, parse_expiry_key
 
 SECOND = 1_000_000
 T0 = 1_800_000_000 * SECOND
@@ -34,9 +37,16 @@ def _request(request: object) -> object:
     return request
 
 
-def _run(store: QueueStore, config: QueueConfig, views: list[PartitionView], now: int, steps: object) -> Cycle:
+def _run(
+    store: QueueStore,
+    config: QueueConfig,
+    views: list[PartitionView],
+    now: int,
+    steps: object,
+    keyed: KeyedIndex | None = None,
+) -> Cycle:
     def body(txn: object) -> Cycle:
-        cycle = Cycle(store, config, views, now)
+        cycle = Cycle(store, config, views, now, keyed)
         steps(cycle, txn)  # type: ignore[operator]
         cycle.finish(txn)  # type: ignore[arg-type]
         return cycle
@@ -102,3 +112,46 @@ def test_requeue_after_the_deadline_gives_a_new_id_at_the_tail(store: QueueStore
     item = result.items[0]  # type: ignore[attr-defined]
     assert item.item_id == item_id(1, 0, 2)
     assert item.item.attempts == 2
+
+
+def _stored_keys(store: QueueStore) -> tuple[set[int], set[bytes]]:
+    """The seqs of the stored items and every expiry key, read straight from the partition."""
+    with store.env.begin() as txn:
+        keys = [bytes(key) for key, _ in txn.cursor(db=store.db(0))]
+    seqs = {int.from_bytes(key[1:], "big") for key in keys if key[:1] == TAG_ITEM}
+    return seqs, {key for key in keys if key[:1] == TAG_EXPIRY}
+
+
+def test_completions_in_any_order_remove_exactly_their_items_and_expiry_keys(store: QueueStore) -> None:
+    """Completions delete runs of neighbours through cursors; gaps, shuffled ids, three
+    expiry deadlines and a lease key must still leave exactly the other items indexed."""
+    config = QueueConfig(name="q", uid=1, lease_timeout_us=60 * SECOND, expire_timeout_us=3600 * SECOND)
+    views = [PartitionView()]
+    keyed = KeyedIndex(store)
+    deadline_of: dict[int, int] = {}
+    for batch in range(3):  # three produce cycles: three expiry deadlines
+        produce = _request(ProduceRequest([NewItem(payload=b"%d" % i) for i in range(40)]))
+        now = T0 + batch * SECOND
+        cycle = _run(store, config, views, now, lambda c, t, r=produce: c.produce(t, r))
+        for text in cycle.results[0][1].ids:  # type: ignore[attr-defined]
+            deadline_of[_seq(text)] = now + config.expire_timeout_us
+    plain = _request(LeaseRequest(70, "", T0))
+    tagged = _request(LeaseRequest(50, "", T0, lease_key="batch-1"))
+    cycle = _run(store, config, views, T0 + 3 * SECOND, lambda c, t: c.lease(t, [plain, tagged]), keyed)
+    ids = [leased.item_id for leased in cycle.results[0][1].items]  # type: ignore[attr-defined]
+    by_key = [_seq(leased.item_id) for leased in cycle.results[1][1].items]  # type: ignore[attr-defined]
+    assert (len(ids), len(by_key)) == (70, 50)
+
+    rng = random.Random(7)
+    chosen = rng.sample(ids, 45)  # gaps, in shuffled order
+    complete = _request(CompleteRequest(0, chosen, ["batch-1"]))
+    cycle = _run(store, config, views, T0 + 4 * SECOND, lambda c, t: c.complete(t, complete), keyed)
+    assert cycle.results == [(complete, None)]
+
+    gone = {_seq(text) for text in chosen} | set(by_key)
+    left = set(deadline_of) - gone
+    seqs, expiries = _stored_keys(store)
+    assert seqs == left
+    assert expiries == {expiry_key(deadline_of[seq], item_key(seq)) for seq in left}
+    assert {parse_expiry_key(key)[0] for key in expiries} <= set(deadline_of.values())
+    assert (views[0].ready, views[0].leased) == (0, 70 - 45)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-from querator_server.storage.record import Item, read_state, with_lease, with_lease_key
+from querator_server.storage.record import Item, lease_plain, read_state, with_lease, with_lease_key
 
 text = st.text(max_size=40)
 items = st.builds(
@@ -53,3 +53,30 @@ def test_lease_rewrites_change_only_the_lease_fields(
     assert Item.decode(with_lease_key(raw, attempts=attempts, deadline=deadline, leased_at=leased_at, lease_key=key)) == (
         expected
     )
+
+
+payload_only = st.builds(
+    Item,
+    payload=st.binary(max_size=200),
+    created_at=st.integers(0, 2**62),
+    expire_deadline=st.integers(0, 2**62),
+    attempts=st.integers(0, 7),
+)
+
+
+@given(st.one_of(items, payload_only), st.integers(0, 2**62), st.integers(0, 5), st.integers(0, 2**62), text)
+def test_the_plain_lease_matches_the_general_path_or_declines(
+    item: Item, now: int, max_attempts: int, deadline: int, key: str
+) -> None:
+    raw = item.encode()
+    plain = lease_plain(raw, now=now, max_attempts=max_attempts, deadline=deadline, lease_key=key, key_bytes=key.encode())
+    payload_only = not (item.source_id or item.reference or item.encoding or item.kind or item.lease_key or item.metadata)
+    dying = item.expire_deadline <= now or bool(max_attempts and item.attempts >= max_attempts)
+    if not payload_only or dying:
+        assert plain is None
+        return
+    assert plain is not None
+    leased, leased_item = plain
+    general = with_lease_key(raw, attempts=item.attempts + 1, deadline=deadline, leased_at=now, lease_key=key)
+    assert leased == general
+    assert leased_item == Item.decode(general)
