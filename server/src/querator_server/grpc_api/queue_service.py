@@ -83,6 +83,8 @@ class QueueService:
                 deadline_us=call_deadline,
             )
         )
+        if request.columnar:
+            return _lease_columns(name, result)
         return _lease_response(name, result)
 
     def _partition(self, name: str, partition: int) -> int:
@@ -187,3 +189,26 @@ def _lease_response(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
         created.seconds, micros = divmod(item.created_at, 1_000_000)
         created.nanos = micros * 1000
     return response
+
+
+def _lease_columns(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
+    # Repeated scalar fields take whole lists in C: no message per item.
+    leased = result.items
+    items = [entry.item for entry in leased]
+    columns = pb.LeaseColumns(
+        ids=[entry.item_id for entry in leased],
+        payloads=[item.payload for item in items],
+        attempts=[item.attempts for item in items],
+        lease_deadlines_us=[item.lease_deadline for item in items],
+        created_at_us=[item.created_at for item in items],
+    )
+    if any(item.encoding for item in items):
+        columns.encodings.extend([item.encoding for item in items])
+    if any(item.kind for item in items):
+        columns.kinds.extend([item.kind for item in items])
+    if any(item.reference for item in items):
+        columns.references.extend([item.reference for item in items])
+    if any(item.metadata for item in items):
+        for item in items:
+            columns.metadata.add().entries.update(item.metadata)
+    return pb.LeaseResponse(queue_name=name, partition=result.partition, columns=columns)

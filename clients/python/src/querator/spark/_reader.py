@@ -43,7 +43,7 @@ from pyspark.sql.streaming.datasource import (
 from ..v1 import queue_pb2
 from ._options import ReadOptions
 from ._rpc import Rpc, connect
-from ._schema import leased_batch, stored_batch
+from ._schema import leased_batch, leased_columns, stored_batch
 
 log = logging.getLogger("querator.spark")
 
@@ -167,7 +167,9 @@ def _leased(
     rpc: Rpc, future: grpc.Future[queue_pb2.LeaseResponse], request: queue_pb2.LeaseRequest, timeout: float
 ) -> Iterator[Any]:
     reply = rpc.finish(future, rpc.queue.Lease, request, timeout=timeout)
-    if reply.items:
+    if reply.columns.ids:
+        yield leased_columns(reply.partition, reply.columns)
+    elif reply.items:  # a server that predates columnar replies
         yield leased_batch(reply.partition, reply.items)
 
 

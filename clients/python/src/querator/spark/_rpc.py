@@ -115,7 +115,11 @@ class Rpc:
 
     def lease_request(self, key: str, batch_size: int, wait: float) -> queue_pb2.LeaseRequest:
         return queue_pb2.LeaseRequest(
-            queue_name=self.queue_name, batch_size=batch_size, lease_key=key, request_timeout=duration(wait)
+            queue_name=self.queue_name,
+            batch_size=batch_size,
+            lease_key=key,
+            request_timeout=duration(wait),
+            columnar=True,
         )
 
     def complete_keys(self, keys: Sequence[str]) -> None:

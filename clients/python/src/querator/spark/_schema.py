@@ -80,6 +80,29 @@ def leased_batch(partition: int, items: Sequence[queue_pb2.LeaseItem]) -> Any:
     return _batch(columns)
 
 
+def leased_columns(partition: int, columns: queue_pb2.LeaseColumns) -> Any:
+    """``leased_batch`` of a columnar Lease reply (``LeaseRequest.columnar``)."""
+    n = len(columns.ids)
+    none: list[None] = [None] * n
+    blank = [""] * n
+    values: list[list[Any]] = [
+        list(columns.ids),
+        [partition] * n,
+        list(columns.payloads),
+        list(columns.kinds) or blank,
+        list(columns.references) or blank,
+        list(columns.encodings) or blank,
+        list(columns.attempts),
+        [us or None for us in columns.created_at_us],
+        [us or None for us in columns.lease_deadlines_us],
+        [True] * n,
+        none,
+        none,
+        none,
+    ]
+    return _batch(values)
+
+
 def stored_batch(partition: int, items: Sequence[storage_pb2.StorageItem]) -> Any:
     """One record batch of stored items as ListItems returns them."""
     n = len(items)

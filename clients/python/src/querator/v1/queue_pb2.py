@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17querator/v1/queue.proto\x12\x0bquerator.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x93\x02\n\x0bProduceItem\x12\x10\n\x08\x65ncoding\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\treference\x18\x03 \x01(\t\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x0c\n\x04utf8\x18\x05 \x01(\t\x12.\n\nenqueue_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0fidempotency_key\x18\x07 \x01(\t\x12\x38\n\x08metadata\x18\x08 \x03(\x0b\x32&.querator.v1.ProduceItem.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x81\x01\n\x0eProduceRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x32\n\x0frequest_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x05items\x18\x03 \x03(\x0b\x32\x18.querator.v1.ProduceItem\"E\n\x0fProduceResponse\x12\x11\n\tpartition\x18\x01 \x01(\x05\x12\x0b\n\x03ids\x18\x02 \x03(\t\x12\x12\n\nduplicates\x18\x03 \x01(\x05\"\xc2\x01\n\x0cLeaseRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x32\n\x0frequest_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0c\x63omplete_ids\x18\x05 \x03(\t\x12\x1a\n\x12\x63omplete_partition\x18\x06 \x01(\x05\x12\x11\n\tlease_key\x18\x07 \x01(\t\"\xba\x02\n\tLeaseItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08\x65ncoding\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x11\n\treference\x18\x04 \x01(\t\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\x05\x12\x32\n\x0elease_deadline\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x36\n\x08metadata\x18\t \x03(\x0b\x32$.querator.v1.LeaseItem.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"]\n\rLeaseResponse\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12%\n\x05items\x18\x03 \x03(\x0b\x32\x16.querator.v1.LeaseItem\"\x8d\x01\n\x0f\x43ompleteRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0b\n\x03ids\x18\x03 \x03(\t\x12\x32\n\x0frequest_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nlease_keys\x18\x05 \x03(\t\"\x12\n\x10\x43ompleteResponse\"S\n\tRetryItem\x12\n\n\x02id\x18\x01 \x01(\t\x12,\n\x08retry_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04\x64\x65\x61\x64\x18\x03 \x01(\x08\"\x90\x01\n\x0cRetryRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12%\n\x05items\x18\x03 \x03(\x0b\x32\x16.querator.v1.RetryItem\x12\x32\n\x0frequest_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x0f\n\rRetryResponse\"\xbd\x01\n\rExtendRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0b\n\x03ids\x18\x03 \x03(\t\x12\x30\n\rlease_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0frequest_timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nlease_keys\x18\x06 \x03(\t\"a\n\x0e\x45xtendResponse\x12\x33\n\x0flease_deadlines\x18\x01 \x03(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1a\n\x12key_items_extended\x18\x02 \x01(\x05\x32\xe0\x02\n\x0cQueueService\x12\x44\n\x07Produce\x12\x1b.querator.v1.ProduceRequest\x1a\x1c.querator.v1.ProduceResponse\x12>\n\x05Lease\x12\x19.querator.v1.LeaseRequest\x1a\x1a.querator.v1.LeaseResponse\x12G\n\x08\x43omplete\x12\x1c.querator.v1.CompleteRequest\x1a\x1d.querator.v1.CompleteResponse\x12>\n\x05Retry\x12\x19.querator.v1.RetryRequest\x1a\x1a.querator.v1.RetryResponse\x12\x41\n\x06\x45xtend\x12\x1a.querator.v1.ExtendRequest\x1a\x1b.querator.v1.ExtendResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17querator/v1/queue.proto\x12\x0bquerator.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x93\x02\n\x0bProduceItem\x12\x10\n\x08\x65ncoding\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\treference\x18\x03 \x01(\t\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x0c\n\x04utf8\x18\x05 \x01(\t\x12.\n\nenqueue_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0fidempotency_key\x18\x07 \x01(\t\x12\x38\n\x08metadata\x18\x08 \x03(\x0b\x32&.querator.v1.ProduceItem.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x81\x01\n\x0eProduceRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x32\n\x0frequest_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x05items\x18\x03 \x03(\x0b\x32\x18.querator.v1.ProduceItem\"E\n\x0fProduceResponse\x12\x11\n\tpartition\x18\x01 \x01(\x05\x12\x0b\n\x03ids\x18\x02 \x03(\t\x12\x12\n\nduplicates\x18\x03 \x01(\x05\"\xd4\x01\n\x0cLeaseRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x32\n\x0frequest_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0c\x63omplete_ids\x18\x05 \x03(\t\x12\x1a\n\x12\x63omplete_partition\x18\x06 \x01(\x05\x12\x11\n\tlease_key\x18\x07 \x01(\t\x12\x10\n\x08\x63olumnar\x18\x08 \x01(\x08\"\xba\x02\n\tLeaseItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08\x65ncoding\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x11\n\treference\x18\x04 \x01(\t\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\x05\x12\x32\n\x0elease_deadline\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x36\n\x08metadata\x18\t \x03(\x0b\x32$.querator.v1.LeaseItem.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x89\x01\n\rLeaseResponse\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12%\n\x05items\x18\x03 \x03(\x0b\x32\x16.querator.v1.LeaseItem\x12*\n\x07\x63olumns\x18\x04 \x01(\x0b\x32\x19.querator.v1.LeaseColumns\"\xd5\x01\n\x0cLeaseColumns\x12\x0b\n\x03ids\x18\x01 \x03(\t\x12\x10\n\x08payloads\x18\x02 \x03(\x0c\x12\x10\n\x08\x61ttempts\x18\x03 \x03(\x05\x12\x1a\n\x12lease_deadlines_us\x18\x04 \x03(\x03\x12\x15\n\rcreated_at_us\x18\x05 \x03(\x03\x12\x11\n\tencodings\x18\x06 \x03(\t\x12\r\n\x05kinds\x18\x07 \x03(\t\x12\x12\n\nreferences\x18\x08 \x03(\t\x12+\n\x08metadata\x18\t \x03(\x0b\x32\x19.querator.v1.ItemMetadata\"w\n\x0cItemMetadata\x12\x37\n\x07\x65ntries\x18\x01 \x03(\x0b\x32&.querator.v1.ItemMetadata.EntriesEntry\x1a.\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8d\x01\n\x0f\x43ompleteRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0b\n\x03ids\x18\x03 \x03(\t\x12\x32\n\x0frequest_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nlease_keys\x18\x05 \x03(\t\"\x12\n\x10\x43ompleteResponse\"S\n\tRetryItem\x12\n\n\x02id\x18\x01 \x01(\t\x12,\n\x08retry_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04\x64\x65\x61\x64\x18\x03 \x01(\x08\"\x90\x01\n\x0cRetryRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12%\n\x05items\x18\x03 \x03(\x0b\x32\x16.querator.v1.RetryItem\x12\x32\n\x0frequest_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x0f\n\rRetryResponse\"\xbd\x01\n\rExtendRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0b\n\x03ids\x18\x03 \x03(\t\x12\x30\n\rlease_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0frequest_timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nlease_keys\x18\x06 \x03(\t\"a\n\x0e\x45xtendResponse\x12\x33\n\x0flease_deadlines\x18\x01 \x03(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1a\n\x12key_items_extended\x18\x02 \x01(\x05\x32\xe0\x02\n\x0cQueueService\x12\x44\n\x07Produce\x12\x1b.querator.v1.ProduceRequest\x1a\x1c.querator.v1.ProduceResponse\x12>\n\x05Lease\x12\x19.querator.v1.LeaseRequest\x1a\x1a.querator.v1.LeaseResponse\x12G\n\x08\x43omplete\x12\x1c.querator.v1.CompleteRequest\x1a\x1d.querator.v1.CompleteResponse\x12>\n\x05Retry\x12\x19.querator.v1.RetryRequest\x1a\x1a.querator.v1.RetryResponse\x12\x41\n\x06\x45xtend\x12\x1a.querator.v1.ExtendRequest\x1a\x1b.querator.v1.ExtendResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,6 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PRODUCEITEM_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_LEASEITEM_METADATAENTRY']._loaded_options = None
   _globals['_LEASEITEM_METADATAENTRY']._serialized_options = b'8\001'
+  _globals['_ITEMMETADATA_ENTRIESENTRY']._loaded_options = None
+  _globals['_ITEMMETADATA_ENTRIESENTRY']._serialized_options = b'8\001'
   _globals['_PRODUCEITEM']._serialized_start=106
   _globals['_PRODUCEITEM']._serialized_end=381
   _globals['_PRODUCEITEM_METADATAENTRY']._serialized_start=334
@@ -46,27 +48,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PRODUCERESPONSE']._serialized_start=515
   _globals['_PRODUCERESPONSE']._serialized_end=584
   _globals['_LEASEREQUEST']._serialized_start=587
-  _globals['_LEASEREQUEST']._serialized_end=781
-  _globals['_LEASEITEM']._serialized_start=784
-  _globals['_LEASEITEM']._serialized_end=1098
+  _globals['_LEASEREQUEST']._serialized_end=799
+  _globals['_LEASEITEM']._serialized_start=802
+  _globals['_LEASEITEM']._serialized_end=1116
   _globals['_LEASEITEM_METADATAENTRY']._serialized_start=334
   _globals['_LEASEITEM_METADATAENTRY']._serialized_end=381
-  _globals['_LEASERESPONSE']._serialized_start=1100
-  _globals['_LEASERESPONSE']._serialized_end=1193
-  _globals['_COMPLETEREQUEST']._serialized_start=1196
-  _globals['_COMPLETEREQUEST']._serialized_end=1337
-  _globals['_COMPLETERESPONSE']._serialized_start=1339
-  _globals['_COMPLETERESPONSE']._serialized_end=1357
-  _globals['_RETRYITEM']._serialized_start=1359
-  _globals['_RETRYITEM']._serialized_end=1442
-  _globals['_RETRYREQUEST']._serialized_start=1445
-  _globals['_RETRYREQUEST']._serialized_end=1589
-  _globals['_RETRYRESPONSE']._serialized_start=1591
-  _globals['_RETRYRESPONSE']._serialized_end=1606
-  _globals['_EXTENDREQUEST']._serialized_start=1609
-  _globals['_EXTENDREQUEST']._serialized_end=1798
-  _globals['_EXTENDRESPONSE']._serialized_start=1800
-  _globals['_EXTENDRESPONSE']._serialized_end=1897
-  _globals['_QUEUESERVICE']._serialized_start=1900
-  _globals['_QUEUESERVICE']._serialized_end=2252
+  _globals['_LEASERESPONSE']._serialized_start=1119
+  _globals['_LEASERESPONSE']._serialized_end=1256
+  _globals['_LEASECOLUMNS']._serialized_start=1259
+  _globals['_LEASECOLUMNS']._serialized_end=1472
+  _globals['_ITEMMETADATA']._serialized_start=1474
+  _globals['_ITEMMETADATA']._serialized_end=1593
+  _globals['_ITEMMETADATA_ENTRIESENTRY']._serialized_start=1547
+  _globals['_ITEMMETADATA_ENTRIESENTRY']._serialized_end=1593
+  _globals['_COMPLETEREQUEST']._serialized_start=1596
+  _globals['_COMPLETEREQUEST']._serialized_end=1737
+  _globals['_COMPLETERESPONSE']._serialized_start=1739
+  _globals['_COMPLETERESPONSE']._serialized_end=1757
+  _globals['_RETRYITEM']._serialized_start=1759
+  _globals['_RETRYITEM']._serialized_end=1842
+  _globals['_RETRYREQUEST']._serialized_start=1845
+  _globals['_RETRYREQUEST']._serialized_end=1989
+  _globals['_RETRYRESPONSE']._serialized_start=1991
+  _globals['_RETRYRESPONSE']._serialized_end=2006
+  _globals['_EXTENDREQUEST']._serialized_start=2009
+  _globals['_EXTENDREQUEST']._serialized_end=2198
+  _globals['_EXTENDRESPONSE']._serialized_start=2200
+  _globals['_EXTENDRESPONSE']._serialized_end=2297
+  _globals['_QUEUESERVICE']._serialized_start=2300
+  _globals['_QUEUESERVICE']._serialized_end=2652
 # @@protoc_insertion_point(module_scope)

@@ -190,6 +190,7 @@ class LeaseRequest(_message.Message):
     COMPLETE_IDS_FIELD_NUMBER: _builtins.int
     COMPLETE_PARTITION_FIELD_NUMBER: _builtins.int
     LEASE_KEY_FIELD_NUMBER: _builtins.int
+    COLUMNAR_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue to lease from."""
     batch_size: _builtins.int
@@ -209,6 +210,12 @@ class LeaseRequest(_message.Message):
     at once with what was ready (possibly nothing, which is remembered too).
     Complete and Extend accept the key too. A key is forgotten once all its
     items are completed, or after the queue's lease_key_ttl.
+    """
+    columnar: _builtins.bool
+    """Optional: answer with the items in LeaseResponse.columns (parallel lists)
+    instead of LeaseResponse.items. The same items, leased the same way; for
+    batches of many small items it costs the server and the caller a fraction
+    of one message per item.
     """
     @_builtins.property
     def request_timeout(self) -> _duration_pb2.Duration:
@@ -239,10 +246,11 @@ class LeaseRequest(_message.Message):
         complete_ids: _abc.Iterable[_builtins.str] | None = ...,
         complete_partition: _builtins.int = ...,
         lease_key: _builtins.str = ...,
+        columnar: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["request_timeout", b"request_timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "client_id", b"client_id", "complete_ids", b"complete_ids", "complete_partition", b"complete_partition", "lease_key", b"lease_key", "queue_name", b"queue_name", "request_timeout", b"request_timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "client_id", b"client_id", "columnar", b"columnar", "complete_ids", b"complete_ids", "complete_partition", b"complete_partition", "lease_key", b"lease_key", "queue_name", b"queue_name", "request_timeout", b"request_timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -337,13 +345,20 @@ class LeaseResponse(_message.Message):
     QUEUE_NAME_FIELD_NUMBER: _builtins.int
     PARTITION_FIELD_NUMBER: _builtins.int
     ITEMS_FIELD_NUMBER: _builtins.int
+    COLUMNS_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue the items came from."""
     partition: _builtins.int
     """The partition every item came from: pass it to Complete, Retry, Extend."""
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeaseItem]:
-        """The leased items, oldest first. Empty when nothing became ready in time."""
+        """The leased items, oldest first. Empty when nothing became ready in time,
+        and when the request asked for columns.
+        """
+
+    @_builtins.property
+    def columns(self) -> Global___LeaseColumns:
+        """The leased items as columns, when the request set columnar."""
 
     def __init__(
         self,
@@ -351,14 +366,138 @@ class LeaseResponse(_message.Message):
         queue_name: _builtins.str = ...,
         partition: _builtins.int = ...,
         items: _abc.Iterable[Global___LeaseItem] | None = ...,
+        columns: Global___LeaseColumns | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["columns", b"columns"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "partition", b"partition", "queue_name", b"queue_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["columns", b"columns", "items", b"items", "partition", b"partition", "queue_name", b"queue_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LeaseResponse: _TypeAlias = LeaseResponse  # noqa: Y015
+
+@_typing.final
+class LeaseColumns(_message.Message):
+    """LeaseColumns carries leased items as parallel lists, oldest first: entry i
+    of every list belongs to the i-th item. Each field means what the LeaseItem
+    field of the same name means. The lists of values given at produce are
+    empty when no item of the batch has one; otherwise they hold one entry per
+    item.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDS_FIELD_NUMBER: _builtins.int
+    PAYLOADS_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    LEASE_DEADLINES_US_FIELD_NUMBER: _builtins.int
+    CREATED_AT_US_FIELD_NUMBER: _builtins.int
+    ENCODINGS_FIELD_NUMBER: _builtins.int
+    KINDS_FIELD_NUMBER: _builtins.int
+    REFERENCES_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The items' ids for this lease: pass them to Complete, Retry or Extend."""
+
+    @_builtins.property
+    def payloads(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """One per item."""
+
+    @_builtins.property
+    def attempts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """One per item: leases so far, this one included."""
+
+    @_builtins.property
+    def lease_deadlines_us(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """One per item: when the lease ends, in microseconds since the Unix epoch."""
+
+    @_builtins.property
+    def created_at_us(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """One per item: when the item was first produced, in microseconds since
+        the Unix epoch.
+        """
+
+    @_builtins.property
+    def encodings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Empty, or one per item."""
+
+    @_builtins.property
+    def kinds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Empty, or one per item."""
+
+    @_builtins.property
+    def references(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Empty, or one per item."""
+
+    @_builtins.property
+    def metadata(self) -> _containers.RepeatedCompositeFieldContainer[Global___ItemMetadata]:
+        """Empty, or one per item."""
+
+    def __init__(
+        self,
+        *,
+        ids: _abc.Iterable[_builtins.str] | None = ...,
+        payloads: _abc.Iterable[_builtins.bytes] | None = ...,
+        attempts: _abc.Iterable[_builtins.int] | None = ...,
+        lease_deadlines_us: _abc.Iterable[_builtins.int] | None = ...,
+        created_at_us: _abc.Iterable[_builtins.int] | None = ...,
+        encodings: _abc.Iterable[_builtins.str] | None = ...,
+        kinds: _abc.Iterable[_builtins.str] | None = ...,
+        references: _abc.Iterable[_builtins.str] | None = ...,
+        metadata: _abc.Iterable[Global___ItemMetadata] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at_us", b"created_at_us", "encodings", b"encodings", "ids", b"ids", "kinds", b"kinds", "lease_deadlines_us", b"lease_deadlines_us", "metadata", b"metadata", "payloads", b"payloads", "references", b"references"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseColumns: _TypeAlias = LeaseColumns  # noqa: Y015
+
+@_typing.final
+class ItemMetadata(_message.Message):
+    """ItemMetadata is the metadata of one item in LeaseColumns."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EntriesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """As given at produce."""
+
+    def __init__(
+        self,
+        *,
+        entries: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ItemMetadata: _TypeAlias = ItemMetadata  # noqa: Y015
 
 @_typing.final
 class CompleteRequest(_message.Message):
