@@ -50,6 +50,11 @@ def from_timestamp(value: timestamp_pb2.Timestamp) -> datetime:
     return _EPOCH + timedelta(seconds=value.seconds, microseconds=value.nanos // 1000)
 
 
+def from_micros(value: int) -> datetime:
+    """Microseconds since the Unix epoch (LeaseColumns) as a UTC datetime."""
+    return _EPOCH + timedelta(microseconds=value)
+
+
 def optional_timestamp(message: object, name: str) -> datetime | None:
     """The timestamp field ``name`` of ``message``, or None when unset or zero."""
     if not message.HasField(name):  # type: ignore[attr-defined]

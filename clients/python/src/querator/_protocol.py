@@ -159,6 +159,7 @@ def lease_request(
         client_id=client_id,
         request_timeout=c.to_duration(wait_s),
         lease_key=lease_key,
+        columnar=True,
     )
     if complete:
         request.complete_ids.extend(m.id for m in complete)
@@ -185,6 +186,12 @@ def lease_completions(queue_name: str, items: ItemsArg | None) -> list[Ref]:
 
 
 def leased_fields(response: queue_pb2.LeaseResponse) -> Iterator[dict[str, Any]]:
+    """Each leased item's fields, from the reply's columns (asked for by every Lease the
+    SDK sends) or, from a server that predates them, its items."""
+    columns = response.columns
+    if columns.ids:
+        yield from _column_fields(response.queue_name, response.partition, columns)
+        return
     for item in response.items:
         yield {
             "queue_name": response.queue_name,
@@ -198,6 +205,31 @@ def leased_fields(response: queue_pb2.LeaseResponse) -> Iterator[dict[str, Any]]
             "lease_deadline": c.from_timestamp(item.lease_deadline),
             "created_at": c.from_timestamp(item.created_at),
             "metadata": dict(item.metadata) if item.metadata else {},
+        }
+
+
+def _column_fields(queue_name: str, partition: int, columns: queue_pb2.LeaseColumns) -> Iterator[dict[str, Any]]:
+    n = len(columns.ids)
+    blank = [""] * n
+    encodings = list(columns.encodings) or blank
+    kinds = list(columns.kinds) or blank
+    references = list(columns.references) or blank
+    metadata = [dict(m.entries) for m in columns.metadata] or [{} for _ in range(n)]
+    for i, (item_id, payload, attempts, deadline_us, created_us) in enumerate(
+        zip(columns.ids, columns.payloads, columns.attempts, columns.lease_deadlines_us, columns.created_at_us)
+    ):
+        yield {
+            "queue_name": queue_name,
+            "partition": partition,
+            "id": item_id,
+            "payload": payload,
+            "encoding": encodings[i],
+            "kind": kinds[i],
+            "reference": references[i],
+            "attempts": attempts,
+            "lease_deadline": c.from_micros(deadline_us),
+            "created_at": c.from_micros(created_us),
+            "metadata": metadata[i],
         }
 
 

@@ -1,0 +1,66 @@
+"""The SDK reads a Lease reply's columns, and the items of a server that has none."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from google.protobuf import timestamp_pb2
+from querator._protocol import leased_fields
+from querator.v1 import queue_pb2
+
+CREATED_US = 1_764_000_000_123_456
+DEADLINE_US = 1_764_000_060_654_321
+
+
+def _ts(micros: int) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromMicroseconds(micros)
+    return ts
+
+
+def test_columns_and_items_give_the_same_fields() -> None:
+    as_items = queue_pb2.LeaseResponse(queue_name="q", partition=3)
+    as_items.items.add(
+        id="a", payload=b"1", attempts=1, lease_deadline=_ts(DEADLINE_US), created_at=_ts(CREATED_US)
+    )
+    as_items.items.add(
+        id="b",
+        payload=b"2",
+        attempts=2,
+        kind="k",
+        encoding="e",
+        reference="r",
+        metadata={"m": "v"},
+        lease_deadline=_ts(DEADLINE_US),
+        created_at=_ts(CREATED_US + 1),
+    )
+    columns = queue_pb2.LeaseColumns(
+        ids=["a", "b"],
+        payloads=[b"1", b"2"],
+        attempts=[1, 2],
+        lease_deadlines_us=[DEADLINE_US, DEADLINE_US],
+        created_at_us=[CREATED_US, CREATED_US + 1],
+        kinds=["", "k"],
+        encodings=["", "e"],
+        references=["", "r"],
+    )
+    columns.metadata.add()
+    columns.metadata.add().entries.update({"m": "v"})
+    as_columns = queue_pb2.LeaseResponse(queue_name="q", partition=3, columns=columns)
+
+    fields = list(leased_fields(as_columns))
+    assert fields == list(leased_fields(as_items))
+    assert fields[1]["created_at"] == datetime.fromtimestamp(CREATED_US / 1e6, timezone.utc).replace(
+        microsecond=(CREATED_US + 1) % 1_000_000
+    )
+    assert fields[0]["metadata"] == {} and fields[0]["metadata"] is not fields[1]["metadata"]
+
+
+def test_payload_only_columns_fill_the_optional_fields_blank() -> None:
+    columns = queue_pb2.LeaseColumns(
+        ids=["a", "b"], payloads=[b"x", b"y"], attempts=[1, 1], lease_deadlines_us=[1, 2], created_at_us=[3, 4]
+    )
+    fields = list(leased_fields(queue_pb2.LeaseResponse(queue_name="q", columns=columns)))
+    assert [(f["kind"], f["encoding"], f["reference"], f["metadata"]) for f in fields] == [("", "", "", {})] * 2
+    fields[0]["metadata"]["x"] = "1"
+    assert fields[1]["metadata"] == {}
