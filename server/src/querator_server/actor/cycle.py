@@ -293,9 +293,13 @@ class Cycle(LifecycleSteps, StorageSteps):
         missing: list[str] = []
         unleased: list[str] = []
         lost: list[str] = []
+        read, uid = self.store.reader(txn, partition), self.uid
         for index, text in enumerate(ids):
             ref = parse_id(text)
-            raw = self._lookup(txn, partition, ref)
+            if ref is not None and ref.uid == uid and ref.partition == partition and not ref.due:
+                raw = read(ref.seq)  # the common case, without _lookup's checks and calls
+            else:
+                raw = self._lookup(txn, partition, ref)
             if ref is None or raw is None:
                 missing.append(f"{field}[{index}] {quote(text)}")
                 continue

@@ -401,6 +401,18 @@ class QueueStore:
             cursor.next()
         return found
 
+    def reader(self, txn: lmdb.Transaction, p: int) -> Callable[[int], bytes | None]:
+        """``get_raw`` for many lookups in partition ``p``: one cursor, which finds a
+        neighbour of its last key without a search from the root."""
+        cursor = txn.cursor(db=self._dbs[p])
+        set_key, value = cursor.set_key, cursor.value
+
+        def read(seq: int) -> bytes | None:
+            raw: bytes | None = value() if set_key(item_key(seq)) else None
+            return raw
+
+        return read
+
     def get_raw(self, txn: lmdb.Transaction, p: int, seq: int) -> bytes | None:
         raw: bytes | None = txn.get(item_key(seq), db=self._dbs[p])
         return raw
