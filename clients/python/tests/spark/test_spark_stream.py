@@ -73,7 +73,18 @@ def test_available_now_drains_in_batches_and_leaves_nothing_leased(
         )
 
     query = run_available_now(
-        stream(spark, srv, queue, MAXITEMSPERTRIGGER=str(per_trigger), numPartitions="2"), handler, tmp_path / "cp"
+        # Five Lease calls per Spark partition, three in flight: replies arrive out of turn.
+        stream(
+            spark,
+            srv,
+            queue,
+            MAXITEMSPERTRIGGER=str(per_trigger),
+            numPartitions="2",
+            leaseBatchSize="100",
+            leasesInFlight="3",
+        ),
+        handler,
+        tmp_path / "cp",
     )
     assert query.exception() is None
     assert len(batches) == math.ceil(n / per_trigger)

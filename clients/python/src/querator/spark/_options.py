@@ -144,6 +144,11 @@ class ReadOptions:
     #: Stream: items per keyed Lease call (recorded in each offset, so changing it
     #: never changes how a planned batch is replayed).
     lease_batch_size: int = MAX_BATCH
+    #: Stream: keyed Lease calls each task keeps in flight. Enough that the server
+    #: always finds calls waiting when a cycle ends: with 2 its loop idled while the
+    #: tasks turned replies into rows (1 M items of 100 B: 84,888 items/s; with 8:
+    #: 94,798). A task holds up to this many replies of ``lease_batch_size`` items.
+    leases_in_flight: int = 8
     #: Stream: the stream's identity in lease keys; default: a random id made when the
     #: query first starts and kept in its checkpoint.
     stream_id: str = ""
@@ -172,6 +177,7 @@ class ReadOptions:
             max_items_per_trigger=options.integer("maxItemsPerTrigger", 0),
             num_partitions=options.integer("numPartitions", 0, high=10_000),
             lease_batch_size=options.integer("leaseBatchSize", MAX_BATCH, low=1, high=MAX_BATCH),
+            leases_in_flight=options.integer("leasesInFlight", 8, low=1, high=64),
             stream_id=stream_id,
             keep_alive_interval=options.number("keepAliveInterval", 0.0),
         )
