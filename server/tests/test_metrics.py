@@ -75,8 +75,8 @@ def test_depth_and_age_follow_produce_lease_complete(metered: tuple[ThreadServer
 
     stubs.complete("jobs", leased.partition, [i.id for i in leased.items])
     assert (items(scrape, "jobs", "ready"), items(scrape, "jobs", "leased")) == (1, 0)
-    drained = stubs.lease("jobs", batch_size=10)
-    stubs.complete("jobs", drained.partition, [i.id for i in drained.items])
+    drained = stubs.lease("jobs", batch_size=10, columnar=True)  # counted from its columns
+    stubs.complete("jobs", drained.partition, list(drained.columns.ids))
     assert (items(scrape, "jobs", "ready"), items(scrape, "jobs", "leased")) == (0, 0)
     assert scrape.value("querator_partition_oldest_ready_age_seconds", queue="jobs", partition="0") == 0
 
