@@ -17,7 +17,7 @@ from querator_server.actor.requests import CompleteRequest, ExtendRequest, Lease
 from querator_server.actor.view import PartitionView
 from querator_server.errors import FailedPrecondition
 from querator_server.model import NewItem, QueueConfig
-from querator_server.storage import QueueStore
+from querator_server.storage import Item, QueueStore
 from querator_server.storage.keyed import KeyedIndex
 from querator_server.storage.record import TAG_EXPIRY, TAG_ITEM, expiry_key, item_key, parse_expiry_key
 
@@ -155,3 +155,31 @@ def test_completions_in_any_order_remove_exactly_their_items_and_expiry_keys(sto
     assert expiries == {expiry_key(deadline_of[seq], item_key(seq)) for seq in left}
     assert {parse_expiry_key(key)[0] for key in expiries} <= set(deadline_of.values())
     assert (views[0].ready, views[0].leased) == (0, 70 - 45)
+
+
+def test_bare_payloads_are_stored_as_the_general_path_stores_them(store: QueueStore) -> None:
+    """A request of bare payloads is stored in bulk; one with any other field item by item.
+    Both must leave the same records, expiry keys, ids and counts."""
+    config = QueueConfig(name="q", uid=1, expire_timeout_us=3600 * SECOND)
+    views = [PartitionView()]
+    bare = _request(ProduceRequest([NewItem(payload=b"p%d" % i) for i in range(3)]))
+    mixed = _request(ProduceRequest([NewItem(payload=b"m0"), NewItem(payload=b"m1", kind="k")]))
+    start = views[0].next_seq
+    first = _run(store, config, views, T0, lambda c, t: c.produce(t, bare))
+    second = _run(store, config, views, T0, lambda c, t: c.produce(t, mixed))
+    seqs_of = list(range(start, start + 5))
+    assert first.results[0][1].ids == [item_id(1, 0, seq) for seq in seqs_of[:3]]  # type: ignore[attr-defined]
+    assert second.results[0][1].ids == [item_id(1, 0, seq) for seq in seqs_of[3:]]  # type: ignore[attr-defined]
+    expire = T0 + config.expire_timeout_us
+    expected = [Item(payload=b"p%d" % i, created_at=T0, expire_deadline=expire) for i in range(3)]
+    expected += [
+        Item(payload=b"m0", created_at=T0, expire_deadline=expire),
+        Item(payload=b"m1", kind="k", created_at=T0, expire_deadline=expire),
+    ]
+    with store.env.begin() as txn:
+        records = [txn.get(item_key(seq), db=store.db(0)) for seq in seqs_of]
+    assert records == [item.encode() for item in expected]
+    seqs, expiries = _stored_keys(store)
+    assert seqs == set(seqs_of)
+    assert expiries == {expiry_key(expire, item_key(seq)) for seq in seqs_of}
+    assert (views[0].ready, views[0].next_seq, views[0].created_sum) == (5, start + 5, 5 * T0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-from querator_server.storage.record import Item, lease_plain, read_state, with_lease, with_lease_key
+from querator_server.storage.record import Item, lease_plain, plain_header, read_state, with_lease, with_lease_key
 
 text = st.text(max_size=40)
 items = st.builds(
@@ -80,3 +80,8 @@ def test_the_plain_lease_matches_the_general_path_or_declines(
     general = with_lease_key(raw, attempts=item.attempts + 1, deadline=deadline, leased_at=now, lease_key=key)
     assert leased == general
     assert leased_item == Item.decode(general)
+
+
+@given(st.binary(max_size=200), st.integers(0, 2**62), st.integers(0, 2**62))
+def test_the_shared_header_of_bare_payloads_is_their_encoding(payload: bytes, created: int, expire: int) -> None:
+    assert plain_header(created, expire) + payload == Item(payload, created_at=created, expire_deadline=expire).encode()

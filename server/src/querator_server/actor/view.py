@@ -59,8 +59,12 @@ class PartitionView:
         )
 
     def take_seq(self) -> int:
+        return self.take_seqs(1)
+
+    def take_seqs(self, count: int) -> int:
+        """Reserve ``count`` consecutive seqs; the first of them."""
         seq = self.next_seq
-        self.next_seq += 1
+        self.next_seq += count
         self.seq_dirty = True
         return seq
 

@@ -46,6 +46,7 @@ from .record import (
     outbox_key,
     parse_expiry_key,
     parse_scheduled_key,
+    plain_header,
     read_state,
     scheduled_key,
     seq_of_item_key,
@@ -351,6 +352,18 @@ class QueueStore:
             key = item_key(seq)
             put(key, item.encode(), db=db)
             put(prefix + key, b"", db=db)
+
+    def append_payloads(
+        self, txn: lmdb.Transaction, p: int, first_seq: int, payloads: list[bytes], created_at: int, expire_deadline: int
+    ) -> None:
+        """``append_new`` for items that carry only a payload: one shared header, and
+        the records and expiry keys written by two ``putmulti`` calls."""
+        head = plain_header(created_at, expire_deadline)
+        prefix = expiry_prefix(expire_deadline)
+        keys = [item_key(seq) for seq in range(first_seq, first_seq + len(payloads))]
+        cursor = txn.cursor(db=self._dbs[p])
+        cursor.putmulti([(key, head + payload) for key, payload in zip(keys, payloads)])
+        cursor.putmulti([(prefix + key, b"") for key in keys])
 
     def get(self, txn: lmdb.Transaction, p: int, seq: int) -> Item | None:
         raw = txn.get(item_key(seq), db=self._dbs[p])

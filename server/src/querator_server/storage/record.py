@@ -258,6 +258,12 @@ def with_lease_key(raw: bytes, *, attempts: int, deadline: int, leased_at: int, 
     return b"".join((_HEADER.pack(*header), raw[_HEADER.size : start], key, raw[start + n_lease_key :]))
 
 
+def plain_header(created_at: int, expire_deadline: int) -> bytes:
+    """The header of a fresh item that carries only a payload: ``Item(payload,
+    created_at=..., expire_deadline=...).encode()`` is this plus the payload."""
+    return _HEADER.pack(0, 0, created_at, expire_deadline, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
 _NO_STRINGS = bytes(24)  # the six string lengths of a payload-only item, all zero
 _LENGTHS = slice(_STATE_FIXED.size, _HEADER.size)
 
