@@ -150,15 +150,17 @@ class QueratorClient:
             batch_size=batch,
             client_id=client_id,
             request_timeout=Duration(nanos=int(wait_s * 1e9)) if wait_s < 1 else Duration(seconds=int(wait_s)),
-            columnar=True,  # as the SDK asks
         )
+        columnar = "columnar" in pb.LeaseRequest.DESCRIPTOR.fields_by_name  # not in --at-commit's older stubs
+        if columnar:
+            request.columnar = True  # as the SDK asks
         if self.complete_in_lease:
             previous = self._state["pending"].pop(client_id, None)
             if previous is not None:
                 request.complete_partition = previous[0]
                 request.complete_ids.extend(previous[1])
         reply = await self._state["queue"].Lease(request, timeout=wait_s + 30)
-        if reply.columns.ids:
+        if columnar and reply.columns.ids:
             return (reply.partition, list(reply.columns.ids), client_id), list(reply.columns.payloads)
         items = reply.items  # a server from before columnar replies (--at-commit)
         return (reply.partition, [item.id for item in items], client_id), [item.payload for item in items]
