@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import builtins
 import re
 import fcntl
 import itertools
@@ -166,7 +167,7 @@ class QueuesManager:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
-        self._lock_fd = _lock_data_dir(self.data_dir)
+        self._lock_fd: int | None = _lock_data_dir(self.data_dir)
         try:
             await loop.run_in_executor(self._executor, _check_layout, self.data_dir)
         except BaseException:
@@ -299,7 +300,7 @@ class QueuesManager:
                         break
         return [self._configs[n] for n in names[:limit]], len(names) > limit
 
-    def dead_letter_users(self, name: str) -> list[str]:
+    def dead_letter_users(self, name: str) -> builtins.list[str]:
         return sorted(c.name for c in self._configs.values() if c.dead_queue == name)
 
     # -- admin --------------------------------------------------------------------------
@@ -422,7 +423,7 @@ class QueuesManager:
 
     # -- API keys -----------------------------------------------------------------------
 
-    async def create_key(self, role: Role, queues: list[str], description: str) -> tuple[ApiKey, str]:
+    async def create_key(self, role: Role, queues: builtins.list[str], description: str) -> tuple[ApiKey, str]:
         key, token = new_key(role, queues, description, now_us())
         record = {
             "key_id": key.key_id,

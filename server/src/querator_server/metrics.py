@@ -230,18 +230,18 @@ _ITEMS: dict[str, tuple[str, Callable[[Any, Any], int]]] = {
 }
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
+class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]  # generic only in the stubs
     """Latency, status and items of every querator.v1 call, by queue and method."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]] = {}
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any]:
         handler = await continuation(handler_call_details)
         method_path = handler_call_details.method
         if handler is None or handler.unary_unary is None or not method_path.startswith(_API_PREFIX):
@@ -261,7 +261,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         metrics = self._metrics
         counted = _ITEMS.get(method)
 
-        async def measured(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def measured(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             queue = _queue_of(request)
             known = metrics.known_queue(queue)
             started = time.perf_counter()
@@ -360,7 +360,7 @@ class Metrics:
         actor.observer = probe
         actor.store.on_commit = probe.commit_hook()
 
-    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor[Any, Any]]:
         return [MetricsInterceptor(self)]
 
     def known_queue(self, name: str) -> bool:

@@ -7,6 +7,7 @@ import gc
 import os
 import resource
 import signal
+from typing import Any
 
 import grpc
 import structlog
@@ -35,7 +36,7 @@ SHUTDOWN_DRAIN_S = 0.5
 _REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
-def _reflection_v1(servicer: reflection.aio.ReflectionServicer) -> grpc.GenericRpcHandler:
+def _reflection_v1(servicer: ReflectionServicer) -> grpc.GenericRpcHandler[Any, Any]:
     # grpcio-reflection serves only v1alpha; v1 is wire-identical, so the same
     # servicer answers under the v1 name for newer tools.
     method = grpc.stream_stream_rpc_method_handler(
@@ -58,7 +59,7 @@ class QueratorServer:
             map_size=config.map_size,
             bootstrap_token=config.admin_token if config.auth else "",
         )
-        self.health = health.aio.HealthServicer()
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # not in its stubs
         self._server: grpc.aio.Server | None = None
         self.port = 0
         self._stopped = asyncio.Event()

@@ -49,7 +49,7 @@ class Cycle(LifecycleSteps, StorageSteps):
 
     # -- produce -------------------------------------------------------------------
 
-    def produce(self, txn: lmdb.Transaction, request: ProduceRequest) -> None:
+    def produce(self, txn: lmdb.Transaction[bytes], request: ProduceRequest) -> None:
         counts = [self._peek(p).ready for p in range(len(self._base))]
         p = counts.index(min(counts))
         v = self.view(p)
@@ -110,7 +110,7 @@ class Cycle(LifecycleSteps, StorageSteps):
         self._ok(request, ProduceResult(p, ids, duplicates))
 
     def _produce_payloads(
-        self, txn: lmdb.Transaction, request: ProduceRequest, p: int, v: PartitionView, expire: int
+        self, txn: lmdb.Transaction[bytes], request: ProduceRequest, p: int, v: PartitionView, expire: int
     ) -> None:
         """``produce`` of items that carry only a payload (the common case), in bulk."""
         count, now = len(request.items), self.now
@@ -125,7 +125,7 @@ class Cycle(LifecycleSteps, StorageSteps):
 
     # -- lease ---------------------------------------------------------------------
 
-    def lease(self, txn: lmdb.Transaction, requests: list[LeaseRequest]) -> None:
+    def lease(self, txn: lmdb.Transaction[bytes], requests: list[LeaseRequest]) -> None:
         """Share the ready items among ``requests`` (oldest first), round-robin."""
         if self.keyed is not None and any(r.lease_key for r in requests):
             fresh: list[LeaseRequest] = []
@@ -155,7 +155,7 @@ class Cycle(LifecycleSteps, StorageSteps):
             else:
                 self.unserved.append(request)
 
-    def _lease_one(self, txn: lmdb.Transaction, request: LeaseRequest, quota: int) -> LeaseResult | None:
+    def _lease_one(self, txn: lmdb.Transaction[bytes], request: LeaseRequest, quota: int) -> LeaseResult | None:
         p = max(range(len(self._base)), key=lambda i: self._peek(i).ready)
         v = self.view(p)
         if not v.ready:
@@ -224,7 +224,7 @@ class Cycle(LifecycleSteps, StorageSteps):
         self._ok(request, result)
         return result
 
-    def _replay(self, txn: lmdb.Transaction, request: LeaseRequest, record: LeaseKeyRecord) -> None:
+    def _replay(self, txn: lmdb.Transaction[bytes], request: LeaseRequest, record: LeaseKeyRecord) -> None:
         """Answer a repeated lease key with the items still leased under it.
 
         Items whose lease expired and that are ready again are leased again; items
@@ -259,7 +259,7 @@ class Cycle(LifecycleSteps, StorageSteps):
             self.keyed.put_lease_key(txn, key, record._replace(seqs=tuple(kept)), new=False)
         self._ok(request, LeaseResult(p, items))
 
-    def complete_before_lease(self, txn: lmdb.Transaction, requests: list[LeaseRequest]) -> list[LeaseRequest]:
+    def complete_before_lease(self, txn: lmdb.Transaction[bytes], requests: list[LeaseRequest]) -> list[LeaseRequest]:
         """Apply the completions that leases carry; return the leases still to serve.
 
         A lease whose completion fails is answered with that error and leases nothing.
@@ -276,7 +276,7 @@ class Cycle(LifecycleSteps, StorageSteps):
             kept.append(request)
         return kept
 
-    def fence_leases(self, txn: lmdb.Transaction, now: int) -> None:
+    def fence_leases(self, txn: lmdb.Transaction[bytes], now: int) -> None:
         """Take back leases whose caller hung up or ran out of time before the commit."""
         for request, p, taken in self._granted:
             gone = request.future.done() or (request.deadline_us and now >= request.deadline_us - FENCE_MARGIN_US)
@@ -298,7 +298,7 @@ class Cycle(LifecycleSteps, StorageSteps):
 
     def _leased_items(
         self,
-        txn: lmdb.Transaction,
+        txn: lmdb.Transaction[bytes],
         partition: int,
         ids: Sequence[str],
         *,
@@ -336,7 +336,7 @@ class Cycle(LifecycleSteps, StorageSteps):
             raise FailedPrecondition(_listing("lease (or item) has expired", lost))
         return found
 
-    def _lookup(self, txn: lmdb.Transaction, partition: int, ref: ItemRef | None) -> bytes | None:
+    def _lookup(self, txn: lmdb.Transaction[bytes], partition: int, ref: ItemRef | None) -> bytes | None:
         if ref is None or ref.uid != self.uid or ref.partition != partition:
             return None
         if ref.due:  # a scheduled item exists but is never leased
@@ -344,20 +344,20 @@ class Cycle(LifecycleSteps, StorageSteps):
             return raw
         return self.store.get_raw(txn, partition, ref.seq)
 
-    def complete(self, txn: lmdb.Transaction, request: CompleteRequest) -> None:
+    def complete(self, txn: lmdb.Transaction[bytes], request: CompleteRequest) -> None:
         if request.ids:
             self._complete(txn, request.partition, request.ids)
         self._complete_keys(txn, request.lease_keys)
         self._ok(request, None)
 
-    def _complete(self, txn: lmdb.Transaction, p: int, ids: Sequence[str], field: str = "ids") -> None:
+    def _complete(self, txn: lmdb.Transaction[bytes], p: int, ids: Sequence[str], field: str = "ids") -> None:
         found = self._leased_items(txn, p, ids, field=field)
         self._remove_leased(txn, p, [(seq, state) for seq, _raw, state in found])
         for seq, _raw, state in found:
             if state.lease_key:
                 self._untag(txn, state.lease_key, seq)
 
-    def _complete_keys(self, txn: lmdb.Transaction, keys: Sequence[str]) -> None:
+    def _complete_keys(self, txn: lmdb.Transaction[bytes], keys: Sequence[str]) -> None:
         """Complete every item still leased under each key; forget the keys. Idempotent."""
         if self.keyed is None:
             return
@@ -370,7 +370,7 @@ class Cycle(LifecycleSteps, StorageSteps):
                 self._remove_leased(txn, p, self.store.leased_under(txn, p, record.seqs, key))
             self.keyed.drop_lease_key(txn, key)
 
-    def retry(self, txn: lmdb.Transaction, request: RetryRequest) -> None:
+    def retry(self, txn: lmdb.Transaction[bytes], request: RetryRequest) -> None:
         p = request.partition
         found = self._leased_items(txn, p, [o.item_id for o in request.orders])
         for (seq, raw, _state), order in zip(found, request.orders):
@@ -386,7 +386,7 @@ class Cycle(LifecycleSteps, StorageSteps):
                 self._requeue(txn, p, item, seq)
         self._ok(request, None)
 
-    def extend(self, txn: lmdb.Transaction, request: ExtendRequest) -> None:
+    def extend(self, txn: lmdb.Transaction[bytes], request: ExtendRequest) -> None:
         p = request.partition
         found = self._leased_items(txn, p, request.ids, check_deadline=True) if request.ids else []
         timeout = request.lease_timeout_us or self.config.lease_timeout_us
@@ -407,7 +407,7 @@ class Cycle(LifecycleSteps, StorageSteps):
                     by_keys += 1
         self._ok(request, ExtendResult(deadlines, by_keys))
 
-    def _extend_one(self, txn: lmdb.Transaction, p: int, seq: int, raw: bytes, state: ItemState, timeout: int) -> int:
+    def _extend_one(self, txn: lmdb.Transaction[bytes], p: int, seq: int, raw: bytes, state: ItemState, timeout: int) -> int:
         deadline = min(self.now + timeout, state.expire_deadline)
         self.store.put_raw(
             txn, p, seq, with_lease(raw, state, attempts=state.attempts, deadline=deadline, leased_at=state.leased_at)

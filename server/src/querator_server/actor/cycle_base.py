@@ -90,7 +90,7 @@ class CycleBase:
     def fail(self, request: Request, error: QueratorError) -> None:
         self.results.append((request, error))
 
-    def finish(self, txn: lmdb.Transaction) -> None:
+    def finish(self, txn: lmdb.Transaction[bytes]) -> None:
         for p, v in self.views.items():
             if v.seq_dirty:
                 self.store.write_next_seq(txn, p, v.next_seq)
@@ -106,7 +106,7 @@ class CycleBase:
             return "max_attempts reached"
         return ""
 
-    def _remove_leased(self, txn: lmdb.Transaction, p: int, found: Iterable[tuple[int, ItemState]]) -> None:
+    def _remove_leased(self, txn: lmdb.Transaction[bytes], p: int, found: Iterable[tuple[int, ItemState]]) -> None:
         """Delete these leased items of partition ``p`` (completed)."""
         found = list(found)
         self.store.delete_leased(txn, p, found)
@@ -123,7 +123,7 @@ class CycleBase:
             v.created_sum -= created
             v.leased_at_sum -= leased_at
 
-    def _untag(self, txn: lmdb.Transaction, key: str, seq: int) -> None:
+    def _untag(self, txn: lmdb.Transaction[bytes], key: str, seq: int) -> None:
         """Take item ``seq`` out of lease key ``key`` (forgetting the key once empty)."""
         if self.keyed is None:
             return
@@ -132,7 +132,7 @@ class CycleBase:
             seqs = tuple(s for s in record.seqs if s != seq)
             self.keyed.put_lease_key(txn, key, record._replace(seqs=seqs), new=False)
 
-    def _follow(self, txn: lmdb.Transaction, key: str, old_seq: int, new_seq: int) -> None:
+    def _follow(self, txn: lmdb.Transaction[bytes], key: str, old_seq: int, new_seq: int) -> None:
         """Item ``old_seq`` of lease key ``key`` re-entered its partition as ``new_seq``."""
         if self.keyed is None:
             return

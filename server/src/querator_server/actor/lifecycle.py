@@ -24,7 +24,7 @@ LIMIT_PLUS_ONE = LIFECYCLE_BATCH + 1
 
 
 class LifecycleSteps(CycleBase):
-    def _end_lease(self, txn: lmdb.Transaction, p: int, seq: int, item: Item) -> None:
+    def _end_lease(self, txn: lmdb.Transaction[bytes], p: int, seq: int, item: Item) -> None:
         """Take a leased item out of its place; the caller puts it somewhere else."""
         self.store.delete(txn, p, seq, item)
         self.lease_ends.append((p, seq))
@@ -36,7 +36,7 @@ class LifecycleSteps(CycleBase):
         item.lease_deadline = 0
         item.leased_at = 0
 
-    def _requeue(self, txn: lmdb.Transaction, p: int, item: Item, old_seq: int = 0) -> None:
+    def _requeue(self, txn: lmdb.Transaction[bytes], p: int, item: Item, old_seq: int = 0) -> None:
         """Put an item at the tail of its partition under a new id."""
         v = self.view(p)
         item.enqueue_at = 0
@@ -48,7 +48,7 @@ class LifecycleSteps(CycleBase):
         v.created_sum += item.created_at
         v.note_expiry(item.expire_deadline)
 
-    def _schedule(self, txn: lmdb.Transaction, p: int, item: Item, due: int, old_seq: int) -> None:
+    def _schedule(self, txn: lmdb.Transaction[bytes], p: int, item: Item, due: int, old_seq: int) -> None:
         if item.lease_key:
             self._untag(txn, item.lease_key, old_seq)
             item.lease_key = ""
@@ -59,7 +59,7 @@ class LifecycleSteps(CycleBase):
         v.note_due(due)
         v.note_expiry(item.expire_deadline)
 
-    def _dead_letter(self, txn: lmdb.Transaction, p: int, seq: int, item: Item, old_id: str, reason: str) -> None:
+    def _dead_letter(self, txn: lmdb.Transaction[bytes], p: int, seq: int, item: Item, old_id: str, reason: str) -> None:
         """Send an item (already out of its place) to the dead-letter queue, or drop it.
 
         The item goes to the partition's outbox in this same transaction; the actor
@@ -78,7 +78,7 @@ class LifecycleSteps(CycleBase):
 
     def lifecycle(
         self,
-        txn: lmdb.Transaction,
+        txn: lmdb.Transaction[bytes],
         expired_leases: Sequence[tuple[int, int, int]],
         *,
         forget_keys: bool = False,
@@ -113,7 +113,7 @@ class LifecycleSteps(CycleBase):
             if first_expiry and first_expiry <= now:
                 self._expire(txn, p)
 
-    def _promote(self, txn: lmdb.Transaction, p: int) -> None:
+    def _promote(self, txn: lmdb.Transaction[bytes], p: int) -> None:
         v = self.view(p)
         rows = self.store.page_scheduled(txn, p, (0, -1), LIMIT_PLUS_ONE)
         due_rows = [row for row in rows[:LIFECYCLE_BATCH] if row[0] <= self.now]
@@ -128,7 +128,7 @@ class LifecycleSteps(CycleBase):
             self.more_lifecycle = True
         v.first_due = self.store.first_due(txn, p)
 
-    def _expire(self, txn: lmdb.Transaction, p: int) -> None:
+    def _expire(self, txn: lmdb.Transaction[bytes], p: int) -> None:
         v = self.view(p)
         entries, next_deadline = self.store.expired(txn, p, self.now, LIFECYCLE_BATCH)
         for key, item in entries:
@@ -148,7 +148,7 @@ class LifecycleSteps(CycleBase):
             self.more_lifecycle = True
         v.first_expiry = next_deadline
 
-    def receive_dead_letters(self, txn: lmdb.Transaction, request: DeadLetterRequest) -> None:
+    def receive_dead_letters(self, txn: lmdb.Transaction[bytes], request: DeadLetterRequest) -> None:
         """Store items another queue dead-lettered here, once each by source_id."""
         counts = [self._peek(p).ready for p in range(len(self._base))]
         p = counts.index(min(counts))
@@ -165,7 +165,7 @@ class LifecycleSteps(CycleBase):
             self._requeue(txn, p, item)
         self._ok(request, None)
 
-    def outbox_done(self, txn: lmdb.Transaction, request: OutboxDoneRequest) -> None:
+    def outbox_done(self, txn: lmdb.Transaction[bytes], request: OutboxDoneRequest) -> None:
         for p, seq in request.entries:
             self.store.delete_outbox(txn, p, seq)
         self._ok(request, None)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import lmdb
@@ -263,8 +264,8 @@ class LogicalQueue:
             if self._timer is not None:
                 self._timer.cancel()
             closed = self._closed or Unavailable(f"queue {self.name!r} stopped")
-            for request in self._waiting:
-                _answer(request, closed if not isinstance(closed, NotFound) else LeaseResult(0, []))
+            for lease in self._waiting:
+                _answer(lease, closed if not isinstance(closed, NotFound) else LeaseResult(0, []))
             self._waiting = []
             for request in self._inbox:
                 _answer(request, closed)
@@ -430,15 +431,15 @@ class LogicalQueue:
 
     def _body(
         self, batch: _Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]]
-    ) -> Callable[[lmdb.Transaction], Cycle]:
+    ) -> Callable[[lmdb.Transaction[bytes]], Cycle]:
         forget_keys = bool(
             (self._dedup_at and self._dedup_at + self.config.dedup_window_us <= now)
             or (self._lease_keys_at and self._lease_keys_at + self.config.lease_key_ttl_us <= now)
         )
-        def body(txn: lmdb.Transaction) -> Cycle:
+        def body(txn: lmdb.Transaction[bytes]) -> Cycle:
             cycle = Cycle(self.store, self.config, self._views, now, self._keyed)
             for produce in batch.produces:
-                _guard(cycle, produce, lambda r=produce: cycle.produce(txn, r))
+                _guard(cycle, produce, partial(cycle.produce, txn, produce))
             leases = batch.leases
             if any(lease.complete_ids for lease in leases):
                 leases = cycle.complete_before_lease(txn, leases)
@@ -447,9 +448,9 @@ class LogicalQueue:
             # Client acks come before the lifecycle: a Complete or Retry that arrives
             # after the lease deadline but before the re-queue still succeeds.
             for request in batch.acks:
-                _guard(cycle, request, lambda r=request: _ACK[type(r)](cycle, txn, r))
+                _guard(cycle, request, partial(_ACK[type(request)], cycle, txn, request))
             for request in batch.others:
-                _guard(cycle, request, lambda r=request: _OTHER[type(r)](cycle, txn, r))
+                _guard(cycle, request, partial(_OTHER[type(request)], cycle, txn, request))
             if lifecycle:
                 cycle.lifecycle(txn, expired, forget_keys=forget_keys)
             # Items that became ready in this cycle (retry, expiry, promotion, import,
@@ -534,13 +535,13 @@ class LogicalQueue:
         _answer(request, None)
 
 
-_ACK: dict[type, Callable[[Cycle, lmdb.Transaction, Any], None]] = {
+_ACK: dict[type, Callable[[Cycle, lmdb.Transaction[bytes], Any], None]] = {
     CompleteRequest: Cycle.complete,
     RetryRequest: Cycle.retry,
     ExtendRequest: Cycle.extend,
 }
 
-_OTHER: dict[type, Callable[[Cycle, lmdb.Transaction, Any], None]] = {
+_OTHER: dict[type, Callable[[Cycle, lmdb.Transaction[bytes], Any], None]] = {
     ListItemsRequest: Cycle.list_items,
     ImportItemsRequest: Cycle.import_items,
     DeleteItemsRequest: Cycle.delete_items,

@@ -20,7 +20,7 @@ from .view import PartitionView
 
 
 class StorageSteps(CycleBase):
-    def list_items(self, txn: lmdb.Transaction, request: ListItemsRequest) -> None:
+    def list_items(self, txn: lmdb.Transaction[bytes], request: ListItemsRequest) -> None:
         p = request.partition
         out: list[StoredItem] = []
         next_after: tuple[int, int] | None = None
@@ -39,7 +39,7 @@ class StorageSteps(CycleBase):
                 next_after = (page[request.limit - 1][0], 0)
         self._ok(request, PageResult(out, next_after))
 
-    def import_items(self, txn: lmdb.Transaction, request: ImportItemsRequest) -> None:
+    def import_items(self, txn: lmdb.Transaction[bytes], request: ImportItemsRequest) -> None:
         p = request.partition
         v = self.view(p)
         now = self.now
@@ -79,7 +79,7 @@ class StorageSteps(CycleBase):
             ids.append(item_id(self.uid, p, seq))
         self._ok(request, ids)
 
-    def delete_items(self, txn: lmdb.Transaction, request: DeleteItemsRequest) -> None:
+    def delete_items(self, txn: lmdb.Transaction[bytes], request: DeleteItemsRequest) -> None:
         p = request.partition
         v = self.view(p)
         for text in dict.fromkeys(request.ids):
@@ -105,7 +105,7 @@ class StorageSteps(CycleBase):
                 v.ready -= 1
         self._ok(request, None)
 
-    def clear(self, txn: lmdb.Transaction, request: ClearRequest) -> None:
+    def clear(self, txn: lmdb.Transaction[bytes], request: ClearRequest) -> None:
         for p in range(len(self._base)):
             removed = self.store.clear(
                 txn,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextvars import ContextVar
+from typing import Any
 
 import grpc
 
@@ -39,7 +40,7 @@ class Guard:
     def __init__(self, keyring: Callable[[], KeyRing]) -> None:
         self._keyring = keyring
 
-    def check(self, action: Action, request: object, context: grpc.aio.ServicerContext) -> Principal:
+    def check(self, action: Action, request: object, context: grpc.aio.ServicerContext[Any, Any]) -> Principal:
         principal = self._keyring().authenticate(context.invocation_metadata() or ())
         principal.check(action, queues_named(request))
         current_principal.set(principal)

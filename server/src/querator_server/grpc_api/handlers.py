@@ -24,7 +24,7 @@ from .status import invalid_argument_status, status_code, to_status
 
 log = structlog.get_logger("querator.rpc")
 
-Behavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]]
+Behavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Message]]
 
 
 class _Malformed:
@@ -58,7 +58,7 @@ def _deserializer(message_type: type[Message], max_bytes: int) -> Callable[[byte
 def _wrap(service: str, method: str, behavior: Behavior, action: Action, guard: Guard | None) -> Behavior:
     full = f"/{service}/{method}"
 
-    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Message:
+    async def handler(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
         if guard is not None:
             denied: QueratorError | None = None
             try:
@@ -75,11 +75,12 @@ def _wrap(service: str, method: str, behavior: Behavior, action: Action, guard: 
             log.info("rpc_error", method=full, code="INVALID_ARGUMENT", message=status.details)
             await context.abort(status.code, status.details, status.trailing_metadata)
         if isinstance(request, _TooLarge):
-            error = ResourceExhausted(
+            too_large = ResourceExhausted(
                 f"the request is {request.size} bytes; at most {MAX_REQUEST_BYTES} bytes are accepted"
             )
-            await _abort(context, full, "", error)
+            await _abort(context, full, "", too_large)
         queue = getattr(request, "queue_name", "")
+        error: QueratorError
         try:
             return await behavior(request, context)
         except QueratorError as exc:
@@ -99,7 +100,7 @@ def _wrap(service: str, method: str, behavior: Behavior, action: Action, guard: 
     return handler
 
 
-async def _abort(context: grpc.aio.ServicerContext, method: str, queue: str, error: QueratorError) -> None:
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], method: str, queue: str, error: QueratorError) -> None:
     status = to_status(error)
     code = status_code(error)
     log_event = log.warning if isinstance(error, Unavailable) else log.info
@@ -113,7 +114,7 @@ def generic_handler(
     *,
     guard: Guard | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
-) -> grpc.GenericRpcHandler:
+) -> grpc.GenericRpcHandler[Any, Any]:
     """A handler for ``service``: name -> (behavior, request type, response type, action).
 
     With a ``guard`` every call is authenticated and authorized for its action first.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 from querator.v1 import keys_pb2 as pb
 
@@ -30,7 +32,7 @@ class KeysService:
         self.manager = manager
         self.guard = guard
 
-    async def create_key(self, request: pb.CreateKeyRequest, context: grpc.aio.ServicerContext) -> pb.CreateKeyResponse:
+    async def create_key(self, request: pb.CreateKeyRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CreateKeyResponse:
         try:
             role = Role(request.role)
         except ValueError:
@@ -38,16 +40,16 @@ class KeysService:
         key, token = await self.manager.create_key(role, list(request.queues), request.description)
         return pb.CreateKeyResponse(key=api_key(key), token=token)
 
-    async def list_keys(self, request: pb.ListKeysRequest, context: grpc.aio.ServicerContext) -> pb.ListKeysResponse:
+    async def list_keys(self, request: pb.ListKeysRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ListKeysResponse:
         return pb.ListKeysResponse(keys=[api_key(k) for k in self.manager.keyring.keys()])
 
-    async def revoke_key(self, request: pb.RevokeKeyRequest, context: grpc.aio.ServicerContext) -> pb.RevokeKeyResponse:
+    async def revoke_key(self, request: pb.RevokeKeyRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.RevokeKeyResponse:
         if not request.key_id:
             raise InvalidArgument("key_id", "is required")
         await self.manager.revoke_key(request.key_id)
         return pb.RevokeKeyResponse()
 
-    def handler(self) -> grpc.GenericRpcHandler:
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         return generic_handler(
             SERVICE,
             {

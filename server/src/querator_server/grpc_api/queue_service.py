@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 from querator.v1 import queue_pb2 as pb
 
@@ -23,12 +25,12 @@ SERVICE = "querator.v1.QueueService"
 _ANSWER_MARGIN_US = 500_000
 
 
-def _call_deadline_us(context: grpc.aio.ServicerContext, now: int) -> int:
+def _call_deadline_us(context: grpc.aio.ServicerContext[Any, Any], now: int) -> int:
     remaining = context.time_remaining()
     return 0 if remaining is None else now + int(remaining * 1_000_000)
 
 
-def _request_deadline_us(request: object, context: grpc.aio.ServicerContext, now: int) -> int:
+def _request_deadline_us(request: object, context: grpc.aio.ServicerContext[Any, Any], now: int) -> int:
     timeout = c.optional_duration_us(request, "request_timeout", "request_timeout", maximum_us=MAX_WAIT_US)
     call = _call_deadline_us(context, now)
     own = now + timeout if timeout else 0
@@ -40,7 +42,7 @@ class QueueService:
         self.manager = manager
         self.guard = guard
 
-    async def produce(self, request: pb.ProduceRequest, context: grpc.aio.ServicerContext) -> pb.ProduceResponse:
+    async def produce(self, request: pb.ProduceRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ProduceResponse:
         name = c.queue_name(request.queue_name)
         c.count(request.items, "items")
         now = now_us()
@@ -51,7 +53,7 @@ class QueueService:
         )
         return pb.ProduceResponse(partition=result.partition, ids=result.ids, duplicates=result.duplicates)
 
-    async def lease(self, request: pb.LeaseRequest, context: grpc.aio.ServicerContext) -> pb.LeaseResponse:
+    async def lease(self, request: pb.LeaseRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.LeaseResponse:
         name = c.queue_name(request.queue_name)
         if not 1 <= request.batch_size <= 1000:
             raise InvalidArgument("batch_size", f"must be between 1 and 1000, got {request.batch_size}")
@@ -98,14 +100,14 @@ class QueueService:
             return [], 0, keys
         return c.ids(request.ids), self._partition(name, request.partition), keys
 
-    async def complete(self, request: pb.CompleteRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
+    async def complete(self, request: pb.CompleteRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CompleteResponse:
         name = c.queue_name(request.queue_name)
         ids, partition, keys = self._ids_and_keys(name, request)
         deadline = _request_deadline_us(request, context, now_us())
         await self.manager.actor(name).submit(a.CompleteRequest(partition, ids, keys, deadline_us=deadline))
         return pb.CompleteResponse()
 
-    async def retry(self, request: pb.RetryRequest, context: grpc.aio.ServicerContext) -> pb.RetryResponse:
+    async def retry(self, request: pb.RetryRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.RetryResponse:
         name = c.queue_name(request.queue_name)
         c.ids([item.id for item in request.items], "items", template="items[{index}].id")
         partition = self._partition(name, request.partition)
@@ -121,7 +123,7 @@ class QueueService:
         await self.manager.actor(name).submit(a.RetryRequest(partition, orders, deadline_us=deadline))
         return pb.RetryResponse()
 
-    async def extend(self, request: pb.ExtendRequest, context: grpc.aio.ServicerContext) -> pb.ExtendResponse:
+    async def extend(self, request: pb.ExtendRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ExtendResponse:
         name = c.queue_name(request.queue_name)
         ids, partition, keys = self._ids_and_keys(name, request)
         lease_timeout = c.optional_duration_us(request, "lease_timeout", "lease_timeout")
@@ -134,7 +136,7 @@ class QueueService:
             key_items_extended=result.key_items_extended,
         )
 
-    def handler(self) -> grpc.GenericRpcHandler:
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         return generic_handler(
             SERVICE,
             {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 from querator.v1 import queues_pb2 as pb
 
@@ -94,7 +96,7 @@ class QueuesService:
         self.guard = guard
 
     async def create_queue(
-        self, request: pb.CreateQueueRequest, context: grpc.aio.ServicerContext
+        self, request: pb.CreateQueueRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.CreateQueueResponse:
         if not request.HasField("queue"):
             raise InvalidArgument("queue", "is required")
@@ -111,11 +113,11 @@ class QueuesService:
         created = await self.manager.create(config)
         return pb.CreateQueueResponse(queue=queue_info(created))
 
-    async def get_queue(self, request: pb.GetQueueRequest, context: grpc.aio.ServicerContext) -> pb.GetQueueResponse:
+    async def get_queue(self, request: pb.GetQueueRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.GetQueueResponse:
         return pb.GetQueueResponse(queue=queue_info(self.manager.get(c.queue_name(request.queue_name))))
 
     async def list_queues(
-        self, request: pb.ListQueuesRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ListQueuesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ListQueuesResponse:
         limit = c.page_size(request.page_size)
         after = ""
@@ -131,7 +133,7 @@ class QueuesService:
         return pb.ListQueuesResponse(queues=[queue_info(q) for q in configs], next_page_token=token)
 
     async def update_queue(
-        self, request: pb.UpdateQueueRequest, context: grpc.aio.ServicerContext
+        self, request: pb.UpdateQueueRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.UpdateQueueResponse:
         if not request.HasField("queue"):
             raise InvalidArgument("queue", "is required")
@@ -152,13 +154,13 @@ class QueuesService:
         return pb.UpdateQueueResponse(queue=queue_info(updated))
 
     async def delete_queue(
-        self, request: pb.DeleteQueueRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DeleteQueueRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DeleteQueueResponse:
         await self.manager.delete(c.queue_name(request.queue_name), request.force)
         return pb.DeleteQueueResponse()
 
     async def clear_queue(
-        self, request: pb.ClearQueueRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ClearQueueRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ClearQueueResponse:
         name = c.queue_name(request.queue_name)
         if not request.queue and not request.scheduled:
@@ -169,7 +171,7 @@ class QueuesService:
         return pb.ClearQueueResponse()
 
     async def get_queue_stats(
-        self, request: pb.GetQueueStatsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetQueueStatsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetQueueStatsResponse:
         name = c.queue_name(request.queue_name)
         stats = self.manager.actor(name).stats()
@@ -191,7 +193,7 @@ class QueuesService:
             in_flight=stats.in_flight,
         )
 
-    def handler(self) -> grpc.GenericRpcHandler:
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         return generic_handler(
             SERVICE,
             {

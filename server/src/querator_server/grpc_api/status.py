@@ -41,7 +41,7 @@ _CODES: dict[type[QueratorError], grpc.StatusCode] = {
 
 def status_code(error: QueratorError) -> grpc.StatusCode:
     for cls in type(error).__mro__:
-        code = _CODES.get(cls)  # type: ignore[call-overload]
+        code = _CODES.get(cls)
         if code is not None:
             return code
     return grpc.StatusCode.INTERNAL

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import grpc
 from querator.v1 import storage_pb2 as pb
@@ -77,18 +78,18 @@ class StorageService:
             token = c.encode_token(kind, _CURSOR.pack(config.uid, partition, *page.next_after))
         return [storage_item(s) for s in page.items], token
 
-    async def list_items(self, request: pb.ListItemsRequest, context: grpc.aio.ServicerContext) -> pb.ListItemsResponse:
+    async def list_items(self, request: pb.ListItemsRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ListItemsResponse:
         items, token = await self._list(request, scheduled=False)
         return pb.ListItemsResponse(items=items, next_page_token=token)
 
     async def list_scheduled_items(
-        self, request: pb.ListScheduledItemsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ListScheduledItemsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ListScheduledItemsResponse:
         items, token = await self._list(request, scheduled=True)
         return pb.ListScheduledItemsResponse(items=items, next_page_token=token)
 
     async def import_items(
-        self, request: pb.ImportItemsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ImportItemsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ImportItemsResponse:
         name = c.queue_name(request.queue_name)
         partition = c.partition(request.partition, self.manager.get(name).partitions)
@@ -118,7 +119,7 @@ class StorageService:
         return pb.ImportItemsResponse(ids=ids)
 
     async def delete_items(
-        self, request: pb.DeleteItemsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DeleteItemsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DeleteItemsResponse:
         name = c.queue_name(request.queue_name)
         partition = c.partition(request.partition, self.manager.get(name).partitions)
@@ -126,7 +127,7 @@ class StorageService:
         await self.manager.actor(name).submit(a.DeleteItemsRequest(partition, ids))
         return pb.DeleteItemsResponse()
 
-    def handler(self) -> grpc.GenericRpcHandler:
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         return generic_handler(
             SERVICE,
             {

@@ -62,13 +62,14 @@ class Catalog:
     def next_uid(self) -> int:
         """Reserve a storage uid, durably, so it is never handed out twice."""
 
-        def reserve(txn: lmdb.Transaction) -> int:
+        def reserve(txn: lmdb.Transaction[bytes]) -> int:
             raw = txn.get(_NEXT_UID, db=self._meta)
             uid = int(raw) if raw else 1
             txn.put(_NEXT_UID, str(uid + 1).encode(), db=self._meta)
             return uid
 
-        return self._write(reserve)
+        uid: int = self._write(reserve)
+        return uid
 
     def put(self, config: QueueConfig) -> None:
         self._write(lambda txn: txn.put(_key(config.name), _encode(config), db=self._queues))

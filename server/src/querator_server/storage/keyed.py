@@ -47,14 +47,14 @@ class KeyedIndex:
 
     # -- idempotency keys ------------------------------------------------------------
 
-    def seen(self, txn: lmdb.Transaction, key: str, since_us: int) -> str | None:
+    def seen(self, txn: lmdb.Transaction[bytes], key: str, since_us: int) -> str | None:
         """The first item's id if ``key`` was produced at or after ``since_us``."""
         raw = txn.get(_key(key), db=self._dedup)
         if raw is None or _U64.unpack_from(raw)[0] < since_us:
             return None
         return bytes(raw[_U64.size :]).decode()
 
-    def remember(self, txn: lmdb.Transaction, key: str, at_us: int, item_id: str) -> None:
+    def remember(self, txn: lmdb.Transaction[bytes], key: str, at_us: int, item_id: str) -> None:
         k = _key(key)
         old = txn.get(k, db=self._dedup)
         if old is not None:
@@ -62,16 +62,16 @@ class KeyedIndex:
         txn.put(k, _U64.pack(at_us) + item_id.encode(), db=self._dedup)
         txn.put(_U64.pack(at_us) + k, b"", db=self._dedup_time)
 
-    def forget_dedup_before(self, txn: lmdb.Transaction, before_us: int, limit: int) -> tuple[int, int]:
+    def forget_dedup_before(self, txn: lmdb.Transaction[bytes], before_us: int, limit: int) -> tuple[int, int]:
         """Forget keys produced before ``before_us``; (how many, first time left or 0)."""
         return self._expire(txn, self._dedup_time, self._dedup, before_us, limit)
 
-    def first_dedup_at(self, txn: lmdb.Transaction) -> int:
+    def first_dedup_at(self, txn: lmdb.Transaction[bytes]) -> int:
         return self._first(txn, self._dedup_time)
 
     # -- lease keys --------------------------------------------------------------------
 
-    def lease_key(self, txn: lmdb.Transaction, key: str) -> LeaseKeyRecord | None:
+    def lease_key(self, txn: lmdb.Transaction[bytes], key: str) -> LeaseKeyRecord | None:
         raw = txn.get(_key(key), db=self._leases)
         if raw is None:
             return None
@@ -80,7 +80,7 @@ class KeyedIndex:
         seqs = struct.unpack(f">{len(body) // 8}Q", body)
         return LeaseKeyRecord(taken_at, partition, seqs)
 
-    def put_lease_key(self, txn: lmdb.Transaction, key: str, record: LeaseKeyRecord, *, new: bool) -> None:
+    def put_lease_key(self, txn: lmdb.Transaction[bytes], key: str, record: LeaseKeyRecord, *, new: bool) -> None:
         k = _key(key)
         if not record.seqs and not new:  # all its items left: the key is forgotten
             self.drop_lease_key(txn, key)
@@ -92,28 +92,28 @@ class KeyedIndex:
         if new:
             txn.put(_U64.pack(record.taken_at) + k, b"", db=self._leases_time)
 
-    def drop_lease_key(self, txn: lmdb.Transaction, key: str) -> None:
+    def drop_lease_key(self, txn: lmdb.Transaction[bytes], key: str) -> None:
         k = _key(key)
         raw = txn.get(k, db=self._leases)
         if raw is not None:
             txn.delete(bytes(raw[: _U64.size]) + k, db=self._leases_time)
             txn.delete(k, db=self._leases)
 
-    def forget_lease_keys_before(self, txn: lmdb.Transaction, before_us: int, limit: int) -> tuple[int, int]:
+    def forget_lease_keys_before(self, txn: lmdb.Transaction[bytes], before_us: int, limit: int) -> tuple[int, int]:
         return self._expire(txn, self._leases_time, self._leases, before_us, limit)
 
-    def first_lease_key_at(self, txn: lmdb.Transaction) -> int:
+    def first_lease_key_at(self, txn: lmdb.Transaction[bytes]) -> int:
         return self._first(txn, self._leases_time)
 
     # -- shared ------------------------------------------------------------------------
 
     @staticmethod
-    def _first(txn: lmdb.Transaction, by_time: Any) -> int:
+    def _first(txn: lmdb.Transaction[bytes], by_time: Any) -> int:
         cursor = txn.cursor(db=by_time)
         return int(_U64.unpack_from(cursor.key())[0]) if cursor.first() else 0
 
     @staticmethod
-    def _expire(txn: lmdb.Transaction, by_time: Any, main: Any, before_us: int, limit: int) -> tuple[int, int]:
+    def _expire(txn: lmdb.Transaction[bytes], by_time: Any, main: Any, before_us: int, limit: int) -> tuple[int, int]:
         cursor = txn.cursor(db=by_time)
         doomed: list[bytes] = []
         next_at = 0

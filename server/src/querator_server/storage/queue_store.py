@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import lmdb
@@ -116,7 +117,7 @@ def inject_write_fault() -> None:
 
 
 @contextmanager
-def _aborted_on_failure(txn: lmdb.Transaction) -> Iterator[None]:
+def _aborted_on_failure(txn: lmdb.Transaction[bytes]) -> Iterator[None]:
     """Abort ``txn`` if the block fails; LMDB errors become MapFull or StorageError."""
     try:
         yield
@@ -188,7 +189,7 @@ class QueueStore:
         except lmdb.Error as exc:
             raise StorageError(f"cannot open queue storage {os.path.join(path, 'data.mdb')!r}: {exc}") from exc
         self._dbs: list[Any] = []
-        self._held: lmdb.Transaction | None = None
+        self._held: lmdb.Transaction[bytes] | None = None
         # Called with each commit's duration in seconds (metrics), when set.
         self.on_commit: Callable[[float], None] | None = None
         self.ensure_partitions(partitions)
@@ -199,7 +200,10 @@ class QueueStore:
         """Open (creating when needed) the databases of partitions 0..partitions-1."""
         while len(self._dbs) < partitions:
             name = f"p{len(self._dbs)}".encode()
-            self._dbs.append(self.write(lambda txn, n=name: self.env.open_db(n, txn=txn, create=True)))
+            self._dbs.append(self.write(partial(self._open_db, name)))
+
+    def _open_db(self, name: bytes, txn: lmdb.Transaction[bytes]) -> Any:
+        return self.env.open_db(name, txn=txn, create=True)
 
     def db(self, p: int) -> Any:
         return self._dbs[p]
@@ -208,7 +212,7 @@ class QueueStore:
     def partitions(self) -> int:
         return len(self._dbs)
 
-    def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def read(self, fn: Callable[[lmdb.Transaction[bytes]], T]) -> T:
         """Run ``fn`` in a read-only transaction: no commit, no fsync."""
         try:
             with self.env.begin() as txn:
@@ -216,7 +220,7 @@ class QueueStore:
         except lmdb.Error as exc:
             raise StorageError(f"storage read failed: {exc}") from exc
 
-    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def write(self, fn: Callable[[lmdb.Transaction[bytes]], T]) -> T:
         """Run ``fn`` in one durable write transaction and commit it.
 
         When the map is full the transaction is thrown away, the map doubled and ``fn``
@@ -236,7 +240,7 @@ class QueueStore:
                 self._grow()
         raise StorageFull("storage is full: the LMDB map could not grow enough")
 
-    def _commit(self, txn: lmdb.Transaction) -> None:
+    def _commit(self, txn: lmdb.Transaction[bytes]) -> None:
         """Commit ``txn`` durably (after any injected fault), timing it for the metrics."""
         inject_write_fault()
         started = time.perf_counter()
@@ -260,7 +264,7 @@ class QueueStore:
             except lmdb.Error as exc:
                 raise StorageError(f"storage write failed: {exc}") from exc
 
-    def run_held(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def run_held(self, fn: Callable[[lmdb.Transaction[bytes]], T]) -> T:
         """Run ``fn`` in the held transaction without committing it.
 
         Raises ``MapFull`` when the map is full; any other exception leaves the
@@ -324,16 +328,16 @@ class QueueStore:
 
     # -- sequence numbers --------------------------------------------------------
 
-    def read_next_seq(self, txn: lmdb.Transaction, p: int) -> int:
+    def read_next_seq(self, txn: lmdb.Transaction[bytes], p: int) -> int:
         raw = txn.get(KEY_NEXT_SEQ, db=self._dbs[p])
         return decode_u64(raw) if raw is not None else 1
 
-    def write_next_seq(self, txn: lmdb.Transaction, p: int, next_seq: int) -> None:
+    def write_next_seq(self, txn: lmdb.Transaction[bytes], p: int, next_seq: int) -> None:
         txn.put(KEY_NEXT_SEQ, encode_u64(next_seq), db=self._dbs[p])
 
     # -- ready and leased items --------------------------------------------------
 
-    def append(self, txn: lmdb.Transaction, p: int, seq: int, item: Item) -> None:
+    def append(self, txn: lmdb.Transaction[bytes], p: int, seq: int, item: Item) -> None:
         """Store a ready or leased item at ``seq`` (the tail of the partition)."""
         db = self._dbs[p]
         key = item_key(seq)
@@ -342,7 +346,7 @@ class QueueStore:
         if item.source_id:
             txn.put(source_key(item.source_id), key, db=db)
 
-    def append_new(self, txn: lmdb.Transaction, p: int, first_seq: int, items: list[Item], expire_deadline: int) -> None:
+    def append_new(self, txn: lmdb.Transaction[bytes], p: int, first_seq: int, items: list[Item], expire_deadline: int) -> None:
         """Store freshly produced items at first_seq, first_seq + 1, ... (no source ids),
         all expiring at ``expire_deadline``: ``append`` with the shared parts built once."""
         db = self._dbs[p]
@@ -354,7 +358,7 @@ class QueueStore:
             put(prefix + key, b"", db=db)
 
     def append_payloads(
-        self, txn: lmdb.Transaction, p: int, first_seq: int, payloads: list[bytes], created_at: int, expire_deadline: int
+        self, txn: lmdb.Transaction[bytes], p: int, first_seq: int, payloads: list[bytes], created_at: int, expire_deadline: int
     ) -> None:
         """``append_new`` for items that carry only a payload: one shared header, and
         every record and expiry key written by one ``putmulti``.
@@ -373,21 +377,21 @@ class QueueStore:
             add((prefix + key, b""))
         txn.cursor(db=self._dbs[p]).putmulti(pairs)
 
-    def get(self, txn: lmdb.Transaction, p: int, seq: int) -> Item | None:
+    def get(self, txn: lmdb.Transaction[bytes], p: int, seq: int) -> Item | None:
         raw = txn.get(item_key(seq), db=self._dbs[p])
         return None if raw is None else Item.decode(raw)
 
-    def put(self, txn: lmdb.Transaction, p: int, seq: int, item: Item) -> None:
+    def put(self, txn: lmdb.Transaction[bytes], p: int, seq: int, item: Item) -> None:
         """Overwrite an item in place (same key, same expiry)."""
         txn.put(item_key(seq), item.encode(), db=self._dbs[p])
 
-    def put_raw(self, txn: lmdb.Transaction, p: int, seq: int, raw: bytes) -> None:
+    def put_raw(self, txn: lmdb.Transaction[bytes], p: int, seq: int, raw: bytes) -> None:
         txn.put(item_key(seq), raw, db=self._dbs[p])
 
-    def delete(self, txn: lmdb.Transaction, p: int, seq: int, item: Item | ItemState) -> None:
+    def delete(self, txn: lmdb.Transaction[bytes], p: int, seq: int, item: Item | ItemState) -> None:
         self._forget(txn, p, item_key(seq), item)
 
-    def delete_leased(self, txn: lmdb.Transaction, p: int, found: Iterable[tuple[int, ItemState]]) -> None:
+    def delete_leased(self, txn: lmdb.Transaction[bytes], p: int, found: Iterable[tuple[int, ItemState]]) -> None:
         """``delete`` for many items of partition ``p`` (a completed batch) in one loop.
 
         Two cursors walk the items and their expiry keys in key order: a batch is
@@ -407,7 +411,7 @@ class QueueStore:
                 self._forget_source(txn, db, key, state.source_id)
 
     def leased_under(
-        self, txn: lmdb.Transaction, p: int, seqs: Iterable[int], lease_key: str
+        self, txn: lmdb.Transaction[bytes], p: int, seqs: Iterable[int], lease_key: str
     ) -> list[tuple[int, ItemState]]:
         """The items among ``seqs`` of partition ``p`` still leased under ``lease_key``."""
         cursor = txn.cursor(db=self._dbs[p])
@@ -422,7 +426,7 @@ class QueueStore:
             cursor.next()
         return found
 
-    def reader(self, txn: lmdb.Transaction, p: int) -> Callable[[int], bytes | None]:
+    def reader(self, txn: lmdb.Transaction[bytes], p: int) -> Callable[[int], bytes | None]:
         """``get_raw`` for many lookups in partition ``p``: one cursor, which finds a
         neighbour of its last key without a search from the root."""
         cursor = txn.cursor(db=self._dbs[p])
@@ -434,11 +438,11 @@ class QueueStore:
 
         return read
 
-    def get_raw(self, txn: lmdb.Transaction, p: int, seq: int) -> bytes | None:
+    def get_raw(self, txn: lmdb.Transaction[bytes], p: int, seq: int) -> bytes | None:
         raw: bytes | None = txn.get(item_key(seq), db=self._dbs[p])
         return raw
 
-    def _forget(self, txn: lmdb.Transaction, p: int, key: bytes, item: Item | ItemState) -> None:
+    def _forget(self, txn: lmdb.Transaction[bytes], p: int, key: bytes, item: Item | ItemState) -> None:
         db = self._dbs[p]
         txn.delete(key, db=db)
         txn.delete(expiry_key(item.expire_deadline, key), db=db)
@@ -446,20 +450,20 @@ class QueueStore:
             self._forget_source(txn, db, key, item.source_id)
 
     @staticmethod
-    def _forget_source(txn: lmdb.Transaction, db: Any, key: bytes, source_id: str) -> None:
+    def _forget_source(txn: lmdb.Transaction[bytes], db: Any, key: bytes, source_id: str) -> None:
         if txn.get(source_key(source_id), db=db) == key:
             txn.delete(source_key(source_id), db=db)
 
-    def has_source(self, txn: lmdb.Transaction, source_id: str) -> bool:
+    def has_source(self, txn: lmdb.Transaction[bytes], source_id: str) -> bool:
         """Whether any partition holds an item that came from ``source_id``."""
         key = source_key(source_id)
         return any(txn.get(key, db=db) is not None for db in self._dbs)
 
-    def ready_items(self, txn: lmdb.Transaction, p: int, from_seq: int) -> ReadyItems:
+    def ready_items(self, txn: lmdb.Transaction[bytes], p: int, from_seq: int) -> ReadyItems:
         """The ready items from ``from_seq`` on, in FIFO order (see ``ReadyItems``)."""
         return ReadyItems(txn.cursor(db=self._dbs[p]), from_seq)
 
-    def page_items(self, txn: lmdb.Transaction, p: int, after_seq: int, limit: int) -> list[tuple[int, Item]]:
+    def page_items(self, txn: lmdb.Transaction[bytes], p: int, after_seq: int, limit: int) -> list[tuple[int, Item]]:
         cursor = txn.cursor(db=self._dbs[p])
         out: list[tuple[int, Item]] = []
         if not cursor.set_range(item_key(after_seq + 1)):
@@ -472,7 +476,7 @@ class QueueStore:
 
     # -- scheduled items ---------------------------------------------------------
 
-    def put_scheduled(self, txn: lmdb.Transaction, p: int, due: int, seq: int, item: Item) -> None:
+    def put_scheduled(self, txn: lmdb.Transaction[bytes], p: int, due: int, seq: int, item: Item) -> None:
         db = self._dbs[p]
         key = scheduled_key(due, seq)
         txn.put(key, item.encode(), db=db)
@@ -480,26 +484,26 @@ class QueueStore:
         if item.source_id:
             txn.put(source_key(item.source_id), key, db=db)
 
-    def get_scheduled(self, txn: lmdb.Transaction, p: int, due: int, seq: int) -> Item | None:
+    def get_scheduled(self, txn: lmdb.Transaction[bytes], p: int, due: int, seq: int) -> Item | None:
         raw = txn.get(scheduled_key(due, seq), db=self._dbs[p])
         return None if raw is None else Item.decode(raw)
 
-    def delete_scheduled(self, txn: lmdb.Transaction, p: int, due: int, seq: int, item: Item) -> None:
+    def delete_scheduled(self, txn: lmdb.Transaction[bytes], p: int, due: int, seq: int, item: Item) -> None:
         self._forget(txn, p, scheduled_key(due, seq), item)
 
-    def get_by_key(self, txn: lmdb.Transaction, p: int, key: bytes) -> Item | None:
+    def get_by_key(self, txn: lmdb.Transaction[bytes], p: int, key: bytes) -> Item | None:
         raw = txn.get(key, db=self._dbs[p])
         return None if raw is None else Item.decode(raw)
 
     # -- the dead-letter outbox --------------------------------------------------
 
-    def put_outbox(self, txn: lmdb.Transaction, p: int, seq: int, item: Item) -> None:
+    def put_outbox(self, txn: lmdb.Transaction[bytes], p: int, seq: int, item: Item) -> None:
         txn.put(outbox_key(seq), item.encode(), db=self._dbs[p])
 
-    def delete_outbox(self, txn: lmdb.Transaction, p: int, seq: int) -> None:
+    def delete_outbox(self, txn: lmdb.Transaction[bytes], p: int, seq: int) -> None:
         txn.delete(outbox_key(seq), db=self._dbs[p])
 
-    def outbox(self, txn: lmdb.Transaction, p: int) -> list[tuple[int, Item]]:
+    def outbox(self, txn: lmdb.Transaction[bytes], p: int) -> list[tuple[int, Item]]:
         cursor = txn.cursor(db=self._dbs[p])
         out: list[tuple[int, Item]] = []
         if not cursor.set_range(TAG_OUTBOX):
@@ -511,7 +515,7 @@ class QueueStore:
         return out
 
     def page_scheduled(
-        self, txn: lmdb.Transaction, p: int, after: tuple[int, int], limit: int
+        self, txn: lmdb.Transaction[bytes], p: int, after: tuple[int, int], limit: int
     ) -> list[tuple[int, int, Item]]:
         cursor = txn.cursor(db=self._dbs[p])
         out: list[tuple[int, int, Item]] = []
@@ -525,11 +529,11 @@ class QueueStore:
             out.append((d, s, Item.decode(raw)))
         return out
 
-    def due_scheduled(self, txn: lmdb.Transaction, p: int, now: int, limit: int) -> list[tuple[int, int, Item]]:
+    def due_scheduled(self, txn: lmdb.Transaction[bytes], p: int, now: int, limit: int) -> list[tuple[int, int, Item]]:
         """Scheduled items due at or before ``now``, in (due, seq) order."""
         return [entry for entry in self.page_scheduled(txn, p, (0, -1), limit) if entry[0] <= now]
 
-    def first_due(self, txn: lmdb.Transaction, p: int) -> int:
+    def first_due(self, txn: lmdb.Transaction[bytes], p: int) -> int:
         cursor = txn.cursor(db=self._dbs[p])
         if cursor.set_range(TAG_SCHEDULED) and cursor.key()[:1] == TAG_SCHEDULED:
             return parse_scheduled_key(cursor.key())[0]
@@ -537,7 +541,7 @@ class QueueStore:
 
     # -- expiry index ------------------------------------------------------------
 
-    def expired(self, txn: lmdb.Transaction, p: int, now: int, limit: int) -> tuple[list[tuple[bytes, Item]], int]:
+    def expired(self, txn: lmdb.Transaction[bytes], p: int, now: int, limit: int) -> tuple[list[tuple[bytes, Item]], int]:
         """Up to ``limit`` expired items that are not leased, and the next deadline to check.
 
         Leased items are skipped: they are dead-lettered when their lease ends. The
@@ -563,7 +567,7 @@ class QueueStore:
             out.append((target, Item.decode(raw)))
         return out, 0
 
-    def first_expiry(self, txn: lmdb.Transaction, p: int) -> int:
+    def first_expiry(self, txn: lmdb.Transaction[bytes], p: int) -> int:
         cursor = txn.cursor(db=self._dbs[p])
         if cursor.set_range(TAG_EXPIRY) and cursor.key()[:1] == TAG_EXPIRY:
             return parse_expiry_key(cursor.key())[0]
@@ -571,7 +575,7 @@ class QueueStore:
 
     # -- whole-partition operations ------------------------------------------------
 
-    def clear(self, txn: lmdb.Transaction, p: int, *, ready: bool, leased: bool, scheduled: bool) -> list[int]:
+    def clear(self, txn: lmdb.Transaction[bytes], p: int, *, ready: bool, leased: bool, scheduled: bool) -> list[int]:
         """Delete the chosen kinds of items; return the seqs of deleted leased items."""
         db = self._dbs[p]
         removed_leases: list[int] = []
@@ -598,14 +602,14 @@ class QueueStore:
             txn.delete(key, db=db)
         return removed_leases
 
-    def _index_keys(self, key: bytes, raw: bytes, db: Any, txn: lmdb.Transaction) -> list[bytes]:
+    def _index_keys(self, key: bytes, raw: bytes, db: Any, txn: lmdb.Transaction[bytes]) -> list[bytes]:
         item = Item.decode(raw)
         keys = [expiry_key(item.expire_deadline, key)]
         if item.source_id and txn.get(source_key(item.source_id), db=db) == key:
             keys.append(source_key(item.source_id))
         return keys
 
-    def scan(self, txn: lmdb.Transaction, p: int) -> PartitionScan:
+    def scan(self, txn: lmdb.Transaction[bytes], p: int) -> PartitionScan:
         """Read a whole partition once to rebuild the actor's in-memory view of it."""
         result = PartitionScan(next_seq=self.read_next_seq(txn, p))
         cursor = txn.cursor(db=self._dbs[p])
