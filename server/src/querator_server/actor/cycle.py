@@ -55,8 +55,8 @@ class Cycle(LifecycleSteps, StorageSteps):
         v = self.view(p)
         store, now = self.store, self.now
         expire = now + self.config.expire_timeout_us
-        if _payloads_only(request.items, now + SCHEDULE_MIN_US):
-            self._produce_payloads(txn, request, p, v, expire)
+        if _bare(request.items, now + SCHEDULE_MIN_US):
+            self._produce_bare(txn, request, p, v, expire)
             return
         scheduled_before = v.scheduled
         ids: list[str] = []
@@ -109,19 +109,44 @@ class Cycle(LifecycleSteps, StorageSteps):
             v.note_expiry(expire)
         self._ok(request, ProduceResult(p, ids, duplicates))
 
-    def _produce_payloads(
+    def _produce_bare(
         self, txn: lmdb.Transaction[bytes], request: ProduceRequest, p: int, v: PartitionView, expire: int
     ) -> None:
-        """``produce`` of items that carry only a payload (the common case), in bulk."""
-        count, now = len(request.items), self.now
-        first = v.take_seqs(count)
-        self.store.append_payloads(txn, p, first, [new.payload for new in request.items], now, expire)
+        """``produce`` of bare payloads (the common case), stored in bulk. Idempotency
+        keys are checked item by item as in ``produce``: a key seen within the window,
+        or earlier in this request, answers the first item's id and stores nothing."""
+        now, keyed = self.now, self.keyed
+        since = now - self.config.dedup_window_us
         prefix = item_id(self.uid, p, 0)[:-1]
-        ids = [prefix + format(seq, "x") for seq in range(first, first + count)]
-        v.ready += count
-        v.created_sum += now * count
-        v.note_expiry(expire)
-        self._ok(request, ProduceResult(p, ids, 0))
+        first = v.next_seq
+        ids: list[str] = []
+        payloads: list[bytes] = []
+        fresh: dict[str, int] = {}  # key -> index in ids of the item it stores
+        for new in request.items:
+            key = new.idempotency_key
+            if key and keyed is not None:
+                if key in fresh:
+                    ids.append(ids[fresh[key]])
+                    continue
+                seen = keyed.seen(txn, key, since)
+                if seen is not None:
+                    ids.append(seen)
+                    continue
+                fresh[key] = len(ids)
+            ids.append(prefix + format(first + len(payloads), "x"))
+            payloads.append(new.payload)
+        count = len(payloads)
+        if count:
+            v.take_seqs(count)
+            self.store.append_payloads(txn, p, first, payloads, now, expire)
+            v.ready += count
+            v.created_sum += now * count
+            v.note_expiry(expire)
+        if fresh and keyed is not None:
+            for key, index in fresh.items():
+                keyed.remember(txn, key, now, ids[index])
+            self.dedup_added = True
+        self._ok(request, ProduceResult(p, ids, len(ids) - count))
 
     # -- lease ---------------------------------------------------------------------
 
@@ -442,16 +467,10 @@ def _listing(reason: str, entries: list[str], limit: int = 10) -> str:
     return f"{reason}: {shown}{more}"
 
 
-def _payloads_only(items: Sequence[NewItem], schedule_from: int) -> bool:
-    """Whether every item is a bare payload to store now (no strings, metadata, key or schedule)."""
+def _bare(items: Sequence[NewItem], schedule_from: int) -> bool:
+    """Whether every item is a payload to store now (idempotency keys allowed; no
+    strings, metadata or schedule)."""
     for new in items:
-        if (
-            new.encoding
-            or new.kind
-            or new.reference
-            or new.metadata
-            or new.idempotency_key
-            or new.enqueue_at_us >= schedule_from
-        ):
+        if new.encoding or new.kind or new.reference or new.metadata or new.enqueue_at_us >= schedule_from:
             return False
     return bool(items)
