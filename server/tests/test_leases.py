@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from querator_server.actor.lane import StorageLane
 from querator_server.actor.leases import STALE_SLACK, LeaseDeadlines
 from querator_server.actor.logical_queue import LogicalQueue
 from querator_server.actor.requests import (
@@ -54,7 +54,7 @@ def test_completed_leases_do_not_pile_up_in_the_heap() -> None:
 def test_every_way_a_lease_ends_early_leaves_the_actor_timer(tmp_path: Path) -> None:
     async def scenario() -> None:
         store = QueueStore(str(tmp_path / "q"), 1, sync=False)
-        lane = ThreadPoolExecutor(max_workers=1)
+        lane = StorageLane("test-lane")
         actor = LogicalQueue(QueueConfig(name="q"), store, lane)
         await actor.start()
         try:

@@ -22,6 +22,7 @@ from typing import Any
 import structlog
 
 from .actor import LogicalQueue
+from .actor.lane import StorageLane
 from .auth import ApiKey, KeyRing, Role, new_key
 from .clock import now_us
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -147,7 +148,7 @@ class QueuesManager:
         # (queue_store.py), so each queue commits on one single-thread lane: the lane
         # with the fewest queues when the queue starts, kept until it is deleted.
         self._lanes = [
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"querator-lane-{i}") for i in range(max(1, workers))
+            StorageLane(f"querator-lane-{i}") for i in range(max(1, workers))
         ]
         self._lane_of: dict[int, int] = {}  # queue uid -> lane index
         # Calls refused because the server is closing (the shutdown waits for a lull).
@@ -226,7 +227,7 @@ class QueuesManager:
             if entry.isdigit() and entry not in live:
                 shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
 
-    def _lane(self, uid: int) -> ThreadPoolExecutor:
+    def _lane(self, uid: int) -> StorageLane:
         if uid not in self._lane_of:
             users = [0] * len(self._lanes)
             for index in self._lane_of.values():

@@ -42,6 +42,7 @@ from .view import PartitionView
 
 # A lease answered this close to its caller's deadline would arrive too late to use.
 FENCE_MARGIN_US = 2_000
+_HEX_DIGITS = "0123456789abcdef"
 
 
 class Cycle(LifecycleSteps, StorageSteps):
@@ -336,23 +337,29 @@ class Cycle(LifecycleSteps, StorageSteps):
         missing: list[str] = []
         unleased: list[str] = []
         lost: list[str] = []
-        read, uid = self.store.reader(txn, partition), self.uid
+        read = self.store.reader(txn, partition)
+        # The ids we issue for this partition's items: the prefix, then the seq in hex.
+        prefix = f"{self.uid:x}.{partition:x}."
+        start = len(prefix)
         for index, text in enumerate(ids):
-            ref = parse_id(text)
-            if ref is not None and ref.uid == uid and ref.partition == partition and not ref.due:
-                raw = read(ref.seq)  # the common case, without _lookup's checks and calls
+            seq_hex = text[start:]
+            if text.startswith(prefix) and len(seq_hex) <= 16 and seq_hex and not seq_hex.strip(_HEX_DIGITS):
+                seq, due = int(seq_hex, 16), 0
+                raw = read(seq)  # the common case, without parse_id's and _lookup's work
             else:
+                ref = parse_id(text)
+                seq, due = (ref.seq, ref.due) if ref is not None else (0, 0)
                 raw = self._lookup(txn, partition, ref)
-            if ref is None or raw is None:
+            if raw is None:
                 missing.append(f"{field}[{index}] {quote(text)}")
                 continue
             state = read_state(raw)
-            if ref.due or not state.is_leased:
+            if due or not state.is_leased:
                 unleased.append(f"{field}[{index}] {quote(text)}")
             elif check_deadline and min(state.lease_deadline, state.expire_deadline) <= self.now:
                 lost.append(f"{field}[{index}] {quote(text)}")
             else:
-                found.append((ref.seq, raw, state))
+                found.append((seq, raw, state))
         if missing:
             raise NotFound(_listing("no such item (completed, moved or never produced)", missing))
         if unleased:

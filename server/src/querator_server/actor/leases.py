@@ -65,6 +65,11 @@ class LeaseDeadlines:
             heapq.heappop(heap)
         return heap[0][0] if heap else 0
 
+    def first_bound(self) -> int:
+        """A lower bound of ``first``, without dropping stale entries (0: no entries)."""
+        heap = self._heap
+        return heap[0][0] if heap else 0
+
     def pop_due(self, now: int, limit: int) -> list[tuple[int, int, int]]:
         """Take out up to ``limit`` live leases whose deadline is ``now`` or earlier."""
         heap, live = self._heap, self._live

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -35,6 +34,7 @@ from ..model import PartitionStats, QueueConfig, QueueStats
 from ..storage import MAX_GROWTHS, Item, MapFull, QueueStore, StorageError, StorageFull
 from ..storage.keyed import KeyedIndex
 from .cycle import Cycle
+from .lane import StorageLane
 from .leases import LeaseDeadlines
 from .lifecycle import LIFECYCLE_BATCH
 from .requests import (
@@ -89,7 +89,7 @@ class LogicalQueue:
         self,
         config: QueueConfig,
         store: QueueStore,
-        executor: Executor,
+        lane: StorageLane,
         *,
         resolve: Callable[[str], LogicalQueue] | None = None,
         max_inbox: int = DEFAULT_MAX_INBOX,
@@ -98,7 +98,7 @@ class LogicalQueue:
         # Finds another queue's actor by name (for dead letters).
         self._resolve = resolve
         self.store = store
-        self._executor = executor
+        self._lane = lane
         self._max_inbox = max_inbox
         self._views: list[PartitionView] = []
         self._leases = LeaseDeadlines()
@@ -107,6 +107,7 @@ class LogicalQueue:
         self._clients: set[str] = set()
         self._wake = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0  # when the armed timer fires (wall µs)
         self._task: asyncio.Task[None] | None = None
         self._closed: QueratorError | None = None
         self._in_flight = 0
@@ -134,11 +135,10 @@ class LogicalQueue:
     async def start(self, keyed: KeyedIndex | None = None) -> None:
         """Load the queue's state and start the actor; ``keyed`` reuses the handles of
         an earlier actor on the same (still open) storage, so no write is needed."""
-        loop = asyncio.get_running_loop()
-        self._views, leases, self._outbox = await loop.run_in_executor(self._executor, self._load)
+        self._views, leases, self._outbox = await self._lane.run(self._load)
         self._leases = LeaseDeadlines(leases)
-        self._keyed = keyed or await loop.run_in_executor(self._executor, KeyedIndex, self.store)
-        self._dedup_at, self._lease_keys_at = await loop.run_in_executor(self._executor, self._load_key_times)
+        self._keyed = keyed or await self._lane.run(partial(KeyedIndex, self.store))
+        self._dedup_at, self._lease_keys_at = await self._lane.run(self._load_key_times)
         # Everything that fell due while the server was down is handled at once.
         self._lifecycle_pending = True
         self._task = asyncio.create_task(self._run(), name=f"queue:{self.name}")
@@ -181,7 +181,7 @@ class LogicalQueue:
         if self._task is not None:
             await self._task
         await self._cancel_outbox()
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.store.close)
+        await self._lane.run(self.store.close)
 
     async def _cancel_outbox(self) -> None:
         task, self._outbox_task = self._outbox_task, None
@@ -198,7 +198,7 @@ class LogicalQueue:
         if self._task is not None:
             await self._task
         await self._cancel_outbox()
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.store.abort_held)
+        await self._lane.run(self.store.abort_held)
 
     async def reconfigure(self, config: QueueConfig) -> None:
         await self.submit(_Reconfigure(config=config))
@@ -271,15 +271,20 @@ class LogicalQueue:
                 _answer(request, closed)
             self._inbox = []
 
-    def _next_lifecycle_us(self) -> int:
-        """The earliest lease deadline, due time or expiry (0: none)."""
+    def _next_lifecycle_us(self, *, exact: bool = True) -> int:
+        """The earliest lease deadline, due time or expiry (0: none).
+
+        Not ``exact``: possibly earlier, by the deadline of a lease that has already
+        ended; skipping those costs a heap pop per ended lease, which only pays when
+        the answer could be "due now".
+        """
         times = [v.first_due for v in self._views if v.first_due]
         times.extend(v.first_expiry for v in self._views if v.first_expiry)
         if self._dedup_at:
             times.append(self._dedup_at + self.config.dedup_window_us)
         if self._lease_keys_at:
             times.append(self._lease_keys_at + self.config.lease_key_ttl_us)
-        first_lease_end = self._leases.first()
+        first_lease_end = self._leases.first() if exact else self._leases.first_bound()
         if first_lease_end:
             times.append(first_lease_end)
         return min(times, default=0)
@@ -287,21 +292,32 @@ class LogicalQueue:
     def _lifecycle_due(self) -> bool:
         if self._lifecycle_pending:
             return True
+        now = now_us()
+        at = self._next_lifecycle_us(exact=False)
+        if not at or at > now:
+            return False
         at = self._next_lifecycle_us()
-        return bool(at) and at <= now_us()
+        return bool(at) and at <= now
 
     def _arm_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         times = [w.wait_until_us for w in self._waiting]
-        lifecycle = self._next_lifecycle_us()
+        lifecycle = self._next_lifecycle_us(exact=False)  # an early wake finds nothing due
         if lifecycle:
             times.append(lifecycle)
         wake_at = min(times, default=0)
+        if self._timer is not None:
+            if wake_at == self._timer_at:
+                return  # still armed for that time
+            self._timer.cancel()
+            self._timer = None
         if wake_at:
             delay = max(0.0, (wake_at - now_us()) / 1e6)
-            self._timer = asyncio.get_running_loop().call_later(delay, self._wake.set)
+            self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+            self._timer_at = wake_at
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._wake.set()
 
     async def _cycle(self, inbox: list[Request]) -> None:
         now = now_us()
@@ -413,19 +429,18 @@ class LogicalQueue:
         ):
             # Only listings: a read transaction, no commit and no fsync.
             return self.store.read(body)
-        loop = asyncio.get_running_loop()
         store = self.store
         for _ in range(MAX_GROWTHS):
             if not store.held:
-                await loop.run_in_executor(self._executor, store.hold)
+                await self._lane.run(store.hold)
             try:
                 cycle = store.run_held(body)
-                await loop.run_in_executor(self._executor, store.commit_held)
+                await self._lane.run(store.commit_held)
                 return cycle
             except MapFull:
-                await loop.run_in_executor(self._executor, store.grow)
+                await self._lane.run(store.grow)
             except Exception:
-                await loop.run_in_executor(self._executor, store.abort_held)
+                await self._lane.run(store.abort_held)
                 raise
         raise StorageFull("storage is full: the LMDB map could not grow enough")
 
@@ -483,9 +498,8 @@ class LogicalQueue:
     async def _apply_config(self, request: _Reconfigure) -> None:
         config = request.config
         if config.partitions > len(self._views):
-            loop = asyncio.get_running_loop()
             try:
-                await loop.run_in_executor(self._executor, self.store.ensure_partitions, config.partitions)
+                await self._lane.run(partial(self.store.ensure_partitions, config.partitions))
             except StorageError as exc:
                 _answer(request, Unavailable(f"storage failed, retry later: {exc}"))
                 return
