@@ -89,6 +89,7 @@ class QueratorClient:
 
     address: str
     complete_in_lease: bool = False  # use Lease.complete_ids instead of a separate Complete call
+    streams: bool = False  # Produce and Lease over one ProduceStream / LeaseStream per process
     _state: dict[str, Any] = field(default_factory=dict, repr=False)
 
     async def open(self) -> None:
@@ -110,6 +111,9 @@ class QueratorClient:
         )
 
     async def close(self) -> None:
+        for pipe in (self._state.pop("produce_pipe", None), self._state.pop("lease_pipe", None)):
+            if pipe is not None:
+                await pipe.close()
         channel = self._state.pop("channel", None)
         if channel is not None:
             await channel.close()
@@ -139,7 +143,16 @@ class QueratorClient:
     async def produce(self, queue: str, payloads: list[bytes]) -> None:
         pb = self._state["pb"]
         request = pb.ProduceRequest(queue_name=queue, items=[pb.ProduceItem(payload=p) for p in payloads])
+        if self.streams:
+            await self._pipe("produce_pipe", "ProduceStream").ask(pb.ProduceStreamRequest(request=request))
+            return
         await self._state["queue"].Produce(request, timeout=60)
+
+    def _pipe(self, key: str, method: str) -> _Pipe:
+        pipe = self._state.get(key)
+        if pipe is None:
+            pipe = self._state[key] = _Pipe(getattr(self._state["queue"], method)())
+        return pipe  # type: ignore[no-any-return]
 
     async def lease(self, queue: str, client_id: str, batch: int, wait_s: float) -> tuple[object, list[bytes]]:
         from google.protobuf.duration_pb2 import Duration
@@ -159,7 +172,10 @@ class QueratorClient:
             if previous is not None:
                 request.complete_partition = previous[0]
                 request.complete_ids.extend(previous[1])
-        reply = await self._state["queue"].Lease(request, timeout=wait_s + 30)
+        if self.streams:
+            reply = await self._pipe("lease_pipe", "LeaseStream").ask(pb.LeaseStreamRequest(request=request))
+        else:
+            reply = await self._state["queue"].Lease(request, timeout=wait_s + 30)
         if columnar and reply.columns.ids:
             return (reply.partition, list(reply.columns.ids), client_id), list(reply.columns.payloads)
         items = reply.items  # a server from before columnar replies (--at-commit)
@@ -182,3 +198,44 @@ class QueratorClient:
             pb = self._state["pb"]
             request = pb.CompleteRequest(queue_name=queue, partition=previous[0], ids=previous[1])
             await self._state["queue"].Complete(request, timeout=60)
+
+
+class _Pipe:
+    """A ProduceStream or LeaseStream carrying every call of this process: requests are
+    written one at a time, the answers come back in the order sent."""
+
+    def __init__(self, call: Any) -> None:
+        import asyncio
+        from collections import deque
+
+        self._call = call
+        self._waiting: deque[Any] = deque()
+        self._lock = asyncio.Lock()
+        self._reader = asyncio.create_task(self._read())
+
+    async def ask(self, message: Any) -> Any:
+        import asyncio
+
+        answer = asyncio.get_running_loop().create_future()
+        async with self._lock:
+            self._waiting.append(answer)
+            await self._call.write(message)
+        return await answer
+
+    async def _read(self) -> None:
+        import grpc
+
+        try:
+            while (answer := await self._call.read()) is not grpc.aio.EOF:
+                waiter = self._waiting.popleft()
+                if answer.WhichOneof("result") == "error":
+                    waiter.set_exception(RuntimeError(f"status {answer.error.code}: {answer.error.message}"))
+                else:
+                    waiter.set_result(answer.response)
+        finally:
+            while self._waiting:
+                self._waiting.popleft().set_exception(ConnectionError("the stream ended"))
+
+    async def close(self) -> None:
+        await self._call.done_writing()
+        await self._reader

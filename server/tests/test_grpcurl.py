@@ -54,7 +54,10 @@ def test_list_shows_every_service(server: ThreadServer) -> None:
     ):
         assert name in services, services
     methods = grpcurl(server, "list", "querator.v1.QueueService").stdout.split()
-    assert sorted(methods) == [f"querator.v1.QueueService.{m}" for m in ("Complete", "Extend", "Lease", "Produce", "Retry")]
+    assert sorted(methods) == [
+        f"querator.v1.QueueService.{m}"
+        for m in ("Complete", "Extend", "Lease", "LeaseStream", "Produce", "ProduceStream", "Retry")
+    ]
 
 
 def test_describe_service_and_message(server: ThreadServer) -> None:
@@ -128,6 +131,49 @@ def test_json_round_trip_create_produce_lease_complete(server: ThreadServer) -> 
     )
     assert again.returncode != 0
     assert "Code: NotFound" in again.stderr and ids[0] in again.stderr
+
+
+def test_streams_take_several_json_messages(server: ThreadServer) -> None:
+    call(server, "querator.v1.QueuesService/CreateQueue", {"queue": {"queueName": "s"}})
+    messages = [
+        {"request": {"queueName": "s", "items": [{"utf8": "one"}]}},
+        {"request": {"queueName": "nope", "items": [{"utf8": "x"}]}},
+        {"request": {"queueName": "s", "items": [{"utf8": "two"}]}},
+    ]
+    command = [grpcurl_path(), "-plaintext", "-max-time", "20", "-d", "@", server.address]
+    result = subprocess.run(
+        [*command, "querator.v1.QueueService/ProduceStream"],
+        input="\n".join(json.dumps(m) for m in messages),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    answers = _json_objects(result.stdout)
+    assert [sorted(a) for a in answers] == [["response"], ["error"], ["response"]]
+    assert answers[1]["error"]["code"] == 5 and "nope" in answers[1]["error"]["message"]
+    leased = call(
+        server,
+        "querator.v1.QueueService/Lease",
+        {"queueName": "s", "batchSize": 10, "requestTimeout": "0s"},
+    )
+    assert [base64.b64decode(i["payload"]) for i in leased["items"]] == [b"one", b"two"]  # type: ignore[index, union-attr]
+
+
+def _json_objects(text: str) -> list[dict[str, dict[str, object]]]:
+    """grpcurl prints one pretty JSON document per answer, back to back."""
+    decoder, out, pos = json.JSONDecoder(), [], 0
+    while (pos := _skip_space(text, pos)) < len(text):
+        obj, pos = decoder.raw_decode(text, pos)
+        out.append(obj)
+    return out
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
 
 
 def test_error_status_for_missing_queue(server: ThreadServer) -> None:

@@ -110,6 +110,38 @@ def test_errors_are_counted_by_status_and_unknown_queues_stay_unlabelled(
     assert "random-name-1" not in scrape.text()
 
 
+def test_stream_messages_are_counted_as_calls(metered: tuple[ThreadServer, Stubs, Scraper]) -> None:
+    _server, stubs, scrape = metered
+    stubs.create("s")
+    produce = [
+        queue_pb2.ProduceStreamRequest(
+            request=queue_pb2.ProduceRequest(queue_name=name, items=[queue_pb2.ProduceItem(payload=b"x")] * 3)
+        )
+        for name in ("s", "s", "made-up-queue")
+    ]
+    assert len(list(stubs.queue.ProduceStream(iter(produce), timeout=10))) == 3
+    lease = queue_pb2.LeaseStreamRequest(
+        request=queue_pb2.LeaseRequest(queue_name="s", batch_size=4, request_timeout=duration_pb2.Duration())
+    )
+    [leased] = list(stubs.queue.LeaseStream(iter([lease]), timeout=10))
+    done = queue_pb2.LeaseRequest(
+        queue_name="s",
+        batch_size=4,
+        request_timeout=duration_pb2.Duration(),
+        complete_ids=[item.id for item in leased.response.items],
+    )
+    assert len(list(stubs.queue.LeaseStream(iter([queue_pb2.LeaseStreamRequest(request=done)]), timeout=10))) == 1
+    value = scrape.value
+    assert value("querator_rpc_requests_total", queue="s", method="ProduceStream", code="OK") == 2
+    assert value("querator_rpc_requests_total", queue="", method="ProduceStream", code="NOT_FOUND") == 1
+    assert value("querator_rpc_requests_total", queue="s", method="LeaseStream", code="OK") == 2
+    assert value("querator_rpc_duration_seconds_count", queue="s", method="LeaseStream") == 2
+    assert value("querator_items_total", queue="s", action="produced") == 6
+    assert value("querator_items_total", queue="s", action="leased") == 6  # 4, then the last 2
+    assert value("querator_items_total", queue="s", action="completed") == 4
+    assert "made-up-queue" not in scrape.text()
+
+
 def test_scheduled_expired_leases_and_dead_letters(metered: tuple[ThreadServer, Stubs, Scraper]) -> None:
     _server, stubs, scrape = metered
     stubs.create("dlq")

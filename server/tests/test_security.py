@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from querator.v1 import keys_pb2, keys_pb2_grpc, queue_pb2, queues_pb2, storage_pb2
+from querator.v1 import keys_pb2, keys_pb2_grpc, queue_pb2, queue_pb2_grpc, queues_pb2, storage_pb2
 
 from conftest import Stubs, ThreadServer
 
@@ -114,6 +114,29 @@ def test_authorization_comes_before_the_queue_lookup(channel: grpc.Channel) -> N
     assert _code(
         lambda: outsider.storage.ListItems(storage_pb2.ListItemsRequest(queue_name="orders-1"), timeout=5)
     ) == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_every_message_of_a_stream_is_checked_against_the_key(channel: grpc.Channel) -> None:
+    admin = Authed(channel, BOOTSTRAP)
+    admin.create("orders-eu")
+    admin.create("billing")
+    token = _key(admin, keys_pb2.ROLE_PRODUCER, "orders*")
+    stub = queue_pb2_grpc.QueueServiceStub(channel)
+
+    def message(queue: str) -> queue_pb2.ProduceStreamRequest:
+        request = queue_pb2.ProduceRequest(queue_name=queue, items=[queue_pb2.ProduceItem(payload=b"x")])
+        return queue_pb2.ProduceStreamRequest(request=request)
+
+    sent = [message("orders-eu"), message("billing"), message("orders-eu")]
+    answers = list(stub.ProduceStream(iter(sent), metadata=[("authorization", f"Bearer {token}")], timeout=10))
+    assert [a.WhichOneof("result") for a in answers] == ["response", "error", "response"]
+    assert answers[1].error.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+    anonymous = list(stub.ProduceStream(iter(sent[:1]), timeout=10))
+    assert anonymous[0].error.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
+    lease = queue_pb2.LeaseStreamRequest(request=queue_pb2.LeaseRequest(queue_name="orders-eu", batch_size=1))
+    refused = list(stub.LeaseStream(iter([lease]), metadata=[("authorization", f"Bearer {token}")], timeout=10))
+    assert refused[0].error.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+    assert admin.stats("orders-eu").partitions[0].total == 2 and admin.stats("billing").partitions[0].total == 0
 
 
 def test_revoked_keys_stop_working_and_keys_survive_restart(data_dir: str) -> None:

@@ -20,7 +20,8 @@ See docs/operations.md ("Metrics") for the list.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -230,6 +231,9 @@ _ITEMS: dict[str, tuple[str, Callable[[Any, Any], int]]] = {
 }
 
 
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
 class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]  # generic only in the stubs
     """Latency, status and items of every querator.v1 call, by queue and method."""
 
@@ -244,18 +248,62 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg] 
     ) -> grpc.RpcMethodHandler[Any, Any]:
         handler = await continuation(handler_call_details)
         method_path = handler_call_details.method
-        if handler is None or handler.unary_unary is None or not method_path.startswith(_API_PREFIX):
+        if handler is None or not method_path.startswith(_API_PREFIX):
+            return handler
+        if handler.unary_unary is None and handler.stream_stream is None:
             return handler
         cached = self._wrapped.get(method_path)
         if cached is not None and cached[0] is handler:
             return cached[1]
-        wrapped = grpc.unary_unary_rpc_method_handler(
-            self._measure(method_path.rsplit("/", 1)[-1], handler.unary_unary),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        method = method_path.rsplit("/", 1)[-1]
+        if handler.unary_unary is not None:
+            wrapped = grpc.unary_unary_rpc_method_handler(
+                self._measure(method, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        else:
+            assert handler.stream_stream is not None
+            wrapped = grpc.stream_stream_rpc_method_handler(
+                self._measure_stream(method, handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         self._wrapped[method_path] = (handler, wrapped)
         return wrapped
+
+    def _measure_stream(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        """Each message of a stream counted as a call of ``method`` would be: the
+        stream answers every message once and in order, so answers pair with messages."""
+        metrics = self._metrics
+        counted = _ITEMS.get(method.removesuffix("Stream"))
+
+        async def measured(messages: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            sent: deque[tuple[float, Any]] = deque()
+
+            async def noted() -> AsyncIterator[Any]:
+                async for message in messages:
+                    sent.append((time.perf_counter(), getattr(message, "request", None)))
+                    yield message
+
+            async for answer in behavior(noted(), context):
+                started, request = sent.popleft()
+                queue = _queue_of(request)
+                label = queue if metrics.known_queue(queue) else ""
+                if answer.WhichOneof("result") == "response":
+                    code = "OK"
+                    if counted is not None:
+                        action, count = counted
+                        metrics.items.labels(label, action).inc(count(request, answer.response))
+                    if method == "LeaseStream" and request.complete_ids:
+                        metrics.items.labels(label, "completed").inc(len(request.complete_ids))
+                else:
+                    code = _CODE_NAMES.get(answer.error.code, str(answer.error.code))
+                metrics.rpc_duration.labels(label, method).observe(time.perf_counter() - started)
+                metrics.rpc_requests.labels(label, method, code).inc()
+                yield answer
+
+        return measured
 
     def _measure(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         metrics = self._metrics

@@ -61,6 +61,7 @@ class QueratorServer:
         )
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # not in its stubs
         self._server: grpc.aio.Server | None = None
+        self._queue_service: QueueService | None = None
         self.port = 0
         self._stopped = asyncio.Event()
         self.metrics = None
@@ -87,9 +88,10 @@ class QueratorServer:
             ]
         )
         guard = Guard(lambda: self.manager.keyring) if self.config.auth else None
+        self._queue_service = queue_service = QueueService(self.manager, guard)
         server.add_generic_rpc_handlers(
             (
-                QueueService(self.manager, guard).handler(),
+                queue_service.handler(),
                 QueuesService(self.manager, guard).handler(),
                 StorageService(self.manager, guard).handler(),
                 KeysService(self.manager, guard).handler(),
@@ -180,6 +182,9 @@ class QueratorServer:
         # taken in but not yet handed over when it stops are cancelled by gRPC itself
         # (CANCELLED), which a client cannot tell from a lost reply.
         await self.manager.stop()
+        # Open streams end (OK) once answered, rather than holding the grace period.
+        if self._queue_service is not None:
+            self._queue_service.end_streams()
         await self._await_lull(min(SHUTDOWN_DRAIN_S, grace))
         await server.stop(grace)
         if self.metrics is not None:

@@ -8,7 +8,8 @@ here, and each one is logged once with its queue name.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -20,11 +21,16 @@ from ..errors import QueratorError, ResourceExhausted, Unavailable
 from ..model import MAX_REQUEST_BYTES
 from ..storage import StorageError
 from .authz import Guard
-from .status import invalid_argument_status, status_code, to_status
+from .status import invalid_argument_status, status_code, stream_error, to_status
 
 log = structlog.get_logger("querator.rpc")
 
 Behavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Message]]
+StreamBehavior = Callable[[AsyncIterator[Any], grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Message]]
+
+# Requests of one stream being applied at once; past it the stream is not read, and
+# HTTP/2 flow control holds the client back.
+STREAM_WINDOW = 64
 
 
 class _Malformed:
@@ -108,17 +114,101 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], method: str, queue
     await context.abort(status.code, status.details, status.trailing_metadata)
 
 
+def _wrap_stream(
+    service: str,
+    method: str,
+    behavior: Behavior,
+    response_type: type[Message],
+    action: Action,
+    guard: Guard | None,
+    readers: set[asyncio.Task[None]],
+) -> StreamBehavior:
+    """A stream of unary requests: each message applied as ``behavior`` (the unary
+    method, wrapped in the message's ``request`` field), several at once, and answered
+    in the order received; a failure answers that message and the stream goes on.
+
+    Each open stream's reader is in ``readers``: cancelling it ends the stream with OK
+    once the messages already read are answered (the server does so when it stops)."""
+    full = f"/{service}/{method}"
+    unary = method.removesuffix("Stream")
+
+    async def one(message: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+        request = None if isinstance(message, _Malformed | _TooLarge) else message.request
+        error: QueratorError
+        try:
+            if guard is not None:
+                guard.check(action, request, context)
+            if isinstance(message, _Malformed):
+                status = invalid_argument_status(f"the message is not a valid {method}Request: {message.reason}")
+                log.info("rpc_error", method=full, code="INVALID_ARGUMENT", message=status.details)
+                return response_type(error=stream_error(int(status.code.value[0]), status.details))
+            if isinstance(message, _TooLarge):
+                raise ResourceExhausted(
+                    f"the message is {message.size} bytes; at most {MAX_REQUEST_BYTES} bytes are accepted"
+                )
+            return response_type(response=await behavior(request, context))
+        except QueratorError as exc:
+            error = exc
+        except StorageError as exc:
+            error = Unavailable(f"storage failed, retry later: {exc}")
+        error.__traceback__ = None
+        status = to_status(error)
+        queue = getattr(request, "queue_name", "")
+        log_event = log.warning if isinstance(error, Unavailable) else log.info
+        log_event("rpc_error", method=f"{full} ({unary})", queue=queue[:200], code=status.code.name, message=status.details)
+        return response_type(error=stream_error(int(status.code.value[0]), status.details, error))
+
+    async def handler(messages: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Message]:
+        # Answers in the order asked: each message's task, oldest first; None ends it.
+        answers: asyncio.Queue[asyncio.Task[Message] | None] = asyncio.Queue(maxsize=STREAM_WINDOW)
+
+        async def read() -> None:
+            try:
+                async for message in messages:
+                    await answers.put(asyncio.create_task(one(message, context)))
+            finally:
+                # The end mark; with the window full the loop below sees the reader done.
+                if not answers.full():
+                    answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        readers.add(reader)
+        try:
+            while not (answers.empty() and reader.done()):
+                task = await answers.get()
+                if task is None:
+                    break
+                yield await task
+            if not reader.cancelled():
+                await reader  # a stream that broke ends the call with the transport's error
+        finally:
+            readers.discard(reader)
+            reader.cancel()
+            while not answers.empty():
+                left = answers.get_nowait()
+                if left is not None:
+                    left.cancel()
+
+    return handler
+
+
 def generic_handler(
     service: str,
     methods: dict[str, tuple[Behavior, type[Message], type[Message], Action]],
     *,
+    streams: dict[str, tuple[Behavior, type[Message], type[Message], Action]] | None = None,
+    open_streams: set[asyncio.Task[None]] | None = None,
     guard: Guard | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> grpc.GenericRpcHandler[Any, Any]:
     """A handler for ``service``: name -> (behavior, request type, response type, action).
 
-    With a ``guard`` every call is authenticated and authorized for its action first.
+    ``streams`` are bidirectional methods whose messages wrap a unary request: name
+    -> (the unary behavior, stream request type, stream response type, action). With
+    a ``guard`` every call (every message of a stream) is authenticated and authorized
+    for its action first. ``open_streams`` collects the readers of open streams.
     """
+    readers = open_streams if open_streams is not None else set()
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
             _wrap(service, name, behavior, action, guard),
@@ -127,4 +217,10 @@ def generic_handler(
         )
         for name, (behavior, request_type, response_type, action) in methods.items()
     }
+    for name, (behavior, request_type, response_type, action) in (streams or {}).items():
+        handlers[name] = grpc.stream_stream_rpc_method_handler(
+            _wrap_stream(service, name, behavior, response_type, action, guard, readers),
+            request_deserializer=_deserializer(request_type, max_request_bytes),
+            response_serializer=response_type.SerializeToString,
+        )
     return grpc.method_handlers_generic_handler(service, handlers)

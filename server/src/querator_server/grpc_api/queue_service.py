@@ -1,7 +1,8 @@
-"""querator.v1.QueueService: Produce, Lease, Complete, Retry, Extend."""
+"""querator.v1.QueueService: Produce, Lease, Complete, Retry, Extend, and the streams."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -41,6 +42,12 @@ class QueueService:
     def __init__(self, manager: QueuesManager, guard: Guard | None = None) -> None:
         self.manager = manager
         self.guard = guard
+        self._stream_readers: set[asyncio.Task[None]] = set()
+
+    def end_streams(self) -> None:
+        """End every open stream once what it already sent is answered (shutting down)."""
+        for reader in list(self._stream_readers):
+            reader.cancel()
 
     async def produce(self, request: pb.ProduceRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ProduceResponse:
         name = c.queue_name(request.queue_name)
@@ -145,6 +152,11 @@ class QueueService:
                 "Complete": (self.complete, pb.CompleteRequest, pb.CompleteResponse, Action.CONSUME),
                 "Retry": (self.retry, pb.RetryRequest, pb.RetryResponse, Action.CONSUME),
                 "Extend": (self.extend, pb.ExtendRequest, pb.ExtendResponse, Action.CONSUME),
+            },
+            open_streams=self._stream_readers,
+            streams={
+                "ProduceStream": (self.produce, pb.ProduceStreamRequest, pb.ProduceStreamResponse, Action.PRODUCE),
+                "LeaseStream": (self.lease, pb.LeaseStreamRequest, pb.LeaseStreamResponse, Action.CONSUME),
             },
             guard=self.guard,
         )

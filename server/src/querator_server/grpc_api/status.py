@@ -10,6 +10,7 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
+from querator.v1 import queue_pb2
 
 from ..errors import (
     AlreadyExists,
@@ -71,3 +72,9 @@ def to_status(error: QueratorError) -> grpc.Status:
 
 def invalid_argument_status(message: str) -> grpc.Status:
     return rpc_status.to_status(status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=_cut(message)))
+
+
+def stream_error(code: int, message: str, error: QueratorError | None = None) -> queue_pb2.StreamError:
+    """The answer to one failed request of a stream: the unary call's code and message."""
+    fields = [_cut(f, 256) for f, _ in error.violations[:20]] if isinstance(error, InvalidArgument) else []
+    return queue_pb2.StreamError(code=code, message=message, fields=fields)

@@ -21,6 +21,152 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class StreamError(_message.Message):
+    """StreamError is the failure of one request of a stream, which goes on. It
+    carries what the unary call would have ended with.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    FIELDS_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """The gRPC status code (google.rpc.Code), never 0."""
+    message: _builtins.str
+    """What went wrong, naming the request field at fault."""
+    @_builtins.property
+    def fields(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """For INVALID_ARGUMENT: the fields at fault, as in the unary call's
+        google.rpc.BadRequest.
+        """
+
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        fields: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "fields", b"fields", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamError: _TypeAlias = StreamError  # noqa: Y015
+
+@_typing.final
+class ProduceStreamRequest(_message.Message):
+    """ProduceStreamRequest is one Produce request sent on a ProduceStream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def request(self) -> Global___ProduceRequest: ...
+    def __init__(
+        self,
+        *,
+        request: Global___ProduceRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProduceStreamRequest: _TypeAlias = ProduceStreamRequest  # noqa: Y015
+
+@_typing.final
+class ProduceStreamResponse(_message.Message):
+    """ProduceStreamResponse answers one ProduceStreamRequest, in the order sent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def response(self) -> Global___ProduceResponse:
+        """The request succeeded: what Produce answers."""
+
+    @_builtins.property
+    def error(self) -> Global___StreamError:
+        """The request failed and nothing of it was stored."""
+
+    def __init__(
+        self,
+        *,
+        response: Global___ProduceResponse | None = ...,
+        error: Global___StreamError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "response", b"response", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "response", b"response", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["response", "error"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___ProduceStreamResponse: _TypeAlias = ProduceStreamResponse  # noqa: Y015
+
+@_typing.final
+class LeaseStreamRequest(_message.Message):
+    """LeaseStreamRequest is one Lease request sent on a LeaseStream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def request(self) -> Global___LeaseRequest: ...
+    def __init__(
+        self,
+        *,
+        request: Global___LeaseRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseStreamRequest: _TypeAlias = LeaseStreamRequest  # noqa: Y015
+
+@_typing.final
+class LeaseStreamResponse(_message.Message):
+    """LeaseStreamResponse answers one LeaseStreamRequest, in the order sent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def response(self) -> Global___LeaseResponse:
+        """The request succeeded: what Lease answers."""
+
+    @_builtins.property
+    def error(self) -> Global___StreamError:
+        """The request failed: nothing was leased, and its complete_ids were not
+        completed.
+        """
+
+    def __init__(
+        self,
+        *,
+        response: Global___LeaseResponse | None = ...,
+        error: Global___StreamError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "response", b"response", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "response", b"response", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["response", "error"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___LeaseStreamResponse: _TypeAlias = LeaseStreamResponse  # noqa: Y015
+
+@_typing.final
 class ProduceItem(_message.Message):
     """ProduceItem is one item to add to a queue."""
 

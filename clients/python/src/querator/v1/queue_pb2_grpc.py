@@ -64,6 +64,16 @@ class QueueServiceStub:
                 request_serializer=querator_dot_v1_dot_queue__pb2.ExtendRequest.SerializeToString,
                 response_deserializer=querator_dot_v1_dot_queue__pb2.ExtendResponse.FromString,
                 _registered_method=True)
+        self.ProduceStream = channel.stream_stream(
+                '/querator.v1.QueueService/ProduceStream',
+                request_serializer=querator_dot_v1_dot_queue__pb2.ProduceStreamRequest.SerializeToString,
+                response_deserializer=querator_dot_v1_dot_queue__pb2.ProduceStreamResponse.FromString,
+                _registered_method=True)
+        self.LeaseStream = channel.stream_stream(
+                '/querator.v1.QueueService/LeaseStream',
+                request_serializer=querator_dot_v1_dot_queue__pb2.LeaseStreamRequest.SerializeToString,
+                response_deserializer=querator_dot_v1_dot_queue__pb2.LeaseStreamResponse.FromString,
+                _registered_method=True)
 
 
 class QueueServiceServicer:
@@ -118,6 +128,29 @@ class QueueServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProduceStream(self, request_iterator, context):
+        """ProduceStream is Produce for steady producers: one long-lived call that
+        carries many Produce requests, several of them in flight at once. Every
+        request sent is answered by exactly one response, in the order sent, with
+        the semantics and errors of Produce; a request that fails is answered with
+        its error and the stream goes on. A stream costs the server about half
+        the CPU per request of a unary call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaseStream(self, request_iterator, context):
+        """LeaseStream is Lease for steady consumers, as ProduceStream is for
+        producers: every Lease request sent (complete_ids and columnar included)
+        is answered by exactly one response, in the order sent. A request that
+        finds nothing waits as a Lease does, and the answers of later requests
+        wait behind it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_QueueServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +178,16 @@ def add_QueueServiceServicer_to_server(servicer, server):
                     servicer.Extend,
                     request_deserializer=querator_dot_v1_dot_queue__pb2.ExtendRequest.FromString,
                     response_serializer=querator_dot_v1_dot_queue__pb2.ExtendResponse.SerializeToString,
+            ),
+            'ProduceStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProduceStream,
+                    request_deserializer=querator_dot_v1_dot_queue__pb2.ProduceStreamRequest.FromString,
+                    response_serializer=querator_dot_v1_dot_queue__pb2.ProduceStreamResponse.SerializeToString,
+            ),
+            'LeaseStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.LeaseStream,
+                    request_deserializer=querator_dot_v1_dot_queue__pb2.LeaseStreamRequest.FromString,
+                    response_serializer=querator_dot_v1_dot_queue__pb2.LeaseStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -287,6 +330,60 @@ class QueueService:
             '/querator.v1.QueueService/Extend',
             querator_dot_v1_dot_queue__pb2.ExtendRequest.SerializeToString,
             querator_dot_v1_dot_queue__pb2.ExtendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProduceStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/querator.v1.QueueService/ProduceStream',
+            querator_dot_v1_dot_queue__pb2.ProduceStreamRequest.SerializeToString,
+            querator_dot_v1_dot_queue__pb2.ProduceStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/querator.v1.QueueService/LeaseStream',
+            querator_dot_v1_dot_queue__pb2.LeaseStreamRequest.SerializeToString,
+            querator_dot_v1_dot_queue__pb2.LeaseStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,6 +62,21 @@ class QueueServiceStub:
     """Extend pushes the lease deadline of leased items (a heartbeat for long
     work). All ids succeed together or the request fails and nothing changes.
     """
+    ProduceStream: _grpc.StreamStreamMultiCallable[_queue_pb2.ProduceStreamRequest, _queue_pb2.ProduceStreamResponse]
+    """ProduceStream is Produce for steady producers: one long-lived call that
+    carries many Produce requests, several of them in flight at once. Every
+    request sent is answered by exactly one response, in the order sent, with
+    the semantics and errors of Produce; a request that fails is answered with
+    its error and the stream goes on. A stream costs the server about half
+    the CPU per request of a unary call.
+    """
+    LeaseStream: _grpc.StreamStreamMultiCallable[_queue_pb2.LeaseStreamRequest, _queue_pb2.LeaseStreamResponse]
+    """LeaseStream is Lease for steady consumers, as ProduceStream is for
+    producers: every Lease request sent (complete_ids and columnar included)
+    is answered by exactly one response, in the order sent. A request that
+    finds nothing waits as a Lease does, and the answers of later requests
+    wait behind it.
+    """
 
 @_typing.type_check_only
 class QueueServiceAsyncStub(QueueServiceStub):
@@ -96,6 +111,21 @@ class QueueServiceAsyncStub(QueueServiceStub):
     Extend: _aio.UnaryUnaryMultiCallable[_queue_pb2.ExtendRequest, _queue_pb2.ExtendResponse]  # type: ignore[assignment]
     """Extend pushes the lease deadline of leased items (a heartbeat for long
     work). All ids succeed together or the request fails and nothing changes.
+    """
+    ProduceStream: _aio.StreamStreamMultiCallable[_queue_pb2.ProduceStreamRequest, _queue_pb2.ProduceStreamResponse]  # type: ignore[assignment]
+    """ProduceStream is Produce for steady producers: one long-lived call that
+    carries many Produce requests, several of them in flight at once. Every
+    request sent is answered by exactly one response, in the order sent, with
+    the semantics and errors of Produce; a request that fails is answered with
+    its error and the stream goes on. A stream costs the server about half
+    the CPU per request of a unary call.
+    """
+    LeaseStream: _aio.StreamStreamMultiCallable[_queue_pb2.LeaseStreamRequest, _queue_pb2.LeaseStreamResponse]  # type: ignore[assignment]
+    """LeaseStream is Lease for steady consumers, as ProduceStream is for
+    producers: every Lease request sent (complete_ids and columnar included)
+    is answered by exactly one response, in the order sent. A request that
+    finds nothing waits as a Lease does, and the answers of later requests
+    wait behind it.
     """
 
 class QueueServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -158,6 +188,33 @@ class QueueServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_queue_pb2.ExtendResponse, _abc.Awaitable[_queue_pb2.ExtendResponse]]:
         """Extend pushes the lease deadline of leased items (a heartbeat for long
         work). All ids succeed together or the request fails and nothing changes.
+        """
+
+    @_abc_1.abstractmethod
+    def ProduceStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_queue_pb2.ProduceStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_queue_pb2.ProduceStreamResponse], _abc.AsyncIterator[_queue_pb2.ProduceStreamResponse]]:
+        """ProduceStream is Produce for steady producers: one long-lived call that
+        carries many Produce requests, several of them in flight at once. Every
+        request sent is answered by exactly one response, in the order sent, with
+        the semantics and errors of Produce; a request that fails is answered with
+        its error and the stream goes on. A stream costs the server about half
+        the CPU per request of a unary call.
+        """
+
+    @_abc_1.abstractmethod
+    def LeaseStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_queue_pb2.LeaseStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_queue_pb2.LeaseStreamResponse], _abc.AsyncIterator[_queue_pb2.LeaseStreamResponse]]:
+        """LeaseStream is Lease for steady consumers, as ProduceStream is for
+        producers: every Lease request sent (complete_ids and columnar included)
+        is answered by exactly one response, in the order sent. A request that
+        finds nothing waits as a Lease does, and the answers of later requests
+        wait behind it.
         """
 
 def add_QueueServiceServicer_to_server(servicer: QueueServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
