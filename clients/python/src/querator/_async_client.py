@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -29,7 +29,8 @@ from ._models import (
     StoredItem,
 )
 from ._paging import AsyncPager
-from .errors import QueratorError, Unavailable, from_rpc_error
+from ._streams import Streams, StreamsUnsupported, from_stream_error
+from .errors import QueratorError, Unauthenticated, Unavailable, from_rpc_error
 from .v1 import (
     keys_pb2,
     keys_pb2_grpc,
@@ -56,6 +57,7 @@ class AsyncClient(BaseClient):
     def _setup(self) -> None:
         self._channel: grpc.aio.Channel | None = None
         self._closed = False
+        self._streams = Streams()
 
     def _stubs(
         self,
@@ -84,6 +86,7 @@ class AsyncClient(BaseClient):
     async def close(self) -> None:
         """Close the channel; calls in flight are cancelled."""
         self._closed = True
+        await self._streams.close()
         channel, self._channel = self._channel, None
         if channel is not None:
             await channel.close(None)
@@ -135,6 +138,52 @@ class AsyncClient(BaseClient):
             attempt += 1
             await asyncio.sleep(self._backoff(attempt))
 
+    async def _queue_call(
+        self,
+        method: str,
+        request: Any,
+        *,
+        timeout: float,
+        retry: bool,
+        item_call: bool = False,
+    ) -> Any:
+        """A Produce or Lease: over the queue's stream (see _streams.py), else unary."""
+        stub = self._stubs()[0]
+        unary: Any = stub.Produce if method == "Produce" else stub.Lease
+        if not self._config.streams or self._streams.unsupported:
+            return await self._call(unary, request, timeout=timeout, retry=retry, item_call=item_call)
+        if method == "Produce":
+            message: Any = queue_pb2.ProduceStreamRequest(request=request)
+            open_call: Any = stub.ProduceStream
+        else:
+            message = queue_pb2.LeaseStreamRequest(request=request)
+            open_call = stub.LeaseStream
+        config = self._config
+        stream = self._streams.get(
+            method,
+            request.queue_name,
+            lambda: open_call(metadata=tuple(config.call_metadata()), wait_for_ready=config.wait_for_ready or None),
+        )
+        attempt = 0
+        while True:
+            try:
+                answer = await stream.ask(message, timeout)
+            except StreamsUnsupported:
+                self._streams.unsupported = True
+                return await self._call(unary, request, timeout=timeout, retry=retry, item_call=item_call)
+            except QueratorError as exc:
+                error = exc
+            else:
+                if answer.WhichOneof("result") == "response":
+                    return answer.response
+                error = from_stream_error(answer.error, item_call=item_call)
+                if isinstance(error, Unauthenticated):
+                    stream.reopen()  # the next request opens it with fresh credentials
+            if not (retry and isinstance(error, Unavailable) and attempt < config.retries):
+                raise error
+            attempt += 1
+            await asyncio.sleep(self._backoff(attempt))
+
     # -- QueueService -------------------------------------------------------------------
 
     async def produce(
@@ -161,13 +210,12 @@ class AsyncClient(BaseClient):
         call_timeout = self._config.call_timeout(timeout)
         retry = self._config.retry_produce if retry is None else retry
         window = max_in_flight or self._config.max_in_flight
-        stub = self._stubs()[0]
         collector = ProduceCollector(on_progress)
 
         async def send(index: int, request: queue_pb2.ProduceRequest) -> None:
             try:
                 keyed = p.all_keyed(list(request.items))
-                response = await self._call(stub.Produce, request, timeout=call_timeout, retry=retry or keyed)
+                response = await self._queue_call("Produce", request, timeout=call_timeout, retry=retry or keyed)
             except QueratorError as error:
                 collector.failed(error)
                 return
@@ -205,8 +253,8 @@ class AsyncClient(BaseClient):
         partition of this queue) in the same call; see :meth:`querator.Client.lease`."""
         completing = p.lease_completions(queue_name, complete)
         request, wait_s = p.lease_request(queue_name, batch_size, wait, client_id, completing, lease_key)
-        response = await self._call(
-            self._stubs()[0].Lease,
+        response = await self._queue_call(
+            "Lease",
             request,
             timeout=self._lease_deadline(wait_s),
             retry=not completing,

@@ -43,6 +43,7 @@ class BaseClient:
         retry_produce: bool | None = None,
         max_in_flight: int | None = None,
         wait_for_ready: bool | None = None,
+        streams: bool | None = None,
         channel_options: Iterable[tuple[str, Any]] | None = None,
         tracing: bool | None = None,
     ) -> None:
@@ -63,6 +64,7 @@ class BaseClient:
             "retry_produce": retry_produce,
             "max_in_flight": max_in_flight,
             "wait_for_ready": wait_for_ready,
+            "streams": streams,
             "channel_options": tuple(channel_options) if channel_options is not None else None,
             "tracing": tracing,
         }

@@ -414,10 +414,9 @@ class AsyncProducer:
         assert self._slots is not None and self._changed is not None
         try:
             request = p.produce_request(self._s.queue_name, batch.items, self._timeout)
-            queue_stub = self._client._stubs()[0]
             try:
                 retry = self._retry or p.all_keyed(batch.items)
-                response = await self._client._call(queue_stub.Produce, request, timeout=self._timeout, retry=retry)
+                response = await self._client._queue_call("Produce", request, timeout=self._timeout, retry=retry)
             except QueratorError as error:
                 for future in batch.futures:
                     if not future.done():

@@ -1,0 +1,185 @@
+"""AsyncClient over ProduceStream / LeaseStream: the same results and errors as unary
+calls, one stream per queue, a new stream after the server restarts, and unary calls
+for a server without the streams."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from sdk_helpers import run, unique
+
+import querator
+from querator.testing import server
+from querator.v1 import queue_pb2
+
+
+def _calls(srv: Any) -> dict[tuple[str, str, str], float]:
+    """querator_rpc_requests_total by (queue, method, code), scraped from the server."""
+    url = f"http://127.0.0.1:{srv._server.metrics.port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    out: dict[tuple[str, str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "querator_rpc_requests_total":
+                labels = sample.labels
+                out[(labels["queue"], labels["method"], labels["code"])] = sample.value
+    return out
+
+
+def test_produce_and_lease_travel_on_streams_with_unary_results(tmp_path: Path) -> None:
+    with server(tmp_path / "data", metrics_address="127.0.0.1:0") as srv:
+
+        async def main() -> None:
+            async with srv.async_client() as c:
+                name, other = unique(), unique()
+                await c.create_queue(name, lease_timeout=30)
+                await c.create_queue(other)
+                result = await c.produce(name, [f"item-{i}" for i in range(2_500)], batch_size=100)
+                assert len(result.ids) == 2_500 and len(set(result.ids)) == 2_500
+                await c.produce(other, ["o"])
+                got: list[bytes] = []
+                complete: list[Any] = []
+                while True:
+                    leased = await c.lease(name, batch_size=300, wait=0, complete=complete)
+                    if not leased:
+                        break
+                    got.extend(item.payload for item in leased)
+                    complete = leased
+                assert got == [f"item-{i}".encode() for i in range(2_500)]
+                assert (await c.queue_stats(name)).total == 0
+                # Errors arrive as the unary call's exceptions; the stream goes on.
+                with pytest.raises(querator.QueueNotFound):
+                    await c.produce(unique("missing"), ["x"])
+                with pytest.raises(querator.InvalidRequest) as bad:
+                    await c.lease(name, batch_size=5_000, wait=0)
+                assert bad.value.field_violations[0].field == "batch_size"
+                with pytest.raises(querator.ItemNotFound):
+                    # The first item, completed by then: no longer leased.
+                    await c.lease(name, batch_size=1, wait=0, complete=[querator.ItemRef(name, 0, result.ids[0])])
+                assert [item.payload for item in await c.lease(other, batch_size=10, wait=0)] == [b"o"]
+
+        run(main())
+        calls = _calls(srv)
+    produce_ok = sum(v for (q, m, code), v in calls.items() if m == "ProduceStream" and code == "OK")
+    lease_ok = sum(v for (q, m, code), v in calls.items() if m == "LeaseStream" and code == "OK")
+    assert produce_ok == 26 and lease_ok >= 10
+    assert not [key for key in calls if key[1] in ("Produce", "Lease")]
+
+
+def test_a_restarted_server_gets_a_new_stream(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with server(data) as first:
+        address = first.address
+
+        async def before() -> querator.AsyncClient:
+            c = querator.AsyncClient(address, retries=0)
+            await c.create_queue("jobs")
+            await c.produce("jobs", ["one"])
+            return c
+
+        loop = asyncio.new_event_loop()
+        client = loop.run_until_complete(before())
+    try:
+        with pytest.raises(querator.Unavailable):  # the stream broke with the server
+            loop.run_until_complete(asyncio.wait_for(client.produce("jobs", ["lost"]), 10))
+        with server(data, address=address):
+
+            async def after() -> list[bytes]:
+                for _ in range(100):  # the channel reconnects on its own
+                    try:
+                        await client.produce("jobs", ["two"])
+                        break
+                    except querator.Unavailable:
+                        await asyncio.sleep(0.05)
+                return [item.payload for item in await client.lease("jobs", batch_size=10, wait=0)]
+
+            assert loop.run_until_complete(asyncio.wait_for(after(), 20)) == [b"one", b"two"]
+    finally:
+        loop.run_until_complete(client.close())
+        loop.close()
+
+
+def test_a_server_without_streams_gets_unary_calls() -> None:
+    """A server of an older version: QueueService with Produce and Lease only."""
+
+    async def main() -> None:
+        calls: list[str] = []
+
+        async def produce(request: queue_pb2.ProduceRequest, context: Any) -> queue_pb2.ProduceResponse:
+            calls.append("Produce")
+            return queue_pb2.ProduceResponse(partition=0, ids=[f"1.0.{i + 1:x}" for i in range(len(request.items))])
+
+        async def lease(request: queue_pb2.LeaseRequest, context: Any) -> queue_pb2.LeaseResponse:
+            calls.append("Lease")
+            return queue_pb2.LeaseResponse(queue_name=request.queue_name, partition=0)
+
+        handlers = {
+            "Produce": grpc.unary_unary_rpc_method_handler(
+                produce,
+                request_deserializer=queue_pb2.ProduceRequest.FromString,
+                response_serializer=queue_pb2.ProduceResponse.SerializeToString,
+            ),
+            "Lease": grpc.unary_unary_rpc_method_handler(
+                lease,
+                request_deserializer=queue_pb2.LeaseRequest.FromString,
+                response_serializer=queue_pb2.LeaseResponse.SerializeToString,
+            ),
+        }
+        old = grpc.aio.server()
+        old.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("querator.v1.QueueService", handlers),))
+        port = old.add_insecure_port("127.0.0.1:0")
+        await old.start()
+        try:
+            async with querator.AsyncClient(f"127.0.0.1:{port}") as c:
+                assert (await c.produce("q", ["a", "b"])).ids == ["1.0.1", "1.0.2"]
+                assert await c.lease("q", batch_size=5, wait=0) == []
+                await c.produce("q", ["c"])
+            assert calls == ["Produce", "Lease", "Produce"]
+        finally:
+            await old.stop(None)
+
+    run(main())
+
+
+def test_streams_can_be_turned_off(tmp_path: Path) -> None:
+    with server(tmp_path / "data", metrics_address="127.0.0.1:0") as srv:
+
+        async def main() -> None:
+            async with querator.AsyncClient(srv.address, streams=False) as c:
+                await c.create_queue("u")
+                await c.produce("u", ["x"])
+                assert [item.payload for item in await c.lease("u", batch_size=1, wait=0)] == [b"x"]
+
+        run(main())
+        calls = _calls(srv)
+    assert calls[("u", "Produce", "OK")] == 1 and calls[("u", "Lease", "OK")] == 1
+    assert not [key for key in calls if key[1].endswith("Stream")]
+
+
+def test_an_abandoned_lease_takes_nothing(tmp_path: Path) -> None:
+    with server(tmp_path / "data") as srv:
+
+        async def main() -> None:
+            async with srv.async_client() as waiter, srv.async_client() as other:
+                await waiter.create_queue("w", lease_timeout=60)
+                waiting = asyncio.create_task(waiter.lease("w", batch_size=5, wait=10))
+                await asyncio.sleep(0.3)  # parked on the server, nothing ready
+                waiting.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await waiting
+                await asyncio.sleep(0.2)  # the cancelled stream reaches the server
+                await other.produce("w", ["x"])
+                got = await other.lease("w", batch_size=5, wait=5)
+                assert [item.payload for item in got] == [b"x"]
+                # The waiter's next lease opens a new stream and works.
+                await other.produce("w", ["y"])
+                assert [item.payload for item in await waiter.lease("w", batch_size=5, wait=5)] == [b"y"]
+
+        run(main())
