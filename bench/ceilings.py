@@ -3,6 +3,8 @@
 - gRPC echo: a grpc.aio server whose only handler parses a ProduceRequest of 100 items and
   sends it back; the client is the workloads' producer (same process model, same message
   building, same calls in flight). Calls/s here bound any gRPC produce or lease path.
+  With ``stream=True`` the same messages travel on one bidirectional stream (the server
+  reads and answers in order, as ProduceStream / LeaseStream do): the bound of those.
 - LMDB durable commit: one write transaction of 100 × 256-byte items (keys in order,
   `putmulti(append=True)`), committed with `sync=True, metasync=True` as the server does.
 """
@@ -23,6 +25,7 @@ from common import HOST, PAYLOAD_BYTES, free_port, on_exit, stop_pid, wait_for_p
 from workloads import Producer, Settings, run_phase
 
 _ECHO_METHOD = "Echo"
+_ECHO_STREAM = "EchoStream"
 _ECHO_SERVICE = "bench.Echo"
 
 
@@ -33,6 +36,20 @@ def _echo_server(port: int) -> None:
     async def echo(request: Any, context: Any) -> Any:
         return request
 
+    async def echo_stream(requests: Any, context: Any) -> Any:
+        # Read ahead while answering, as the server's streams do.
+        pending: asyncio.Queue[Any] = asyncio.Queue(maxsize=64)
+
+        async def read() -> None:
+            async for request in requests:
+                await pending.put(request)
+            await pending.put(None)
+
+        reader = asyncio.create_task(read())
+        while (request := await pending.get()) is not None:
+            yield request
+        await reader
+
     async def main() -> None:
         handler = grpc.method_handlers_generic_handler(
             _ECHO_SERVICE,
@@ -41,7 +58,12 @@ def _echo_server(port: int) -> None:
                     echo,
                     request_deserializer=queue_pb2.ProduceRequest.FromString,
                     response_serializer=queue_pb2.ProduceRequest.SerializeToString,
-                )
+                ),
+                _ECHO_STREAM: grpc.stream_stream_rpc_method_handler(
+                    echo_stream,
+                    request_deserializer=queue_pb2.ProduceRequest.FromString,
+                    response_serializer=queue_pb2.ProduceRequest.SerializeToString,
+                ),
             },
         )
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -58,6 +80,7 @@ class EchoClient:
     """Looks like a workload client; produce() is one echo call."""
 
     address: str
+    stream: bool = False
     _state: dict[str, Any] = field(default_factory=dict, repr=False)
 
     async def open(self) -> None:
@@ -66,24 +89,62 @@ class EchoClient:
 
         channel = grpc.aio.insecure_channel(self.address, options=[("grpc.max_receive_message_length", 64 << 20)])
         await channel.channel_ready()
-        call = channel.unary_unary(
-            f"/{_ECHO_SERVICE}/{_ECHO_METHOD}",
-            request_serializer=queue_pb2.ProduceRequest.SerializeToString,
-            response_deserializer=queue_pb2.ProduceRequest.FromString,
-        )
+        codec = {
+            "request_serializer": queue_pb2.ProduceRequest.SerializeToString,
+            "response_deserializer": queue_pb2.ProduceRequest.FromString,
+        }
+        call = channel.unary_unary(f"/{_ECHO_SERVICE}/{_ECHO_METHOD}", **codec)
         self._state.update(channel=channel, call=call, pb=queue_pb2)
+        if self.stream:
+            self._state["pipe"] = _Pipe(channel.stream_stream(f"/{_ECHO_SERVICE}/{_ECHO_STREAM}", **codec)())
 
     async def close(self) -> None:
+        pipe = self._state.pop("pipe", None)
+        if pipe is not None:
+            await pipe.close()
         await self._state["channel"].close()
 
     async def produce(self, queue: str, payloads: list[bytes]) -> None:
         pb = self._state["pb"]
-        reply = await self._state["call"](pb.ProduceRequest(queue_name=queue, items=[pb.ProduceItem(payload=p) for p in payloads]), timeout=60)
+        request = pb.ProduceRequest(queue_name=queue, items=[pb.ProduceItem(payload=p) for p in payloads])
+        if self.stream:
+            reply = await self._state["pipe"].ask(request)
+        else:
+            reply = await self._state["call"](request, timeout=60)
         for item in reply.items:  # touch what came back, as a lease reply would be read
             _ = item.payload
 
 
-def grpc_echo(settings: Settings, calls: int) -> dict[str, float]:
+class _Pipe:
+    """Requests written one at a time on one stream; answers taken in order."""
+
+    def __init__(self, call: Any) -> None:
+        from collections import deque
+
+        self._call = call
+        self._waiting: deque[asyncio.Future[Any]] = deque()
+        self._lock = asyncio.Lock()
+        self._reader = asyncio.create_task(self._read())
+
+    async def ask(self, message: Any) -> Any:
+        answer = asyncio.get_running_loop().create_future()
+        async with self._lock:
+            self._waiting.append(answer)
+            await self._call.write(message)
+        return await answer
+
+    async def _read(self) -> None:
+        import grpc
+
+        while (answer := await self._call.read()) is not grpc.aio.EOF:
+            self._waiting.popleft().set_result(answer)
+
+    async def close(self) -> None:
+        await self._call.done_writing()
+        await self._reader
+
+
+def grpc_echo(settings: Settings, calls: int, *, stream: bool = False) -> dict[str, float]:
     port = free_port()
     ctx = mp.get_context("spawn")
     server = ctx.Process(target=_echo_server, args=(port,), daemon=True)
@@ -91,7 +152,7 @@ def grpc_echo(settings: Settings, calls: int) -> dict[str, float]:
     stop = on_exit("echo server", lambda: stop_pid(server.pid, 5) if server.pid else None)
     try:
         wait_for_port(port, 30)
-        client = EchoClient(f"{HOST}:{port}")
+        client = EchoClient(f"{HOST}:{port}", stream=stream)
         phase = run_phase(client, [Producer(["echo"], calls * settings.batch, settings.produce_inflight)], settings)
         seconds = phase.elapsed_of("produce")
         return {"calls_per_s": calls / seconds, "items_per_s": calls * settings.batch / seconds, "inflight": settings.produce_inflight}

@@ -239,6 +239,13 @@ def report(all_results: dict[str, dict[str, Any]], ceilings: dict[str, Any], arg
             add(f"| gRPC echo of a 100-item ProduceRequest, {e['inflight']} in flight, 1 client process | {samples(e)} calls | {_n(e['items_per_s'])} |")
         elif e:
             add(f"| gRPC echo | failed: {e} | |")
+        es = ceilings.get("echo_stream")
+        if isinstance(es, dict):
+            add(f"| the same echo on one bidirectional stream, {es['inflight']} in flight | {samples(es)} calls | {_n(es['items_per_s'])} |")
+        elif es:
+            add(f"| gRPC echo on a stream | failed: {es} | |")
+        if args.streams and isinstance(es, dict):
+            e = es  # ours sent its calls on streams: that is the bound that applies
         lm = ceilings.get("lmdb")
         if isinstance(lm, dict):
             add(f"| LMDB durable commit of 100 × 256 B (sync, metasync) | {samples(lm)} commits | {_n(lm['items_per_s'])} |")
@@ -248,7 +255,9 @@ def report(all_results: dict[str, dict[str, Any]], ceilings: dict[str, Any], arg
         if isinstance(e, dict) and isinstance(lm, dict) and ours:
             drain_calls = 1 if args.complete_in_lease else 2
             drain_how = "one to drain (a Lease that completes the last batch)" if args.complete_in_lease else "two to drain (Lease, Complete)"
-            add("Ours as a fraction of the ceilings. gRPC: calls/s needed ÷ echo calls/s, counting per batch one call "
+            add("Ours as a fraction of the ceilings. gRPC: calls/s needed ÷ echo calls/s"
+                + (" (the stream echo: ours used streams)" if e is es else "")
+                + ", counting per batch one call "
                 f"to produce, {drain_how}, {1 + drain_calls} end to end (W2). LMDB: items/s ÷ the items/s of one "
                 "100-item durable commit at a time (the server puts many batches in one commit, so it can pass 1).")
             add("")
@@ -265,12 +274,14 @@ def report(all_results: dict[str, dict[str, Any]], ceilings: dict[str, Any], arg
     add("|---|---|---|")
     for target, figure, met in targets(all_results):
         add(f"| {target} | {figure} | {met} |")
-    e = ceilings.get("echo")
+    e = ceilings.get("echo_stream") if args.streams and isinstance(ceilings.get("echo_stream"), dict) else ceilings.get("echo")
     needs = peer_needs(all_results, args) if isinstance(e, dict) else []
     if needs:
         add("")
         add("What each peer ratio asks of ours, against the gRPC echo ceiling of the same run (a server "
-            "that only parses each call and answers it). A share above about 1 cannot be reached by any "
+            "that only parses each call and answers it"
+            + ("; the stream echo, as ours used streams" if args.streams and e is ceilings.get("echo_stream") else "")
+            + "). A share above about 1 cannot be reached by any "
             "server behind Python gRPC here, whatever it does per item.")
         add("")
         add("| target | ours would need, items/s | calls/s at 100 items per call | ÷ echo calls/s |")
@@ -357,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ceilings: dict[str, Any] = {}
     if not args.no_ceilings:
-        measure_ceilings(ceilings, s, workdir, "start")
+        measure_ceilings(ceilings, s, workdir, "start", streams=args.streams)
 
     running: list[tuple[Any, Any]] = []
     all_results: dict[str, dict[str, Any]] = {}
@@ -392,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         for service, _ in reversed(running):
             service.stop()
     if not args.no_ceilings:
-        measure_ceilings(ceilings, s, workdir, "end")
+        measure_ceilings(ceilings, s, workdir, "end", streams=args.streams)
 
     duration = time.monotonic() - started
     meta = {
@@ -417,14 +428,18 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def measure_ceilings(ceilings: dict[str, Any], s: Settings, workdir: str, when: str) -> None:
+def measure_ceilings(ceilings: dict[str, Any], s: Settings, workdir: str, when: str, *, streams: bool = False) -> None:
     """Measured at the start and at the end of the run; the better of the two counts."""
     import ceilings as ceil
 
-    for key, per_s, fn in (
-        ("echo", "calls_per_s", lambda: ceil.grpc_echo(s, calls=max(300, s.items // s.batch))),
-        ("lmdb", "commits_per_s", lambda: ceil.lmdb_commit(workdir, commits=max(300, s.items // s.batch))),
-    ):
+    calls = max(300, s.items // s.batch)
+    measures: list[tuple[str, str, Any]] = [
+        ("echo", "calls_per_s", lambda: ceil.grpc_echo(s, calls=calls)),
+        ("lmdb", "commits_per_s", lambda: ceil.lmdb_commit(workdir, commits=calls)),
+    ]
+    if streams:
+        measures.append(("echo_stream", "calls_per_s", lambda: ceil.grpc_echo(s, calls=calls, stream=True)))
+    for key, per_s, fn in measures:
         try:
             result = fn()
         except Exception as exc:
