@@ -90,6 +90,7 @@ class QueratorClient:
     address: str
     complete_in_lease: bool = False  # use Lease.complete_ids instead of a separate Complete call
     streams: bool = False  # Produce and Lease over one ProduceStream / LeaseStream per process
+    compact: bool = True  # ProduceRequest.payloads (as the SDK sends bare payloads), when the stubs have it
     _state: dict[str, Any] = field(default_factory=dict, repr=False)
 
     async def open(self) -> None:
@@ -142,7 +143,10 @@ class QueratorClient:
 
     async def produce(self, queue: str, payloads: list[bytes]) -> None:
         pb = self._state["pb"]
-        request = pb.ProduceRequest(queue_name=queue, items=[pb.ProduceItem(payload=p) for p in payloads])
+        if self.compact and "payloads" in pb.ProduceRequest.DESCRIPTOR.fields_by_name:
+            request = pb.ProduceRequest(queue_name=queue, payloads=payloads)
+        else:
+            request = pb.ProduceRequest(queue_name=queue, items=[pb.ProduceItem(payload=p) for p in payloads])
         if self.streams:
             await self._pipe("produce_pipe", "ProduceStream").ask(pb.ProduceStreamRequest(request=request))
             return

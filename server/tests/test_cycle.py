@@ -158,28 +158,33 @@ def test_completions_in_any_order_remove_exactly_their_items_and_expiry_keys(sto
 
 
 def test_bare_payloads_are_stored_as_the_general_path_stores_them(store: QueueStore) -> None:
-    """A request of bare payloads is stored in bulk; one with any other field item by item.
-    Both must leave the same records, expiry keys, ids and counts."""
+    """A request of bare payloads is stored in bulk, and so is the compact form (payloads
+    only); one with any other field item by item. All must leave the same records,
+    expiry keys, ids and counts."""
     config = QueueConfig(name="q", uid=1, expire_timeout_us=3600 * SECOND)
     views = [PartitionView()]
     bare = _request(ProduceRequest([NewItem(payload=b"p%d" % i) for i in range(3)]))
     mixed = _request(ProduceRequest([NewItem(payload=b"m0"), NewItem(payload=b"m1", kind="k")]))
+    compact = _request(ProduceRequest([], [b"c0", b"", b"c2"]))
     start = views[0].next_seq
     first = _run(store, config, views, T0, lambda c, t: c.produce(t, bare))
     second = _run(store, config, views, T0, lambda c, t: c.produce(t, mixed))
-    seqs_of = list(range(start, start + 5))
+    third = _run(store, config, views, T0, lambda c, t: c.produce(t, compact))
+    seqs_of = list(range(start, start + 8))
     assert first.results[0][1].ids == [item_id(1, 0, seq) for seq in seqs_of[:3]]  # type: ignore[attr-defined]
-    assert second.results[0][1].ids == [item_id(1, 0, seq) for seq in seqs_of[3:]]  # type: ignore[attr-defined]
+    assert second.results[0][1].ids == [item_id(1, 0, seq) for seq in seqs_of[3:5]]  # type: ignore[attr-defined]
+    assert third.results[0][1].ids == [item_id(1, 0, seq) for seq in seqs_of[5:]]  # type: ignore[attr-defined]
     expire = T0 + config.expire_timeout_us
     expected = [Item(payload=b"p%d" % i, created_at=T0, expire_deadline=expire) for i in range(3)]
     expected += [
         Item(payload=b"m0", created_at=T0, expire_deadline=expire),
         Item(payload=b"m1", kind="k", created_at=T0, expire_deadline=expire),
     ]
+    expected += [Item(payload=payload, created_at=T0, expire_deadline=expire) for payload in (b"c0", b"", b"c2")]
     with store.env.begin() as txn:
         records = [txn.get(item_key(seq), db=store.db(0)) for seq in seqs_of]
     assert records == [item.encode() for item in expected]
     seqs, expiries = _stored_keys(store)
     assert seqs == set(seqs_of)
     assert expiries == {expiry_key(expire, item_key(seq)) for seq in seqs_of}
-    assert (views[0].ready, views[0].next_seq, views[0].created_sum) == (5, start + 5, 5 * T0)
+    assert (views[0].ready, views[0].next_seq, views[0].created_sum) == (8, start + 8, 8 * T0)

@@ -117,8 +117,10 @@ def test_stream_messages_are_counted_as_calls(metered: tuple[ThreadServer, Stubs
         queue_pb2.ProduceStreamRequest(
             request=queue_pb2.ProduceRequest(queue_name=name, items=[queue_pb2.ProduceItem(payload=b"x")] * 3)
         )
-        for name in ("s", "s", "made-up-queue")
+        for name in ("s", "made-up-queue")
     ]
+    compact = queue_pb2.ProduceRequest(queue_name="s", payloads=[b"y"] * 3)  # counted the same
+    produce.insert(1, queue_pb2.ProduceStreamRequest(request=compact))
     assert len(list(stubs.queue.ProduceStream(iter(produce), timeout=10))) == 3
     lease = queue_pb2.LeaseStreamRequest(
         request=queue_pb2.LeaseRequest(queue_name="s", batch_size=4, request_timeout=duration_pb2.Duration())

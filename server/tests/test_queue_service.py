@@ -145,6 +145,26 @@ def test_produce_items_count_limits(stubs: Stubs) -> None:
     assert stubs.stats("q").partitions[0].total == 1000  # the refused requests stored nothing
 
 
+def test_produce_payloads_the_compact_form(stubs: Stubs) -> None:
+    stubs.create("q")
+    compact = stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name="q", payloads=[b"a", b"", b"c"]), timeout=5)
+    itemized = stubs.produce("q", [b"d"])
+    assert compact.partition == itemized.partition == 0 and len(set(compact.ids)) == 3
+    leased = stubs.lease("q", batch_size=10, request_timeout=dur(0))
+    assert [(item.id, item.payload, item.attempts) for item in leased.items] == [
+        (compact.ids[0], b"a", 1),
+        (compact.ids[1], b"", 1),
+        (compact.ids[2], b"c", 1),
+        (itemized.ids[0], b"d", 1),
+    ]
+    assert all(not (item.encoding or item.kind or item.reference or item.metadata) for item in leased.items)
+    both = queue_pb2.ProduceRequest(queue_name="q", payloads=[b"x"], items=[queue_pb2.ProduceItem(payload=b"y")])
+    expect_invalid("payloads", stubs.queue.Produce, both, timeout=5)
+    expect_invalid("payloads", stubs.queue.Produce, queue_pb2.ProduceRequest(queue_name="q", payloads=[b""] * 1001), timeout=5)
+    assert len(stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name="q", payloads=[b"z"] * 1000), timeout=5).ids) == 1000
+    assert stubs.stats("q").partitions[0].total == 1004  # the refused requests stored nothing
+
+
 @pytest.mark.parametrize("batch_size", [0, -1, 1001])
 def test_lease_batch_size_out_of_range(stubs: Stubs, batch_size: int) -> None:
     stubs.create("q")

@@ -11,6 +11,9 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
 from prometheus_client.parser import text_string_to_metric_families
 from sdk_helpers import run, unique
 
@@ -106,13 +109,23 @@ def test_a_restarted_server_gets_a_new_stream(tmp_path: Path) -> None:
         loop.close()
 
 
-def test_a_server_without_streams_gets_unary_calls() -> None:
-    """A server of an older version: QueueService with Produce and Lease only."""
+def test_a_server_without_streams_or_payloads_gets_unary_calls_with_items() -> None:
+    """A server of an older version: QueueService with Produce and Lease only, and no
+    ProduceRequest.payloads (it refuses a request without items)."""
 
     async def main() -> None:
         calls: list[str] = []
 
         async def produce(request: queue_pb2.ProduceRequest, context: Any) -> queue_pb2.ProduceResponse:
+            if not request.items:  # it knows no ProduceRequest.payloads: a request without items
+                calls.append("Produce refused")
+                bad = error_details_pb2.BadRequest(
+                    field_violations=[error_details_pb2.BadRequest.FieldViolation(field="items", description="empty")]
+                )
+                detail = any_pb2.Any()
+                detail.Pack(bad)
+                status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message="items: empty", details=[detail])
+                await context.abort_with_status(rpc_status.to_status(status))
             calls.append("Produce")
             return queue_pb2.ProduceResponse(partition=0, ids=[f"1.0.{i + 1:x}" for i in range(len(request.items))])
 
@@ -141,7 +154,17 @@ def test_a_server_without_streams_gets_unary_calls() -> None:
                 assert (await c.produce("q", ["a", "b"])).ids == ["1.0.1", "1.0.2"]
                 assert await c.lease("q", batch_size=5, wait=0) == []
                 await c.produce("q", ["c"])
-            assert calls == ["Produce", "Lease", "Produce"]
+            # Refused in the compact form once, then items from the start.
+            assert calls == ["Produce refused", "Produce", "Lease", "Produce"]
+
+            def sync_client() -> None:  # on a thread: the server runs on this loop
+                with querator.Client(f"127.0.0.1:{port}") as sync:
+                    assert sync.produce("q", [b"d"]).ids == ["1.0.1"]
+                    sync.produce("q", [b"e"])
+
+            calls.clear()
+            await asyncio.to_thread(sync_client)
+            assert calls == ["Produce refused", "Produce", "Produce"]
         finally:
             await old.stop(None)
 

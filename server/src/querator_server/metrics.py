@@ -223,7 +223,7 @@ def _queue_of(request: Any) -> str:
 
 # Items each successful call moved: (action, count(request, response)).
 _ITEMS: dict[str, tuple[str, Callable[[Any, Any], int]]] = {
-    "Produce": ("produced", lambda req, _resp: len(req.items)),
+    "Produce": ("produced", lambda req, _resp: len(req.items) or len(req.payloads)),
     "Lease": ("leased", lambda _req, resp: len(resp.items) or len(resp.columns.ids)),
     "Complete": ("completed", lambda req, _resp: len(req.ids)),
     "Retry": ("retried", lambda req, _resp: len(req.items)),

@@ -30,7 +30,7 @@ from ._models import (
 )
 from ._paging import AsyncPager
 from ._streams import Streams, StreamsUnsupported, from_stream_error
-from .errors import QueratorError, Unauthenticated, Unavailable, from_rpc_error
+from .errors import InvalidRequest, QueratorError, Unauthenticated, Unavailable, from_rpc_error
 from .v1 import (
     keys_pb2,
     keys_pb2_grpc,
@@ -58,6 +58,7 @@ class AsyncClient(BaseClient):
         self._channel: grpc.aio.Channel | None = None
         self._closed = False
         self._streams = Streams()
+        self._compact = True  # ProduceRequest.payloads; off once a server refuses it
 
     def _stubs(
         self,
@@ -184,6 +185,18 @@ class AsyncClient(BaseClient):
             attempt += 1
             await asyncio.sleep(self._backoff(attempt))
 
+    async def _produce_call(self, request: queue_pb2.ProduceRequest, *, timeout: float, retry: bool) -> Any:
+        """A Produce; a request in the compact form goes again as items to a server
+        from before ``payloads`` (which refuses it for having no items)."""
+        try:
+            return await self._queue_call("Produce", request, timeout=timeout, retry=retry)
+        except InvalidRequest as error:
+            plain = p.itemized(request)
+            if plain is None or not p.refuses_compact(error, request):
+                raise
+            self._compact = False
+            return await self._queue_call("Produce", plain, timeout=timeout, retry=retry)
+
     # -- QueueService -------------------------------------------------------------------
 
     async def produce(
@@ -214,8 +227,8 @@ class AsyncClient(BaseClient):
 
         async def send(index: int, request: queue_pb2.ProduceRequest) -> None:
             try:
-                keyed = p.all_keyed(list(request.items))
-                response = await self._queue_call("Produce", request, timeout=call_timeout, retry=retry or keyed)
+                keyed = bool(request.items) and p.all_keyed(list(request.items))
+                response = await self._produce_call(request, timeout=call_timeout, retry=retry or keyed)
             except QueratorError as error:
                 collector.failed(error)
                 return
@@ -230,7 +243,8 @@ class AsyncClient(BaseClient):
                 if collector.error is not None:
                     break
                 collector.sent(index, len(batch))
-                pending.add(asyncio.create_task(send(index, p.produce_request(queue_name, batch, call_timeout))))
+                request = p.produce_request(queue_name, batch, call_timeout, compact=self._compact)
+                pending.add(asyncio.create_task(send(index, request)))
             if pending:
                 await asyncio.wait(pending)
         except BaseException:

@@ -53,6 +53,7 @@ class Client(BaseClient):
     """
 
     def _setup(self) -> None:
+        self._compact = True  # ProduceRequest.payloads; off once a server refuses it
         creds = self._config.credentials()
         options = self._config.options()
         if creds is None:
@@ -163,11 +164,16 @@ class Client(BaseClient):
                 response = future.result()
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)
-                if not ((retry or p.all_keyed(list(request.items))) and isinstance(error, Unavailable)):
+                plain = p.itemized(request)
+                if plain is not None and p.refuses_compact(error, request):
+                    # A server from before ProduceRequest.payloads: send items, now and later.
+                    self._compact = False
+                    request = plain
+                elif not ((retry or p.all_keyed(list(request.items))) and isinstance(error, Unavailable)):
                     collector.failed(error)
                     return
                 try:
-                    response = self._call(stub.Produce, request, timeout=call_timeout, retry=True)
+                    response = self._call(stub.Produce, request, timeout=call_timeout, retry=retry or p.all_keyed(list(request.items)))
                 except QueratorError as again:
                     collector.failed(again)
                     return
@@ -181,7 +187,7 @@ class Client(BaseClient):
                 finish_oldest()
             if collector.error is not None:
                 break
-            request = p.produce_request(queue_name, batch, call_timeout)
+            request = p.produce_request(queue_name, batch, call_timeout, compact=self._compact)
             collector.sent(index, len(batch))
             future = stub.Produce.future(
                 request,

@@ -416,7 +416,7 @@ class AsyncProducer:
             request = p.produce_request(self._s.queue_name, batch.items, self._timeout)
             try:
                 retry = self._retry or p.all_keyed(batch.items)
-                response = await self._client._queue_call("Produce", request, timeout=self._timeout, retry=retry)
+                response = await self._client._produce_call(request, timeout=self._timeout, retry=retry)
             except QueratorError as error:
                 for future in batch.futures:
                     if not future.done():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
@@ -98,6 +98,9 @@ def produce_item(
     return out
 
 
+ProduceEntry: TypeAlias = "queue_pb2.ProduceItem | bytes"
+
+
 def produce_batches(
     items: Iterable[ProduceArg] | ProduceArg,
     defaults: Item | None,
@@ -105,35 +108,78 @@ def produce_batches(
     max_items: int = MAX_BATCH,
     max_bytes: int = BATCH_BYTES,
     trace: Mapping[str, str] | None = None,
-) -> Iterator[list[queue_pb2.ProduceItem]]:
-    """Split ``items`` into request-sized batches (count and serialized bytes)."""
+) -> Iterator[list[ProduceEntry]]:
+    """Split ``items`` into request-sized batches (count and serialized bytes).
+
+    A value that is only a payload (bytes or str, with no defaults or trace context to
+    add) stays bytes: a batch of nothing else goes in the compact form
+    (``ProduceRequest.payloads``), without a ProduceItem per item.
+    """
     if isinstance(items, (bytes, bytearray, memoryview, str, Item)):
         items = [items]
     max_items = max(1, min(max_items, MAX_BATCH))
-    batch: list[queue_pb2.ProduceItem] = []
+    bare = trace is None and (
+        defaults is None
+        or not (defaults.encoding or defaults.kind or defaults.reference or defaults.enqueue_at is not None)
+    )
+    batch: list[ProduceEntry] = []
     size = 0
     for value in items:
-        message = produce_item(value, defaults, trace)
-        # Each repeated entry costs its bytes plus a tag and a length prefix.
-        cost = message.ByteSize() + 6
+        entry: ProduceEntry
+        if bare and isinstance(value, (bytes, bytearray, memoryview, str)):
+            entry = c.payload_bytes(value)
+            cost = len(entry) + 6
+        else:
+            entry = produce_item(value, defaults, trace)
+            # Each repeated entry costs its bytes plus a tag and a length prefix.
+            cost = entry.ByteSize() + 6
         if batch and (len(batch) >= max_items or size + cost > max_bytes):
             yield batch
             batch, size = [], 0
-        batch.append(message)
+        batch.append(entry)
         size += cost
     if batch:
         yield batch
 
 
-def all_keyed(batch: list[queue_pb2.ProduceItem]) -> bool:
+def all_keyed(batch: Sequence[ProduceEntry]) -> bool:
     """Every item carries an idempotency key: repeating the request cannot store twice."""
-    return all(item.idempotency_key for item in batch)
+    return all(not isinstance(item, bytes) and item.idempotency_key for item in batch)
 
 
 def produce_request(
-    queue_name: str, batch: list[queue_pb2.ProduceItem], timeout: float
+    queue_name: str, batch: Sequence[ProduceEntry], timeout: float, *, compact: bool = True
 ) -> queue_pb2.ProduceRequest:
-    return queue_pb2.ProduceRequest(queue_name=queue_name, items=batch, request_timeout=c.to_duration(timeout))
+    """The request for ``batch``: the compact form when every entry is a bare payload
+    (and ``compact``: the server knows it), else one ProduceItem per item."""
+    request = queue_pb2.ProduceRequest(queue_name=queue_name, request_timeout=c.to_duration(timeout))
+    if compact and all(isinstance(entry, bytes) for entry in batch):
+        request.payloads.extend(batch)  # type: ignore[arg-type]
+    else:
+        request.items.extend(queue_pb2.ProduceItem(payload=e) if isinstance(e, bytes) else e for e in batch)
+    return request
+
+
+def itemized(request: queue_pb2.ProduceRequest) -> queue_pb2.ProduceRequest | None:
+    """``request`` in the item form if it is in the compact form (for a server from
+    before ``payloads``, which refuses it as having no items); else None."""
+    if not request.payloads:
+        return None
+    out = queue_pb2.ProduceRequest(queue_name=request.queue_name, items=[queue_pb2.ProduceItem(payload=b) for b in request.payloads])
+    if request.HasField("request_timeout"):
+        out.request_timeout.CopyFrom(request.request_timeout)
+    return out
+
+
+def refuses_compact(error: Exception, request: queue_pb2.ProduceRequest) -> bool:
+    """The server did not know ``payloads``: it saw a request without items."""
+    from .errors import InvalidRequest
+
+    return (
+        bool(request.payloads)
+        and isinstance(error, InvalidRequest)
+        and [v.field for v in error.field_violations] == ["items"]
+    )
 
 
 # -- lease, complete, retry, extend -----------------------------------------------------

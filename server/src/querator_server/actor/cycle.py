@@ -56,6 +56,9 @@ class Cycle(LifecycleSteps, StorageSteps):
         v = self.view(p)
         store, now = self.store, self.now
         expire = now + self.config.expire_timeout_us
+        if request.payloads:
+            self._produce_payloads(txn, request, p, v, expire)
+            return
         if _bare(request.items, now + SCHEDULE_MIN_US):
             self._produce_bare(txn, request, p, v, expire)
             return
@@ -109,6 +112,20 @@ class Cycle(LifecycleSteps, StorageSteps):
         if len(request.items) > duplicates:
             v.note_expiry(expire)
         self._ok(request, ProduceResult(p, ids, duplicates))
+
+    def _produce_payloads(
+        self, txn: lmdb.Transaction[bytes], request: ProduceRequest, p: int, v: PartitionView, expire: int
+    ) -> None:
+        """``produce`` of the compact form: payloads only, no keys, stored in bulk."""
+        payloads, now = request.payloads, self.now
+        first, count = v.next_seq, len(request.payloads)
+        prefix = item_id(self.uid, p, 0)[:-1]
+        v.take_seqs(count)
+        self.store.append_payloads(txn, p, first, payloads, now, expire)
+        v.ready += count
+        v.created_sum += now * count
+        v.note_expiry(expire)
+        self._ok(request, ProduceResult(p, [prefix + format(seq, "x") for seq in range(first, first + count)]))
 
     def _produce_bare(
         self, txn: lmdb.Transaction[bytes], request: ProduceRequest, p: int, v: PartitionView, expire: int

@@ -35,6 +35,8 @@ class Request:
 @dataclass(eq=False, slots=True)
 class ProduceRequest(Request):
     items: list[NewItem]
+    # The compact form: items that are only a payload (``items`` is then empty).
+    payloads: list[bytes] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)

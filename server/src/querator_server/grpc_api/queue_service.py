@@ -51,13 +51,16 @@ class QueueService:
 
     async def produce(self, request: pb.ProduceRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ProduceResponse:
         name = c.queue_name(request.queue_name)
-        c.count(request.items, "items")
-        now = now_us()
-        deadline = _request_deadline_us(request, context, now)
-        items = [_new_item(index, item) for index, item in enumerate(request.items)]
-        result: a.ProduceResult = await self.manager.actor(name).submit(
-            a.ProduceRequest(items, deadline_us=deadline)
-        )
+        if request.payloads:
+            if request.items:
+                raise InvalidArgument("payloads", "set items or payloads, not both")
+            c.count(request.payloads, "payloads")
+            produce = a.ProduceRequest([], list(request.payloads))
+        else:
+            c.count(request.items, "items")
+            produce = a.ProduceRequest([_new_item(index, item) for index, item in enumerate(request.items)])
+        produce.deadline_us = _request_deadline_us(request, context, now_us())
+        result: a.ProduceResult = await self.manager.actor(name).submit(produce)
         return pb.ProduceResponse(partition=result.partition, ids=result.ids, duplicates=result.duplicates)
 
     async def lease(self, request: pb.LeaseRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.LeaseResponse:

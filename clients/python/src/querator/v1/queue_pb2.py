@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17querator/v1/queue.proto\x12\x0bquerator.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"<\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06\x66ields\x18\x03 \x03(\t\"D\n\x14ProduceStreamRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.querator.v1.ProduceRequest\"~\n\x15ProduceStreamResponse\x12\x30\n\x08response\x18\x01 \x01(\x0b\x32\x1c.querator.v1.ProduceResponseH\x00\x12)\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x18.querator.v1.StreamErrorH\x00\x42\x08\n\x06result\"@\n\x12LeaseStreamRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.querator.v1.LeaseRequest\"z\n\x13LeaseStreamResponse\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1a.querator.v1.LeaseResponseH\x00\x12)\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x18.querator.v1.StreamErrorH\x00\x42\x08\n\x06result\"\x93\x02\n\x0bProduceItem\x12\x10\n\x08\x65ncoding\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\treference\x18\x03 \x01(\t\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x0c\n\x04utf8\x18\x05 \x01(\t\x12.\n\nenqueue_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0fidempotency_key\x18\x07 \x01(\t\x12\x38\n\x08metadata\x18\x08 \x03(\x0b\x32&.querator.v1.ProduceItem.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x81\x01\n\x0eProduceRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x32\n\x0frequest_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x05items\x18\x03 \x03(\x0b\x32\x18.querator.v1.ProduceItem\"E\n\x0fProduceResponse\x12\x11\n\tpartition\x18\x01 \x01(\x05\x12\x0b\n\x03ids\x18\x02 \x03(\t\x12\x12\n\nduplicates\x18\x03 \x01(\x05\"\xd4\x01\n\x0cLeaseRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x32\n\x0frequest_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0c\x63omplete_ids\x18\x05 \x03(\t\x12\x1a\n\x12\x63omplete_partition\x18\x06 \x01(\x05\x12\x11\n\tlease_key\x18\x07 \x01(\t\x12\x10\n\x08\x63olumnar\x18\x08 \x01(\x08\"\xba\x02\n\tLeaseItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08\x65ncoding\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x11\n\treference\x18\x04 \x01(\t\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\x05\x12\x32\n\x0elease_deadline\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x36\n\x08metadata\x18\t \x03(\x0b\x32$.querator.v1.LeaseItem.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x89\x01\n\rLeaseResponse\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12%\n\x05items\x18\x03 \x03(\x0b\x32\x16.querator.v1.LeaseItem\x12*\n\x07\x63olumns\x18\x04 \x01(\x0b\x32\x19.querator.v1.LeaseColumns\"\xd5\x01\n\x0cLeaseColumns\x12\x0b\n\x03ids\x18\x01 \x03(\t\x12\x10\n\x08payloads\x18\x02 \x03(\x0c\x12\x10\n\x08\x61ttempts\x18\x03 \x03(\x05\x12\x1a\n\x12lease_deadlines_us\x18\x04 \x03(\x03\x12\x15\n\rcreated_at_us\x18\x05 \x03(\x03\x12\x11\n\tencodings\x18\x06 \x03(\t\x12\r\n\x05kinds\x18\x07 \x03(\t\x12\x12\n\nreferences\x18\x08 \x03(\t\x12+\n\x08metadata\x18\t \x03(\x0b\x32\x19.querator.v1.ItemMetadata\"w\n\x0cItemMetadata\x12\x37\n\x07\x65ntries\x18\x01 \x03(\x0b\x32&.querator.v1.ItemMetadata.EntriesEntry\x1a.\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8d\x01\n\x0f\x43ompleteRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0b\n\x03ids\x18\x03 \x03(\t\x12\x32\n\x0frequest_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nlease_keys\x18\x05 \x03(\t\"\x12\n\x10\x43ompleteResponse\"S\n\tRetryItem\x12\n\n\x02id\x18\x01 \x01(\t\x12,\n\x08retry_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04\x64\x65\x61\x64\x18\x03 \x01(\x08\"\x90\x01\n\x0cRetryRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12%\n\x05items\x18\x03 \x03(\x0b\x32\x16.querator.v1.RetryItem\x12\x32\n\x0frequest_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x0f\n\rRetryResponse\"\xbd\x01\n\rExtendRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0b\n\x03ids\x18\x03 \x03(\t\x12\x30\n\rlease_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0frequest_timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nlease_keys\x18\x06 \x03(\t\"a\n\x0e\x45xtendResponse\x12\x33\n\x0flease_deadlines\x18\x01 \x03(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1a\n\x12key_items_extended\x18\x02 \x01(\x05\x32\x92\x04\n\x0cQueueService\x12\x44\n\x07Produce\x12\x1b.querator.v1.ProduceRequest\x1a\x1c.querator.v1.ProduceResponse\x12>\n\x05Lease\x12\x19.querator.v1.LeaseRequest\x1a\x1a.querator.v1.LeaseResponse\x12G\n\x08\x43omplete\x12\x1c.querator.v1.CompleteRequest\x1a\x1d.querator.v1.CompleteResponse\x12>\n\x05Retry\x12\x19.querator.v1.RetryRequest\x1a\x1a.querator.v1.RetryResponse\x12\x41\n\x06\x45xtend\x12\x1a.querator.v1.ExtendRequest\x1a\x1b.querator.v1.ExtendResponse\x12Z\n\rProduceStream\x12!.querator.v1.ProduceStreamRequest\x1a\".querator.v1.ProduceStreamResponse(\x01\x30\x01\x12T\n\x0bLeaseStream\x12\x1f.querator.v1.LeaseStreamRequest\x1a .querator.v1.LeaseStreamResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17querator/v1/queue.proto\x12\x0bquerator.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"<\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06\x66ields\x18\x03 \x03(\t\"D\n\x14ProduceStreamRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.querator.v1.ProduceRequest\"~\n\x15ProduceStreamResponse\x12\x30\n\x08response\x18\x01 \x01(\x0b\x32\x1c.querator.v1.ProduceResponseH\x00\x12)\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x18.querator.v1.StreamErrorH\x00\x42\x08\n\x06result\"@\n\x12LeaseStreamRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.querator.v1.LeaseRequest\"z\n\x13LeaseStreamResponse\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1a.querator.v1.LeaseResponseH\x00\x12)\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x18.querator.v1.StreamErrorH\x00\x42\x08\n\x06result\"\x93\x02\n\x0bProduceItem\x12\x10\n\x08\x65ncoding\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\treference\x18\x03 \x01(\t\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x0c\n\x04utf8\x18\x05 \x01(\t\x12.\n\nenqueue_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0fidempotency_key\x18\x07 \x01(\t\x12\x38\n\x08metadata\x18\x08 \x03(\x0b\x32&.querator.v1.ProduceItem.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x93\x01\n\x0eProduceRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x32\n\x0frequest_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x05items\x18\x03 \x03(\x0b\x32\x18.querator.v1.ProduceItem\x12\x10\n\x08payloads\x18\x04 \x03(\x0c\"E\n\x0fProduceResponse\x12\x11\n\tpartition\x18\x01 \x01(\x05\x12\x0b\n\x03ids\x18\x02 \x03(\t\x12\x12\n\nduplicates\x18\x03 \x01(\x05\"\xd4\x01\n\x0cLeaseRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x32\n\x0frequest_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0c\x63omplete_ids\x18\x05 \x03(\t\x12\x1a\n\x12\x63omplete_partition\x18\x06 \x01(\x05\x12\x11\n\tlease_key\x18\x07 \x01(\t\x12\x10\n\x08\x63olumnar\x18\x08 \x01(\x08\"\xba\x02\n\tLeaseItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08\x65ncoding\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x11\n\treference\x18\x04 \x01(\t\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\x05\x12\x32\n\x0elease_deadline\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x36\n\x08metadata\x18\t \x03(\x0b\x32$.querator.v1.LeaseItem.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x89\x01\n\rLeaseResponse\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12%\n\x05items\x18\x03 \x03(\x0b\x32\x16.querator.v1.LeaseItem\x12*\n\x07\x63olumns\x18\x04 \x01(\x0b\x32\x19.querator.v1.LeaseColumns\"\xd5\x01\n\x0cLeaseColumns\x12\x0b\n\x03ids\x18\x01 \x03(\t\x12\x10\n\x08payloads\x18\x02 \x03(\x0c\x12\x10\n\x08\x61ttempts\x18\x03 \x03(\x05\x12\x1a\n\x12lease_deadlines_us\x18\x04 \x03(\x03\x12\x15\n\rcreated_at_us\x18\x05 \x03(\x03\x12\x11\n\tencodings\x18\x06 \x03(\t\x12\r\n\x05kinds\x18\x07 \x03(\t\x12\x12\n\nreferences\x18\x08 \x03(\t\x12+\n\x08metadata\x18\t \x03(\x0b\x32\x19.querator.v1.ItemMetadata\"w\n\x0cItemMetadata\x12\x37\n\x07\x65ntries\x18\x01 \x03(\x0b\x32&.querator.v1.ItemMetadata.EntriesEntry\x1a.\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8d\x01\n\x0f\x43ompleteRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0b\n\x03ids\x18\x03 \x03(\t\x12\x32\n\x0frequest_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nlease_keys\x18\x05 \x03(\t\"\x12\n\x10\x43ompleteResponse\"S\n\tRetryItem\x12\n\n\x02id\x18\x01 \x01(\t\x12,\n\x08retry_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04\x64\x65\x61\x64\x18\x03 \x01(\x08\"\x90\x01\n\x0cRetryRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12%\n\x05items\x18\x03 \x03(\x0b\x32\x16.querator.v1.RetryItem\x12\x32\n\x0frequest_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x0f\n\rRetryResponse\"\xbd\x01\n\rExtendRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0b\n\x03ids\x18\x03 \x03(\t\x12\x30\n\rlease_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0frequest_timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nlease_keys\x18\x06 \x03(\t\"a\n\x0e\x45xtendResponse\x12\x33\n\x0flease_deadlines\x18\x01 \x03(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1a\n\x12key_items_extended\x18\x02 \x01(\x05\x32\x92\x04\n\x0cQueueService\x12\x44\n\x07Produce\x12\x1b.querator.v1.ProduceRequest\x1a\x1c.querator.v1.ProduceResponse\x12>\n\x05Lease\x12\x19.querator.v1.LeaseRequest\x1a\x1a.querator.v1.LeaseResponse\x12G\n\x08\x43omplete\x12\x1c.querator.v1.CompleteRequest\x1a\x1d.querator.v1.CompleteResponse\x12>\n\x05Retry\x12\x19.querator.v1.RetryRequest\x1a\x1a.querator.v1.RetryResponse\x12\x41\n\x06\x45xtend\x12\x1a.querator.v1.ExtendRequest\x1a\x1b.querator.v1.ExtendResponse\x12Z\n\rProduceStream\x12!.querator.v1.ProduceStreamRequest\x1a\".querator.v1.ProduceStreamResponse(\x01\x30\x01\x12T\n\x0bLeaseStream\x12\x1f.querator.v1.LeaseStreamRequest\x1a .querator.v1.LeaseStreamResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -54,37 +54,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PRODUCEITEM_METADATAENTRY']._serialized_start=784
   _globals['_PRODUCEITEM_METADATAENTRY']._serialized_end=831
   _globals['_PRODUCEREQUEST']._serialized_start=834
-  _globals['_PRODUCEREQUEST']._serialized_end=963
-  _globals['_PRODUCERESPONSE']._serialized_start=965
-  _globals['_PRODUCERESPONSE']._serialized_end=1034
-  _globals['_LEASEREQUEST']._serialized_start=1037
-  _globals['_LEASEREQUEST']._serialized_end=1249
-  _globals['_LEASEITEM']._serialized_start=1252
-  _globals['_LEASEITEM']._serialized_end=1566
+  _globals['_PRODUCEREQUEST']._serialized_end=981
+  _globals['_PRODUCERESPONSE']._serialized_start=983
+  _globals['_PRODUCERESPONSE']._serialized_end=1052
+  _globals['_LEASEREQUEST']._serialized_start=1055
+  _globals['_LEASEREQUEST']._serialized_end=1267
+  _globals['_LEASEITEM']._serialized_start=1270
+  _globals['_LEASEITEM']._serialized_end=1584
   _globals['_LEASEITEM_METADATAENTRY']._serialized_start=784
   _globals['_LEASEITEM_METADATAENTRY']._serialized_end=831
-  _globals['_LEASERESPONSE']._serialized_start=1569
-  _globals['_LEASERESPONSE']._serialized_end=1706
-  _globals['_LEASECOLUMNS']._serialized_start=1709
-  _globals['_LEASECOLUMNS']._serialized_end=1922
-  _globals['_ITEMMETADATA']._serialized_start=1924
-  _globals['_ITEMMETADATA']._serialized_end=2043
-  _globals['_ITEMMETADATA_ENTRIESENTRY']._serialized_start=1997
-  _globals['_ITEMMETADATA_ENTRIESENTRY']._serialized_end=2043
-  _globals['_COMPLETEREQUEST']._serialized_start=2046
-  _globals['_COMPLETEREQUEST']._serialized_end=2187
-  _globals['_COMPLETERESPONSE']._serialized_start=2189
-  _globals['_COMPLETERESPONSE']._serialized_end=2207
-  _globals['_RETRYITEM']._serialized_start=2209
-  _globals['_RETRYITEM']._serialized_end=2292
-  _globals['_RETRYREQUEST']._serialized_start=2295
-  _globals['_RETRYREQUEST']._serialized_end=2439
-  _globals['_RETRYRESPONSE']._serialized_start=2441
-  _globals['_RETRYRESPONSE']._serialized_end=2456
-  _globals['_EXTENDREQUEST']._serialized_start=2459
-  _globals['_EXTENDREQUEST']._serialized_end=2648
-  _globals['_EXTENDRESPONSE']._serialized_start=2650
-  _globals['_EXTENDRESPONSE']._serialized_end=2747
-  _globals['_QUEUESERVICE']._serialized_start=2750
-  _globals['_QUEUESERVICE']._serialized_end=3280
+  _globals['_LEASERESPONSE']._serialized_start=1587
+  _globals['_LEASERESPONSE']._serialized_end=1724
+  _globals['_LEASECOLUMNS']._serialized_start=1727
+  _globals['_LEASECOLUMNS']._serialized_end=1940
+  _globals['_ITEMMETADATA']._serialized_start=1942
+  _globals['_ITEMMETADATA']._serialized_end=2061
+  _globals['_ITEMMETADATA_ENTRIESENTRY']._serialized_start=2015
+  _globals['_ITEMMETADATA_ENTRIESENTRY']._serialized_end=2061
+  _globals['_COMPLETEREQUEST']._serialized_start=2064
+  _globals['_COMPLETEREQUEST']._serialized_end=2205
+  _globals['_COMPLETERESPONSE']._serialized_start=2207
+  _globals['_COMPLETERESPONSE']._serialized_end=2225
+  _globals['_RETRYITEM']._serialized_start=2227
+  _globals['_RETRYITEM']._serialized_end=2310
+  _globals['_RETRYREQUEST']._serialized_start=2313
+  _globals['_RETRYREQUEST']._serialized_end=2457
+  _globals['_RETRYRESPONSE']._serialized_start=2459
+  _globals['_RETRYRESPONSE']._serialized_end=2474
+  _globals['_EXTENDREQUEST']._serialized_start=2477
+  _globals['_EXTENDREQUEST']._serialized_end=2666
+  _globals['_EXTENDRESPONSE']._serialized_start=2668
+  _globals['_EXTENDRESPONSE']._serialized_end=2765
+  _globals['_QUEUESERVICE']._serialized_start=2768
+  _globals['_QUEUESERVICE']._serialized_end=3298
 # @@protoc_insertion_point(module_scope)

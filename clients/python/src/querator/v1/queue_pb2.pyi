@@ -262,6 +262,7 @@ class ProduceRequest(_message.Message):
     QUEUE_NAME_FIELD_NUMBER: _builtins.int
     REQUEST_TIMEOUT_FIELD_NUMBER: _builtins.int
     ITEMS_FIELD_NUMBER: _builtins.int
+    PAYLOADS_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue to produce into."""
     @_builtins.property
@@ -272,7 +273,15 @@ class ProduceRequest(_message.Message):
 
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProduceItem]:
-        """The items, 1 to 1,000 of them."""
+        """The items, 1 to 1,000 of them. Leave empty when payloads is set."""
+
+    @_builtins.property
+    def payloads(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The compact form for items that are only a payload: one entry per item,
+        stored exactly as a ProduceItem holding just that payload would be. Set
+        either items or payloads (1 to 1,000 entries), not both. Cheaper to build
+        and to read than items, on both sides.
+        """
 
     def __init__(
         self,
@@ -280,10 +289,11 @@ class ProduceRequest(_message.Message):
         queue_name: _builtins.str = ...,
         request_timeout: _duration_pb2.Duration | None = ...,
         items: _abc.Iterable[Global___ProduceItem] | None = ...,
+        payloads: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["request_timeout", b"request_timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "queue_name", b"queue_name", "request_timeout", b"request_timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "payloads", b"payloads", "queue_name", b"queue_name", "request_timeout", b"request_timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
