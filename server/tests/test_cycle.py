@@ -69,7 +69,7 @@ def _leased_one(store: QueueStore, config: QueueConfig, views: list[PartitionVie
     lease = _request(LeaseRequest(1, "", T0))
     cycle = _run(store, config, views, T0, lambda c, t: c.lease(t, [lease]))
     (_, result) = cycle.results[0]
-    return str(result.items[0].item_id)  # type: ignore[attr-defined]
+    return str(result.ids[0])  # type: ignore[attr-defined]
 
 
 def test_complete_after_the_deadline_but_before_the_requeue_succeeds(store: QueueStore) -> None:
@@ -109,9 +109,8 @@ def test_requeue_after_the_deadline_gives_a_new_id_at_the_tail(store: QueueStore
     again = _request(LeaseRequest(1, "", T0))
     cycle = _run(store, config, views, T0 + 3 * SECOND, lambda c, t: c.lease(t, [again]))
     (_, result) = cycle.results[0]
-    item = result.items[0]  # type: ignore[attr-defined]
-    assert item.item_id == item_id(1, 0, 2)
-    assert item.item.attempts == 2
+    assert result.ids == [item_id(1, 0, 2)]  # type: ignore[attr-defined]
+    assert result.attempts == [2]  # type: ignore[attr-defined]
 
 
 def _stored_keys(store: QueueStore) -> tuple[set[int], set[bytes]]:
@@ -138,8 +137,8 @@ def test_completions_in_any_order_remove_exactly_their_items_and_expiry_keys(sto
     plain = _request(LeaseRequest(70, "", T0))
     tagged = _request(LeaseRequest(50, "", T0, lease_key="batch-1"))
     cycle = _run(store, config, views, T0 + 3 * SECOND, lambda c, t: c.lease(t, [plain, tagged]), keyed)
-    ids = [leased.item_id for leased in cycle.results[0][1].items]  # type: ignore[attr-defined]
-    by_key = [_seq(leased.item_id) for leased in cycle.results[1][1].items]  # type: ignore[attr-defined]
+    ids = list(cycle.results[0][1].ids)  # type: ignore[attr-defined]
+    by_key = [_seq(leased) for leased in cycle.results[1][1].ids]  # type: ignore[attr-defined]
     assert (len(ids), len(by_key)) == (70, 50)
 
     rng = random.Random(7)

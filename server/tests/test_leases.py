@@ -60,7 +60,7 @@ def test_every_way_a_lease_ends_early_leaves_the_actor_timer(tmp_path: Path) -> 
         try:
             await actor.submit(ProduceRequest([NewItem(str(i).encode()) for i in range(40)]))
             leased = await actor.submit(LeaseRequest(40, "", 0))
-            ids = [item.item_id for item in leased.items]
+            ids = list(leased.ids)
             assert len(actor._leases) == 40
             await actor.submit(CompleteRequest(0, ids[:10]))
             assert len(actor._leases) == 30

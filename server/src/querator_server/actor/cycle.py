@@ -30,7 +30,6 @@ from .requests import (
     CompleteRequest,
     ExtendRequest,
     ExtendResult,
-    LeasedItem,
     LeaseRequest,
     LeaseResult,
     ProduceRequest,
@@ -194,7 +193,7 @@ class Cycle(LifecycleSteps, StorageSteps):
                 # replay of the key answers nothing too, never items that came later.
                 self.keyed.put_lease_key(txn, request.lease_key, LeaseKeyRecord(self.now, 0, ()), new=True)
                 self.lease_keys_added = True
-                self._ok(request, LeaseResult(0, []))
+                self._ok(request, LeaseResult(0))
             else:
                 self.unserved.append(request)
 
@@ -206,7 +205,8 @@ class Cycle(LifecycleSteps, StorageSteps):
         now = self.now
         deadline = now + self.config.lease_timeout_us
         taken: list[tuple[int, bytes]] = []
-        items: list[LeasedItem] = []
+        result = LeaseResult(p)
+        ids, payloads, attempts, created_at = result.ids, result.payloads, result.attempts, result.created_at
         last_seq = v.ready_hint - 1
         key, key_bytes = request.lease_key, request.lease_key.encode()
         max_attempts = self.config.max_attempts
@@ -214,17 +214,19 @@ class Cycle(LifecycleSteps, StorageSteps):
         deadlines = self.lease_deadlines
         ready = self.store.ready_items(txn, p, v.ready_hint)
         for seq, raw in ready:
-            if len(items) >= quota:
+            if len(ids) >= quota:
                 break
             last_seq = seq
             plain = lease_plain(
                 raw, now=now, max_attempts=max_attempts, deadline=deadline, lease_key=key, key_bytes=key_bytes
             )
             if plain is not None:
-                leased, item = plain
-                ready.replace(seq, leased)
+                ready.replace(seq, plain[0])
                 taken.append((seq, raw))
-                items.append(LeasedItem(id_prefix + format(seq, "x"), item))
+                ids.append(id_prefix + format(seq, "x"))
+                payloads.append(plain[1])
+                attempts.append(plain[2])
+                created_at.append(plain[3])
                 deadlines.append((deadline, p, seq))
                 continue
             state = read_state(raw)
@@ -247,15 +249,16 @@ class Cycle(LifecycleSteps, StorageSteps):
                 leased = with_lease(raw, state, attempts=state.attempts + 1, deadline=deadline, leased_at=now)
             self.store.put_raw(txn, p, seq, leased)
             taken.append((seq, raw))
-            items.append(LeasedItem(item_id(self.uid, p, seq), Item.decode(leased)))
+            result.add(item_id(self.uid, p, seq), Item.decode(leased))
             self.lease_deadlines.append((deadline, p, seq))
-        if not items:
+        if not ids:
             return None
-        v.ready -= len(items)
-        v.leased += len(items)
-        v.leased_at_sum += now * len(items)
+        count = len(ids)
+        result.lease_deadlines = [deadline] * count
+        v.ready -= count
+        v.leased += count
+        v.leased_at_sum += now * count
         v.ready_hint = last_seq + 1
-        result = LeaseResult(p, items)
         if request.lease_key and self.keyed is not None:
             record = LeaseKeyRecord(now, p, tuple(seq for seq, _ in taken))
             self.keyed.put_lease_key(txn, request.lease_key, record, new=True)
@@ -275,11 +278,11 @@ class Cycle(LifecycleSteps, StorageSteps):
         """
         key, p, now = request.lease_key, record.partition, self.now
         if p >= len(self._base):
-            self._ok(request, LeaseResult(0, []))
+            self._ok(request, LeaseResult(0))
             return
         v = self.view(p)
         deadline = now + self.config.lease_timeout_us
-        items: list[LeasedItem] = []
+        result = LeaseResult(p)
         kept: list[int] = []
         for seq in record.seqs:
             raw = self.store.get_raw(txn, p, seq)
@@ -295,12 +298,12 @@ class Cycle(LifecycleSteps, StorageSteps):
                 v.leased += 1
                 v.leased_at_sum += now
                 self.lease_deadlines.append((deadline, p, seq))
-            items.append(LeasedItem(item_id(self.uid, p, seq), Item.decode(raw)))
+            result.add(item_id(self.uid, p, seq), Item.decode(raw))
             kept.append(seq)
         if tuple(kept) != record.seqs:
             assert self.keyed is not None
             self.keyed.put_lease_key(txn, key, record._replace(seqs=tuple(kept)), new=False)
-        self._ok(request, LeaseResult(p, items))
+        self._ok(request, result)
 
     def complete_before_lease(self, txn: lmdb.Transaction[bytes], requests: list[LeaseRequest]) -> list[LeaseRequest]:
         """Apply the completions that leases carry; return the leases still to serve.
@@ -335,7 +338,7 @@ class Cycle(LifecycleSteps, StorageSteps):
             taken_seqs = {seq for seq, _ in taken}
             self.lease_deadlines = [d for d in self.lease_deadlines if d[1] != p or d[2] not in taken_seqs]
             # The caller is gone or too late; answer (if anyone listens) with nothing.
-            self.results = [(r, LeaseResult(p, []) if r is request else res) for r, res in self.results]
+            self.results = [(r, LeaseResult(p) if r is request else res) for r, res in self.results]
 
     # -- complete / retry / extend ----------------------------------------------------
 

@@ -265,7 +265,7 @@ class LogicalQueue:
                 self._timer.cancel()
             closed = self._closed or Unavailable(f"queue {self.name!r} stopped")
             for lease in self._waiting:
-                _answer(lease, closed if not isinstance(closed, NotFound) else LeaseResult(0, []))
+                _answer(lease, closed if not isinstance(closed, NotFound) else LeaseResult(0))
             self._waiting = []
             for request in self._inbox:
                 _answer(request, closed)
@@ -328,7 +328,7 @@ class LogicalQueue:
             if lease.future.done():
                 continue
             if lease.wait_until_us <= now:
-                _answer(lease, LeaseResult(0, []))
+                _answer(lease, LeaseResult(0))
             else:
                 batch.leases.append(lease)
         for request in inbox:
@@ -416,7 +416,7 @@ class LogicalQueue:
             if lease.wait_until_us > later and self._closed is None:
                 self._waiting.append(lease)
             else:
-                _answer(lease, LeaseResult(0, []))
+                _answer(lease, LeaseResult(0))
 
     async def _transaction(
         self, batch: _Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]]

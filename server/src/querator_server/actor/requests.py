@@ -14,12 +14,6 @@ from ..storage import Item
 
 
 @dataclass(slots=True)
-class LeasedItem:
-    item_id: str
-    item: Item
-
-
-@dataclass(slots=True)
 class StoredItem:
     item_id: str
     item: Item
@@ -117,8 +111,32 @@ class OutboxDoneRequest(Request):
 
 @dataclass(slots=True)
 class LeaseResult:
+    """What a lease took, oldest first, as parallel lists: entry i of each is item i's.
+
+    Columns, not an object per item: the lease path fills them from the record's header
+    and the columnar reply takes them as they are.
+    """
+
     partition: int
-    items: list[LeasedItem]
+    ids: list[str] = field(default_factory=list)
+    payloads: list[bytes] = field(default_factory=list)
+    attempts: list[int] = field(default_factory=list)
+    lease_deadlines: list[int] = field(default_factory=list)
+    created_at: list[int] = field(default_factory=list)
+    # The items that carry more than a payload (encoding, kind, reference, metadata), by index.
+    details: dict[int, Item] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def add(self, item_id: str, item: Item) -> None:
+        if item.encoding or item.kind or item.reference or item.metadata:
+            self.details[len(self.ids)] = item
+        self.ids.append(item_id)
+        self.payloads.append(item.payload)
+        self.attempts.append(item.attempts)
+        self.lease_deadlines.append(item.lease_deadline)
+        self.created_at.append(item.created_at)
 
 
 @dataclass(slots=True)

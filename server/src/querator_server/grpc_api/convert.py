@@ -87,6 +87,9 @@ def count(values: Sequence[object], field: str, *, noun: str = "items") -> None:
 def ids(values: Sequence[str], field: str = "ids", *, template: str = "{field}[{index}]") -> list[str]:
     """Check a list of ids; ``template`` names one entry in errors (e.g. ``items[{index}].id``)."""
     count(values, field, noun="ids")
+    checked = list(values)
+    if "" not in checked and len(set(checked)) == len(checked):
+        return checked  # the common case, checked in C; the loop below names the culprit
     seen: set[str] = set()
     for index, value in enumerate(values):
         if not value:

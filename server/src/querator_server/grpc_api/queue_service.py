@@ -185,47 +185,53 @@ def _lease_response(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
     # Timestamp objects and copying them in; this runs for every leased item.
     response = pb.LeaseResponse(queue_name=name, partition=result.partition)
     add = response.items.add
-    for leased in result.items:
-        item = leased.item
-        if item.encoding or item.kind or item.reference:
+    details = result.details
+    for index, item_id in enumerate(result.ids):
+        payload, attempts = result.payloads[index], result.attempts[index]
+        detail = details.get(index)
+        if detail is not None:
             out = add(
-                id=leased.item_id,
-                encoding=item.encoding,
-                kind=item.kind,
-                reference=item.reference,
-                payload=item.payload,
-                attempts=item.attempts,
+                id=item_id,
+                encoding=detail.encoding,
+                kind=detail.kind,
+                reference=detail.reference,
+                payload=payload,
+                attempts=attempts,
             )
+            if detail.metadata:
+                out.metadata.update(detail.metadata)
         else:  # most items: three keyword arguments fewer to parse
-            out = add(id=leased.item_id, payload=item.payload, attempts=item.attempts)
-        if item.metadata:
-            out.metadata.update(item.metadata)
+            out = add(id=item_id, payload=payload, attempts=attempts)
         deadline, created = out.lease_deadline, out.created_at
-        deadline.seconds, micros = divmod(item.lease_deadline, 1_000_000)
+        deadline.seconds, micros = divmod(result.lease_deadlines[index], 1_000_000)
         deadline.nanos = micros * 1000
-        created.seconds, micros = divmod(item.created_at, 1_000_000)
+        created.seconds, micros = divmod(result.created_at[index], 1_000_000)
         created.nanos = micros * 1000
     return response
 
 
 def _lease_columns(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
     # Repeated scalar fields take whole lists in C: no message per item.
-    leased = result.items
-    items = [entry.item for entry in leased]
     columns = pb.LeaseColumns(
-        ids=[entry.item_id for entry in leased],
-        payloads=[item.payload for item in items],
-        attempts=[item.attempts for item in items],
-        lease_deadlines_us=[item.lease_deadline for item in items],
-        created_at_us=[item.created_at for item in items],
+        ids=result.ids,
+        payloads=result.payloads,
+        attempts=result.attempts,
+        lease_deadlines_us=result.lease_deadlines,
+        created_at_us=result.created_at,
     )
-    if any(item.encoding for item in items):
-        columns.encodings.extend([item.encoding for item in items])
-    if any(item.kind for item in items):
-        columns.kinds.extend([item.kind for item in items])
-    if any(item.reference for item in items):
-        columns.references.extend([item.reference for item in items])
-    if any(item.metadata for item in items):
-        for item in items:
-            columns.metadata.add().entries.update(item.metadata)
+    details = result.details
+    if details:
+        indexes = range(len(result.ids))
+        for attribute, column in (
+            ("encoding", columns.encodings),
+            ("kind", columns.kinds),
+            ("reference", columns.references),
+        ):
+            if any(getattr(detail, attribute) for detail in details.values()):
+                column.extend([getattr(details[i], attribute) if i in details else "" for i in indexes])
+        if any(detail.metadata for detail in details.values()):
+            for i in indexes:
+                entries = columns.metadata.add().entries
+                if i in details:
+                    entries.update(details[i].metadata)
     return pb.LeaseResponse(queue_name=name, partition=result.partition, columns=columns)
