@@ -206,3 +206,25 @@ def test_an_abandoned_lease_takes_nothing(tmp_path: Path) -> None:
                 assert [item.payload for item in await waiter.lease("w", batch_size=5, wait=5)] == [b"y"]
 
         run(main())
+
+
+def test_a_client_keeps_a_bounded_number_of_streams_open(tmp_path: Path) -> None:
+    from querator._streams import MAX_STREAMS
+
+    with server(tmp_path / "data") as srv:
+        open_streams = srv._server._queue_service._stream_readers  # the server's own count
+
+        async def main() -> None:
+            async with srv.async_client() as c:
+                names = [f"many-{i}" for i in range(MAX_STREAMS + 8)]
+                for name in names:
+                    await c.create_queue(name)
+                    await c.produce(name, ["x"])
+                await asyncio.sleep(0.2)  # closed streams reach the server
+                assert len(open_streams) <= MAX_STREAMS
+                for name in names:  # every queue still works, reopening as needed
+                    assert [item.payload for item in await c.lease(name, batch_size=5, wait=0)] == [b"x"]
+                await asyncio.sleep(0.2)
+                assert len(open_streams) <= MAX_STREAMS
+
+        run(main())

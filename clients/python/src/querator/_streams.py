@@ -125,6 +125,11 @@ class RequestStream:
             if not waiter.done():
                 waiter.set_exception(error)
 
+    @property
+    def idle(self) -> bool:
+        """No request is waiting for its answer."""
+        return not any(not waiter.done() for waiter in self._waiting)
+
     def reopen(self) -> None:
         """Open a new stream for the next request (e.g. to send fresh credentials)."""
         call, self._call = self._call, None
@@ -136,18 +141,29 @@ class RequestStream:
         await asyncio.gather(*self._readers, return_exceptions=True)
 
 
+# Streams a client keeps open; past it the least recently used idle ones are closed
+# (a client that touches thousands of queues must not hold a stream on each).
+MAX_STREAMS = 32
+
+
 class Streams:
-    """The open streams of one client, by (method, queue)."""
+    """The open streams of one client, by (method, queue), least recently used first."""
 
     def __init__(self) -> None:
         self._streams: dict[tuple[str, str], RequestStream] = {}
         self.unsupported = False
 
     def get(self, method: str, queue: str, open_call: Callable[[], Any]) -> RequestStream:
-        stream = self._streams.get((method, queue))
+        key = (method, queue)
+        stream = self._streams.pop(key, None)
         if stream is None:
             stream = RequestStream(open_call, cancel_abandoned=method == "Lease")
-            self._streams[(method, queue)] = stream
+        self._streams[key] = stream
+        if len(self._streams) > MAX_STREAMS:
+            for old_key, old in list(self._streams.items())[: len(self._streams) - MAX_STREAMS]:
+                if old.idle:
+                    del self._streams[old_key]
+                    old.reopen()  # cancels the call; its reader ends on its own
         return stream
 
     def all(self) -> Iterable[RequestStream]:

@@ -28,9 +28,10 @@ log = structlog.get_logger("querator.rpc")
 Behavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Message]]
 StreamBehavior = Callable[[AsyncIterator[Any], grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Message]]
 
-# Requests of one stream being applied at once; past it the stream is not read, and
-# HTTP/2 flow control holds the client back.
-STREAM_WINDOW = 64
+# Requests of one stream read and not yet answered; past it the stream is not read, and
+# HTTP/2 flow control holds the client back. Bounds what a stream holds in memory (each
+# request up to the 5 MB limit); a client gains nothing from more in flight than this.
+STREAM_WINDOW = 16
 
 
 class _Malformed:
@@ -165,7 +166,12 @@ def _wrap_stream(
         async def read() -> None:
             try:
                 async for message in messages:
-                    await answers.put(asyncio.create_task(one(message, context)))
+                    task = asyncio.create_task(one(message, context))
+                    try:
+                        await answers.put(task)
+                    except BaseException:  # stopped with the window full: nobody will answer it
+                        task.cancel()
+                        raise
             finally:
                 # The end mark; with the window full the loop below sees the reader done.
                 if not answers.full():
