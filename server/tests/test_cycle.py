@@ -187,3 +187,29 @@ def test_bare_payloads_are_stored_as_the_general_path_stores_them(store: QueueSt
     assert seqs == set(seqs_of)
     assert expiries == {expiry_key(expire, item_key(seq)) for seq in seqs_of}
     assert (views[0].ready, views[0].next_seq, views[0].created_sum) == (8, start + 8, 8 * T0)
+
+
+@pytest.mark.parametrize("bulk", [True, False])
+def test_a_key_produced_again_after_its_window_is_remembered_from_then_on(store: QueueStore, bulk: bool) -> None:
+    """The key's old time entry goes with the new record: forgetting what was produced
+    before the new window must not forget the key produced again."""
+    window = 60 * SECOND
+    config = QueueConfig(name="q", uid=1, expire_timeout_us=3600 * SECOND, dedup_window_us=window)
+    keyed = KeyedIndex(store)
+    views = [PartitionView()]
+
+    def produce(at: int, key: str) -> list[str]:
+        extra = {} if bulk else {"kind": "k"}  # the general path takes items with more than a payload
+        request = _request(ProduceRequest([NewItem(payload=b"x", idempotency_key=key, **extra)]))  # type: ignore[arg-type]
+        cycle = _run(store, config, views, at, lambda c, t: c.produce(t, request), keyed)
+        return list(cycle.results[0][1].ids)  # type: ignore[attr-defined]
+
+    first = produce(T0, "job-1")
+    assert produce(T0 + SECOND, "job-1") == first  # within the window: the first id
+    second = produce(T0 + window + SECOND, "job-1")  # past it: stored again
+    assert second != first
+    with store.env.begin(write=True) as txn:
+        forgotten, _ = keyed.forget_dedup_before(txn, T0 + window, limit=100)
+        assert keyed.check(txn, "job-1", T0 + window)[0] == second[0]
+    assert forgotten == 0  # only the old time entry was there before the cut, and it is gone
+    assert produce(T0 + window + 2 * SECOND, "job-1") == second

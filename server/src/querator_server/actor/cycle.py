@@ -70,8 +70,9 @@ class Cycle(LifecycleSteps, StorageSteps):
         run_first = 0
         for new in request.items:
             key = new.idempotency_key
+            last_at = 0
             if key and self.keyed is not None:
-                first = self.keyed.seen(txn, key, since)
+                first, last_at = self.keyed.check(txn, key, since)
                 if first is not None:
                     ids.append(first)
                     duplicates += 1
@@ -101,7 +102,7 @@ class Cycle(LifecycleSteps, StorageSteps):
                 run.append(item)
                 ids.append(item_id(self.uid, p, seq))
             if key and self.keyed is not None:
-                self.keyed.remember(txn, key, now, ids[-1])
+                self.keyed.remember(txn, key, now, ids[-1], last_at=last_at)
                 self.dedup_added = True
         if run:
             store.append_new(txn, p, run_first, run, expire)
@@ -138,18 +139,19 @@ class Cycle(LifecycleSteps, StorageSteps):
         first = v.next_seq
         ids: list[str] = []
         payloads: list[bytes] = []
-        fresh: dict[str, int] = {}  # key -> index in ids of the item it stores
+        # key -> (index in ids of the item it stores, when the key was last remembered)
+        fresh: dict[str, tuple[int, int]] = {}
         for new in request.items:
             key = new.idempotency_key
             if key and keyed is not None:
                 if key in fresh:
-                    ids.append(ids[fresh[key]])
+                    ids.append(ids[fresh[key][0]])
                     continue
-                seen = keyed.seen(txn, key, since)
+                seen, last_at = keyed.check(txn, key, since)
                 if seen is not None:
                     ids.append(seen)
                     continue
-                fresh[key] = len(ids)
+                fresh[key] = (len(ids), last_at)
             ids.append(prefix + format(first + len(payloads), "x"))
             payloads.append(new.payload)
         count = len(payloads)
@@ -160,8 +162,7 @@ class Cycle(LifecycleSteps, StorageSteps):
             v.created_sum += now * count
             v.note_expiry(expire)
         if fresh and keyed is not None:
-            for key, index in fresh.items():
-                keyed.remember(txn, key, now, ids[index])
+            keyed.remember_all(txn, now, [(key, ids[index], last_at) for key, (index, last_at) in fresh.items()])
             self.dedup_added = True
         self._ok(request, ProduceResult(p, ids, len(ids) - count))
 
