@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from common import HOST, PAYLOAD_BYTES, free_port, on_exit, stop_pid, wait_for_port
+from common import HOST, PAYLOAD_BYTES, Pipe, free_port, on_exit, stop_pid, wait_for_port
 from workloads import Producer, Settings, run_phase
 
 _ECHO_METHOD = "Echo"
@@ -96,7 +96,7 @@ class EchoClient:
         call = channel.unary_unary(f"/{_ECHO_SERVICE}/{_ECHO_METHOD}", **codec)
         self._state.update(channel=channel, call=call, pb=queue_pb2)
         if self.stream:
-            self._state["pipe"] = _Pipe(channel.stream_stream(f"/{_ECHO_SERVICE}/{_ECHO_STREAM}", **codec)())
+            self._state["pipe"] = Pipe(channel.stream_stream(f"/{_ECHO_SERVICE}/{_ECHO_STREAM}", **codec)())
 
     async def close(self) -> None:
         pipe = self._state.pop("pipe", None)
@@ -113,35 +113,6 @@ class EchoClient:
             reply = await self._state["call"](request, timeout=60)
         for item in reply.items:  # touch what came back, as a lease reply would be read
             _ = item.payload
-
-
-class _Pipe:
-    """Requests written one at a time on one stream; answers taken in order."""
-
-    def __init__(self, call: Any) -> None:
-        from collections import deque
-
-        self._call = call
-        self._waiting: deque[asyncio.Future[Any]] = deque()
-        self._lock = asyncio.Lock()
-        self._reader = asyncio.create_task(self._read())
-
-    async def ask(self, message: Any) -> Any:
-        answer = asyncio.get_running_loop().create_future()
-        async with self._lock:
-            self._waiting.append(answer)
-            await self._call.write(message)
-        return await answer
-
-    async def _read(self) -> None:
-        import grpc
-
-        while (answer := await self._call.read()) is not grpc.aio.EOF:
-            self._waiting.popleft().set_result(answer)
-
-    async def close(self) -> None:
-        await self._call.done_writing()
-        await self._reader
 
 
 def grpc_echo(settings: Settings, calls: int, *, stream: bool = False) -> dict[str, float]:

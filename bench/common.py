@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 HOST = "127.0.0.1"
 PAYLOAD_BYTES = 256
@@ -223,3 +224,40 @@ def git_commit(repo_dir: str) -> str:
         return out.stdout.strip() + (" (work tree has uncommitted changes)" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+class Pipe:
+    """Requests written one at a time on one bidirectional stream, answers taken in the
+    order sent (the server answers each request once, in order)."""
+
+    def __init__(self, call: Any) -> None:
+        import asyncio
+        from collections import deque
+
+        self._call = call
+        self._waiting: deque[Any] = deque()
+        self._lock = asyncio.Lock()
+        self._reader = asyncio.create_task(self._read())
+
+    async def ask(self, message: Any) -> Any:
+        import asyncio
+
+        answer = asyncio.get_running_loop().create_future()
+        async with self._lock:
+            self._waiting.append(answer)
+            await self._call.write(message)
+        return await answer
+
+    async def _read(self) -> None:
+        import grpc
+
+        try:
+            while (answer := await self._call.read()) is not grpc.aio.EOF:
+                self._waiting.popleft().set_result(answer)
+        finally:
+            while self._waiting:
+                self._waiting.popleft().set_exception(ConnectionError("the stream ended"))
+
+    async def close(self) -> None:
+        await self._call.done_writing()
+        await self._reader

@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from common import HOST, free_port, on_exit, start_owned, wait_for_port
+from common import HOST, Pipe, free_port, on_exit, start_owned, wait_for_port
 
 NAME = "Querator"
 _MAX_MESSAGE = 64 << 20
@@ -148,14 +148,14 @@ class QueratorClient:
         else:
             request = pb.ProduceRequest(queue_name=queue, items=[pb.ProduceItem(payload=p) for p in payloads])
         if self.streams:
-            await self._pipe("produce_pipe", "ProduceStream").ask(pb.ProduceStreamRequest(request=request))
+            await _ask(self._pipe("produce_pipe", "ProduceStream"), pb.ProduceStreamRequest(request=request))
             return
         await self._state["queue"].Produce(request, timeout=60)
 
-    def _pipe(self, key: str, method: str) -> _Pipe:
+    def _pipe(self, key: str, method: str) -> Pipe:
         pipe = self._state.get(key)
         if pipe is None:
-            pipe = self._state[key] = _Pipe(getattr(self._state["queue"], method)())
+            pipe = self._state[key] = Pipe(getattr(self._state["queue"], method)())
         return pipe  # type: ignore[no-any-return]
 
     async def lease(self, queue: str, client_id: str, batch: int, wait_s: float) -> tuple[object, list[bytes]]:
@@ -177,7 +177,7 @@ class QueratorClient:
                 request.complete_partition = previous[0]
                 request.complete_ids.extend(previous[1])
         if self.streams:
-            reply = await self._pipe("lease_pipe", "LeaseStream").ask(pb.LeaseStreamRequest(request=request))
+            reply = await _ask(self._pipe("lease_pipe", "LeaseStream"), pb.LeaseStreamRequest(request=request))
         else:
             reply = await self._state["queue"].Lease(request, timeout=wait_s + 30)
         if columnar and reply.columns.ids:
@@ -204,42 +204,9 @@ class QueratorClient:
             await self._state["queue"].Complete(request, timeout=60)
 
 
-class _Pipe:
-    """A ProduceStream or LeaseStream carrying every call of this process: requests are
-    written one at a time, the answers come back in the order sent."""
-
-    def __init__(self, call: Any) -> None:
-        import asyncio
-        from collections import deque
-
-        self._call = call
-        self._waiting: deque[Any] = deque()
-        self._lock = asyncio.Lock()
-        self._reader = asyncio.create_task(self._read())
-
-    async def ask(self, message: Any) -> Any:
-        import asyncio
-
-        answer = asyncio.get_running_loop().create_future()
-        async with self._lock:
-            self._waiting.append(answer)
-            await self._call.write(message)
-        return await answer
-
-    async def _read(self) -> None:
-        import grpc
-
-        try:
-            while (answer := await self._call.read()) is not grpc.aio.EOF:
-                waiter = self._waiting.popleft()
-                if answer.WhichOneof("result") == "error":
-                    waiter.set_exception(RuntimeError(f"status {answer.error.code}: {answer.error.message}"))
-                else:
-                    waiter.set_result(answer.response)
-        finally:
-            while self._waiting:
-                self._waiting.popleft().set_exception(ConnectionError("the stream ended"))
-
-    async def close(self) -> None:
-        await self._call.done_writing()
-        await self._reader
+async def _ask(pipe: Any, message: Any) -> Any:
+    """One request on a ProduceStream / LeaseStream: its response, or its error raised."""
+    answer = await pipe.ask(message)
+    if answer.WhichOneof("result") == "error":
+        raise RuntimeError(f"status {answer.error.code}: {answer.error.message}")
+    return answer.response
