@@ -211,8 +211,12 @@ def _producer(address: str, ledger: Ledger, tag: str, seed: int, stop: threading
                 if later:
                     item.enqueue_at.FromMicroseconds(int((time.time() + 0.3) * 1e6))
                 items.append(item)
+            if later or rng.random() < 0.5:
+                request = queue_pb2.ProduceRequest(queue_name=WORK, items=items)
+            else:  # the compact form, for bare payloads
+                request = queue_pb2.ProduceRequest(queue_name=WORK, payloads=payloads)
             try:
-                stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name=WORK, items=items), timeout=RPC_TIMEOUT_S)
+                stubs.queue.Produce(request, timeout=RPC_TIMEOUT_S)
             except grpc.RpcError as exc:
                 with ledger.lock:
                     ledger.unsure_produced.update(payloads)
