@@ -156,6 +156,10 @@ def test_a_server_without_streams_or_payloads_gets_unary_calls_with_items() -> N
                 await c.produce("q", ["c"])
             # Refused in the compact form once, then items from the start.
             assert calls == ["Produce refused", "Produce", "Lease", "Produce"]
+            # Every new client finds out again, and gets its answer.
+            for _ in range(60):
+                async with querator.AsyncClient(f"127.0.0.1:{port}") as fresh:
+                    assert len((await fresh.produce("q", [b"x"])).ids) == 1
 
             def sync_client() -> None:  # on a thread: the server runs on this loop
                 with querator.Client(f"127.0.0.1:{port}") as sync:

@@ -77,8 +77,9 @@ class RequestStream:
         answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         async with self._write:
             if self._call is None:
+                opened = await asyncio.wait_for(self._open(), timeout)
                 # Each call has its own waiters: a cancelled call's reader fails only its own.
-                self._call, self._waiting = self._open_call(), collections.deque()
+                self._call, self._waiting = opened, collections.deque()
                 reader = asyncio.create_task(self._read(self._call, self._waiting))
                 self._readers.add(reader)
                 reader.add_done_callback(self._readers.discard)
@@ -96,6 +97,26 @@ class RequestStream:
         except asyncio.CancelledError:
             self._abandon(call, answer)
             raise
+
+    async def _open(self) -> Any:
+        """A new call, once the server has accepted it: it sends its headers at once. A
+        write before that could fail and hide the server's status (grpc/grpc#36066: a
+        refused method then reads INTERNAL instead of UNIMPLEMENTED)."""
+        call = self._open_call()
+        try:
+            try:
+                await call.initial_metadata()
+            except grpc.aio.AioRpcError:
+                pass  # the call ended: its status says why
+            if call.done():
+                code = await call.code()
+                if code is grpc.StatusCode.UNIMPLEMENTED:
+                    raise StreamsUnsupported()
+                raise from_status(code, await call.details() or "", await call.trailing_metadata())
+        except BaseException:
+            call.cancel()
+            raise
+        return call
 
     def _abandon(self, call: Any, answer: asyncio.Future[Any]) -> None:
         answer.add_done_callback(_forget)

@@ -160,6 +160,9 @@ def _wrap_stream(
         return response_type(error=stream_error(int(status.code.value[0]), status.details, error))
 
     async def handler(messages: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Message]:
+        # At once, before any message: a client waits for this to know the server has the
+        # method (a server without it answers UNIMPLEMENTED instead) before it writes.
+        await context.send_initial_metadata(())
         # Answers in the order asked: each message's task, oldest first; None ends it.
         answers: asyncio.Queue[asyncio.Task[Message] | None] = asyncio.Queue(maxsize=STREAM_WINDOW)
 
