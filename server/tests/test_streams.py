@@ -180,3 +180,85 @@ def test_stopping_the_server_ends_an_idle_stream_at_once(data_dir: str) -> None:
     assert time.monotonic() - started < 5
     outbox.put(None)
     channel.close()
+
+
+def _unary_outcome(call: object, request: object) -> tuple[str, object]:
+    from conftest import bad_request_fields
+
+    try:
+        return "ok", call(request, timeout=10)  # type: ignore[operator]
+    except grpc.RpcError as error:
+        fields = bad_request_fields(error) if error.code() == grpc.StatusCode.INVALID_ARGUMENT else []  # type: ignore[attr-defined]
+        return error.code().name, fields  # type: ignore[attr-defined]
+
+
+def _stream_outcome(call: object, wrapper: type, request: object) -> tuple[str, object]:
+    [answer] = list(call(iter([wrapper(request=request)]), timeout=10))  # type: ignore[operator]
+    if answer.WhichOneof("result") == "response":
+        return "ok", answer.response
+    return grpc.StatusCode(_CODES[answer.error.code]).name, list(answer.error.fields)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def test_each_request_means_on_a_stream_what_it_means_alone(stubs: Stubs) -> None:
+    """The same requests, on two identical queues: one as unary calls, one on streams.
+    Every answer (status, fields at fault, items) must match."""
+    for name in ("unary", "streamed"):
+        stubs.create(name, lease_timeout=dur(30))
+        stubs.produce(name, [b"a", b"b", b"c", b"d"])
+    p = queue_pb2
+
+    def cases(name: str, held: list[str]) -> list[tuple[str, object]]:
+        return [
+            ("produce", p.ProduceRequest(queue_name=name, items=[p.ProduceItem(payload=b"e", kind="k")])),
+            ("produce", p.ProduceRequest(queue_name=name, payloads=[b"f"])),
+            ("produce", p.ProduceRequest(queue_name=name)),
+            ("produce", p.ProduceRequest(queue_name=name, payloads=[b"x"], items=[p.ProduceItem(payload=b"y")])),
+            ("produce", p.ProduceRequest(queue_name="no-such-queue", payloads=[b"x"])),
+            ("produce", p.ProduceRequest(queue_name="Bad Name", payloads=[b"x"])),
+            ("produce", p.ProduceRequest(queue_name=name, items=[p.ProduceItem(payload=b"x", idempotency_key="k" * 600)])),
+            ("lease", p.LeaseRequest(queue_name=name, batch_size=0)),
+            ("lease", p.LeaseRequest(queue_name=name, batch_size=2, request_timeout=dur(0))),
+            ("lease", p.LeaseRequest(queue_name=name, batch_size=1, request_timeout=dur(0), complete_ids=["1.0.zz"])),
+            ("lease", p.LeaseRequest(queue_name=name, batch_size=1, request_timeout=dur(0), complete_ids=["x", "x"])),
+            ("lease", p.LeaseRequest(queue_name=name, batch_size=1, request_timeout=dur(0), complete_partition=3, complete_ids=held[:1])),
+            ("lease", p.LeaseRequest(queue_name=name, batch_size=10, request_timeout=dur(0), complete_ids=held, columnar=True)),
+            ("lease", p.LeaseRequest(queue_name=name, batch_size=10, request_timeout=dur(0))),
+        ]
+
+    def held_ids(name: str) -> list[str]:
+        return [item.id for item in stubs.list_items(name) if item.is_leased]
+
+    outcomes: dict[str, list[tuple[str, object]]] = {"unary": [], "streamed": []}
+    for index in range(len(cases("unary", []))):
+        for name in ("unary", "streamed"):
+            kind, request = cases(name, held_ids(name))[index]
+            if name == "unary":
+                call = stubs.queue.Produce if kind == "produce" else stubs.queue.Lease
+                outcome = _unary_outcome(call, request)
+            else:
+                stream = stubs.queue.ProduceStream if kind == "produce" else stubs.queue.LeaseStream
+                wrapper = p.ProduceStreamRequest if kind == "produce" else p.LeaseStreamRequest
+                outcome = _stream_outcome(stream, wrapper, request)
+            outcomes[name].append(_comparable(outcome))
+    assert outcomes["streamed"] == outcomes["unary"]
+    assert [status for status, _ in outcomes["unary"]] == [
+        "ok", "ok", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "NOT_FOUND", "INVALID_ARGUMENT", "INVALID_ARGUMENT",
+        "INVALID_ARGUMENT", "ok", "NOT_FOUND", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "ok", "ok",
+    ]  # fmt: skip
+    assert [item.payload for item in stubs.list_items("unary")] == [item.payload for item in stubs.list_items("streamed")]
+
+
+def _comparable(outcome: tuple[str, object]) -> tuple[str, object]:
+    """Ids differ between the two queues (their uids); everything else must not."""
+    status, body = outcome
+    if status != "ok":
+        return status, body
+    if isinstance(body, queue_pb2.ProduceResponse):
+        return status, (body.partition, len(body.ids), body.duplicates)
+    assert isinstance(body, queue_pb2.LeaseResponse)
+    rows = [(i.payload, i.kind, i.attempts) for i in body.items]
+    columns = list(zip(body.columns.payloads, body.columns.attempts))
+    return status, (body.partition, rows, columns)
