@@ -197,10 +197,15 @@ def test_an_abandoned_lease_takes_nothing(tmp_path: Path) -> None:
             async with srv.async_client() as waiter, srv.async_client() as other:
                 await waiter.create_queue("w", lease_timeout=60)
                 waiting = asyncio.create_task(waiter.lease("w", batch_size=5, wait=10))
-                await asyncio.sleep(0.3)  # parked on the server, nothing ready
+                patient = asyncio.create_task(waiter.lease("w", batch_size=5, wait=10))
+                await asyncio.sleep(0.3)  # both parked on the server, nothing ready
                 waiting.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await waiting
+                # The other lease on the same stream lost its call with it, and asks again.
+                await asyncio.sleep(0.2)
+                await other.produce("w", ["for the patient one"])
+                assert [item.payload for item in await patient] == [b"for the patient one"]
                 await asyncio.sleep(0.2)  # the cancelled stream reaches the server
                 await other.produce("w", ["x"])
                 got = await other.lease("w", batch_size=5, wait=5)

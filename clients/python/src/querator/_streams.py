@@ -16,7 +16,9 @@ A caller that stops waiting (its timeout, or cancelled) cannot take its request 
 alone. A Produce is left to run, as a unary call past its deadline may still be stored.
 A Lease would lease items nobody receives until their lease ran out, so its stream is
 cancelled, which the server treats as a cancelled call for every request in flight on
-it: leases not yet committed take nothing (the others in flight fail CANCELLED).
+it: leases not yet committed take nothing. The others in flight on it fail UNAVAILABLE
+and are retried on a new stream as after any UNAVAILABLE (a Lease that completes items
+is not: as with a unary call, the caller cannot know whether the completion happened).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class RequestStream:
         self._waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
         self._write = asyncio.Lock()
         self._readers: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     async def ask(self, message: Any, timeout: float) -> Any:
         """Send ``message``; its answer (a ``...StreamResponse``), or the stream's error."""
@@ -136,7 +139,13 @@ class RequestStream:
         except grpc.aio.AioRpcError as exc:
             error = StreamsUnsupported() if exc.code() is grpc.StatusCode.UNIMPLEMENTED else from_rpc_error(exc)
         except asyncio.CancelledError:
-            error = Cancelled("the stream was cancelled", code=grpc.StatusCode.CANCELLED)
+            if self._closed:
+                error = Cancelled("the client was closed", code=grpc.StatusCode.CANCELLED)
+            else:  # cancelled under this request: another one on it was abandoned
+                error = Unavailable(
+                    "the stream was closed to take back an abandoned request; safe to retry",
+                    code=grpc.StatusCode.UNAVAILABLE,
+                )
         except Exception as exc:  # a bug must not leave callers waiting forever
             error = ServerError(f"the stream failed: {exc!r}", code=grpc.StatusCode.UNKNOWN)
         if self._call is call:
@@ -158,6 +167,7 @@ class RequestStream:
             call.cancel()
 
     async def close(self) -> None:
+        self._closed = True
         self.reopen()
         await asyncio.gather(*self._readers, return_exceptions=True)
 
