@@ -16,6 +16,7 @@ so their memory is their own. docs/operations.md, "Faults and what they return".
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -61,3 +62,58 @@ def test_2000_lease_calls_started_at_the_same_instant_all_wait_and_none_is_cance
     figures = measure_waiting_leases(str(tmp_path), LEASES, produces=20, step=0)
     report = "\n".join(figures.lines())
     assert figures.lease_codes == {"OK": LEASES} and figures.served == LEASES, report
+
+
+def test_a_stream_that_floods_without_reading_holds_a_bounded_amount(tmp_path: Path) -> None:
+    """A ProduceStream client that sends 1 MB requests as fast as it can while nothing is
+    answered (the disk stalls, and it never reads): the server reads at most its window
+    of requests, so its memory grows by a bounded amount, not by what is sent."""
+    import os
+    import threading
+
+    import grpc
+    from crash_loop import ServerProcess
+    from overload import FAULT_FILE_ENV, rss_mb, wait_for
+    from querator.v1 import queue_pb2, queue_pb2_grpc, queues_pb2, queues_pb2_grpc
+
+    stall = str(tmp_path / "stall")
+    server = ServerProcess(str(tmp_path / "data"), str(tmp_path / "server.log"), env={FAULT_FILE_ENV: stall})
+    server.start()
+    channel = grpc.insecure_channel(server.address)
+    sent = 0
+    stop = threading.Event()
+
+    def flood() -> object:
+        nonlocal sent
+        message = queue_pb2.ProduceStreamRequest(request=queue_pb2.ProduceRequest(queue_name="s", payloads=[b"m" * 1_000_000]))
+        while sent < 400 and not stop.is_set():
+            sent += 1
+            yield message
+
+    try:
+        queues_pb2_grpc.QueuesServiceStub(channel).CreateQueue(
+            queues_pb2.CreateQueueRequest(queue=queues_pb2.QueueInfo(queue_name="s")), timeout=10
+        )
+        before = rss_mb(server.pid)
+        with open(stall, "w") as f:
+            f.write("stall")
+        call = queue_pb2_grpc.QueueServiceStub(channel).ProduceStream(flood(), timeout=60)
+        wait_for(lambda: sent > 20, "the flood to start")
+        time.sleep(3)  # as much as flow control lets through
+        grown = rss_mb(server.pid) - before
+        assert sent < 400, f"nothing held the client back: {sent} MB sent"
+        assert grown < 120, f"the server grew by {grown:.0f} MB with {sent} MB sent"
+        stop.set()
+        call.cancel()
+        os.remove(stall)
+        # The server is well: a unary produce goes through.
+        reply = queue_pb2_grpc.QueueServiceStub(channel).Produce(
+            queue_pb2.ProduceRequest(queue_name="s", payloads=[b"after"]), timeout=30
+        )
+        assert len(reply.ids) == 1
+    finally:
+        stop.set()
+        if os.path.exists(stall):
+            os.remove(stall)
+        channel.close()
+        server.kill9()
