@@ -51,3 +51,20 @@ def test_both_forms_store_the_same(client: querator.Client, queue: str) -> None:
         (itemized.ids[0], b"three", "", ""),
         (itemized.ids[1], b"four", "", ""),
     ]
+
+
+def test_producers_keep_bare_payloads_bare() -> None:
+    from querator._producer import _Settings
+
+    def settings(kind: str = "", tracing: bool = False) -> _Settings:
+        return _Settings("q", 100, 1 << 20, 0.01, 2, 1000, "", kind, "", None, tracing)
+
+    assert settings().message(b"x", None, None) == (b"x", 7)
+    assert settings().message("y", None, None) == (b"y", 7)
+    for made in (
+        settings().message(b"x", "key-1", None),
+        settings().message(b"x", None, {"a": "b"}),
+        settings().message(Item(b"x"), None, None),
+        settings(kind="k").message(b"x", None, None),
+    ):
+        assert not isinstance(made[0], bytes)

@@ -169,6 +169,23 @@ def test_a_server_without_streams_or_payloads_gets_unary_calls_with_items() -> N
             calls.clear()
             await asyncio.to_thread(sync_client)
             assert calls == ["Produce refused", "Produce", "Produce"]
+
+            def sync_producer() -> None:
+                with querator.Client(f"127.0.0.1:{port}") as sync:
+                    with querator.Producer(sync, "q", max_items=2, max_latency=0.01) as producer:
+                        first = [producer.produce(b"f"), producer.produce("g")]
+                        assert [f.result(10) for f in first] == ["1.0.1", "1.0.2"]
+                        assert producer.produce(b"h").result(10) == "1.0.1"
+
+            calls.clear()
+            await asyncio.to_thread(sync_producer)
+            assert calls == ["Produce refused", "Produce", "Produce"]
+            calls.clear()
+            async with querator.AsyncClient(f"127.0.0.1:{port}") as c:
+                async with querator.AsyncProducer(c, "q", max_items=2, max_latency=0.01) as producer:
+                    assert await (await producer.produce(b"i")) == "1.0.1"
+                    assert await (await producer.produce(b"j")) == "1.0.1"
+            assert calls == ["Produce refused", "Produce", "Produce"]
         finally:
             await old.stop(None)
 

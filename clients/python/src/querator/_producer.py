@@ -37,7 +37,7 @@ import grpc
 from . import _protocol as p
 from . import tracing as _tracing
 from ._config import BATCH_BYTES, MAX_BATCH
-from ._convert import Seconds, seconds
+from ._convert import Seconds, payload_bytes, seconds
 from ._models import Item, Payload
 from .errors import QueratorError, Unavailable, from_rpc_error
 from .v1 import queue_pb2
@@ -51,12 +51,13 @@ F = TypeVar("F")
 
 @dataclass
 class _Batch(Generic[F]):
-    items: list[queue_pb2.ProduceItem] = field(default_factory=list)
+    items: list[p.ProduceEntry] = field(default_factory=list)
     futures: list[F] = field(default_factory=list)
     size: int = 0
     started: float = 0.0
     attempt: int = 0
     not_before: float = 0.0
+    compact: bool = False  # last sent as ProduceRequest.payloads
 
 
 class _Settings:
@@ -86,11 +87,17 @@ class _Settings:
         self.max_pending = max_pending
         self.defaults = Item(b"", encoding=encoding, kind=kind, reference=reference, enqueue_at=enqueue_at)
         self.tracing = tracing
+        # Values that are only a payload need no message: nothing to add to them.
+        self.bare = not (encoding or kind or reference or enqueue_at is not None or tracing)
 
     def message(
         self, item: p.ProduceArg, idempotency_key: str | None, metadata: Mapping[str, str] | None
-    ) -> tuple[queue_pb2.ProduceItem, int]:
-        """The item's message (in the caller's context: that is the trace context added)."""
+    ) -> tuple[p.ProduceEntry, int]:
+        """The item's message (in the caller's context: that is the trace context added),
+        or only its payload when that is all it carries (the compact form of the batch)."""
+        if self.bare and idempotency_key is None and not metadata and isinstance(item, (bytes, bytearray, memoryview, str)):
+            payload = payload_bytes(item)
+            return payload, len(payload) + 6
         if metadata:
             base = item if isinstance(item, Item) else Item(item)
             item = replace(base, metadata={**base.metadata, **metadata})
@@ -218,7 +225,8 @@ class Producer:
                 self._cond.wait(max(wake, 0.001))
 
     def _send(self, batch: _Batch[concurrent.futures.Future[str]]) -> None:
-        request = p.produce_request(self._s.queue_name, batch.items, self._timeout)
+        request = p.produce_request(self._s.queue_name, batch.items, self._timeout, compact=self._client._compact)
+        batch.compact = bool(request.payloads)
         config = self._client.config
         try:
             call = self._client._queue.Produce.future(
@@ -242,6 +250,12 @@ class Producer:
             error = QueratorError(f"produce failed: {exc!r}")
         with self._cond:
             self._in_flight -= 1
+            if error is not None and batch.compact and p.refuses_compact(error, None):
+                # A server from before ProduceRequest.payloads: send items, now and later.
+                self._client._compact = False
+                self._ready.appendleft(batch)
+                self._cond.notify_all()
+                return
             retry = self._retry or p.all_keyed(batch.items)
             if error is not None and retry and isinstance(error, Unavailable):
                 if batch.attempt < self._client.config.retries:
@@ -413,7 +427,7 @@ class AsyncProducer:
     async def _send(self, batch: _Batch[asyncio.Future[str]]) -> None:
         assert self._slots is not None and self._changed is not None
         try:
-            request = p.produce_request(self._s.queue_name, batch.items, self._timeout)
+            request = p.produce_request(self._s.queue_name, batch.items, self._timeout, compact=self._client._compact)
             try:
                 retry = self._retry or p.all_keyed(batch.items)
                 response = await self._client._produce_call(request, timeout=self._timeout, retry=retry)

@@ -171,12 +171,13 @@ def itemized(request: queue_pb2.ProduceRequest) -> queue_pb2.ProduceRequest | No
     return out
 
 
-def refuses_compact(error: Exception, request: queue_pb2.ProduceRequest) -> bool:
-    """The server did not know ``payloads``: it saw a request without items."""
+def refuses_compact(error: Exception, request: queue_pb2.ProduceRequest | None) -> bool:
+    """The server did not know ``payloads``: it saw a request without items. ``request``:
+    what was sent, or None when the caller knows it was in the compact form."""
     from .errors import InvalidRequest
 
     return (
-        bool(request.payloads)
+        (request is None or bool(request.payloads))
         and isinstance(error, InvalidRequest)
         and [v.field for v in error.field_violations] == ["items"]
     )
