@@ -116,8 +116,26 @@ def inject_write_fault() -> None:
     raise StorageError("storage write failed: Input/output error (injected fault)")
 
 
+# Below this much free space a failed write is reported as a full file system.
+_LOW_SPACE_BYTES = 1 << 20
+
+
+def _write_failure(exc: lmdb.Error, path: str) -> str:
+    """What a failed commit tells the caller. LMDB reports a short write as EIO, and a
+    file system that fills up in the middle of a commit causes exactly that."""
+    text = f"storage write failed: {exc}"
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        return text
+    free = fs.f_bavail * fs.f_frsize
+    if free < _LOW_SPACE_BYTES and "space" not in text.lower():
+        return f"storage write failed: No space left on device ({free} bytes free; LMDB said: {exc})"
+    return text
+
+
 @contextmanager
-def _aborted_on_failure(txn: lmdb.Transaction[bytes]) -> Iterator[None]:
+def _aborted_on_failure(txn: lmdb.Transaction[bytes], path: str) -> Iterator[None]:
     """Abort ``txn`` if the block fails; LMDB errors become MapFull or StorageError."""
     try:
         yield
@@ -126,7 +144,7 @@ def _aborted_on_failure(txn: lmdb.Transaction[bytes]) -> Iterator[None]:
         raise MapFull() from exc
     except lmdb.Error as exc:
         txn.abort()
-        raise StorageError(f"storage write failed: {exc}") from exc
+        raise StorageError(_write_failure(exc, path)) from exc
     except BaseException:
         txn.abort()
         raise
@@ -232,7 +250,7 @@ class QueueStore:
         for _ in range(MAX_GROWTHS):
             txn = self.env.begin(write=True)
             try:
-                with _aborted_on_failure(txn):
+                with _aborted_on_failure(txn, self.path):
                     result = fn(txn)
                     self._commit(txn)
                 return result
@@ -287,7 +305,7 @@ class QueueStore:
         txn, self._held = self._held, None
         if txn is None:
             raise StorageError("no write transaction is held")
-        with _aborted_on_failure(txn):
+        with _aborted_on_failure(txn, self.path):
             self._commit(txn)
         try:
             self.hold()
