@@ -19,7 +19,7 @@ from querator_server.errors import FailedPrecondition
 from querator_server.model import NewItem, QueueConfig
 from querator_server.storage import Item, QueueStore
 from querator_server.storage.keyed import KeyedIndex
-from querator_server.storage.record import TAG_EXPIRY, TAG_ITEM, expiry_key, item_key, parse_expiry_key
+from querator_server.storage.record import TAG_EXPIRY, TAG_ITEM, decode_u64, item_key, parse_expiry_key
 
 SECOND = 1_000_000
 T0 = 1_800_000_000 * SECOND
@@ -113,12 +113,26 @@ def test_requeue_after_the_deadline_gives_a_new_id_at_the_tail(store: QueueStore
     assert result.attempts == [2]  # type: ignore[attr-defined]
 
 
-def _stored_keys(store: QueueStore) -> tuple[set[int], set[bytes]]:
-    """The seqs of the stored items and every expiry key, read straight from the partition."""
+def _stored_keys(store: QueueStore) -> tuple[set[int], dict[int, int], int]:
+    """Read straight from the partition: the seqs of the stored items, the expiry
+    deadline the index gives each stored item, and the number of index entries.
+
+    Fails if an item is indexed twice or an entry indexes no stored item.
+    """
     with store.env.begin() as txn:
-        keys = [bytes(key) for key, _ in txn.cursor(db=store.db(0))]
-    seqs = {int.from_bytes(key[1:], "big") for key in keys if key[:1] == TAG_ITEM}
-    return seqs, {key for key in keys if key[:1] == TAG_EXPIRY}
+        pairs = [(bytes(key), bytes(value)) for key, value in txn.cursor(db=store.db(0))]
+    seqs = {int.from_bytes(key[1:], "big") for key, _ in pairs if key[:1] == TAG_ITEM}
+    indexed: dict[int, int] = {}
+    entries = [(key, value) for key, value in pairs if key[:1] == TAG_EXPIRY]
+    for key, value in entries:
+        deadline, target = parse_expiry_key(key)
+        first = int.from_bytes(target[1:], "big")
+        covered = set(range(first, decode_u64(value) + 1)) if value else {first}
+        assert covered & seqs, f"an expiry entry indexes no stored item: {key!r}"
+        for seq in covered & seqs:
+            assert seq not in indexed, f"item {seq} is indexed twice"
+            indexed[seq] = deadline
+    return seqs, indexed, len(entries)
 
 
 def test_completions_in_any_order_remove_exactly_their_items_and_expiry_keys(store: QueueStore) -> None:
@@ -149,11 +163,16 @@ def test_completions_in_any_order_remove_exactly_their_items_and_expiry_keys(sto
 
     gone = {_seq(text) for text in chosen} | set(by_key)
     left = set(deadline_of) - gone
-    seqs, expiries = _stored_keys(store)
+    seqs, indexed, entries = _stored_keys(store)
     assert seqs == left
-    assert expiries == {expiry_key(deadline_of[seq], item_key(seq)) for seq in left}
-    assert {parse_expiry_key(key)[0] for key in expiries} <= set(deadline_of.values())
-    assert (views[0].ready, views[0].leased) == (0, 70 - 45)
+    assert indexed == {seq: deadline_of[seq] for seq in left}
+    assert entries <= 3  # one run per produce cycle
+
+    rest = _request(CompleteRequest(0, [text for text in ids if text not in chosen], []))
+    cycle = _run(store, config, views, T0 + 5 * SECOND, lambda c, t: c.complete(t, rest), keyed)
+    assert cycle.results == [(rest, None)]
+    assert _stored_keys(store) == (set(), {}, 0)  # the runs went with their last items
+    assert (views[0].ready, views[0].leased) == (0, 0)
 
 
 def test_bare_payloads_are_stored_as_the_general_path_stores_them(store: QueueStore) -> None:
@@ -174,18 +193,14 @@ def test_bare_payloads_are_stored_as_the_general_path_stores_them(store: QueueSt
     assert second.results[0][1].ids == [item_id(1, 0, seq) for seq in seqs_of[3:5]]  # type: ignore[attr-defined]
     assert third.results[0][1].ids == [item_id(1, 0, seq) for seq in seqs_of[5:]]  # type: ignore[attr-defined]
     expire = T0 + config.expire_timeout_us
-    expected = [Item(payload=b"p%d" % i, created_at=T0, expire_deadline=expire) for i in range(3)]
-    expected += [
-        Item(payload=b"m0", created_at=T0, expire_deadline=expire),
-        Item(payload=b"m1", kind="k", created_at=T0, expire_deadline=expire),
-    ]
-    expected += [Item(payload=payload, created_at=T0, expire_deadline=expire) for payload in (b"c0", b"", b"c2")]
+    run = {"created_at": T0, "expire_deadline": expire, "expiry_run": True}
+    expected = [Item(payload=b"p%d" % i, **run) for i in range(3)]  # type: ignore[arg-type]
+    expected += [Item(payload=b"m0", **run), Item(payload=b"m1", kind="k", **run)]  # type: ignore[arg-type]
+    expected += [Item(payload=payload, **run) for payload in (b"c0", b"", b"c2")]  # type: ignore[arg-type]
     with store.env.begin() as txn:
         records = [txn.get(item_key(seq), db=store.db(0)) for seq in seqs_of]
     assert records == [item.encode() for item in expected]
-    seqs, expiries = _stored_keys(store)
-    assert seqs == set(seqs_of)
-    assert expiries == {expiry_key(expire, item_key(seq)) for seq in seqs_of}
+    assert _stored_keys(store) == (set(seqs_of), {seq: expire for seq in seqs_of}, 3)  # a run per request
     assert (views[0].ready, views[0].next_seq, views[0].created_sum) == (8, start + 8, 8 * T0)
 
 
@@ -213,3 +228,83 @@ def test_a_key_produced_again_after_its_window_is_remembered_from_then_on(store:
         assert keyed.check(txn, "job-1", T0 + window)[0] == second[0]
     assert forgotten == 0  # only the old time entry was there before the cut, and it is gone
     assert produce(T0 + window + 2 * SECOND, "job-1") == second
+
+
+def _expiring(seconds: int) -> QueueConfig:
+    return QueueConfig(name="q", uid=1, lease_timeout_us=60 * SECOND, expire_timeout_us=seconds * SECOND)
+
+
+def test_an_expiry_run_expires_its_ready_items_and_goes_with_its_last_leased_one(store: QueueStore) -> None:
+    """One entry indexes a produced batch. At its deadline the ready items of the run are
+    dead-lettered; leased ones wait for their lease to end, and the entry goes with them."""
+    config = _expiring(10)
+    views = [PartitionView()]
+    produce = _request(ProduceRequest([], [b"%d" % i for i in range(10)]))
+    ids = _run(store, config, views, T0, lambda c, t: c.produce(t, produce)).results[0][1].ids  # type: ignore[attr-defined]
+    lease = _request(LeaseRequest(5, "", T0))
+    leased = _run(store, config, views, T0, lambda c, t: c.lease(t, [lease])).results[0][1].ids  # type: ignore[attr-defined]
+    complete = _request(CompleteRequest(0, leased[:2]))
+    _run(store, config, views, T0 + SECOND, lambda c, t: c.complete(t, complete))
+    deadline = T0 + 10 * SECOND
+    assert _stored_keys(store) == (set(range(3, 11)), dict.fromkeys(range(3, 11), deadline), 1)
+
+    cycle = _run(store, config, views, deadline + SECOND, lambda c, t: c.lifecycle(t, []))
+    assert cycle.dropped == [(text, "expired") for text in ids[5:]]
+    assert _stored_keys(store) == ({3, 4, 5}, dict.fromkeys((3, 4, 5), deadline), 1)
+
+    ends = [(T0 + 60 * SECOND, 0, seq) for seq in (3, 4, 5)]
+    cycle = _run(store, config, views, T0 + 61 * SECOND, lambda c, t: c.lifecycle(t, ends))
+    assert cycle.dropped == [(text, "lease expired, expired") for text in leased[2:]]
+    assert _stored_keys(store) == (set(), {}, 0)
+    assert (views[0].ready, views[0].leased) == (0, 0)
+
+
+def test_expiry_stops_at_its_limit_inside_a_run_and_resumes_there(store: QueueStore) -> None:
+    config = _expiring(10)
+    views = [PartitionView()]
+    produce = _request(ProduceRequest([], [b"%d" % i for i in range(10)]))
+    _run(store, config, views, T0, lambda c, t: c.produce(t, produce))
+    now = T0 + 11 * SECOND
+    expired: list[int] = []
+
+    def expire_some(txn: object) -> int:
+        entries, next_deadline = store.expired(txn, 0, now, 4)  # type: ignore[arg-type]
+        for key, item in entries:
+            seq = int.from_bytes(key[1:], "big")
+            store.delete(txn, 0, seq, item)  # type: ignore[arg-type]
+            expired.append(seq)
+        return next_deadline
+
+    assert [store.write(expire_some) for _ in range(3)] == [now, now, 0]  # 4, 4, then the last 2
+    assert expired == list(range(1, 11))
+    assert _stored_keys(store) == (set(), {}, 0)
+
+
+def test_a_requeued_item_leaves_its_run_for_an_entry_of_its_own(store: QueueStore) -> None:
+    config = _expiring(3600)
+    views = [PartitionView()]
+    produce = _request(ProduceRequest([], [b"a", b"b"]))
+    _run(store, config, views, T0, lambda c, t: c.produce(t, produce))
+    lease = _request(LeaseRequest(2, "", T0))
+    _run(store, config, views, T0, lambda c, t: c.lease(t, [lease]))
+    ends = [(T0 + 60 * SECOND, 0, seq) for seq in (1, 2)]
+    _run(store, config, views, T0 + 61 * SECOND, lambda c, t: c.lifecycle(t, ends))
+    deadline = T0 + 3600 * SECOND
+    assert _stored_keys(store) == ({3, 4}, {3: deadline, 4: deadline}, 2)
+    with store.env.begin() as txn:
+        assert not any(Item.decode(txn.get(item_key(seq), db=store.db(0))).expiry_run for seq in (3, 4))
+
+
+def test_clear_takes_the_runs_with_the_items(store: QueueStore) -> None:
+    config = _expiring(3600)
+    views = [PartitionView()]
+    for batch in range(3):
+        produce = _request(ProduceRequest([], [b"%d" % i for i in range(5)]))
+        _run(store, config, views, T0 + batch, lambda c, t, r=produce: c.produce(t, r))
+    lease = _request(LeaseRequest(7, "", T0))
+    _run(store, config, views, T0, lambda c, t: c.lease(t, [lease]))
+    store.write(lambda txn: store.clear(txn, 0, ready=True, leased=False, scheduled=False))
+    assert _stored_keys(store)[0] == set(range(1, 8))  # the leased ones stay, and their runs
+    assert _stored_keys(store)[2] == 2
+    store.write(lambda txn: store.clear(txn, 0, ready=True, leased=True, scheduled=False))
+    assert _stored_keys(store) == (set(), {}, 0)

@@ -23,6 +23,7 @@ items = st.builds(
     leased_at=st.integers(0, 2**62),
     lease_key=text,
     metadata=st.dictionaries(st.text(min_size=1, max_size=10), text, max_size=4),
+    expiry_run=st.booleans(),
 )
 
 
@@ -31,11 +32,12 @@ def test_records_round_trip(item: Item) -> None:
     raw = item.encode()
     assert Item.decode(raw) == item
     state = read_state(raw)
-    assert (state.is_leased, state.attempts, state.source_id, state.lease_key) == (
+    assert (state.is_leased, state.attempts, state.source_id, state.lease_key, state.expiry_run) == (
         item.is_leased,
         item.attempts,
         item.source_id,
         item.lease_key,
+        item.expiry_run,
     )
 
 
@@ -61,6 +63,7 @@ payload_only = st.builds(
     created_at=st.integers(0, 2**62),
     expire_deadline=st.integers(0, 2**62),
     attempts=st.integers(0, 7),
+    expiry_run=st.booleans(),
 )
 
 
@@ -83,6 +86,7 @@ def test_the_plain_lease_matches_the_general_path_or_declines(
     assert (payload, attempts, created) == (decoded.payload, decoded.attempts, decoded.created_at)
 
 
-@given(st.binary(max_size=200), st.integers(0, 2**62), st.integers(0, 2**62))
-def test_the_shared_header_of_bare_payloads_is_their_encoding(payload: bytes, created: int, expire: int) -> None:
-    assert plain_header(created, expire) + payload == Item(payload, created_at=created, expire_deadline=expire).encode()
+@given(st.binary(max_size=200), st.integers(0, 2**62), st.integers(0, 2**62), st.booleans())
+def test_the_shared_header_of_bare_payloads_is_their_encoding(payload: bytes, created: int, expire: int, run: bool) -> None:
+    item = Item(payload, created_at=created, expire_deadline=expire, expiry_run=run)
+    assert plain_header(created, expire, expiry_run=run) + payload == item.encode()

@@ -19,7 +19,12 @@ from .queue_store import StorageError, check_data_file, inject_write_fault
 
 _NEXT_UID = b"next_uid"
 _FORMAT = b"format"
-_FORMAT_VERSION = b"querator-catalog-1"
+# 2: a produced batch is indexed for expiry by one entry (an expiry run, queue_store.py),
+# which a server of format 1 would read as an entry of the batch's first item only.
+_FORMAT_VERSION = b"querator-catalog-2"
+# Formats this server reads as they are; opening one stamps it with _FORMAT_VERSION, so
+# an older server then refuses the directory instead of misreading it.
+_UPGRADABLE_FORMATS = (b"querator-catalog-1",)
 
 
 class CatalogError(StorageError):
@@ -41,7 +46,7 @@ class Catalog:
                 self._meta = self.env.open_db(b"meta", txn=txn)
                 self._keys = self.env.open_db(b"keys", txn=txn)
                 found = txn.get(_FORMAT, db=self._meta)
-                if found is None:
+                if found is None or found in _UPGRADABLE_FORMATS:
                     txn.put(_FORMAT, _FORMAT_VERSION, db=self._meta)
                 elif found != _FORMAT_VERSION:
                     raise CatalogError(f"{path}: unknown catalog format {found!r}")

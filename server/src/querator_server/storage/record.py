@@ -4,7 +4,11 @@ A partition is one named LMDB database whose keys start with a one-byte tag:
 
 - ``i`` + seq (8 bytes, big endian): a ready or leased item; key order is FIFO order.
 - ``s`` + due time (8) + seq (8): a scheduled item, ordered by due time then produce order.
-- ``x`` + expire deadline (8) + item key: the expiry index, value empty.
+- ``x`` + expire deadline (8) + item key: the expiry index. An empty value indexes that
+  one item. An 8-byte value (a seq) indexes the *run* of ready items from the key's seq
+  to that one, produced together with one deadline: one entry for a whole batch instead
+  of one per item. The items of a run carry the ``expiry run`` flag, so leaving their
+  place deletes no entry of their own; the entry goes once none of its items is stored.
 - ``d`` + seq (8): an item on its way to the dead-letter queue (the outbox); it leaves
   once the dead-letter queue has durably taken it.
 - ``u`` + source id: the key of the item that came from that source item (dead-letter
@@ -38,6 +42,8 @@ _EXPIRY_PREFIX = struct.Struct(">cQ")
 # metadata (JSON, empty when there is none); the payload is the rest.
 _HEADER = struct.Struct("<BIqqqqqIIIIII")
 _FLAG_LEASED = 1
+# Indexed by an expiry run (see the module docstring) rather than an entry of its own.
+_FLAG_EXPIRY_RUN = 2
 # The fixed part of the header: what lease and extend rewrite without decoding the
 # strings and payload behind it.
 _STATE_FIXED = struct.Struct("<BIqqqqq")
@@ -110,10 +116,12 @@ class Item:
     lease_key: str = ""
     # String pairs given at produce (e.g. trace context), passed to consumers.
     metadata: dict[str, str] = field(default_factory=dict)
+    # Indexed by an expiry run, not by an expiry entry of its own (storage detail).
+    expiry_run: bool = False
 
     def encode(self) -> bytes:
         fixed = (
-            _FLAG_LEASED if self.is_leased else 0,
+            (_FLAG_LEASED if self.is_leased else 0) | (_FLAG_EXPIRY_RUN if self.expiry_run else 0),
             self.attempts,
             self.created_at,
             self.expire_deadline,
@@ -185,6 +193,7 @@ class Item:
             leased_at=leased_at,
             lease_key=lease_key,
             metadata=metadata,
+            expiry_run=bool(flags & _FLAG_EXPIRY_RUN),
         )
 
 
@@ -200,6 +209,7 @@ class ItemState(NamedTuple):
     leased_at: int
     source_id: str
     lease_key: str
+    expiry_run: bool
 
 
 def read_state(raw: bytes) -> ItemState:
@@ -228,7 +238,18 @@ def read_state(raw: bytes) -> ItemState:
     # of this function, which runs for every item a lease or an ack touches.
     return _new_tuple(
         ItemState,
-        (bool(flags & _FLAG_LEASED), attempts, created, expire, lease_deadline, enqueue_at, leased_at, source, lease_key),
+        (
+            bool(flags & _FLAG_LEASED),
+            attempts,
+            created,
+            expire,
+            lease_deadline,
+            enqueue_at,
+            leased_at,
+            source,
+            lease_key,
+            bool(flags & _FLAG_EXPIRY_RUN),
+        ),
     )
 
 
@@ -237,8 +258,9 @@ _new_tuple = tuple.__new__
 
 def with_lease(raw: bytes, state: ItemState, *, attempts: int, deadline: int, leased_at: int) -> bytes:
     """``raw`` rewritten as leased with these lease fields; everything else kept."""
+    flags = _FLAG_LEASED | (_FLAG_EXPIRY_RUN if state.expiry_run else 0)
     head = _STATE_FIXED.pack(
-        _FLAG_LEASED, attempts, state.created_at, state.expire_deadline, deadline, state.enqueue_at, leased_at
+        flags, attempts, state.created_at, state.expire_deadline, deadline, state.enqueue_at, leased_at
     )
     return head + raw[_STATE_FIXED.size :]
 
@@ -250,7 +272,7 @@ def with_lease_key(raw: bytes, *, attempts: int, deadline: int, leased_at: int, 
     n_source, n_reference, n_encoding, n_kind, n_lease_key = header[7:12]
     start = _HEADER.size + n_source + n_reference + n_encoding + n_kind
     key = lease_key.encode()
-    header[0] = _FLAG_LEASED
+    header[0] = _FLAG_LEASED | (header[0] & _FLAG_EXPIRY_RUN)
     header[1] = attempts
     header[4] = deadline
     header[6] = leased_at
@@ -258,10 +280,11 @@ def with_lease_key(raw: bytes, *, attempts: int, deadline: int, leased_at: int, 
     return b"".join((_HEADER.pack(*header), raw[_HEADER.size : start], key, raw[start + n_lease_key :]))
 
 
-def plain_header(created_at: int, expire_deadline: int) -> bytes:
+def plain_header(created_at: int, expire_deadline: int, *, expiry_run: bool = False) -> bytes:
     """The header of a fresh item that carries only a payload: ``Item(payload,
-    created_at=..., expire_deadline=...).encode()`` is this plus the payload."""
-    return _HEADER.pack(0, 0, created_at, expire_deadline, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    created_at=..., expire_deadline=..., expiry_run=...).encode()`` is this plus the payload."""
+    flags = _FLAG_EXPIRY_RUN if expiry_run else 0
+    return _HEADER.pack(flags, 0, created_at, expire_deadline, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 _NO_STRINGS = bytes(24)  # the six string lengths of a payload-only item, all zero
@@ -281,10 +304,11 @@ def lease_plain(
     """
     if raw[_LENGTHS] != _NO_STRINGS:
         return None
-    _flags, attempts, created, expire, _deadline, enqueue_at, _leased_at = _STATE_FIXED.unpack_from(raw)
+    flags, attempts, created, expire, _deadline, enqueue_at, _leased_at = _STATE_FIXED.unpack_from(raw)
     if expire <= now or (max_attempts and attempts >= max_attempts):
         return None
     attempts += 1
     payload = raw[_HEADER.size :]
-    header = _HEADER.pack(_FLAG_LEASED, attempts, created, expire, deadline, enqueue_at, now, 0, 0, 0, 0, len(key_bytes), 0)
+    flags = _FLAG_LEASED | (flags & _FLAG_EXPIRY_RUN)
+    header = _HEADER.pack(flags, attempts, created, expire, deadline, enqueue_at, now, 0, 0, 0, 0, len(key_bytes), 0)
     return header + key_bytes + payload, payload, attempts, created

@@ -1,0 +1,62 @@
+"""The on-disk format version: what this server reads, upgrades and refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lmdb
+import pytest
+from querator_server.storage import Item, QueueStore
+from querator_server.storage.catalog import Catalog, CatalogError
+from querator_server.storage.record import expiry_key, item_key
+
+
+def _stamp(path: Path, version: bytes) -> None:
+    env = lmdb.open(str(path), max_dbs=4)
+    with env.begin(write=True) as txn:
+        txn.put(b"format", version, db=env.open_db(b"meta", txn=txn))
+    env.close()
+
+
+def _format(path: Path) -> bytes | None:
+    env = lmdb.open(str(path), max_dbs=4, readonly=True)
+    with env.begin() as txn:
+        found = txn.get(b"format", db=env.open_db(b"meta", txn=txn, create=False))
+    env.close()
+    return found
+
+
+def test_a_format_1_catalog_is_read_and_stamped_with_the_current_format(tmp_path: Path) -> None:
+    path = tmp_path / "catalog"
+    Catalog(str(path)).env.close()
+    _stamp(path, b"querator-catalog-1")
+    catalog = Catalog(str(path))
+    assert catalog.load() == []
+    catalog.env.close()
+    assert _format(path) == b"querator-catalog-2"  # an older server now refuses it
+
+
+def test_an_unknown_catalog_format_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "catalog"
+    Catalog(str(path)).env.close()
+    _stamp(path, b"querator-catalog-9")
+    with pytest.raises(CatalogError, match="unknown catalog format b'querator-catalog-9'"):
+        Catalog(str(path))
+
+
+def test_items_indexed_one_by_one_as_format_1_stored_them_still_expire(tmp_path: Path) -> None:
+    store = QueueStore(str(tmp_path / "q"), 1, map_size=1 << 22, sync=False)
+    try:
+        deadline = 1_800_000_000_000_000
+
+        def store_as_format_1(txn: lmdb.Transaction[bytes]) -> None:
+            for seq in (1, 2, 3):
+                txn.put(item_key(seq), Item(b"%d" % seq, expire_deadline=deadline).encode(), db=store.db(0))
+                txn.put(expiry_key(deadline, item_key(seq)), b"", db=store.db(0))
+
+        store.write(store_as_format_1)
+        entries, next_deadline = store.write(lambda txn: store.expired(txn, 0, deadline, 10))
+        assert [(key, item.payload) for key, item in entries] == [(item_key(seq), b"%d" % seq) for seq in (1, 2, 3)]
+        assert next_deadline == 0
+    finally:
+        store.close()
