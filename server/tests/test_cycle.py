@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -15,7 +16,7 @@ from querator_server.actor.cycle import Cycle
 from querator_server.actor.ids import item_id, parse_id
 from querator_server.actor.requests import CompleteRequest, ExtendRequest, LeaseRequest, ProduceRequest
 from querator_server.actor.view import PartitionView
-from querator_server.errors import FailedPrecondition
+from querator_server.errors import FailedPrecondition, NotFound
 from querator_server.model import NewItem, QueueConfig
 from querator_server.storage import Item, QueueStore
 from querator_server.storage.keyed import KeyedIndex
@@ -308,3 +309,72 @@ def test_clear_takes_the_runs_with_the_items(store: QueueStore) -> None:
     assert _stored_keys(store)[2] == 2
     store.write(lambda txn: store.clear(txn, 0, ready=True, leased=True, scheduled=False))
     assert _stored_keys(store) == (set(), {}, 0)
+
+
+def _produce_and_lease(store: QueueStore, config: QueueConfig, views: list[PartitionView], produced: int, leased: int) -> list[str]:
+    produce = _request(ProduceRequest([], [b"%d" % i for i in range(produced)]))
+    _run(store, config, views, T0, lambda c, t: c.produce(t, produce))
+    lease = _request(LeaseRequest(leased, "", T0))
+    return list(_run(store, config, views, T0, lambda c, t: c.lease(t, [lease])).results[0][1].ids)  # type: ignore[attr-defined]
+
+
+def test_a_leased_batch_completed_as_it_was_handed_out_goes_in_one_pass(store: QueueStore) -> None:
+    config = _expiring(3600)
+    views = [PartitionView()]
+    ids = _produce_and_lease(store, config, views, 10, 6)
+    calls: list[object] = []
+    real = store.complete_run
+
+    def counted(*args: object) -> object:
+        calls.append(args[2:])
+        return real(*args)  # type: ignore[arg-type]
+
+    store.complete_run = counted  # type: ignore[method-assign]
+    complete = _request(CompleteRequest(0, ids[1:5]))
+    cycle = _run(store, config, views, T0 + SECOND, lambda c, t: c.complete(t, complete))
+    assert cycle.results == [(complete, None)]
+    assert calls == [(2, 5)]
+    assert _stored_keys(store)[:2] == ({1, 6, 7, 8, 9, 10}, dict.fromkeys((1, 6, 7, 8, 9, 10), T0 + 3600 * SECOND))
+    assert (views[0].ready, views[0].leased, views[0].created_sum) == (4, 2, 6 * T0)
+    assert views[0].leased_at_sum == 2 * T0
+
+
+@pytest.mark.parametrize(
+    ("case", "error", "named"),
+    [
+        ("one of them is ready", FailedPrecondition, "ids[5]"),
+        ("one of them is gone", NotFound, "ids[2]"),
+    ],
+)
+def test_a_run_of_ids_with_one_bad_id_completes_nothing_and_names_it(
+    store: QueueStore, case: str, error: type[Exception], named: str
+) -> None:
+    config = _expiring(3600)
+    views = [PartitionView()]
+    if case == "one of them is ready":
+        run = _produce_and_lease(store, config, views, 10, 5) + [item_id(1, 0, 6)]  # 6 was never leased
+    else:
+        ids = _produce_and_lease(store, config, views, 10, 8)
+        done = _request(CompleteRequest(0, [ids[2]]))
+        _run(store, config, views, T0, lambda c, t: c.complete(t, done))
+        run = ids[:6]  # seqs 1..6 in order, 3 gone; 7 is leased too and must stay
+    before = (_stored_keys(store), views[0].leased, views[0].ready)
+    with pytest.raises(error, match=re.escape(named)):
+        _run(store, config, views, T0 + SECOND, lambda c, t: c.complete(t, _request(CompleteRequest(0, run))))
+    assert (_stored_keys(store), views[0].leased, views[0].ready) == before
+
+
+def test_a_run_of_items_put_back_after_their_lease_completes_with_their_own_entries(store: QueueStore) -> None:
+    config = _expiring(3600)
+    views = [PartitionView()]
+    _produce_and_lease(store, config, views, 3, 3)
+    ends = [(T0 + 60 * SECOND, 0, seq) for seq in (1, 2, 3)]
+    _run(store, config, views, T0 + 61 * SECOND, lambda c, t: c.lifecycle(t, ends))
+    lease = _request(LeaseRequest(3, "", T0))
+    again = _run(store, config, views, T0 + 62 * SECOND, lambda c, t: c.lease(t, [lease])).results[0][1].ids  # type: ignore[attr-defined]
+    assert [_seq(text) for text in again] == [4, 5, 6]
+    assert _stored_keys(store)[2] == 3  # one entry each
+    complete = _request(CompleteRequest(0, list(again)))
+    _run(store, config, views, T0 + 63 * SECOND, lambda c, t: c.complete(t, complete))
+    assert _stored_keys(store) == (set(), {}, 0)
+    assert (views[0].ready, views[0].leased, views[0].created_sum, views[0].leased_at_sum) == (0, 0, 0, 0)

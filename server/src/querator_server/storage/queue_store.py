@@ -31,7 +31,12 @@ import lmdb
 
 from ..faults import MAP_FULL, NO_SPACE, write_fault
 from .record import (
+    _FLAG_EXPIRY_RUN,
+    _FLAG_LEASED,
     _HEADER,
+    _LENGTHS,
+    _NO_STRINGS,
+    _STATE_FIXED,
     KEY_NEXT_SEQ,
     TAG_EXPIRY,
     TAG_ITEM,
@@ -457,6 +462,50 @@ class QueueStore:
                 self._forget_source(txn, db, key, state.source_id)
         if runs:
             self._drop_empty_runs(txn, db, runs)
+
+    def complete_run(self, txn: lmdb.Transaction[bytes], p: int, first: int, last: int) -> tuple[int, int] | None:
+        """Delete items ``first``..``last`` of partition ``p`` if every one of them is
+        stored, leased, and tagged by no lease key and no source id: the batch a plain
+        lease handed out, completed. Returns the sums of their created_at and leased_at.
+
+        None, having changed nothing, when any of them is not so; the caller then takes
+        the item-by-item path, which names each id that fails. One cursor pass checks
+        the run and one deletes it, with no search per item.
+        """
+        db = self._dbs[p]
+        cursor = txn.cursor(db=db)
+        if not cursor.set_key(item_key(first)):
+            return None
+        count = last - first + 1
+        unpack = _STATE_FIXED.unpack_from
+        created = leased_at = 0
+        runs: list[tuple[int, int]] = []
+        singles: list[bytes] = []
+        seq = first
+        for raw in cursor.iternext(keys=False, values=True):
+            if raw[_LENGTHS] != _NO_STRINGS or not raw[0] & _FLAG_LEASED:
+                return None  # (a key past the items, e.g. ``n``, has a shorter value)
+            flags, _attempts, created_at, expire, _deadline, _enqueue_at, at = unpack(raw)
+            created += created_at
+            leased_at += at
+            if flags & _FLAG_EXPIRY_RUN:
+                runs.append((expire, seq))
+            else:
+                singles.append(expiry_key(expire, item_key(seq)))
+            if seq == last:
+                break
+            seq += 1
+        # count keys in order from first, the last of them last: exactly the run.
+        if seq != last or cursor.key() != item_key(last):
+            return None
+        cursor.set_key(item_key(first))
+        delete = cursor.delete
+        for _ in range(count):
+            delete()
+        for key in singles:
+            txn.delete(key, db=db)
+        self._drop_empty_runs(txn, db, runs)
+        return created, leased_at
 
     def leased_under(
         self, txn: lmdb.Transaction[bytes], p: int, seqs: Iterable[int], lease_key: str
