@@ -378,3 +378,31 @@ def test_a_run_of_items_put_back_after_their_lease_completes_with_their_own_entr
     _run(store, config, views, T0 + 63 * SECOND, lambda c, t: c.complete(t, complete))
     assert _stored_keys(store) == (set(), {}, 0)
     assert (views[0].ready, views[0].leased, views[0].created_sum, views[0].leased_at_sum) == (0, 0, 0, 0)
+
+
+def test_a_lease_takes_plain_and_other_items_in_fifo_order_and_drops_the_dying(store: QueueStore) -> None:
+    """The plain items go in runs; an item with more than a payload, or due to die, is
+    met in its place and handled on its own, and the runs go on after it."""
+    long, short = _expiring(3600), _expiring(5)
+    views = [PartitionView()]
+    for config, items in (
+        (long, [NewItem(payload=b"a")]),
+        (short, [NewItem(payload=b"b"), NewItem(payload=b"c")]),
+        (long, [NewItem(payload=b"d", kind="k")]),
+        (long, [NewItem(payload=b"e"), NewItem(payload=b"f"), NewItem(payload=b"g")]),
+    ):
+        produce = _request(ProduceRequest(items))
+        _run(store, config, views, T0, lambda c, t, r=produce: c.produce(t, r))
+    lease = _request(LeaseRequest(5, "", T0))
+    cycle = _run(store, long, views, T0 + 6 * SECOND, lambda c, t: c.lease(t, [lease]))
+    result = cycle.results[0][1]
+    assert [_seq(text) for text in result.ids] == [1, 4, 5, 6, 7]  # type: ignore[attr-defined]
+    assert result.payloads == [b"a", b"d", b"e", b"f", b"g"]  # type: ignore[attr-defined]
+    assert result.attempts == [1] * 5  # type: ignore[attr-defined]
+    assert {index: item.kind for index, item in result.details.items()} == {1: "k"}  # type: ignore[attr-defined]
+    assert cycle.dropped == [(item_id(1, 0, 2), "expired"), (item_id(1, 0, 3), "expired")]
+    assert (views[0].ready, views[0].leased, views[0].ready_hint) == (0, 5, 8)
+    with store.env.begin() as txn:
+        stored = [Item.decode(txn.get(item_key(seq), db=store.db(0))) for seq in (1, 4, 5, 6, 7)]
+    assert all(item.is_leased and item.attempts == 1 and item.leased_at == T0 + 6 * SECOND for item in stored)
+    assert [item.lease_deadline for item in stored] == [T0 + 66 * SECOND] * 5

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-from querator_server.storage.record import Item, lease_plain, plain_header, read_state, with_lease, with_lease_key
+from querator_server.storage.record import Item, plain_header, plain_leaser, read_state, with_lease, with_lease_key
 
 text = st.text(max_size=40)
 items = st.builds(
@@ -72,7 +72,7 @@ def test_the_plain_lease_matches_the_general_path_or_declines(
     item: Item, now: int, max_attempts: int, deadline: int, key: str
 ) -> None:
     raw = item.encode()
-    plain = lease_plain(raw, now=now, max_attempts=max_attempts, deadline=deadline, lease_key=key, key_bytes=key.encode())
+    plain = plain_leaser(now=now, max_attempts=max_attempts, deadline=deadline, key_bytes=key.encode())(raw)
     payload_only = not (item.source_id or item.reference or item.encoding or item.kind or item.lease_key or item.metadata)
     dying = item.expire_deadline <= now or bool(max_attempts and item.attempts >= max_attempts)
     if not payload_only or dying:

@@ -18,7 +18,7 @@ from ..storage import Item
 from ..storage.keyed import LeaseKeyRecord
 from ..storage.record import (
     ItemState,
-    lease_plain,
+    plain_leaser,
     read_state,
     scheduled_key,
     with_lease,
@@ -209,27 +209,24 @@ class Cycle(LifecycleSteps, StorageSteps):
         result = LeaseResult(p)
         ids, payloads, attempts, created_at = result.ids, result.payloads, result.attempts, result.created_at
         last_seq = v.ready_hint - 1
-        key, key_bytes = request.lease_key, request.lease_key.encode()
-        max_attempts = self.config.max_attempts
-        id_prefix = item_id(self.uid, p, 0)[:-1]
+        leaser = plain_leaser(
+            now=now, max_attempts=self.config.max_attempts, deadline=deadline, key_bytes=request.lease_key.encode()
+        )
+        id_format = item_id(self.uid, p, 0)[:-1] + "%x"
         deadlines = self.lease_deadlines
-        ready = self.store.ready_items(txn, p, v.ready_hint)
-        for seq, raw in ready:
-            if len(ids) >= quota:
+        while len(ids) < quota:
+            run = self.store.lease_run(txn, p, last_seq + 1, quota - len(ids), leaser)
+            if run.seqs:
+                ids.extend(map(id_format.__mod__, run.seqs))
+                payloads.extend(run.payloads)
+                attempts.extend(run.attempts)
+                created_at.extend(run.created_at)
+                taken.extend(zip(run.seqs, run.records))
+                deadlines.extend([(deadline, p, seq) for seq in run.seqs])
+            last_seq = max(last_seq, run.last_seq)
+            if run.other is None:
                 break
-            last_seq = seq
-            plain = lease_plain(
-                raw, now=now, max_attempts=max_attempts, deadline=deadline, lease_key=key, key_bytes=key_bytes
-            )
-            if plain is not None:
-                ready.replace(seq, plain[0])
-                taken.append((seq, raw))
-                ids.append(id_prefix + format(seq, "x"))
-                payloads.append(plain[1])
-                attempts.append(plain[2])
-                created_at.append(plain[3])
-                deadlines.append((deadline, p, seq))
-                continue
+            seq, raw = run.other
             state = read_state(raw)
             reason = self._death_reason(state)
             if reason:  # expired or out of attempts: never leased again
@@ -251,7 +248,7 @@ class Cycle(LifecycleSteps, StorageSteps):
             self.store.put_raw(txn, p, seq, leased)
             taken.append((seq, raw))
             result.add(item_id(self.uid, p, seq), Item.decode(leased))
-            self.lease_deadlines.append((deadline, p, seq))
+            deadlines.append((deadline, p, seq))
         if not ids:
             return None
         count = len(ids)

@@ -31,6 +31,7 @@ import lmdb
 
 from ..faults import MAP_FULL, NO_SPACE, write_fault
 from .record import (
+    PlainLeaser,
     _FLAG_EXPIRY_RUN,
     _FLAG_LEASED,
     _HEADER,
@@ -89,30 +90,20 @@ def _find_run(cursor: Any, deadline: int, seq: int) -> tuple[int, int] | None:
     return (first, last) if first <= seq <= last else None
 
 
-class ReadyItems:
-    """(seq, raw) of a partition's ready items in FIFO order, and ``replace`` to rewrite
-    the one just yielded (a lease) through the same cursor, which finds it without
-    searching the tree again."""
+@dataclass(slots=True)
+class LeasedRun:
+    """What ``lease_run`` leased, oldest first, as parallel lists."""
 
-    __slots__ = ("_cursor", "_from")
-
-    def __init__(self, cursor: Any, from_seq: int) -> None:
-        self._cursor = cursor
-        self._from = from_seq
-
-    def __iter__(self) -> Iterator[tuple[int, bytes]]:
-        cursor = self._cursor
-        if not cursor.set_range(item_key(self._from)):
-            return
-        for key, raw in cursor:
-            if key[:1] != TAG_ITEM:
-                return
-            if raw[0] & 1:  # leased
-                continue
-            yield seq_of_item_key(key), raw
-
-    def replace(self, seq: int, raw: bytes) -> None:
-        self._cursor.put(item_key(seq), raw)
+    seqs: list[int] = field(default_factory=list)
+    # Each item's record as it was before the lease (put back if the lease is fenced).
+    records: list[bytes] = field(default_factory=list)
+    payloads: list[bytes] = field(default_factory=list)
+    attempts: list[int] = field(default_factory=list)
+    created_at: list[int] = field(default_factory=list)
+    # The last ready seq looked at, 0 for none.
+    last_seq: int = 0
+    # The ready item the run stopped at, which the leaser declined: (seq, record).
+    other: tuple[int, bytes] | None = None
 
 
 DEFAULT_MAP_SIZE = 1 << 30
@@ -576,9 +567,40 @@ class QueueStore:
         key = source_key(source_id)
         return any(txn.get(key, db=db) is not None for db in self._dbs)
 
-    def ready_items(self, txn: lmdb.Transaction[bytes], p: int, from_seq: int) -> ReadyItems:
-        """The ready items from ``from_seq`` on, in FIFO order (see ``ReadyItems``)."""
-        return ReadyItems(txn.cursor(db=self._dbs[p]), from_seq)
+    def lease_run(self, txn: lmdb.Transaction[bytes], p: int, from_seq: int, quota: int, lease: PlainLeaser) -> LeasedRun:
+        """Lease up to ``quota`` ready items of partition ``p`` from ``from_seq`` on, in
+        FIFO order, as ``lease`` rewrites them, until one it declines (``other``).
+
+        Each record is rewritten through the cursor that found it, which needs no
+        search of the tree, and leased items on the way are skipped by their flag.
+        """
+        run = LeasedRun()
+        cursor = txn.cursor(db=self._dbs[p])
+        if not cursor.set_range(item_key(from_seq)):
+            return run
+        seqs, records, payloads, attempts, created_at = run.seqs, run.records, run.payloads, run.attempts, run.created_at
+        put, seq_of = cursor.put, seq_of_item_key
+        seq = 0
+        for key, raw in cursor:
+            if key[:1] != TAG_ITEM:
+                break
+            if raw[0] & _FLAG_LEASED:
+                continue
+            seq = seq_of(key)
+            leased = lease(raw)
+            if leased is None:
+                run.other = (seq, raw)
+                break
+            put(key, leased[0])
+            seqs.append(seq)
+            records.append(raw)
+            payloads.append(leased[1])
+            attempts.append(leased[2])
+            created_at.append(leased[3])
+            if len(seqs) >= quota:
+                break
+        run.last_seq = seq
+        return run
 
     def page_items(self, txn: lmdb.Transaction[bytes], p: int, after_seq: int, limit: int) -> list[tuple[int, Item]]:
         cursor = txn.cursor(db=self._dbs[p])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -291,24 +292,44 @@ _NO_STRINGS = bytes(24)  # the six string lengths of a payload-only item, all ze
 _LENGTHS = slice(_STATE_FIXED.size, _HEADER.size)
 
 
-def lease_plain(
-    raw: bytes, *, now: int, max_attempts: int, deadline: int, lease_key: str, key_bytes: bytes
-) -> tuple[bytes, bytes, int, int] | None:
-    """``raw`` leased under ``lease_key``, with the leased item's payload, attempts and
-    creation time, in one pass, for the common item: a payload and nothing else, not
-    tagged by a lease key, not due to die.
+# What a plain lease writes over the fixed header: flags and attempts, then created_at and
+# the expire deadline kept, the lease deadline, enqueue_at kept, leased_at.
+_FLAGS_ATTEMPTS = struct.Struct("<BI")
+_I64 = struct.Struct("<q")
+_STRING_LENGTHS = struct.Struct("<IIIIII")
+_CREATED_EXPIRE = slice(_FLAGS_ATTEMPTS.size, _FLAGS_ATTEMPTS.size + 16)
+_ENQUEUE_AT = slice(_CREATED_EXPIRE.stop + 8, _CREATED_EXPIRE.stop + 16)
+assert _ENQUEUE_AT.stop + 8 == _STATE_FIXED.size and _STRING_LENGTHS.size == _HEADER.size - _STATE_FIXED.size
 
-    None for every other item, which takes the general path (``read_state``,
-    ``with_lease_key``, ``Item.decode``). A lease touches every item it hands out, so
-    this saves the header being unpacked three times and an ``Item`` per item.
+PlainLeaser = Callable[[bytes], "tuple[bytes, bytes, int, int] | None"]
+
+
+def plain_leaser(*, now: int, max_attempts: int, deadline: int, key_bytes: bytes) -> PlainLeaser:
+    """The rewrite of one lease (at ``now``, until ``deadline``, under the lease key
+    ``key_bytes``) for the common item: a payload and nothing else, not tagged by a
+    lease key, not due to die. It maps a record to (the leased record, its payload,
+    attempts, created_at), or to None for every other item, which takes the general
+    path (``read_state``, ``with_lease_key``, ``Item.decode``).
+
+    A lease touches every item it hands out: the parts all of them share are packed
+    once here, and each record is unpacked once and copied in slices.
     """
-    if raw[_LENGTHS] != _NO_STRINGS:
-        return None
-    flags, attempts, created, expire, _deadline, enqueue_at, _leased_at = _STATE_FIXED.unpack_from(raw)
-    if expire <= now or (max_attempts and attempts >= max_attempts):
-        return None
-    attempts += 1
-    payload = raw[_HEADER.size :]
-    flags = _FLAG_LEASED | (flags & _FLAG_EXPIRY_RUN)
-    header = _HEADER.pack(flags, attempts, created, expire, deadline, enqueue_at, now, 0, 0, 0, 0, len(key_bytes), 0)
-    return header + key_bytes + payload, payload, attempts, created
+    unpack = _STATE_FIXED.unpack_from
+    head = _FLAGS_ATTEMPTS.pack
+    deadline_bytes, at_bytes = _I64.pack(deadline), _I64.pack(now)
+    tail = _STRING_LENGTHS.pack(0, 0, 0, 0, len(key_bytes), 0) + key_bytes
+    join = b"".join
+
+    def lease(raw: bytes) -> tuple[bytes, bytes, int, int] | None:
+        if raw[_LENGTHS] != _NO_STRINGS:
+            return None
+        flags, attempts, created, expire, _deadline, _enqueue_at, _leased_at = unpack(raw)
+        if expire <= now or (max_attempts and attempts >= max_attempts):
+            return None
+        attempts += 1
+        payload = raw[_HEADER.size :]
+        flags = _FLAG_LEASED | (flags & _FLAG_EXPIRY_RUN)
+        parts = (head(flags, attempts), raw[_CREATED_EXPIRE], deadline_bytes, raw[_ENQUEUE_AT], at_bytes, tail, payload)
+        return join(parts), payload, attempts, created
+
+    return lease
