@@ -6,24 +6,25 @@ the lifecycle's re-queue; here one transaction holds both, as a busy actor's wou
 
 from __future__ import annotations
 
-import asyncio
 import random
 import re
 from collections.abc import Iterator
 
 import pytest
+from cycle_helpers import SECOND, T0
+from cycle_helpers import request as _request
+from cycle_helpers import run_cycle as _run
+from cycle_helpers import seq_of as _seq
+from cycle_helpers import stored_keys as _stored_keys
 from querator_server.actor.cycle import Cycle
-from querator_server.actor.ids import item_id, parse_id
+from querator_server.actor.ids import item_id
 from querator_server.actor.requests import CompleteRequest, ExtendRequest, LeaseRequest, ProduceRequest
 from querator_server.actor.view import PartitionView
 from querator_server.errors import FailedPrecondition, NotFound
 from querator_server.model import NewItem, QueueConfig
 from querator_server.storage import Item, QueueStore
 from querator_server.storage.keyed import KeyedIndex
-from querator_server.storage.record import TAG_EXPIRY, TAG_ITEM, decode_u64, item_key, parse_expiry_key
-
-SECOND = 1_000_000
-T0 = 1_800_000_000 * SECOND
+from querator_server.storage.record import item_key
 
 
 @pytest.fixture
@@ -31,37 +32,6 @@ def store(tmp_path: object) -> Iterator[QueueStore]:
     s = QueueStore(str(tmp_path / "q"), 1, map_size=1 << 22, sync=False)  # type: ignore[operator]
     yield s
     s.close()
-
-
-def _request(request: object) -> object:
-    request.future = asyncio.Future(loop=asyncio.new_event_loop())  # type: ignore[attr-defined]
-    return request
-
-
-def _run(
-    store: QueueStore,
-    config: QueueConfig,
-    views: list[PartitionView],
-    now: int,
-    steps: object,
-    keyed: KeyedIndex | None = None,
-) -> Cycle:
-    def body(txn: object) -> Cycle:
-        cycle = Cycle(store, config, views, now, keyed)
-        steps(cycle, txn)  # type: ignore[operator]
-        cycle.finish(txn)  # type: ignore[arg-type]
-        return cycle
-
-    cycle = store.write(body)  # type: ignore[arg-type]
-    for p, view in cycle.views.items():
-        views[p] = view
-    return cycle
-
-
-def _seq(text: str) -> int:
-    ref = parse_id(text)
-    assert ref is not None
-    return ref.seq
 
 
 def _leased_one(store: QueueStore, config: QueueConfig, views: list[PartitionView]) -> str:
@@ -112,28 +82,6 @@ def test_requeue_after_the_deadline_gives_a_new_id_at_the_tail(store: QueueStore
     (_, result) = cycle.results[0]
     assert result.ids == [item_id(1, 0, 2)]  # type: ignore[attr-defined]
     assert result.attempts == [2]  # type: ignore[attr-defined]
-
-
-def _stored_keys(store: QueueStore) -> tuple[set[int], dict[int, int], int]:
-    """Read straight from the partition: the seqs of the stored items, the expiry
-    deadline the index gives each stored item, and the number of index entries.
-
-    Fails if an item is indexed twice or an entry indexes no stored item.
-    """
-    with store.env.begin() as txn:
-        pairs = [(bytes(key), bytes(value)) for key, value in txn.cursor(db=store.db(0))]
-    seqs = {int.from_bytes(key[1:], "big") for key, _ in pairs if key[:1] == TAG_ITEM}
-    indexed: dict[int, int] = {}
-    entries = [(key, value) for key, value in pairs if key[:1] == TAG_EXPIRY]
-    for key, value in entries:
-        deadline, target = parse_expiry_key(key)
-        first = int.from_bytes(target[1:], "big")
-        covered = set(range(first, decode_u64(value) + 1)) if value else {first}
-        assert covered & seqs, f"an expiry entry indexes no stored item: {key!r}"
-        for seq in covered & seqs:
-            assert seq not in indexed, f"item {seq} is indexed twice"
-            indexed[seq] = deadline
-    return seqs, indexed, len(entries)
 
 
 def test_completions_in_any_order_remove_exactly_their_items_and_expiry_keys(store: QueueStore) -> None:
