@@ -1,8 +1,9 @@
 """A queue's cycles against a model of the queue, by random sequences of steps.
 
 Produce (compact, plain items, items with a kind), lease, complete (a leased batch as
-handed out, a shuffled part of what is leased, or with an id that is not leased), the
-lifecycle (ended leases and expired items) and a moving clock, applied to a real
+handed out, a shuffled part of what is leased, or with an id that is not leased),
+retry (at once, or as dead), the lifecycle (ended leases and expired items) and a
+moving clock, applied to a real
 LMDB partition through ``Cycle``. After every step the stored items, their lease
 state and attempts, the expiry index (every item indexed exactly once, no entry left
 without items) and the partition's counters must agree with the model.
@@ -22,10 +23,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from querator_server.actor.ids import item_id
-from querator_server.actor.requests import CompleteRequest, LeaseRequest, ProduceRequest
+from querator_server.actor.requests import CompleteRequest, LeaseRequest, ProduceRequest, RetryRequest
 from querator_server.actor.view import PartitionView
 from querator_server.errors import QueratorError
-from querator_server.model import NewItem, QueueConfig
+from querator_server.model import NewItem, QueueConfig, RetryOrder
 from querator_server.storage import Item, QueueStore
 from querator_server.storage.record import item_key
 
@@ -143,6 +144,24 @@ class QueueModel(RuleBasedStateMachine):
         assert ok
         for text in ids:
             del self.items[seq_of(text)]
+
+    @precondition(lambda self: any(item.lease_deadline for item in self.items.values()))
+    @rule(data=st.data(), dead=st.booleans())
+    def retry(self, data: st.DataObject, dead: bool) -> None:
+        leased = sorted(seq for seq, item in self.items.items() if item.lease_deadline)
+        chosen = data.draw(st.lists(st.sampled_from(leased), min_size=1, max_size=5, unique=True))
+        retry = request(RetryRequest(0, [RetryOrder(item_id(1, 0, seq), dead=dead) for seq in chosen]))
+        cycle = self._run(lambda c, t: c.retry(t, retry))
+        dropped: list[str] = []
+        for seq in chosen:
+            item = self.items.pop(seq)
+            item.lease_deadline = 0
+            if dead or self._dying(item):
+                dropped.append(item_id(1, 0, seq))
+            else:
+                self.items[self.next_seq] = item  # back at the tail under a new id
+                self.next_seq += 1
+        assert [text for text, _reason in cycle.dropped] == dropped  # type: ignore[attr-defined]
 
     @rule()
     def lifecycle(self) -> None:
