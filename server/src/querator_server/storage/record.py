@@ -237,20 +237,9 @@ def read_state(raw: bytes) -> ItemState:
         lease_key = bytes(raw[pos : pos + n_lease_key]).decode()
     # tuple.__new__ directly: NamedTuple's generated __new__ is Python and doubles the cost
     # of this function, which runs for every item a lease or an ack touches.
+    leased, run = bool(flags & _FLAG_LEASED), bool(flags & _FLAG_EXPIRY_RUN)
     return _new_tuple(
-        ItemState,
-        (
-            bool(flags & _FLAG_LEASED),
-            attempts,
-            created,
-            expire,
-            lease_deadline,
-            enqueue_at,
-            leased_at,
-            source,
-            lease_key,
-            bool(flags & _FLAG_EXPIRY_RUN),
-        ),
+        ItemState, (leased, attempts, created, expire, lease_deadline, enqueue_at, leased_at, source, lease_key, run)
     )
 
 
