@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 from querator_server.config import ServerConfig
 
@@ -281,13 +282,19 @@ def test_second_signal_during_shutdown_exits_at_once(tmp_path: object, serves: l
     args = ["--address", address, "--data-dir", os.path.join(str(tmp_path), "data"), "--log-level", "warning"]
     s = serve(serves, tmp_path, address, args)
     channel = grpc.insecure_channel(address)
+    more = threading.Event()
+
+    def requests() -> Iterator[reflection_pb2.ServerReflectionRequest]:
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+        more.wait(60)  # the stream stays open: an RPC that does not end by itself
+
     try:
-        # An open Health.Watch stream is an RPC that never ends by itself, so after the
-        # first signal the server sits in its grace period (seconds) waiting for it.
-        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
-        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        # An open reflection stream holds the server in its grace period (seconds)
+        # after the first signal, waiting for it.
+        info = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(requests(), timeout=60)
+        assert next(info).list_services_response.service
         s.signal(signal.SIGTERM)
-        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # shutdown has begun
+        wait_until(lambda: health_status(address) != health_pb2.HealthCheckResponse.SERVING, 10)
         time.sleep(0.2)
         assert s.proc is not None and s.proc.poll() is None, "still draining: the second signal has work to do"
         started = time.monotonic()
@@ -296,7 +303,46 @@ def test_second_signal_during_shutdown_exits_at_once(tmp_path: object, serves: l
         elapsed = time.monotonic() - started
         assert elapsed < GRACE_S / 2, f"the second signal took {elapsed:.1f}s to end the process"
         assert code != 0  # a forced exit, not a clean one
-        watch.cancel()
+        info.cancel()
+    finally:
+        more.set()
+        channel.close()
+
+
+def health_status(address: str) -> int:
+    """The server's health, or -1 once it no longer answers."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return int(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status)
+        except grpc.RpcError:
+            return -1
+
+
+def test_health_watch_ends_at_shutdown(tmp_path: object, serves: list[Serve]) -> None:
+    # gRPC client-side health checking keeps a Watch open per channel: it must learn
+    # NOT_SERVING and then end, not hold the shutdown for the whole grace period.
+    address = f"127.0.0.1:{free_port()}"
+    args = ["--address", address, "--data-dir", os.path.join(str(tmp_path), "data"), "--log-level", "warning"]
+    s = serve(serves, tmp_path, address, args)
+    channel = grpc.insecure_channel(address)
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        watches = [stub.Watch(health_pb2.HealthCheckRequest(service=name), timeout=60) for name in ("", SERVICES[0], "no.such.Service")]
+        assert [next(w).status for w in watches] == [
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.SERVICE_UNKNOWN,
+        ]
+        started = time.monotonic()
+        s.signal(signal.SIGTERM)
+        assert next(watches[0]).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert next(watches[1]).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        for watch in watches:
+            assert list(watch) == []  # the stream ends...
+            assert watch.code() == grpc.StatusCode.OK  # ...with OK
+        assert s.wait(GRACE_S * 0.8) == 0
+        elapsed = time.monotonic() - started
+        assert elapsed < GRACE_S / 2, f"the shutdown took {elapsed:.1f}s with Watch calls open"
     finally:
         channel.close()
 

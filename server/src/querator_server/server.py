@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from .config import ServerConfig
 from .grpc_api import QueueService, QueuesService, StorageService
 from .grpc_api.authz import Guard
+from .grpc_api.health_service import HealthService
 from .grpc_api.keys_service import SERVICE as KEYS_SERVICE
 from .grpc_api.keys_service import KeysService
 from .grpc_api.queue_service import SERVICE as QUEUE_SERVICE
@@ -59,7 +60,7 @@ class QueratorServer:
             map_size=config.map_size,
             bootstrap_token=config.admin_token if config.auth else "",
         )
-        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # not in its stubs
+        self.health = HealthService()
         self._server: grpc.aio.Server | None = None
         self._queue_service: QueueService | None = None
         self.port = 0
@@ -185,6 +186,7 @@ class QueratorServer:
         # Open streams end (OK) once answered, rather than holding the grace period.
         if self._queue_service is not None:
             self._queue_service.end_streams()
+        await self.health.end_watches()
         await self._await_lull(min(SHUTDOWN_DRAIN_S, grace))
         await server.stop(grace)
         if self.metrics is not None:
