@@ -40,7 +40,6 @@ from ._config import BATCH_BYTES, MAX_BATCH
 from ._convert import Seconds, payload_bytes, seconds
 from ._models import Item, Payload
 from .errors import QueratorError, Unavailable, from_rpc_error
-from .v1 import queue_pb2
 
 if TYPE_CHECKING:
     from ._async_client import AsyncClient
