@@ -37,9 +37,13 @@ def test_backup_while_serving_restores_items_leases_and_settings(data_dir: str, 
             leased = stubs.lease("work", batch_size=5)
             stubs.create("doomed")
             stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="doomed"), timeout=10)
+            # Too many partitions for a commit group: an environment of its own (uid 4).
+            stubs.create("wide", requested_partitions=40)
+            stubs.produce("wide", [b"wide item"])
             result = run_backup(data_dir, backup_dir)
             assert result.returncode == 0, result.stderr
-            assert "catalog" in result.stdout and os.path.join("queues", "2") in result.stdout
+            copied = [line.split("\t")[0] for line in result.stdout.splitlines()]
+            assert copied == ["catalog", os.path.join("groups", "0"), os.path.join("queues", "4")]
             # The server keeps serving while and after the copy is taken.
             stubs.produce("work", [b"after the backup"])
     finally:
@@ -57,6 +61,7 @@ def test_backup_while_serving_restores_items_leases_and_settings(data_dir: str, 
             # The leases are still held: their ids complete in the restored copy.
             stubs.complete("work", leased.partition, [i.id for i in leased.items])
             assert sum(p.total for p in stubs.stats("work").partitions) == 45
+            assert sum(p.total for p in stubs.stats("wide").partitions) == 1
     finally:
         restored.stop()
 

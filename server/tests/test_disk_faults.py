@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+import lmdb
 import pytest
 from conftest import ProcessServer, Stubs, ThreadServer, free_port
 from google.protobuf import field_mask_pb2
@@ -349,15 +350,18 @@ def test_a_real_full_file_system_refuses_writes_loses_nothing_and_recovers_when_
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A data directory with one queue (uid 1) of 300 items, some leased."""
+    """A data directory with two queues of 300 items, some leased: "q" (uid 1) in commit
+    group 0, and "wide" (uid 2), too wide for a group, in an environment of its own."""
     data = str(tmp_path_factory.mktemp("template") / "data")
     srv = ThreadServer(data)
     stubs = connect(srv.address)
     try:
         stubs.create("q", requested_partitions=2, lease_timeout=LONG_LEASE)
-        for batch in range(3):
-            stubs.produce("q", [f"{batch}-{i}".encode() + bytes(1000) for i in range(100)])
-        stubs.lease("q", batch_size=10)
+        stubs.create("wide", requested_partitions=40, lease_timeout=LONG_LEASE)
+        for name in ("q", "wide"):
+            for batch in range(3):
+                stubs.produce(name, [f"{batch}-{i}".encode() + bytes(1000) for i in range(100)])
+            stubs.lease(name, batch_size=10)
     finally:
         stubs.channel.close()
         srv.stop()
@@ -381,29 +385,53 @@ def _write(path: str, text: str = "not ours") -> None:
         f.write(text)
 
 
-QUEUE_FILE = os.path.join("queues", "1", "data.mdb")
+QUEUE_FILE = os.path.join("queues", "2", "data.mdb")
+GROUP_FILE = os.path.join("groups", "0", "data.mdb")
 CATALOG_FILE = os.path.join("catalog", "data.mdb")
+
+
+def _drop_databases(path: str, prefix: bytes) -> None:
+    env = lmdb.open(path, max_dbs=64)
+    try:
+        with env.begin(write=True) as txn:
+            names = [bytes(k) for k, _ in txn.cursor() if bytes(k).startswith(prefix)]
+            for name in names:
+                txn.drop(env.open_db(name, txn=txn), delete=True)
+    finally:
+        env.close()
+
+
+def _file_damage(kind: str, file: str) -> dict[str, tuple[Callable[[str], None], str]]:
+    """The ways to damage one LMDB file (a queue's or a group's)."""
+    folder = os.path.dirname(file)
+    return {
+        f"{kind}-garbage": (lambda d: _garbage(os.path.join(d, file), 65536), file),
+        f"{kind}-emptied": (lambda d: _truncate(os.path.join(d, file), 0), file),
+        f"{kind}-truncated": (lambda d: _truncate(os.path.join(d, file), 3 * 4096), file),
+        f"{kind}-pages-corrupt": (
+            lambda d: _garbage(os.path.join(d, file), os.path.getsize(os.path.join(d, file)) - 8192, keep=8192),
+            file,
+        ),
+        f"{kind}-file-removed": (lambda d: os.remove(os.path.join(d, file)), file),
+        f"{kind}-dir-removed": (lambda d: shutil.rmtree(os.path.join(d, folder)), file),
+        f"foreign-in-{kind}-dir": (
+            lambda d: _write(os.path.join(d, folder, "data.mdb.old")),
+            os.path.join(folder, "data.mdb.old"),
+        ),
+    }
+
 
 # name -> (how to damage the data directory, the path the message must name)
 DAMAGE: dict[str, tuple[Callable[[str], None], str]] = {
     "catalog-garbage": (lambda d: _garbage(os.path.join(d, CATALOG_FILE), 65536), CATALOG_FILE),
     "catalog-emptied": (lambda d: _truncate(os.path.join(d, CATALOG_FILE), 0), CATALOG_FILE),
     "catalog-removed": (lambda d: shutil.rmtree(os.path.join(d, "catalog")), CATALOG_FILE),
-    "queue-garbage": (lambda d: _garbage(os.path.join(d, QUEUE_FILE), 65536), QUEUE_FILE),
-    "queue-emptied": (lambda d: _truncate(os.path.join(d, QUEUE_FILE), 0), QUEUE_FILE),
-    "queue-truncated": (lambda d: _truncate(os.path.join(d, QUEUE_FILE), 3 * 4096), QUEUE_FILE),
-    "queue-pages-corrupt": (
-        lambda d: _garbage(os.path.join(d, QUEUE_FILE), os.path.getsize(os.path.join(d, QUEUE_FILE)) - 8192, keep=8192),
-        QUEUE_FILE,
-    ),
-    "queue-file-removed": (lambda d: os.remove(os.path.join(d, QUEUE_FILE)), QUEUE_FILE),
-    "queue-dir-removed": (lambda d: shutil.rmtree(os.path.join(d, "queues", "1")), QUEUE_FILE),
+    **_file_damage("queue", QUEUE_FILE),
+    **_file_damage("group", GROUP_FILE),
+    "group-lost-a-queue": (lambda d: _drop_databases(os.path.join(d, "groups", "0"), b"q1."), GROUP_FILE),
     "foreign-top": (lambda d: _write(os.path.join(d, "notes.txt")), "notes.txt"),
     "foreign-in-queues": (lambda d: _write(os.path.join(d, "queues", "backup")), os.path.join("queues", "backup")),
-    "foreign-in-queue-dir": (
-        lambda d: _write(os.path.join(d, "queues", "1", "data.mdb.old")),
-        os.path.join("queues", "1", "data.mdb.old"),
-    ),
+    "foreign-in-groups": (lambda d: _write(os.path.join(d, "groups", "old")), os.path.join("groups", "old")),
     "foreign-in-catalog": (lambda d: _write(os.path.join(d, "catalog", "x.json")), os.path.join("catalog", "x.json")),
 }
 
@@ -454,21 +482,35 @@ def test_start_up_accepts_lost_found_and_removes_queue_dirs_the_catalog_does_not
     srv = ThreadServer(data)
     stubs = connect(srv.address)
     try:
-        stubs.create("gone")  # uid 2
+        stubs.create("gone")  # uid 3
         stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="gone"), timeout=10)
     finally:
         stubs.channel.close()
         srv.stop()
-    # A crash after the catalog forgot "gone" but before its directory was removed, and
-    # a queue the backed-up catalog never saw.
-    shutil.copytree(os.path.join(data, "queues", "1"), os.path.join(data, "queues", "2"))
-    shutil.copytree(os.path.join(data, "queues", "1"), os.path.join(data, "queues", "9"))
+    # A crash after the catalog forgot "gone" but before its storage was removed, and
+    # queues the backed-up catalog never saw: directories, a whole group, and databases
+    # inside a group that the catalog does know.
+    shutil.copytree(os.path.join(data, "queues", "2"), os.path.join(data, "queues", "3"))
+    shutil.copytree(os.path.join(data, "queues", "2"), os.path.join(data, "queues", "9"))
+    shutil.copytree(os.path.join(data, "groups", "0"), os.path.join(data, "groups", "4"))
+    env = lmdb.open(os.path.join(data, "groups", "0"), max_dbs=64)
+    with env.begin(write=True) as txn:
+        for name in (b"q3.p0", b"q9.p0", b"q9.dedup"):
+            txn.put(b"x", b"y", db=env.open_db(name, txn=txn))
+    env.close()
     srv = ThreadServer(data)
     stubs = connect(srv.address)
     try:
-        assert sorted(os.listdir(os.path.join(data, "queues"))) == ["1"]
-        assert stats_total(stubs, "q") == (300, 10)
-        assert len(stored(stubs, "q")) == 300
+        assert sorted(os.listdir(os.path.join(data, "queues"))) == ["2"]
+        assert sorted(os.listdir(os.path.join(data, "groups"))) == ["0"]
+        for name in ("q", "wide"):
+            assert stats_total(stubs, name) == (300, 10)
+            assert len(stored(stubs, name)) == 300
     finally:
         stubs.channel.close()
         srv.stop()
+    # (Read once the server is gone: LMDB must not open an environment twice in one process.)
+    env = lmdb.open(os.path.join(data, "groups", "0"), max_dbs=64, readonly=True, lock=False)
+    with env.begin() as txn:
+        assert {bytes(k).split(b".")[0] for k, _ in txn.cursor()} == {b"q1"}
+    env.close()

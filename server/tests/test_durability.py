@@ -214,17 +214,17 @@ class Ledger:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _worker(address: str, cycle: int, ledger: Ledger, errors: list[Exception]) -> None:
+def _worker(address: str, cycle: int, ledger: Ledger, errors: list[Exception], name: str = "crash") -> None:
     """Produce batches and complete leased items until the server dies under us."""
-    rng = random.Random(cycle)
+    rng = random.Random(f"{cycle}-{name}")
     stubs = connect(address)
     batch = 0
     try:
         while True:
-            payloads = [f"c{cycle}-b{batch}-{i}".encode() for i in range(rng.randint(1, 25))]
+            payloads = [f"{name}-c{cycle}-b{batch}-{i}".encode() for i in range(rng.randint(1, 25))]
             batch += 1
             try:
-                reply = stubs.produce("crash", payloads)
+                reply = stubs.produce(name, payloads)
             except grpc.RpcError:
                 with ledger.lock:
                     ledger.unsure_payloads.update(payloads)
@@ -233,7 +233,7 @@ def _worker(address: str, cycle: int, ledger: Ledger, errors: list[Exception]) -
                 ledger.produced.update(zip(reply.ids, payloads, strict=True))
                 ledger.acks += 1
             try:
-                lease = stubs.lease("crash", batch_size=rng.randint(1, 30), request_timeout={"nanos": 50_000_000})
+                lease = stubs.lease(name, batch_size=rng.randint(1, 30), request_timeout={"nanos": 50_000_000})
             except grpc.RpcError:
                 return  # an unacknowledged lease may or may not be on disk; both are fine
             ids = [i.id for i in lease.items]
@@ -244,7 +244,7 @@ def _worker(address: str, cycle: int, ledger: Ledger, errors: list[Exception]) -
             if not done:
                 continue
             try:
-                stubs.complete("crash", lease.partition, done)
+                stubs.complete(name, lease.partition, done)
             except grpc.RpcError:
                 with ledger.lock:
                     ledger.unsure_completed.update(dict.fromkeys(done, lease.partition))
@@ -262,8 +262,8 @@ def _worker(address: str, cycle: int, ledger: Ledger, errors: list[Exception]) -
         stubs.channel.close()
 
 
-def _check_after_crash(stubs: Stubs, ledger: Ledger) -> None:
-    listed = list_all(stubs, "crash")
+def _check_after_crash(stubs: Stubs, ledger: Ledger, name: str) -> None:
+    listed = list_all(stubs, name)
     items = [i for p in listed.values() for i in p]
     ids = [i.id for i in items]
     payloads = [i.payload for i in items]
@@ -283,52 +283,68 @@ def _check_after_crash(stubs: Stubs, ledger: Ledger) -> None:
         assert stored[item_id].is_leased, f"acknowledged lease of {item_id} lost"
     for item_id in ledger.unsure_completed:
         assert item_id not in stored or stored[item_id].is_leased
-    assert_stats_match_storage(stubs, "crash")
+    assert_stats_match_storage(stubs, name)
 
 
-def test_kill9_loses_no_acknowledged_produce_or_complete(proc: ProcessServer) -> None:
+# One queue; and four queues of one commit group, whose cycles share commits.
+@pytest.mark.parametrize("names", [["crash"], ["crash-a", "crash-b", "crash-c", "crash-d"]], ids=["one", "group"])
+def test_kill9_loses_no_acknowledged_produce_or_complete(proc: ProcessServer, names: list[str]) -> None:
     stubs = connect(proc.address)
-    stubs.create("crash", requested_partitions=2, lease_timeout=LONG_LEASE)
+    for name in names:
+        stubs.create(name, requested_partitions=2, lease_timeout=LONG_LEASE)
     stubs.channel.close()
-    ledger = Ledger()
+    ledgers = {name: Ledger() for name in names}
     for cycle in range(5):
         errors: list[Exception] = []
-        with ledger.lock:
-            start = ledger.acks
-        worker = threading.Thread(target=_worker, args=(proc.address, cycle, ledger, errors), daemon=True)
-        worker.start()
+        starts = {name: ledger.acks for name, ledger in ledgers.items()}
+        workers = [
+            threading.Thread(target=_worker, args=(proc.address, cycle, ledgers[name], errors, name), daemon=True)
+            for name in names
+        ]
+        for worker in workers:
+            worker.start()
         target = random.Random(100 + cycle).randint(3, 40)
         wait_until(
-            lambda start=start, target=target, worker=worker: ledger.acks - start >= target or not worker.is_alive(),
+            lambda target=target, workers=workers, starts=starts: all(
+                ledgers[n].acks - starts[n] >= target for n in names
+            )
+            or not all(w.is_alive() for w in workers),
             timeout=20,
         )
-        proc.kill9()  # at whatever the worker is doing right now
-        worker.join(15)
-        assert not worker.is_alive(), "the worker did not notice the dead server"
+        proc.kill9()  # at whatever the workers are doing right now
+        for worker in workers:
+            worker.join(15)
+            assert not worker.is_alive(), "a worker did not notice the dead server"
         assert not errors, errors
-        assert ledger.acks - start >= target
+        assert all(ledgers[n].acks - starts[n] >= target for n in names)
         proc.start()
         stubs = connect(proc.address)
         try:
-            _check_after_crash(stubs, ledger)
-            # Leases acknowledged before the crash still hold and complete with the same
-            # ids; an in-flight complete that did not land can be finished now.
-            pending: dict[int, list[str]] = {}
-            stored = {i.id for p in list_all(stubs, "crash").values() for i in p}
-            for item_id, p in [*ledger.leased.items(), *ledger.unsure_completed.items()]:
-                if item_id in stored:
-                    pending.setdefault(p, []).append(item_id)
-                else:  # the in-flight complete landed before the kill
-                    ledger.completed.add(item_id)
-            for p, ids in pending.items():
-                stubs.complete("crash", p, ids)
-                ledger.completed.update(ids)
-            ledger.leased.clear()
-            ledger.unsure_completed.clear()
-            assert_stats_match_storage(stubs, "crash")
+            for name, ledger in ledgers.items():
+                _check_after_crash(stubs, ledger, name)
+                _finish_leases(stubs, ledger, name)
         finally:
             stubs.channel.close()
-    assert len(ledger.produced) >= 15 and len(ledger.completed) >= 5  # the loop really ran
+    for ledger in ledgers.values():
+        assert len(ledger.produced) >= 15 and len(ledger.completed) >= 5  # the loop really ran
+
+
+def _finish_leases(stubs: Stubs, ledger: Ledger, name: str) -> None:
+    """Leases acknowledged before the crash still hold and complete with the same ids;
+    an in-flight complete that did not land can be finished now."""
+    pending: dict[int, list[str]] = {}
+    stored = {i.id for p in list_all(stubs, name).values() for i in p}
+    for item_id, p in [*ledger.leased.items(), *ledger.unsure_completed.items()]:
+        if item_id in stored:
+            pending.setdefault(p, []).append(item_id)
+        else:  # the in-flight complete landed before the kill
+            ledger.completed.add(item_id)
+    for p, ids in pending.items():
+        stubs.complete(name, p, ids)
+        ledger.completed.update(ids)
+    ledger.leased.clear()
+    ledger.unsure_completed.clear()
+    assert_stats_match_storage(stubs, name)
 
 
 def test_kill9_keeps_leases(proc: ProcessServer) -> None:

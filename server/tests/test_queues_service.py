@@ -767,22 +767,26 @@ def test_admin_changes_survive_a_restart(data_dir: str) -> None:
 
 
 def test_create_when_storage_fails_is_unavailable_and_retryable(server: ThreadServer, stubs: Stubs) -> None:
-    # Block where the next queue's storage directory would go (uids start at 1).
-    root = os.path.join(server.data_dir, "queues")
-    os.makedirs(root, exist_ok=True)
-    blockers = [os.path.join(root, str(uid)) for uid in range(1, 4)]
+    # Block where the next queues' storage would go: the first commit group, and the
+    # directories of queues too wide for a group (uids start at 1).
+    blockers = [os.path.join(server.data_dir, "groups", "0")]
+    blockers += [os.path.join(server.data_dir, "queues", str(uid)) for uid in range(1, 4)]
     for path in blockers:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             f.write("not a directory")
     expect_code(lambda: stubs.create("q"), Code.UNAVAILABLE)
+    expect_code(lambda: stubs.create("wide", requested_partitions=40), Code.UNAVAILABLE)
     expect_code(lambda: get_queue(stubs, "q"), Code.NOT_FOUND)
     assert list(list_page(stubs).queues) == []
     for path in blockers:
         os.remove(path)
-    # Safe to retry: the same call now succeeds and the queue works.
+    # Safe to retry: the same calls now succeed and the queues work.
     stubs.create("q")
-    stubs.produce("q", [b"x"])
-    assert [i.payload for i in stubs.lease("q").items] == [b"x"]
+    stubs.create("wide", requested_partitions=40)
+    for name in ("q", "wide"):
+        stubs.produce(name, [b"x"])
+        assert [i.payload for i in stubs.lease(name).items] == [b"x"]
 
 
 def test_a_short_expire_timeout_without_a_lease_timeout_shrinks_the_default_lease(stubs: Stubs) -> None:

@@ -95,7 +95,7 @@ def use(address: str, queue: str) -> None:
 
 
 def holds_data(data_dir: str) -> bool:
-    return os.path.isdir(os.path.join(data_dir, "catalog")) and bool(os.listdir(os.path.join(data_dir, "queues")))
+    return os.path.isdir(os.path.join(data_dir, "catalog")) and bool(os.listdir(os.path.join(data_dir, "groups")))
 
 
 def queue_names(address: str) -> list[str]:

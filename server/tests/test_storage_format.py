@@ -26,14 +26,15 @@ def _format(path: Path) -> bytes | None:
     return found
 
 
-def test_a_format_1_catalog_is_read_and_stamped_with_the_current_format(tmp_path: Path) -> None:
+@pytest.mark.parametrize("older", [b"querator-catalog-1", b"querator-catalog-2"])
+def test_an_older_catalog_is_read_and_stamped_with_the_current_format(tmp_path: Path, older: bytes) -> None:
     path = tmp_path / "catalog"
     Catalog(str(path)).env.close()
-    _stamp(path, b"querator-catalog-1")
+    _stamp(path, older)
     catalog = Catalog(str(path))
     assert catalog.load() == []
     catalog.env.close()
-    assert _format(path) == b"querator-catalog-2"  # an older server now refuses it
+    assert _format(path) == b"querator-catalog-3"  # an older server now refuses it
 
 
 def test_an_unknown_catalog_format_is_refused_by_name(tmp_path: Path) -> None:

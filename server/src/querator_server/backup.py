@@ -1,6 +1,7 @@
 """Copy a data directory while the server runs: ``python -m querator_server.backup SRC DEST``.
 
-Each LMDB environment (the catalog first, then every queue) is copied inside one read
+Each LMDB environment (the catalog first, then every commit group and every queue
+with an environment of its own) is copied inside one read
 transaction with LMDB's own copy (``mdb_env_copy2`` with compaction, as ``mdb_copy -c``),
 so each copy is a consistent snapshot of that environment even while the server writes
 to it. Compaction also matters for another reason: LMDB's plain copy takes the writer
@@ -32,7 +33,7 @@ def _copy_env(src: str, dest: str) -> int:
 
 
 def backup(src: str, dest: str) -> list[tuple[str, int]]:
-    """Copy the catalog and every queue environment of ``src`` into ``dest``.
+    """Copy the catalog, every group and every queue environment of ``src`` into ``dest``.
 
     Returns (relative path, bytes written) per environment.
     """
@@ -45,20 +46,22 @@ def backup(src: str, dest: str) -> list[tuple[str, int]]:
     # The catalog first: a queue created later is absent from it, and its copied
     # directory (if any) is removed as an orphan when a server starts on the backup.
     copied.append(("catalog", _copy_env(os.path.join(src, "catalog"), os.path.join(dest, "catalog"))))
-    queues = os.path.join(src, "queues")
-    if os.path.isdir(queues):
-        os.makedirs(os.path.join(dest, "queues"), mode=0o700)
-        for uid in sorted((e for e in os.listdir(queues) if e.isdigit()), key=int):
-            source = os.path.join(queues, uid)
+    for folder in ("groups", "queues"):
+        root = os.path.join(src, folder)
+        if not os.path.isdir(root):
+            continue
+        os.makedirs(os.path.join(dest, folder), mode=0o700)
+        for number in sorted((e for e in os.listdir(root) if e.isdigit()), key=int):
+            source = os.path.join(root, number)
             if not os.path.exists(os.path.join(source, "data.mdb")):
                 continue  # deleted while we were copying
             try:
-                size = _copy_env(source, os.path.join(dest, "queues", uid))
+                size = _copy_env(source, os.path.join(dest, folder, number))
             except lmdb.Error:
                 if os.path.exists(source):
                     raise
                 continue  # deleted while we were copying
-            copied.append((os.path.join("queues", uid), size))
+            copied.append((os.path.join(folder, number), size))
     return copied
 
 

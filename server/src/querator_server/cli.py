@@ -39,6 +39,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="require an API key on every call (env QUERATOR_AUTH=true); the bootstrap admin "
         "token comes from env QUERATOR_ADMIN_TOKEN",
     )
+    parser.add_argument(
+        "--no-commit-groups",
+        dest="commit_groups",
+        action="store_false",
+        default=None,
+        help="give every new queue a storage environment, and a durable commit per cycle, of its own instead "
+        "of letting small queues share commits (env QUERATOR_COMMIT_GROUPS=false)",
+    )
     parser.add_argument("--tls-cert", help="PEM certificate chain for TLS (env QUERATOR_TLS_CERT)")
     parser.add_argument("--tls-key", help="PEM private key for TLS (env QUERATOR_TLS_KEY)")
     parser.add_argument(
@@ -54,6 +62,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         metrics_address=args.metrics_address,
         auth=args.auth,
+        commit_groups=args.commit_groups,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,

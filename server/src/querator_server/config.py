@@ -24,6 +24,9 @@ class ServerConfig:
     # Commit with fsync. Off only for throw-away data (tests, benchmarks of the CPU path).
     sync: bool = True
     max_inbox: int = 10_000
+    # Small queues share durable commits in commit groups (docs/architecture.md); off:
+    # every new queue gets an LMDB environment, and an fsync per cycle, of its own.
+    commit_groups: bool = True
     # Initial LMDB map size per queue; the map doubles whenever it fills.
     map_size: int = 1 << 30
     shutdown_grace_s: float = 10.0
@@ -46,7 +49,8 @@ class ServerConfig:
             "data_dir": env.get("QUERATOR_DATA_DIR", DEFAULT_DATA_DIR),
             "log_level": env.get("QUERATOR_LOG_LEVEL", "info"),
             "metrics_address": env.get("QUERATOR_METRICS_ADDRESS", ""),
-            "auth": env.get("QUERATOR_AUTH", "").strip().lower() in ("1", "true", "yes", "on"),
+            "auth": _flag(env.get("QUERATOR_AUTH", "")),
+            "commit_groups": _flag(env.get("QUERATOR_COMMIT_GROUPS", "true")),
             "admin_token": env.get("QUERATOR_ADMIN_TOKEN", ""),
             "tls_cert": env.get("QUERATOR_TLS_CERT", ""),
             "tls_key": env.get("QUERATOR_TLS_KEY", ""),
@@ -54,3 +58,7 @@ class ServerConfig:
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _flag(text: str) -> bool:
+    return text.strip().lower() in ("1", "true", "yes", "on")

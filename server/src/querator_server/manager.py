@@ -17,6 +17,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import structlog
@@ -25,9 +26,11 @@ from .actor import LogicalQueue
 from .actor.lane import StorageLane
 from .auth import ApiKey, KeyRing, Role, new_key
 from .clock import now_us
+from .commit_groups import GROUP_MAX_PARTITIONS, CommitGroups, queue_prefix
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from .model import QueueConfig
 from .storage import Catalog, QueueStore, StorageError
+from .storage.groups import copy_out
 from .storage.queue_store import DEFAULT_MAP_SIZE
 
 log = structlog.get_logger("querator.manager")
@@ -37,7 +40,7 @@ _RESUME_TIMEOUT_S = 30.0
 
 # What a data directory may hold; start-up refuses anything else (docs/operations.md).
 _LOCK_FILE = "querator.lock"
-_DATA_DIR_ENTRIES = frozenset({"catalog", "queues", "lost+found", _LOCK_FILE})
+_DATA_DIR_ENTRIES = frozenset({"catalog", "queues", "groups", "lost+found", _LOCK_FILE})
 _LMDB_FILES = frozenset({"data.mdb", "lock.mdb"})
 
 
@@ -91,25 +94,31 @@ def _check_layout(data_dir: str) -> None:
         if entry not in _DATA_DIR_ENTRIES:
             raise _foreign(os.path.join(data_dir, entry))
     _check_lmdb_dir(os.path.join(data_dir, "catalog"))
-    root = os.path.join(data_dir, "queues")
+    catalog = os.path.join(data_dir, "catalog", "data.mdb")
+    for name in ("queues", "groups"):
+        root = os.path.join(data_dir, name)
+        if _numbered_lmdb_dirs(root) and (not os.path.isfile(catalog) or os.path.getsize(catalog) == 0):
+            # Checked before LMDB would create a fresh, empty catalog in its place.
+            raise DataDirError(
+                f"{catalog}: the catalog is missing or empty but {root} holds queue data; "
+                "refusing to start rather than delete that data"
+            )
+
+
+def _numbered_lmdb_dirs(root: str) -> list[int]:
+    """The numbers naming the LMDB directories under ``root`` (queues/, groups/)."""
     if not os.path.lexists(root):
-        return
+        return []
     if not os.path.isdir(root):
         raise _foreign(root)
-    uids: list[int] = []
+    numbers: list[int] = []
     for entry in sorted(os.listdir(root)):
         path = os.path.join(root, entry)
         if not (entry.isascii() and entry.isdigit() and str(int(entry)) == entry and os.path.isdir(path)):
             raise _foreign(path)
         _check_lmdb_dir(path)
-        uids.append(int(entry))
-    catalog = os.path.join(data_dir, "catalog", "data.mdb")
-    if uids and (not os.path.isfile(catalog) or os.path.getsize(catalog) == 0):
-        # Checked before LMDB would create a fresh, empty catalog in its place.
-        raise DataDirError(
-            f"{catalog}: the catalog is missing or empty but {root} holds queue data; "
-            "refusing to start rather than delete that data"
-        )
+        numbers.append(int(entry))
+    return numbers
 
 
 _PATH = re.compile(r"""['"]?/[^\s'"]+['"]?""")
@@ -137,6 +146,7 @@ class QueuesManager:
         max_inbox: int = 10_000,
         workers: int = 8,
         bootstrap_token: str = "",
+        commit_groups: bool = True,
     ) -> None:
         self._bootstrap_token = bootstrap_token
         self.data_dir = os.path.abspath(data_dir)
@@ -151,6 +161,7 @@ class QueuesManager:
             StorageLane(f"querator-lane-{i}") for i in range(max(1, workers))
         ]
         self._lane_of: dict[int, int] = {}  # queue uid -> lane index
+        self._groups = CommitGroups(self.data_dir, self._lanes, map_size=map_size, sync=sync, enabled=commit_groups)
         # Calls refused because the server is closing (the shutdown waits for a lull).
         self.refused_while_closing = 0
         self._catalog: Catalog | None = None
@@ -182,6 +193,10 @@ class QueuesManager:
         except StorageError as exc:
             raise DataDirError(f"{exc}; refusing to start") from exc
         self._check_queue_files(configs)
+        try:
+            await loop.run_in_executor(self._executor, self._groups.load, configs)
+        except (StorageError, OSError) as exc:
+            raise DataDirError(f"{exc}; refusing to start") from exc
         records = await loop.run_in_executor(self._executor, self._catalog.load_keys)
         self.keyring = KeyRing(
             (_key_from_record(r) for r in records), bootstrap_token=self._bootstrap_token
@@ -191,7 +206,8 @@ class QueuesManager:
             try:
                 self._actors[config.name] = await self._start_actor(config)
             except Exception as exc:
-                path = os.path.join(self._queue_path(config.uid), "data.mdb")
+                home = self._groups.path(config.group) if config.group >= 0 else self._queue_path(config.uid)
+                path = os.path.join(home, "data.mdb")
                 raise DataDirError(f"queue {config.name!r}: cannot load {path}: {exc}; refusing to start") from exc
         self._names = sorted(self._configs)
         await loop.run_in_executor(self._executor, self._remove_orphans)
@@ -208,8 +224,10 @@ class QueuesManager:
         return os.path.join(self.data_dir, "queues", str(uid))
 
     def _check_queue_files(self, configs: list[QueueConfig]) -> None:
-        """Never serve a queue empty because its file is gone."""
+        """Never serve a queue empty because its file is gone (groups: CommitGroups.load)."""
         for config in configs:
+            if config.group >= 0:
+                continue
             data = os.path.join(self._queue_path(config.uid), "data.mdb")
             if not os.path.isfile(data) or os.path.getsize(data) == 0:
                 raise DataDirError(
@@ -222,7 +240,7 @@ class QueuesManager:
         root = os.path.join(self.data_dir, "queues")
         if not os.path.isdir(root):
             return
-        live = {str(c.uid) for c in self._configs.values()}
+        live = {str(c.uid) for c in self._configs.values() if c.group < 0}
         for entry in os.listdir(root):
             if entry.isdigit() and entry not in live:
                 shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
@@ -238,13 +256,29 @@ class QueuesManager:
     async def _start_actor(self, config: QueueConfig, stopped: LogicalQueue | None = None) -> LogicalQueue:
         """Start an actor for ``config``; on ``stopped``'s open storage when given."""
         loop = asyncio.get_running_loop()
-        store = stopped.store if stopped is not None else await loop.run_in_executor(
-            self._executor,
-            lambda: QueueStore(
-                self._queue_path(config.uid), config.partitions, map_size=self._map_size, sync=self._sync
-            ),
+        lane = self._lane(config.uid)
+        group = None
+        if stopped is not None:
+            store, group = stopped.store, stopped.group
+        elif config.group >= 0:
+            group = await loop.run_in_executor(self._executor, self._groups.get, config.group)
+            store = await group.job(
+                lambda: QueueStore(
+                    self._queue_path(config.uid), config.partitions, shared=group.env, prefix=queue_prefix(config.uid)
+                )
+            )
+        else:
+            store = await loop.run_in_executor(
+                self._executor,
+                lambda: QueueStore(
+                    self._queue_path(config.uid), config.partitions, map_size=self._map_size, sync=self._sync
+                ),
+            )
+        if group is not None and stopped is None:
+            group.members += 1
+        actor = LogicalQueue(
+            config, store, lane, resolve=self.actor, max_inbox=self._max_inbox, group=group
         )
-        actor = LogicalQueue(config, store, self._lane(config.uid), resolve=self.actor, max_inbox=self._max_inbox)
         if self.observer is not None:
             self.observer.attach(actor)
         await actor.start(stopped.keyed_index if stopped is not None else None)
@@ -256,6 +290,7 @@ class QueuesManager:
         async with self._lock:
             await asyncio.gather(*(actor.stop() for actor in self._actors.values()))
             self._actors.clear()
+            await self._groups.close()
             if self._catalog is not None:
                 self._catalog.close()
                 self._catalog = None
@@ -317,7 +352,8 @@ class QueuesManager:
             try:
                 uid = await loop.run_in_executor(self._executor, catalog.next_uid)
                 now = now_us()
-                config = config.replace(uid=uid, created_at_us=now, updated_at_us=now)
+                group = self._groups.place(config, self._configs.values())
+                config = config.replace(uid=uid, created_at_us=now, updated_at_us=now, group=group)
                 actor = await self._start_actor(config)
             except (StorageError, OSError) as exc:
                 self._lane_of.pop(config.uid, None)
@@ -326,6 +362,8 @@ class QueuesManager:
                 await loop.run_in_executor(self._executor, catalog.put, config)
             except Exception as exc:
                 await actor.stop()
+                if actor.group is not None:
+                    actor.group.members -= 1  # its databases go at the next start
                 self._lane_of.pop(config.uid, None)
                 if isinstance(exc, StorageError | OSError):
                     raise _storage_failed(exc) from exc
@@ -352,6 +390,10 @@ class QueuesManager:
             if "dead_queue" in changes:
                 self._check_dead_queue(updated)
             loop = asyncio.get_running_loop()
+            actor = self._actors[name]
+            if actor.group is not None and updated.partitions > GROUP_MAX_PARTITIONS:
+                await self._move_out(actor, updated.replace(group=-1))
+                return self._configs[name]
             try:
                 await loop.run_in_executor(self._executor, self._require_catalog().put, updated)
             except (StorageError, OSError) as exc:
@@ -359,6 +401,25 @@ class QueuesManager:
             self._configs[name] = updated
             await self._actors[name].reconfigure(updated)
             return updated
+
+    async def _move_out(self, actor: LogicalQueue, updated: QueueConfig) -> None:
+        """Give a grouped queue that outgrew its group a directory of its own."""
+        loop = asyncio.get_running_loop()
+        group = actor.group
+        assert group is not None
+        path = self._queue_path(updated.uid)
+        copy = partial(copy_out, path=path, partitions=updated.partitions, map_size=self._map_size, sync=self._sync)
+
+        async def persist() -> None:
+            try:
+                await loop.run_in_executor(self._executor, self._require_catalog().put, updated)
+            except (StorageError, OSError) as exc:
+                raise _storage_failed(exc) from exc
+            self._configs[updated.name] = updated
+            group.members -= 1
+
+        await actor.move_out(updated, copy, persist)
+        log.info("queue_moved_out_of_group", queue=updated.name, partitions=updated.partitions)
 
     async def delete(self, name: str, force: bool) -> None:
         async with self._lock:
@@ -382,7 +443,11 @@ class QueuesManager:
             self._names.remove(name)
             del self._actors[name]
             # A crash before this point leaves an orphan directory that start-up removes.
-            await loop.run_in_executor(self._lane(actor.config.uid), actor.store.destroy)
+            if actor.group is not None:
+                actor.group.members -= 1
+                await actor.group.job(actor.store.destroy)
+            else:
+                await loop.run_in_executor(self._lane(actor.config.uid), actor.store.destroy)
             del self._lane_of[actor.config.uid]
             log.info("queue_deleted", queue=name)
 

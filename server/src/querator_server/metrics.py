@@ -177,7 +177,7 @@ class QueueCollector(Collector):
             "querator_queue_produce_waiting", "Produce calls waiting for the next cycle.", labels=["queue"]
         )
         map_used = GaugeMetricFamily(
-            "querator_lmdb_map_used_bytes", "Bytes of the queue's LMDB map in use.", labels=["queue"]
+            "querator_lmdb_map_used_bytes", "Bytes of the queue's LMDB map in use (a commit group's, for a queue in one).", labels=["queue"]
         )
         map_size = GaugeMetricFamily(
             "querator_lmdb_map_size_bytes",

@@ -42,6 +42,9 @@ class QueueConfig:
     updated_at_us: int = 0
     dedup_window_us: int = DEFAULT_DEDUP_WINDOW_US
     lease_key_ttl_us: int = DEFAULT_LEASE_KEY_TTL_US
+    # The commit group whose environment holds the queue's storage; -1: a directory of
+    # its own (queues/<uid>). Not part of the API: where the server keeps the items.
+    group: int = -1
 
     def replace(self, **changes: object) -> QueueConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

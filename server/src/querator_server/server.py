@@ -56,6 +56,7 @@ class QueratorServer:
         self.manager = QueuesManager(
             config.data_dir,
             sync=config.sync,
+            commit_groups=config.commit_groups,
             max_inbox=config.max_inbox,
             map_size=config.map_size,
             bootstrap_token=config.admin_token if config.auth else "",
@@ -207,8 +208,8 @@ class QueratorServer:
 
 
 def _raise_open_file_limit() -> None:
-    # Each queue holds its own LMDB environment (two or three files open), so a
-    # server with many queues outgrows the usual soft limit of 1024 descriptors.
+    # Each LMDB environment (a commit group's, or a wide queue's own) holds two or three
+    # files open, so a server with many queues outgrows the usual soft limit of 1024.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         try:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import lmdb
 import structlog
@@ -33,6 +33,7 @@ from ..faults import DEAD_LETTER_STORED, crash_point
 from ..model import PartitionStats, QueueConfig, QueueStats
 from ..storage import MAX_GROWTHS, Item, MapFull, QueueStore, StorageError, StorageFull
 from ..storage.keyed import KeyedIndex
+from .commit_group import CommitGroup
 from .cycle import Cycle
 from .lane import StorageLane
 from .leases import LeaseDeadlines
@@ -54,6 +55,8 @@ from .requests import (
 )
 from .view import PartitionView
 
+T = TypeVar("T")
+
 log = structlog.get_logger("querator.queue")
 
 DEFAULT_MAX_INBOX = 10_000
@@ -64,6 +67,10 @@ OUTBOX_RETRY_S = 1.0
 @dataclass(eq=False, slots=True)
 class _Reconfigure(Request):
     config: QueueConfig
+    # Moving out of the commit group: copies the queue's storage into an environment
+    # of its own (on the group's lane), then ``persist`` records the move.
+    move_out: Callable[[QueueStore], QueueStore] | None = None
+    persist: Callable[[], Awaitable[None]] | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -101,12 +108,15 @@ class LogicalQueue:
         *,
         resolve: Callable[[str], LogicalQueue] | None = None,
         max_inbox: int = DEFAULT_MAX_INBOX,
+        group: CommitGroup | None = None,
     ) -> None:
         self.config = config
         # Finds another queue's actor by name (for dead letters).
         self._resolve = resolve
         self.store = store
         self._lane = lane
+        # The commit group whose environment holds this queue's storage, if any.
+        self.group = group
         self._max_inbox = max_inbox
         self._views: list[PartitionView] = []
         self._leases = LeaseDeadlines()
@@ -143,10 +153,10 @@ class LogicalQueue:
     async def start(self, keyed: KeyedIndex | None = None) -> None:
         """Load the queue's state and start the actor; ``keyed`` reuses the handles of
         an earlier actor on the same (still open) storage, so no write is needed."""
-        self._views, leases, self._outbox = await self._lane.run(self._load)
+        self._views, leases, self._outbox = await self._storage_job(self._load)
         self._leases = LeaseDeadlines(leases)
-        self._keyed = keyed or await self._lane.run(partial(KeyedIndex, self.store))
-        self._dedup_at, self._lease_keys_at = await self._lane.run(self._load_key_times)
+        self._keyed = keyed or await self._storage_job(partial(KeyedIndex, self.store))
+        self._dedup_at, self._lease_keys_at = await self._storage_job(self._load_key_times)
         # Everything that fell due while the server was down is handled at once.
         self._lifecycle_pending = True
         self._task = asyncio.create_task(self._run(), name=f"queue:{self.name}")
@@ -189,7 +199,13 @@ class LogicalQueue:
         if self._task is not None:
             await self._task
         await self._cancel_outbox()
-        await self._lane.run(self.store.close)
+        await self._storage_job(self.store.close)
+
+    def _storage_job(self, fn: Callable[[], T]) -> Awaitable[T]:
+        """Run ``fn`` on the lane with no transaction of this queue held there."""
+        if self.group is not None:
+            return self.group.job(fn)
+        return self._lane.run(fn)
 
     async def _cancel_outbox(self) -> None:
         task, self._outbox_task = self._outbox_task, None
@@ -206,10 +222,18 @@ class LogicalQueue:
         if self._task is not None:
             await self._task
         await self._cancel_outbox()
-        await self._lane.run(self.store.abort_held)
+        await self._storage_job(self.store.abort_held)
 
     async def reconfigure(self, config: QueueConfig) -> None:
         await self.submit(_Reconfigure(config=config))
+
+    async def move_out(
+        self, config: QueueConfig, copy: Callable[[QueueStore], QueueStore], persist: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Reconfigure to ``config`` in an environment of the queue's own: between two
+        cycles, ``copy`` the storage out of the group, ``persist`` the move (the catalog),
+        then drop the group's copy. Nothing changes if ``copy`` or ``persist`` fails."""
+        await self.submit(_Reconfigure(config=config, move_out=copy, persist=persist))
 
     # -- requests --------------------------------------------------------------------
 
@@ -437,6 +461,8 @@ class LogicalQueue:
         ):
             # Only listings: a read transaction, no commit and no fsync.
             return self.store.read(body)
+        if self.group is not None:
+            return await self._group_transaction(self.group, body, len(batch))
         store = self.store
         for _ in range(MAX_GROWTHS):
             if not store.held:
@@ -453,6 +479,23 @@ class LogicalQueue:
             except Exception:
                 await self._lane.run(store.abort_held)
                 raise
+        raise StorageFull("storage is full: the LMDB map could not grow enough")
+
+    async def _group_transaction(
+        self, group: CommitGroup, body: Callable[[lmdb.Transaction[bytes]], Cycle], requests: int
+    ) -> Cycle:
+        """``_transaction`` for a queue in a commit group: the cycle runs in a nested
+        transaction on the loop and waits for the group's next commit."""
+        for _ in range(MAX_GROWTHS):
+            try:
+                cycle, committed = await group.run(body, self.store.on_commit)
+            except MapFull:
+                await group.grow()
+                continue
+            if requests >= _HAND_OVER_AT:
+                time.sleep(0)
+            await committed
+            return cycle
         raise StorageFull("storage is full: the LMDB map could not grow enough")
 
     def _body(
@@ -508,15 +551,42 @@ class LogicalQueue:
 
     async def _apply_config(self, request: _Reconfigure) -> None:
         config = request.config
+        if request.move_out is not None and self.group is not None:
+            if not await self._move_out(request):
+                return
         if config.partitions > len(self._views):
             try:
-                await self._lane.run(partial(self.store.ensure_partitions, config.partitions))
+                await self._storage_job(partial(self.store.ensure_partitions, config.partitions))
             except StorageError as exc:
                 _answer(request, Unavailable(f"storage failed, retry later: {exc}"))
                 return
             self._views.extend(PartitionView() for _ in range(config.partitions - len(self._views)))
         self.config = config
         _answer(request, None)
+
+    async def _move_out(self, request: _Reconfigure) -> bool:
+        """Leave the commit group for an environment of the queue's own (see move_out)."""
+        assert request.move_out is not None and request.persist is not None and self.group is not None
+        group, old = self.group, self.store
+        try:
+            store = await group.job(partial(request.move_out, old))
+        except (StorageError, OSError) as exc:
+            _answer(request, Unavailable(f"storage failed, retry later: {exc}"))
+            return False
+        try:
+            keyed = await self._lane.run(partial(KeyedIndex, store))
+            await request.persist()
+        except Exception as exc:
+            await self._lane.run(store.destroy)
+            _answer(request, exc if isinstance(exc, QueratorError) else Unavailable(f"storage failed, retry later: {exc}"))
+            return False
+        store.on_commit = old.on_commit
+        self.store, self.group, self._keyed = store, None, keyed
+        try:
+            await group.job(old.destroy)
+        except StorageError as exc:  # start-up drops what the catalog no longer owns
+            log.warning("group_storage_left", queue=self.name, error=str(exc))
+        return True
 
     # -- dead letters ----------------------------------------------------------------
 

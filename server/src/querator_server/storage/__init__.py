@@ -1,4 +1,5 @@
-"""LMDB storage: the queue catalog and one environment per queue.
+"""LMDB storage: the queue catalog, the commit groups' shared environments, and the
+environments of queues that have one of their own.
 
 Nothing in this package knows about gRPC; it stores and finds items by key.
 """

@@ -21,10 +21,12 @@ _NEXT_UID = b"next_uid"
 _FORMAT = b"format"
 # 2: a produced batch is indexed for expiry by one entry (an expiry run, queue_store.py),
 # which a server of format 1 would read as an entry of the batch's first item only.
-_FORMAT_VERSION = b"querator-catalog-2"
+# 3: a queue may keep its storage in a group environment (groups/<n>, its "group"),
+# where a server of format 2 would find no directory and refuse to start.
+_FORMAT_VERSION = b"querator-catalog-3"
 # Formats this server reads as they are; opening one stamps it with _FORMAT_VERSION, so
 # an older server then refuses the directory instead of misreading it.
-_UPGRADABLE_FORMATS = (b"querator-catalog-1",)
+_UPGRADABLE_FORMATS = (b"querator-catalog-1", b"querator-catalog-2")
 
 
 class CatalogError(StorageError):
@@ -138,6 +140,7 @@ def _encode(config: QueueConfig) -> bytes:
             "updated_at_us": config.updated_at_us,
             "dedup_window_us": config.dedup_window_us,
             "lease_key_ttl_us": config.lease_key_ttl_us,
+            "group": config.group,
         },
         separators=(",", ":"),
     ).encode()
@@ -158,4 +161,5 @@ def _decode(raw: bytes) -> QueueConfig:
         updated_at_us=int(data["updated_at_us"]),
         dedup_window_us=int(data.get("dedup_window_us", DEFAULT_DEDUP_WINDOW_US)),
         lease_key_ttl_us=int(data.get("lease_key_ttl_us", DEFAULT_LEASE_KEY_TTL_US)),
+        group=int(data.get("group", -1)),
     )

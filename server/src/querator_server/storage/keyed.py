@@ -41,7 +41,7 @@ class KeyedIndex:
 
     def __init__(self, store: QueueStore) -> None:
         env = store.env
-        names = (b"dedup", b"dedup_by_time", b"lease_keys", b"lease_keys_by_time")
+        names = [store.prefix + n for n in (b"dedup", b"dedup_by_time", b"lease_keys", b"lease_keys_by_time")]
         dbs: list[Any] = store.write(lambda txn: [env.open_db(n, txn=txn, create=True) for n in names])
         self._dedup, self._dedup_time, self._leases, self._leases_time = dbs
 

@@ -1,7 +1,11 @@
-"""One LMDB environment per queue; one named database per partition.
+"""A queue's storage: one named database per partition, in an LMDB environment of the
+queue's own, or under the queue's prefix in a commit group's shared one (groups.py).
 
-A queue's actor is the only writer of its environment, so LMDB's single-writer lock
-is never contended and every queue commits (and fsyncs) independently of the others.
+A queue's actor is the only writer of its own environment, so LMDB's single-writer
+lock is never contended and such a queue commits (and fsyncs) independently of the
+others. A grouped queue's cycles run in nested transactions that its commit group
+holds and commits (actor/commit_group.py); ``hold``, ``run_held`` and ``commit_held``
+below serve queues of their own.
 
 The actor's cycles use a *held* write transaction (``hold`` / ``run_held`` /
 ``commit_held``): its storage thread begins it, the actor fills it on the event loop,
@@ -139,7 +143,7 @@ def inject_write_fault() -> None:
 _LOW_SPACE_BYTES = 1 << 20
 
 
-def _write_failure(exc: lmdb.Error, path: str) -> str:
+def write_failure(exc: lmdb.Error, path: str) -> str:
     """What a failed commit tells the caller. LMDB reports a short write as EIO, and a
     file system that fills up in the middle of a commit causes exactly that."""
     text = f"storage write failed: {exc}"
@@ -163,7 +167,7 @@ def _aborted_on_failure(txn: lmdb.Transaction[bytes], path: str) -> Iterator[Non
         raise MapFull() from exc
     except lmdb.Error as exc:
         txn.abort()
-        raise StorageError(_write_failure(exc, path)) from exc
+        raise StorageError(write_failure(exc, path)) from exc
     except BaseException:
         txn.abort()
         raise
@@ -179,6 +183,18 @@ def check_data_file(env: lmdb.Environment, path: str) -> None:
     size = os.path.getsize(data)
     if size < need:
         raise StorageError(f"{data}: the file is {size} bytes but its LMDB header needs {need}: truncated or damaged")
+
+
+def database_names(env: lmdb.Environment, txn: lmdb.Transaction[bytes], prefix: bytes = b"") -> list[bytes]:
+    """The names of the named databases in ``env`` that start with ``prefix``."""
+    cursor = txn.cursor()
+    names: list[bytes] = []
+    if cursor.set_range(prefix):
+        for key in cursor.iternext(keys=True, values=False):
+            if not key.startswith(prefix):
+                break
+            names.append(bytes(key))
+    return names
 
 
 @dataclass(slots=True)
@@ -208,8 +224,21 @@ class QueueStore:
         max_partitions: int = 1024,
         map_size: int = DEFAULT_MAP_SIZE,
         sync: bool = True,
+        shared: lmdb.Environment | None = None,
+        prefix: bytes = b"",
     ) -> None:
         self.path = path
+        # A queue in a commit group keeps its databases, named with ``prefix``, in the
+        # group's environment (``shared``), which it neither holds nor closes.
+        self.shared = shared is not None
+        self.prefix = prefix
+        self._dbs: list[Any] = []
+        self._held: lmdb.Transaction[bytes] | None = None
+        self.on_commit: Callable[[float], None] | None = None
+        if shared is not None:
+            self.env = shared
+            self.ensure_partitions(partitions)
+            return
         os.makedirs(path, mode=0o700, exist_ok=True)
         try:
             self.env = lmdb.open(
@@ -225,10 +254,6 @@ class QueueStore:
             check_data_file(self.env, path)
         except lmdb.Error as exc:
             raise StorageError(f"cannot open queue storage {os.path.join(path, 'data.mdb')!r}: {exc}") from exc
-        self._dbs: list[Any] = []
-        self._held: lmdb.Transaction[bytes] | None = None
-        # Called with each commit's duration in seconds (metrics), when set.
-        self.on_commit: Callable[[float], None] | None = None
         self.ensure_partitions(partitions)
 
     # -- environment -------------------------------------------------------------
@@ -236,7 +261,7 @@ class QueueStore:
     def ensure_partitions(self, partitions: int) -> None:
         """Open (creating when needed) the databases of partitions 0..partitions-1."""
         while len(self._dbs) < partitions:
-            name = f"p{len(self._dbs)}".encode()
+            name = self.prefix + f"p{len(self._dbs)}".encode()
             self._dbs.append(self.write(partial(self._open_db, name)))
 
     def _open_db(self, name: bytes, txn: lmdb.Transaction[bytes]) -> Any:
@@ -356,12 +381,22 @@ class QueueStore:
 
     def close(self) -> None:
         self.abort_held()
-        self.env.close()
+        if not self.shared:
+            self.env.close()
 
     def destroy(self) -> None:
+        """Delete the queue's storage: its directory, or its databases in a shared
+        environment (where the space goes back to that environment, not the disk)."""
         self.abort_held()
+        if self.shared:
+            self.write(self._drop_all)
+            return
         self.env.close()
         shutil.rmtree(self.path, ignore_errors=True)
+
+    def _drop_all(self, txn: lmdb.Transaction[bytes]) -> None:
+        for name in database_names(self.env, txn, self.prefix):
+            txn.drop(self.env.open_db(name, txn=txn, create=False), delete=True)
 
     # -- sequence numbers --------------------------------------------------------
 

@@ -1,0 +1,227 @@
+"""Commit groups: queues that share one LMDB environment and one durable commit.
+
+A queue with an environment of its own pays a durable commit (two fsyncs) for every
+cycle, however small; ten quiet queues pay ten. Queues in a group instead write each
+cycle in a *nested* transaction of the group's held one, on the event loop, and one
+commit on the group's storage lane makes every cycle that joined it durable. A cycle
+that fails aborts only its own nested transaction; the others stay in.
+
+The held transaction is begun and committed on the lane (LMDB ties it to the thread
+that began it), while nested transactions are begun and committed on the loop, so
+the two must never overlap: the loop hands the lane a job only when no nested
+transaction is open, and begins none until the job is done. Everything the lane does
+for the group goes through ``_hand``, which first commits what joined.
+
+A commit is handed to the lane after two turns of the loop: the first turn runs the
+callbacks that were ready when the first cycle joined, among them the actors woken
+by the last commit, and the second lets their cycles run, so they join this commit
+instead of each paying one of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar
+
+import lmdb
+
+from ..storage.queue_store import MapFull, StorageError, StorageFull, inject_write_fault, write_failure
+from .lane import StorageLane
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """What one job of the lane did."""
+
+    error: BaseException | None = None  # of the commit
+    result: Any = None  # of the extra function
+    failure: BaseException | None = None  # of the extra function
+    held: Any = None  # the next held transaction
+    hold_error: BaseException | None = None
+
+
+class CommitGroup:
+    """One shared environment, its held transaction, and the cycles waiting on its commit."""
+
+    def __init__(self, env: lmdb.Environment, path: str, lane: StorageLane) -> None:
+        self.env = env
+        self.path = path
+        self.lane = lane
+        self.members = 0
+        self._parent: lmdb.Transaction[bytes] | None = None
+        self._joined: list[tuple[asyncio.Future[None], Callable[[float], None] | None]] = []
+        self._busy: asyncio.Future[None] | None = None
+        self._flush_scheduled = False
+        self._closed = False
+        self._took = 0.0  # the last commit's duration (s), written by the lane
+        self.commits = 0
+
+    # -- cycles ------------------------------------------------------------------------
+
+    async def run(
+        self, body: Callable[[lmdb.Transaction[bytes]], T], on_commit: Callable[[float], None] | None = None
+    ) -> tuple[T, asyncio.Future[None]]:
+        """Run ``body`` in a nested transaction and join the next commit.
+
+        Returns the body's result and a future that ends when the commit holding it is
+        durable (or fails); ``on_commit`` is then called with the commit's duration.
+        Raises ``MapFull`` (call ``grow``) or ``StorageError`` with nothing written;
+        any exception of the body aborts only its own writes.
+        """
+        if self._closed:
+            raise StorageError("the storage group is closed")
+        while True:
+            await self._idle()
+            if self._parent is not None:
+                break
+            outcome = await self._hand(None)
+            if outcome.hold_error is not None:
+                raise StorageError(f"storage write failed: {outcome.hold_error}")
+        child = self.env.begin(write=True, parent=self._parent)
+        try:
+            result = body(child)
+            child.commit()
+        except lmdb.MapFullError as exc:
+            child.abort()
+            raise MapFull() from exc
+        except lmdb.Error as exc:
+            child.abort()
+            raise StorageError(f"storage write failed: {exc}") from exc
+        except BaseException:
+            child.abort()
+            raise
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._joined.append((done, on_commit))
+        if self.members <= 1:
+            self._flush()
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(loop.call_soon, self._flush)
+        return result, done
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._joined and self._busy is None:
+            self._hand(None)
+
+    async def job(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the lane with no transaction of the group open, so that it
+        may begin and commit write transactions of its own (opening or dropping
+        databases). Whatever joined before is committed first."""
+        await self._idle()
+        outcome = await self._hand(fn)
+        if outcome.failure is not None:
+            raise outcome.failure
+        return outcome.result  # type: ignore[no-any-return]
+
+    async def grow(self) -> None:
+        """Double the map after ``MapFull``; what joined before is committed first.
+
+        The map is resized on the loop, with no transaction of the group held: LMDB
+        remaps the file, which a read on another thread must not be in the middle of,
+        and every read of a group's environment happens on the loop or in a job.
+        """
+        while True:
+            await self._idle()
+            if self._parent is None:
+                break  # and nothing runs on the lane for the group until the next await
+            await self._hand(None, hold=False)
+        size = self.env.info()["map_size"]
+        try:
+            self.env.set_mapsize(size * 2)
+        except lmdb.Error as exc:
+            raise StorageFull(f"storage is full and cannot grow past {size} bytes: {exc}") from exc
+
+    async def close(self) -> None:
+        """Commit what joined, give up the held transaction and close the environment."""
+        await self._idle()
+        self._closed = True
+        await self._hand(self.env.close, hold=False)
+
+    # -- the lane's side -------------------------------------------------------------
+
+    async def _idle(self) -> None:
+        while self._busy is not None:
+            await self._busy
+
+    def _hand(self, extra: Callable[[], Any] | None, *, hold: bool = True) -> asyncio.Future[_Outcome]:
+        """Give the lane one job: commit what joined, run ``extra``, hold the next
+        transaction. No nested transaction may begin until it is done."""
+        loop = asyncio.get_running_loop()
+        joined, self._joined = self._joined, []
+        parent, self._parent = self._parent, None
+        busy: asyncio.Future[None] = loop.create_future()
+        self._busy = busy
+        job = self.lane.run(partial(self._job, parent, bool(joined), extra, hold))
+
+        def finished(outcome: asyncio.Future[_Outcome]) -> None:
+            self._busy = None
+            busy.set_result(None)
+            took = 0.0
+            if outcome.cancelled():
+                error: BaseException | None = StorageError("the storage lane stopped")
+            elif outcome.exception() is not None:
+                error = outcome.exception()
+            else:
+                error, self._parent = outcome.result().error, outcome.result().held
+                took = self._took
+            for done, on_commit in joined:
+                if done.done():
+                    continue
+                if error is None:
+                    done.set_result(None)
+                    if on_commit is not None:
+                        on_commit(took)
+                else:
+                    done.set_exception(error)
+            if self._joined:
+                self._flush()
+
+        job.add_done_callback(finished)
+        return job
+
+    def _job(self, parent: Any, commit: bool, extra: Callable[[], Any] | None, hold: bool) -> _Outcome:
+        done = _Outcome()
+        if parent is not None:
+            if commit:
+                done.error = self._commit(parent)
+            else:
+                parent.abort()
+        elif commit:
+            done.error = StorageError("storage write failed: no transaction was held")
+        if extra is not None:
+            try:
+                done.result = extra()
+            except BaseException as exc:  # handed to the caller of job()
+                done.failure = exc
+        if hold:
+            try:
+                done.held = self.env.begin(write=True)
+            except lmdb.Error as exc:  # the next cycle asks again
+                done.hold_error = exc
+        return done
+
+    def _commit(self, parent: lmdb.Transaction[bytes]) -> BaseException | None:
+        try:
+            inject_write_fault()
+            started = time.perf_counter()
+            parent.commit()
+        except lmdb.MapFullError:
+            parent.abort()
+            return StorageFull("storage is full: the commit did not fit in the LMDB map")
+        except lmdb.Error as exc:
+            parent.abort()
+            return StorageError(write_failure(exc, self.path))
+        except StorageError as exc:
+            parent.abort()
+            return exc
+        self.commits += 1
+        self._took = time.perf_counter() - started
+        return None

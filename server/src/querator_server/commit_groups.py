@@ -1,0 +1,98 @@
+"""Where queues keep their storage: in a commit group, or in a directory of their own.
+
+A new queue with at most ``GROUP_MAX_PARTITIONS`` partitions joins the first commit
+group with room (``groups/<n>``, ``GROUP_QUEUES`` queues each), so that busy queues
+share durable commits (actor/commit_group.py); a bigger queue gets ``queues/<uid>``.
+A grouped queue that grows past ``GROUP_MAX_PARTITIONS`` moves to a directory of its
+own. The catalog records each queue's group, which is the truth at start-up: storage
+it does not account for (a crash during a create, a delete or a move) is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import Counter
+from collections.abc import Iterable
+
+import lmdb
+
+from .actor.commit_group import CommitGroup
+from .actor.lane import StorageLane
+from .model import QueueConfig
+from .storage import StorageError
+from .storage.groups import GROUP_MAX_PARTITIONS, GROUP_QUEUES, drop_queues, open_group_env, queue_prefix, queue_uids
+
+
+class CommitGroups:
+    """The open commit groups of one data directory."""
+
+    def __init__(self, data_dir: str, lanes: list[StorageLane], *, map_size: int, sync: bool, enabled: bool) -> None:
+        self.root = os.path.join(data_dir, "groups")
+        self._lanes = lanes
+        self._map_size = map_size
+        self._sync = sync
+        self.enabled = enabled
+        self._open: dict[int, CommitGroup] = {}
+
+    def path(self, index: int) -> str:
+        return os.path.join(self.root, str(index))
+
+    def place(self, config: QueueConfig, configs: Iterable[QueueConfig]) -> int:
+        """The group a new queue joins: the first with room, or -1 (a directory of its own)."""
+        if not self.enabled or config.partitions > GROUP_MAX_PARTITIONS:
+            return -1
+        members = Counter(c.group for c in configs if c.group >= 0)
+        index = 0
+        while members[index] >= GROUP_QUEUES:
+            index += 1
+        return index
+
+    def get(self, index: int) -> CommitGroup:
+        """The group ``index``, opening (or creating) its environment. Blocking."""
+        group = self._open.get(index)
+        if group is None:
+            path = self.path(index)
+            env = open_group_env(path, map_size=self._map_size, sync=self._sync)
+            group = self._open[index] = CommitGroup(env, path, self._lanes[index % len(self._lanes)])
+        return group
+
+    def load(self, configs: list[QueueConfig]) -> None:
+        """At start-up, before any actor: open every group the catalog names, refuse one
+        whose storage of a queue is gone, and drop what no queue of the catalog owns.
+        Blocking."""
+        owners: dict[int, set[int]] = {}
+        for config in configs:
+            if config.group >= 0:
+                owners.setdefault(config.group, set()).add(config.uid)
+        for index in sorted(owners):
+            data = os.path.join(self.path(index), "data.mdb")
+            if not os.path.isfile(data) or os.path.getsize(data) == 0:
+                raise StorageError(f"{data}: the storage of group {index} is missing or empty")
+            try:
+                group = self.get(index)
+                present = queue_uids(group.env)
+            except (StorageError, lmdb.Error) as exc:
+                raise StorageError(f"{data}: cannot load commit group {index}: {exc}") from exc
+            missing = owners[index] - present
+            if missing:
+                names = sorted(c.name for c in configs if c.uid in missing)
+                raise StorageError(f"{data}: holds no storage for queue(s) {', '.join(map(repr, names[:5]))}")
+            drop_queues(group.env, present - owners[index])
+        if os.path.isdir(self.root):
+            for entry in os.listdir(self.root):
+                if entry.isdigit() and int(entry) not in owners:
+                    _remove_tree(os.path.join(self.root, entry))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(group.close() for group in self._open.values()))
+        self._open.clear()
+
+
+def _remove_tree(path: str) -> None:
+    for name in os.listdir(path):
+        os.unlink(os.path.join(path, name))
+    os.rmdir(path)
+
+
+__all__ = ["CommitGroups", "GROUP_MAX_PARTITIONS", "queue_prefix"]
