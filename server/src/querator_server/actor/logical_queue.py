@@ -33,7 +33,7 @@ from ..faults import DEAD_LETTER_STORED, crash_point
 from ..model import PartitionStats, QueueConfig, QueueStats
 from ..storage import MAX_GROWTHS, Item, MapFull, QueueStore, StorageError, StorageFull
 from ..storage.keyed import KeyedIndex
-from .commit_group import CommitGroup
+from .commit_group import HAND_OVER_AT, CommitGroup
 from .cycle import Cycle
 from .lane import StorageLane
 from .leases import LeaseDeadlines
@@ -78,12 +78,6 @@ class _Delete(Request):
     force: bool
 
 
-# A cycle carrying this many requests gives the GIL to its lane at once (time.sleep(0))
-# rather than when the loop next blocks: the lane's thread needs the GIL to start the
-# commit, and with both cores busy it otherwise waits 300-400 µs for it, while those
-# callers, and the next requests of their streams, wait on this commit. A cycle of one
-# request is usually one of many quiet queues, whose cycles each pay the hand-over.
-_HAND_OVER_AT = 2
 
 
 @dataclass(slots=True)
@@ -470,7 +464,7 @@ class LogicalQueue:
             try:
                 cycle = store.run_held(body)
                 committed = self._lane.run(store.commit_held)
-                if len(batch) >= _HAND_OVER_AT:
+                if len(batch) >= HAND_OVER_AT:
                     time.sleep(0)
                 await committed
                 return cycle
@@ -488,12 +482,10 @@ class LogicalQueue:
         transaction on the loop and waits for the group's next commit."""
         for _ in range(MAX_GROWTHS):
             try:
-                cycle, committed = await group.run(body, self.store.on_commit)
+                cycle, committed = await group.run(body, self.store.on_commit, requests)
             except MapFull:
                 await group.grow()
                 continue
-            if requests >= _HAND_OVER_AT:
-                time.sleep(0)
             await committed
             return cycle
         raise StorageFull("storage is full: the LMDB map could not grow enough")
