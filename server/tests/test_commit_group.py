@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -40,7 +41,7 @@ async def _open_dbs(group: CommitGroup, names: list[bytes]) -> list[Any]:
 
 def _read_back(path: str, names: list[bytes]) -> dict[bytes, dict[bytes, bytes]]:
     """What a fresh process would find: every database's contents, from disk."""
-    env = lmdb.open(path, max_dbs=16, readonly=True, lock=False)
+    env = lmdb.open(path, max_dbs=32, readonly=True, lock=False)
     try:
         out: dict[bytes, dict[bytes, bytes]] = {}
         with env.begin() as txn:
@@ -230,3 +231,100 @@ def test_close_commits_what_joined_and_refuses_later_cycles(tmp_path: Any, lane:
 
     _run(main())
     assert _read_back(path, [b"q1.p0"]) == {b"q1.p0": {b"k": b"v"}}
+
+
+def test_a_cancelled_caller_leaves_the_group_working(tmp_path: Any, lane: StorageLane) -> None:
+    path = str(tmp_path / "g")
+
+    async def main() -> None:
+        group = _group(path, lane, members=3)
+        (db,) = await _open_dbs(group, [b"q1.p0"])
+        release = threading.Event()
+        _, first = await group.run(_put(db, b"a", b"1"))
+        # A job that holds the lane until released commits what joined, then keeps
+        # the group busy while two cycles wait for it and a third caller is cancelled.
+        busy = asyncio.ensure_future(group.job(lambda: release.wait(10)))
+        await asyncio.sleep(0)
+        cancelled = asyncio.ensure_future(group.run(_put(db, b"x", b"never")))
+        waiting = asyncio.ensure_future(group.run(_put(db, b"b", b"2")))
+        cancelled_job = asyncio.ensure_future(group.job(lambda: "never run"))
+        await asyncio.sleep(0.05)
+        cancelled.cancel()
+        cancelled_job.cancel()
+        await asyncio.sleep(0)
+        release.set()
+        assert await busy is True
+        await first
+        _, second = await waiting
+        await second
+        for task in (cancelled, cancelled_job):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        _, third = await group.run(_put(db, b"c", b"3"))
+        await third
+        await group.close()
+
+    _run(main())
+    assert _read_back(path, [b"q1.p0"]) == {b"q1.p0": {b"a": b"1", b"b": b"2", b"c": b"3"}}
+
+
+def test_a_job_that_fills_the_map_runs_again_after_it_grew(tmp_path: Any, lane: StorageLane) -> None:
+    path = str(tmp_path / "g")
+    big = os.urandom(2000)
+
+    async def main() -> int:
+        group = _group(path, lane, members=2, map_size=1 << 20)
+        (db,) = await _open_dbs(group, [b"q1.p0"])
+        runs = 0
+
+        def fill() -> None:
+            nonlocal runs
+            runs += 1
+            try:
+                with group.env.begin(write=True) as txn:
+                    for i in range(600):
+                        txn.put(b"%06d" % i, big, db=db)
+            except lmdb.MapFullError as exc:
+                raise MapFull() from exc
+
+        await group.job(fill)
+        await group.close()
+        return runs
+
+    assert _run(main()) >= 2
+    assert len(_read_back(path, [b"q1.p0"])[b"q1.p0"]) == 600
+
+
+def test_many_queues_with_failing_cycles_store_exactly_what_committed(tmp_path: Any, lane: StorageLane) -> None:
+    """Twenty queues, fifty cycles each, every seventh cycle failing half-way."""
+    path = str(tmp_path / "g")
+    names = [b"q%d.p0" % i for i in range(20)]
+
+    async def main() -> dict[bytes, dict[bytes, bytes]]:
+        group = _group(path, lane, members=len(names))
+        dbs = await _open_dbs(group, names)
+        expected: dict[bytes, dict[bytes, bytes]] = {name: {} for name in names}
+
+        async def queue(i: int) -> None:
+            for n in range(50):
+                key, value = b"k%03d" % n, b"%d-%d" % (i, n)
+
+                def body(txn: lmdb.Transaction[bytes], key: bytes = key, value: bytes = value, n: int = n) -> None:
+                    txn.put(key, value, db=dbs[i])
+                    if (i + n) % 7 == 0:
+                        raise RuntimeError("half-way")
+
+                try:
+                    _, committed = await group.run(body)
+                except RuntimeError:
+                    continue
+                await committed
+                expected[names[i]][key] = value
+
+        await asyncio.gather(*(queue(i) for i in range(len(names))))
+        assert group.commits < 20 * 50 * 6 // 7  # commits were shared
+        await group.close()
+        return expected
+
+    expected = _run(main())
+    assert _read_back(path, names) == expected

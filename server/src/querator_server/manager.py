@@ -445,7 +445,10 @@ class QueuesManager:
             # A crash before this point leaves an orphan directory that start-up removes.
             if actor.group is not None:
                 actor.group.members -= 1
-                await actor.group.job(actor.store.destroy)
+                try:
+                    await actor.group.job(actor.store.destroy)
+                except StorageError as exc:  # the catalog forgot it: start-up drops them
+                    log.warning("queue_storage_left", queue=name, error=str(exc))
             else:
                 await loop.run_in_executor(self._lane(actor.config.uid), actor.store.destroy)
             del self._lane_of[actor.config.uid]

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ..storage.queue_store import MapFull, StorageError, StorageFull, inject_write_fault, write_failure
+from ..storage.queue_store import MAX_GROWTHS, MapFull, StorageError, StorageFull, inject_write_fault, write_failure
 from .lane import StorageLane
 
 T = TypeVar("T")
@@ -50,6 +50,7 @@ class _Outcome:
     failure: BaseException | None = None  # of the extra function
     held: Any = None  # the next held transaction
     hold_error: BaseException | None = None
+    took: float = 0.0  # seconds the commit took
 
 
 class CommitGroup:
@@ -66,7 +67,6 @@ class CommitGroup:
         self._flush_scheduled = False
         self._requests = 0  # in the cycles that joined
         self._closed = False
-        self._took = 0.0  # the last commit's duration (s), written by the lane
         self.commits = 0
 
     # -- cycles ------------------------------------------------------------------------
@@ -85,13 +85,13 @@ class CommitGroup:
         Raises ``MapFull`` (call ``grow``) or ``StorageError`` with nothing written;
         any exception of the body aborts only its own writes.
         """
-        if self._closed:
-            raise StorageError("the storage group is closed")
         while True:
             await self._idle()
+            if self._closed:
+                raise StorageError("the storage group is closed")
             if self._parent is not None:
                 break
-            outcome = await self._hand(None)
+            outcome = await asyncio.shield(self._hand(None))
             if outcome.hold_error is not None:
                 raise StorageError(f"storage write failed: {outcome.hold_error}")
         child = self.env.begin(write=True, parent=self._parent)
@@ -129,12 +129,21 @@ class CommitGroup:
     async def job(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the lane with no transaction of the group open, so that it
         may begin and commit write transactions of its own (opening or dropping
-        databases). Whatever joined before is committed first."""
-        await self._idle()
-        outcome = await self._hand(fn)
-        if outcome.failure is not None:
-            raise outcome.failure
-        return outcome.result  # type: ignore[no-any-return]
+        databases). Whatever joined before is committed first.
+
+        ``fn`` raising ``MapFull`` is run again after the map has grown, so it must
+        change nothing outside its transaction before it commits.
+        """
+        for _ in range(MAX_GROWTHS):
+            await self._idle()
+            outcome = await asyncio.shield(self._hand(fn))
+            if isinstance(outcome.failure, MapFull):
+                await self.grow()
+                continue
+            if outcome.failure is not None:
+                raise outcome.failure
+            return outcome.result  # type: ignore[no-any-return]
+        raise StorageFull("storage is full: the LMDB map could not grow enough")
 
     async def grow(self) -> None:
         """Double the map after ``MapFull``; what joined before is committed first.
@@ -147,7 +156,7 @@ class CommitGroup:
             await self._idle()
             if self._parent is None:
                 break  # and nothing runs on the lane for the group until the next await
-            await self._hand(None, hold=False)
+            await asyncio.shield(self._hand(None, hold=False))
         size = self.env.info()["map_size"]
         try:
             self.env.set_mapsize(size * 2)
@@ -158,56 +167,68 @@ class CommitGroup:
         """Commit what joined, give up the held transaction and close the environment."""
         await self._idle()
         self._closed = True
-        await self._hand(self.env.close, hold=False)
+        await asyncio.shield(self._hand(self.env.close, hold=False))
 
     # -- the lane's side -------------------------------------------------------------
 
     async def _idle(self) -> None:
+        # Shielded: a caller cancelled while it waits must not cancel what others wait on.
         while self._busy is not None:
-            await self._busy
+            await asyncio.shield(self._busy)
 
     def _hand(self, extra: Callable[[], Any] | None, *, hold: bool = True) -> asyncio.Future[_Outcome]:
         """Give the lane one job: commit what joined, run ``extra``, hold the next
-        transaction. No nested transaction may begin until it is done."""
+        transaction. No nested transaction may begin until it is done.
+
+        The returned future is the group's own: callers await it shielded, since the
+        job runs to its end whatever they do, and the group must learn how it ended.
+        """
         loop = asyncio.get_running_loop()
         joined, self._joined = self._joined, []
         self._requests = 0
         parent, self._parent = self._parent, None
         busy: asyncio.Future[None] = loop.create_future()
+        ended: asyncio.Future[_Outcome] = loop.create_future()
         self._busy = busy
-        job = self.lane.run(partial(self._job, parent, bool(joined), extra, hold))
 
-        def finished(outcome: asyncio.Future[_Outcome]) -> None:
+        def finished(job: asyncio.Future[_Outcome]) -> None:
+            if job.cancelled() or job.exception() is not None:
+                # _job catches everything; this is the lane refusing the job.
+                reason = "cancelled" if job.cancelled() else str(job.exception())
+                outcome = _Outcome(error=StorageError(f"storage write failed: {reason}"))
+            else:
+                outcome = job.result()
+            self._parent = outcome.held
             self._busy = None
             busy.set_result(None)
-            took = 0.0
-            if outcome.cancelled():
-                error: BaseException | None = StorageError("the storage lane stopped")
-            elif outcome.exception() is not None:
-                error = outcome.exception()
-            else:
-                error, self._parent = outcome.result().error, outcome.result().held
-                took = self._took
             for done, on_commit in joined:
                 if done.done():
                     continue
-                if error is None:
+                if outcome.error is None:
                     done.set_result(None)
                     if on_commit is not None:
-                        on_commit(took)
+                        on_commit(outcome.took)
                 else:
-                    done.set_exception(error)
+                    done.set_exception(outcome.error)
+            ended.set_result(outcome)
             if self._joined:
                 self._flush()
 
+        try:
+            job = self.lane.run(partial(self._job, parent, bool(joined), extra, hold))
+        except RuntimeError as exc:  # the lane is shut down (the server is stopping)
+            failed: asyncio.Future[_Outcome] = loop.create_future()
+            failed.set_exception(StorageError(f"storage write failed: {exc}"))
+            finished(failed)
+            return ended
         job.add_done_callback(finished)
-        return job
+        return ended
 
     def _job(self, parent: Any, commit: bool, extra: Callable[[], Any] | None, hold: bool) -> _Outcome:
         done = _Outcome()
         if parent is not None:
             if commit:
-                done.error = self._commit(parent)
+                done.error, done.took = self._commit(parent)
             else:
                 parent.abort()
         elif commit:
@@ -224,20 +245,20 @@ class CommitGroup:
                 done.hold_error = exc
         return done
 
-    def _commit(self, parent: lmdb.Transaction[bytes]) -> BaseException | None:
+    def _commit(self, parent: lmdb.Transaction[bytes]) -> tuple[BaseException | None, float]:
+        """Commit the held transaction durably: (the failure or None, seconds taken)."""
+        started = time.perf_counter()
         try:
             inject_write_fault()
-            started = time.perf_counter()
             parent.commit()
         except lmdb.MapFullError:
             parent.abort()
-            return StorageFull("storage is full: the commit did not fit in the LMDB map")
+            return StorageFull("storage is full: the commit did not fit in the LMDB map"), 0.0
         except lmdb.Error as exc:
             parent.abort()
-            return StorageError(write_failure(exc, self.path))
-        except StorageError as exc:
+            return StorageError(write_failure(exc, self.path)), 0.0
+        except Exception as exc:  # an injected fault, or a bug: never leave the lock held
             parent.abort()
-            return exc
+            return exc if isinstance(exc, StorageError) else StorageError(f"storage write failed: {exc!r}"), 0.0
         self.commits += 1
-        self._took = time.perf_counter() - started
-        return None
+        return None, time.perf_counter() - started

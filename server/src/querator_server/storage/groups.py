@@ -17,7 +17,7 @@ import os
 
 import lmdb
 
-from .queue_store import QueueStore, StorageError, check_data_file, database_names
+from .queue_store import MAX_GROWTHS, QueueStore, StorageError, StorageFull, check_data_file, database_names
 
 GROUP_MAX_PARTITIONS = 32
 GROUP_QUEUES = 28
@@ -62,16 +62,22 @@ def queue_uids(env: lmdb.Environment) -> set[int]:
 
 
 def drop_queues(env: lmdb.Environment, uids: set[int]) -> None:
-    """Delete every database of these queues, durably, in one transaction."""
+    """Delete every database of these queues, durably, in one transaction (start-up)."""
     if not uids:
         return
-    try:
-        with env.begin(write=True) as txn:
-            for uid in sorted(uids):
-                for name in database_names(env, txn, queue_prefix(uid)):
-                    txn.drop(env.open_db(name, txn=txn, create=False), delete=True)
-    except lmdb.Error as exc:
-        raise StorageError(f"storage write failed: {exc}") from exc
+    for _ in range(MAX_GROWTHS):
+        try:
+            with env.begin(write=True) as txn:
+                for uid in sorted(uids):
+                    for name in database_names(env, txn, queue_prefix(uid)):
+                        txn.drop(env.open_db(name, txn=txn, create=False), delete=True)
+            return
+        except lmdb.MapFullError:
+            # Only at start-up, before anything else reads the environment.
+            env.set_mapsize(env.info()["map_size"] * 2)
+        except lmdb.Error as exc:
+            raise StorageError(f"storage write failed: {exc}") from exc
+    raise StorageFull("storage is full: the LMDB map could not grow enough")
 
 
 def copy_out(source: QueueStore, path: str, partitions: int, *, map_size: int, sync: bool) -> QueueStore:

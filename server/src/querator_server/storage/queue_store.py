@@ -287,7 +287,8 @@ class QueueStore:
 
         When the map is full the transaction is thrown away, the map doubled and ``fn``
         run again from the start, so ``fn`` must not change anything outside the
-        transaction before it returns. Runs on the thread that holds the held
+        transaction before it returns (in a shared environment ``MapFull`` is raised
+        instead, for the commit group to grow the map and run the job again). Runs on the thread that holds the held
         transaction, if any, and gives it up first (LMDB has one writer at a time).
         """
         self.abort_held()
@@ -299,6 +300,8 @@ class QueueStore:
                     self._commit(txn)
                 return result
             except MapFull:
+                if self.shared:
+                    raise  # the group grows the map on the loop (actor/commit_group.py)
                 self._grow()
         raise StorageFull("storage is full: the LMDB map could not grow enough")
 
