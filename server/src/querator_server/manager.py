@@ -274,14 +274,14 @@ class QueuesManager:
                     self._queue_path(config.uid), config.partitions, map_size=self._map_size, sync=self._sync
                 ),
             )
-        if group is not None and stopped is None:
-            group.members += 1
         actor = LogicalQueue(
             config, store, lane, resolve=self.actor, max_inbox=self._max_inbox, group=group
         )
         if self.observer is not None:
             self.observer.attach(actor)
         await actor.start(stopped.keyed_index if stopped is not None else None)
+        if group is not None and stopped is None:
+            group.members += 1
         return actor
 
     async def stop(self) -> None:
