@@ -8,7 +8,7 @@ import threading
 import grpc
 import lmdb
 import pytest
-from conftest import Stubs, ThreadServer
+from conftest import ProcessServer, Stubs, ThreadServer
 from grpc import StatusCode as Code
 from querator.v1 import queue_pb2, queues_pb2
 from querator_server.storage.groups import GROUP_MAX_PARTITIONS, GROUP_QUEUES
@@ -213,3 +213,46 @@ def test_a_move_that_cannot_write_changes_nothing_and_can_be_retried(data_dir: s
         server.stop()
     assert _listing(data_dir, "queues") == ["1"]
     assert not any(name.startswith(b"q1.") for name in _databases(os.path.join(data_dir, "groups", "0")))
+
+
+@pytest.mark.parametrize("crash_at", ["move-copied", "move-recorded"])
+def test_kill9_in_the_middle_of_a_move_leaves_the_queue_whole_in_one_place(
+    data_dir: str, monkeypatch: pytest.MonkeyPatch, crash_at: str
+) -> None:
+    monkeypatch.setenv("QUERATOR_CRASH_AT", crash_at)
+    proc = ProcessServer(data_dir)
+    proc.start()
+    stubs = Stubs(grpc.insecure_channel(proc.address))
+    try:
+        stubs.create("neighbour")
+        stubs.create("growing", requested_partitions=2, lease_timeout={"seconds": 600})
+        stubs.produce("neighbour", [b"n"])
+        stubs.produce("growing", [f"item {i}".encode() for i in range(30)])
+        leased = stubs.lease("growing", batch_size=4)
+        with pytest.raises(grpc.RpcError):
+            _update_partitions(stubs, "growing", 48)
+        assert proc.proc is not None and proc.proc.wait(20) == -9, "the crash point did not fire"
+    finally:
+        stubs.channel.close()
+        proc.stop()
+    monkeypatch.delenv("QUERATOR_CRASH_AT")
+    proc.start()
+    stubs = Stubs(grpc.insecure_channel(proc.address))
+    try:
+        moved = crash_at == "move-recorded"
+        info = stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="growing"), timeout=10).queue
+        assert info.requested_partitions == (48 if moved else 2)
+        assert _total(stubs, "growing") == (30, 4)
+        assert _total(stubs, "neighbour") == (1, 0)
+        stubs.complete("growing", leased.partition, [item.id for item in leased.items])
+        assert _total(stubs, "growing") == (26, 0)
+        if not moved:  # the move can be asked again and now completes
+            assert _update_partitions(stubs, "growing", 48).requested_partitions == 48
+            assert _total(stubs, "growing") == (26, 0)
+    finally:
+        stubs.channel.close()
+        proc.terminate()
+        proc.stop()
+    # One copy of the queue, where the catalog says, and none left in the group.
+    assert _listing(data_dir, "queues") == ["2"]
+    assert {name.split(b".")[0] for name in _databases(os.path.join(data_dir, "groups", "0"))} == {b"q1"}

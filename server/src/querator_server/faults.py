@@ -26,6 +26,12 @@ import time
 DEAD_LETTER_STORED = "dead-letter-stored"
 """After the dead-letter queue committed an outbox batch, before the source dropped it."""
 
+MOVE_COPIED = "move-copied"
+"""Moving a queue out of its commit group: its copy is durable, the catalog not yet changed."""
+
+MOVE_RECORDED = "move-recorded"
+"""Moving a queue out of its commit group: the catalog names the copy, the group's is not dropped."""
+
 FAULT_FILE_ENV = "QUERATOR_FAULT_FILE"
 NO_SPACE = "no-space"
 IO_ERROR = "io-error"

@@ -29,7 +29,7 @@ from ..errors import (
     ResourceExhausted,
     Unavailable,
 )
-from ..faults import DEAD_LETTER_STORED, crash_point
+from ..faults import DEAD_LETTER_STORED, MOVE_COPIED, MOVE_RECORDED, crash_point
 from ..model import PartitionStats, QueueConfig, QueueStats
 from ..storage import MAX_GROWTHS, Item, MapFull, QueueStore, StorageError, StorageFull
 from ..storage.keyed import KeyedIndex
@@ -567,7 +567,9 @@ class LogicalQueue:
             return False
         try:
             keyed = await self._lane.run(partial(KeyedIndex, store))
+            crash_point(MOVE_COPIED)
             await request.persist()
+            crash_point(MOVE_RECORDED)
         except Exception as exc:
             await self._lane.run(store.destroy)
             _answer(request, exc if isinstance(exc, QueratorError) else Unavailable(f"storage failed, retry later: {exc}"))
