@@ -263,9 +263,7 @@ class QueuesManager:
         elif config.group >= 0:
             group = await loop.run_in_executor(self._executor, self._groups.get, config.group)
             store = await group.job(
-                lambda: QueueStore(
-                    self._queue_path(config.uid), config.partitions, shared=group.env, prefix=queue_prefix(config.uid)
-                )
+                lambda: QueueStore(group.path, config.partitions, shared=group.env, prefix=queue_prefix(config.uid))
             )
         else:
             store = await loop.run_in_executor(

@@ -78,8 +78,6 @@ class _Delete(Request):
     force: bool
 
 
-
-
 @dataclass(slots=True)
 class _Batch:
     produces: list[ProduceRequest] = field(default_factory=list)

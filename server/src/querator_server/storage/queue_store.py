@@ -185,8 +185,8 @@ def check_data_file(env: lmdb.Environment, path: str) -> None:
         raise StorageError(f"{data}: the file is {size} bytes but its LMDB header needs {need}: truncated or damaged")
 
 
-def database_names(env: lmdb.Environment, txn: lmdb.Transaction[bytes], prefix: bytes = b"") -> list[bytes]:
-    """The names of the named databases in ``env`` that start with ``prefix``."""
+def database_names(env: lmdb.Environment, txn: lmdb.Transaction[bytes], prefix: bytes) -> list[bytes]:
+    """The names of the named databases in ``env`` that start with ``prefix`` (not empty)."""
     cursor = txn.cursor()
     names: list[bytes] = []
     if cursor.set_range(prefix):
@@ -229,7 +229,7 @@ class QueueStore:
     ) -> None:
         self.path = path
         # A queue in a commit group keeps its databases, named with ``prefix``, in the
-        # group's environment (``shared``), which it neither holds nor closes.
+        # group's environment (``shared``, at ``path``), which it neither holds nor closes.
         self.shared = shared is not None
         self.prefix = prefix
         self._dbs: list[Any] = []
