@@ -280,30 +280,66 @@ def _produce_until_refused(address: str, acked: list[str], refusals: list[grpc.S
 def test_second_signal_during_shutdown_exits_at_once(tmp_path: object, serves: list[Serve]) -> None:
     address = f"127.0.0.1:{free_port()}"
     args = ["--address", address, "--data-dir", os.path.join(str(tmp_path), "data"), "--log-level", "warning"]
-    s = serve(serves, tmp_path, address, args)
-    channel = grpc.insecure_channel(address)
-    more = threading.Event()
+    fault = os.path.join(str(tmp_path), "fault")
+    s = serve(serves, tmp_path, address, args, env={"QUERATOR_FAULT_FILE": fault})
+    stubs = Stubs(grpc.insecure_channel(address))
+    produced: list[grpc.StatusCode] = []
 
-    def requests() -> Iterator[reflection_pb2.ServerReflectionRequest]:
-        yield reflection_pb2.ServerReflectionRequest(list_services="")
-        more.wait(60)  # the stream stays open: an RPC that does not end by itself
+    def produce() -> None:
+        try:
+            stubs.produce("stalled", [b"x"])
+        except grpc.RpcError as exc:
+            produced.append(exc.code())
 
     try:
-        # An open reflection stream holds the server in its grace period (seconds)
-        # after the first signal, waiting for it.
-        info = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(requests(), timeout=60)
-        assert next(info).list_services_response.service
+        stubs.create("stalled")
+        # A commit that waits on a stalled disk holds the shutdown, which lets the
+        # queue finish what it took in, for as long as the stall lasts.
+        with open(fault, "w") as f:
+            f.write("stall")
+        producer = threading.Thread(target=produce, daemon=True)
+        producer.start()
+        time.sleep(0.3)
         s.signal(signal.SIGTERM)
         wait_until(lambda: health_status(address) != health_pb2.HealthCheckResponse.SERVING, 10)
         time.sleep(0.2)
         assert s.proc is not None and s.proc.poll() is None, "still draining: the second signal has work to do"
         started = time.monotonic()
         s.signal(signal.SIGINT)
-        code = s.wait(GRACE_S * 0.8)  # a clean exit would come only at the end of the grace period
+        code = s.wait(GRACE_S * 0.8)
         elapsed = time.monotonic() - started
         assert elapsed < GRACE_S / 2, f"the second signal took {elapsed:.1f}s to end the process"
         assert code != 0  # a forced exit, not a clean one
-        info.cancel()
+        producer.join(10)
+        assert produced, "the stalled produce was answered OK"
+    finally:
+        os.remove(fault)
+        stubs.channel.close()
+
+
+def test_reflection_streams_end_at_shutdown(tmp_path: object, serves: list[Serve]) -> None:
+    # A grpcurl or grpcui session keeps a reflection stream open: it must end (OK)
+    # after the answer it is giving, not hold the shutdown for the whole grace period.
+    address = f"127.0.0.1:{free_port()}"
+    args = ["--address", address, "--data-dir", os.path.join(str(tmp_path), "data"), "--log-level", "warning"]
+    s = serve(serves, tmp_path, address, args)
+    channel = grpc.insecure_channel(address)
+    more = threading.Event()
+
+    def requests() -> Iterator[reflection_pb2.ServerReflectionRequest]:
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+        more.wait(60)  # the client keeps its side open
+
+    try:
+        info = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(requests(), timeout=60)
+        assert next(info).list_services_response.service
+        started = time.monotonic()
+        s.signal(signal.SIGTERM)
+        assert list(info) == []  # the stream ends...
+        assert info.code() == grpc.StatusCode.OK  # ...with OK
+        assert s.wait(GRACE_S * 0.8) == 0
+        elapsed = time.monotonic() - started
+        assert elapsed < GRACE_S / 2, f"the shutdown took {elapsed:.1f}s with a reflection stream open"
     finally:
         more.set()
         channel.close()

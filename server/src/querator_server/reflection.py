@@ -8,7 +8,9 @@ ships ``querator/v1/querator_v1.binpb`` (written by scripts/gen_proto.sh with
 FileDescriptorProtos instead of the plain ones for our files.
 
 It also finds the file of a method name (``package.Service.Method``), which
-the upb descriptor pool does not index.
+the upb descriptor pool does not index, and ends its open streams (OK) when the
+server shuts down: a reflection stream (grpcurl, grpcui) stays open until its
+client closes it, and would otherwise hold a SIGTERM for the whole grace period.
 
 A file from the set is served only when it describes exactly what the running
 server uses (compared without source info and json_name); a stale or missing
@@ -17,8 +19,11 @@ set falls back to the plain descriptors.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Mapping
 from importlib import resources
+from typing import Any
 
 import structlog
 from google.protobuf import descriptor_pb2, descriptor_pool
@@ -72,6 +77,23 @@ class ReflectionServicer(reflection.aio.ReflectionServicer):  # type: ignore[nam
         # Plain serialized FileDescriptorProto -> what to send instead (itself when
         # there is nothing better). Bounded by the number of files in the pool.
         self._served: dict[bytes, bytes] = {}
+        self._ending: asyncio.Event | None = None
+
+    async def ServerReflectionInfo(  # noqa: N802 -- gRPC's name
+        self, request_iterator: AsyncIterator[reflection_pb2.ServerReflectionRequest], context: Any
+    ) -> AsyncIterator[reflection_pb2.ServerReflectionResponse]:
+        if self._ending is None:
+            self._ending = asyncio.Event()
+        requests = _until(request_iterator, self._ending)
+        async for response in super().ServerReflectionInfo(requests, context):
+            yield response
+
+    def end_streams(self) -> None:
+        """End every open stream, and each one opened from now on, after the answer
+        to the request it is handling (shutting down)."""
+        if self._ending is None:
+            self._ending = asyncio.Event()
+        self._ending.set()
 
     def _enrich(self, serialized: bytes) -> bytes:
         served = self._served.get(serialized)
@@ -124,6 +146,27 @@ class ReflectionServicer(reflection.aio.ReflectionServicer):  # type: ignore[nam
         return self._with_source_info(
             super()._file_containing_extension(request, containing_type, extension_number)
         )
+
+
+async def _until(messages: AsyncIterator[Any], ending: asyncio.Event) -> AsyncIterator[Any]:
+    """``messages``, ending (as if the client had closed its side) once ``ending`` is set."""
+    upcoming = messages.__aiter__()
+    ended = asyncio.ensure_future(ending.wait())
+    try:
+        while not ending.is_set():
+            read = asyncio.ensure_future(upcoming.__anext__())
+            await asyncio.wait((read, ended), return_when=asyncio.FIRST_COMPLETED)
+            if not read.done():
+                read.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await read
+                return
+            try:
+                yield read.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        ended.cancel()
 
 
 __all__ = ["ReflectionServicer", "load_source_descriptors"]

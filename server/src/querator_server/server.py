@@ -64,6 +64,7 @@ class QueratorServer:
         self.health = HealthService()
         self._server: grpc.aio.Server | None = None
         self._queue_service: QueueService | None = None
+        self._reflection: ReflectionServicer | None = None
         self.port = 0
         self._stopped = asyncio.Event()
         self.metrics = None
@@ -101,7 +102,7 @@ class QueratorServer:
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         # Serves our files with their proto comments (see reflection.py).
-        servicer = ReflectionServicer(
+        servicer = self._reflection = ReflectionServicer(
             (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME, _REFLECTION_V1)
         )
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
@@ -187,6 +188,8 @@ class QueratorServer:
         # Open streams end (OK) once answered, rather than holding the grace period.
         if self._queue_service is not None:
             self._queue_service.end_streams()
+        if self._reflection is not None:
+            self._reflection.end_streams()
         await self.health.end_watches()
         await self._await_lull(min(SHUTDOWN_DRAIN_S, grace))
         await server.stop(grace)
