@@ -29,7 +29,15 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ..storage.queue_store import MAX_GROWTHS, MapFull, StorageError, StorageFull, inject_write_fault, write_failure
+from ..storage.queue_store import (
+    MAX_GROWTHS,
+    MapFull,
+    StorageError,
+    StorageFull,
+    aborted_on_failure,
+    inject_write_fault,
+    write_failure,
+)
 from .lane import StorageLane
 
 T = TypeVar("T")
@@ -95,18 +103,9 @@ class CommitGroup:
             if outcome.hold_error is not None:
                 raise StorageError(f"storage write failed: {outcome.hold_error}")
         child = self.env.begin(write=True, parent=self._parent)
-        try:
+        with aborted_on_failure(child, self.path):
             result = body(child)
             child.commit()
-        except lmdb.MapFullError as exc:
-            child.abort()
-            raise MapFull() from exc
-        except lmdb.Error as exc:
-            child.abort()
-            raise StorageError(f"storage write failed: {exc}") from exc
-        except BaseException:
-            child.abort()
-            raise
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         self._joined.append((done, on_commit))

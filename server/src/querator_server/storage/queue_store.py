@@ -158,7 +158,7 @@ def write_failure(exc: lmdb.Error, path: str) -> str:
 
 
 @contextmanager
-def _aborted_on_failure(txn: lmdb.Transaction[bytes], path: str) -> Iterator[None]:
+def aborted_on_failure(txn: lmdb.Transaction[bytes], path: str) -> Iterator[None]:
     """Abort ``txn`` if the block fails; LMDB errors become MapFull or StorageError."""
     try:
         yield
@@ -295,7 +295,7 @@ class QueueStore:
         for _ in range(MAX_GROWTHS):
             txn = self.env.begin(write=True)
             try:
-                with _aborted_on_failure(txn, self.path):
+                with aborted_on_failure(txn, self.path):
                     result = fn(txn)
                     self._commit(txn)
                 return result
@@ -352,7 +352,7 @@ class QueueStore:
         txn, self._held = self._held, None
         if txn is None:
             raise StorageError("no write transaction is held")
-        with _aborted_on_failure(txn, self.path):
+        with aborted_on_failure(txn, self.path):
             self._commit(txn)
         try:
             self.hold()
