@@ -146,7 +146,7 @@ async def measure(queues: int, environments: int, lanes: int, items: int, workdi
                 sent += 1
                 batch = [((seq + j).to_bytes(8, "big"), payload) for j in range(BATCH)]
                 seq += BATCH
-                await env.write(lambda txn: txn.cursor(db=db).putmulti(batch, append=True))
+                await env.write(lambda txn, db=db, batch=batch: txn.cursor(db=db).putmulti(batch, append=True))
 
         wall0, loop0, process0 = time.perf_counter(), time.thread_time(), time.process_time()
         await asyncio.wait_for(asyncio.gather(*(producer(q) for q in range(queues))), timeout=300)

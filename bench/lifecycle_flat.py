@@ -77,7 +77,9 @@ def measure(n: int, rounds: int) -> tuple[float, float]:
         start = time.perf_counter()
         inner: list[float] = []
 
-        def step(c: Cycle, t: object, e: list[tuple[int, int, int]] = expired) -> None:
+        def step(
+            c: Cycle, t: object, e: list[tuple[int, int, int]] = expired, inner: list[float] = inner
+        ) -> None:
             a = time.perf_counter()
             c.lifecycle(t, e)  # type: ignore[arg-type]
             inner.append(time.perf_counter() - a)

@@ -82,7 +82,7 @@ class Generator:
                 self.local.add(full)
                 if message.options.map_entry:
                     self.maps[full] = (message.field[0], message.field[1])
-            for enum, _path, full in self._enums(f):
+            for _enum, _path, full in self._enums(f):
                 self.local.add(full)
 
     # -- walking -----------------------------------------------------------------------

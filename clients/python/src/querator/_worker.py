@@ -148,7 +148,8 @@ class WorkerOptions:
 
 
 def _is_async(handler: Callable[..., Any]) -> bool:
-    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(getattr(handler, "__call__", None))
+    # An object whose __call__ is async; callable() cannot tell that.
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(getattr(handler, "__call__", None))  # noqa: B004
 
 
 @dataclass(eq=False)
