@@ -89,7 +89,7 @@ class QueratorClient:
 
     address: str
     complete_in_lease: bool = False  # use Lease.complete_ids instead of a separate Complete call
-    streams: bool = False  # Produce and Lease over one ProduceStream / LeaseStream per process
+    streams: bool = False  # Produce and Lease over a ProduceStream / LeaseStream per queue, as the SDK does
     compact: bool = True  # ProduceRequest.payloads (as the SDK sends bare payloads), when the stubs have it
     _state: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -112,9 +112,8 @@ class QueratorClient:
         )
 
     async def close(self) -> None:
-        for pipe in (self._state.pop("produce_pipe", None), self._state.pop("lease_pipe", None)):
-            if pipe is not None:
-                await pipe.close()
+        for pipe in self._state.pop("pipes", {}).values():
+            await pipe.close()
         channel = self._state.pop("channel", None)
         if channel is not None:
             await channel.close()
@@ -148,14 +147,18 @@ class QueratorClient:
         else:
             request = pb.ProduceRequest(queue_name=queue, items=[pb.ProduceItem(payload=p) for p in payloads])
         if self.streams:
-            await _ask(self._pipe("produce_pipe", "ProduceStream"), pb.ProduceStreamRequest(request=request))
+            await _ask(self._pipe("ProduceStream", queue), pb.ProduceStreamRequest(request=request))
             return
         await self._state["queue"].Produce(request, timeout=60)
 
-    def _pipe(self, key: str, method: str) -> Pipe:
-        pipe = self._state.get(key)
+    def _pipe(self, method: str, queue: str) -> Pipe:
+        """The process's stream of ``method`` for ``queue``: one per queue, as the SDK
+        keeps (answers come in the order asked, so queues sharing a stream would wait
+        on each other's answers)."""
+        pipes = self._state.setdefault("pipes", {})
+        pipe = pipes.get((method, queue))
         if pipe is None:
-            pipe = self._state[key] = Pipe(getattr(self._state["queue"], method)())
+            pipe = pipes[(method, queue)] = Pipe(getattr(self._state["queue"], method)())
         return pipe  # type: ignore[no-any-return]
 
     async def lease(self, queue: str, client_id: str, batch: int, wait_s: float) -> tuple[object, list[bytes]]:
@@ -177,7 +180,7 @@ class QueratorClient:
                 request.complete_partition = previous[0]
                 request.complete_ids.extend(previous[1])
         if self.streams:
-            reply = await _ask(self._pipe("lease_pipe", "LeaseStream"), pb.LeaseStreamRequest(request=request))
+            reply = await _ask(self._pipe("LeaseStream", queue), pb.LeaseStreamRequest(request=request))
         else:
             reply = await self._state["queue"].Lease(request, timeout=wait_s + 30)
         if columnar and reply.columns.ids:

@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=3, help="runs of W1 and W4 per system, medians reported (default 3)")
     p.add_argument("--complete-in-lease", action="store_true", help="ours: complete each batch with the next Lease (complete_ids) instead of a Complete call")
     p.add_argument("--item-produce", action="store_true", help="ours: one ProduceItem per item instead of the compact form (ProduceRequest.payloads), which the SDK sends for bare payloads")
-    p.add_argument("--streams", action="store_true", help="ours: Produce and Lease over one ProduceStream / LeaseStream per client process instead of unary calls")
+    p.add_argument("--streams", action="store_true", help="ours: Produce and Lease over a ProduceStream / LeaseStream per queue in each client process (as the SDK does) instead of unary calls")
     p.add_argument("--at-commit", metavar="REV", help="run the server from this commit's sources (git archive into the temp dir) instead of the work tree")
     p.add_argument("--time-limit", type=float, default=d.time_limit_s, help=f"seconds per phase before it is stopped as failed (default {d.time_limit_s:.0f})")
     args = p.parse_args(argv)
@@ -177,7 +177,7 @@ def report(all_results: dict[str, dict[str, Any]], ceilings: dict[str, Any], arg
         f"W4: {s.w4_per_queue} call(s) in flight per queue ({s.w4_per_queue * s.w4_queues} per process); "
         f"W1 and W4: median of {args.repeat} runs, W2 and W3: one run"
         + ("; ours completes via the next Lease (complete_ids)" if args.complete_in_lease else "")
-        + ("; ours sends Produce and Lease over one ProduceStream / LeaseStream per process" if args.streams else "")
+        + ("; ours sends Produce and Lease over a ProduceStream / LeaseStream per queue and process, as the SDK does" if args.streams else "")
         + ("; ours produces one ProduceItem per item" if args.item_produce else "; ours produces in the compact form (ProduceRequest.payloads), as the SDK does for bare payloads")
         + "."
     )
