@@ -9,7 +9,8 @@ state and attempts, the expiry index (every item indexed exactly once, no entry 
 without items) and the partition's counters must agree with the model.
 
 The runs of completions, leases and expiry entries are shortcuts of the item-by-item
-rules; this checks that both ways leave the same queue.
+rules; this checks that both ways leave the same queue. The same runs again with the
+queue's databases in a commit group's shared environment, next to another queue's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from querator_server.actor.view import PartitionView
 from querator_server.errors import QueratorError
 from querator_server.model import NewItem, QueueConfig, RetryOrder
 from querator_server.storage import Item, QueueStore
+from querator_server.storage.groups import open_group_env, queue_prefix
 from querator_server.storage.record import item_key
 
 LEASE_S = 10
@@ -219,3 +221,35 @@ QueueModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_queue_against_its_model = QueueModel.TestCase
+
+
+class GroupedQueueModel(QueueModel):
+    """The same queue in a commit group's shared environment, beside a neighbour
+    whose items must stay as they are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store.close()
+        self.env = open_group_env(self.dir + "/g", map_size=1 << 24, sync=False)
+        self.neighbour = QueueStore(self.dir + "/g", 1, shared=self.env, prefix=queue_prefix(2))
+        self.neighbour.write(lambda txn: [txn.put(item_key(seq), b"theirs", db=self.neighbour.db(0)) for seq in (1, 2)])
+        self.store = QueueStore(self.dir + "/g", 1, shared=self.env, prefix=queue_prefix(1))
+
+    def teardown(self) -> None:
+        self.env.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    @invariant()
+    def neighbour_untouched(self) -> None:
+        with self.env.begin() as txn:
+            assert dict(txn.cursor(db=self.neighbour.db(0))) == {item_key(1): b"theirs", item_key(2): b"theirs"}
+
+
+GroupedQueueModel.TestCase.settings = settings(
+    max_examples=30,
+    stateful_step_count=50,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_grouped_queue_against_its_model = GroupedQueueModel.TestCase
