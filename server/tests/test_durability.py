@@ -286,9 +286,28 @@ def _check_after_crash(stubs: Stubs, ledger: Ledger, name: str) -> None:
     assert_stats_match_storage(stubs, name)
 
 
-# One queue; and four queues of one commit group, whose cycles share commits.
-@pytest.mark.parametrize("names", [["crash"], ["crash-a", "crash-b", "crash-c", "crash-d"]], ids=["one", "group"])
-def test_kill9_loses_no_acknowledged_produce_or_complete(proc: ProcessServer, names: list[str]) -> None:
+# One queue; four queues of one commit group, whose cycles share commits; and four
+# queues with an environment each (commit groups off).
+@pytest.mark.parametrize(
+    ("names", "groups"),
+    [(["crash"], "true"), (["crash-a", "crash-b", "crash-c", "crash-d"], "true"), (["crash-a", "crash-b", "crash-c", "crash-d"], "false")],
+    ids=["one", "group", "own-environments"],
+)
+def test_kill9_loses_no_acknowledged_produce_or_complete(
+    data_dir: str, names: list[str], groups: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QUERATOR_COMMIT_GROUPS", groups)
+    proc = ProcessServer(data_dir)
+    proc.start()
+    try:
+        _kill9_loop(proc, names)
+    finally:
+        proc.stop()
+    where = "groups" if groups == "true" else "queues"
+    assert os.listdir(os.path.join(data_dir, where)), f"the queues were not stored under {where}/"
+
+
+def _kill9_loop(proc: ProcessServer, names: list[str]) -> None:
     stubs = connect(proc.address)
     for name in names:
         stubs.create(name, requested_partitions=2, lease_timeout=LONG_LEASE)
