@@ -6,9 +6,9 @@ durable commit can carry the cycles of all of them (actor/commit_group.py).
 
 LMDB sizes every transaction by the environment's ``max_dbs`` (a nested transaction
 allocates and clears an array of that many entries), so a group holds a bounded
-number of queues, each with room for ``GROUP_MAX_PARTITIONS`` partitions: about 2 µs
-per transaction at this size, against 130 µs at 66,000. A queue with more partitions
-has an environment of its own.
+number of queues, each with room for ``GROUP_MAX_PARTITIONS`` partitions: 2-6 µs per
+nested transaction at this size, against 130-260 µs at 66,000. A queue with more
+partitions has an environment of its own.
 """
 
 from __future__ import annotations
