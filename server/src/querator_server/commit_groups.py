@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections import Counter
 from collections.abc import Iterable
 
@@ -34,6 +35,8 @@ class CommitGroups:
         self._sync = sync
         self.enabled = enabled
         self._open: dict[int, CommitGroup] = {}
+        # get() runs on executor threads; LMDB must never open one environment twice.
+        self._opening = threading.Lock()
 
     def path(self, index: int) -> str:
         return os.path.join(self.root, str(index))
@@ -50,12 +53,13 @@ class CommitGroups:
 
     def get(self, index: int) -> CommitGroup:
         """The group ``index``, opening (or creating) its environment. Blocking."""
-        group = self._open.get(index)
-        if group is None:
-            path = self.path(index)
-            env = open_group_env(path, map_size=self._map_size, sync=self._sync)
-            group = self._open[index] = CommitGroup(env, path, self._lanes[index % len(self._lanes)])
-        return group
+        with self._opening:
+            group = self._open.get(index)
+            if group is None:
+                path = self.path(index)
+                env = open_group_env(path, map_size=self._map_size, sync=self._sync)
+                group = self._open[index] = CommitGroup(env, path, self._lanes[index % len(self._lanes)])
+            return group
 
     def load(self, configs: list[QueueConfig]) -> None:
         """At start-up, before any actor: open every group the catalog names, refuse one
