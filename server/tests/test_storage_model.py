@@ -213,13 +213,17 @@ class QueueModel(RuleBasedStateMachine):
         assert (v.ready, v.leased) == (len(self.items) - leased, leased)
 
 
-QueueModel.TestCase.settings = settings(
-    max_examples=80,
-    stateful_step_count=50,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+def _runs(examples: int) -> settings:
+    return settings(
+        max_examples=examples,
+        stateful_step_count=50,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+
+QueueModel.TestCase.settings = _runs(80)
 test_queue_against_its_model = QueueModel.TestCase
 
 
@@ -245,11 +249,5 @@ class GroupedQueueModel(QueueModel):
             assert dict(txn.cursor(db=self.neighbour.db(0))) == {item_key(1): b"theirs", item_key(2): b"theirs"}
 
 
-GroupedQueueModel.TestCase.settings = settings(
-    max_examples=30,
-    stateful_step_count=50,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+GroupedQueueModel.TestCase.settings = _runs(30)
 test_grouped_queue_against_its_model = GroupedQueueModel.TestCase
