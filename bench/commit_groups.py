@@ -5,9 +5,11 @@ its items into a database of its own inside one of G LMDB environments (durable:
 ``sync``, ``metasync``), and every environment commits on one storage lane
 (``querator_server.actor.lane``), as the server does:
 
-- G = Q is what the server does today: an environment per queue, a commit per
-  request, the lanes committing side by side.
-- G < Q shares an environment between queues: a queue's write runs in a nested
+- G = Q is what the server does with ``--no-commit-groups`` (and did before commit
+  groups): an environment per queue, a commit per request, the lanes committing side
+  by side.
+- G < Q shares an environment between queues, as the server's commit groups now do
+  (``querator_server.actor.commit_group``): a queue's write runs in a nested
   transaction of the environment's held one (so that a failing queue would abort
   only its own part), and one commit makes every queue that wrote since the last
   one durable.

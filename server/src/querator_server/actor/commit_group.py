@@ -68,6 +68,7 @@ class CommitGroup:
         self.env = env
         self.path = path
         self.lane = lane
+        # Queues whose actors use the group (kept by the manager): one commits at once.
         self.members = 0
         self._parent: lmdb.Transaction[bytes] | None = None
         self._joined: list[tuple[asyncio.Future[None], Callable[[float], None] | None]] = []
