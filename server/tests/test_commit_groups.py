@@ -13,6 +13,7 @@ import pytest
 from conftest import ProcessServer, Stubs, ThreadServer
 from grpc import StatusCode as Code
 from querator.v1 import queue_pb2, queues_pb2
+from querator_server.storage import StorageError
 from querator_server.storage.groups import GROUP_MAX_PARTITIONS, GROUP_QUEUES
 
 
@@ -225,3 +226,32 @@ def test_kill9_in_the_middle_of_a_move_leaves_the_queue_whole_in_one_place(
     # One copy of the queue, where the catalog says, and none left in the group.
     assert _listing(data_dir, "queues") == ["2"]
     assert {name.split(b".")[0] for name in _databases(os.path.join(data_dir, "groups", "0"))} == {b"q1"}
+
+
+def test_a_create_whose_catalog_write_fails_leaves_nothing_in_the_group(
+    data_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = ThreadServer(data_dir)
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stubs = Stubs(channel)
+            stubs.create("first")
+            catalog = server.server.manager._catalog
+            assert catalog is not None
+
+            def disk_full(*_args: object) -> None:
+                raise StorageError("storage write failed: No space left on device (as if)")
+
+            # The storage of the new queue is made, then the catalog cannot record it.
+            monkeypatch.setattr(catalog, "put", disk_full)
+            with pytest.raises(grpc.RpcError) as failed:
+                stubs.create("second")
+            assert failed.value.code() == Code.UNAVAILABLE
+            monkeypatch.undo()
+            stubs.create("third")
+            stubs.produce("third", [b"t"])
+            assert [i.payload for i in stubs.lease("third").items] == [b"t"]
+    finally:
+        server.stop()
+    # uid 2 was "second": none of its databases stayed behind in the group.
+    assert {name.split(b".")[0] for name in _databases(os.path.join(data_dir, "groups", "0"))} == {b"q1", b"q3"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import builtins
+import contextlib
 import re
 import fcntl
 import itertools
@@ -361,7 +362,11 @@ class QueuesManager:
             except Exception as exc:
                 await actor.stop()
                 if actor.group is not None:
-                    actor.group.members -= 1  # its databases go at the next start
+                    actor.group.members -= 1
+                    # Its databases hold slots of the group's max_dbs: drop them now
+                    # (or, if that fails too, at the next start).
+                    with contextlib.suppress(StorageError):
+                        await actor.group.job(actor.store.destroy)
                 self._lane_of.pop(config.uid, None)
                 if isinstance(exc, StorageError | OSError):
                     raise _storage_failed(exc) from exc
