@@ -13,6 +13,7 @@ import pytest
 from conftest import ProcessServer, Stubs, ThreadServer
 from grpc import StatusCode as Code
 from querator.v1 import queue_pb2, queues_pb2
+from querator_server.actor import LogicalQueue
 from querator_server.storage import StorageError
 from querator_server.storage.groups import GROUP_MAX_PARTITIONS, GROUP_QUEUES
 
@@ -254,4 +255,28 @@ def test_a_create_whose_catalog_write_fails_leaves_nothing_in_the_group(
     finally:
         server.stop()
     # uid 2 was "second": none of its databases stayed behind in the group.
+    assert {name.split(b".")[0] for name in _databases(os.path.join(data_dir, "groups", "0"))} == {b"q1", b"q3"}
+
+
+def test_a_create_whose_actor_cannot_start_leaves_nothing_in_the_group(
+    data_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = ThreadServer(data_dir)
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stubs = Stubs(channel)
+            stubs.create("first")
+
+            async def unreadable(self: LogicalQueue, keyed: object = None) -> None:
+                raise StorageError("storage read failed: Input/output error (as if)")
+
+            monkeypatch.setattr(LogicalQueue, "start", unreadable)
+            with pytest.raises(grpc.RpcError) as failed:
+                stubs.create("second")
+            assert failed.value.code() == Code.UNAVAILABLE
+            monkeypatch.undo()
+            stubs.create("third")
+            assert _total(stubs, "first") == (0, 0)
+    finally:
+        server.stop()
     assert {name.split(b".")[0] for name in _databases(os.path.join(data_dir, "groups", "0"))} == {b"q1", b"q3"}

@@ -254,8 +254,11 @@ class QueuesManager:
             self._lane_of[uid] = users.index(min(users))
         return self._lanes[self._lane_of[uid]]
 
-    async def _start_actor(self, config: QueueConfig, stopped: LogicalQueue | None = None) -> LogicalQueue:
-        """Start an actor for ``config``; on ``stopped``'s open storage when given."""
+    async def _start_actor(
+        self, config: QueueConfig, stopped: LogicalQueue | None = None, *, created: bool = False
+    ) -> LogicalQueue:
+        """Start an actor for ``config``; on ``stopped``'s open storage when given.
+        ``created``: the queue is new, so storage made for it goes if the start fails."""
         loop = asyncio.get_running_loop()
         lane = self._lane(config.uid)
         group = None
@@ -278,7 +281,13 @@ class QueuesManager:
         )
         if self.observer is not None:
             self.observer.attach(actor)
-        await actor.start(stopped.keyed_index if stopped is not None else None)
+        try:
+            await actor.start(stopped.keyed_index if stopped is not None else None)
+        except BaseException:
+            if created and group is not None:  # its databases would hold slots of max_dbs
+                with contextlib.suppress(StorageError):
+                    await group.job(store.destroy)
+            raise
         if group is not None and stopped is None:
             group.members += 1
         return actor
@@ -353,7 +362,7 @@ class QueuesManager:
                 now = now_us()
                 group = self._groups.place(config, self._configs.values())
                 config = config.replace(uid=uid, created_at_us=now, updated_at_us=now, group=group)
-                actor = await self._start_actor(config)
+                actor = await self._start_actor(config, created=True)
             except (StorageError, OSError) as exc:
                 self._lane_of.pop(config.uid, None)
                 raise _storage_failed(exc) from exc
