@@ -229,22 +229,28 @@ def test_kill9_in_the_middle_of_a_move_leaves_the_queue_whole_in_one_place(
     assert {name.split(b".")[0] for name in _databases(os.path.join(data_dir, "groups", "0"))} == {b"q1"}
 
 
-def test_a_create_whose_catalog_write_fails_leaves_nothing_in_the_group(
-    data_dir: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("failing", ["catalog write", "actor start"])
+def test_a_create_that_fails_leaves_nothing_in_the_group(
+    data_dir: str, monkeypatch: pytest.MonkeyPatch, failing: str
 ) -> None:
+    # The new queue's databases are made, then the create fails: they must not stay,
+    # holding slots of the group's max_dbs until the next start.
     server = ThreadServer(data_dir)
     try:
         with grpc.insecure_channel(server.address) as channel:
             stubs = Stubs(channel)
             stubs.create("first")
-            catalog = server.server.manager._catalog
-            assert catalog is not None
 
             def disk_full(*_args: object) -> None:
                 raise StorageError("storage write failed: No space left on device (as if)")
 
-            # The storage of the new queue is made, then the catalog cannot record it.
-            monkeypatch.setattr(catalog, "put", disk_full)
+            async def unreadable(self: LogicalQueue, keyed: object = None) -> None:
+                raise StorageError("storage read failed: Input/output error (as if)")
+
+            if failing == "catalog write":
+                monkeypatch.setattr(server.server.manager._catalog, "put", disk_full)
+            else:
+                monkeypatch.setattr(LogicalQueue, "start", unreadable)
             with pytest.raises(grpc.RpcError) as failed:
                 stubs.create("second")
             assert failed.value.code() == Code.UNAVAILABLE
@@ -252,31 +258,8 @@ def test_a_create_whose_catalog_write_fails_leaves_nothing_in_the_group(
             stubs.create("third")
             stubs.produce("third", [b"t"])
             assert [i.payload for i in stubs.lease("third").items] == [b"t"]
-    finally:
-        server.stop()
-    # uid 2 was "second": none of its databases stayed behind in the group.
-    assert {name.split(b".")[0] for name in _databases(os.path.join(data_dir, "groups", "0"))} == {b"q1", b"q3"}
-
-
-def test_a_create_whose_actor_cannot_start_leaves_nothing_in_the_group(
-    data_dir: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    server = ThreadServer(data_dir)
-    try:
-        with grpc.insecure_channel(server.address) as channel:
-            stubs = Stubs(channel)
-            stubs.create("first")
-
-            async def unreadable(self: LogicalQueue, keyed: object = None) -> None:
-                raise StorageError("storage read failed: Input/output error (as if)")
-
-            monkeypatch.setattr(LogicalQueue, "start", unreadable)
-            with pytest.raises(grpc.RpcError) as failed:
-                stubs.create("second")
-            assert failed.value.code() == Code.UNAVAILABLE
-            monkeypatch.undo()
-            stubs.create("third")
             assert _total(stubs, "first") == (0, 0)
     finally:
         server.stop()
+    # uid 2 was "second": none of its databases stayed behind in the group.
     assert {name.split(b".")[0] for name in _databases(os.path.join(data_dir, "groups", "0"))} == {b"q1", b"q3"}
