@@ -142,6 +142,20 @@ def test_serve_environment_twins_and_flags_win(tmp_path: object, serves: list[Se
     assert s.wait(30) == 0
     s = serve(serves, tmp_path, address, [], env)
     assert queue_names(address) == ["by-env"]
+    s.signal(signal.SIGTERM)
+    assert s.wait(30) == 0
+
+    # Commit groups: off by the variable, and by the flag whatever the variable says.
+    for name, args, extra in (
+        ("grouped-off", [], {"QUERATOR_COMMIT_GROUPS": "false"}),
+        ("flag-off", ["--no-commit-groups"], {"QUERATOR_COMMIT_GROUPS": "true"}),
+    ):
+        data = os.path.join(str(tmp_path), name)
+        s = serve(serves, tmp_path, address, ["--data-dir", data, *args], {**env, **extra})
+        use(address, name)
+        assert os.listdir(os.path.join(data, "queues")) == ["1"] and not os.path.exists(os.path.join(data, "groups"))
+        s.signal(signal.SIGTERM)
+        assert s.wait(30) == 0
 
 
 def test_serve_on_a_busy_address_exits_1_with_a_message(tmp_path: object, process_server: ProcessServer) -> None:

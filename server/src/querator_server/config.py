@@ -27,7 +27,8 @@ class ServerConfig:
     # Small queues share durable commits in commit groups (docs/architecture.md); off:
     # every new queue gets an LMDB environment, and an fsync per cycle, of its own.
     commit_groups: bool = True
-    # Initial LMDB map size per queue; the map doubles whenever it fills.
+    # Initial LMDB map size per environment (a commit group's or a queue's own); the
+    # map doubles whenever it fills.
     map_size: int = 1 << 30
     shutdown_grace_s: float = 10.0
     # API keys required on every call (health and reflection excepted).
