@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
+import grpc
 import lmdb
 import pytest
+from conftest import Stubs, ThreadServer
 from querator_server.storage import Item, QueueStore
 from querator_server.storage.catalog import Catalog, CatalogError
 from querator_server.storage.record import expiry_key, item_key
@@ -61,3 +65,45 @@ def test_items_indexed_one_by_one_as_format_1_stored_them_still_expire(tmp_path:
         assert next_deadline == 0
     finally:
         store.close()
+
+
+def _as_format_2(data_dir: Path) -> None:
+    """Make a data directory look as a server of catalog format 2 left it: the format
+    stamp, and queue settings without the "group" that format 3 added."""
+    env = lmdb.open(str(data_dir / "catalog"), max_dbs=4)
+    with env.begin(write=True) as txn:
+        txn.put(b"format", b"querator-catalog-2", db=env.open_db(b"meta", txn=txn))
+        queues = env.open_db(b"queues", txn=txn)
+        for key, raw in list(txn.cursor(db=queues)):
+            settings = json.loads(raw)
+            assert settings.pop("group") == -1
+            txn.put(key, json.dumps(settings).encode(), db=queues)
+    env.close()
+
+
+def test_a_format_2_data_directory_keeps_its_queues_where_they_are_and_groups_new_ones(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    server = ThreadServer(str(data), commit_groups=False)
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stubs = Stubs(channel)
+            stubs.create("old", requested_partitions=2)
+            stubs.produce("old", [f"old {i}".encode() for i in range(10)])
+            leased = stubs.lease("old", batch_size=3)
+    finally:
+        server.stop()
+    _as_format_2(data)
+
+    server = ThreadServer(str(data))
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stubs = Stubs(channel)
+            stubs.create("new")
+            stubs.produce("new", [b"new"])
+            stubs.complete("old", leased.partition, [item.id for item in leased.items])
+            totals = [(p.total, p.total_leased) for p in stubs.stats("old").partitions]
+            assert sum(t for t, _ in totals) == 7 and sum(leased for _, leased in totals) == 0
+    finally:
+        server.stop()
+    assert sorted(os.listdir(data / "queues")) == ["1"] and sorted(os.listdir(data / "groups")) == ["0"]
+    assert _format(data / "catalog") == b"querator-catalog-3"
