@@ -11,8 +11,9 @@ only what is due (index seeks), so the time per cycle must stay flat as N grows.
 from __future__ import annotations
 
 import argparse
-import asyncio
+import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -22,30 +23,12 @@ from querator_server.actor.view import PartitionView
 from querator_server.model import NewItem, QueueConfig
 from querator_server.storage import QueueStore
 
-SECOND = 1_000_000
+# The test suite's way of driving a Cycle on a real store, shared rather than copied.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "server", "tests"))
+from cycle_helpers import SECOND, request, run_cycle  # noqa: E402
+
 HOUR = 3600 * SECOND
 DUE_WORK = 100  # items of each kind that fall due per measured cycle
-
-
-def _request(request: object) -> object:
-    request.future = asyncio.Future(loop=_LOOP)  # type: ignore[attr-defined]
-    return request
-
-
-_LOOP = asyncio.new_event_loop()
-
-
-def run(store: QueueStore, config: QueueConfig, views: list[PartitionView], now: int, steps: object) -> Cycle:
-    def body(txn: object) -> Cycle:
-        cycle = Cycle(store, config, views, now)
-        steps(cycle, txn)  # type: ignore[operator]
-        cycle.finish(txn)  # type: ignore[arg-type]
-        return cycle
-
-    cycle = store.write(body)  # type: ignore[arg-type]
-    for p, view in cycle.views.items():
-        views[p] = view
-    return cycle
 
 
 def measure(n: int, rounds: int) -> tuple[float, float]:
@@ -58,20 +41,20 @@ def measure(n: int, rounds: int) -> tuple[float, float]:
     chunk = 10_000
     for start in range(0, n, chunk):  # N ready items, N scheduled far in the future
         count = min(chunk, n - start)
-        ready = _request(ProduceRequest([NewItem(payload=payload) for _ in range(count)]))
-        later = _request(ProduceRequest([NewItem(payload=payload, enqueue_at_us=t0 + 50 * HOUR) for _ in range(count)]))
-        run(store, long_config, views, t0, lambda c, t, a=ready, b=later: (c.produce(t, a), c.produce(t, b)))
+        ready = request(ProduceRequest([NewItem(payload=payload) for _ in range(count)]))
+        later = request(ProduceRequest([NewItem(payload=payload, enqueue_at_us=t0 + 50 * HOUR) for _ in range(count)]))
+        run_cycle(store, long_config, views, t0, lambda c, t, a=ready, b=later: (c.produce(t, a), c.produce(t, b)))
     timings: list[float] = []
     lifecycle_only: list[float] = []
     now = t0
     short = long_config.replace(lease_timeout_us=SECOND, expire_timeout_us=2 * SECOND)
     for _ in range(rounds):
         # Fresh due work: scheduled items due in 1 s, items that expire in 2 s, leases of 1 s.
-        due = _request(ProduceRequest([NewItem(payload=payload, enqueue_at_us=now + SECOND) for _ in range(DUE_WORK)]))
-        dying = _request(ProduceRequest([NewItem(payload=payload) for _ in range(DUE_WORK)]))
-        run(store, short, views, now, lambda c, t, a=due, b=dying: (c.produce(t, a), c.produce(t, b)))
-        lease = _request(LeaseRequest(DUE_WORK, "", now))
-        cycle = run(store, short, views, now, lambda c, t, r=lease: c.lease(t, [r]))
+        due = request(ProduceRequest([NewItem(payload=payload, enqueue_at_us=now + SECOND) for _ in range(DUE_WORK)]))
+        dying = request(ProduceRequest([NewItem(payload=payload) for _ in range(DUE_WORK)]))
+        run_cycle(store, short, views, now, lambda c, t, a=due, b=dying: (c.produce(t, a), c.produce(t, b)))
+        lease = request(LeaseRequest(DUE_WORK, "", now))
+        cycle = run_cycle(store, short, views, now, lambda c, t, r=lease: c.lease(t, [r]))
         expired = sorted(cycle.lease_deadlines)
         now += 3 * SECOND
         start = time.perf_counter()
@@ -84,7 +67,7 @@ def measure(n: int, rounds: int) -> tuple[float, float]:
             c.lifecycle(t, e)  # type: ignore[arg-type]
             inner.append(time.perf_counter() - a)
 
-        run(store, short, views, now, step)
+        run_cycle(store, short, views, now, step)
         timings.append(time.perf_counter() - start)
         lifecycle_only.append(inner[0])
     store.close()
