@@ -290,7 +290,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg] 
                 started, request = sent.popleft()
                 queue = _queue_of(request)
                 label = queue if metrics.known_queue(queue) else ""
-                if answer.WhichOneof("result") == "response":
+                if answer.response is not None:
                     code = "OK"
                     if counted is not None:
                         action, count = counted

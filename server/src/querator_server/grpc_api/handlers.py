@@ -26,12 +26,53 @@ from .status import invalid_argument_status, status_code, stream_error, to_statu
 log = structlog.get_logger("querator.rpc")
 
 Behavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Message]]
-StreamBehavior = Callable[[AsyncIterator[Any], grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Message]]
+StreamBehavior = Callable[[AsyncIterator[Any], grpc.aio.ServicerContext[Any, Any]], AsyncIterator["StreamAnswer"]]
 
 # Requests of one stream read and not yet answered; past it the stream is not read, and
 # HTTP/2 flow control holds the client back. Bounds what a stream holds in memory (each
 # request up to the 5 MB limit); a client gains nothing from more in flight than this.
 STREAM_WINDOW = 16
+
+
+# A stream answer's ``response`` (field 1, length-delimited) is written around the unary
+# answer's bytes: building the answer message instead copies the whole reply into it
+# (a 100-item lease reply: about 30 µs of the event loop, 5 % of a drained batch).
+_RESPONSE_TAG = b"\x0a"
+
+
+def _length(size: int) -> bytes:
+    """``size`` as a protobuf varint."""
+    out = bytearray()
+    while size > 0x7F:
+        out.append(size & 0x7F | 0x80)
+        size >>= 7
+    out.append(size)
+    return bytes(out)
+
+
+class StreamAnswer:
+    """One answer of a stream: its bytes on the wire, and what they hold (the unary
+    answer, or the error), for whoever watches the stream (metrics)."""
+
+    __slots__ = ("data", "response", "error")
+
+    def __init__(self, data: bytes, response: Message | None = None, error: Message | None = None) -> None:
+        self.data = data
+        self.response = response
+        self.error = error
+
+    @classmethod
+    def of_response(cls, message: Message) -> StreamAnswer:
+        inner = message.SerializeToString()
+        return cls(b"".join((_RESPONSE_TAG, _length(len(inner)), inner)), response=message)
+
+    @classmethod
+    def of_error(cls, response_type: type[Message], error: Message) -> StreamAnswer:
+        return cls(response_type(error=error).SerializeToString(), error=error)
+
+
+def _answer_bytes(answer: StreamAnswer) -> bytes:
+    return answer.data
 
 
 class _Malformed:
@@ -132,8 +173,10 @@ def _wrap_stream(
     once the messages already read are answered (the server does so when it stops)."""
     full = f"/{service}/{method}"
     unary = method.removesuffix("Stream")
+    if response_type.DESCRIPTOR.fields_by_name["response"].number != 1:
+        raise ValueError(f"{response_type.__name__}.response must be field 1")
 
-    async def one(message: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+    async def one(message: Any, context: grpc.aio.ServicerContext[Any, Any]) -> StreamAnswer:
         request = None if isinstance(message, _Malformed | _TooLarge) else message.request
         error: QueratorError
         try:
@@ -142,12 +185,12 @@ def _wrap_stream(
             if isinstance(message, _Malformed):
                 status = invalid_argument_status(f"the message is not a valid {method}Request: {message.reason}")
                 log.info("rpc_error", method=full, code="INVALID_ARGUMENT", message=status.details)
-                return response_type(error=stream_error(int(status.code.value[0]), status.details))
+                return StreamAnswer.of_error(response_type, stream_error(int(status.code.value[0]), status.details))
             if isinstance(message, _TooLarge):
                 raise ResourceExhausted(
                     f"the message is {message.size} bytes; at most {MAX_REQUEST_BYTES} bytes are accepted"
                 )
-            return response_type(response=await behavior(request, context))
+            return StreamAnswer.of_response(await behavior(request, context))
         except QueratorError as exc:
             error = exc
         except StorageError as exc:
@@ -157,14 +200,14 @@ def _wrap_stream(
         queue = getattr(request, "queue_name", "")
         log_event = log.warning if isinstance(error, Unavailable) else log.info
         log_event("rpc_error", method=f"{full} ({unary})", queue=queue[:200], code=status.code.name, message=status.details)
-        return response_type(error=stream_error(int(status.code.value[0]), status.details, error))
+        return StreamAnswer.of_error(response_type, stream_error(int(status.code.value[0]), status.details, error))
 
-    async def handler(messages: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Message]:
+    async def handler(messages: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[StreamAnswer]:
         # At once, before any message: a client waits for this to know the server has the
         # method (a server without it answers UNIMPLEMENTED instead) before it writes.
         await context.send_initial_metadata(())
         # Answers in the order asked: each message's task, oldest first; None ends it.
-        answers: asyncio.Queue[asyncio.Task[Message] | None] = asyncio.Queue(maxsize=STREAM_WINDOW)
+        answers: asyncio.Queue[asyncio.Task[StreamAnswer] | None] = asyncio.Queue(maxsize=STREAM_WINDOW)
 
         async def read() -> None:
             try:
@@ -230,6 +273,6 @@ def generic_handler(
         handlers[name] = grpc.stream_stream_rpc_method_handler(
             _wrap_stream(service, name, behavior, response_type, action, guard, readers),
             request_deserializer=_deserializer(request_type, max_request_bytes),
-            response_serializer=response_type.SerializeToString,
+            response_serializer=_answer_bytes,  # serialized as they were made
         )
     return grpc.method_handlers_generic_handler(service, handlers)
