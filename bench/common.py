@@ -188,6 +188,13 @@ def peak_rss_mib(pid: int) -> float:
     return _status_kb(pid, "VmHWM") / 1024
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds a process has used so far, all its threads, user and system."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _children(pid: int) -> list[int]:
     out: list[int] = []
     try:

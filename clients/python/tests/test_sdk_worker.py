@@ -239,24 +239,40 @@ def test_stop_releases_buffered_and_unfinished_items(client: querator.Client) ->
 
 
 class CallCounter:
-    """Wraps an AsyncClient's lease and complete to count the calls a worker makes."""
+    """Wraps an AsyncClient's lease (as the worker calls it) and complete to count the
+    calls a worker makes."""
 
     def __init__(self, client: querator.AsyncClient) -> None:
         self.leases = self.leases_completing = self.completes = 0
         self.completed_by_lease = 0
         self.lease_errors: list[Exception] = []
-        lease, complete = client.lease, client.complete
+        self.client_ids: set[str] = set()
+        self.in_flight = self.most_in_flight = 0
+        self.long_polls = self.long_polls_in_flight = self.sent_behind_long_poll = 0
+        lease, complete = client._lease_as, client.complete
 
         async def counted_lease(*args: object, **kwargs: object) -> object:
-            done = kwargs.get("complete")
+            # (make, queue_name, batch_size, wait, client_id, complete)
+            done = args[5]
+            self.client_ids.add(str(args[4]))
             self.leases += 1
             if done:
                 self.leases_completing += 1
+            long_poll = args[3] != 0
+            if self.long_polls_in_flight:
+                self.sent_behind_long_poll += 1
+            self.in_flight += 1
+            self.long_polls += long_poll
+            self.long_polls_in_flight += long_poll
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
             try:
                 result = await lease(*args, **kwargs)  # type: ignore[arg-type]
             except Exception as error:
                 self.lease_errors.append(error)
                 raise
+            finally:
+                self.in_flight -= 1
+                self.long_polls_in_flight -= long_poll
             self.completed_by_lease += len(done) if isinstance(done, list) else 0
             return result
 
@@ -264,7 +280,7 @@ class CallCounter:
             self.completes += 1
             await complete(*args, **kwargs)  # type: ignore[arg-type]
 
-        client.lease = counted_lease  # type: ignore[method-assign,assignment]
+        client._lease_as = counted_lease  # type: ignore[method-assign,assignment]
         client.complete = counted_complete  # type: ignore[method-assign,assignment]
 
 
@@ -331,3 +347,53 @@ def test_a_lost_lease_among_piggy_backed_completions_costs_only_that_item(srv: E
             assert (await c.queue_stats(name)).total == 0
 
     run(main(), timeout=30)
+
+
+def test_a_backlog_keeps_several_leases_in_flight(srv: EmbeddedServer) -> None:
+    async def main() -> None:
+        async with srv.async_client() as c:
+            name = unique()
+            await c.create_queue(name)
+            await c.produce(name, [f"b{i}" for i in range(2000)])
+            calls = CallCounter(c)
+            seen: list[str] = []
+
+            async def handler(item: querator.AsyncLeasedItem) -> None:
+                seen.append(item.text)
+
+            async with querator.AsyncWorker(c, name, handler, concurrency=50, batch_size=50, lease_wait=30) as w:
+                start = time.monotonic()
+                while w.stats.completed < 2000 and time.monotonic() - start < 20:
+                    await asyncio.sleep(0.01)
+                took = time.monotonic() - start
+            assert sorted(seen) == sorted(f"b{i}" for i in range(2000))
+            assert (w.stats.completed, w.stats.lost, w.stats.errors) == (2000, 0, 0)
+            # Two Leases at once, each under its own client_id (the server takes one per id).
+            assert calls.most_in_flight == 2 and len(calls.client_ids) == 2, vars(calls)
+            # No Lease waited behind a long poll (a stream answers in order), though the
+            # drained queue left one in flight; nor did the last completions.
+            assert calls.long_polls >= 1 and calls.sent_behind_long_poll == 0, vars(calls)
+            assert took < 10
+            assert (await c.queue_stats(name)).total == 0
+
+    run(main(), timeout=60)
+
+
+def test_stop_with_leases_in_flight_gives_every_item_back(client: querator.Client) -> None:
+    name = unique()
+    client.create_queue(name, lease_timeout=60)
+    client.produce(name, [f"s{i}" for i in range(3000)])
+    handled: list[str] = []
+
+    def handle(item: querator.LeasedItem) -> None:
+        handled.append(item.text)
+
+    with querator.Worker(client, name, handle, concurrency=20, batch_size=20, handle_signals=False) as w:
+        wait_until(lambda: w.stats.completed >= 300, timeout=20)
+    stats = client.queue_stats(name)
+    # Nothing stays leased: what was not completed went back at stop.
+    assert stats.total_leased == 0
+    assert stats.total == 3000 - w.stats.completed
+    # Every leased item was handled and completed, or given back unhandled.
+    assert w.stats.leased == w.stats.completed + w.stats.released and w.stats.errors == 0
+    assert len(handled) == w.stats.completed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from types import TracebackType
@@ -44,6 +45,7 @@ from .v1 import (
 
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
+T = TypeVar("T")
 
 
 class AsyncClient(BaseClient):
@@ -265,6 +267,22 @@ class AsyncClient(BaseClient):
     ) -> list[AsyncLeasedItem]:
         """Lease up to ``batch_size`` ready items, after completing ``complete`` (one
         partition of this queue) in the same call; see :meth:`querator.Client.lease`."""
+        return await self._lease_as(
+            functools.partial(AsyncLeasedItem, self), queue_name, batch_size, wait, client_id, complete, lease_key
+        )
+
+    async def _lease_as(
+        self,
+        make: Callable[..., T],
+        queue_name: str,
+        batch_size: int,
+        wait: Seconds,
+        client_id: str,
+        complete: p.ItemsArg | None,
+        lease_key: str = "",
+    ) -> list[T]:
+        """``lease``, each item made by ``make(**fields)`` (the Worker hands sync handlers
+        LeasedItems, made at once rather than copied from AsyncLeasedItems)."""
         completing = p.lease_completions(queue_name, complete)
         request, wait_s = p.lease_request(queue_name, batch_size, wait, client_id, completing, lease_key)
         response = await self._queue_call(
@@ -275,7 +293,7 @@ class AsyncClient(BaseClient):
             item_call=bool(completing),
         )
         p.mark(completing, COMPLETED)
-        return [AsyncLeasedItem(self, **fields) for fields in p.leased_fields(response)]
+        return [make(**fields) for fields in p.leased_fields(response)]
 
     async def complete(
         self,

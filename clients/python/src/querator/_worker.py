@@ -4,12 +4,14 @@ Delivery is at least once. An item is completed only after its handler returned;
 item whose worker crashed (or lost its lease) comes back by lease expiry and is
 handled again, with ``attempts`` one higher. Handlers must therefore be idempotent.
 
-Calls per batch: one Lease call is in flight at a time. Items whose handler returned
-wait for the next Lease and are completed by it (``LeaseRequest.complete_ids``: one
-call completes a batch and leases the next); such a Lease does not wait on the server
-(``wait=0``), so a completion is confirmed within one round trip. Items the next Lease
-cannot carry (another partition, no room to lease, nothing sent within a short linger)
-are completed by Complete calls, batched. Retries and dead-letters always go by Retry.
+Calls per batch: one Lease call is in flight at a time, or a few while the queue has a
+backlog (the last Lease came back full) and the worker has room for their batches;
+never one behind a long poll. Items whose handler returned wait for the next Lease and
+are completed by it (``LeaseRequest.complete_ids``: one call completes a batch and
+leases the next); such a Lease does not wait on the server (``wait=0``), so a
+completion is confirmed within one round trip. Items the next Lease cannot carry
+(another partition, no room to lease, nothing sent within a short linger) are completed
+by Complete calls, batched. Retries and dead-letters always go by Retry.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
@@ -36,13 +38,12 @@ from typing import TYPE_CHECKING, Any, Union, cast
 from . import tracing as _tracing
 from ._config import MAX_BATCH, Backoff
 from ._convert import Seconds, seconds
-from ._items import COMPLETED, DEAD, AnyLeasedItem, LeasedItem, _LeasedBase
+from ._items import COMPLETED, DEAD, AnyLeasedItem, AsyncLeasedItem, LeasedItem, _LeasedBase
 from .errors import DeadLetter, LeaseLost, QueratorError, Unavailable
 
 if TYPE_CHECKING:
     from ._async_client import AsyncClient
     from ._client import Client
-    from ._items import AsyncLeasedItem
 
 log = logging.getLogger("querator.worker")
 
@@ -132,7 +133,8 @@ class WorkerOptions:
     handle_signals: bool = True
     #: Callbacks for metrics and logging.
     hooks: WorkerHooks | None = None
-    #: The Lease client_id (default: host, pid and a random suffix).
+    #: The Lease client_id (default: host, pid and a random suffix). A second Lease in
+    #: flight uses ``<client_id>/1``, a third ``/2``: the server takes one per id.
     client_id: str | None = None
     #: Complete handled items with the next Lease call (``complete_ids``) instead of
     #: separate Complete calls. Needs a server that knows ``LeaseRequest.complete_ids``.
@@ -168,6 +170,23 @@ class _Held:
     waiting: bool = True
     task: asyncio.Task[None] | None = None
 
+
+@dataclass(eq=False)
+class _LeaseCall:
+    task: asyncio.Task[list[_LeasedBase]]
+    #: The completions it carries, resolved when it answers.
+    completing: list[tuple[_Held, asyncio.Future[bool | None]]]
+    sent: float
+    asked: int
+    #: A long poll: no Lease is sent behind it.
+    waits: bool
+    #: Which of the worker's client_ids it uses (0: ``client_id`` itself).
+    slot: int
+
+
+# Leases in flight at once while the queue has a backlog. Each costs a round trip in
+# which the handlers of the last batch may run dry; more than a few gain nothing.
+_MAX_LEASES_IN_FLIGHT = 4
 
 # How long a handled item may wait for the next Lease to complete it before a Complete
 # call does: a few Lease round trips, within these bounds.
@@ -210,6 +229,10 @@ class _Engine:
         self.accepting = False  # the lease loop takes completions
         self.linger: asyncio.TimerHandle | None = None
         self.lease_rtt = 0.01
+        # The last Lease came back full: the queue has a backlog, so further Leases may
+        # be in flight at once.
+        self.backlog = False
+        self.failures = 0  # Lease calls failed in a row
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stopping: asyncio.Event | None = None
         self.started = threading.Event()
@@ -254,8 +277,10 @@ class _Engine:
         self.max_attempts = info.max_attempts
         self.extension = seconds(self.o.lease_extension) if self.o.lease_extension is not None else None
         self.pool: ThreadPoolExecutor | None = None
+        self.threads: _Threads | None = None
         if not self.is_async:
             self.pool = ThreadPoolExecutor(self.o.concurrency, thread_name_prefix="querator-handler")
+            self.threads = _Threads(self.loop, self.pool)
             if self._make_sync_client is not None:
                 self._sync_client = self._make_sync_client()
         self.settler = _Settler(self)
@@ -307,72 +332,119 @@ class _Engine:
 
     async def _leasing(self) -> None:
         assert self.stopping is not None
-        failures = 0
-        while not self.stopping.is_set():
-            room = self.max_held - (len(self.held) - self.n_finished)
-            # Lease a full batch, or whatever fits once no leased item waits for a
-            # handler (the handlers would run dry): few, large Lease calls.
-            if room <= 0 or (room < self.batch_size and self.n_waiting > 0):
-                if room <= 0:
-                    self._flush_completions()  # no Lease soon: complete them on their own
-                self.room.clear()
-                await _first(self.room.wait(), self.stopping.wait())
-                continue
-            completing = self._take_completions()
-            sent = time.monotonic()
-            call = asyncio.create_task(
-                self.aclient.lease(
-                    self.queue_name,
-                    batch_size=min(self.batch_size, room),
-                    # A Lease that completes answers at once: the completion is confirmed
-                    # within a round trip, never held up by a long poll.
-                    wait=0 if completing else self.o.lease_wait,
-                    client_id=self.client_id,
-                    complete=[h.item for h, _ in completing] or None,
-                )
-            )
-            await _first(call, self.stopping.wait())
-            if not call.done():
-                # Stopping with a Lease in flight: let it answer briefly (its items are
-                # then released at once) rather than cut it off while it may be committing.
-                done, _ = await asyncio.wait({call}, timeout=seconds(self.o.lease_grace))
-                if not done:
-                    call.cancel()
-                    await asyncio.gather(call, return_exceptions=True)
-                    _resolve_all(completing, None)
-                    return
-            try:
-                items = call.result()
-            except QueratorError as error:
-                # Nothing was completed (all-or-nothing): Complete calls take over and
-                # find any lost lease among them.
-                _resolve_all(completing, None)
-                if completing and isinstance(error, LeaseLost):
+        calls: list[_LeaseCall] = []
+        try:
+            while not self.stopping.is_set():
+                if self._may_lease(calls):
+                    calls.append(self._send_lease(calls))
                     continue
-                failures += 1
-                self.stats.errors += 1
-                self._hook("on_error", error)
-                await self._sleep(self.aclient._backoff(failures) if isinstance(error, Unavailable) else min(5.0, 0.2 * 2**failures))
-                continue
-            if completing:
-                self.lease_rtt = 0.8 * self.lease_rtt + 0.2 * (time.monotonic() - sent)
-                _resolve_all(completing, True)
-            failures = 0
-            if not items:
-                continue
-            self.stats.leased += len(items)
-            handed = [self._hand_over(item) for item in items]
-            self._hook("on_lease", handed)
-            if self.stopping.is_set():
-                await self._release(handed)
+                self.room.clear()
+                # Answers are taken in the order sent, as a stream gives them.
+                await _first(*(c.task for c in calls[:1]), self.room.wait(), self.stopping.wait())
+                while calls and calls[0].task.done() and not self.stopping.is_set():
+                    await self._received(calls.pop(0))
+            if calls:
+                # Stopping with Leases in flight: let them answer briefly (their items are
+                # then released at once) rather than cut them off while they may commit.
+                await asyncio.wait({c.task for c in calls}, timeout=seconds(self.o.lease_grace))
+                for call in calls:
+                    if not call.task.done():
+                        call.task.cancel()
+                await asyncio.gather(*(c.task for c in calls), return_exceptions=True)
+                while calls:
+                    await self._received(calls.pop(0))
+        finally:
+            for call in calls:
+                call.task.cancel()
+                _resolve_all(call.completing, None)
+
+    def _may_lease(self, calls: list[_LeaseCall]) -> bool:
+        """Whether to send another Lease now, ``calls`` being those in flight."""
+        room = self.max_held - (len(self.held) - self.n_finished) - sum(c.asked for c in calls)
+        if room <= 0:
+            self._flush_completions()  # no Lease soon: complete them on their own
+            return False
+        # Lease a full batch, or whatever fits once no leased item waits for a handler
+        # (the handlers would run dry): few, large Lease calls.
+        if room < self.batch_size and self.n_waiting > 0:
+            return False
+        if not calls:
+            return True
+        # Another in flight only while the queue has a backlog (the last answer was a
+        # full batch), for a full batch, and never behind a long poll, which would hold
+        # back its answer (a stream answers in order).
+        return (
+            self.backlog
+            and len(calls) < _MAX_LEASES_IN_FLIGHT
+            and room >= self.batch_size
+            and not any(c.waits for c in calls)
+        )
+
+    def _send_lease(self, calls: list[_LeaseCall]) -> _LeaseCall:
+        room = self.max_held - (len(self.held) - self.n_finished) - sum(c.asked for c in calls)
+        asked = min(self.batch_size, room)
+        completing = self._take_completions()
+        # A Lease that completes, or that follows another, answers at once: a completion
+        # is confirmed within a round trip, never held up by a long poll.
+        waits = not completing and not calls
+        # The server takes one Lease at a time per client_id: each one in flight has its own.
+        used = {c.slot for c in calls}
+        slot = min(n for n in range(len(calls) + 1) if n not in used)
+        task = asyncio.create_task(
+            self.aclient._lease_as(
+                self._make_item,
+                self.queue_name,
+                asked,
+                self.o.lease_wait if waits else 0,
+                self.client_id if slot == 0 else f"{self.client_id}/{slot}",
+                [h.item for h, _ in completing] or None,
+            )
+        )
+        return _LeaseCall(task, completing, time.monotonic(), asked, waits, slot)
+
+    async def _received(self, call: _LeaseCall) -> None:
+        """Take a Lease's answer: its completions confirmed, its items handed to handlers
+        (or given back when stopping)."""
+        assert self.stopping is not None
+        if call.task.cancelled():
+            _resolve_all(call.completing, None)
+            return
+        try:
+            items = call.task.result()
+        except QueratorError as error:
+            # Nothing was completed (all-or-nothing): Complete calls take over and find
+            # any lost lease among them.
+            _resolve_all(call.completing, None)
+            self.backlog = False
+            if call.completing and isinstance(error, LeaseLost):
                 return
-            for obj in handed:
-                length = self.lease_timeout
-                held = _Held(obj, extend_at=sent + length / 2, length=length)
-                self.held[obj.id] = held
-                self.n_waiting += 1
-                held.task = asyncio.create_task(self._process(held))
-            self.new_leases.set()
+            self.failures += 1
+            self.stats.errors += 1
+            self._hook("on_error", error)
+            if not self.stopping.is_set():
+                backoff = self.aclient._backoff(self.failures) if isinstance(error, Unavailable) else min(5.0, 0.2 * 2**self.failures)
+                await self._sleep(backoff)
+            return
+        if call.completing:
+            self.lease_rtt = 0.8 * self.lease_rtt + 0.2 * (time.monotonic() - call.sent)
+            _resolve_all(call.completing, True)
+        self.failures = 0
+        self.backlog = len(items) >= call.asked
+        if not items:
+            return
+        self.stats.leased += len(items)
+        handed = items
+        self._hook("on_lease", handed)
+        if self.stopping.is_set():
+            await self._release(handed)
+            return
+        length = self.lease_timeout
+        for obj in handed:
+            held = _Held(obj, extend_at=call.sent + length / 2, length=length)
+            self.held[obj.id] = held
+            self.n_waiting += 1
+            held.task = asyncio.create_task(self._process(held))
+        self.new_leases.set()
 
     # -- completing with the next Lease ---------------------------------------------------
 
@@ -419,16 +491,16 @@ class _Engine:
         waiting, self.to_complete = self.to_complete, []
         _resolve_all(waiting, None)
 
-    def _hand_over(self, item: AsyncLeasedItem) -> _LeasedBase:
-        """The object the handler gets: the async item, or a sync twin for sync handlers."""
+    def _make_item(self, **fields: Any) -> _LeasedBase:
+        """The object the handler gets: an AsyncLeasedItem, or a LeasedItem for a sync handler."""
         if self.is_async:
-            return item
+            return AsyncLeasedItem(self.aclient, **fields)
         if self._sync_client is None:
             from ._client import Client
 
             self._sync_client = Client(config=self.aclient.config)
             self._owns_sync_client = True
-        return LeasedItem(self._sync_client, **item._fields())
+        return LeasedItem(self._sync_client, **fields)
 
     def _forget(self, held: _Held) -> None:
         if self.held.pop(held.item.id, None) is not None:
@@ -468,7 +540,8 @@ class _Engine:
                             ctx = contextvars.copy_context()
                             sync_handler = cast(Callable[[_LeasedBase], object], self.handler)
                             call = functools.partial(ctx.run, sync_handler, item)
-                            await self.loop.run_in_executor(self.pool, call)
+                            assert self.threads is not None
+                            await self.threads.run(call)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
@@ -629,6 +702,52 @@ class _Engine:
                     self._forget(held)
                 await asyncio.gather(*late, return_exceptions=True)
                 await self._release([h.item for h in stuck if not h.item.settled])
+
+
+class _Threads:
+    """Runs sync handlers on the pool and wakes the loop once for all the handlers that
+    finished meanwhile, rather than once each (``run_in_executor``): with many short
+    handlers the wake-ups and the futures chained per call cost more than the calls."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor) -> None:
+        self._loop = loop
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._finished: list[tuple[asyncio.Future[None], Future[object]]] = []
+        self._woken = False
+
+    def run(self, call: Callable[[], object]) -> asyncio.Future[None]:
+        """``call()`` on a pool thread; the future ends as it does (cancelling the future
+        does not stop a call that started)."""
+        future: asyncio.Future[None] = self._loop.create_future()
+        self._pool.submit(call).add_done_callback(functools.partial(self._done, future))
+        return future
+
+    def _done(self, future: asyncio.Future[None], outcome: Future[object]) -> None:
+        # On the pool's thread (or the one that cancelled ``outcome``).
+        with self._lock:
+            self._finished.append((future, outcome))
+            if self._woken:
+                return
+            self._woken = True
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits for these any more
+
+    def _deliver(self) -> None:
+        with self._lock:
+            finished, self._finished = self._finished, []
+            self._woken = False
+        for future, outcome in finished:
+            if future.done():
+                continue  # cancelled: the handler was abandoned
+            if outcome.cancelled():
+                future.cancel()
+            elif (error := outcome.exception()) is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(None)
 
 
 class _Settler:
