@@ -551,7 +551,9 @@ class _Engine:
                 return
             await self._settle(held, error, elapsed)
         finally:
-            if not held.abandoned:
+            # An item that never started stays held: _shutdown gives it back (forgotten
+            # here, it would stay leased until its lease ran out).
+            if held.started and not held.abandoned:
                 self._forget(held)
 
     def _span(self, item: _LeasedBase) -> contextlib.AbstractContextManager[object]:
