@@ -115,9 +115,6 @@ class _LeasedBase:
     def _set_deadline(self, deadline: datetime) -> None:
         self.lease_deadline = deadline
 
-    def _fields(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _LeasedBase.__slots__ if not name.startswith("_")}
-
     def __repr__(self) -> str:
         payload = self.payload if len(self.payload) <= 40 else self.payload[:37] + b"..."
         return (

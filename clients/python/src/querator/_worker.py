@@ -433,13 +433,12 @@ class _Engine:
         if not items:
             return
         self.stats.leased += len(items)
-        handed = items
-        self._hook("on_lease", handed)
+        self._hook("on_lease", items)
         if self.stopping.is_set():
-            await self._release(handed)
+            await self._release(items)
             return
         length = self.lease_timeout
-        for obj in handed:
+        for obj in items:
             held = _Held(obj, extend_at=call.sent + length / 2, length=length)
             self.held[obj.id] = held
             self.n_waiting += 1

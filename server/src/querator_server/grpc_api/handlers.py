@@ -36,7 +36,7 @@ STREAM_WINDOW = 16
 
 # A stream answer's ``response`` (field 1, length-delimited) is written around the unary
 # answer's bytes: building the answer message instead copies the whole reply into it
-# (a 100-item lease reply: about 30 µs of the event loop, 5 % of a drained batch).
+# (a 100-item lease reply took 13 µs to wrap and serialize that way, 5 µs this way).
 _RESPONSE_TAG = b"\x0a"
 
 
