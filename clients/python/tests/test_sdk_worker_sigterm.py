@@ -96,3 +96,40 @@ def test_sigterm_mid_batch_loses_nothing(
     else:
         assert completed == []  # too slow for the shutdown timeout: released unfinished
 
+
+
+EXIT_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import querator
+
+    address, queue, stop = sys.argv[1:4]
+
+    def handler(item):
+        if item.text == "slow":
+            time.sleep(2)
+            print("slow handler finished", flush=True)
+
+    client = querator.Client(address)
+    worker = querator.Worker(client, queue, handler, concurrency=4, shutdown_timeout=0.2, handle_signals=False)
+    worker.start()
+    time.sleep(0.5)
+    if stop == "stop":
+        worker.stop()  # gives up on the slow handler after 0.2 s; its thread runs on
+    print("main ends", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("stop", ["stop", "no-stop"])
+def test_a_program_ends_after_its_sync_handlers(srv: EmbeddedServer, client: querator.Client, stop: str) -> None:
+    """Python waits for a sync handler still running when the program ends (its thread
+    cannot be stopped), and for nothing else: idle handler threads do not hold it up."""
+    name = unique()
+    client.create_queue(name)
+    client.produce(name, ["slow"] + ["quick"] * 20)
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT, srv.address, name, stop], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["main ends", "slow handler finished"], done.stdout

@@ -23,13 +23,13 @@ import functools
 import inspect
 import logging
 import os
+import queue
 import signal
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
@@ -276,11 +276,9 @@ class _Engine:
         self.lease_timeout = info.lease_timeout.total_seconds()
         self.max_attempts = info.max_attempts
         self.extension = seconds(self.o.lease_extension) if self.o.lease_extension is not None else None
-        self.pool: ThreadPoolExecutor | None = None
         self.threads: _Threads | None = None
         if not self.is_async:
-            self.pool = ThreadPoolExecutor(self.o.concurrency, thread_name_prefix="querator-handler")
-            self.threads = _Threads(self.loop, self.pool)
+            self.threads = _Threads(self.loop, self.o.concurrency)
             if self._make_sync_client is not None:
                 self._sync_client = self._make_sync_client()
         self.settler = _Settler(self)
@@ -302,8 +300,8 @@ class _Engine:
                 await asyncio.gather(*(t for t in (keep_alive, settler) if t is not None), return_exceptions=True)
                 for sig in installed:
                     self.loop.remove_signal_handler(sig)
-                if self.pool is not None:
-                    self.pool.shutdown(wait=False, cancel_futures=True)
+                if self.threads is not None:
+                    self.threads.close()
                 if self._owns_sync_client and self._sync_client is not None:
                     self._sync_client.close()
 
@@ -706,49 +704,101 @@ class _Engine:
 
 
 class _Threads:
-    """Runs sync handlers on the pool and wakes the loop once for all the handlers that
-    finished meanwhile, rather than once each (``run_in_executor``): with many short
-    handlers the wake-ups and the futures chained per call cost more than the calls."""
+    """The threads that run sync handlers, one call each at a time.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor) -> None:
+    A call is handed over through a queue, and the loop is woken once for all the calls
+    that finished meanwhile: with many short handlers, ``run_in_executor``'s future per
+    call, chained to an asyncio future, and its wake-up per call cost more than the
+    calls. Like an executor's threads they are not daemons, so Python waits for a
+    handler still running when it exits.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, count: int) -> None:
         self._loop = loop
-        self._pool = pool
+        self._jobs: queue.SimpleQueue[tuple[asyncio.Future[None], Callable[[], object]] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._finished: list[tuple[asyncio.Future[None], Future[object]]] = []
+        self._finished: list[tuple[asyncio.Future[None], BaseException | None]] = []
         self._woken = False
+        self._closed = False
+        self._count = count
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads waiting for a call
 
     def run(self, call: Callable[[], object]) -> asyncio.Future[None]:
-        """``call()`` on a pool thread; the future ends as it does (cancelling the future
-        does not stop a call that started)."""
+        """``call()`` on one of the threads; the future ends as it does (cancelling the
+        future does not stop a call that started)."""
         future: asyncio.Future[None] = self._loop.create_future()
-        self._pool.submit(call).add_done_callback(functools.partial(self._done, future))
+        self._jobs.put((future, call))
+        # Threads are started as calls need them, up to ``count``, as an executor's are.
+        if not self._idle and len(self._threads) < self._count:
+            thread = threading.Thread(target=self._work, name=f"querator-handler-{len(self._threads)}", daemon=False)
+            self._threads.append(thread)
+            thread.start()
         return future
 
-    def _done(self, future: asyncio.Future[None], outcome: Future[object]) -> None:
-        # On the pool's thread (or the one that cancelled ``outcome``).
-        with self._lock:
-            self._finished.append((future, outcome))
-            if self._woken:
+    def close(self) -> None:
+        """Drop the calls not started (their futures cancelled); each thread ends once
+        its call, if any, returns."""
+        self._closed = True
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def _work(self) -> None:
+        main = threading.main_thread()
+        while True:
+            with self._lock:
+                self._idle += 1
+            try:
+                job = self._jobs.get(timeout=_IDLE_CHECK)
+            except queue.Empty:
+                # A worker whose loop died without close(): end with the program.
+                if self._closed or not main.is_alive():
+                    return
+                continue
+            finally:
+                with self._lock:
+                    self._idle -= 1
+            if job is None:  # close()
                 return
-            self._woken = True
-        try:
-            self._loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:
-            pass  # the loop is closed: nobody waits for these any more
+            future, call = job
+            error: BaseException | None = None
+            try:
+                call()
+            except BaseException as exc:  # the handler's to report, whatever it is
+                error = exc if not isinstance(exc, StopIteration) else RuntimeError(f"the handler raised {exc!r}")
+            with self._lock:
+                self._finished.append((future, error))
+                wake = not self._woken
+                self._woken = True
+            del job, future, call, error  # hold no item while idle
+            if wake:
+                try:
+                    self._loop.call_soon_threadsafe(self._deliver)
+                except RuntimeError:
+                    pass  # the loop is closed: nobody waits for these any more
 
     def _deliver(self) -> None:
         with self._lock:
             finished, self._finished = self._finished, []
             self._woken = False
-        for future, outcome in finished:
+        for future, error in finished:
             if future.done():
                 continue  # cancelled: the handler was abandoned
-            if outcome.cancelled():
-                future.cancel()
-            elif (error := outcome.exception()) is not None:
-                future.set_exception(error)
-            else:
+            if error is None:
                 future.set_result(None)
+            else:
+                future.set_exception(error)
+
+
+# How often an idle handler thread checks that its worker and the program still run.
+_IDLE_CHECK = 1.0
 
 
 class _Settler:
