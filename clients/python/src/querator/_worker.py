@@ -358,7 +358,7 @@ class _Engine:
 
     def _may_lease(self, calls: list[_LeaseCall]) -> bool:
         """Whether to send another Lease now, ``calls`` being those in flight."""
-        room = self.max_held - (len(self.held) - self.n_finished) - sum(c.asked for c in calls)
+        room = self._room(calls)
         if room <= 0:
             self._flush_completions()  # no Lease soon: complete them on their own
             return False
@@ -378,9 +378,13 @@ class _Engine:
             and not any(c.waits for c in calls)
         )
 
+    def _room(self, calls: list[_LeaseCall]) -> int:
+        """Items the worker may still ask for: held ones not yet handled, and those the
+        Leases in flight asked for, count against ``max_held``."""
+        return self.max_held - (len(self.held) - self.n_finished) - sum(c.asked for c in calls)
+
     def _send_lease(self, calls: list[_LeaseCall]) -> _LeaseCall:
-        room = self.max_held - (len(self.held) - self.n_finished) - sum(c.asked for c in calls)
-        asked = min(self.batch_size, room)
+        asked = min(self.batch_size, self._room(calls))
         completing = self._take_completions()
         # A Lease that completes, or that follows another, answers at once: a completion
         # is confirmed within a round trip, never held up by a long poll.
