@@ -32,9 +32,11 @@ from workloads import Settings
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(BENCH_DIR)
-WORKLOADS = ("W1", "W2", "W3", "W4")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5")
 PEERS = ("redis", "postgres")
 OURS = "Querator"
+# The plain-stub latency targets (p50, ms) of the performance issue for one call in flight.
+LATENCY_TARGETS_MS = {"Produce, 1 item of 256 B": 1.2, "Produce, 100 items": 1.8, "Lease, batch 100": 1.8, "Complete, 100 ids": 1.4}
 
 
 def ensure_requirements() -> None:
@@ -117,6 +119,10 @@ def run_workload(name: str, client: Any, service: Any, s: Settings, repeat: int)
         return workloads.w2(client, s)
     if name == "W3":
         return workloads.w3(client, s, service.memory_mib)
+    if name == "W5":
+        import plain_stub
+
+        return plain_stub.w5(client, service.workdir, s, repeat, with_latency=service.name == OURS)
     fn = workloads.w1 if name == "W1" else workloads.w4
     runs = [fn(client, s) for _ in range(repeat)]
     merged = {k: common.median([r[k] for r in runs]) if isinstance(v, float) else v for k, v in runs[0].items()}
@@ -150,6 +156,9 @@ def throughput_rows(results: dict[str, dict[str, Any]], s: Settings) -> list[tup
         ("W3", "drain", f"W3 Lease+Complete with {s.w3_stored:,} stored"),
         ("W4", "produce", f"W4 produce, {s.w4_queues} queues ({s.w4_items:,})"),
         ("W4", "drain", f"W4 drain, {s.w4_queues} queues"),
+        ("W5", "produce", f"W5 produce, plain blocking stubs, 1 call in flight ({s.items:,})"),
+        ("W5", "drain", "W5 drain, plain stubs: Lease then Complete, 1 call in flight"),
+        ("W5", "total", f"W5 2+2 processes, plain stubs, 1 call in flight each ({s.w2_items:,})"),
     ]
     rows = []
     for w, key, label in figures:
@@ -226,6 +235,27 @@ def report(all_results: dict[str, dict[str, Any]], ceilings: dict[str, Any], arg
                 add(f"| {system} | {_n(r['fill'])} | {_n(r['drain'])} | {vs} | {same} | {r['memory_mib']:,.0f} | {svc_label} |")
         add("")
         add(f"(shallow drain: the same {s.items:,} leased and completed from a queue holding only them, right after.)")
+        add("")
+    lat = ours.get("W5", {}).get("latency") if isinstance(ours.get("W5"), dict) else None
+    if lat:
+        add("W5 latency: one blocking generated stub, one call in flight, items as sub-messages; ms, and ours minus the floor of the same run:")
+        add("")
+        add("| call | p50 | p99 | p50 − floor | p50 target | met |")
+        add("|---|---:|---:|---:|---:|---|")
+        floor_grpc = lat["floor: gRPC Produce(1) answered without storing"]["p50"]
+        floor_grpc100 = lat["floor: gRPC Produce(100) answered without storing"]["p50"]
+        floor_lmdb = lat["floor: one durable LMDB commit of one put"]["p50"]
+        for call, st in lat.items():
+            if call.startswith("floor"):
+                add(f"| {call} | {st['p50']:.3f} | {st['p99']:.3f} | | | |")
+                continue
+            floor = (floor_grpc if "1 item" in call else floor_grpc100) + floor_lmdb
+            target = LATENCY_TARGETS_MS.get(call)
+            met = "n/a" if target is None else ("yes" if st["p50"] <= target else "**no**")
+            add(f"| {call} | {st['p50']:.3f} | {st['p99']:.3f} | {st['p50'] - floor:+.3f} | {target if target else ''} | {met} |")
+        add("")
+        add("(floor of a call: the gRPC floor for the same request size plus one durable commit; a Lease or "
+            "Complete carries 100 items or ids, so the 100-item gRPC floor is used for them.)")
         add("")
     if ceilings:
         add("Ceilings of this machine, same run (measured at its start and at its end; the better one counts):")
@@ -315,7 +345,7 @@ def targets(all_results: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]
     def check(target: str, value: float | None, ok: bool | None, figure: str) -> None:
         out.append((target, figure if value is not None else "not run", "n/a" if ok is None else ("yes" if ok else "**no**")))
 
-    w1, w2, w3, w4 = (ours.get(w) if isinstance(ours.get(w), dict) else None for w in WORKLOADS)
+    w1, w2, w3, w4 = (ours.get(w) if isinstance(ours.get(w), dict) else None for w in ("W1", "W2", "W3", "W4"))
     if w1:
         check("W1 produce >= 50,000 items/s", w1["produce"], w1["produce"] >= 50_000, _n(w1["produce"]))
         check("W1 drain >= 35,000 items/s", w1["drain"], w1["drain"] >= 35_000, _n(w1["drain"]))
@@ -335,6 +365,12 @@ def targets(all_results: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]
         check("W3 Lease+Complete within 20 % of W1 drain", ratio, ratio >= 0.8, f"{ratio:.2f} of W1")
         same = w3["drain"] / w3["shallow_drain"]
         check("(same, against the shallow drain of the same minute)", same, same >= 0.8, f"{same:.2f}")
+    w5 = ours.get("W5") if isinstance(ours.get("W5"), dict) else None
+    redis5 = (all_results.get("Redis Streams") or {}).get("W5")
+    if w5 and isinstance(redis5, dict):
+        for key, factor in (("produce", 1.5), ("drain", 1.2), ("total", 1.2)):
+            ratio = w5[key] / redis5[key]
+            check(f"W5.{key} >= {factor}x Redis Streams", ratio, ratio >= factor, f"{ratio:.2f}x")
     if w1 and w4:
         check("W4 produce >= W1 produce", w4["produce"], w4["produce"] >= w1["produce"], f"{w4['produce'] / w1['produce']:.2f}x")
         check("W4 drain >= W1 drain", w4["drain"], w4["drain"] >= w1["drain"], f"{w4['drain'] / w1['drain']:.2f}x")
@@ -393,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                 all_results[service.name] = {w: f"could not start: {type(exc).__name__}: {exc}" for w in args.only}
                 print(f"bench: {service.name} could not start: {exc}", flush=True)
         # Interleaved by workload, so each comparison is made minutes apart, not a whole run apart.
-        for w in sorted(args.only, key=lambda x: ("W1", "W2", "W4", "W3").index(x)):
+        for w in sorted(args.only, key=lambda x: ("W1", "W2", "W4", "W3", "W5").index(x)):
             for service, client in running:
                 t = time.monotonic()
                 try:
@@ -467,7 +503,7 @@ def _brief(result: dict[str, Any]) -> str:
         elif k == "runs":
             parts.append("runs=[" + "; ".join(" ".join(f"{kk}={vv:,.0f}" for kk, vv in r.items() if kk in ("produce", "drain")) for r in v) + "]")
         elif isinstance(v, dict):
-            parts.append(f"{k}=(" + ", ".join(f"{kk}={vv:,.1f}" for kk, vv in v.items()) + ")")
+            parts.append(f"{k}=(" + ", ".join(f"{kk}={vv['p50']:.3f} ms" if isinstance(vv, dict) else f"{kk}={vv:,.1f}" for kk, vv in v.items()) + ")")
     return " ".join(parts)
 
 
