@@ -71,7 +71,7 @@ class CommitGroup:
         # Queues whose actors use the group (kept by the manager): one commits at once.
         self.members = 0
         self._parent: lmdb.Transaction[bytes] | None = None
-        self._joined: list[tuple[asyncio.Future[None], Callable[[float], None] | None]] = []
+        self._joined: list[tuple[asyncio.Future[None], Callable[[float], None] | None, Callable[[], None] | None]] = []
         self._busy: asyncio.Future[None] | None = None
         self._flush_scheduled = False
         self._requests = 0  # in the cycles that joined
@@ -85,12 +85,15 @@ class CommitGroup:
         body: Callable[[lmdb.Transaction[bytes]], T],
         on_commit: Callable[[float], None] | None = None,
         requests: int = 1,
+        on_durable: Callable[[T], None] | None = None,
     ) -> tuple[T, asyncio.Future[None]]:
         """Run ``body`` (a cycle of ``requests`` requests) in a nested transaction and
         join the next commit.
 
         Returns the body's result and a future that ends when the commit holding it is
-        durable (or fails); ``on_commit`` is then called with the commit's duration.
+        durable (or fails); ``on_durable`` (given the body's result) and ``on_commit``
+        (given the commit's duration) are called as the commit is known durable, a turn
+        of the loop before whoever awaits the future runs.
         Raises ``MapFull`` (call ``grow``) or ``StorageError`` with nothing written;
         any exception of the body aborts only its own writes.
         """
@@ -109,7 +112,7 @@ class CommitGroup:
             child.commit()
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
-        self._joined.append((done, on_commit))
+        self._joined.append((done, on_commit, None if on_durable is None else partial(on_durable, result)))
         self._requests += requests
         if self.members <= 1:
             self._flush()
@@ -191,20 +194,21 @@ class CommitGroup:
         ended: asyncio.Future[_Outcome] = loop.create_future()
         self._busy = busy
 
-        def finished(job: asyncio.Future[_Outcome]) -> None:
-            if job.cancelled() or job.exception() is not None:
+        def finished(result: _Outcome | None, error: BaseException | None) -> None:
+            if error is not None or result is None:
                 # _job catches everything; this is the lane refusing the job.
-                reason = "cancelled" if job.cancelled() else str(job.exception())
-                outcome = _Outcome(error=StorageError(f"storage write failed: {reason}"))
+                outcome = _Outcome(error=StorageError(f"storage write failed: {error}"))
             else:
-                outcome = job.result()
+                outcome = result
             self._parent = outcome.held
             self._busy = None
             busy.set_result(None)
-            for done, on_commit in joined:
+            for done, on_commit, on_durable in joined:
                 if done.done():
                     continue
                 if outcome.error is None:
+                    if on_durable is not None:
+                        on_durable()
                     done.set_result(None)
                     if on_commit is not None:
                         on_commit(outcome.took)
@@ -215,13 +219,9 @@ class CommitGroup:
                 self._flush()
 
         try:
-            job = self.lane.run(partial(self._job, parent, bool(joined), extra, hold))
+            self.lane.run_then(partial(self._job, parent, bool(joined), extra, hold), finished)
         except RuntimeError as exc:  # the lane is shut down (the server is stopping)
-            failed: asyncio.Future[_Outcome] = loop.create_future()
-            failed.set_exception(StorageError(f"storage write failed: {exc}"))
-            finished(failed)
-            return ended
-        job.add_done_callback(finished)
+            finished(None, exc)
         return ended
 
     def _job(self, parent: Any, commit: bool, extra: Callable[[], Any] | None, hold: bool) -> _Outcome:

@@ -461,7 +461,7 @@ class LogicalQueue:
                 await self._lane.run(store.hold)
             try:
                 cycle = store.run_held(body)
-                committed = self._lane.run(store.commit_held)
+                committed = _committed(self._lane, store.commit_held, cycle)
                 if len(batch) >= HAND_OVER_AT:
                     time.sleep(0)
                 await committed
@@ -480,7 +480,7 @@ class LogicalQueue:
         transaction on the loop and waits for the group's next commit."""
         for _ in range(MAX_GROWTHS):
             try:
-                cycle, committed = await group.run(body, self.store.on_commit, requests)
+                cycle, committed = await group.run(body, self.store.on_commit, requests, on_durable=_answer_results)
             except MapFull:
                 await group.grow()
                 continue
@@ -643,6 +643,30 @@ def _guard(cycle: Cycle, request: Request, apply: Callable[[], None]) -> None:
         apply()
     except QueratorError as exc:
         cycle.fail(request, exc)
+
+
+def _answer_results(cycle: Cycle) -> None:
+    """Answer a cycle's requests as its commit is known durable: one turn of the loop
+    before the actor itself resumes (which answers whatever is left)."""
+    for request, result in cycle.results:
+        _answer(request, result)
+
+
+def _committed(lane: StorageLane, commit: Callable[[], None], cycle: Cycle) -> asyncio.Future[None]:
+    """Commit on ``lane``; the cycle's requests are answered as the commit returns."""
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def done(_result: None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+            return
+        _answer_results(cycle)
+        future.set_result(None)
+
+    lane.run_then(commit, done)
+    return future
 
 
 def _answer(request: Request, result: object) -> None:
