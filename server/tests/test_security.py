@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import queue
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -131,12 +133,67 @@ def test_every_message_of_a_stream_is_checked_against_the_key(channel: grpc.Chan
     answers = list(stub.ProduceStream(iter(sent), metadata=[("authorization", f"Bearer {token}")], timeout=10))
     assert [a.WhichOneof("result") for a in answers] == ["response", "error", "response"]
     assert answers[1].error.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
-    anonymous = list(stub.ProduceStream(iter(sent[:1]), timeout=10))
-    assert anonymous[0].error.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
     lease = queue_pb2.LeaseStreamRequest(request=queue_pb2.LeaseRequest(queue_name="orders-eu", batch_size=1))
     refused = list(stub.LeaseStream(iter([lease]), metadata=[("authorization", f"Bearer {token}")], timeout=10))
     assert refused[0].error.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
     assert admin.stats("orders-eu").partitions[0].total == 2 and admin.stats("billing").partitions[0].total == 0
+
+
+class _Messages:
+    """A stream's request iterator fed by the test; it blocks until told to end."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[object] = queue.Queue()
+
+    def send(self, message: object) -> None:
+        self._queue.put(message)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def __iter__(self) -> Iterator[object]:
+        while (message := self._queue.get()) is not None:
+            yield message
+
+
+@pytest.mark.parametrize("method", ["ProduceStream", "LeaseStream"])
+@pytest.mark.parametrize("token", ["", "qk_0123456789abcdef_" + "A" * 43])
+def test_a_stream_without_a_valid_key_is_ended_at_once(channel: grpc.Channel, method: str, token: str) -> None:
+    stub = queue_pb2_grpc.QueueServiceStub(channel)
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    messages = _Messages()  # sends nothing and never ends by itself
+    started = time.monotonic()
+    try:
+        call = getattr(stub, method)(iter(messages), metadata=metadata, timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            next(call)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert time.monotonic() - started < 20  # ended by the server, not by the 30 s deadline
+    finally:
+        messages.close()
+
+
+def test_a_stream_ends_unauthenticated_once_its_key_is_revoked(channel: grpc.Channel) -> None:
+    admin = Authed(channel, BOOTSTRAP)
+    admin.create("orders")
+    token = _key(admin, keys_pb2.ROLE_PRODUCER, "orders")
+    stub = queue_pb2_grpc.QueueServiceStub(channel)
+    request = queue_pb2.ProduceRequest(queue_name="orders", items=[queue_pb2.ProduceItem(payload=b"x")])
+    messages = _Messages()
+    try:
+        call = stub.ProduceStream(iter(messages), metadata=[("authorization", f"Bearer {token}")], timeout=30)
+        messages.send(queue_pb2.ProduceStreamRequest(request=request))
+        assert next(call).WhichOneof("result") == "response"
+        admin.keys.RevokeKey(keys_pb2.RevokeKeyRequest(key_id=token.split("_")[1]), timeout=5)
+        messages.send(queue_pb2.ProduceStreamRequest(request=request))
+        refused = next(call)
+        assert refused.error.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
+        with pytest.raises(grpc.RpcError) as err:
+            next(call)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        messages.close()
+    assert admin.stats("orders").partitions[0].total == 1
 
 
 def test_revoked_keys_stop_working_and_keys_survive_restart(data_dir: str) -> None:

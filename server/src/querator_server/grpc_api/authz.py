@@ -40,8 +40,12 @@ class Guard:
     def __init__(self, keyring: Callable[[], KeyRing]) -> None:
         self._keyring = keyring
 
+    def authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> Principal:
+        """The caller's principal; raises Unauthenticated without a valid key."""
+        return self._keyring().authenticate(context.invocation_metadata() or ())
+
     def check(self, action: Action, request: object, context: grpc.aio.ServicerContext[Any, Any]) -> Principal:
-        principal = self._keyring().authenticate(context.invocation_metadata() or ())
+        principal = self.authenticate(context)
         principal.check(action, queues_named(request))
         current_principal.set(principal)
         return principal
