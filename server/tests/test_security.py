@@ -139,6 +139,60 @@ def test_every_message_of_a_stream_is_checked_against_the_key(channel: grpc.Chan
     assert admin.stats("orders-eu").partitions[0].total == 2 and admin.stats("billing").partitions[0].total == 0
 
 
+def _refusal(call: object) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        call()  # type: ignore[operator]
+    return err.value.code(), str(err.value.details())
+
+
+def test_answers_and_errors_name_no_queue_outside_the_keys_patterns(channel: grpc.Channel) -> None:
+    root = Authed(channel, BOOTSTRAP)
+    root.create("a-dlq")
+    root.create("b-dlq")
+    root.create("b1", dead_queue="a-dlq")  # a queue the narrow key may not see uses a-dlq
+    root.create("a1", dead_queue="a-dlq")
+    root.create("a-src", dead_queue="b-dlq")  # a visible queue whose dead_queue is hidden
+    root.create("a-mid", dead_queue="b-dlq")
+    narrow = Authed(channel, _key(root, keys_pb2.ROLE_ADMIN, "a*"))
+
+    # Delete: the refusal says why without naming b1.
+    code, text = _refusal(lambda: narrow.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="a-dlq"), timeout=5))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "'a1'" in text and "1 queue your key may not see" in text and "b1" not in text
+    code, text = _refusal(lambda: root.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="a-dlq"), timeout=5))
+    assert "'a1'" in text and "'b1'" in text  # a key for every queue is told everything
+
+    # Update: giving a-dlq a dead_queue of its own is refused without naming b1.
+    update = queues_pb2.UpdateQueueRequest(queue=queues_pb2.QueueInfo(queue_name="a-dlq", dead_queue="a-other"))
+    update.update_mask.paths.append("dead_queue")
+    narrow.create("a-other")
+    code, text = _refusal(lambda: narrow.queues.UpdateQueue(update, timeout=5))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "b1" not in text and "'a1'" in text
+    narrow.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="a1"), timeout=5)
+    code, text = _refusal(lambda: narrow.queues.UpdateQueue(update, timeout=5))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "b1" not in text
+    assert "is the dead_queue of 1 queue your key may not see" in text
+
+    # Create with a dead_queue whose own dead_queue is hidden: refused, b-dlq unnamed.
+    code, text = _refusal(lambda: narrow.create("a2", dead_queue="a-mid"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "a-mid" in text and "b-dlq" not in text
+
+    # QueueInfo: the hidden dead_queue reads empty in every answer; a wider key sees it.
+    get = queues_pb2.GetQueueRequest(queue_name="a-src")
+    assert narrow.queues.GetQueue(get, timeout=5).queue.dead_queue == ""
+    assert root.queues.GetQueue(get, timeout=5).queue.dead_queue == "b-dlq"
+    listed = {q.queue_name: q.dead_queue for q in narrow.queues.ListQueues(queues_pb2.ListQueuesRequest(), timeout=5).queues}
+    assert listed == {"a-dlq": "", "a-mid": "", "a-other": "", "a-src": ""}
+    listed = {q.queue_name: q.dead_queue for q in root.queues.ListQueues(queues_pb2.ListQueuesRequest(), timeout=5).queues}
+    assert listed["a-src"] == "b-dlq" and listed["b1"] == "a-dlq"
+    reference = queues_pb2.UpdateQueueRequest(queue=queues_pb2.QueueInfo(queue_name="a-src", reference="note"))
+    reference.update_mask.paths.append("reference")
+    assert narrow.queues.UpdateQueue(reference, timeout=5).queue.dead_queue == ""
+    assert root.queues.GetQueue(get, timeout=5).queue.dead_queue == "b-dlq"  # unchanged by that update
+    created = narrow.create("a3", dead_queue="a-dlq")
+    assert created.dead_queue == "a-dlq"  # a queue the key matches is shown
+
+
 class _Messages:
     """A stream's request iterator fed by the test; it blocks until told to end."""
 

@@ -347,14 +347,27 @@ class QueuesManager:
     def dead_letter_users(self, name: str) -> builtins.list[str]:
         return sorted(c.name for c in self._configs.values() if c.dead_queue == name)
 
+    def _users_text(self, name: str, visible: Callable[[str], bool] | None) -> str:
+        """The queues whose dead_queue is ``name``, for an error text, naming only those
+        the caller may see (``visible``): the others are counted, never named."""
+        users = [u for u in self.dead_letter_users(name) if u != name]
+        shown = users if visible is None else [u for u in users if visible(u)]
+        hidden = len(users) - len(shown)
+        named = ", ".join(map(repr, shown[:5])) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
+        if not hidden:
+            return named
+        others = f"{hidden} queue{'s' if hidden > 1 else ''} your key may not see"
+        return f"{named} and {others}" if named else others
+
     # -- admin --------------------------------------------------------------------------
 
-    async def create(self, config: QueueConfig) -> QueueConfig:
+    async def create(self, config: QueueConfig, visible: Callable[[str], bool] | None = None) -> QueueConfig:
+        """Create a queue; ``visible``: the queues the caller may see (error texts name no other)."""
         async with self._lock:
             self._check_open()
             if config.name in self._configs:
                 raise AlreadyExists(f"queue {config.name!r} already exists")
-            self._check_dead_queue(config)
+            self._check_dead_queue(config, visible)
             loop = asyncio.get_running_loop()
             catalog = self._require_catalog()
             try:
@@ -386,7 +399,9 @@ class QueuesManager:
             log.info("queue_created", queue=config.name, partitions=config.partitions)
             return config
 
-    async def update(self, name: str, changes: dict[str, object]) -> QueueConfig:
+    async def update(
+        self, name: str, changes: dict[str, object], visible: Callable[[str], bool] | None = None
+    ) -> QueueConfig:
         async with self._lock:
             self._check_open()
             current = self.get(name)
@@ -400,7 +415,7 @@ class QueuesManager:
                     f"requested_partitions cannot be lowered from {current.partitions} to {updated.partitions}"
                 )
             if "dead_queue" in changes:
-                self._check_dead_queue(updated)
+                self._check_dead_queue(updated, visible)
             loop = asyncio.get_running_loop()
             actor = self._actors[name]
             if actor.group is not None and updated.partitions > GROUP_MAX_PARTITIONS:
@@ -433,13 +448,12 @@ class QueuesManager:
         await actor.move_out(updated, copy, persist)
         log.info("queue_moved_out_of_group", queue=updated.name, partitions=updated.partitions)
 
-    async def delete(self, name: str, force: bool) -> None:
+    async def delete(self, name: str, force: bool, visible: Callable[[str], bool] | None = None) -> None:
         async with self._lock:
             self._check_open()
             self.get(name)
-            users = [u for u in self.dead_letter_users(name) if u != name]
-            if users:
-                raise FailedPrecondition(f"queue {name!r} is the dead_queue of {', '.join(map(repr, users[:5]))}")
+            if users := self._users_text(name, visible):
+                raise FailedPrecondition(f"queue {name!r} is the dead_queue of {users}")
             actor = self._actors[name]
             await actor.delete(force)
             loop = asyncio.get_running_loop()
@@ -466,7 +480,7 @@ class QueuesManager:
             del self._lane_of[actor.config.uid]
             log.info("queue_deleted", queue=name)
 
-    def _check_dead_queue(self, config: QueueConfig) -> None:
+    def _check_dead_queue(self, config: QueueConfig, visible: Callable[[str], bool] | None = None) -> None:
         dead = config.dead_queue
         if not dead:
             return
@@ -479,11 +493,9 @@ class QueuesManager:
             raise InvalidArgument(
                 "queue.dead_queue", f"queue {dead!r} has a dead_queue of its own; a dead-letter queue may not"
             )
-        users = self.dead_letter_users(config.name)
-        if users:
+        if users := self._users_text(config.name, visible):
             raise FailedPrecondition(
-                f"queue {config.name!r} is the dead_queue of {', '.join(map(repr, users[:5]))} "
-                "and so cannot have a dead_queue of its own"
+                f"queue {config.name!r} is the dead_queue of {users} and so cannot have a dead_queue of its own"
             )
 
     def _check_open(self) -> None:

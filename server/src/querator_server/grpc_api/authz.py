@@ -21,6 +21,13 @@ from ..auth import Action, KeyRing, Principal
 current_principal: ContextVar[Principal | None] = ContextVar("current_principal", default=None)
 
 
+def visible_queues() -> Callable[[str], bool] | None:
+    """Whether the calling key may see a queue (None: it sees every queue), for answers
+    and error texts that would otherwise name queues outside the key's patterns."""
+    principal = current_principal.get()
+    return None if principal is None or "*" in principal.queues else principal.matches
+
+
 def queues_named(request: object) -> list[str]:
     """Every queue a request names: queue_name, or queue.queue_name and queue.dead_queue."""
     names: list[str] = []

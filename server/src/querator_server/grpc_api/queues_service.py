@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -21,7 +22,7 @@ from ..model import (
 )
 from . import convert as c
 from ..auth import Action
-from .authz import Guard, current_principal
+from .authz import Guard, visible_queues
 from .handlers import generic_handler
 
 SERVICE = "querator.v1.QueuesService"
@@ -39,10 +40,13 @@ _UPDATABLE = {
 _IMMUTABLE = {"queue_name", "created_at", "updated_at"}
 
 
-def queue_info(config: QueueConfig) -> pb.QueueInfo:
+def queue_info(config: QueueConfig, visible: Callable[[str], bool] | None = None) -> pb.QueueInfo:
+    """The queue's settings; its dead_queue left empty when ``visible`` says the caller
+    may not see that queue (its key's patterns do not match it)."""
+    dead = config.dead_queue
     return pb.QueueInfo(
         queue_name=config.name,
-        dead_queue=config.dead_queue,
+        dead_queue=dead if visible is None or not dead or visible(dead) else "",
         reference=config.reference,
         lease_timeout=c.to_duration(config.lease_timeout_us),
         expire_timeout=c.to_duration(config.expire_timeout_us),
@@ -110,11 +114,13 @@ class QueuesService:
             config = config.replace(lease_timeout_us=config.expire_timeout_us)
         if config.lease_timeout_us > config.expire_timeout_us:
             raise InvalidArgument("queue.lease_timeout", "must not be longer than expire_timeout")
-        created = await self.manager.create(config)
-        return pb.CreateQueueResponse(queue=queue_info(created))
+        visible = visible_queues()
+        created = await self.manager.create(config, visible)
+        return pb.CreateQueueResponse(queue=queue_info(created, visible))
 
     async def get_queue(self, request: pb.GetQueueRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.GetQueueResponse:
-        return pb.GetQueueResponse(queue=queue_info(self.manager.get(c.queue_name(request.queue_name))))
+        config = self.manager.get(c.queue_name(request.queue_name))
+        return pb.GetQueueResponse(queue=queue_info(config, visible_queues()))
 
     async def list_queues(
         self, request: pb.ListQueuesRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -126,11 +132,10 @@ class QueuesService:
                 after = c.decode_token(request.page_token, b"Q").decode()
             except UnicodeDecodeError:
                 raise InvalidArgument("page_token", "is not a page token this server issued") from None
-        principal = current_principal.get()
-        visible = None if principal is None or "*" in principal.queues else principal.matches
+        visible = visible_queues()
         configs, more = self.manager.list(after, limit, visible)
         token = c.encode_token(b"Q", configs[-1].name.encode()) if more and configs else ""
-        return pb.ListQueuesResponse(queues=[queue_info(q) for q in configs], next_page_token=token)
+        return pb.ListQueuesResponse(queues=[queue_info(q, visible) for q in configs], next_page_token=token)
 
     async def update_queue(
         self, request: pb.UpdateQueueRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -150,13 +155,14 @@ class QueuesService:
                     f"unknown field {path[:100]!r}; one of {', '.join(sorted(_UPDATABLE))}",
                 )
         changes = _settings(request.queue, set(paths))
-        updated = await self.manager.update(name, changes)
-        return pb.UpdateQueueResponse(queue=queue_info(updated))
+        visible = visible_queues()
+        updated = await self.manager.update(name, changes, visible)
+        return pb.UpdateQueueResponse(queue=queue_info(updated, visible))
 
     async def delete_queue(
         self, request: pb.DeleteQueueRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DeleteQueueResponse:
-        await self.manager.delete(c.queue_name(request.queue_name), request.force)
+        await self.manager.delete(c.queue_name(request.queue_name), request.force, visible_queues())
         return pb.DeleteQueueResponse()
 
     async def clear_queue(
