@@ -195,15 +195,16 @@ class ProcessServer:
     returns what the latest start wrote.
     """
 
-    def __init__(self, data_dir: str) -> None:
+    def __init__(self, data_dir: str, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
+        self.env = env or {}
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self._stderr: IO[bytes] | None = None
 
     def start(self, timeout: float = 30) -> None:
-        env = dict(os.environ, QUERATOR_LOG_LEVEL="warning")
+        env = dict(os.environ, QUERATOR_LOG_LEVEL="warning", **self.env)
         self._close_stderr()
         self._stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(

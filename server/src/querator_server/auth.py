@@ -6,7 +6,10 @@ role and shell-style queue-name patterns; every call is checked against both
 *before* its queue is looked up, so a caller cannot learn which queues exist.
 
 With authentication on, a bootstrap admin token (given to the server at start, never
-stored) lets an operator create the first keys.
+stored) lets an operator create the first keys. It is as strong as an admin key for
+every queue, so ``querator serve`` asks for one as hard to guess as a key's secret
+(see check_bootstrap_token), warns while it stays usable next to real keys, and can
+retire it by itself once an admin key for every queue exists (``bootstrap_until_key``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+import structlog
 
 from .errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 
@@ -43,6 +48,34 @@ _GRANTS: dict[Role, frozenset[Action]] = {
     Role.CONSUMER: frozenset({Action.CONSUME, Action.READ, Action.LIST}),
     Role.ADMIN: frozenset({Action.PRODUCE, Action.CONSUME, Action.READ, Action.LIST, Action.ADMIN, Action.KEYS}),
 }
+
+log = structlog.get_logger("querator.auth")
+
+# A bootstrap token must hold at least 256 bits, like a key's secret
+# (secrets.token_urlsafe(32): 43 characters). The server cannot measure randomness, so
+# it checks what it can: the length of a 32-byte value in URL-safe base64, and enough
+# different characters that a repeated or trivial pattern is refused (a random 43-char
+# token has about 30 different ones; a 64-char hex one all 16 but for ~1e-12 odds of 9).
+BOOTSTRAP_MIN_CHARS = 43
+BOOTSTRAP_MIN_DISTINCT = 10
+
+
+def check_bootstrap_token(token: str) -> str:
+    """Why ``token`` is too weak to be the bootstrap admin token ("" when it is fine)."""
+    if len(token) < BOOTSTRAP_MIN_CHARS:
+        return (
+            f"QUERATOR_ADMIN_TOKEN has {len(token)} characters; it needs at least {BOOTSTRAP_MIN_CHARS} "
+            "(32 random bytes: openssl rand -base64 32)"
+        )
+    if len(set(token)) < BOOTSTRAP_MIN_DISTINCT:
+        return (
+            f"QUERATOR_ADMIN_TOKEN uses {len(set(token))} different characters; a random token has far more "
+            "(openssl rand -base64 32)"
+        )
+    if any(ch.isspace() for ch in token):
+        return "QUERATOR_ADMIN_TOKEN must not contain whitespace (a bearer token cannot carry it)"
+    return ""
+
 
 _TOKEN = re.compile(r"qk_([0-9a-f]{16})_([A-Za-z0-9_-]{20,100})")
 
@@ -104,9 +137,22 @@ def new_key(role: Role, queues: Iterable[str], description: str, now_us: int) ->
 class KeyRing:
     """The keys in force, checked in memory on every call."""
 
-    def __init__(self, keys: Iterable[ApiKey] = (), *, bootstrap_token: str = "") -> None:
+    def __init__(
+        self, keys: Iterable[ApiKey] = (), *, bootstrap_token: str = "", bootstrap_until_key: bool = False
+    ) -> None:
         self._keys = {key.key_id: key for key in keys}
         self._bootstrap = _digest(bootstrap_token) if bootstrap_token else ""
+        # Refuse the bootstrap token while an admin key for every queue exists.
+        self._bootstrap_until_key = bootstrap_until_key
+        self._warned = False
+
+    @property
+    def bootstrap_retired(self) -> bool:
+        """Whether the bootstrap token is refused now (it retires once an admin key for
+        every queue exists, when asked to; revoking the last such key brings it back)."""
+        return self._bootstrap_until_key and any(
+            key.role is Role.ADMIN and "*" in key.queues for key in self._keys.values()
+        )
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]]) -> Principal:
         token = ""
@@ -118,6 +164,18 @@ class KeyRing:
         if not token:
             raise Unauthenticated("this server needs an API key: send 'authorization: Bearer <token>'")
         if self._bootstrap and hmac.compare_digest(_digest(token), self._bootstrap):
+            if self.bootstrap_retired:
+                raise Unauthenticated(
+                    "the bootstrap admin token is retired: an admin key for every queue exists, use an API key"
+                )
+            if self._keys and not self._warned:
+                self._warned = True
+                log.warning(
+                    "bootstrap_token_used",
+                    keys=len(self._keys),
+                    detail="the bootstrap admin token is still in use while API keys exist; retire it "
+                    "(docs/operations.md, Retiring the bootstrap token)",
+                )
             return Principal("bootstrap", Role.ADMIN, ("*",))
         match = _TOKEN.fullmatch(token)
         key = self._keys.get(match.group(1)) if match else None

@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 from . import logging as qlogging
+from .auth import check_bootstrap_token
 from .config import DEFAULT_ADDRESS, DEFAULT_DATA_DIR, ServerConfig
 from .server import serve
 
@@ -37,7 +38,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="require an API key on every call (env QUERATOR_AUTH=true); the bootstrap admin "
-        "token comes from env QUERATOR_ADMIN_TOKEN",
+        "token comes from env QUERATOR_ADMIN_TOKEN (at least 43 characters)",
+    )
+    parser.add_argument(
+        "--admin-token-until-key",
+        action="store_true",
+        default=None,
+        help="accept the bootstrap admin token only while no admin key for every queue ('*') exists "
+        "(env QUERATOR_ADMIN_TOKEN_UNTIL_KEY=true)",
     )
     parser.add_argument(
         "--no-commit-groups",
@@ -62,6 +70,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         metrics_address=args.metrics_address,
         auth=args.auth,
+        admin_token_until_key=args.admin_token_until_key,
         commit_groups=args.commit_groups,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
@@ -69,6 +78,9 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     if config.log_level.lower() not in LOG_LEVELS:
         print(f"querator: log level {config.log_level!r} must be one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
+        return 2
+    if config.auth and config.admin_token and (weak := check_bootstrap_token(config.admin_token)):
+        print(f"querator: {weak}", file=sys.stderr)
         return 2
     qlogging.configure(config.log_level)
     try:

@@ -36,6 +36,8 @@ class ServerConfig:
     # With auth: a token that acts as an admin key for every queue, to create the
     # first keys. Never stored; given through the environment, not a flag.
     admin_token: str = ""
+    # Accept admin_token only while no admin key for every queue exists.
+    admin_token_until_key: bool = False
     # TLS: PEM files of the server's certificate chain and key; with a client CA,
     # clients must present a certificate signed by it (mutual TLS).
     tls_cert: str = ""
@@ -53,6 +55,7 @@ class ServerConfig:
             "auth": _flag(env.get("QUERATOR_AUTH", "")),
             "commit_groups": _flag(env.get("QUERATOR_COMMIT_GROUPS", "true")),
             "admin_token": env.get("QUERATOR_ADMIN_TOKEN", ""),
+            "admin_token_until_key": _flag(env.get("QUERATOR_ADMIN_TOKEN_UNTIL_KEY", "")),
             "tls_cert": env.get("QUERATOR_TLS_CERT", ""),
             "tls_key": env.get("QUERATOR_TLS_KEY", ""),
             "tls_client_ca": env.get("QUERATOR_TLS_CLIENT_CA", ""),

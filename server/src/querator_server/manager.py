@@ -147,9 +147,11 @@ class QueuesManager:
         max_inbox: int = 10_000,
         workers: int = 8,
         bootstrap_token: str = "",
+        bootstrap_until_key: bool = False,
         commit_groups: bool = True,
     ) -> None:
         self._bootstrap_token = bootstrap_token
+        self._bootstrap_until_key = bootstrap_until_key
         self.data_dir = os.path.abspath(data_dir)
         self._map_size = map_size
         self._sync = sync
@@ -200,7 +202,9 @@ class QueuesManager:
             raise DataDirError(f"{exc}; refusing to start") from exc
         records = await loop.run_in_executor(self._executor, self._catalog.load_keys)
         self.keyring = KeyRing(
-            (_key_from_record(r) for r in records), bootstrap_token=self._bootstrap_token
+            (_key_from_record(r) for r in records),
+            bootstrap_token=self._bootstrap_token,
+            bootstrap_until_key=self._bootstrap_until_key,
         )
         for config in configs:
             self._configs[config.name] = config

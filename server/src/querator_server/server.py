@@ -60,6 +60,7 @@ class QueratorServer:
             max_inbox=config.max_inbox,
             map_size=config.map_size,
             bootstrap_token=config.admin_token if config.auth else "",
+            bootstrap_until_key=config.admin_token_until_key,
         )
         self.health = HealthService()
         self._server: grpc.aio.Server | None = None
@@ -142,8 +143,19 @@ class QueratorServer:
                 detail="anyone who can reach this address can read, change and delete every queue; "
                 "set QUERATOR_AUTH=true (and QUERATOR_ADMIN_TOKEN) to require API keys",
             )
-        if self.config.auth and not self.config.admin_token and not self.manager.keyring.keys():
+        keyring = self.manager.keyring
+        if self.config.auth and not self.config.admin_token and not keyring.keys():
             log.warning("no_api_keys", detail="auth is on but there are no keys and no QUERATOR_ADMIN_TOKEN")
+        if self.config.auth and self.config.admin_token and keyring.keys():
+            if keyring.bootstrap_retired:
+                log.info("bootstrap_token_retired", detail="an admin key for every queue exists; the token is refused")
+            else:
+                log.warning(
+                    "bootstrap_token_active",
+                    keys=len(keyring.keys()),
+                    detail="API keys exist but QUERATOR_ADMIN_TOKEN still acts as an admin key for every queue; "
+                    "retire it: unset it and restart, or set QUERATOR_ADMIN_TOKEN_UNTIL_KEY=true",
+                )
 
     def _tls_credentials(self) -> grpc.ServerCredentials | None:
         config = self.config
