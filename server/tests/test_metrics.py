@@ -3,27 +3,33 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 from conftest import Stubs, ThreadServer, wait_until
 from google.protobuf import duration_pb2, timestamp_pb2
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
-from querator.v1 import queue_pb2
+from prometheus_client.registry import Collector
+from querator.v1 import queue_pb2, queues_pb2
 from querator_server.config import ServerConfig
-from querator_server.metrics import parse_address
+from querator_server.metrics import MAX_SCRAPES, parse_address
 from querator_server.server import QueratorServer
 
 
 class Scraper:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, token: str = "") -> None:
         self.url = f"http://127.0.0.1:{port}/metrics"
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     def text(self) -> str:
-        with urllib.request.urlopen(self.url, timeout=5) as reply:
+        with urllib.request.urlopen(urllib.request.Request(self.url, headers=self.headers), timeout=5) as reply:
             assert reply.status == 200
             return reply.read().decode()
 
@@ -49,8 +55,8 @@ def metered(data_dir: str) -> Iterator[tuple[ThreadServer, Stubs, Scraper]]:
         server.stop()
 
 
-def items(scrape: Scraper, queue: str, state: str, partition: str = "0") -> float:
-    return scrape.value("querator_partition_items", queue=queue, partition=partition, state=state)
+def items(scrape: Scraper, queue: str, state: str) -> float:
+    return scrape.value("querator_queue_items", queue=queue, state=state)
 
 
 def test_depth_and_age_follow_produce_lease_complete(metered: tuple[ThreadServer, Stubs, Scraper]) -> None:
@@ -58,27 +64,27 @@ def test_depth_and_age_follow_produce_lease_complete(metered: tuple[ThreadServer
     stubs.create("jobs")
     assert scrape.value("querator_queues") == 1
     assert items(scrape, "jobs", "ready") == 0
-    assert scrape.value("querator_partition_oldest_ready_age_seconds", queue="jobs", partition="0") == 0
+    assert scrape.value("querator_queue_oldest_ready_age_seconds", queue="jobs") == 0
 
     stubs.produce("jobs", [b"a", b"b", b"c", b"d"])
     assert items(scrape, "jobs", "ready") == 4
     time.sleep(0.2)
-    age = scrape.value("querator_partition_oldest_ready_age_seconds", queue="jobs", partition="0")
+    age = scrape.value("querator_queue_oldest_ready_age_seconds", queue="jobs")
     assert 0.2 <= age < 30
-    assert scrape.value("querator_partition_average_age_seconds", queue="jobs", partition="0") >= 0.2
+    assert scrape.value("querator_queue_average_age_seconds", queue="jobs") >= 0.2
 
     leased = stubs.lease("jobs", batch_size=3)
     assert len(leased.items) == 3
     assert (items(scrape, "jobs", "ready"), items(scrape, "jobs", "leased")) == (1, 3)
     # The head is now the fourth item, produced in the same batch: still as old.
-    assert scrape.value("querator_partition_oldest_ready_age_seconds", queue="jobs", partition="0") >= 0.2
+    assert scrape.value("querator_queue_oldest_ready_age_seconds", queue="jobs") >= 0.2
 
     stubs.complete("jobs", leased.partition, [i.id for i in leased.items])
     assert (items(scrape, "jobs", "ready"), items(scrape, "jobs", "leased")) == (1, 0)
     drained = stubs.lease("jobs", batch_size=10, columnar=True)  # counted from its columns
     stubs.complete("jobs", drained.partition, list(drained.columns.ids))
     assert (items(scrape, "jobs", "ready"), items(scrape, "jobs", "leased")) == (0, 0)
-    assert scrape.value("querator_partition_oldest_ready_age_seconds", queue="jobs", partition="0") == 0
+    assert scrape.value("querator_queue_oldest_ready_age_seconds", queue="jobs") == 0
 
     s = scrape.samples()
     total = lambda action: s.get(("querator_items_total", frozenset({("queue", "jobs"), ("action", action)})), 0)
@@ -190,3 +196,189 @@ def test_off_by_default_and_bad_address_refused(data_dir: str) -> None:
 )
 def test_parse_address(address: str, expected: tuple[str, int]) -> None:
     assert parse_address(address) == expected
+
+
+def _families(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return out
+
+
+def test_gauges_are_one_series_per_queue_whatever_its_partitions(metered: tuple[ThreadServer, Stubs, Scraper]) -> None:
+    _server, stubs, scrape = metered
+    stubs.create("narrow")
+    stubs.create("wide", requested_partitions=64)
+    stubs.produce("narrow", [b"n"] * 3)
+    for _ in range(8):  # spread over several partitions
+        stubs.produce("wide", [b"w"] * 5)
+    time.sleep(0.2)
+    stubs.produce("wide", [b"late"])
+    families = _families(scrape.text())
+    gauges = [name for name in families if name.startswith(("querator_queue_", "querator_lmdb_map"))]
+    assert "querator_queue_items" in gauges and "querator_queue_oldest_ready_age_seconds" in gauges
+    for name in gauges:
+        per_queue = {q: sum(1 for labels, _ in families[name] if labels.get("queue") == q) for q in ("narrow", "wide")}
+        assert per_queue["wide"] == per_queue["narrow"], name
+    assert not [name for name, samples in families.items() if any("partition" in labels for labels, _ in samples)]
+    value = lambda name, **labels: next(v for lab, v in families[name] if lab == labels)
+    assert value("querator_queue_partitions", queue="wide") == 64
+    assert value("querator_queue_items", queue="wide", state="ready") == 41  # summed over partitions
+    assert value("querator_queue_items", queue="narrow", state="ready") == 3
+    # The oldest head over all partitions: the first produce, not the latest one.
+    assert value("querator_queue_oldest_ready_age_seconds", queue="wide") >= 0.2
+    assert value("querator_queue_average_age_seconds", queue="wide") > 0
+
+
+class _CountingEnv:
+    """An LMDB environment that counts every use (each is a storage access)."""
+
+    def __init__(self, env: object) -> None:
+        self._env = env
+        self.uses = 0
+
+    def __getattr__(self, name: str) -> object:
+        self.uses += 1
+        return getattr(self._env, name)
+
+
+def test_a_scrape_reads_no_storage(data_dir: str) -> None:
+    server = ThreadServer(data_dir, metrics_address="127.0.0.1:0", commit_groups=False)
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stubs, scrape = Stubs(channel), Scraper(server.server.metrics.port)
+        stubs.create("deep", requested_partitions=32)
+        for _ in range(40):
+            stubs.produce("deep", [b"x"] * 10)
+        leased = stubs.lease("deep", batch_size=7)
+        store = server.server.manager.actor("deep").store
+        counting = _CountingEnv(store.env)
+        store.env = counting  # type: ignore[assignment]
+        try:
+            for _ in range(5):
+                assert items(scrape, "deep", "ready") == 393 and items(scrape, "deep", "leased") == 7
+            assert counting.uses == 0
+            stubs.produce("deep", [b"y"])  # the counter sees what does read storage
+            assert counting.uses > 0
+            assert items(scrape, "deep", "ready") == 394
+        finally:
+            store.env = counting._env  # type: ignore[assignment]
+        stubs.complete("deep", leased.partition, [i.id for i in leased.items])
+    finally:
+        channel.close()
+        server.stop()
+
+
+TOKEN = "metrics-token-" + "k" * 10 + "Q7wXz2LmN9pR4tV8yB3cF6hJ"
+
+
+def _status(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str]]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=5) as reply:
+            return reply.status, dict(reply.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers)
+
+
+@pytest.mark.parametrize("from_file", [False, True])
+def test_a_metrics_token_refuses_scrapes_without_it(data_dir: str, tmp_path: Path, from_file: bool) -> None:
+    if from_file:
+        path = tmp_path / "metrics-token"
+        path.write_text(TOKEN + "\n")
+        server = ThreadServer(data_dir, metrics_address="127.0.0.1:0", metrics_token_file=str(path))
+    else:
+        server = ThreadServer(data_dir, metrics_address="127.0.0.1:0", metrics_token=TOKEN)
+    try:
+        url = f"http://127.0.0.1:{server.server.metrics.port}/metrics"
+        code, headers = _status(url)
+        assert code == 401 and headers["WWW-Authenticate"].startswith("Bearer")
+        assert _status(url, {"Authorization": "Bearer " + TOKEN[:-1] + "x"})[0] == 401
+        assert _status(url, {"Authorization": TOKEN})[0] == 401
+        assert _status(url, {"Authorization": f"Bearer {TOKEN}"})[0] == 200
+        assert Scraper(server.server.metrics.port, TOKEN).value("querator_queues") == 0
+    finally:
+        server.stop()
+
+
+def test_a_weak_or_unreadable_metrics_token_is_refused_at_start(data_dir: str, tmp_path: Path) -> None:
+    for settings, message in (
+        ({"metrics_token": "short"}, "at least 32 characters"),
+        ({"metrics_token_file": str(tmp_path / "missing")}, "cannot read the metrics token file"),
+        ({"metrics_token": TOKEN, "metrics_token_file": str(tmp_path / "x")}, "not both"),
+    ):
+        config = ServerConfig(address="127.0.0.1:0", data_dir=data_dir, metrics_address="127.0.0.1:0", **settings)  # type: ignore[arg-type]
+        with pytest.raises(OSError, match=message):
+            asyncio.run(QueratorServer(config).start())
+
+
+class _Gate(Collector):
+    """A collector that holds the rendering until the test opens the gate."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def describe(self) -> list[GaugeMetricFamily]:  # so registering does not collect
+        return [GaugeMetricFamily("test_gate", "held by the test")]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        self.entered.set()
+        self.gate.wait(30)
+        yield GaugeMetricFamily("test_gate", "held by the test", value=1)
+
+
+def test_parallel_scrapes_share_one_rendering_and_are_bounded(metered: tuple[ThreadServer, Stubs, Scraper]) -> None:
+    server, stubs, scrape = metered
+    stubs.create("q")
+    metrics = server.server.metrics
+    assert metrics is not None
+    gate = _Gate()
+    metrics.registry.register(gate)
+    exposition = metrics._http.get_app()  # type: ignore[union-attr]
+    before = exposition.rendered
+    results: list[tuple[int, dict[str, str]]] = []
+    threads = [threading.Thread(target=lambda: results.append(_status(scrape.url))) for _ in range(MAX_SCRAPES)]
+    try:
+        threads[0].start()
+        assert gate.entered.wait(10)
+        for thread in threads[1:]:
+            thread.start()
+        # Every slot is taken (one rendering, the others waiting for it): one more is refused.
+        wait_until(lambda: exposition._slots._value == 0, timeout=10)
+        assert _status(scrape.url)[0] == 503
+    finally:
+        gate.gate.set()
+        for thread in threads:
+            thread.join(10)
+    assert [code for code, _ in results] == [200] * MAX_SCRAPES
+    assert exposition.rendered - before == 1  # MAX_SCRAPES answers, one rendering
+    metrics.registry.unregister(gate)
+    assert scrape.value("querator_queues") == 1 and exposition.rendered - before == 2
+
+
+def test_series_of_deleted_queues_are_removed(metered: tuple[ThreadServer, Stubs, Scraper]) -> None:
+    _server, stubs, scrape = metered
+    stubs.create("kept")
+    stubs.produce("kept", [b"k"])
+    stubs.create("warm-up")  # a delete is counted under queue="" (the queue is gone when it ends)
+    stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="warm-up"), timeout=10)
+    baseline = set(scrape.samples())
+    for round_ in range(30):
+        name = f"churn-{round_ % 3}" if round_ % 2 else f"churn-{round_}"
+        stubs.create(name, dead_queue="kept" if round_ % 5 == 0 else "")
+        stubs.produce(name, [b"a", b"b"])
+        leased = stubs.lease(name, batch_size=2)
+        stubs.complete(name, leased.partition, [i.id for i in leased.items])
+        stream = queue_pb2.ProduceStreamRequest(request=queue_pb2.ProduceRequest(queue_name=name, payloads=[b"s"]))
+        assert len(list(stubs.queue.ProduceStream(iter([stream]), timeout=10))) == 1
+        with pytest.raises(grpc.RpcError):
+            stubs.complete(name, 0, ["no-such-id"])
+        assert f'queue="{name}"' in scrape.text()
+        stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name=name, force=True), timeout=10)
+        assert f'queue="{name}"' not in scrape.text()
+    text = scrape.text()
+    assert "churn-" not in text
+    # Exactly the series there were before the churn, whatever the number of rounds.
+    after = set(scrape.samples())
+    assert after == baseline, (sorted(after - baseline)[:5], sorted(baseline - after)[:5])

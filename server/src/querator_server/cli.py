@@ -29,6 +29,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "default: off)",
     )
     parser.add_argument(
+        "--metrics-token-file",
+        help="file holding a bearer token that /metrics requires (env QUERATOR_METRICS_TOKEN_FILE; "
+        "or the token itself in env QUERATOR_METRICS_TOKEN)",
+    )
+    parser.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         help="log level (env QUERATOR_LOG_LEVEL, default info)",
@@ -69,6 +74,7 @@ def run_serve(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         log_level=args.log_level,
         metrics_address=args.metrics_address,
+        metrics_token_file=args.metrics_token_file,
         auth=args.auth,
         admin_token_until_key=args.admin_token_until_key,
         commit_groups=args.commit_groups,

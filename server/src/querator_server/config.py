@@ -18,6 +18,10 @@ class ServerConfig:
     log_level: str = "info"
     # host:port serving Prometheus metrics over HTTP (/metrics); empty: off.
     metrics_address: str = ""
+    # With it, /metrics answers only "Authorization: Bearer <token>"; from the
+    # environment or a file (a flag would show the token in ps).
+    metrics_token: str = ""
+    metrics_token_file: str = ""
     # Headroom over the 5 MB request limit so an oversized request is answered
     # RESOURCE_EXHAUSTED by us, with a message, rather than cut off by the transport.
     max_receive_bytes: int = MAX_REQUEST_BYTES + (4 << 20)
@@ -52,6 +56,8 @@ class ServerConfig:
             "data_dir": env.get("QUERATOR_DATA_DIR", DEFAULT_DATA_DIR),
             "log_level": env.get("QUERATOR_LOG_LEVEL", "info"),
             "metrics_address": env.get("QUERATOR_METRICS_ADDRESS", ""),
+            "metrics_token": env.get("QUERATOR_METRICS_TOKEN", ""),
+            "metrics_token_file": env.get("QUERATOR_METRICS_TOKEN_FILE", ""),
             "auth": _flag(env.get("QUERATOR_AUTH", "")),
             "commit_groups": _flag(env.get("QUERATOR_COMMIT_GROUPS", "true")),
             "admin_token": env.get("QUERATOR_ADMIN_TOKEN", ""),

@@ -394,6 +394,8 @@ class QueuesManager:
                     with contextlib.suppress(StorageError):
                         await actor.group.job(actor.store.destroy)
                 self._lane_of.pop(config.uid, None)
+                if self.observer is not None:
+                    self.observer.detach(config.name)
                 if isinstance(exc, StorageError | OSError):
                     raise _storage_failed(exc) from exc
                 raise
@@ -472,6 +474,8 @@ class QueuesManager:
             del self._configs[name]
             self._names.remove(name)
             del self._actors[name]
+            if self.observer is not None:
+                self.observer.detach(name)
             # A crash before this point leaves an orphan directory that start-up removes.
             if actor.group is not None:
                 actor.group.members -= 1

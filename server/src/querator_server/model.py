@@ -101,6 +101,19 @@ class PartitionStats:
 
 
 @dataclass(slots=True)
+class QueueTotals:
+    """A queue's counts summed over its partitions (what a metrics scrape reports)."""
+
+    partitions: int
+    ready: int
+    leased: int
+    scheduled: int
+    created_sum: int  # of the ready and leased items' created_at, for their average age
+    lease_waiting: int
+    produce_waiting: int
+
+
+@dataclass(slots=True)
 class QueueStats:
     partitions: list[PartitionStats]
     lease_waiting: int

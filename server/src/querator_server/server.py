@@ -76,7 +76,7 @@ class QueratorServer:
 
     async def start(self) -> None:
         if self.metrics is not None:
-            self.metrics.serve(self.config.metrics_address)
+            self.metrics.serve(self.config.metrics_address, self._metrics_token())
         await self.manager.start()
         server = grpc.aio.server(
             interceptors=self.metrics.interceptors() if self.metrics is not None else None,
@@ -156,6 +156,19 @@ class QueratorServer:
                     detail="API keys exist but QUERATOR_ADMIN_TOKEN still acts as an admin key for every queue; "
                     "retire it: unset it and restart, or set QUERATOR_ADMIN_TOKEN_UNTIL_KEY=true",
                 )
+
+    def _metrics_token(self) -> str:
+        config = self.config
+        if config.metrics_token and config.metrics_token_file:
+            raise OSError("set the metrics token or its file (QUERATOR_METRICS_TOKEN_FILE), not both")
+        if not config.metrics_token_file:
+            return config.metrics_token
+        try:
+            with open(config.metrics_token_file, encoding="utf-8") as f:
+                return f.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise OSError(f"cannot read the metrics token file {config.metrics_token_file!r}: {reason}") from exc
 
     def _tls_credentials(self) -> grpc.ServerCredentials | None:
         config = self.config

@@ -30,7 +30,7 @@ from ..errors import (
     Unavailable,
 )
 from ..faults import DEAD_LETTER_STORED, MOVE_COPIED, MOVE_RECORDED, crash_point
-from ..model import PartitionStats, QueueConfig, QueueStats
+from ..model import PartitionStats, QueueConfig, QueueStats, QueueTotals
 from ..storage import MAX_GROWTHS, Item, MapFull, QueueStore, StorageError, StorageFull
 from ..storage.keyed import KeyedIndex
 from .commit_group import HAND_OVER_AT, CommitGroup
@@ -261,10 +261,30 @@ class LogicalQueue:
                     average_leased_age_us=max(0, now - v.leased_at_sum // v.leased) if v.leased else 0,
                 )
             )
-        waiting = sum(1 for w in self._waiting if not w.future.done())
-        waiting += sum(1 for r in self._inbox if isinstance(r, LeaseRequest))
-        producing = sum(1 for r in self._inbox if isinstance(r, ProduceRequest))
+        waiting, producing = self._waiting_calls()
         return QueueStats(parts, lease_waiting=waiting, produce_waiting=producing, in_flight=self._in_flight)
+
+    def totals(self) -> QueueTotals:
+        """The in-memory counts summed over the partitions; reads no storage. Safe to call
+        from another thread (the metrics endpoint's): it only reads ints, and a view
+        swapped meanwhile is read before or after the swap, never torn."""
+        ready = leased = scheduled = created = 0
+        views = list(self._views)
+        for v in views:
+            ready += v.ready
+            leased += v.leased
+            scheduled += v.scheduled
+            created += v.created_sum
+        waiting, producing = self._waiting_calls()
+        return QueueTotals(len(views), ready, leased, scheduled, created, waiting, producing)
+
+    def _waiting_calls(self) -> tuple[int, int]:
+        """Lease calls waiting for items, Produce calls waiting for a cycle."""
+        waiting = sum(1 for w in list(self._waiting) if not w.future.done())
+        inbox = list(self._inbox)
+        waiting += sum(1 for r in inbox if isinstance(r, LeaseRequest))
+        producing = sum(1 for r in inbox if isinstance(r, ProduceRequest))
+        return waiting, producing
 
     def holds_items(self) -> bool:
         return any(v.ready or v.leased or v.scheduled for v in self._views)
