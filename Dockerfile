@@ -1,5 +1,8 @@
 # Querator server image: `docker build -t querator .` from the repository root.
-# Data lives in the /data volume; gRPC on 2319, Prometheus metrics on 9090 (/metrics).
+# Data lives in the /data volume; gRPC on 2319, Prometheus metrics on 9090 (/metrics),
+# the latter on the container's loopback only: metrics name every queue, so reaching
+# them from outside is opted into (docs/operations.md, "Metrics": set
+# QUERATOR_METRICS_ADDRESS=0.0.0.0:9090, with QUERATOR_METRICS_TOKEN on a shared network).
 # server/tests/test_container.py runs this file's ENTRYPOINT + CMD with its ENV (and
 # the HEALTHCHECK command) against a temp data dir, so keep them plain.
 FROM python:3.12-slim
@@ -19,7 +22,7 @@ RUN useradd --system --uid 10001 --user-group --home-dir /data --no-create-home 
     && chmod 700 /data
 
 ENV QUERATOR_DATA_DIR=/data \
-    QUERATOR_METRICS_ADDRESS=0.0.0.0:9090 \
+    QUERATOR_METRICS_ADDRESS=127.0.0.1:9090 \
     QUERATOR_LOG_LEVEL=info
 
 VOLUME ["/data"]

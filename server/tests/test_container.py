@@ -34,7 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 # The addresses the image listens on; tests move them to free loopback ports.
 IMAGE_GRPC = "0.0.0.0:2319"
-IMAGE_METRICS = "0.0.0.0:9090"
+IMAGE_METRICS = "127.0.0.1:9090"  # loopback: metrics are reached from outside by choice
+# What the compose stack sets so that its Prometheus can scrape over the stack's network.
+COMPOSE_METRICS = "0.0.0.0:9090"
 # The health checks dial this from inside the container.
 HEALTH_TARGET = "127.0.0.1:2319"
 
@@ -127,7 +129,10 @@ def test_compose_file_agrees_with_the_dockerfile(dockerfile: Dockerfile, compose
     mounts = [str(v).split(":") for v in server["volumes"]]  # type: ignore[attr-defined]
     assert any(src in volumes and dst == data_dir for src, dst, *_ in mounts), "the data dir needs a named volume"
     grpc_port = IMAGE_GRPC.rsplit(":", 1)[1]
-    metrics_port = env["QUERATOR_METRICS_ADDRESS"].rsplit(":", 1)[1]
+    assert env["QUERATOR_METRICS_ADDRESS"] == IMAGE_METRICS, "the image keeps metrics on its loopback"
+    assert server["environment"]["QUERATOR_METRICS_ADDRESS"] == COMPOSE_METRICS  # type: ignore[index]
+    metrics_port = COMPOSE_METRICS.rsplit(":", 1)[1]
+    assert metrics_port == IMAGE_METRICS.rsplit(":", 1)[1]
     published = {str(p).rsplit(":", 1)[-1] for p in server["ports"]}  # type: ignore[attr-defined]
     assert {grpc_port, metrics_port} <= published
     assert {grpc_port, metrics_port} <= set(dockerfile.last("EXPOSE").split())
@@ -232,10 +237,10 @@ def test_image_command_serves_is_healthy_and_stops_on_sigterm(
             body: str = reply.read().decode()
         return body
 
-    assert 'querator_partition_items{partition="0",queue="boxed",state="ready"} 3.0' in ready()
+    assert 'querator_queue_items{queue="boxed",state="ready"} 3.0' in ready()
     leased = stubs.lease("boxed", batch_size=3)
     stubs.complete("boxed", leased.partition, [i.id for i in leased.items])
-    assert 'querator_partition_items{partition="0",queue="boxed",state="ready"} 0.0' in ready()
+    assert 'querator_queue_items{queue="boxed",state="ready"} 0.0' in ready()
     channel.close()
 
     # docker stop: SIGTERM, a clean exit well inside the compose stop_grace_period.

@@ -257,7 +257,7 @@ def _wrap_stream(
                     break
                 answer = await task
                 yield answer
-                if revoked and answer.error is not None and answer.error.code == _UNAUTHENTICATED:
+                if revoked and getattr(answer.error, "code", 0) == _UNAUTHENTICATED:
                     # Later messages were checked after this one, and so failed too.
                     await _abort(context, full, "", revoked[0])
             if not reader.cancelled():
