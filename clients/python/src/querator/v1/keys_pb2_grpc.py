@@ -28,7 +28,8 @@ if _version_not_supported:
 class KeysServiceStub:
     """KeysService manages API keys when the server runs with authentication on.
     Every call needs an admin key whose queue patterns include "*" (or the
-    bootstrap admin token the server was started with).
+    bootstrap admin token the server was started with, which a server started
+    with QUERATOR_ADMIN_TOKEN_UNTIL_KEY refuses once such a key exists).
 
     Callers send a key as gRPC metadata: `authorization: Bearer <token>`.
     """
@@ -59,7 +60,8 @@ class KeysServiceStub:
 class KeysServiceServicer:
     """KeysService manages API keys when the server runs with authentication on.
     Every call needs an admin key whose queue patterns include "*" (or the
-    bootstrap admin token the server was started with).
+    bootstrap admin token the server was started with, which a server started
+    with QUERATOR_ADMIN_TOKEN_UNTIL_KEY refuses once such a key exists).
 
     Callers send a key as gRPC metadata: `authorization: Bearer <token>`.
     """
@@ -115,7 +117,8 @@ def add_KeysServiceServicer_to_server(servicer, server):
 class KeysService:
     """KeysService manages API keys when the server runs with authentication on.
     Every call needs an admin key whose queue patterns include "*" (or the
-    bootstrap admin token the server was started with).
+    bootstrap admin token the server was started with, which a server started
+    with QUERATOR_ADMIN_TOKEN_UNTIL_KEY refuses once such a key exists).
 
     Callers send a key as gRPC metadata: `authorization: Bearer <token>`.
     """

@@ -29,7 +29,8 @@ GRPC_VERSION: str
 class KeysServiceStub:
     """KeysService manages API keys when the server runs with authentication on.
     Every call needs an admin key whose queue patterns include "*" (or the
-    bootstrap admin token the server was started with).
+    bootstrap admin token the server was started with, which a server started
+    with QUERATOR_ADMIN_TOKEN_UNTIL_KEY refuses once such a key exists).
 
     Callers send a key as gRPC metadata: `authorization: Bearer <token>`.
     """
@@ -51,7 +52,8 @@ class KeysServiceStub:
 class KeysServiceAsyncStub(KeysServiceStub):
     """KeysService manages API keys when the server runs with authentication on.
     Every call needs an admin key whose queue patterns include "*" (or the
-    bootstrap admin token the server was started with).
+    bootstrap admin token the server was started with, which a server started
+    with QUERATOR_ADMIN_TOKEN_UNTIL_KEY refuses once such a key exists).
 
     Callers send a key as gRPC metadata: `authorization: Bearer <token>`.
     """
@@ -69,7 +71,8 @@ class KeysServiceAsyncStub(KeysServiceStub):
 class KeysServiceServicer(metaclass=_abc_1.ABCMeta):
     """KeysService manages API keys when the server runs with authentication on.
     Every call needs an admin key whose queue patterns include "*" (or the
-    bootstrap admin token the server was started with).
+    bootstrap admin token the server was started with, which a server started
+    with QUERATOR_ADMIN_TOKEN_UNTIL_KEY refuses once such a key exists).
 
     Callers send a key as gRPC metadata: `authorization: Bearer <token>`.
     """

@@ -135,6 +135,12 @@ class QueueServiceServicer:
         the semantics and errors of Produce; a request that fails is answered with
         its error and the stream goes on. A stream costs the server about half
         the CPU per request of a unary call.
+
+        With API keys, both streams are authenticated when they open: without a
+        valid key the call ends UNAUTHENTICATED at once. Each request is then
+        checked for its queue (PERMISSION_DENIED answers that request alone); a
+        key revoked while the stream is open answers the next request
+        UNAUTHENTICATED and ends the stream so, after the requests before it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

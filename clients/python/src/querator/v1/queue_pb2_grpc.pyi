@@ -69,6 +69,12 @@ class QueueServiceStub:
     the semantics and errors of Produce; a request that fails is answered with
     its error and the stream goes on. A stream costs the server about half
     the CPU per request of a unary call.
+
+    With API keys, both streams are authenticated when they open: without a
+    valid key the call ends UNAUTHENTICATED at once. Each request is then
+    checked for its queue (PERMISSION_DENIED answers that request alone); a
+    key revoked while the stream is open answers the next request
+    UNAUTHENTICATED and ends the stream so, after the requests before it.
     """
     LeaseStream: _grpc.StreamStreamMultiCallable[_queue_pb2.LeaseStreamRequest, _queue_pb2.LeaseStreamResponse]
     """LeaseStream is Lease for steady consumers, as ProduceStream is for
@@ -119,6 +125,12 @@ class QueueServiceAsyncStub(QueueServiceStub):
     the semantics and errors of Produce; a request that fails is answered with
     its error and the stream goes on. A stream costs the server about half
     the CPU per request of a unary call.
+
+    With API keys, both streams are authenticated when they open: without a
+    valid key the call ends UNAUTHENTICATED at once. Each request is then
+    checked for its queue (PERMISSION_DENIED answers that request alone); a
+    key revoked while the stream is open answers the next request
+    UNAUTHENTICATED and ends the stream so, after the requests before it.
     """
     LeaseStream: _aio.StreamStreamMultiCallable[_queue_pb2.LeaseStreamRequest, _queue_pb2.LeaseStreamResponse]  # type: ignore[assignment]
     """LeaseStream is Lease for steady consumers, as ProduceStream is for
@@ -202,6 +214,12 @@ class QueueServiceServicer(metaclass=_abc_1.ABCMeta):
         the semantics and errors of Produce; a request that fails is answered with
         its error and the stream goes on. A stream costs the server about half
         the CPU per request of a unary call.
+
+        With API keys, both streams are authenticated when they open: without a
+        valid key the call ends UNAUTHENTICATED at once. Each request is then
+        checked for its queue (PERMISSION_DENIED answers that request alone); a
+        key revoked while the stream is open answers the next request
+        UNAUTHENTICATED and ends the stream so, after the requests before it.
         """
 
     @_abc_1.abstractmethod
