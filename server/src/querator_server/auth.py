@@ -144,7 +144,9 @@ class KeyRing:
         self._bootstrap = _digest(bootstrap_token) if bootstrap_token else ""
         # Refuse the bootstrap token while an admin key for every queue exists.
         self._bootstrap_until_key = bootstrap_until_key
-        self._warned = False
+        self._warned_used = False
+        self._warned_active = False
+        self._logged_retired = False
 
     @property
     def bootstrap_retired(self) -> bool:
@@ -168,8 +170,8 @@ class KeyRing:
                 raise Unauthenticated(
                     "the bootstrap admin token is retired: an admin key for every queue exists, use an API key"
                 )
-            if self._keys and not self._warned:
-                self._warned = True
+            if self._keys and not self._warned_used:
+                self._warned_used = True
                 log.warning(
                     "bootstrap_token_used",
                     keys=len(self._keys),
@@ -185,6 +187,32 @@ class KeyRing:
 
     def add(self, key: ApiKey) -> None:
         self._keys[key.key_id] = key
+        self.warn_if_bootstrap_active()
+
+    def warn_if_bootstrap_active(self) -> None:
+        """Log, once, that the bootstrap token is still usable although keys exist, and
+        once that it retired itself. Called at start and whenever a key is added."""
+        if not self._bootstrap or not self._keys:
+            return
+        if self.bootstrap_retired:
+            if not self._logged_retired:
+                self._logged_retired = True
+                log.info("bootstrap_token_retired", detail="an admin key for every queue exists; the token is refused")
+            return
+        if self._warned_active:
+            return
+        self._warned_active = True
+        retire = (
+            "it retires once an admin key for every queue ('*') exists"
+            if self._bootstrap_until_key
+            else "retire it: unset it and restart, or set QUERATOR_ADMIN_TOKEN_UNTIL_KEY=true"
+        )
+        log.warning(
+            "bootstrap_token_active",
+            keys=len(self._keys),
+            detail=f"API keys exist but QUERATOR_ADMIN_TOKEN still acts as an admin key for every queue; {retire} "
+            "(docs/operations.md, Retiring the bootstrap token)",
+        )
 
     def remove(self, key_id: str) -> ApiKey:
         key = self._keys.pop(key_id, None)

@@ -146,16 +146,8 @@ class QueratorServer:
         keyring = self.manager.keyring
         if self.config.auth and not self.config.admin_token and not keyring.keys():
             log.warning("no_api_keys", detail="auth is on but there are no keys and no QUERATOR_ADMIN_TOKEN")
-        if self.config.auth and self.config.admin_token and keyring.keys():
-            if keyring.bootstrap_retired:
-                log.info("bootstrap_token_retired", detail="an admin key for every queue exists; the token is refused")
-            else:
-                log.warning(
-                    "bootstrap_token_active",
-                    keys=len(keyring.keys()),
-                    detail="API keys exist but QUERATOR_ADMIN_TOKEN still acts as an admin key for every queue; "
-                    "retire it: unset it and restart, or set QUERATOR_ADMIN_TOKEN_UNTIL_KEY=true",
-                )
+        if self.config.auth:
+            keyring.warn_if_bootstrap_active()
 
     def _metrics_token(self) -> str:
         config = self.config
