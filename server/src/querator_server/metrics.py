@@ -15,7 +15,8 @@ Two kinds of data:
   every commit (commit time). A deleted queue's series are removed with it.
 
 The endpoint renders one scrape at a time (scrapes arriving meanwhile share that
-answer) and, with a token, answers only ``Authorization: Bearer <token>``.
+answer), spaces renderings so that they take a bounded share of the interpreter, and,
+with a token, answers only ``Authorization: Bearer <token>``.
 
 Nothing here is imported unless metrics are on, and no hook runs when they are off.
 See docs/operations.md ("Metrics") for the list.
