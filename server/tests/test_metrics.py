@@ -382,3 +382,26 @@ def test_series_of_deleted_queues_are_removed(metered: tuple[ThreadServer, Stubs
     # Exactly the series there were before the churn, whatever the number of rounds.
     after = set(scrape.samples())
     assert after == baseline, (sorted(after - baseline)[:5], sorted(baseline - after)[:5])
+
+
+def test_the_oldest_age_is_known_after_a_restart_without_any_call(data_dir: str) -> None:
+    server = ThreadServer(data_dir, metrics_address="127.0.0.1:0")
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stubs = Stubs(channel)
+        stubs.create("idle", requested_partitions=4)
+        for _ in range(4):
+            stubs.produce("idle", [b"x"])
+        produced = time.time()
+    finally:
+        channel.close()
+        server.stop()
+    server = ThreadServer(data_dir, metrics_address="127.0.0.1:0")
+    try:
+        scrape = Scraper(server.server.metrics.port)
+        assert items(scrape, "idle", "ready") == 4
+        wait_until(lambda: scrape.value("querator_queue_oldest_ready_age_seconds", queue="idle") > 0, timeout=10)
+        age = scrape.value("querator_queue_oldest_ready_age_seconds", queue="idle")
+        assert age >= time.time() - produced - 1  # the first item's age, not a fresh one
+    finally:
+        server.stop()
