@@ -4,7 +4,8 @@ Two kinds of data:
 
 - Gauges (items per state, the age of the oldest ready item, waiting requests, LMDB
   map usage) are read at scrape time by ``QueueCollector``, one series per queue (not
-  per partition: a server of 46,000 partitions gave 230,000 series and 8-9 s scrapes),
+  per partition: 180 queues of 256 partitions gave 250,000 lines and 1.8 s scrapes;
+  per queue, 20,000 lines and 0.2 s),
   from the actors' in-memory views, which are exact counts. A scrape reads no storage.
   The head item of each partition and the map usage are refreshed by the actor hook
   after each committed cycle (on the event loop, between transactions, the only time
