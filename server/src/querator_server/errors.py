@@ -9,6 +9,7 @@ They carry no gRPC types; ``grpc_api.status`` maps each class to a status code::
      ├── FailedPrecondition   the state forbids it (not leased, DLQ in use, ...)
      ├── ResourceExhausted    overloaded or request too big
      ├── Unavailable          shutting down or storage failing; safe to retry
+     ├── Internal             a bug met while applying one request (it was not applied)
      ├── DeadlineExceeded     the caller's deadline passed first
      ├── Unauthenticated      authentication is on and no valid key came with the call
      └── PermissionDenied     the key's role or queue patterns do not allow the call
@@ -67,6 +68,10 @@ class ResourceExhausted(QueratorError):
 
 class Unavailable(QueratorError):
     """The server is shutting down or storage is failing; the caller may retry."""
+
+
+class Internal(QueratorError):
+    """A bug met while applying one request: it was not applied, and nothing else failed."""
 
 
 class DeadlineExceeded(QueratorError):

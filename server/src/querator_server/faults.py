@@ -15,13 +15,21 @@ names the fault that every commit meets:
 
 A test creates, rewrites or removes the file while the server runs, so one server process
 can be made to fail and then recover. Unset, a commit pays one dict lookup.
+
+Request faults. Setting ``QUERATOR_REQUEST_FAULTS=1`` in a server's environment makes a
+call that carries the metadata ``querator-fault: apply`` raise ``InjectedFault`` in the
+step that applies its request, after the step's writes (``GetQueueStats``, which reads
+no storage: while it reads the queue's counters), so tests can prove that one failing
+request fails alone. Unset, a call pays one dict lookup.
 """
 
 from __future__ import annotations
 
+import contextvars
 import os
 import signal
 import time
+from collections.abc import Iterable
 
 DEAD_LETTER_STORED = "dead-letter-stored"
 """After the dead-letter queue committed an outbox batch, before the source dropped it."""
@@ -33,6 +41,9 @@ MOVE_RECORDED = "move-recorded"
 """Moving a queue out of its commit group: the catalog names the copy, the group's is not dropped."""
 
 FAULT_FILE_ENV = "QUERATOR_FAULT_FILE"
+REQUEST_FAULTS_ENV = "QUERATOR_REQUEST_FAULTS"
+REQUEST_FAULT_METADATA = "querator-fault"
+APPLY = "apply"
 NO_SPACE = "no-space"
 IO_ERROR = "io-error"
 MAP_FULL = "map-full"
@@ -79,3 +90,20 @@ def write_fault() -> str:
     if fault and fault not in WRITE_FAULTS:
         fault = IO_ERROR
     return fault
+
+
+class InjectedFault(RuntimeError):
+    """The failure ``QUERATOR_REQUEST_FAULTS`` injects: stands for any bug."""
+
+
+# Whether the call being handled asked for a fault (set by the gRPC layer, read by the
+# actor when the call submits its request).
+faulty_call: contextvars.ContextVar[bool] = contextvars.ContextVar("faulty_call", default=False)
+
+
+def request_faults_on() -> bool:
+    return os.environ.get(REQUEST_FAULTS_ENV) == "1"
+
+
+def asks_for_fault(metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
+    return any(key == REQUEST_FAULT_METADATA and value == APPLY for key, value in metadata or ())

@@ -9,6 +9,7 @@ lifecycle and storage steps come from lifecycle.py and storage_steps.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import lmdb
 
@@ -173,11 +174,13 @@ class Cycle(LifecycleSteps, StorageSteps):
         if self.keyed is not None and any(r.lease_key for r in requests):
             fresh: list[LeaseRequest] = []
             for request in requests:
-                record = self.keyed.lease_key(txn, request.lease_key) if request.lease_key else None
-                if record is None:
+                if not request.lease_key:
                     fresh.append(request)
-                else:
-                    self._replay(txn, request, record)
+                    continue
+                replayed: list[bool] = []
+                self.apply(txn, request, partial(self._replay_key, request=request, replayed=replayed))
+                if not replayed:
+                    fresh.append(request)
             requests = fresh
         total = self.ready_total()
         wanted = [r.batch_size for r in requests]
@@ -186,17 +189,28 @@ class Cycle(LifecycleSteps, StorageSteps):
         else:
             quotas = _water_fill(wanted, total)
         for request, quota in zip(requests, quotas):
-            granted = self._lease_one(txn, request, quota) if quota else None
-            if granted is not None:
-                continue
-            if request.lease_key and self.keyed is not None:
-                # A keyed lease does not wait: it records that it found nothing, so a
-                # replay of the key answers nothing too, never items that came later.
-                self.keyed.put_lease_key(txn, request.lease_key, LeaseKeyRecord(self.now, 0, ()), new=True)
-                self.lease_keys_added = True
-                self._ok(request, LeaseResult(0))
-            else:
-                self.unserved.append(request)
+            self.apply(txn, request, partial(self._serve_lease, request=request, quota=quota))
+
+    def _replay_key(self, txn: lmdb.Transaction[bytes], request: LeaseRequest, replayed: list[bool]) -> None:
+        """Answer a lease key seen before (``replayed`` gets True); a new key is left alone."""
+        assert self.keyed is not None
+        record = self.keyed.lease_key(txn, request.lease_key)
+        if record is not None:
+            replayed.append(True)
+            self._replay(txn, request, record)
+
+    def _serve_lease(self, txn: lmdb.Transaction[bytes], request: LeaseRequest, quota: int) -> None:
+        granted = self._lease_one(txn, request, quota) if quota else None
+        if granted is not None:
+            return
+        if request.lease_key and self.keyed is not None:
+            # A keyed lease does not wait: it records that it found nothing, so a
+            # replay of the key answers nothing too, never items that came later.
+            self.keyed.put_lease_key(txn, request.lease_key, LeaseKeyRecord(self.now, 0, ()), new=True)
+            self.lease_keys_added = True
+            self._ok(request, LeaseResult(0))
+        else:
+            self.unserved.append(request)
 
     def _lease_one(self, txn: lmdb.Transaction[bytes], request: LeaseRequest, quota: int) -> LeaseResult | None:
         p = max(range(len(self._base)), key=lambda i: self._peek(i).ready)
@@ -311,10 +325,8 @@ class Cycle(LifecycleSteps, StorageSteps):
         kept: list[LeaseRequest] = []
         for request in requests:
             if request.complete_ids:
-                try:
-                    self._complete(txn, request.complete_partition, request.complete_ids, "complete_ids")
-                except QueratorError as exc:
-                    self.fail(request, exc)
+                done = partial(self._complete, p=request.complete_partition, ids=request.complete_ids, field="complete_ids")
+                if not self.apply(txn, request, done):
                     continue
                 self.completed_by_lease.append(request)
             kept.append(request)

@@ -29,12 +29,13 @@ from ..errors import (
     ResourceExhausted,
     Unavailable,
 )
-from ..faults import DEAD_LETTER_STORED, MOVE_COPIED, MOVE_RECORDED, crash_point
+from ..faults import DEAD_LETTER_STORED, MOVE_COPIED, MOVE_RECORDED, InjectedFault, crash_point, faulty_call
 from ..model import PartitionStats, QueueConfig, QueueStats, QueueTotals
 from ..storage import MAX_GROWTHS, Item, MapFull, QueueStore, StorageError, StorageFull
 from ..storage.keyed import KeyedIndex
 from .commit_group import HAND_OVER_AT, CommitGroup
 from .cycle import Cycle
+from .cycle_base import StepFailed
 from .lane import StorageLane
 from .leases import LeaseDeadlines
 from .lifecycle import LIFECYCLE_BATCH
@@ -125,6 +126,8 @@ class LogicalQueue:
         self._outbox: dict[tuple[int, int], Item] = {}
         self._outbox_task: asyncio.Task[None] | None = None
         self._lifecycle_pending = False
+        # After a lifecycle step failed: not before this time (wall µs; 0: no hold).
+        self._lifecycle_after = 0
         self._keyed: KeyedIndex | None = None
         # When the oldest remembered idempotency key and lease key were taken (0: none).
         self._dedup_at = 0
@@ -232,6 +235,8 @@ class LogicalQueue:
     def submit(self, request: Request) -> asyncio.Future[Any]:
         if self._closed is not None:
             raise self._closed
+        if faulty_call.get():
+            request.fault = True
         if len(self._inbox) >= self._max_inbox:
             raise ResourceExhausted(f"queue {self.name!r} is overloaded: {len(self._inbox)} requests waiting")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -247,6 +252,8 @@ class LogicalQueue:
         return future
 
     def stats(self) -> QueueStats:
+        if faulty_call.get():
+            raise InjectedFault("injected into GetQueueStats")
         now = now_us()
         parts: list[PartitionStats] = []
         for p, v in enumerate(self._views):
@@ -334,6 +341,8 @@ class LogicalQueue:
         return min(times, default=0)
 
     def _lifecycle_due(self) -> bool:
+        if self._lifecycle_after and now_us() < self._lifecycle_after:
+            return False
         if self._lifecycle_pending:
             return True
         now = now_us()
@@ -346,6 +355,8 @@ class LogicalQueue:
     def _arm_timer(self) -> None:
         times = [w.wait_until_us for w in self._waiting]
         lifecycle = self._next_lifecycle_us(exact=False)  # an early wake finds nothing due
+        if self._lifecycle_after and (lifecycle or self._lifecycle_pending):
+            lifecycle = max(lifecycle, self._lifecycle_after)
         if lifecycle:
             times.append(lifecycle)
         wake_at = min(times, default=0)
@@ -409,7 +420,13 @@ class LogicalQueue:
             expired = self._leases.pop_due(now, LIFECYCLE_BATCH)
         started = time.perf_counter()
         try:
-            cycle = await self._transaction(batch, now, lifecycle, expired)
+            try:
+                cycle = await self._transaction(batch, now, lifecycle, expired)
+            except StepFailed as failed:
+                # One step failed half-way: run the cycle again with every step in a
+                # nested transaction of its own, so that one fails alone (cycle_base.py).
+                log.warning("cycle_isolated", queue=self.name, step=str(failed), requests=len(batch))
+                cycle = await self._transaction(batch, now, lifecycle, expired, isolated=True)
         except Exception as exc:
             self._leases.restore(expired)
             if lifecycle:
@@ -429,6 +446,10 @@ class LogicalQueue:
             self._in_flight = 0
         for p, view in cycle.views.items():
             self._views[p] = view
+        if cycle.step_failures:
+            self._report_step_failures(cycle, batch, expired)
+        elif lifecycle:
+            self._lifecycle_after = 0
         if self.observer is not None:
             self.observer.cycle_done(self, cycle, len(batch), time.perf_counter() - started)
         if cycle.dedup_next is not None:
@@ -462,15 +483,31 @@ class LogicalQueue:
             else:
                 _answer(lease, LeaseResult(0))
 
+    def _report_step_failures(self, cycle: Cycle, batch: _Batch, expired: list[tuple[int, int, int]]) -> None:
+        """Log the steps that failed alone; a failed lifecycle is tried again in a second."""
+        for request, error in cycle.step_failures:
+            if request is not None:
+                log.error(
+                    "request_failed",
+                    queue=self.name,
+                    request=type(request).__name__.removesuffix("Request"),
+                    cycle_requests=len(batch),
+                    error=repr(error),
+                    exc_info=error,
+                )
+                continue
+            log.error("lifecycle_failed", queue=self.name, error=repr(error), exc_info=error)
+            self._leases.restore(expired)
+            self._lifecycle_pending = True
+            self._lifecycle_after = now_us() + int(OUTBOX_RETRY_S * 1_000_000)
+
     async def _transaction(
-        self, batch: _Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]]
+        self, batch: _Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]], *, isolated: bool = False
     ) -> Cycle:
         """Apply the cycle on the loop in the store's held transaction; commit it on the
         queue's storage thread (see queue_store.py for why the work stays on the loop)."""
-        body = self._body(batch, now, lifecycle, expired)
-        if not lifecycle and not (batch.produces or batch.leases or batch.acks) and all(
-            isinstance(r, ListItemsRequest) for r in batch.others
-        ):
+        body = self._body(batch, now, lifecycle, expired, isolated=isolated)
+        if _only_listings(batch, lifecycle):
             # Only listings: a read transaction, no commit and no fsync.
             return self.store.read(body)
         if self.group is not None:
@@ -509,16 +546,18 @@ class LogicalQueue:
         raise StorageFull("storage is full: the LMDB map could not grow enough")
 
     def _body(
-        self, batch: _Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]]
+        self, batch: _Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]], *, isolated: bool = False
     ) -> Callable[[lmdb.Transaction[bytes]], Cycle]:
         forget_keys = bool(
             (self._dedup_at and self._dedup_at + self.config.dedup_window_us <= now)
             or (self._lease_keys_at and self._lease_keys_at + self.config.lease_key_ttl_us <= now)
         )
+        writable = not _only_listings(batch, lifecycle)
+
         def body(txn: lmdb.Transaction[bytes]) -> Cycle:
-            cycle = Cycle(self.store, self.config, self._views, now, self._keyed)
+            cycle = Cycle(self.store, self.config, self._views, now, self._keyed, isolated=isolated, writable=writable)
             for produce in batch.produces:
-                _guard(cycle, produce, partial(cycle.produce, txn, produce))
+                cycle.apply(txn, produce, partial(cycle.produce, request=produce))
             leases = batch.leases
             if any(lease.complete_ids for lease in leases):
                 leases = cycle.complete_before_lease(txn, leases)
@@ -527,11 +566,11 @@ class LogicalQueue:
             # Client acks come before the lifecycle: a Complete or Retry that arrives
             # after the lease deadline but before the re-queue still succeeds.
             for request in batch.acks:
-                _guard(cycle, request, partial(_ACK[type(request)], cycle, txn, request))
+                cycle.apply(txn, request, partial(_ACK[type(request)], cycle, request=request))
             for request in batch.others:
-                _guard(cycle, request, partial(_OTHER[type(request)], cycle, txn, request))
+                cycle.apply(txn, request, partial(_OTHER[type(request)], cycle, request=request))
             if lifecycle:
-                cycle.lifecycle(txn, expired, forget_keys=forget_keys)
+                cycle.apply(txn, None, partial(cycle.lifecycle, expired_leases=expired, forget_keys=forget_keys))
             # Items that became ready in this cycle (retry, expiry, promotion, import,
             # dead letters) go to leases that found nothing, without waiting a cycle.
             if cycle.unserved and cycle.ready_total():
@@ -658,11 +697,10 @@ _OTHER: dict[type, Callable[[Cycle, lmdb.Transaction[bytes], Any], None]] = {
 }
 
 
-def _guard(cycle: Cycle, request: Request, apply: Callable[[], None]) -> None:
-    try:
-        apply()
-    except QueratorError as exc:
-        cycle.fail(request, exc)
+def _only_listings(batch: _Batch, lifecycle: bool) -> bool:
+    return not lifecycle and not (batch.produces or batch.leases or batch.acks) and all(
+        isinstance(r, ListItemsRequest) for r in batch.others
+    )
 
 
 def _answer_results(cycle: Cycle) -> None:

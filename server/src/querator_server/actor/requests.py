@@ -24,6 +24,8 @@ class Request:
     future: asyncio.Future[object] = field(init=False, repr=False)
     # Wall-clock deadline in µs after which applying the request is pointless; 0: none.
     deadline_us: int = field(default=0, kw_only=True)
+    # Fail this request's apply step on purpose (reliability tests, faults.py).
+    fault: bool = field(default=False, kw_only=True, repr=False)
 
 
 @dataclass(eq=False, slots=True)

@@ -17,7 +17,8 @@ import structlog
 from google.protobuf.message import DecodeError, Message
 
 from ..auth import Action
-from ..errors import QueratorError, ResourceExhausted, Unauthenticated, Unavailable
+from ..errors import Internal, QueratorError, ResourceExhausted, Unauthenticated, Unavailable
+from ..faults import asks_for_fault, faulty_call, request_faults_on
 from ..model import MAX_REQUEST_BYTES
 from ..storage import StorageError
 from .authz import Guard
@@ -129,6 +130,8 @@ def _wrap(service: str, method: str, behavior: Behavior, action: Action, guard: 
             )
             await _abort(context, full, "", too_large)
         queue = getattr(request, "queue_name", "")
+        if request_faults_on():
+            faulty_call.set(asks_for_fault(context.invocation_metadata()))
         error: QueratorError
         try:
             return await behavior(request, context)
@@ -138,6 +141,8 @@ def _wrap(service: str, method: str, behavior: Behavior, action: Action, guard: 
             # A storage failure that no layer below turned into a domain error: the
             # write did not happen, so the caller may retry (never UNKNOWN).
             error = Unavailable(f"storage failed, retry later: {exc}")
+        except Exception as exc:  # a bug: this call fails alone, INTERNAL rather than UNKNOWN
+            error = _bug(full, queue, exc)
         # Abort outside the except block and without the error's traceback: both would
         # keep this call's frames, and so the refused request with its payload, alive
         # in a reference cycle until the garbage collector's next full pass.
@@ -147,6 +152,11 @@ def _wrap(service: str, method: str, behavior: Behavior, action: Action, guard: 
         raise AssertionError("unreachable: abort raises")
 
     return handler
+
+
+def _bug(method: str, queue: str, exc: Exception) -> Internal:
+    log.error("rpc_failed", method=method, queue=queue[:200], error=repr(exc), exc_info=exc)
+    return Internal(f"internal error while handling the call ({type(exc).__name__})")
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], method: str, queue: str, error: QueratorError) -> None:
@@ -207,6 +217,8 @@ def _wrap_stream(
             error = exc
         except StorageError as exc:
             error = Unavailable(f"storage failed, retry later: {exc}")
+        except Exception as exc:
+            error = _bug(f"{full} ({unary})", getattr(request, "queue_name", ""), exc)
         error.__traceback__ = None
         status = to_status(error)
         queue = getattr(request, "queue_name", "")
@@ -226,6 +238,8 @@ def _wrap_stream(
                 await _abort(context, full, "", denied)
         # Set by a message whose key stopped authenticating (revoked while the stream is open).
         revoked: list[Unauthenticated] = []
+        if request_faults_on():
+            faulty_call.set(asks_for_fault(context.invocation_metadata()))
         # At once, before any message: a client waits for this to know the server has the
         # method (a server without it answers UNIMPLEMENTED instead) before it writes.
         await context.send_initial_metadata(())
