@@ -293,6 +293,10 @@ class LogicalQueue:
         producing = sum(1 for r in inbox if isinstance(r, ProduceRequest))
         return waiting, producing
 
+    def waiting_requests(self) -> int:
+        """Requests submitted and not yet taken by a cycle."""
+        return len(self._inbox)
+
     def holds_items(self) -> bool:
         return any(v.ready or v.leased or v.scheduled for v in self._views)
 
