@@ -6,8 +6,12 @@ in a temp dir.
 
 from __future__ import annotations
 
+import base64
+import struct
 import time
+import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -16,7 +20,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 
-from conftest import dur, secs, Stubs, ThreadServer
+from conftest import ProcessServer, dur, secs, Stubs, ThreadServer
 
 Code = grpc.StatusCode
 HOUR = 3600
@@ -474,3 +478,77 @@ def test_listing_items_commits_nothing(server: ThreadServer, stubs: Stubs) -> No
         assert len(stubs.list_items("reads")) == 2
         stubs.storage.ListScheduledItems(storage_pb2.ListScheduledItemsRequest(queue_name="reads"), timeout=5)
     assert env.info()["last_txnid"] == before
+
+
+def _crc_token(kind: bytes, payload: bytes, fmt: int) -> str:
+    """A token as format 1 built them: anyone can compute its checksum."""
+    data = bytes([fmt]) + kind + payload
+    data += struct.pack(">I", zlib.crc32(data))
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def test_a_forged_page_token_fails_alone_and_concurrent_produces_succeed(process_server: ProcessServer) -> None:
+    """A cursor anyone could compute (seq 2**64 - 1 with a valid checksum) once reached
+    storage and failed every request of the queue's cycle; now it is refused before."""
+    channel = grpc.insecure_channel(process_server.address)
+    stubs = Stubs(channel)
+    try:
+        stubs.create("q")
+        stubs.produce("q", [b"1", b"2"])
+        # uid, partition, seq 2**64 - 1, 0: the cursor that overflowed in page_items.
+        uid = _uid_of(stubs)
+        payload = struct.pack(">QIQQ", uid, 0, (1 << 64) - 1, 0)
+        forged = [_crc_token(b"I", payload, fmt) for fmt in (1, 2)]
+        stop = time.monotonic() + 3
+        with ThreadPoolExecutor(8) as pool:
+            def produce_loop() -> int:
+                done = 0
+                while time.monotonic() < stop:
+                    stubs.produce("q", [b"p"])
+                    done += 1
+                return done
+
+            def forge_loop() -> int:
+                refused = 0
+                while time.monotonic() < stop:
+                    for token in forged:
+                        expect_invalid(lambda t=token: list_items(stubs, "q", 0, 10, t), "page_token")  # type: ignore[misc]
+                        refused += 1
+                return refused
+
+            producers = [pool.submit(produce_loop) for _ in range(6)]
+            forgers = [pool.submit(forge_loop) for _ in range(2)]
+            produced = sum(f.result(timeout=60) for f in producers)  # any failure raises here
+            refused = sum(f.result(timeout=60) for f in forgers)
+        assert produced > 0 and refused > 0
+        assert stubs.stats("q").partitions[0].total == 2 + produced
+    finally:
+        channel.close()
+
+
+def _uid_of(stubs: Stubs) -> int:
+    """The queue's uid, as its item ids carry it (hex, before the first dot)."""
+    return int(stubs.list_items("q")[0].id.split(".")[0], 16)
+
+
+def test_page_tokens_stay_good_across_a_restart(process_server: ProcessServer) -> None:
+    channel = grpc.insecure_channel(process_server.address)
+    stubs = Stubs(channel)
+    try:
+        stubs.create("q")
+        stubs.create("r")
+        stubs.produce("q", [b"1", b"2", b"3"])
+        token = list_items(stubs, "q", 0, page_size=1).next_page_token
+        queues_token = stubs.queues.ListQueues(queues_pb2.ListQueuesRequest(page_size=1), timeout=10).next_page_token
+    finally:
+        channel.close()
+    assert process_server.terminate() == 0
+    process_server.start()
+    channel = grpc.insecure_channel(process_server.address)
+    stubs = Stubs(channel)
+    try:
+        assert payloads(list_items(stubs, "q", 0, 10, token).items) == [b"2", b"3"]
+        page = stubs.queues.ListQueues(queues_pb2.ListQueuesRequest(page_size=1, page_token=queues_token), timeout=10)
+        assert [q.queue_name for q in page.queues] == ["r"]
+    finally:
+        channel.close()

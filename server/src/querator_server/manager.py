@@ -176,6 +176,8 @@ class QueuesManager:
         # Metrics (metrics.Metrics) hooks each actor as it is made; None when off.
         self.observer: Any = None
         self.keyring = KeyRing()
+        # Signs page tokens; kept in the catalog (read at start).
+        self.token_secret = b""
 
     # -- start and stop --------------------------------------------------------------
 
@@ -193,6 +195,7 @@ class QueuesManager:
                 self._executor, lambda: Catalog(os.path.join(self.data_dir, "catalog"), sync=self._sync)
             )
             configs = await loop.run_in_executor(self._executor, self._catalog.load)
+            self.token_secret = self._catalog.token_secret
         except StorageError as exc:
             raise DataDirError(f"{exc}; refusing to start") from exc
         self._check_queue_files(configs)

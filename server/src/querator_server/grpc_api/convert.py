@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import base64
-import struct
-import zlib
+import hashlib
+import hmac
 from collections.abc import Mapping, Sequence
 
 from google.protobuf import duration_pb2, timestamp_pb2
@@ -137,30 +137,39 @@ def page_size(value: int, field: str = "page_size") -> int:
     return min(value, MAX_PAGE_SIZE)
 
 
-# -- page tokens: opaque, checksummed, bound to what they page over -----------------
+# -- page tokens: opaque, signed, bound to what they page over ------------------------
 
-_TOKEN_FORMAT = 1
+# 2: signed with HMAC-SHA256 under the data directory's secret (storage/catalog.py),
+# cut to 16 bytes. Format 1 carried a CRC, which anyone can compute: a made-up cursor
+# reached storage (a seq of 2**64 - 1 overflowed in the middle of the queue's cycle).
+_TOKEN_FORMAT = 2
+_MAC_BYTES = 16
+_NOT_OURS = "is not a page token this server issued for this listing"
 
 
-def encode_token(kind: bytes, payload: bytes) -> str:
+def _mac(secret: bytes, data: bytes) -> bytes:
+    return hmac.new(secret, data, hashlib.sha256).digest()[:_MAC_BYTES]
+
+
+def encode_token(secret: bytes, kind: bytes, payload: bytes) -> str:
     data = bytes([_TOKEN_FORMAT]) + kind + payload
-    data += struct.pack(">I", zlib.crc32(data))
-    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+    return base64.urlsafe_b64encode(data + _mac(secret, data)).decode().rstrip("=")
 
 
-def decode_token(token: str, kind: bytes, field: str = "page_token") -> bytes:
+def decode_token(secret: bytes, token: str, kind: bytes, field: str = "page_token") -> bytes:
+    """The payload of a token this server issued for a listing of ``kind``."""
     try:
         data = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
     except (ValueError, TypeError):
         data = b""
-    body, check = data[:-4], data[-4:]
+    body, check = data[:-_MAC_BYTES], data[-_MAC_BYTES:]
     if (
-        len(data) < 6
-        or struct.pack(">I", zlib.crc32(body)) != check
+        len(data) < 2 + len(kind) + _MAC_BYTES
+        or not hmac.compare_digest(_mac(secret, body), check)
         or body[0] != _TOKEN_FORMAT
         or body[1 : 1 + len(kind)] != kind
     ):
-        raise InvalidArgument(field, "is not a page token this server issued for this listing")
+        raise InvalidArgument(field, _NOT_OURS)
     return body[1 + len(kind) :]
 
 

@@ -129,12 +129,12 @@ class QueuesService:
         after = ""
         if request.page_token:
             try:
-                after = c.decode_token(request.page_token, b"Q").decode()
+                after = c.decode_token(self.manager.token_secret, request.page_token, b"Q").decode()
             except UnicodeDecodeError:
                 raise InvalidArgument("page_token", "is not a page token this server issued") from None
         visible = visible_queues()
         configs, more = self.manager.list(after, limit, visible)
-        token = c.encode_token(b"Q", configs[-1].name.encode()) if more and configs else ""
+        token = c.encode_token(self.manager.token_secret, b"Q", configs[-1].name.encode()) if more and configs else ""
         return pb.ListQueuesResponse(queues=[queue_info(q, visible) for q in configs], next_page_token=token)
 
     async def update_queue(

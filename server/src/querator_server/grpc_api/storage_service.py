@@ -20,6 +20,7 @@ from .handlers import generic_handler
 SERVICE = "querator.v1.StorageService"
 
 _CURSOR = struct.Struct(">QIQQ")  # queue uid, partition, then (seq, 0) or (due, seq)
+_MAX_CURSOR = 1 << 63  # seqs and times in µs stay below it
 
 
 def storage_item(stored: a.StoredItem) -> pb.StorageItem:
@@ -63,19 +64,23 @@ class StorageService:
         kind = b"S" if scheduled else b"I"
         after = (0, -1) if scheduled else (0, 0)
         if request.page_token:
-            raw = c.decode_token(request.page_token, kind)
+            raw = c.decode_token(self.manager.token_secret, request.page_token, kind)
             if len(raw) != _CURSOR.size:
                 raise InvalidArgument("page_token", "is not a page token this server issued")
             uid, token_partition, first, second = _CURSOR.unpack(raw)
             if uid != config.uid or token_partition != partition:
                 raise InvalidArgument("page_token", "was issued for another queue or partition")
+            # Signed, so only ever what a page ended on; checked all the same, since
+            # these become storage keys (seq + 1 must still fit).
+            if not (first < _MAX_CURSOR and second < _MAX_CURSOR and (scheduled or second == 0)):
+                raise InvalidArgument("page_token", "is not a page token this server issued")
             after = (first, second)
         page: a.PageResult = await self.manager.actor(name).submit(
             a.ListItemsRequest(partition, limit, after, scheduled)
         )
         token = ""
         if page.next_after is not None:
-            token = c.encode_token(kind, _CURSOR.pack(config.uid, partition, *page.next_after))
+            token = c.encode_token(self.manager.token_secret, kind, _CURSOR.pack(config.uid, partition, *page.next_after))
         return [storage_item(s) for s in page.items], token
 
     async def list_items(self, request: pb.ListItemsRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ListItemsResponse:

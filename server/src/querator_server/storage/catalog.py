@@ -18,6 +18,10 @@ from ..model import DEFAULT_DEDUP_WINDOW_US, DEFAULT_LEASE_KEY_TTL_US, QueueConf
 from .queue_store import StorageError, check_data_file, inject_write_fault
 
 _NEXT_UID = b"next_uid"
+# The key that signs page tokens (grpc_api/convert.py): made once, kept with the data
+# (and its backups), so a token stays good across restarts and restores.
+_TOKEN_SECRET = b"page_token_secret"
+_TOKEN_SECRET_BYTES = 32
 _FORMAT = b"format"
 # 2: a produced batch is indexed for expiry by one entry (an expiry run, queue_store.py),
 # which a server of format 1 would read as an entry of the batch's first item only.
@@ -52,6 +56,11 @@ class Catalog:
                     txn.put(_FORMAT, _FORMAT_VERSION, db=self._meta)
                 elif found != _FORMAT_VERSION:
                     raise CatalogError(f"{path}: unknown catalog format {found!r}")
+                secret = txn.get(_TOKEN_SECRET, db=self._meta)
+                if secret is None or len(secret) != _TOKEN_SECRET_BYTES:
+                    secret = os.urandom(_TOKEN_SECRET_BYTES)
+                    txn.put(_TOKEN_SECRET, secret, db=self._meta)
+                self.token_secret = bytes(secret)
         except lmdb.Error as exc:
             raise CatalogError(f"cannot open the catalog {os.path.join(path, 'data.mdb')!r}: {exc}") from exc
 

@@ -110,6 +110,9 @@ class LeasedRun:
     other: tuple[int, bytes] | None = None
 
 
+# The largest seq or time a key can hold (8 bytes, unsigned).
+_LAST_KEY = (1 << 64) - 1
+
 DEFAULT_MAP_SIZE = 1 << 30
 MAX_GROWTHS = 12
 _MAX_DBS_HEADROOM = 8
@@ -643,7 +646,7 @@ class QueueStore:
     def page_items(self, txn: lmdb.Transaction[bytes], p: int, after_seq: int, limit: int) -> list[tuple[int, Item]]:
         cursor = txn.cursor(db=self._dbs[p])
         out: list[tuple[int, Item]] = []
-        if not cursor.set_range(item_key(after_seq + 1)):
+        if not 0 <= after_seq < _LAST_KEY or not cursor.set_range(item_key(after_seq + 1)):
             return out
         for key, raw in cursor:
             if key[:1] != TAG_ITEM or len(out) >= limit:
@@ -699,7 +702,7 @@ class QueueStore:
         cursor = txn.cursor(db=self._dbs[p])
         out: list[tuple[int, int, Item]] = []
         due, seq = after
-        if not cursor.set_range(scheduled_key(due, seq + 1)):
+        if not (0 <= due <= _LAST_KEY and -1 <= seq < _LAST_KEY) or not cursor.set_range(scheduled_key(due, seq + 1)):
             return out
         for key, raw in cursor:
             if key[:1] != TAG_SCHEDULED or len(out) >= limit:
