@@ -552,3 +552,52 @@ def test_page_tokens_stay_good_across_a_restart(process_server: ProcessServer) -
         assert [q.queue_name for q in page.queues] == ["r"]
     finally:
         channel.close()
+
+
+def test_keyed_fields_are_length_checked_before_the_cycle(process_server: ProcessServer) -> None:
+    """Every string a caller sends that becomes (part of) a storage key is refused with
+    INVALID_ARGUMENT naming it when too long, and never fails concurrent Produce calls
+    (a 511-byte source_id once failed the whole cycle with MDB_BAD_VALSIZE)."""
+    channel = grpc.insecure_channel(process_server.address)
+    stubs = Stubs(channel)
+    try:
+        stubs.create("q")
+        too_long: list[tuple[str, Callable[[], object]]] = [
+            ("items[0].source_id", lambda: import_items(stubs, "q", [storage_pb2.StorageItem(payload=b"x", source_id="s" * 511)])),
+            ("items[1].source_id", lambda: import_items(stubs, "q", [storage_pb2.StorageItem(payload=b"x"), storage_pb2.StorageItem(payload=b"x", source_id="é" * 256)])),
+            ("items[0].idempotency_key", lambda: produce_items(stubs, "q", [queue_pb2.ProduceItem(payload=b"x", idempotency_key="k" * 513)])),
+            ("lease_key", lambda: stubs.lease("q", 1, lease_key="é" * 257)),
+            ("lease_keys[1]", lambda: stubs.queue.Complete(queue_pb2.CompleteRequest(queue_name="q", lease_keys=["a", "k" * 513]), timeout=10)),
+            ("lease_keys[0]", lambda: stubs.queue.Extend(queue_pb2.ExtendRequest(queue_name="q", lease_keys=["k" * 513]), timeout=10)),
+        ]
+        stop = time.monotonic() + 2
+        with ThreadPoolExecutor(6) as pool:
+            def produce_loop() -> int:
+                done = 0
+                while time.monotonic() < stop:
+                    stubs.produce("q", [b"p"])
+                    done += 1
+                return done
+
+            def refuse_loop() -> int:
+                refused = 0
+                while time.monotonic() < stop:
+                    for field, call in too_long:
+                        expect_invalid(call, field)
+                        refused += 1
+                return refused
+
+            producers = [pool.submit(produce_loop) for _ in range(4)]
+            refusers = [pool.submit(refuse_loop) for _ in range(2)]
+            produced = sum(f.result(timeout=60) for f in producers)
+            assert sum(f.result(timeout=60) for f in refusers) > 0
+        assert stubs.stats("q").partitions[0].total == produced
+        # At the limits, accepted and kept: a 510-byte source_id deduplicates dead letters.
+        longest = "s" * 508 + "é"
+        assert len(longest.encode()) == 510
+        ids = import_items(stubs, "q", [storage_pb2.StorageItem(payload=b"edge", source_id=longest)])
+        assert [i.source_id for i in list_items(stubs, "q", 0, 1000).items if i.id == ids[0]] == [longest]
+        produce_items(stubs, "q", [queue_pb2.ProduceItem(payload=b"k", idempotency_key="é" * 256)])
+        assert len(stubs.lease("q", 1, lease_key="k" * 512).items) == 1
+    finally:
+        channel.close()

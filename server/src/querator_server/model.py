@@ -12,6 +12,9 @@ DEFAULT_EXPIRE_TIMEOUT_US = 24 * 3600 * MICROS
 DEFAULT_DEDUP_WINDOW_US = 24 * 3600 * MICROS
 DEFAULT_LEASE_KEY_TTL_US = 3600 * MICROS
 MAX_KEY_BYTES = 512
+# An imported item's source_id is stored raw in a key ("u" + source id, storage/record.py),
+# and LMDB refuses keys over 511 bytes: a longer one used to fail the whole cycle.
+MAX_SOURCE_ID_BYTES = 510
 MAX_METADATA_PAIRS = 64
 MAX_METADATA_BYTES = 16 * 1024
 MAX_ATTEMPTS_LIMIT = 65_536

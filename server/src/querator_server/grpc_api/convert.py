@@ -19,6 +19,7 @@ from ..model import (
     MAX_METADATA_PAIRS,
     MAX_PAGE_SIZE,
     MAX_QUEUE_NAME,
+    MAX_SOURCE_ID_BYTES,
 )
 
 # 0001-01-01 .. 9999-12-31 as protobuf allows; we also refuse times before 1970.
@@ -104,6 +105,13 @@ def key(value: str, field: str) -> str:
     """An optional idempotency or lease key: at most MAX_KEY_BYTES bytes of UTF-8."""
     if len(value) > MAX_KEY_BYTES or len(value.encode()) > MAX_KEY_BYTES:
         raise InvalidArgument(field, f"must be at most {MAX_KEY_BYTES} bytes")
+    return value
+
+
+def source_id(value: str, field: str) -> str:
+    """An imported item's source_id: at most MAX_SOURCE_ID_BYTES bytes of UTF-8 (a storage key)."""
+    if len(value) > MAX_SOURCE_ID_BYTES // 4 and len(value.encode()) > MAX_SOURCE_ID_BYTES:
+        raise InvalidArgument(field, f"must be at most {MAX_SOURCE_ID_BYTES} bytes, got {len(value.encode())}")
     return value
 
 

@@ -116,7 +116,7 @@ class StorageService:
                     enqueue_at_us=c.optional_timestamp_us(item, "enqueue_at", f"{field}.enqueue_at"),
                     created_at_us=c.optional_timestamp_us(item, "created_at", f"{field}.created_at"),
                     attempts=item.attempts,
-                    source_id=item.source_id,
+                    source_id=c.source_id(item.source_id, f"{field}.source_id"),
                     metadata=c.metadata(item.metadata, f"{field}.metadata"),
                 )
             )

@@ -215,7 +215,8 @@ class ProduceItem(_message.Message):
     only when payload is empty.
     """
     idempotency_key: _builtins.str
-    """Optional, at most 512 bytes: a second produce of an item with the same
+    """Optional, at most 512 bytes of UTF-8 (longer: INVALID_ARGUMENT naming
+    items[i].idempotency_key): a second produce of an item with the same
     key into the same queue within the queue's dedup_window stores nothing
     and answers the first item's id (counted in ProduceResponse.duplicates).
     """
@@ -365,7 +366,8 @@ class LeaseRequest(_message.Message):
     still ready), never new items. A keyed lease does not wait: it answers
     at once with what was ready (possibly nothing, which is remembered too).
     Complete and Extend accept the key too. A key is forgotten once all its
-    items are completed, or after the queue's lease_key_ttl.
+    items are completed, or after the queue's lease_key_ttl. Longer than 512
+    bytes of UTF-8: INVALID_ARGUMENT naming lease_key.
     """
     columnar: _builtins.bool
     """Optional: answer with the items in LeaseResponse.columns (parallel lists)
@@ -686,7 +688,8 @@ class CompleteRequest(_message.Message):
     def lease_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Lease keys whose items to complete (every item still leased under each
         key, in any partition). Idempotent: a key already completed or forgotten
-        is not an error.
+        is not an error. At most 1,000 keys of at most 512 bytes each
+        (INVALID_ARGUMENT naming lease_keys[i]).
         """
 
     def __init__(
@@ -854,7 +857,8 @@ class ExtendRequest(_message.Message):
     def lease_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Lease keys whose items to extend: every item still leased under each key
         with an unexpired lease (others are left alone; an unknown key extends
-        nothing).
+        nothing). At most 1,000 keys of at most 512 bytes each (INVALID_ARGUMENT
+        naming lease_keys[i]).
         """
 
     def __init__(

@@ -73,7 +73,12 @@ class StorageItem(_message.Message):
     payload: _builtins.bytes
     """As given at produce."""
     source_id: _builtins.str
-    """For items moved to a dead-letter queue: the item's id in its source queue."""
+    """For items moved to a dead-letter queue: the item's id in its source queue.
+    ImportItems: optional, at most 510 bytes of UTF-8 (it becomes part of a
+    storage key, which LMDB caps at 511 bytes); longer is INVALID_ARGUMENT
+    naming items[i].source_id. A dead-letter queue stores an item with a given
+    source_id once.
+    """
     @_builtins.property
     def lease_deadline(self) -> _timestamp_pb2.Timestamp:
         """When the current lease ends (leased items only)."""
