@@ -29,7 +29,9 @@ def _copy_env(src: str, dest: str) -> int:
         env.copy(dest, compact=True)
     finally:
         env.close()
-    return os.path.getsize(os.path.join(dest, "data.mdb"))
+    copy = os.path.join(dest, "data.mdb")
+    os.chmod(copy, 0o600)  # LMDB writes the copy 0o644 (after the umask): users' data
+    return os.path.getsize(copy)
 
 
 def backup(src: str, dest: str) -> list[tuple[str, int]]:

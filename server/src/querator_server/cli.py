@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+from collections.abc import Sequence
 
 from . import logging as qlogging
-from .auth import check_bootstrap_token
-from .config import DEFAULT_ADDRESS, DEFAULT_DATA_DIR, ServerConfig
-from .server import serve
+
+# Before anything imports grpc: its C core reads these once, when it is loaded. Loaded
+# earlier (``querator serve`` comes through the client, which uses grpc), run_serve
+# starts the process again.
+_GRPC_CORE_LOUD = qlogging.grpc_core_loaded_loud()
+qlogging.quiet_grpc_core()
+
+from .auth import check_bootstrap_token  # noqa: E402
+from .config import DEFAULT_ADDRESS, DEFAULT_DATA_DIR, ServerConfig  # noqa: E402
+from .server import serve  # noqa: E402
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -68,7 +77,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
+    """Run the server; ``argv`` (the arguments ``args`` came from) lets a process that
+    loaded gRPC before it could quiet gRPC's C core start again as one that did."""
+    if argv is not None and _GRPC_CORE_LOUD:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "querator_server.cli", *argv])
     config = ServerConfig.from_env(
         address=args.address,
         data_dir=args.data_dir,
@@ -89,6 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"querator: {weak}", file=sys.stderr)
         return 2
     qlogging.configure(config.log_level)
+    qlogging.quiet_grpc_core()
     try:
         asyncio.run(serve(config))
     except OSError as exc:
@@ -100,7 +116,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="querator serve", description="Run the Querator server.")
     add_serve_arguments(parser)
-    return run_serve(parser.parse_args(argv))
+    return run_serve(parser.parse_args(argv))  # loaded by this module, so quiet already
 
 
 if __name__ == "__main__":

@@ -152,6 +152,7 @@ async def _until(messages: AsyncIterator[Any], ending: asyncio.Event) -> AsyncIt
     """``messages``, ending (as if the client had closed its side) once ``ending`` is set."""
     upcoming = messages.__aiter__()
     ended = asyncio.ensure_future(ending.wait())
+    read: asyncio.Future[Any] | None = None
     try:
         while not ending.is_set():
             read = asyncio.ensure_future(upcoming.__anext__())
@@ -167,6 +168,17 @@ async def _until(messages: AsyncIterator[Any], ending: asyncio.Event) -> AsyncIt
                 return
     finally:
         ended.cancel()
+        # A client that hangs up cancels this generator while a read is pending; the
+        # read then ends (StopAsyncIteration, or the call's error) with nobody to take
+        # its outcome, and asyncio would print "Task exception was never retrieved".
+        if read is not None and not read.done():
+            read.cancel()
+            read.add_done_callback(_outcome_taken)
+
+
+def _outcome_taken(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 __all__ = ["ReflectionServicer", "load_source_descriptors"]

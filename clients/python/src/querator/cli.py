@@ -797,7 +797,7 @@ def _serve(argv: list[str]) -> int:
     if run_serve is None:
         print("querator: 'serve' needs the server: pip install querator-server", file=sys.stderr)
         return 2
-    return int(run_serve(args))
+    return int(run_serve(args, argv))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 import lmdb
 
 from ..model import DEFAULT_DEDUP_WINDOW_US, DEFAULT_LEASE_KEY_TTL_US, QueueConfig
-from .queue_store import StorageError, check_data_file, inject_write_fault
+from .queue_store import FILE_MODE, StorageError, check_data_file, inject_write_fault, make_private_dir
 
 _NEXT_UID = b"next_uid"
 # The key that signs page tokens (grpc_api/convert.py): made once, kept with the data
@@ -42,9 +42,9 @@ class Catalog:
 
     def __init__(self, path: str, *, sync: bool = True) -> None:
         self.path = path
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        make_private_dir(path)
         try:
-            self.env = lmdb.open(path, map_size=64 << 20, max_dbs=4, sync=sync, metasync=sync)
+            self.env = lmdb.open(path, mode=FILE_MODE, map_size=64 << 20, max_dbs=4, sync=sync, metasync=sync)
             self.env.reader_check()
             check_data_file(self.env, path)
             with self.env.begin(write=True) as txn:

@@ -17,7 +17,16 @@ import os
 
 import lmdb
 
-from .queue_store import MAX_GROWTHS, QueueStore, StorageError, StorageFull, check_data_file, database_names
+from .queue_store import (
+    FILE_MODE,
+    MAX_GROWTHS,
+    QueueStore,
+    StorageError,
+    StorageFull,
+    check_data_file,
+    database_names,
+    make_private_dir,
+)
 
 GROUP_MAX_PARTITIONS = 32
 GROUP_QUEUES = 28
@@ -31,10 +40,10 @@ def queue_prefix(uid: int) -> bytes:
 
 
 def open_group_env(path: str, *, map_size: int, sync: bool) -> lmdb.Environment:
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    make_private_dir(path)
     try:
         env = lmdb.open(
-            path, map_size=map_size, max_dbs=GROUP_MAX_DBS, sync=sync, metasync=sync, subdir=True, lock=True
+            path, mode=FILE_MODE, map_size=map_size, max_dbs=GROUP_MAX_DBS, sync=sync, metasync=sync, subdir=True, lock=True
         )
     except lmdb.Error as exc:
         raise StorageError(f"cannot open group storage {os.path.join(path, 'data.mdb')!r}: {exc}") from exc

@@ -176,6 +176,18 @@ def aborted_on_failure(txn: lmdb.Transaction[bytes], path: str) -> Iterator[None
         raise
 
 
+# Queue data is the users' data: readable by the server's user alone. LMDB creates its
+# files with the mode it is given (py-lmdb's default is 0o755, 0o644 after the umask).
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+def make_private_dir(path: str) -> None:
+    """Create ``path`` and its parent (groups/, queues/) readable by this user alone."""
+    os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
+    os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+
+
 def check_data_file(env: lmdb.Environment, path: str) -> None:
     """Refuse an LMDB file shorter than its own header says (truncated or damaged).
 
@@ -242,10 +254,11 @@ class QueueStore:
             self.env = shared
             self.ensure_partitions(partitions)
             return
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        make_private_dir(path)
         try:
             self.env = lmdb.open(
                 path,
+                mode=FILE_MODE,
                 map_size=map_size,
                 max_dbs=max_partitions + _MAX_DBS_HEADROOM,
                 sync=sync,
