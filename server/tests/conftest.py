@@ -195,8 +195,9 @@ class ProcessServer:
     returns what the latest start wrote.
     """
 
-    def __init__(self, data_dir: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, data_dir: str, extra_args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
+        self.extra_args = extra_args or []
         self.env = env or {}
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -208,7 +209,8 @@ class ProcessServer:
         self._close_stderr()
         self._stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "querator_server.cli", "--address", self.address, "--data-dir", self.data_dir],
+            [sys.executable, "-m", "querator_server.cli", "--address", self.address, "--data-dir", self.data_dir,
+             *self.extra_args],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

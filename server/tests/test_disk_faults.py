@@ -18,6 +18,7 @@ import random
 import shutil
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -421,18 +422,36 @@ def _file_damage(kind: str, file: str) -> dict[str, tuple[Callable[[str], None],
     }
 
 
-# name -> (how to damage the data directory, the path the message must name)
+# name -> (how to damage the data directory, the path the message must name): start-up
+# refuses these, since nothing of the directory can be trusted.
 DAMAGE: dict[str, tuple[Callable[[str], None], str]] = {
     "catalog-garbage": (lambda d: _garbage(os.path.join(d, CATALOG_FILE), 65536), CATALOG_FILE),
     "catalog-emptied": (lambda d: _truncate(os.path.join(d, CATALOG_FILE), 0), CATALOG_FILE),
     "catalog-removed": (lambda d: shutil.rmtree(os.path.join(d, "catalog")), CATALOG_FILE),
-    **_file_damage("queue", QUEUE_FILE),
-    **_file_damage("group", GROUP_FILE),
-    "group-lost-a-queue": (lambda d: _drop_databases(os.path.join(d, "groups", "0"), b"q1."), GROUP_FILE),
+    "foreign-in-queue-dir": _file_damage("queue", QUEUE_FILE)["foreign-in-queue-dir"],
+    "foreign-in-group-dir": _file_damage("group", GROUP_FILE)["foreign-in-group-dir"],
     "foreign-top": (lambda d: _write(os.path.join(d, "notes.txt")), "notes.txt"),
     "foreign-in-queues": (lambda d: _write(os.path.join(d, "queues", "backup")), os.path.join("queues", "backup")),
     "foreign-in-groups": (lambda d: _write(os.path.join(d, "groups", "old")), os.path.join("groups", "old")),
     "foreign-in-catalog": (lambda d: _write(os.path.join(d, "catalog", "x.json")), os.path.join("catalog", "x.json")),
+}
+
+# name -> (how to damage one queue's storage, the queue that fails, the other one that
+# serves, the folder that must stay untouched): the server starts and serves the rest.
+QUEUE_DAMAGE: dict[str, tuple[Callable[[str], None], str, str, str]] = {
+    **{
+        name: (mutate, "wide", "q", os.path.dirname(QUEUE_FILE))
+        for name, (mutate, _) in _file_damage("queue", QUEUE_FILE).items()
+        if not name.startswith("foreign")
+    },
+    **{
+        name: (mutate, "q", "wide", os.path.dirname(GROUP_FILE))
+        for name, (mutate, _) in _file_damage("group", GROUP_FILE).items()
+        if not name.startswith("foreign")
+    },
+    "group-lost-a-queue": (
+        lambda d: _drop_databases(os.path.join(d, "groups", "0"), b"q1."), "q", "wide", os.path.dirname(GROUP_FILE)
+    ),
 }
 
 
@@ -470,6 +489,69 @@ def test_start_up_refuses_a_damaged_or_foreign_data_dir_naming_the_file(
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "refusing to start" in result.stderr
     assert _snapshot(data) == before, "a refused start-up changed the data directory"
+
+
+@pytest.mark.parametrize("damage", sorted(QUEUE_DAMAGE))
+def test_a_queue_that_cannot_load_fails_alone(template: str, tmp_path: Path, damage: str) -> None:
+    """The server starts; the damaged queue is shown failed and answers UNAVAILABLE with
+    why; the other queue serves; nothing of the damaged storage is changed."""
+    data = str(tmp_path / "data")
+    shutil.copytree(template, data)
+    mutate, failed, healthy, folder = QUEUE_DAMAGE[damage]
+    mutate(data)
+    before = _snapshot(os.path.join(data, folder)) if os.path.isdir(os.path.join(data, folder)) else None
+    metrics = f"127.0.0.1:{free_port()}"
+    proc = ProcessServer(data, extra_args=["--metrics-address", metrics])
+    proc.start()
+    stubs = connect(proc.address)
+    try:
+        info = stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name=failed), timeout=10).queue
+        assert info.state == queues_pb2.QUEUE_STATE_FAILED
+        assert info.failure and data not in info.failure, info.failure  # why, without the server's paths
+        listed = {q.queue_name: q.state for q in stubs.queues.ListQueues(queues_pb2.ListQueuesRequest(), timeout=10).queues}
+        assert listed == {failed: queues_pb2.QUEUE_STATE_FAILED, healthy: queues_pb2.QUEUE_STATE_SERVING}
+        for call in (
+            lambda: stubs.produce(failed, [b"x"]),
+            lambda: stubs.lease(failed, 1),
+            lambda: stubs.stats(failed),
+            lambda: stubs.list_items(failed),
+            lambda: stubs.queues.UpdateQueue(
+                queues_pb2.UpdateQueueRequest(
+                    queue=queues_pb2.QueueInfo(queue_name=failed, max_attempts=3),
+                    update_mask=field_mask_pb2.FieldMask(paths=["max_attempts"]),
+                ),
+                timeout=10,
+            ),
+        ):
+            code, message = status_of(call)
+            assert code == UNAVAILABLE and "has failed" in message and info.failure[:40] in message, (code, message)
+        assert stats_total(stubs, healthy) == (300, 10)
+        stubs.produce(healthy, [b"more"])
+        assert stats_total(stubs, healthy) == (301, 10)
+        assert _metric(metrics, "querator_queues_failed") == 1
+        assert "queue_failed" in proc.stderr_text()
+        # Deleting it needs force (what it holds is unknown); then the name is free again.
+        code, _ = status_of(lambda: stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name=failed), timeout=10))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        if before is not None:
+            assert _snapshot(os.path.join(data, folder)) == before, "the damaged storage was changed"
+        stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name=failed, force=True), timeout=10)
+        stubs.create(failed)
+        stubs.produce(failed, [b"new"])
+        assert stats_total(stubs, failed) == (1, 0)
+        assert _metric(metrics, "querator_queues_failed") == 0
+        assert proc.terminate() == 0
+    finally:
+        stubs.channel.close()
+        proc.stop()
+
+
+def _metric(address: str, name: str) -> float:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
 
 
 def test_start_up_accepts_lost_found_and_removes_queue_dirs_the_catalog_does_not_know(

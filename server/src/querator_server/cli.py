@@ -69,6 +69,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="give every new queue a storage environment, and a durable commit per cycle, of its own instead "
         "of letting small queues share commits (env QUERATOR_COMMIT_GROUPS=false)",
     )
+    parser.add_argument(
+        "--fail-queue-after",
+        type=float,
+        metavar="SECONDS",
+        help="mark a queue failed (no longer served, UNAVAILABLE with the reason) once its storage has failed "
+        "on every cycle, a full disk aside, for this long (env QUERATOR_FAIL_QUEUE_AFTER, default 60)",
+    )
     parser.add_argument("--tls-cert", help="PEM certificate chain for TLS (env QUERATOR_TLS_CERT)")
     parser.add_argument("--tls-key", help="PEM private key for TLS (env QUERATOR_TLS_KEY)")
     parser.add_argument(
@@ -84,7 +91,31 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(sys.executable, [sys.executable, "-m", "querator_server.cli", *argv])
-    config = ServerConfig.from_env(
+    try:
+        config = _config(args)
+    except ValueError as exc:
+        print(f"querator: {exc}", file=sys.stderr)
+        return 2
+    if config.fail_queue_after_s <= 0:
+        print("querator: --fail-queue-after must be above 0 seconds", file=sys.stderr)
+        return 2
+    if config.log_level.lower() not in LOG_LEVELS:
+        print(f"querator: log level {config.log_level!r} must be one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
+        return 2
+    if config.auth and config.admin_token and (weak := check_bootstrap_token(config.admin_token)):
+        print(f"querator: {weak}", file=sys.stderr)
+        return 2
+    qlogging.configure(config.log_level)
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        print(f"querator: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig.from_env(
         address=args.address,
         data_dir=args.data_dir,
         log_level=args.log_level,
@@ -96,21 +127,8 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
+        fail_queue_after_s=args.fail_queue_after,
     )
-    if config.log_level.lower() not in LOG_LEVELS:
-        print(f"querator: log level {config.log_level!r} must be one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
-        return 2
-    if config.auth and config.admin_token and (weak := check_bootstrap_token(config.admin_token)):
-        print(f"querator: {weak}", file=sys.stderr)
-        return 2
-    qlogging.configure(config.log_level)
-    qlogging.quiet_grpc_core()
-    try:
-        asyncio.run(serve(config))
-    except OSError as exc:
-        print(f"querator: {exc}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

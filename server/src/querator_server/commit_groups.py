@@ -35,6 +35,9 @@ class CommitGroups:
         self._sync = sync
         self.enabled = enabled
         self._open: dict[int, CommitGroup] = {}
+        # Groups that failed to load: no new queue joins them (nothing may create or
+        # change their storage while the operator has not repaired it).
+        self._broken: set[int] = set()
         # get() runs on executor threads; LMDB must never open one environment twice.
         self._opening = threading.Lock()
 
@@ -47,7 +50,7 @@ class CommitGroups:
             return -1
         members = Counter(c.group for c in configs if c.group >= 0)
         index = 0
-        while members[index] >= GROUP_QUEUES:
+        while members[index] >= GROUP_QUEUES or index in self._broken:
             index += 1
         return index
 
@@ -61,32 +64,39 @@ class CommitGroups:
                 group = self._open[index] = CommitGroup(env, path, self._lanes[index % len(self._lanes)])
             return group
 
-    def load(self, configs: list[QueueConfig]) -> None:
-        """At start-up, before any actor: open every group the catalog names, refuse one
-        whose storage of a queue is gone, and drop what no queue of the catalog owns.
-        Blocking."""
+    def load(self, configs: list[QueueConfig]) -> dict[int, str]:
+        """At start-up, before any actor: open every group the catalog names, and drop
+        what no queue of the catalog owns. Blocking.
+
+        Returns why, by uid, the queues that cannot be served: all of a group that is
+        missing or fails to open, a queue whose databases the group no longer holds.
+        Nothing of those is changed or removed."""
         owners: dict[int, set[int]] = {}
         for config in configs:
             if config.group >= 0:
                 owners.setdefault(config.group, set()).add(config.uid)
+        failed: dict[int, str] = {}
         for index in sorted(owners):
             data = os.path.join(self.path(index), "data.mdb")
             if not os.path.isfile(data) or os.path.getsize(data) == 0:
-                raise StorageError(f"{data}: the storage of group {index} is missing or empty")
+                failed.update(dict.fromkeys(owners[index], f"{data}: the storage of its commit group is missing or empty"))
+                self._broken.add(index)
+                continue
             try:
                 group = self.get(index)
                 present = queue_uids(group.env)
             except (StorageError, lmdb.Error) as exc:
-                raise StorageError(f"{data}: cannot load commit group {index}: {exc}") from exc
-            missing = owners[index] - present
-            if missing:
-                names = sorted(c.name for c in configs if c.uid in missing)
-                raise StorageError(f"{data}: holds no storage for queue(s) {', '.join(map(repr, names[:5]))}")
+                failed.update(dict.fromkeys(owners[index], f"{data}: cannot load its commit group: {exc}"))
+                self._broken.add(index)
+                continue
+            for uid in owners[index] - present:
+                failed[uid] = f"{data}: its commit group holds no storage for it"
             drop_queues(group.env, present - owners[index])
         if os.path.isdir(self.root):
             for entry in os.listdir(self.root):
                 if entry.isdigit() and int(entry) not in owners:
                     _remove_tree(os.path.join(self.root, entry))
+        return failed
 
     async def close(self) -> None:
         await asyncio.gather(*(group.close() for group in self._open.values()))

@@ -35,6 +35,9 @@ class ServerConfig:
     # map doubles whenever it fills.
     map_size: int = 1 << 30
     shutdown_grace_s: float = 10.0
+    # A queue whose storage fails on every cycle (not for a full disk) for this long is
+    # marked failed and no longer served, instead of failing every call in a loop.
+    fail_queue_after_s: float = 60.0
     # API keys required on every call (health and reflection excepted).
     auth: bool = False
     # With auth: a token that acts as an admin key for every queue, to create the
@@ -66,8 +69,20 @@ class ServerConfig:
             "tls_key": env.get("QUERATOR_TLS_KEY", ""),
             "tls_client_ca": env.get("QUERATOR_TLS_CLIENT_CA", ""),
         }
+        if "QUERATOR_FAIL_QUEUE_AFTER" in env:
+            values["fail_queue_after_s"] = _seconds(env["QUERATOR_FAIL_QUEUE_AFTER"], "QUERATOR_FAIL_QUEUE_AFTER")
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _seconds(text: str, name: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{name} must be a number of seconds above 0, got {text!r}")
+    return value
 
 
 def _flag(text: str) -> bool:

@@ -13,6 +13,10 @@ names the fault that every commit meets:
 - ``map-full``: the LMDB map is full and cannot grow.
 - ``stall``: the commit waits (a slow disk) until the file is removed or changed.
 
+A second word limits the fault to the storage whose directory ends with it (for example
+``io-error queues/1``: the queue with uid 1 that has an environment of its own); every
+other commit goes through.
+
 A test creates, rewrites or removes the file while the server runs, so one server process
 can be made to fail and then recover. Unset, a commit pays one dict lookup.
 
@@ -61,17 +65,20 @@ def crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _read_fault(path: str) -> str:
+def _read_fault(path: str, storage: str) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            words = f.read(64).split()
+            words = f.read(256).split()
     except OSError:  # no file: no fault
+        return ""
+    if len(words) > 1 and not storage.rstrip(os.sep).endswith(words[1].rstrip("/")):
         return ""
     return words[0] if words else NO_SPACE
 
 
-def write_fault() -> str:
-    """The write fault a storage commit meets now: "" for none, else one of WRITE_FAULTS.
+def write_fault(storage: str = "") -> str:
+    """The write fault a commit of the storage in directory ``storage`` meets now: ""
+    for none, else one of WRITE_FAULTS.
 
     A ``stall`` is served here: the call returns only once the stall is over (with the
     fault that replaced it, if any). An unknown word counts as ``io-error``.
@@ -79,12 +86,12 @@ def write_fault() -> str:
     path = os.environ.get(FAULT_FILE_ENV)
     if not path:
         return ""
-    fault = _read_fault(path)
+    fault = _read_fault(path, storage)
     if fault == STALL:
         give_up = time.monotonic() + STALL_LIMIT_S
         while fault == STALL and time.monotonic() < give_up:
             time.sleep(_STALL_POLL_S)
-            fault = _read_fault(path)
+            fault = _read_fault(path, storage)
         if fault == STALL:
             fault = ""
     if fault and fault not in WRITE_FAULTS:

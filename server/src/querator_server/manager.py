@@ -149,9 +149,11 @@ class QueuesManager:
         bootstrap_token: str = "",
         bootstrap_until_key: bool = False,
         commit_groups: bool = True,
+        fail_queue_after_s: float = 60.0,
     ) -> None:
         self._bootstrap_token = bootstrap_token
         self._bootstrap_until_key = bootstrap_until_key
+        self._fail_queue_after_s = fail_queue_after_s
         self.data_dir = os.path.abspath(data_dir)
         self._map_size = map_size
         self._sync = sync
@@ -171,6 +173,8 @@ class QueuesManager:
         self._configs: dict[str, QueueConfig] = {}
         self._names: list[str] = []
         self._actors: dict[str, LogicalQueue] = {}
+        # Queues that failed to load or whose storage kept failing: name -> why.
+        self._failed: dict[str, str] = {}
         self._lock = asyncio.Lock()
         self._closing = False
         # Metrics (metrics.Metrics) hooks each actor as it is made; None when off.
@@ -198,11 +202,12 @@ class QueuesManager:
             self.token_secret = self._catalog.token_secret
         except StorageError as exc:
             raise DataDirError(f"{exc}; refusing to start") from exc
-        self._check_queue_files(configs)
+        failures = self._check_queue_files(configs)
         try:
-            await loop.run_in_executor(self._executor, self._groups.load, configs)
+            by_uid = await loop.run_in_executor(self._executor, self._groups.load, configs)
         except (StorageError, OSError) as exc:
             raise DataDirError(f"{exc}; refusing to start") from exc
+        failures.update((c.name, by_uid[c.uid]) for c in configs if c.uid in by_uid)
         records = await loop.run_in_executor(self._executor, self._catalog.load_keys)
         self.keyring = KeyRing(
             (_key_from_record(r) for r in records),
@@ -211,12 +216,14 @@ class QueuesManager:
         )
         for config in configs:
             self._configs[config.name] = config
+            if config.name in failures:
+                self._queue_failed(config.name, failures[config.name])
+                continue
             try:
                 self._actors[config.name] = await self._start_actor(config)
             except Exception as exc:
                 home = self._groups.path(config.group) if config.group >= 0 else self._queue_path(config.uid)
-                path = os.path.join(home, "data.mdb")
-                raise DataDirError(f"queue {config.name!r}: cannot load {path}: {exc}; refusing to start") from exc
+                self._queue_failed(config.name, f"cannot load {os.path.join(home, 'data.mdb')}: {exc}")
         self._names = sorted(self._configs)
         await loop.run_in_executor(self._executor, self._remove_orphans)
         pending = [actor.resume_dead_letters() for actor in self._actors.values()]
@@ -231,17 +238,32 @@ class QueuesManager:
     def _queue_path(self, uid: int) -> str:
         return os.path.join(self.data_dir, "queues", str(uid))
 
-    def _check_queue_files(self, configs: list[QueueConfig]) -> None:
-        """Never serve a queue empty because its file is gone (groups: CommitGroups.load)."""
+    def _check_queue_files(self, configs: list[QueueConfig]) -> dict[str, str]:
+        """Never serve a queue empty because its file is gone (groups: CommitGroups.load):
+        why, by name, the queues with a directory of their own that cannot be served."""
+        failures: dict[str, str] = {}
         for config in configs:
             if config.group >= 0:
                 continue
             data = os.path.join(self._queue_path(config.uid), "data.mdb")
             if not os.path.isfile(data) or os.path.getsize(data) == 0:
-                raise DataDirError(
-                    f"{data}: the storage of queue {config.name!r} is missing or empty; "
-                    "refusing to start rather than serve the queue empty"
-                )
+                failures[config.name] = f"{data}: the queue's storage is missing or empty"
+        return failures
+
+    def _queue_failed(self, name: str, reason: str) -> None:
+        """Serve ``name`` no more: its calls answer UNAVAILABLE with the reason (without
+        the server's paths), GetQueue shows it failed, and nothing touches its storage
+        until the server starts again (docs/operations.md, "A queue that failed")."""
+        self._failed[name] = reason
+        log.error("queue_failed", queue=name, reason=reason)
+
+    def failure(self, name: str) -> str:
+        """Why queue ``name`` failed, as callers may see it; "" while it serves."""
+        reason = self._failed.get(name)
+        return "" if reason is None else _PATH.sub("<file>", reason)[:500]
+
+    def failed_queues(self) -> int:
+        return len(self._failed)
 
     def _remove_orphans(self) -> None:
         """Delete storage left behind by a queue deletion that a crash interrupted."""
@@ -284,7 +306,14 @@ class QueuesManager:
                 ),
             )
         actor = LogicalQueue(
-            config, store, lane, resolve=self.actor, max_inbox=self._max_inbox, group=group
+            config,
+            store,
+            lane,
+            resolve=self.actor,
+            max_inbox=self._max_inbox,
+            group=group,
+            fail_after_s=self._fail_queue_after_s,
+            on_failed=self._queue_failed,
         )
         if self.observer is not None:
             self.observer.attach(actor)
@@ -294,6 +323,9 @@ class QueuesManager:
             if created and group is not None:  # its databases would hold slots of max_dbs
                 with contextlib.suppress(StorageError):
                     await group.job(store.destroy)
+            elif stopped is None and group is None:  # a damaged file stays as it is, closed
+                with contextlib.suppress(Exception):
+                    await loop.run_in_executor(self._executor, store.close)
             raise
         if group is not None and stopped is None:
             group.members += 1
@@ -323,11 +355,19 @@ class QueuesManager:
 
     def actor(self, name: str) -> LogicalQueue:
         actor = self._actors.get(name)
-        if actor is None:
+        if actor is None or name in self._failed:
+            if name in self._failed:
+                raise self._failed_error(name)
             if self._closing:
                 raise self._shutting_down()
             raise NotFound(f"queue {name!r} does not exist")
         return actor
+
+    def _failed_error(self, name: str) -> Unavailable:
+        return Unavailable(
+            f"queue {name!r} has failed and is not served: {self.failure(name)}; "
+            "repair or restore its storage and restart the server, or delete the queue"
+        )
 
     def get(self, name: str) -> QueueConfig:
         config = self._configs.get(name)
@@ -414,6 +454,8 @@ class QueuesManager:
         async with self._lock:
             self._check_open()
             current = self.get(name)
+            if name in self._failed:
+                raise self._failed_error(name)
             updated = current.replace(**changes, updated_at_us=now_us())
             if updated.lease_timeout_us > updated.expire_timeout_us:
                 raise InvalidArgument(
@@ -463,6 +505,9 @@ class QueuesManager:
             self.get(name)
             if users := self._users_text(name, visible):
                 raise FailedPrecondition(f"queue {name!r} is the dead_queue of {users}")
+            if name in self._failed:
+                await self._delete_failed(name, force)
+                return
             actor = self._actors[name]
             await actor.delete(force)
             loop = asyncio.get_running_loop()
@@ -490,6 +535,31 @@ class QueuesManager:
                 await loop.run_in_executor(self._lane(actor.config.uid), actor.store.destroy)
             del self._lane_of[actor.config.uid]
             log.info("queue_deleted", queue=name)
+
+    async def _delete_failed(self, name: str, force: bool) -> None:
+        """Delete a failed queue: what it holds is unknown, so only with ``force``. A
+        directory of its own goes; databases in a commit group go at the next start that
+        loads the group (start-up drops what the catalog does not know)."""
+        if not force:
+            raise FailedPrecondition(f"queue {name!r} has failed and what it holds is unknown; set force to delete it")
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._executor, self._require_catalog().delete, name)
+        except (StorageError, OSError) as exc:
+            raise _storage_failed(exc) from exc
+        config = self._configs.pop(name)
+        self._names.remove(name)
+        del self._failed[name]
+        actor = self._actors.pop(name, None)
+        if actor is not None:
+            await actor.stop()
+            if actor.group is not None:
+                actor.group.members -= 1
+        if config.group < 0:
+            path = self._queue_path(config.uid)
+            await loop.run_in_executor(self._executor, partial(shutil.rmtree, path, ignore_errors=True))
+        self._lane_of.pop(config.uid, None)
+        log.info("queue_deleted", queue=name, failed=True)
 
     def _check_dead_queue(self, config: QueueConfig, visible: Callable[[str], bool] | None = None) -> None:
         dead = config.dead_queue

@@ -251,7 +251,11 @@ class QueueCollector(Collector):
                 map_size.add_metric([name], probe.map_size)
         queues = GaugeMetricFamily("querator_queues", "Queues on this server.")
         queues.add_metric([], len(actors))
-        yield from (queues, items, partitions, head_age, avg_age, lease_waiting, produce_waiting, map_used, map_size)
+        failed = GaugeMetricFamily(
+            "querator_queues_failed", "Queues not served because their storage failed (GetQueue says why)."
+        )
+        failed.add_metric([], self._manager.failed_queues())
+        yield from (queues, failed, items, partitions, head_age, avg_age, lease_waiting, produce_waiting, map_used, map_size)
 
 
 def _queue_of(request: Any) -> str:

@@ -61,6 +61,7 @@ class QueratorServer:
             map_size=config.map_size,
             bootstrap_token=config.admin_token if config.auth else "",
             bootstrap_until_key=config.admin_token_until_key,
+            fail_queue_after_s=config.fail_queue_after_s,
         )
         self.health = HealthService()
         self._server: grpc.aio.Server | None = None

@@ -249,7 +249,7 @@ class CommitGroup:
         """Commit the held transaction durably: (the failure or None, seconds taken)."""
         started = time.perf_counter()
         try:
-            inject_write_fault()
+            inject_write_fault(self.path)
             parent.commit()
         except lmdb.MapFullError:
             parent.abort()

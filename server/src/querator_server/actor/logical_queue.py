@@ -32,6 +32,7 @@ from ..errors import (
 from ..faults import DEAD_LETTER_STORED, MOVE_COPIED, MOVE_RECORDED, InjectedFault, crash_point, faulty_call
 from ..model import PartitionStats, QueueConfig, QueueStats, QueueTotals
 from ..storage import MAX_GROWTHS, Item, MapFull, QueueStore, StorageError, StorageFull
+from ..storage.queue_store import disk_full
 from ..storage.keyed import KeyedIndex
 from .commit_group import HAND_OVER_AT, CommitGroup
 from .cycle import Cycle
@@ -102,8 +103,17 @@ class LogicalQueue:
         resolve: Callable[[str], LogicalQueue] | None = None,
         max_inbox: int = DEFAULT_MAX_INBOX,
         group: CommitGroup | None = None,
+        fail_after_s: float = 60.0,
+        on_failed: Callable[[str, str], None] | None = None,
     ) -> None:
         self.config = config
+        # Storage failing on every cycle for this long marks the queue failed (called
+        # with its name and why) instead of failing calls in a loop.
+        self._fail_after_us = int(fail_after_s * 1_000_000)
+        self._on_failed = on_failed
+        self._failing_since = 0  # wall µs of the first failed cycle in a row; 0: none
+        self._failed_cycles = 0
+        self.failed = False
         # Finds another queue's actor by name (for dead letters).
         self._resolve = resolve
         self.store = store
@@ -311,7 +321,7 @@ class LogicalQueue:
                     self._arm_timer()
                     await self._wake.wait()
                 self._wake.clear()
-                if self._closed is not None and not self._inbox:
+                if self._closed is not None and (not self._inbox or self.failed):
                     break
                 inbox, self._inbox = self._inbox, []
                 await self._cycle(inbox)
@@ -440,6 +450,8 @@ class LogicalQueue:
             elif isinstance(exc, StorageError):
                 log.error("storage_failed", queue=self.name, error=str(exc))
                 self._fail_batch(batch, Unavailable(f"storage failed, retry later: {exc}"))
+                if not disk_full(exc):
+                    self._storage_failing(str(exc))
             else:  # a bug must not kill the actor; the cycle was rolled back
                 log.exception("cycle_failed", queue=self.name, error=repr(exc))
                 self._fail_batch(batch, Unavailable("internal error while applying the request; it was not applied"))
@@ -450,6 +462,8 @@ class LogicalQueue:
             self._in_flight = 0
         for p, view in cycle.views.items():
             self._views[p] = view
+        if self._failed_cycles and not any(r is None for r, _ in cycle.step_failures):
+            self._failing_since = self._failed_cycles = 0
         if cycle.step_failures:
             self._report_step_failures(cycle, batch, expired)
         elif lifecycle:
@@ -501,9 +515,29 @@ class LogicalQueue:
                 )
                 continue
             log.error("lifecycle_failed", queue=self.name, error=repr(error), exc_info=error)
+            self._storage_failing(f"the lifecycle step failed: {error!r}")
             self._leases.restore(expired)
             self._lifecycle_pending = True
             self._lifecycle_after = now_us() + int(OUTBOX_RETRY_S * 1_000_000)
+
+    def _storage_failing(self, reason: str) -> None:
+        """Another cycle failed for the storage (not a full disk, which frees up): past
+        ``fail_after_s`` of nothing but failures, the queue is marked failed."""
+        if self.failed:
+            return
+        now = now_us()
+        if not self._failing_since:
+            self._failing_since = now
+        self._failed_cycles += 1
+        if self._failed_cycles < 3 or now - self._failing_since < self._fail_after_us:
+            return
+        seconds = (now - self._failing_since) / 1e6
+        reason = f"its storage failed on every cycle for {seconds:.0f} s ({self._failed_cycles} cycles): {reason}"
+        self.failed = True  # the loop answers what waits and stops
+        self._closed = Unavailable(f"queue {self.name!r} has failed and is not served: {reason}")
+        self._wake.set()
+        if self._on_failed is not None:
+            self._on_failed(self.name, reason)
 
     async def _transaction(
         self, batch: _Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]], *, isolated: bool = False

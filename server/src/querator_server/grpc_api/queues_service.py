@@ -37,14 +37,17 @@ _UPDATABLE = {
     "dedup_window",
     "lease_key_ttl",
 }
-_IMMUTABLE = {"queue_name", "created_at", "updated_at"}
+_IMMUTABLE = {"queue_name", "created_at", "updated_at", "state", "failure"}
 
 
-def queue_info(config: QueueConfig, visible: Callable[[str], bool] | None = None) -> pb.QueueInfo:
-    """The queue's settings; its dead_queue left empty when ``visible`` says the caller
-    may not see that queue (its key's patterns do not match it)."""
+def queue_info(config: QueueConfig, visible: Callable[[str], bool] | None = None, failure: str = "") -> pb.QueueInfo:
+    """The queue's settings (and whether it is served: ``failure`` says why not); its
+    dead_queue left empty when ``visible`` says the caller may not see that queue (its
+    key's patterns do not match it)."""
     dead = config.dead_queue
     return pb.QueueInfo(
+        state=pb.QUEUE_STATE_FAILED if failure else pb.QUEUE_STATE_SERVING,
+        failure=failure,
         queue_name=config.name,
         dead_queue=dead if visible is None or not dead or visible(dead) else "",
         reference=config.reference,
@@ -119,8 +122,9 @@ class QueuesService:
         return pb.CreateQueueResponse(queue=queue_info(created, visible))
 
     async def get_queue(self, request: pb.GetQueueRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.GetQueueResponse:
-        config = self.manager.get(c.queue_name(request.queue_name))
-        return pb.GetQueueResponse(queue=queue_info(config, visible_queues()))
+        name = c.queue_name(request.queue_name)
+        config = self.manager.get(name)
+        return pb.GetQueueResponse(queue=queue_info(config, visible_queues(), self.manager.failure(name)))
 
     async def list_queues(
         self, request: pb.ListQueuesRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -135,7 +139,8 @@ class QueuesService:
         visible = visible_queues()
         configs, more = self.manager.list(after, limit, visible)
         token = c.encode_token(self.manager.token_secret, b"Q", configs[-1].name.encode()) if more and configs else ""
-        return pb.ListQueuesResponse(queues=[queue_info(q, visible) for q in configs], next_page_token=token)
+        failure = self.manager.failure
+        return pb.ListQueuesResponse(queues=[queue_info(q, visible, failure(q.name)) for q in configs], next_page_token=token)
 
     async def update_queue(
         self, request: pb.UpdateQueueRequest, context: grpc.aio.ServicerContext[Any, Any]

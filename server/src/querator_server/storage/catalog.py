@@ -116,7 +116,7 @@ class Catalog:
         try:
             with self.env.begin(write=True) as txn:
                 result = fn(txn)
-                inject_write_fault()
+                inject_write_fault(self.path)
                 return result
         except lmdb.MapFullError:
             self.env.set_mapsize(self.env.info()["map_size"] * 2)

@@ -130,9 +130,10 @@ class MapFull(Exception):
     """The held transaction ran out of map: call ``grow`` and run the cycle again."""
 
 
-def inject_write_fault() -> None:
-    """Fail this commit as ``QUERATOR_FAULT_FILE`` asks (reliability tests; see faults.py)."""
-    fault = write_fault()
+def inject_write_fault(storage: str = "") -> None:
+    """Fail this commit of the storage in directory ``storage`` as ``QUERATOR_FAULT_FILE``
+    asks (reliability tests; see faults.py)."""
+    fault = write_fault(storage)
     if not fault:
         return
     if fault == MAP_FULL:
@@ -140,6 +141,12 @@ def inject_write_fault() -> None:
     if fault == NO_SPACE:
         raise StorageError("storage write failed: No space left on device (injected fault)")
     raise StorageError("storage write failed: Input/output error (injected fault)")
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether a storage failure is a full map or file system, which clears up once space
+    is freed, rather than a failing or damaged disk. LMDB reports only errno texts."""
+    return isinstance(exc, StorageFull) or "No space left on device" in str(exc)
 
 
 # Below this much free space a failed write is reported as a full file system.
@@ -323,7 +330,7 @@ class QueueStore:
 
     def _commit(self, txn: lmdb.Transaction[bytes]) -> None:
         """Commit ``txn`` durably (after any injected fault), timing it for the metrics."""
-        inject_write_fault()
+        inject_write_fault(self.path)
         started = time.perf_counter()
         txn.commit()
         if self.on_commit is not None:

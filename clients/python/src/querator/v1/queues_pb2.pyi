@@ -10,6 +10,7 @@ from google.protobuf import field_mask_pb2 as _field_mask_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -20,6 +21,30 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _QueueState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _QueueStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_QueueState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    QUEUE_STATE_UNSPECIFIED: _QueueState.ValueType  # 0
+    """Not set (a server older than this field)."""
+    QUEUE_STATE_SERVING: _QueueState.ValueType  # 1
+    """The queue is served."""
+    QUEUE_STATE_FAILED: _QueueState.ValueType  # 2
+    """The queue is not served: see QueueInfo.failure."""
+
+class QueueState(_QueueState, metaclass=_QueueStateEnumTypeWrapper):
+    """QueueState says whether the server serves a queue."""
+
+QUEUE_STATE_UNSPECIFIED: QueueState.ValueType  # 0
+"""Not set (a server older than this field)."""
+QUEUE_STATE_SERVING: QueueState.ValueType  # 1
+"""The queue is served."""
+QUEUE_STATE_FAILED: QueueState.ValueType  # 2
+"""The queue is not served: see QueueInfo.failure."""
+Global___QueueState: _TypeAlias = QueueState  # noqa: Y015
 
 @_typing.final
 class QueueInfo(_message.Message):
@@ -38,6 +63,8 @@ class QueueInfo(_message.Message):
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     DEDUP_WINDOW_FIELD_NUMBER: _builtins.int
     LEASE_KEY_TTL_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue's name: 1 to 512 characters, no whitespace, no "~", no "/"."""
     dead_queue: _builtins.str
@@ -58,6 +85,19 @@ class QueueInfo(_message.Message):
     requested_partitions: _builtins.int
     """The number of partitions, at least 1 (default 1). May be raised, never
     lowered.
+    """
+    state: Global___QueueState.ValueType
+    """Output only (ignored by CreateQueue and UpdateQueue): whether the server
+    serves the queue. QUEUE_STATE_FAILED when its storage could not be loaded
+    at start (missing, damaged, unreadable) or kept failing while running
+    (see failure): every call on the queue then answers UNAVAILABLE with the
+    reason, while the other queues serve as usual. Nothing touches a failed
+    queue's storage; repair or restore it and restart the server, or delete
+    the queue (DeleteQueue with force).
+    """
+    failure: _builtins.str
+    """Output only: why the queue failed, without the server's file paths; empty
+    while it serves.
     """
     @_builtins.property
     def lease_timeout(self) -> _duration_pb2.Duration:
@@ -107,10 +147,12 @@ class QueueInfo(_message.Message):
         updated_at: _timestamp_pb2.Timestamp | None = ...,
         dedup_window: _duration_pb2.Duration | None = ...,
         lease_key_ttl: _duration_pb2.Duration | None = ...,
+        state: Global___QueueState.ValueType = ...,
+        failure: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dedup_window", b"dedup_window", "expire_timeout", b"expire_timeout", "lease_key_ttl", b"lease_key_ttl", "lease_timeout", b"lease_timeout", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dead_queue", b"dead_queue", "dedup_window", b"dedup_window", "expire_timeout", b"expire_timeout", "lease_key_ttl", b"lease_key_ttl", "lease_timeout", b"lease_timeout", "max_attempts", b"max_attempts", "queue_name", b"queue_name", "reference", b"reference", "requested_partitions", b"requested_partitions", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dead_queue", b"dead_queue", "dedup_window", b"dedup_window", "expire_timeout", b"expire_timeout", "failure", b"failure", "lease_key_ttl", b"lease_key_ttl", "lease_timeout", b"lease_timeout", "max_attempts", b"max_attempts", "queue_name", b"queue_name", "reference", b"reference", "requested_partitions", b"requested_partitions", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
