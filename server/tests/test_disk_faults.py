@@ -18,6 +18,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -596,3 +597,65 @@ def test_start_up_accepts_lost_found_and_removes_queue_dirs_the_catalog_does_not
     with env.begin() as txn:
         assert {bytes(k).split(b".")[0] for k, _ in txn.cursor()} == {b"q1"}
     env.close()
+
+
+def test_a_queue_whose_storage_keeps_failing_is_marked_failed_and_the_rest_serve(tmp_path: Path) -> None:
+    """Failing writes to one queue's own environment: calls fail UNAVAILABLE ("retry
+    later") while it might recover; past --fail-queue-after of nothing but failures the
+    queue is failed (no more retries in a loop), the other queue serves throughout, and
+    a restart on repaired storage serves it again with everything acknowledged. A full
+    disk never marks a queue failed: it clears up once space is freed."""
+    data = str(tmp_path / "data")
+    fault = tmp_path / "fault"
+    metrics = f"127.0.0.1:{free_port()}"
+    proc = ProcessServer(
+        data, extra_args=["--fail-queue-after", "1", "--metrics-address", metrics], env={FAULT_FILE_ENV: str(fault)}
+    )
+    proc.start()
+    stubs = connect(proc.address)
+    try:
+        stubs.create("wide", requested_partitions=40)  # uid 1, queues/1: an environment of its own
+        stubs.create("q")
+        stubs.produce("wide", [b"kept"])
+        # A full disk for longer than --fail-queue-after: refused, never failed.
+        fault.write_text(f"{'no-space'} {os.path.join('queues', '1')}")
+        give_up = time.monotonic() + 2.5
+        while time.monotonic() < give_up:
+            code, message = status_of(lambda: stubs.produce("wide", [b"x"]))
+            assert code == UNAVAILABLE and "space" in message.lower(), (code, message)
+            stubs.produce("q", [b"fine"])
+            time.sleep(0.1)
+        fault.unlink()
+        stubs.produce("wide", [b"after-full"])
+        # Failing writes: retryable at first, then the queue is marked failed.
+        fault.write_text(f"io-error {os.path.join('queues', '1')}")
+        seen: list[str] = []
+        give_up = time.monotonic() + 30
+        while time.monotonic() < give_up:
+            code, message = status_of(lambda: stubs.produce("wide", [b"x"]))
+            assert code == UNAVAILABLE, (code, message)
+            seen.append(message)
+            stubs.produce("q", [b"fine"])  # the other queue serves all along
+            if "has failed" in message:
+                break
+            time.sleep(0.1)
+        assert "has failed" in seen[-1] and "retry later" in seen[0], seen[:2] + seen[-1:]
+        info = stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="wide"), timeout=10).queue
+        assert info.state == queues_pb2.QUEUE_STATE_FAILED and "failed on every cycle" in info.failure, info.failure
+        assert _metric(metrics, "querator_queues_failed") == 1
+        fault.unlink()
+        time.sleep(0.5)
+        # Failed stays failed (no retries in a loop) until the server starts again.
+        code, message = status_of(lambda: stubs.produce("wide", [b"x"]))
+        assert code == UNAVAILABLE and "has failed" in message
+        assert proc.terminate() == 0
+        stubs.channel.close()
+        proc.start()
+        stubs = connect(proc.address)
+        info = stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="wide"), timeout=10).queue
+        assert info.state == queues_pb2.QUEUE_STATE_SERVING and not info.failure
+        assert sorted(i.payload for i in stored(stubs, "wide")) == [b"after-full", b"kept"]
+        stubs.produce("wide", [b"again"])
+    finally:
+        stubs.channel.close()
+        proc.stop()

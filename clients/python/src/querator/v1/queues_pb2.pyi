@@ -263,7 +263,11 @@ class ListQueuesRequest(_message.Message):
     page_size: _builtins.int
     """The most queues to return: 0 means 100, more than 1,000 is capped."""
     page_token: _builtins.str
-    """The next_page_token of a previous response; empty for the first page."""
+    """The next_page_token of a previous response; empty for the first page.
+    Tokens are signed by the server (they stay good across restarts of the
+    same data directory); one it did not issue for this listing is
+    INVALID_ARGUMENT naming page_token.
+    """
     def __init__(
         self,
         *,

@@ -141,7 +141,11 @@ class ListItemsRequest(_message.Message):
     page_size: _builtins.int
     """The most items to return: 0 means 100, more than 1,000 is capped."""
     page_token: _builtins.str
-    """The next_page_token of a previous response; empty for the first page."""
+    """The next_page_token of a previous response; empty for the first page.
+    Tokens are signed by the server (they stay good across restarts of the
+    same data directory); one it did not issue for this listing is
+    INVALID_ARGUMENT naming page_token.
+    """
     def __init__(
         self,
         *,
@@ -203,7 +207,11 @@ class ListScheduledItemsRequest(_message.Message):
     page_size: _builtins.int
     """The most items to return: 0 means 100, more than 1,000 is capped."""
     page_token: _builtins.str
-    """The next_page_token of a previous response; empty for the first page."""
+    """The next_page_token of a previous response; empty for the first page.
+    Tokens are signed by the server (they stay good across restarts of the
+    same data directory); one it did not issue for this listing is
+    INVALID_ARGUMENT naming page_token.
+    """
     def __init__(
         self,
         *,
