@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 import lmdb
 import pytest
+import querator
 from conftest import ProcessServer, Stubs, ThreadServer, free_port
 from google.protobuf import field_mask_pb2
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
@@ -509,6 +510,9 @@ def test_a_queue_that_cannot_load_fails_alone(template: str, tmp_path: Path, dam
         info = stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name=failed), timeout=10).queue
         assert info.state == queues_pb2.QUEUE_STATE_FAILED
         assert info.failure and data not in info.failure, info.failure  # why, without the server's paths
+        with querator.Client(proc.address) as client:
+            assert client.get_queue(failed).failure == info.failure
+            assert client.get_queue(healthy).failure == ""
         listed = {q.queue_name: q.state for q in stubs.queues.ListQueues(queues_pb2.ListQueuesRequest(), timeout=10).queues}
         assert listed == {failed: queues_pb2.QUEUE_STATE_FAILED, healthy: queues_pb2.QUEUE_STATE_SERVING}
         for call in (

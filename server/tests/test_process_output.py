@@ -22,7 +22,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import Stubs, free_port, wait_for_server
+from conftest import Stubs, free_port
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from querator.v1 import queue_pb2, queues_pb2
 from querator_server.faults import APPLY, REQUEST_FAULT_METADATA, REQUEST_FAULTS_ENV
@@ -162,7 +162,7 @@ def test_data_files_are_private(served: Served, cert: Path, tmp_path: Path) -> N
     channel.close()
     data = tmp_path / "data"
     seen = {"dir": 0, "file": 0}
-    for root, dirs, files in os.walk(data):
+    for root, _dirs, files in os.walk(data):
         mode = stat.S_IMODE(os.stat(root).st_mode)
         assert mode == 0o700, f"{root}: {oct(mode)}"
         seen["dir"] += 1

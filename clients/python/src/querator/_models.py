@@ -83,7 +83,9 @@ class QueueInfo:
 
     ``dedup_window``: how long a produced item's ``idempotency_key`` is remembered;
     ``lease_key_ttl``: how long a Lease's ``lease_key`` is remembered (unless all of its
-    items are completed first).
+    items are completed first). ``failure``: why the server does not serve the queue
+    (its storage could not be loaded, or kept failing; every call on it then raises
+    ``Unavailable``); empty while it serves.
     """
 
     name: str
@@ -97,6 +99,7 @@ class QueueInfo:
     updated_at: datetime | None = None
     dedup_window: timedelta = timedelta(hours=24)
     lease_key_ttl: timedelta = timedelta(hours=1)
+    failure: str = ""
 
 
 @dataclass(frozen=True, slots=True)

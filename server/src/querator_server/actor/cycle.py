@@ -13,7 +13,7 @@ from functools import partial
 
 import lmdb
 
-from ..errors import FailedPrecondition, NotFound, QueratorError, quote
+from ..errors import FailedPrecondition, NotFound, quote
 from ..model import SCHEDULE_MIN_US, NewItem
 from ..storage import Item
 from ..storage.keyed import LeaseKeyRecord

@@ -719,13 +719,14 @@ class LogicalQueue:
         _answer(request, None)
 
 
-_ACK: dict[type, Callable[[Cycle, lmdb.Transaction[bytes], Any], None]] = {
+# Each step takes (cycle, txn, request=...).
+_ACK: dict[type, Callable[..., None]] = {
     CompleteRequest: Cycle.complete,
     RetryRequest: Cycle.retry,
     ExtendRequest: Cycle.extend,
 }
 
-_OTHER: dict[type, Callable[[Cycle, lmdb.Transaction[bytes], Any], None]] = {
+_OTHER: dict[type, Callable[..., None]] = {
     ListItemsRequest: Cycle.list_items,
     ImportItemsRequest: Cycle.import_items,
     DeleteItemsRequest: Cycle.delete_items,
