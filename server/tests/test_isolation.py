@@ -11,6 +11,7 @@ succeed as if the failing one had never been sent.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -244,3 +245,44 @@ def test_a_request_that_fails_while_applied_fails_alone(env: Env, kind: str) -> 
     # The queue goes on serving normally.
     stubs.produce("q", [b"after"])
     assert b"after" in _payloads(stubs)
+
+
+def test_a_failing_lifecycle_step_fails_alone_and_is_tried_again(env: Env) -> None:
+    """The lifecycle step (here: leases running out) fails half-way: it is rolled back,
+    the requests of its cycles are applied, and it runs again once it can."""
+    stubs = env.stubs
+    stubs.create("short", lease_timeout=dur(0.5))
+    stubs.produce("short", [b"a", b"b"])
+    leased = [i.id for i in stubs.lease("short", batch_size=1).items]
+    group = os.path.join("groups", "0")
+    env.stall.write_text(f"lifecycle-error {group}")
+    time.sleep(1.5)  # the lease ran out a second ago; its re-queue keeps failing
+    # Requests in a cycle with the failing lifecycle step: hold the commits while they
+    # pile up, past the second the lifecycle waits after a failure, then let them go.
+    actor = env.server.server.manager.actor("short")
+    env.stall.write_text(f"stall {group}")
+    first = stubs.queue.Produce.future(
+        queue_pb2.ProduceRequest(queue_name="short", items=[queue_pb2.ProduceItem(payload=b"c")]), timeout=30
+    )
+    wait_until(lambda: stubs.stats("short").in_flight == 1, timeout=20)
+    more = [
+        stubs.queue.Produce.future(
+            queue_pb2.ProduceRequest(queue_name="short", items=[queue_pb2.ProduceItem(payload=b"d%d" % i)]), timeout=30
+        )
+        for i in range(5)
+    ]
+    wait_until(lambda: actor.waiting_requests() == 5, timeout=20)
+    time.sleep(1.2)
+    env.stall.write_text(f"lifecycle-error {group}")
+    first.result(timeout=30)
+    for call in more:
+        call.result(timeout=30)
+    listed = {i.id: i for i in stubs.list_items("short")}
+    assert leased[0] in listed and listed[leased[0]].is_leased, "a failed lifecycle step left changes"
+    assert sorted(i.payload for i in listed.values()) == [b"a", b"b", b"c"] + [b"d%d" % i for i in range(5)]
+    env.stall.unlink()
+    # Tried again about a second later: the item goes back to the queue under a new id.
+    wait_until(lambda: leased[0] not in {i.id for i in stubs.list_items("short")}, timeout=20)
+    assert sorted(i.payload for i in stubs.list_items("short") if not i.is_leased) == sorted(
+        [b"a", b"b", b"c"] + [b"d%d" % i for i in range(5)]
+    )

@@ -13,6 +13,10 @@ names the fault that every commit meets:
 - ``map-full``: the LMDB map is full and cannot grow.
 - ``stall``: the commit waits (a slow disk) until the file is removed or changed.
 
+One word names no write fault: ``lifecycle-error`` makes the lifecycle step of a cycle
+(expired leases, due and expired items) raise ``InjectedFault`` after its writes, while
+commits go through.
+
 A second word limits the fault to the storage whose directory ends with it (for example
 ``io-error queues/1``: the queue with uid 1 that has an environment of its own); every
 other commit goes through.
@@ -53,6 +57,7 @@ IO_ERROR = "io-error"
 MAP_FULL = "map-full"
 STALL = "stall"
 WRITE_FAULTS = (NO_SPACE, IO_ERROR, MAP_FULL, STALL)
+LIFECYCLE_ERROR = "lifecycle-error"
 
 # A stalled commit gives up waiting after this long, so a forgotten switch cannot hang
 # a test run forever.
@@ -94,9 +99,17 @@ def write_fault(storage: str = "") -> str:
             fault = _read_fault(path, storage)
         if fault == STALL:
             fault = ""
+    if fault == LIFECYCLE_ERROR:
+        return ""
     if fault and fault not in WRITE_FAULTS:
         fault = IO_ERROR
     return fault
+
+
+def lifecycle_fault(storage: str) -> bool:
+    """Whether the lifecycle step of the storage in directory ``storage`` is to fail now."""
+    path = os.environ.get(FAULT_FILE_ENV)
+    return bool(path) and _read_fault(path, storage) == LIFECYCLE_ERROR
 
 
 class InjectedFault(RuntimeError):

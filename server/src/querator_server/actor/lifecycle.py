@@ -7,10 +7,12 @@ keyspace and of the expiry index.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import lmdb
 
+from ..faults import FAULT_FILE_ENV, InjectedFault, lifecycle_fault
 from ..storage import Item
 from ..storage.record import TAG_ITEM, parse_scheduled_key, seq_of_item_key
 from .cycle_base import CycleBase
@@ -112,6 +114,8 @@ class LifecycleSteps(CycleBase):
             first_expiry = self._peek(p).first_expiry
             if first_expiry and first_expiry <= now:
                 self._expire(txn, p)
+        if os.environ.get(FAULT_FILE_ENV) and lifecycle_fault(self.store.path):
+            raise InjectedFault("injected into the lifecycle step")
 
     def _promote(self, txn: lmdb.Transaction[bytes], p: int) -> None:
         v = self.view(p)
