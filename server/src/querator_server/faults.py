@@ -109,7 +109,7 @@ def write_fault(storage: str = "") -> str:
 def lifecycle_fault(storage: str) -> bool:
     """Whether the lifecycle step of the storage in directory ``storage`` is to fail now."""
     path = os.environ.get(FAULT_FILE_ENV)
-    return bool(path) and _read_fault(path, storage) == LIFECYCLE_ERROR
+    return path is not None and _read_fault(path, storage) == LIFECYCLE_ERROR
 
 
 class InjectedFault(RuntimeError):
