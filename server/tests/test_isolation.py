@@ -38,11 +38,13 @@ class Env:
 
 
 @pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[Env]:
+    """A server whose queues share commit groups (the default), or with ``False`` as the
+    fixture's parameter, queues with environments of their own."""
     stall = tmp_path / "fault"
     monkeypatch.setenv(REQUEST_FAULTS_ENV, "1")
     monkeypatch.setenv(FAULT_FILE_ENV, str(stall))
-    server = ThreadServer(str(tmp_path / "data"))
+    server = ThreadServer(str(tmp_path / "data"), commit_groups=getattr(request, "param", True))
     stubs = Stubs(grpc.insecure_channel(server.address))
     try:
         stubs.create("q", lease_timeout=dur(60))
@@ -204,6 +206,7 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("env", [True, False], indirect=True, ids=["commit-group", "own-environment"])
 @pytest.mark.parametrize("kind", sorted(CASES))
 def test_a_request_that_fails_while_applied_fails_alone(env: Env, kind: str) -> None:
     case = CASES[kind]
@@ -260,29 +263,24 @@ def test_a_failing_lifecycle_step_fails_alone_and_is_tried_again(env: Env) -> No
     # Requests in a cycle with the failing lifecycle step: hold the commits while they
     # pile up, past the second the lifecycle waits after a failure, then let them go.
     actor = env.server.server.manager.actor("short")
-    env.stall.write_text(f"stall {group}")
-    first = stubs.queue.Produce.future(
-        queue_pb2.ProduceRequest(queue_name="short", items=[queue_pb2.ProduceItem(payload=b"c")]), timeout=30
-    )
-    wait_until(lambda: stubs.stats("short").in_flight == 1, timeout=20)
-    more = [
+    env.stall.write_text(f"lifecycle-error {group}\nstall {group}")
+    calls = [
         stubs.queue.Produce.future(
             queue_pb2.ProduceRequest(queue_name="short", items=[queue_pb2.ProduceItem(payload=b"d%d" % i)]), timeout=30
         )
-        for i in range(5)
+        for i in range(6)
     ]
-    wait_until(lambda: actor.waiting_requests() == 5, timeout=20)
+    wait_until(lambda: actor.waiting_requests() >= 5 and actor.waiting_requests() + stubs.stats("short").in_flight == 6)
     time.sleep(1.2)
     env.stall.write_text(f"lifecycle-error {group}")
-    first.result(timeout=30)
-    for call in more:
+    for call in calls:
         call.result(timeout=30)
     listed = {i.id: i for i in stubs.list_items("short")}
     assert leased[0] in listed and listed[leased[0]].is_leased, "a failed lifecycle step left changes"
-    assert sorted(i.payload for i in listed.values()) == [b"a", b"b", b"c"] + [b"d%d" % i for i in range(5)]
+    assert sorted(i.payload for i in listed.values()) == [b"a", b"b"] + [b"d%d" % i for i in range(6)]
     env.stall.unlink()
     # Tried again about a second later: the item goes back to the queue under a new id.
     wait_until(lambda: leased[0] not in {i.id for i in stubs.list_items("short")}, timeout=20)
     assert sorted(i.payload for i in stubs.list_items("short") if not i.is_leased) == sorted(
-        [b"a", b"b", b"c"] + [b"d%d" % i for i in range(5)]
+        [b"a", b"b"] + [b"d%d" % i for i in range(6)]
     )

@@ -13,7 +13,8 @@ names the fault that every commit meets:
 - ``map-full``: the LMDB map is full and cannot grow.
 - ``stall``: the commit waits (a slow disk) until the file is removed or changed.
 
-One word names no write fault: ``lifecycle-error`` makes the lifecycle step of a cycle
+The file may hold several lines, one fault each. One word names no write fault:
+``lifecycle-error`` makes the lifecycle step of a cycle
 (expired leases, due and expired items) raise ``InjectedFault`` after its writes, while
 commits go through.
 
@@ -70,15 +71,24 @@ def crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _read_fault(path: str, storage: str) -> str:
+def _read_fault(path: str, storage: str, *, lifecycle: bool = False) -> str:
+    """The first fault of the file for ``storage``: a lifecycle fault or a write fault.
+    Each line names one: ``<word> [<storage>]`` (an empty file: ``no-space``)."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            words = f.read(256).split()
+            lines = f.read(1024).splitlines()
     except OSError:  # no file: no fault
         return ""
-    if len(words) > 1 and not storage.rstrip(os.sep).endswith(words[1].rstrip("/")):
-        return ""
-    return words[0] if words else NO_SPACE
+    if not any(line.strip() for line in lines):
+        return "" if lifecycle else NO_SPACE
+    for line in lines:
+        words = line.split()
+        if not words or (words[0] == LIFECYCLE_ERROR) != lifecycle:
+            continue
+        if len(words) > 1 and not storage.rstrip(os.sep).endswith(words[1].rstrip("/")):
+            continue
+        return words[0]
+    return ""
 
 
 def write_fault(storage: str = "") -> str:
@@ -99,8 +109,6 @@ def write_fault(storage: str = "") -> str:
             fault = _read_fault(path, storage)
         if fault == STALL:
             fault = ""
-    if fault == LIFECYCLE_ERROR:
-        return ""
     if fault and fault not in WRITE_FAULTS:
         fault = IO_ERROR
     return fault
@@ -109,7 +117,7 @@ def write_fault(storage: str = "") -> str:
 def lifecycle_fault(storage: str) -> bool:
     """Whether the lifecycle step of the storage in directory ``storage`` is to fail now."""
     path = os.environ.get(FAULT_FILE_ENV)
-    return path is not None and _read_fault(path, storage) == LIFECYCLE_ERROR
+    return path is not None and _read_fault(path, storage, lifecycle=True) == LIFECYCLE_ERROR
 
 
 class InjectedFault(RuntimeError):
