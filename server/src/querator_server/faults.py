@@ -29,7 +29,7 @@ Request faults. Setting ``QUERATOR_REQUEST_FAULTS=1`` in a server's environment 
 call that carries the metadata ``querator-fault: apply`` raise ``InjectedFault`` in the
 step that applies its request, after the step's writes (``GetQueueStats``, which reads
 no storage: while it reads the queue's counters), so tests can prove that one failing
-request fails alone. Unset, a call pays one dict lookup.
+request fails alone. Read when the server starts; unset, a call pays nothing.
 """
 
 from __future__ import annotations

@@ -107,6 +107,7 @@ def _deserializer(message_type: type[Message], max_bytes: int) -> Callable[[byte
 
 def _wrap(service: str, method: str, behavior: Behavior, action: Action, guard: Guard | None) -> Behavior:
     full = f"/{service}/{method}"
+    faults = request_faults_on()  # read once, when the server starts
 
     async def handler(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
         if guard is not None:
@@ -130,7 +131,7 @@ def _wrap(service: str, method: str, behavior: Behavior, action: Action, guard: 
             )
             await _abort(context, full, "", too_large)
         queue = getattr(request, "queue_name", "")
-        if request_faults_on():
+        if faults:
             faulty_call.set(asks_for_fault(context.invocation_metadata()))
         error: QueratorError
         try:
@@ -191,6 +192,7 @@ def _wrap_stream(
     read, and the stream ends UNAUTHENTICATED once the messages before it are answered."""
     full = f"/{service}/{method}"
     unary = method.removesuffix("Stream")
+    faults = request_faults_on()
     if response_type.DESCRIPTOR.fields_by_name["response"].number != 1:
         raise ValueError(f"{response_type.__name__}.response must be field 1")
 
@@ -238,7 +240,7 @@ def _wrap_stream(
                 await _abort(context, full, "", denied)
         # Set by a message whose key stopped authenticating (revoked while the stream is open).
         revoked: list[Unauthenticated] = []
-        if request_faults_on():
+        if faults:
             faulty_call.set(asks_for_fault(context.invocation_metadata()))
         # At once, before any message: a client waits for this to know the server has the
         # method (a server without it answers UNIMPLEMENTED instead) before it writes.
