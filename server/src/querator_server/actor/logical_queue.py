@@ -462,7 +462,8 @@ class LogicalQueue:
             self._in_flight = 0
         for p, view in cycle.views.items():
             self._views[p] = view
-        if self._failed_cycles and not any(r is None for r, _ in cycle.step_failures):
+        if self._failed_cycles and cycle.writable and not any(r is None for r, _ in cycle.step_failures):
+            # A committed write (a listing proves nothing of writes) ends a run of failures.
             self._failing_since = self._failed_cycles = 0
         if cycle.step_failures:
             self._report_step_failures(cycle, batch, expired)
