@@ -559,6 +559,8 @@ class QueuesManager:
             path = self._queue_path(config.uid)
             await loop.run_in_executor(self._executor, partial(shutil.rmtree, path, ignore_errors=True))
         self._lane_of.pop(config.uid, None)
+        if self.observer is not None:
+            self.observer.detach(name)
         log.info("queue_deleted", queue=name, failed=True)
 
     def _check_dead_queue(self, config: QueueConfig, visible: Callable[[str], bool] | None = None) -> None:
