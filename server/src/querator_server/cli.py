@@ -82,6 +82,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--tls-client-ca",
         help="PEM CA bundle; clients must present a certificate it signed (mutual TLS; env QUERATOR_TLS_CLIENT_CA)",
     )
+    parser.add_argument(
+        "--cluster",
+        help="run as a node of a cluster whose catalog is in etcd, e.g. etcd://127.0.0.1:2379/prod "
+        "(env QUERATOR_CLUSTER; default: a single server, no etcd; see docs/cluster.md)",
+    )
+    parser.add_argument("--node-id", help="this node's id in the cluster, unique and stable (env QUERATOR_NODE_ID)")
+    parser.add_argument(
+        "--advertise",
+        help="host:port the other nodes and clients reach this node at (env QUERATOR_ADVERTISE; "
+        "default: --address)",
+    )
+    parser.add_argument(
+        "--cluster-lease-ttl",
+        type=int,
+        dest="cluster_lease_ttl",
+        help="seconds the node's membership lasts without renewal (env QUERATOR_CLUSTER_LEASE_TTL, default 5)",
+    )
 
 
 def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
@@ -101,6 +118,12 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
         return 2
     if config.log_level.lower() not in LOG_LEVELS:
         print(f"querator: log level {config.log_level!r} must be one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
+        return 2
+    if config.cluster and not config.node_id:
+        print("querator: --cluster needs --node-id (env QUERATOR_NODE_ID)", file=sys.stderr)
+        return 2
+    if config.cluster_lease_ttl_s < 2:
+        print("querator: --cluster-lease-ttl must be at least 2 seconds", file=sys.stderr)
         return 2
     if config.auth and config.admin_token and (weak := check_bootstrap_token(config.admin_token)):
         print(f"querator: {weak}", file=sys.stderr)
@@ -128,6 +151,10 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
         fail_queue_after_s=args.fail_queue_after,
+        cluster=args.cluster,
+        node_id=args.node_id,
+        advertise=args.advertise,
+        cluster_lease_ttl_s=args.cluster_lease_ttl,
     )
 
 

@@ -50,6 +50,12 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+    # Cluster mode (docs/cluster.md): etcd://host:port/prefix of the catalog; empty: a
+    # single server, no etcd. The node's id, and the host:port others reach it at.
+    cluster: str = ""
+    node_id: str = ""
+    advertise: str = ""
+    cluster_lease_ttl_s: int = 5
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig:
@@ -68,6 +74,10 @@ class ServerConfig:
             "tls_cert": env.get("QUERATOR_TLS_CERT", ""),
             "tls_key": env.get("QUERATOR_TLS_KEY", ""),
             "tls_client_ca": env.get("QUERATOR_TLS_CLIENT_CA", ""),
+            "cluster": env.get("QUERATOR_CLUSTER", ""),
+            "node_id": env.get("QUERATOR_NODE_ID", ""),
+            "advertise": env.get("QUERATOR_ADVERTISE", ""),
+            "cluster_lease_ttl_s": int(env.get("QUERATOR_CLUSTER_LEASE_TTL", "5")),
         }
         if "QUERATOR_FAIL_QUEUE_AFTER" in env:
             values["fail_queue_after_s"] = _seconds(env["QUERATOR_FAIL_QUEUE_AFTER"], "QUERATOR_FAIL_QUEUE_AFTER")

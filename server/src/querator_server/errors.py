@@ -12,7 +12,8 @@ They carry no gRPC types; ``grpc_api.status`` maps each class to a status code::
      ├── Internal             a bug met while applying one request (it was not applied)
      ├── DeadlineExceeded     the caller's deadline passed first
      ├── Unauthenticated      authentication is on and no valid key came with the call
-     └── PermissionDenied     the key's role or queue patterns do not allow the call
+     ├── PermissionDenied     the key's role or queue patterns do not allow the call
+     └── Relayed              another node's answer to a forwarded call, passed on as it was
 """
 
 from __future__ import annotations
@@ -84,3 +85,14 @@ class Unauthenticated(QueratorError):
 
 class PermissionDenied(QueratorError):
     """The caller's key does not allow this call on this queue."""
+
+
+class Relayed(QueratorError):
+    """The answer of the node a call was forwarded to (cluster mode), kept as it came.
+
+    ``code`` is the gRPC status code's number, so this module needs no gRPC types.
+    """
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code

@@ -15,8 +15,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from .config import ServerConfig
+from .errors import QueratorError
 from .grpc_api import QueueService, QueuesService, StorageService
 from .grpc_api.authz import Guard
+from .grpc_api.cluster_service import SERVICE as CLUSTER_SERVICE
+from .grpc_api.cluster_service import ClusterService
 from .grpc_api.health_service import HealthService
 from .grpc_api.keys_service import SERVICE as KEYS_SERVICE
 from .grpc_api.keys_service import KeysService
@@ -28,7 +31,7 @@ from .reflection import ReflectionServicer
 
 log = structlog.get_logger("querator.server")
 
-SERVICES = (QUEUE_SERVICE, QUEUES_SERVICE, STORAGE_SERVICE, KEYS_SERVICE)
+SERVICES = (QUEUE_SERVICE, QUEUES_SERVICE, STORAGE_SERVICE, KEYS_SERVICE, CLUSTER_SERVICE)
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}
 # After its queues stopped, the server answers UNAVAILABLE until no call came for
 # SHUTDOWN_LULL_S, at most SHUTDOWN_DRAIN_S (see stop()).
@@ -69,6 +72,7 @@ class QueratorServer:
         self._reflection: ReflectionServicer | None = None
         self.port = 0
         self._stopped = asyncio.Event()
+        self.cluster: Any = None  # cluster.Coordinator with --cluster (imported only then)
         self.metrics = None
         if config.metrics_address:  # prometheus_client is imported only when metrics are on
             from .metrics import Metrics
@@ -79,6 +83,8 @@ class QueratorServer:
         if self.metrics is not None:
             self.metrics.serve(self.config.metrics_address, self._metrics_token())
         await self.manager.start()
+        if self.config.cluster:
+            await self._join_cluster()
         server = grpc.aio.server(
             interceptors=self.metrics.interceptors() if self.metrics is not None else None,
             options=[
@@ -93,13 +99,16 @@ class QueratorServer:
             ]
         )
         guard = Guard(lambda: self.manager.keyring) if self.config.auth else None
-        self._queue_service = queue_service = QueueService(self.manager, guard)
+        cluster = self.cluster
+        router = cluster.router if cluster is not None else None
+        self._queue_service = queue_service = QueueService(self.manager, guard, router)
         server.add_generic_rpc_handlers(
             (
                 queue_service.handler(),
-                QueuesService(self.manager, guard).handler(),
-                StorageService(self.manager, guard).handler(),
-                KeysService(self.manager, guard).handler(),
+                QueuesService(self.manager, guard, cluster).handler(),
+                StorageService(self.manager, guard, router).handler(),
+                KeysService(self.manager, guard, cluster).handler(),
+                ClusterService(self.manager, self.config.address, guard, cluster).handler(),
             )
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -118,15 +127,19 @@ class QueratorServer:
         except RuntimeError:  # grpcio raises instead of returning 0 when the bind fails
             self.port = 0
         except OSError:
+            await self._leave_cluster()
             await self.manager.stop()
             raise
         if not self.port:
+            await self._leave_cluster()
             await self.manager.stop()
             raise OSError(f"cannot listen on {self.config.address} (address in use or invalid)")
         await server.start()
         self._server = server
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if cluster is not None and cluster.membership.fenced:
+            await self._cluster_standing(False)
         log.info(
             "server_started",
             address=self.address,
@@ -163,6 +176,44 @@ class QueratorServer:
             reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
             raise OSError(f"cannot read the metrics token file {config.metrics_token_file!r}: {reason}") from exc
 
+    async def _join_cluster(self) -> None:
+        from .cluster import ClusterSettings, Coordinator
+
+        config = self.config
+        advertise = config.advertise or config.address
+        if advertise.rsplit(":", 1)[-1] in ("", "0"):
+            await self.manager.stop()
+            raise OSError("a cluster node needs --advertise host:port (or a fixed port in --address)")
+        settings = ClusterSettings(config.cluster, config.node_id, advertise, config.cluster_lease_ttl_s)
+        try:
+            self.cluster = Coordinator(
+                self.manager,
+                settings,
+                bootstrap_token=config.admin_token if config.auth else "",
+                on_standing=self._cluster_standing,
+            )
+            await self.cluster.start()
+        except QueratorError as exc:  # a malformed --cluster URL, say
+            self.cluster = None
+            await self.manager.stop()
+            raise OSError(exc.message) from None
+        except BaseException:
+            self.cluster = None
+            await self.manager.stop()
+            raise
+
+    async def _cluster_standing(self, standing: bool) -> None:
+        # The node keeps serving data either way: only ClusterService's health says
+        # whether it holds its membership (and so takes admin changes).
+        status = health_pb2.HealthCheckResponse.SERVING if standing else health_pb2.HealthCheckResponse.NOT_SERVING
+        if self._server is not None:
+            await self.health.set(CLUSTER_SERVICE, status)
+
+    async def _leave_cluster(self) -> None:
+        if self.cluster is not None:
+            await self.cluster.stop()
+            self.cluster = None
+
     def _tls_credentials(self) -> grpc.ServerCredentials | None:
         config = self.config
         if not (config.tls_cert or config.tls_key or config.tls_client_ca):
@@ -197,6 +248,7 @@ class QueratorServer:
         log.info("server_stopping")
         grace = self.config.shutdown_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
+        await self._leave_cluster()
         # The queues stop first, while gRPC still hands calls to their handlers, and
         # gRPC keeps doing so until calls stop coming: a call arriving meanwhile is
         # answered UNAVAILABLE ("shutting down", safe to retry). Calls that gRPC has

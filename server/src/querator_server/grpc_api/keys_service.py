@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from querator.v1 import keys_pb2 as pb
@@ -13,6 +13,9 @@ from ..manager import QueuesManager
 from . import convert as c
 from .authz import Guard
 from .handlers import generic_handler
+
+if TYPE_CHECKING:
+    from ..cluster import Coordinator
 
 SERVICE = "querator.v1.KeysService"
 
@@ -28,16 +31,18 @@ def api_key(key: ApiKey) -> pb.ApiKey:
 
 
 class KeysService:
-    def __init__(self, manager: QueuesManager, guard: Guard | None = None) -> None:
+    def __init__(self, manager: QueuesManager, guard: Guard | None = None, cluster: Coordinator | None = None) -> None:
         self.manager = manager
         self.guard = guard
+        # Where keys are created and revoked: the cluster catalog in cluster mode.
+        self.admin: QueuesManager | Coordinator = manager if cluster is None else cluster
 
     async def create_key(self, request: pb.CreateKeyRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CreateKeyResponse:
         try:
             role = Role(request.role)
         except ValueError:
             raise InvalidArgument("role", "must be ROLE_PRODUCER, ROLE_CONSUMER or ROLE_ADMIN") from None
-        key, token = await self.manager.create_key(role, list(request.queues), request.description)
+        key, token = await self.admin.create_key(role, list(request.queues), request.description)
         return pb.CreateKeyResponse(key=api_key(key), token=token)
 
     async def list_keys(self, request: pb.ListKeysRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ListKeysResponse:
@@ -46,7 +51,7 @@ class KeysService:
     async def revoke_key(self, request: pb.RevokeKeyRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.RevokeKeyResponse:
         if not request.key_id:
             raise InvalidArgument("key_id", "is required")
-        await self.manager.revoke_key(request.key_id)
+        await self.admin.revoke_key(request.key_id)
         return pb.RevokeKeyResponse()
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:

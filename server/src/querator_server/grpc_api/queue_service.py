@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from querator.v1 import queue_pb2 as pb
@@ -17,6 +17,9 @@ from . import convert as c
 from ..auth import Action
 from .authz import Guard
 from .handlers import generic_handler
+
+if TYPE_CHECKING:
+    from ..cluster.router import Router
 
 SERVICE = "querator.v1.QueueService"
 
@@ -39,9 +42,10 @@ def _request_deadline_us(request: object, context: grpc.aio.ServicerContext[Any,
 
 
 class QueueService:
-    def __init__(self, manager: QueuesManager, guard: Guard | None = None) -> None:
+    def __init__(self, manager: QueuesManager, guard: Guard | None = None, router: Router | None = None) -> None:
         self.manager = manager
         self.guard = guard
+        self.router = router  # cluster mode: calls for partitions homed elsewhere are forwarded
         self._stream_readers: set[asyncio.Task[None]] = set()
 
     def end_streams(self) -> None:
@@ -147,19 +151,22 @@ class QueueService:
         )
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        methods: dict[str, Any] = {
+            "Produce": (self.produce, pb.ProduceRequest, pb.ProduceResponse, Action.PRODUCE),
+            "Lease": (self.lease, pb.LeaseRequest, pb.LeaseResponse, Action.CONSUME),
+            "Complete": (self.complete, pb.CompleteRequest, pb.CompleteResponse, Action.CONSUME),
+            "Retry": (self.retry, pb.RetryRequest, pb.RetryResponse, Action.CONSUME),
+            "Extend": (self.extend, pb.ExtendRequest, pb.ExtendResponse, Action.CONSUME),
+        }
+        if self.router is not None:
+            methods = self.router.route(SERVICE, methods)
         return generic_handler(
             SERVICE,
-            {
-                "Produce": (self.produce, pb.ProduceRequest, pb.ProduceResponse, Action.PRODUCE),
-                "Lease": (self.lease, pb.LeaseRequest, pb.LeaseResponse, Action.CONSUME),
-                "Complete": (self.complete, pb.CompleteRequest, pb.CompleteResponse, Action.CONSUME),
-                "Retry": (self.retry, pb.RetryRequest, pb.RetryResponse, Action.CONSUME),
-                "Extend": (self.extend, pb.ExtendRequest, pb.ExtendResponse, Action.CONSUME),
-            },
+            methods,
             open_streams=self._stream_readers,
             streams={
-                "ProduceStream": (self.produce, pb.ProduceStreamRequest, pb.ProduceStreamResponse, Action.PRODUCE),
-                "LeaseStream": (self.lease, pb.LeaseStreamRequest, pb.LeaseStreamResponse, Action.CONSUME),
+                "ProduceStream": (methods["Produce"][0], pb.ProduceStreamRequest, pb.ProduceStreamResponse, Action.PRODUCE),
+                "LeaseStream": (methods["Lease"][0], pb.LeaseStreamRequest, pb.LeaseStreamResponse, Action.CONSUME),
             },
             guard=self.guard,
         )

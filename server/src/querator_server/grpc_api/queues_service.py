@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from querator.v1 import queues_pb2 as pb
@@ -24,6 +24,9 @@ from . import convert as c
 from ..auth import Action
 from .authz import Guard, visible_queues
 from .handlers import generic_handler
+
+if TYPE_CHECKING:
+    from ..cluster import Coordinator
 
 SERVICE = "querator.v1.QueuesService"
 
@@ -98,9 +101,12 @@ def _settings(info: pb.QueueInfo, fields: set[str]) -> dict[str, object]:
 
 
 class QueuesService:
-    def __init__(self, manager: QueuesManager, guard: Guard | None = None) -> None:
+    def __init__(self, manager: QueuesManager, guard: Guard | None = None, cluster: Coordinator | None = None) -> None:
         self.manager = manager
         self.guard = guard
+        # Where queues are created, read and changed: the cluster catalog in cluster mode.
+        self.cluster = cluster
+        self.admin: QueuesManager | Coordinator = manager if cluster is None else cluster
 
     async def create_queue(
         self, request: pb.CreateQueueRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -118,12 +124,12 @@ class QueuesService:
         if config.lease_timeout_us > config.expire_timeout_us:
             raise InvalidArgument("queue.lease_timeout", "must not be longer than expire_timeout")
         visible = visible_queues()
-        created = await self.manager.create(config, visible)
+        created = await self.admin.create(config, visible)
         return pb.CreateQueueResponse(queue=queue_info(created, visible))
 
     async def get_queue(self, request: pb.GetQueueRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.GetQueueResponse:
         name = c.queue_name(request.queue_name)
-        config = self.manager.get(name)
+        config = self.admin.get(name)
         return pb.GetQueueResponse(queue=queue_info(config, visible_queues(), self.manager.failure(name)))
 
     async def list_queues(
@@ -137,7 +143,7 @@ class QueuesService:
             except UnicodeDecodeError:
                 raise InvalidArgument("page_token", "is not a page token this server issued") from None
         visible = visible_queues()
-        configs, more = self.manager.list(after, limit, visible)
+        configs, more = self.admin.list(after, limit, visible)
         token = c.encode_token(self.manager.token_secret, b"Q", configs[-1].name.encode()) if more and configs else ""
         failure = self.manager.failure
         return pb.ListQueuesResponse(queues=[queue_info(q, visible, failure(q.name)) for q in configs], next_page_token=token)
@@ -161,13 +167,13 @@ class QueuesService:
                 )
         changes = _settings(request.queue, set(paths))
         visible = visible_queues()
-        updated = await self.manager.update(name, changes, visible)
+        updated = await self.admin.update(name, changes, visible)
         return pb.UpdateQueueResponse(queue=queue_info(updated, visible))
 
     async def delete_queue(
         self, request: pb.DeleteQueueRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DeleteQueueResponse:
-        await self.manager.delete(c.queue_name(request.queue_name), request.force, visible_queues())
+        await self.admin.delete(c.queue_name(request.queue_name), request.force, visible_queues())
         return pb.DeleteQueueResponse()
 
     async def clear_queue(
@@ -205,9 +211,7 @@ class QueuesService:
         )
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
-        return generic_handler(
-            SERVICE,
-            {
+        methods: dict[str, Any] = {
                 "CreateQueue": (self.create_queue, pb.CreateQueueRequest, pb.CreateQueueResponse, Action.ADMIN),
                 "GetQueue": (self.get_queue, pb.GetQueueRequest, pb.GetQueueResponse, Action.READ),
                 "ListQueues": (self.list_queues, pb.ListQueuesRequest, pb.ListQueuesResponse, Action.LIST),
@@ -215,6 +219,7 @@ class QueuesService:
                 "DeleteQueue": (self.delete_queue, pb.DeleteQueueRequest, pb.DeleteQueueResponse, Action.ADMIN),
                 "ClearQueue": (self.clear_queue, pb.ClearQueueRequest, pb.ClearQueueResponse, Action.ADMIN),
                 "GetQueueStats": (self.get_queue_stats, pb.GetQueueStatsRequest, pb.GetQueueStatsResponse, Action.READ),
-            },
-            guard=self.guard,
-        )
+        }
+        if self.cluster is not None:
+            methods = self.cluster.router.route(SERVICE, methods)
+        return generic_handler(SERVICE, methods, guard=self.guard)

@@ -21,6 +21,7 @@ from ..errors import (
     NotFound,
     PermissionDenied,
     QueratorError,
+    Relayed,
     ResourceExhausted,
     Unauthenticated,
     Unavailable,
@@ -43,6 +44,8 @@ _CODES: dict[type[QueratorError], grpc.StatusCode] = {
 
 
 def status_code(error: QueratorError) -> grpc.StatusCode:
+    if isinstance(error, Relayed):
+        return next((c for c in grpc.StatusCode if c.value[0] == error.code), grpc.StatusCode.UNKNOWN)
     for cls in type(error).__mro__:
         code = _CODES.get(cls)
         if code is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from querator.v1 import storage_pb2 as pb
@@ -16,6 +16,9 @@ from . import convert as c
 from ..auth import Action
 from .authz import Guard
 from .handlers import generic_handler
+
+if TYPE_CHECKING:
+    from ..cluster.router import Router
 
 SERVICE = "querator.v1.StorageService"
 
@@ -47,9 +50,10 @@ def storage_item(stored: a.StoredItem) -> pb.StorageItem:
 
 
 class StorageService:
-    def __init__(self, manager: QueuesManager, guard: Guard | None = None) -> None:
+    def __init__(self, manager: QueuesManager, guard: Guard | None = None, router: Router | None = None) -> None:
         self.manager = manager
         self.guard = guard
+        self.router = router  # cluster mode: each call goes to its partition's home
 
     async def _list(
         self,
@@ -133,9 +137,7 @@ class StorageService:
         return pb.DeleteItemsResponse()
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
-        return generic_handler(
-            SERVICE,
-            {
+        methods: dict[str, Any] = {
                 "ListItems": (self.list_items, pb.ListItemsRequest, pb.ListItemsResponse, Action.ADMIN),
                 "ListScheduledItems": (
                     self.list_scheduled_items,
@@ -143,6 +145,7 @@ class StorageService:
                     pb.ListScheduledItemsResponse, Action.ADMIN),
                 "ImportItems": (self.import_items, pb.ImportItemsRequest, pb.ImportItemsResponse, Action.ADMIN),
                 "DeleteItems": (self.delete_items, pb.DeleteItemsRequest, pb.DeleteItemsResponse, Action.ADMIN),
-            },
-            guard=self.guard,
-        )
+        }
+        if self.router is not None:
+            methods = self.router.route(SERVICE, methods)
+        return generic_handler(SERVICE, methods, guard=self.guard)

@@ -1,0 +1,195 @@
+"""The node's cached copy of the cluster catalog, kept current by watching etcd.
+
+List the prefix at a revision, then watch from the next one; after an error watch
+again from the last revision seen + 1, after a compaction list again. Data calls
+read only this cache, so they keep working while etcd is away; admin calls write
+etcd and wait until the cache (and the local storage, see Coordinator.reconcile)
+has caught up with their write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import structlog
+
+from ..errors import Unavailable
+from .etcd import Compacted, Etcd, EtcdError, Event, KeyValue
+from .placement import QueueEntry
+
+log = structlog.get_logger("querator.cluster")
+
+# Backoff between two failed watch attempts: short, as a node re-watches once etcd is
+# back; capped, so a long outage costs a call a second at most.
+_RETRY_FIRST_S = 0.1
+_RETRY_MAX_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    node: str
+    address: str
+    create_revision: int
+
+
+class Keys:
+    """Key names under the cluster prefix."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix.encode()
+
+    def member(self, node: str) -> bytes:
+        return self.prefix + b"members/" + node.encode()
+
+    def queue(self, name: str) -> bytes:
+        return self.prefix + b"queues/" + name.encode()
+
+    def deleted(self, name: str) -> bytes:
+        return self.prefix + b"deleted/" + name.encode()
+
+    def api_key(self, key_id: str) -> bytes:
+        return self.prefix + b"keys/" + key_id.encode()
+
+    def retired(self, node: str) -> bytes:
+        return self.prefix + b"retired/" + node.encode()
+
+
+class CatalogCache:
+    """Queues, members, API keys, tombstones and retired nodes, at ``revision``."""
+
+    def __init__(self, etcd: Etcd, keys: Keys, on_change: Callable[[], Awaitable[None]]) -> None:
+        self._etcd = etcd
+        self.keys = keys
+        self._on_change = on_change
+        self.revision = 0  # the catalog revision the cache reflects
+        self.applied = 0  # the revision the local storage has been brought in step with
+        self.queues: dict[str, QueueEntry] = {}
+        self.members: dict[str, Member] = {}
+        self.api_keys: dict[str, dict[str, object]] = {}
+        self.deleted: set[str] = set()
+        self.retired: set[str] = set()
+        self.watching = False
+        self.relists = 0
+        self._caught_up = asyncio.Condition()
+        self._task: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None
+
+    # -- loading ---------------------------------------------------------------------
+
+    def _apply(self, kv: KeyValue, deleted: bool) -> None:
+        key = kv.key[len(self.keys.prefix) :].decode()
+        kind, _, name = key.partition("/")
+        if kind == "queues":
+            if deleted:
+                self.queues.pop(name, None)
+            else:
+                self.queues[name] = QueueEntry.decode(name, kv.value, kv.mod_revision)
+        elif kind == "members":
+            if deleted:
+                self.members.pop(name, None)
+            else:
+                address = json.loads(kv.value)["address"]
+                self.members[name] = Member(name, address, kv.create_revision)
+        elif kind == "keys":
+            if deleted:
+                self.api_keys.pop(name, None)
+            else:
+                self.api_keys[name] = json.loads(kv.value)
+        elif kind == "deleted":
+            (self.deleted.discard if deleted else self.deleted.add)(name)
+        elif kind == "retired":
+            (self.retired.discard if deleted else self.retired.add)(name)
+
+    async def load(self) -> None:
+        """List everything (a start, or a watch whose history was compacted)."""
+        revision, kvs = await self._etcd.range_prefix(self.keys.prefix)
+        self.queues.clear()
+        self.members.clear()
+        self.api_keys.clear()
+        self.deleted.clear()
+        self.retired.clear()
+        for kv in kvs:
+            self._apply(kv, False)
+        self.revision = revision
+        await self._changed()
+
+    async def _changed(self) -> None:
+        await self._on_change()
+        async with self._caught_up:
+            self.applied = self.revision
+            self._caught_up.notify_all()
+
+    def apply_events(self, revision: int, events: list[Event]) -> None:
+        for event in events:
+            self._apply(event.kv, event.deleted)
+        self.revision = max(self.revision, revision)
+
+    # -- the watch -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="querator-catalog-watch")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def rewatch(self) -> None:
+        """Drop the current watch and start another (etcd came back: the old stream may
+        be one a paused etcd left silent)."""
+        if self._watch is not None:
+            self._watch.cancel()
+
+    async def _run(self) -> None:
+        delay = _RETRY_FIRST_S
+        relist = False
+        while True:
+            try:
+                if relist:
+                    await self.load()
+                    self.relists += 1
+                    relist = False
+                self._watch = asyncio.create_task(self._follow())
+                await self._watch
+            except Compacted as exc:
+                log.warning("catalog_watch_compacted", revision=self.revision, compacted=exc.revision)
+                relist = True
+                continue
+            except asyncio.CancelledError:
+                if self._task is not None and self._task.cancelling():
+                    raise
+                delay = _RETRY_FIRST_S  # rewatch(): at once
+                continue
+            except EtcdError as exc:
+                log.warning("catalog_watch_lost", error=str(exc), revision=self.revision)
+            except Exception:
+                log.exception("catalog_watch_failed", revision=self.revision)
+            finally:
+                self.watching = False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _RETRY_MAX_S)
+
+    async def _follow(self) -> None:
+        async for revision, events in self._etcd.watch(self.keys.prefix, self.revision + 1):
+            self.watching = True
+            self.apply_events(revision, events)
+            if events:
+                await self._changed()
+            else:  # a progress note: nothing changed up to ``revision``
+                async with self._caught_up:
+                    self.applied = max(self.applied, revision)
+                    self._caught_up.notify_all()
+
+    async def wait_applied(self, revision: int, timeout: float) -> None:
+        """Return once the local storage reflects catalog ``revision``."""
+        async with self._caught_up:
+            try:
+                await asyncio.wait_for(self._caught_up.wait_for(lambda: self.applied >= revision), timeout)
+            except TimeoutError:
+                raise Unavailable(
+                    f"the change was made (catalog revision {revision}) but this node has not applied it yet; "
+                    "read it again shortly"
+                ) from None

@@ -1,0 +1,345 @@
+"""The cluster coordinator: beside the queues manager, it keeps the node's local
+queues in step with the catalog in etcd and makes the admin changes there.
+
+Every admin change is one etcd transaction that compares revisions: the queue key's
+(no lost update between two admins on two nodes) and this node's member key's (no
+write from a node whose membership lapsed). The local storage follows the catalog
+through ``reconcile``, run after every catalog change and at start, so a crash
+between the etcd write and the local change is repaired by the next run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import json
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+import structlog
+
+from ..auth import ApiKey, KeyRing, Role, new_key
+from ..clock import now_us
+from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, QueratorError, Unavailable
+from ..manager import QueuesManager
+from ..model import QueueConfig
+from .catalog import CatalogCache, Keys
+from .etcd import Endpoint, Etcd, EtcdError, Txn
+from .membership import Membership
+from .placement import _SHARED, Home, QueueEntry, place
+from .router import Router
+
+log = structlog.get_logger("querator.cluster")
+
+# How long an admin call waits for this node to apply its own change.
+_APPLY_TIMEOUT_S = 10.0
+# etcd 3.4 refuses a transaction of more than 128 operations (--max-txn-ops).
+_TXN_OPS = 100
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    url: str  # etcd://host:port/prefix
+    node_id: str
+    advertise: str  # host:port other nodes and clients reach this node at
+    lease_ttl_s: int = 5
+
+
+class Coordinator:
+    def __init__(
+        self,
+        manager: QueuesManager,
+        settings: ClusterSettings,
+        bootstrap_token: str = "",
+        on_standing: Callable[[bool], Awaitable[None]] | None = None,
+    ) -> None:
+        self.manager = manager
+        self.settings = settings
+        self.node = settings.node_id
+        endpoint = Endpoint.parse(settings.url)
+        self.etcd = Etcd(endpoint.targets)
+        self.keys = Keys(endpoint.prefix)
+        self.catalog = CatalogCache(self.etcd, self.keys, self.reconcile)
+        self._on_standing = on_standing
+        self.membership = Membership(
+            self.etcd, self.keys.member(self.node), self.node, settings.advertise, settings.lease_ttl_s, self._standing
+        )
+        self.router = Router(self.node, self.catalog, self.lookup)
+        self._bootstrap_token = bootstrap_token
+        self._reconcile_lock = asyncio.Lock()
+        self.retired = False
+
+    # -- start and stop ------------------------------------------------------------
+
+    async def start(self, timeout: float = 30.0) -> None:
+        try:
+            _, retired = await self.etcd.get(self.keys.retired(self.node))
+            if retired is not None:
+                raise OSError(
+                    f"node {self.node!r} was retired from the cluster (its partitions were recreated "
+                    "elsewhere); start it with a new node id and an empty data directory"
+                )
+            await self.membership.register(timeout=timeout)
+            await self.catalog.load()
+        except EtcdError as exc:
+            raise OSError(f"cannot reach the cluster catalog at {self.settings.url}: {exc}") from exc
+        except QueratorError as exc:
+            raise OSError(str(exc)) from exc
+        self.catalog.start()
+        self.membership.start()
+        log.info("cluster_joined", node=self.node, advertise=self.settings.advertise, revision=self.catalog.revision)
+
+    async def stop(self) -> None:
+        await self.catalog.stop()
+        await self.membership.stop()
+        await self.router.close()
+        await self.etcd.close()
+
+    async def _standing(self, standing: bool) -> None:
+        if standing:
+            self.catalog.rewatch()  # a stream left silent by a paused etcd is not trusted
+        if self._on_standing is not None:
+            await self._on_standing(standing)
+
+    # -- the local storage follows the catalog --------------------------------------
+
+    async def reconcile(self) -> None:
+        async with self._reconcile_lock:
+            catalog = self.catalog
+            if self.node in catalog.retired and not self.retired:
+                self.retired = True
+                log.error("cluster_node_retired", node=self.node, detail="this node no longer serves its partitions")
+            member = catalog.members.get(self.node)
+            if self.membership.create_revision and (
+                member is None or member.create_revision != self.membership.create_revision
+            ):
+                self.membership.lost()
+            for entry in _dead_queues_first(catalog.queues.values()):
+                await self._apply(entry)
+            for config in list(self.manager.list("", len(catalog.queues) + 1_000_000)[0]):
+                if config.name not in catalog.queues and config.name in catalog.deleted:
+                    try:
+                        await self.manager.delete(config.name, force=True)
+                        log.info("cluster_queue_removed", queue=config.name)
+                    except QueratorError as exc:
+                        log.warning("cluster_queue_remove_failed", queue=config.name, error=exc.message)
+            self.manager.keyring = KeyRing(
+                (_key(r) for r in catalog.api_keys.values()), bootstrap_token=self._bootstrap_token
+            )
+
+    async def _apply(self, entry: QueueEntry) -> None:
+        count = entry.local_count(self.node)
+        if count == 0:
+            return
+        try:
+            local = self.manager.get(entry.config.name)
+        except NotFound:
+            local = None
+        try:
+            if local is None:
+                await self.manager.create(entry.config.replace(partitions=count))
+                log.info("cluster_queue_created_here", queue=entry.config.name, partitions=count)
+                return
+            changes: dict[str, object] = {
+                f: getattr(entry.config, f) for f in _SHARED if f not in ("created_at_us", "updated_at_us")
+                and getattr(entry.config, f) != getattr(local, f)
+            }
+            if local.partitions < count:
+                changes["partitions"] = count
+            if changes:
+                await self.manager.update(entry.config.name, changes)
+        except QueratorError as exc:
+            log.error("cluster_reconcile_failed", queue=entry.config.name, error=exc.message)
+
+    async def lookup(self, name: str) -> QueueEntry:
+        """The queue's entry; read from etcd when the cache does not have it yet (a queue
+        just created on another node), so a call right after a create finds it."""
+        entry = self.catalog.queues.get(name)
+        if entry is not None:
+            if self.retired:
+                raise FailedPrecondition(f"node {self.node!r} was retired from the cluster")
+            return entry
+        try:
+            _, kv = await self.etcd.get(self.keys.queue(name))
+        except EtcdError:
+            kv = None
+        if kv is None:
+            raise NotFound(f"queue {name!r} does not exist")
+        await self.catalog.wait_applied(kv.mod_revision, _APPLY_TIMEOUT_S)
+        return self.catalog.queues.get(name) or QueueEntry.decode(name, kv.value, kv.mod_revision)
+
+    # -- admin ---------------------------------------------------------------------
+
+    def _live(self) -> builtins.list[str]:
+        return sorted(self.catalog.members)
+
+    def _fenced_txn(self) -> Txn:
+        self.membership.check()
+        return Txn().created_at(self.keys.member(self.node), self.membership.create_revision)
+
+    async def _commit(self, txn: Txn, conflict: Callable[[], QueratorError]) -> int:
+        try:
+            ok, revision = await self.etcd.txn(txn)
+        except EtcdError as exc:
+            raise Unavailable(f"the cluster catalog (etcd) did not answer; nothing was changed: {exc}") from None
+        if not ok:
+            try:
+                _, member = await self.etcd.get(self.keys.member(self.node))
+            except EtcdError as exc:
+                raise Unavailable(f"the cluster catalog (etcd) did not answer: {exc}") from None
+            if member is None or member.create_revision != self.membership.create_revision:
+                self.membership.lost()
+                raise Unavailable(f"node {self.node!r} lost its cluster membership; nothing was changed, retry")
+            raise conflict()
+        await self.catalog.wait_applied(revision, _APPLY_TIMEOUT_S)
+        return revision
+
+    @staticmethod
+    def _no_dead_queue(config: QueueConfig) -> None:
+        if config.dead_queue:
+            raise InvalidArgument("queue.dead_queue", "dead-letter queues are not available in cluster mode yet")
+
+    async def create(self, config: QueueConfig) -> QueueConfig:
+        self._no_dead_queue(config)
+        txn = self._fenced_txn()
+        live = self._live()
+        if not live:
+            raise Unavailable("no live node to place the queue's partitions on")
+        now = now_us()
+        entry = QueueEntry(
+            config.replace(created_at_us=now, updated_at_us=now, uid=0, group=-1), tuple(place(config.partitions, live))
+        )
+        key = self.keys.queue(config.name)
+        txn.created_at(key, 0).put(key, entry.encode()).delete(self.keys.deleted(config.name))
+        await self._commit(txn, lambda: AlreadyExists(f"queue {config.name!r} already exists"))
+        log.info("cluster_queue_created", queue=config.name, homes=[h.node for h in entry.homes])
+        return self.get(config.name)
+
+    def get(self, name: str) -> QueueConfig:
+        entry = self.catalog.queues.get(name)
+        if entry is None:
+            raise NotFound(f"queue {name!r} does not exist")
+        return entry.config
+
+    def list(
+        self, after: str, limit: int, visible: Callable[[str], bool] | None = None
+    ) -> tuple[builtins.list[QueueConfig], bool]:
+        names = sorted(n for n in self.catalog.queues if n > after and (visible is None or visible(n)))
+        return [self.catalog.queues[n].config for n in names[:limit]], len(names) > limit
+
+    async def update(self, name: str, changes: dict[str, object]) -> QueueConfig:
+        txn = self._fenced_txn()
+        entry = self.catalog.queues.get(name)
+        if entry is None:
+            raise NotFound(f"queue {name!r} does not exist")
+        current = entry.config
+        updated = current.replace(**changes, updated_at_us=now_us())
+        if updated.lease_timeout_us > updated.expire_timeout_us:
+            raise InvalidArgument("queue.lease_timeout", "must not be longer than expire_timeout")
+        if updated.partitions < current.partitions:
+            raise FailedPrecondition(
+                f"requested_partitions cannot be lowered from {current.partitions} to {updated.partitions}"
+            )
+        self._no_dead_queue(updated)
+        homes = entry.homes
+        if updated.partitions > current.partitions:
+            homes = homes + tuple(place(updated.partitions - current.partitions, self._live(), homes))
+        new = QueueEntry(updated, homes)
+        key = self.keys.queue(name)
+        txn.modified_at(key, entry.mod_revision).put(key, new.encode())
+        await self._commit(
+            txn,
+            lambda: FailedPrecondition(
+                f"queue {name!r} was changed by another admin meanwhile; read it again and retry"
+            ),
+        )
+        return self.get(name)
+
+    async def delete(self, name: str, force: bool) -> None:
+        """Delete the queue everywhere (Router.delete checked first that it is empty,
+        unless forced: the homes' storage goes when they apply the change)."""
+        txn = self._fenced_txn()
+        entry = self.catalog.queues.get(name)
+        if entry is None:
+            raise NotFound(f"queue {name!r} does not exist")
+        key = self.keys.queue(name)
+        txn.modified_at(key, entry.mod_revision).delete(key).put(self.keys.deleted(name), b"{}")
+        await self._commit(
+            txn, lambda: FailedPrecondition(f"queue {name!r} was changed by another admin meanwhile; retry")
+        )
+        log.info("cluster_queue_deleted", queue=name)
+
+    async def create_key(self, role: Role, queues: builtins.list[str], description: str) -> tuple[ApiKey, str]:
+        key, token = new_key(role, queues, description, now_us())
+        record = {
+            "key_id": key.key_id,
+            "role": int(key.role),
+            "queues": list(key.queues),
+            "description": key.description,
+            "created_at_us": key.created_at_us,
+            "secret_sha256": key.secret_hash,
+        }
+        name = self.keys.api_key(key.key_id)
+        txn = self._fenced_txn().created_at(name, 0).put(name, json.dumps(record).encode())
+        await self._commit(txn, lambda: AlreadyExists(f"key {key.key_id} exists"))
+        return key, token
+
+    async def revoke_key(self, key_id: str) -> None:
+        if key_id not in self.catalog.api_keys:
+            raise NotFound(f"key {key_id!r} does not exist")
+        name = self.keys.api_key(key_id)
+        txn = self._fenced_txn().delete(name)
+        await self._commit(txn, lambda: NotFound(f"key {key_id!r} does not exist"))
+
+    async def retire(self, node: str) -> int:
+        """Recreate ``node``'s partitions, empty, on the live nodes; its items are lost."""
+        if not node:
+            raise InvalidArgument("node_id", "is required")
+        if node == self.node or node in self.catalog.members:
+            raise FailedPrecondition(f"node {node!r} is live; only a dead node can be retired")
+        owned = [e for e in self.catalog.queues.values() if any(h.node == node for h in e.homes)]
+        if not owned and node in self.catalog.retired:
+            return 0
+        live = self._live()
+        if not live:
+            raise Unavailable("no live node to recreate the partitions on")
+        # The first transaction marks the node retired (it can never come back) while it
+        # is still not registered; later ones, if the queues do not fit in one, move the rest.
+        txn = self._fenced_txn().created_at(self.keys.member(node), 0).put(self.keys.retired(node), b"{}")
+        ops = 1
+        moved = 0
+        for entry in owned:
+            kept = [h for h in entry.homes if h.node != node]
+            homes: list[Home] = []
+            for h in entry.homes:
+                if h.node == node:
+                    (new,) = place(1, live, kept + homes)
+                    homes.append(new)
+                    moved += 1
+                else:
+                    homes.append(h)
+            key = self.keys.queue(entry.config.name)
+            txn.modified_at(key, entry.mod_revision).put(key, QueueEntry(entry.config, tuple(homes)).encode())
+            ops += 1
+            if ops >= _TXN_OPS:
+                await self._commit(txn, lambda: FailedPrecondition("the catalog changed meanwhile; retry"))
+                txn, ops = self._fenced_txn().created_at(self.keys.member(node), 0), 0
+        if ops:
+            await self._commit(txn, lambda: FailedPrecondition("the catalog changed meanwhile (or the node came back); retry"))
+        log.warning("cluster_node_retired_by_admin", node=node, partitions_recreated=moved)
+        return moved
+
+
+def _dead_queues_first(entries: Iterable[QueueEntry]) -> list[QueueEntry]:
+    return sorted(entries, key=lambda e: (bool(e.config.dead_queue), e.config.name))
+
+
+def _key(record: dict[str, object]) -> ApiKey:
+    return ApiKey(
+        key_id=str(record["key_id"]),
+        role=Role(int(record["role"])),  # type: ignore[call-overload]
+        queues=tuple(str(q) for q in record["queues"]),  # type: ignore[attr-defined]
+        description=str(record["description"]),
+        created_at_us=int(record["created_at_us"]),  # type: ignore[call-overload]
+        secret_hash=str(record["secret_sha256"]),
+    )

@@ -1,0 +1,103 @@
+"""Where a queue's partitions live: the catalog entry of a queue and its placement.
+
+A partition's home is the node whose local LMDB holds it, named in the catalog as
+(node id, local index): the node keeps the queue as a local queue whose partition
+``local index`` is that global partition. Local indexes of a node only grow (a new
+partition takes the next free one), so the partitions a node already holds never
+change index when partitions are added or a retired node's are recreated.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ..model import QueueConfig
+
+# QueueConfig fields that belong to the cluster-wide queue; uid and group say where
+# one node keeps its part and are the node's own.
+_SHARED = (
+    "dead_queue",
+    "reference",
+    "lease_timeout_us",
+    "expire_timeout_us",
+    "max_attempts",
+    "created_at_us",
+    "updated_at_us",
+    "dedup_window_us",
+    "lease_key_ttl_us",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Home:
+    node: str
+    index: int  # the partition's index in the node's local queue
+
+
+@dataclass(frozen=True, slots=True)
+class QueueEntry:
+    """A queue as the catalog holds it: its settings and each partition's home."""
+
+    config: QueueConfig  # partitions == len(homes); uid and group unset
+    homes: tuple[Home, ...]
+    mod_revision: int = 0  # of its etcd key; updates compare it
+
+    def encode(self) -> bytes:
+        settings = {field: getattr(self.config, field) for field in _SHARED}
+        return json.dumps(
+            {"settings": settings, "homes": [[h.node, h.index] for h in self.homes]}, sort_keys=True
+        ).encode()
+
+    @classmethod
+    def decode(cls, name: str, data: bytes, mod_revision: int) -> QueueEntry:
+        doc = json.loads(data)
+        homes = tuple(Home(str(node), int(index)) for node, index in doc["homes"])
+        config = QueueConfig(name=name, partitions=len(homes)).replace(**doc["settings"])
+        return cls(config, homes, mod_revision)
+
+    def local_partitions(self, node: str) -> dict[int, int]:
+        """``node``'s local index -> global partition, for the partitions it homes."""
+        return {h.index: p for p, h in enumerate(self.homes) if h.node == node}
+
+    def local_count(self, node: str) -> int:
+        """How many partitions ``node``'s local queue needs (its highest index + 1)."""
+        return max((h.index + 1 for h in self.homes if h.node == node), default=0)
+
+    def nodes(self) -> list[str]:
+        return sorted({h.node for h in self.homes})
+
+
+def place(count: int, live: Sequence[str], existing: Iterable[Home] = ()) -> list[Home]:
+    """Homes for ``count`` new partitions over the ``live`` nodes.
+
+    Each goes to the live node holding the fewest partitions of the queue so far (ties:
+    node id order), so a queue with at least as many partitions as nodes has some on
+    every node, and partitions added later even it out.
+    """
+    if not live:
+        raise ValueError("no live node to place partitions on")
+    existing = list(existing)
+    held = Counter(h.node for h in existing)
+    next_index: dict[str, int] = {}
+    for h in existing:
+        next_index[h.node] = max(next_index.get(h.node, 0), h.index + 1)
+    out: list[Home] = []
+    for _ in range(count):
+        node = min(sorted(live), key=lambda n: held[n])
+        index = next_index.get(node, 0)
+        out.append(Home(node, index))
+        held[node] += 1
+        next_index[node] = index + 1
+    return out
+
+
+def key_partition(key: str, partitions: int) -> int:
+    """The partition a keyed request (idempotency or lease key) belongs to.
+
+    crc32, not hash(): every node must pick the same partition for a key.
+    """
+    return zlib.crc32(key.encode()) % partitions

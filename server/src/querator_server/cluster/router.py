@@ -1,0 +1,378 @@
+"""Data calls in a cluster: served here when this node homes the partition, else
+forwarded one hop to the node that does.
+
+Partition numbers on the wire are the queue's cluster-wide numbers; each node keeps
+its partitions of a queue as a local queue with its own indexes (placement.py), so a
+call served here is translated on the way in and out. A forwarded call carries the
+``x-querator-forwarded`` header, and a node never forwards a call that has it: at most
+one hop, loops impossible by construction. It keeps the caller's deadline and
+metadata (API key, trace context).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+from querator.v1 import queue_pb2 as pb
+from querator.v1 import queues_pb2 as qpb
+
+from ..errors import FailedPrecondition, InvalidArgument, Relayed, Unavailable
+from ..model import DEFAULT_WAIT_US, MAX_WAIT_US
+from .catalog import CatalogCache
+from .placement import QueueEntry, key_partition
+
+FORWARDED = "x-querator-forwarded"
+# Headers gRPC itself sets; everything else the caller sent travels with a forwarded call.
+_TRANSPORT_HEADERS = frozenset({"user-agent", "grpc-accept-encoding", "grpc-timeout", "te", "content-type"})
+# A Lease that finds nothing anywhere waits on one node for at most this long before it
+# looks at the others again, so items produced elsewhere reach a waiting consumer.
+_LEASE_SLICE_S = 1.0
+
+M = TypeVar("M", bound=Message)
+Local = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
+
+
+class Router:
+    def __init__(self, node: str, catalog: CatalogCache, lookup: Callable[[str], Awaitable[QueueEntry]]) -> None:
+        self.node = node
+        self._catalog = catalog
+        self._lookup = lookup
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._turn = itertools.count()
+        self.forwarded = 0
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        await asyncio.gather(*(c.close(None) for c in channels.values()), return_exceptions=True)
+
+    # -- where things are ----------------------------------------------------------
+
+    def live(self, node: str) -> bool:
+        return node in self._catalog.members
+
+    def _homes_here(self, entry: QueueEntry) -> bool:
+        return any(h.node == self.node for h in entry.homes)
+
+    def _global(self, entry: QueueEntry, local: int) -> int:
+        for partition, home in enumerate(entry.homes):
+            if home.node == self.node and home.index == local:
+                return partition
+        raise Unavailable(f"queue {entry.config.name!r}: local partition {local} has no home here")
+
+    def _check_partition(self, entry: QueueEntry, partition: int, field: str) -> None:
+        if not 0 <= partition < len(entry.homes):
+            raise InvalidArgument(
+                field, f"must be between 0 and {len(entry.homes) - 1} (the queue has {len(entry.homes)}), got {partition}"
+            )
+
+    def _other_homes(self, entry: QueueEntry) -> list[str]:
+        """Live nodes other than this one that home partitions of the queue, in turn."""
+        nodes = [n for n in entry.nodes() if n != self.node and self.live(n)]
+        if nodes:
+            turn = next(self._turn) % len(nodes)
+            nodes = nodes[turn:] + nodes[:turn]
+        return nodes
+
+    # -- forwarding ----------------------------------------------------------------
+
+    def _channel(self, node: str) -> grpc.aio.Channel:
+        member = self._catalog.members.get(node)
+        if member is None:
+            raise Unavailable(f"node {node!r} is not live; its partitions are unavailable until it returns")
+        channel = self._channels.get(member.address)
+        if channel is None:
+            channel = self._channels[member.address] = grpc.aio.insecure_channel(member.address)
+        return channel
+
+    async def _forward(
+        self,
+        node: str,
+        method: str,
+        request: Message,
+        response_type: type[M],
+        context: grpc.aio.ServicerContext[Any, Any],
+        timeout: float | None = None,
+    ) -> M:
+        metadata = [
+            (k, v) for k, v in (context.invocation_metadata() or ()) if k not in _TRANSPORT_HEADERS and k != FORWARDED
+        ]
+        metadata.append((FORWARDED, self.node))
+        remaining = context.time_remaining()
+        if timeout is None or (remaining is not None and remaining < timeout):
+            timeout = remaining
+        call = self._channel(node).unary_unary(
+            method, request_serializer=type(request).SerializeToString, response_deserializer=response_type.FromString
+        )
+        self.forwarded += 1
+        try:
+            return await call(request, timeout=timeout, metadata=metadata)  # type: ignore[no-any-return]
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.UNAVAILABLE:
+                raise Unavailable(f"node {node!r} (forwarded to) is unavailable: {exc.details()}") from None
+            raise Relayed(code.value[0], exc.details() or code.name) from None
+
+    @staticmethod
+    def is_forwarded(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
+        return any(k == FORWARDED for k, _ in (context.invocation_metadata() or ()))
+
+    # -- Produce ---------------------------------------------------------------------
+
+    async def produce(self, request: pb.ProduceRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local) -> pb.ProduceResponse:
+        entry = await self._lookup(request.queue_name)
+        key = next((item.idempotency_key for item in request.items if item.idempotency_key), "")
+        if key:  # dedup works per home node: a key always goes to the same one
+            target = entry.homes[key_partition(key, len(entry.homes))].node
+        elif self._homes_here(entry) or self.is_forwarded(context):
+            target = self.node
+        else:
+            others = self._other_homes(entry)
+            if not others:
+                raise Unavailable(f"queue {entry.config.name!r}: no live node homes any of its partitions")
+            target = others[0]
+        if target != self.node and not self.is_forwarded(context):
+            return await self._forward(target, "/querator.v1.QueueService/Produce", request, pb.ProduceResponse, context)
+        response: pb.ProduceResponse = await local(request, context)
+        response.partition = self._global(entry, response.partition)
+        return response
+
+    # -- Lease -----------------------------------------------------------------------
+
+    async def lease(self, request: pb.LeaseRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local) -> pb.LeaseResponse:
+        entry = await self._lookup(request.queue_name)
+        forwarded = self.is_forwarded(context)
+        if request.complete_ids:
+            self._check_partition(entry, request.complete_partition, "complete_partition")
+            home = entry.homes[request.complete_partition]
+            if home.node == self.node:
+                request.complete_partition = home.index
+            else:  # complete at the items' home first, then lease without them
+                done = pb.CompleteRequest(
+                    queue_name=request.queue_name, partition=request.complete_partition, ids=request.complete_ids
+                )
+                await self._forward(home.node, "/querator.v1.QueueService/Complete", done, pb.CompleteResponse, context)
+                del request.complete_ids[:]
+                request.complete_partition = 0
+        if request.lease_key:
+            node = entry.homes[key_partition(request.lease_key, len(entry.homes))].node
+            if node == self.node or forwarded:
+                return await self._lease_here(entry, request, context, local)
+            return await self._forward(node, "/querator.v1.QueueService/Lease", request, pb.LeaseResponse, context)
+        if forwarded:
+            return await self._lease_here(entry, request, context, local)
+        return await self._lease_anywhere(entry, request, context, local)
+
+    async def _lease_here(
+        self, entry: QueueEntry, request: pb.LeaseRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local
+    ) -> pb.LeaseResponse:
+        response: pb.LeaseResponse = await local(request, context)
+        if response.items or response.HasField("columns") and response.columns.ids:
+            response.partition = self._global(entry, response.partition)
+        else:
+            response.partition = 0
+        return response
+
+    async def _lease_anywhere(
+        self, entry: QueueEntry, request: pb.LeaseRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local
+    ) -> pb.LeaseResponse:
+        """Items from this node's partitions when it has some ready; else from another
+        home's; else wait, a slice at a time, looking at every home between slices."""
+        loop = asyncio.get_running_loop()
+        if request.HasField("request_timeout"):
+            wait_s = request.request_timeout.seconds + request.request_timeout.nanos / 1e9
+        else:
+            remaining = context.time_remaining()
+            wait_s = min(remaining, MAX_WAIT_US / 1e6) if remaining is not None else DEFAULT_WAIT_US / 1e6
+        give_up = loop.time() + max(0.0, wait_s)
+        here = self._homes_here(entry)
+        probe = pb.LeaseRequest()
+        while True:
+            probe.CopyFrom(request)
+            probe.request_timeout.FromSeconds(0)
+            if here:
+                response = await self._lease_here(entry, probe, context, local)
+                if _has_items(response):
+                    return response
+                del probe.complete_ids[:]  # completed by the first probe
+            others = self._other_homes(entry)
+            for node in others:
+                try:
+                    response = await self._forward(node, "/querator.v1.QueueService/Lease", probe, pb.LeaseResponse, context)
+                except Unavailable:
+                    continue  # a home that died meanwhile: its partitions are skipped
+                if _has_items(response):
+                    return response
+            left = give_up - loop.time()
+            if left <= 0.05:
+                return pb.LeaseResponse(queue_name=entry.config.name)
+            probe.CopyFrom(request)
+            del probe.complete_ids[:]
+            probe.request_timeout.FromNanoseconds(int(min(left, _LEASE_SLICE_S) * 1e9))
+            if here:
+                response = await self._lease_here(entry, probe, context, local)
+            elif others:
+                try:
+                    response = await self._forward(
+                        others[0], "/querator.v1.QueueService/Lease", probe, pb.LeaseResponse, context
+                    )
+                except Unavailable:
+                    await asyncio.sleep(min(left, _LEASE_SLICE_S))
+                    continue
+            else:
+                raise Unavailable(f"queue {entry.config.name!r}: no live node homes any of its partitions")
+            if _has_items(response):
+                return response
+
+    # -- Complete, Retry, Extend: at the item's home --------------------------------
+
+    async def to_home(
+        self,
+        method: str,
+        request: Any,
+        response_type: type[M],
+        context: grpc.aio.ServicerContext[Any, Any],
+        local: Local,
+    ) -> M:
+        """A call about one partition (Complete, Retry, Extend, the storage calls), at
+        that partition's home; by the first lease key's partition when it names keys only."""
+        entry = await self._lookup(request.queue_name)
+        keys = list(getattr(request, "lease_keys", ()))
+        by_key = bool(keys) and not (getattr(request, "ids", None) or getattr(request, "items", None))
+        if by_key:
+            partition = key_partition(keys[0], len(entry.homes))
+        else:
+            self._check_partition(entry, request.partition, "partition")
+            partition = request.partition
+        home = entry.homes[partition]
+        if home.node != self.node:
+            if self.is_forwarded(context):
+                raise Unavailable(f"partition {partition} is not homed on node {self.node!r}")
+            if not self.live(home.node):
+                raise Unavailable(
+                    f"partition {partition} of queue {entry.config.name!r} lives on node {home.node!r}, "
+                    "which is down; its items are served again when it returns"
+                )
+            return await self._forward(home.node, method, request, response_type, context)
+        if not by_key:
+            request.partition = home.index
+        return await local(request, context)  # type: ignore[no-any-return]
+
+    async def everywhere(
+        self, method: str, request: Any, response_type: type[M], context: grpc.aio.ServicerContext[Any, Any], local: Local
+    ) -> M:
+        """A call for the whole queue (ClearQueue): on every node that homes part of it."""
+        entry = await self._lookup(request.queue_name)
+        if self.is_forwarded(context):
+            return await local(request, context)  # type: ignore[no-any-return]
+        down = []
+        response = response_type()
+        for node in entry.nodes():
+            if node == self.node:
+                response = await local(request, context)
+            elif self.live(node):
+                response = await self._forward(node, method, request, response_type, context)
+            else:
+                down.append(node)
+        if down:
+            raise Unavailable(f"done on the live nodes; not on {', '.join(down)} (down): call again once they are back")
+        return response
+
+    async def delete(
+        self, request: qpb.DeleteQueueRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local, stats: Local
+    ) -> qpb.DeleteQueueResponse:
+        if not request.force:
+            entry = await self._lookup(request.queue_name)
+            found = await self.stats(qpb.GetQueueStatsRequest(queue_name=request.queue_name), context, stats)
+            if len(found.partitions) < len(entry.homes):
+                raise Unavailable(f"queue {request.queue_name!r}: a node homing part of it is down; cannot tell it is empty")
+            if any(p.total for p in found.partitions):
+                raise FailedPrecondition(f"queue {request.queue_name!r} is not empty; delete with force to drop its items")
+        return await local(request, context)  # type: ignore[no-any-return]
+
+    def route(self, service: str, methods: dict[str, Any]) -> dict[str, Any]:
+        """``methods`` (name -> (behavior, request type, response type, action), as for
+        handlers.generic_handler) with the data behaviors routed through this node."""
+        out = dict(methods)
+
+        def wrap(name: str, route: Callable[..., Awaitable[Any]]) -> None:
+            behavior, request_type, response_type, action = methods[name]
+
+            async def routed(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                return await route(request, context, behavior)
+
+            out[name] = (routed, request_type, response_type, action)
+
+        def home(name: str) -> None:
+            path = f"/{service}/{name}"
+            response_type = methods[name][2]
+            wrap(name, lambda r, c, local: self.to_home(path, r, response_type, c, local))
+
+        for name in methods:
+            if name == "Produce":
+                wrap(name, self.produce)
+            elif name == "Lease":
+                wrap(name, self.lease)
+            elif name in ("Complete", "Retry", "Extend", "ListItems", "ListScheduledItems", "ImportItems", "DeleteItems"):
+                home(name)
+            elif name == "GetQueueStats":
+                wrap(name, self.stats)
+        if "ClearQueue" in methods:
+            path, cleared = f"/{service}/ClearQueue", methods["ClearQueue"][2]
+            wrap("ClearQueue", lambda r, c, local: self.everywhere(path, r, cleared, c, local))
+        if "DeleteQueue" in methods:
+            stats = methods["GetQueueStats"][0]
+            wrap("DeleteQueue", lambda r, c, local: self.delete(r, c, local, stats))
+        return out
+
+    # -- stats -------------------------------------------------------------------------
+
+    async def stats(
+        self, request: qpb.GetQueueStatsRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local
+    ) -> qpb.GetQueueStatsResponse:
+        """Every home's partitions, in cluster numbers; a down home's are left out."""
+        entry = await self._lookup(request.queue_name)
+        if self.is_forwarded(context):
+            return await self._stats_here(entry, request, context, local)
+        out = qpb.GetQueueStatsResponse(queue_name=entry.config.name)
+        for node in entry.nodes():
+            if node == self.node:
+                part = await self._stats_here(entry, request, context, local)
+            elif self.live(node):
+                try:
+                    part = await self._forward(
+                        node, "/querator.v1.QueuesService/GetQueueStats", request, qpb.GetQueueStatsResponse, context
+                    )
+                except Unavailable:
+                    continue
+            else:
+                continue
+            out.partitions.extend(part.partitions)
+            out.lease_waiting += part.lease_waiting
+            out.produce_waiting += part.produce_waiting
+            out.in_flight += part.in_flight
+        out.partitions.sort(key=lambda s: s.partition)
+        return out
+
+    async def _stats_here(
+        self, entry: QueueEntry, request: qpb.GetQueueStatsRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local
+    ) -> qpb.GetQueueStatsResponse:
+        response: qpb.GetQueueStatsResponse = await local(request, context)
+        homed = entry.local_partitions(self.node)
+        kept = [s for s in response.partitions if s.partition in homed]
+        for s in kept:
+            s.partition = homed[s.partition]
+        del response.partitions[:]
+        response.partitions.extend(kept)
+        return response
+
+
+def _has_items(response: pb.LeaseResponse) -> bool:
+    return bool(response.items) or (response.HasField("columns") and bool(response.columns.ids))
+
+
+

@@ -1,0 +1,224 @@
+"""A real etcd and real ``querator serve --cluster`` node processes, for the cluster tests.
+
+etcd runs from the ``etcd`` binary (Debian's etcd-server package; ``./dev test``
+installs it when it can) on free loopback ports with its data in a temp dir, and is
+stopped by its PID. Without the binary the tests are skipped with the reason, except
+in CI (CI=true), where they fail: cluster tests must never silently vanish there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import IO
+
+import grpc
+import pytest
+from conftest import Stubs, free_port, wait_for_server
+from querator.v1 import cluster_pb2, cluster_pb2_grpc
+
+
+def etcd_binary() -> str:
+    path = shutil.which("etcd")
+    if path is None:
+        message = (
+            "the cluster tests need the etcd binary (Debian: apt-get install etcd-server; "
+            "./dev test installs it when run as root)"
+        )
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    return path
+
+
+class Etcd:
+    """One etcd member on loopback, its data in a temp dir."""
+
+    def __init__(self, data_dir: str) -> None:
+        self.binary = etcd_binary()
+        self.data_dir = data_dir
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self, timeout: float = 30) -> None:
+        self._log = tempfile.TemporaryFile()
+        client = f"http://{self.endpoint}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.proc = subprocess.Popen(
+            [
+                self.binary,
+                "--name", "test",
+                "--data-dir", self.data_dir,
+                "--listen-client-urls", client,
+                "--advertise-client-urls", client,
+                "--listen-peer-urls", peer,
+                "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"test={peer}",
+                "--log-level", "warn",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self._log,
+        )
+        deadline = time.monotonic() + timeout
+        channel = grpc.insecure_channel(self.endpoint)
+        try:
+            from aetcd import rpc  # type: ignore[import-untyped]
+
+            kv = rpc.KVStub(channel)
+            while True:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"etcd exited with {self.proc.returncode}:\n{self.log()}")
+                try:
+                    kv.Range(rpc.RangeRequest(key=b"probe"), timeout=1)
+                    return
+                except grpc.RpcError:
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"etcd did not answer within {timeout}s:\n{self.log()}") from None
+                    time.sleep(0.1)
+        finally:
+            channel.close()
+
+    def log(self) -> str:
+        if self._log is None:
+            return ""
+        self._log.seek(0)
+        return self._log.read().decode("utf-8", errors="replace")[-4000:]
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+class Node:
+    """``querator serve --cluster`` as a child process (kill -9, SIGSTOP)."""
+
+    def __init__(self, node_id: str, data_dir: str, cluster_url: str, ttl: int = 3) -> None:
+        self.node_id = node_id
+        self.data_dir = data_dir
+        self.cluster_url = cluster_url
+        self.ttl = ttl
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._stderr: IO[bytes] | None = None
+        self.channel: grpc.Channel | None = None
+        self.stubs: Stubs
+
+    def start(self, timeout: float = 60) -> None:
+        if self._stderr is not None:
+            self._stderr.close()
+        self._stderr = tempfile.TemporaryFile()
+        env = dict(os.environ, QUERATOR_LOG_LEVEL="warning")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "querator_server.cli",
+                "--address", self.address,
+                "--data-dir", self.data_dir,
+                "--cluster", self.cluster_url,
+                "--node-id", self.node_id,
+                "--cluster-lease-ttl", str(self.ttl),
+            ],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self._stderr,
+        )
+        wait_for_server(self.address, self.proc, timeout, self.stderr_text)
+        if self.channel is None:
+            self.channel = grpc.insecure_channel(self.address)
+            self.stubs = Stubs(self.channel)
+
+    def stderr_text(self) -> str:
+        if self._stderr is None:
+            return ""
+        self._stderr.seek(0)
+        return self._stderr.read().decode("utf-8", errors="replace")[-6000:]
+
+    def info(self, timeout: float = 10) -> cluster_pb2.ClusterInfoResponse:
+        stub = cluster_pb2_grpc.ClusterServiceStub(self.channel)
+        return stub.ClusterInfo(cluster_pb2.ClusterInfoRequest(), timeout=timeout)
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def kill9(self) -> None:
+        self.signal(signal.SIGKILL)
+        assert self.proc is not None
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
+
+
+class Cluster:
+    """An etcd and ``size`` nodes n1..n<size>, each with its own data dir under ``root``."""
+
+    def __init__(self, root: str, size: int = 3, ttl: int = 3) -> None:
+        self.root = root
+        self.etcd = Etcd(os.path.join(root, "etcd"))
+        self.prefix = f"test-{uuid.uuid4().hex[:8]}"
+        self.nodes: list[Node] = []
+        self.size = size
+        self.ttl = ttl
+
+    @property
+    def url(self) -> str:
+        return f"etcd://{self.etcd.endpoint}/{self.prefix}"
+
+    def start(self) -> Cluster:
+        self.etcd.start()
+        for i in range(1, self.size + 1):
+            node = Node(f"n{i}", os.path.join(self.root, f"n{i}"), self.url, self.ttl)
+            self.nodes.append(node)
+            node.start()
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        self.etcd.stop()
+
+    def live(self, via: Node) -> set[str]:
+        return {m.node_id for m in via.info().members if m.live}
