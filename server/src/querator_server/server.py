@@ -108,7 +108,7 @@ class QueratorServer:
                 QueuesService(self.manager, guard, cluster).handler(),
                 StorageService(self.manager, guard, router).handler(),
                 KeysService(self.manager, guard, cluster).handler(),
-                ClusterService(self.manager, self.config.address, guard, cluster).handler(),
+                ClusterService(self.manager, lambda: self.address, guard, cluster).handler(),
             )
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

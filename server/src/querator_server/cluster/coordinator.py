@@ -154,10 +154,12 @@ class Coordinator:
     async def lookup(self, name: str) -> QueueEntry:
         """The queue's entry; read from etcd when the cache does not have it yet (a queue
         just created on another node), so a call right after a create finds it."""
+        if self.retired:
+            raise FailedPrecondition(f"node {self.node!r} was retired from the cluster; it serves nothing")
         entry = self.catalog.queues.get(name)
         if entry is not None:
-            if self.retired:
-                raise FailedPrecondition(f"node {self.node!r} was retired from the cluster")
+            if entry.mod_revision > self.catalog.applied:  # seen, but not yet applied to local storage
+                await self.catalog.wait_applied(entry.mod_revision, _APPLY_TIMEOUT_S)
             return entry
         try:
             _, kv = await self.etcd.get(self.keys.queue(name))

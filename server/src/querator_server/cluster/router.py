@@ -32,6 +32,8 @@ _TRANSPORT_HEADERS = frozenset({"user-agent", "grpc-accept-encoding", "grpc-time
 # A Lease that finds nothing anywhere waits on one node for at most this long before it
 # looks at the others again, so items produced elsewhere reach a waiting consumer.
 _LEASE_SLICE_S = 1.0
+# As queue_service's answer margin: a waiting Lease answers this long before the deadline.
+_ANSWER_MARGIN_S = 0.5
 
 M = TypeVar("M", bound=Message)
 Local = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
@@ -183,11 +185,13 @@ class Router:
         """Items from this node's partitions when it has some ready; else from another
         home's; else wait, a slice at a time, looking at every home between slices."""
         loop = asyncio.get_running_loop()
+        remaining = context.time_remaining()
         if request.HasField("request_timeout"):
             wait_s = request.request_timeout.seconds + request.request_timeout.nanos / 1e9
         else:
-            remaining = context.time_remaining()
             wait_s = min(remaining, MAX_WAIT_US / 1e6) if remaining is not None else DEFAULT_WAIT_US / 1e6
+        if remaining is not None:  # answer (empty) before the caller's deadline, as a single node does
+            wait_s = min(wait_s, remaining - min(_ANSWER_MARGIN_S, remaining / 5))
         give_up = loop.time() + max(0.0, wait_s)
         here = self._homes_here(entry)
         probe = pb.LeaseRequest()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -22,10 +23,14 @@ SERVICE = "querator.v1.ClusterService"
 
 class ClusterService:
     def __init__(
-        self, manager: QueuesManager, address: str, guard: Guard | None = None, cluster: Coordinator | None = None
+        self,
+        manager: QueuesManager,
+        address: Callable[[], str],
+        guard: Guard | None = None,
+        cluster: Coordinator | None = None,
     ) -> None:
         self.manager = manager
-        self.address = address  # a single server's own address
+        self.address = address  # a single server's own address, once it listens
         self.guard = guard
         self.cluster = cluster
 
@@ -42,7 +47,7 @@ class ClusterService:
             return pb.ClusterInfoResponse(
                 clustered=False,
                 node_id="",
-                members=[pb.ClusterMember(node_id="", address=self.address, live=True)],
+                members=[pb.ClusterMember(node_id="", address=self.address(), live=True)],
                 queues=[
                     pb.QueuePlacement(queue_name=n, homes=[""] * configs[n]) for n in self._names(request, list(configs))
                 ],

@@ -1,0 +1,239 @@
+"""Cluster mode through real etcd and three real node processes on loopback.
+
+One cluster serves the whole module (starting one costs seconds); each test uses
+queues of its own. Fault tests (kill -9, SIGSTOP, etcd down) are in
+test_cluster_faults.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from cluster_helpers import Cluster
+from conftest import ThreadServer, wait_until
+from google.protobuf import field_mask_pb2
+from querator.v1 import cluster_pb2, cluster_pb2_grpc, queue_pb2, queues_pb2
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(str(tmp_path_factory.mktemp("cluster")))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+def _drain(node, name: str, expect: int, timeout: float = 60) -> list[tuple[int, queue_pb2.LeaseItem]]:
+    """Lease through ``node`` until ``expect`` items came (or the time is up)."""
+    got: list[tuple[int, queue_pb2.LeaseItem]] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < expect and time.monotonic() < deadline:
+        reply = node.stubs.lease(name, 50, timeout=10, request_timeout=_dur(1))
+        got.extend((reply.partition, item) for item in reply.items)
+    return got
+
+
+def _dur(seconds: float):
+    from conftest import dur
+
+    return dur(seconds)
+
+
+def test_create_on_n1_produce_on_n2_lease_on_n3_complete_on_n1_every_item_once(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.nodes
+    n1.stubs.create("flow", requested_partitions=6)
+    payloads = [f"item-{i}".encode() for i in range(300)]
+    for start in range(0, len(payloads), 25):
+        n2.stubs.produce("flow", payloads[start : start + 25])
+    leased = _drain(n3, "flow", len(payloads))
+    assert sorted(item.payload for _, item in leased) == sorted(payloads)
+    by_partition: dict[int, list[str]] = {}
+    for partition, item in leased:
+        by_partition.setdefault(partition, []).append(item.id)
+    # Items came from partitions on more than one node: n3 served its own and n2's.
+    homes = {p: h for p, h in enumerate(n1.info().queues[0].homes)} if n1.info().queues else {}
+    for partition, ids in by_partition.items():
+        n1.stubs.complete("flow", partition, ids)
+    stats = n2.stubs.stats("flow")
+    assert [s.partition for s in stats.partitions] == list(range(6))
+    assert sum(s.total for s in stats.partitions) == 0
+    assert n3.stubs.lease("flow", 10, request_timeout=_dur(0)).items == []
+    assert set(homes.values()) == {"n1", "n2", "n3"}
+
+
+def test_cluster_info_lists_members_and_homes_so_a_client_can_route(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.nodes
+    n2.stubs.create("routed", requested_partitions=4)
+    info = n3.info()
+    assert info.clustered and info.node_id == "n3" and info.admin_writable
+    assert {(m.node_id, m.address, m.live) for m in info.members} == {(n.node_id, n.address, True) for n in cluster.nodes}
+    (placement,) = [q for q in info.queues if q.queue_name == "routed"]
+    assert len(placement.homes) == 4 and set(placement.homes) == {"n1", "n2", "n3"}
+    addresses = {m.node_id: m.address for m in info.members}
+    nodes = {n.address: n for n in cluster.nodes}
+    # Straight to a partition's home: produce there lands in one of its partitions.
+    for partition, home in enumerate(placement.homes):
+        node = nodes[addresses[home]]
+        reply = node.stubs.produce("routed", [f"p{partition}".encode()])
+        assert placement.homes[reply.partition] == home
+    only = cluster_pb2_grpc.ClusterServiceStub(n1.channel).ClusterInfo(
+        cluster_pb2.ClusterInfoRequest(queue_names=["routed"]), timeout=10
+    )
+    assert [q.queue_name for q in only.queues] == ["routed"] and only.revision >= info.revision - 10
+
+
+def test_complete_with_the_wrong_partition_or_a_bad_one_is_refused_clearly(cluster: Cluster) -> None:
+    n1, n2, _ = cluster.nodes
+    n1.stubs.create("checked", requested_partitions=3)
+    with pytest.raises(grpc.RpcError) as error:
+        n2.stubs.complete("checked", 7, ["1.0.1"])
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "partition" in (error.value.details() or "")
+
+
+def test_two_admins_racing_update_queue_on_two_nodes_lose_no_update(cluster: Cluster) -> None:
+    n1, n2, _ = cluster.nodes
+    n1.stubs.create("raced")
+    conflicts = 0
+    for round_ in range(1, 41):
+        barrier = threading.Barrier(2)
+        outcome: dict[str, grpc.StatusCode] = {}
+
+        def update(node, field: str, info: queues_pb2.QueueInfo) -> None:
+            barrier.wait()
+            try:
+                node.stubs.queues.UpdateQueue(
+                    queues_pb2.UpdateQueueRequest(queue=info, update_mask=field_mask_pb2.FieldMask(paths=[field])),
+                    timeout=15,
+                )
+                outcome[field] = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                outcome[field] = exc.code()
+
+        threads = [
+            threading.Thread(target=update, args=(n1, "reference", queues_pb2.QueueInfo(queue_name="raced", reference=f"r{round_}"))),
+            threading.Thread(target=update, args=(n2, "max_attempts", queues_pb2.QueueInfo(queue_name="raced", max_attempts=round_))),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert set(outcome.values()) <= {grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION}, outcome
+        assert grpc.StatusCode.OK in outcome.values()  # one always wins
+        current = n1.stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="raced"), timeout=10).queue
+        # Every update that was answered OK is in the queue: none overwritten by the other.
+        if outcome["reference"] == grpc.StatusCode.OK:
+            assert current.reference == f"r{round_}"
+        if outcome["max_attempts"] == grpc.StatusCode.OK:
+            wait_until(
+                lambda: n1.stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="raced"), timeout=10).queue.max_attempts
+                == round_,
+                timeout=10,
+            )
+        if grpc.StatusCode.FAILED_PRECONDITION in outcome.values():
+            conflicts += 1
+            if conflicts >= 3:
+                break
+    assert conflicts >= 1, "forty rounds of simultaneous updates and never a conflict"
+
+
+def test_an_idempotency_key_dedups_whichever_node_receives_it(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.nodes
+    n1.stubs.create("keyed", requested_partitions=5)
+    item = queue_pb2.ProduceItem(payload=b"once", idempotency_key="order-42")
+    replies = [
+        node.stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name="keyed", items=[item]), timeout=10)
+        for node in (n1, n2, n3, n2)
+    ]
+    assert len({r.ids[0] for r in replies}) == 1
+    assert [r.duplicates for r in replies] == [0, 1, 1, 1]
+    assert sum(s.total for s in n3.stubs.stats("keyed").partitions) == 1
+
+
+def test_a_forwarded_lease_keeps_the_callers_deadline(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.nodes
+    n1.stubs.create("lonely", requested_partitions=1)
+    (home,) = n1.info().queues and [q for q in n1.info().queues if q.queue_name == "lonely"][0].homes
+    elsewhere = next(n for n in cluster.nodes if n.node_id != home)
+    start = time.monotonic()
+    # No request_timeout: the lease waits as long as the call allows. Were the deadline
+    # lost on the way, the home would wait its 30 s default and the call time out.
+    reply = elsewhere.stubs.queue.Lease(queue_pb2.LeaseRequest(queue_name="lonely", batch_size=1), timeout=2.5)
+    assert reply.items == [] and time.monotonic() - start < 2.5
+    elsewhere.stubs.produce("lonely", [b"x"])
+    got = elsewhere.stubs.queue.Lease(queue_pb2.LeaseRequest(queue_name="lonely", batch_size=1), timeout=5)
+    assert [i.payload for i in got.items] == [b"x"]
+
+
+def test_update_adding_partitions_places_them_over_the_nodes(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.nodes
+    n1.stubs.create("grows", requested_partitions=1)
+    n3.stubs.queues.UpdateQueue(
+        queues_pb2.UpdateQueueRequest(
+            queue=queues_pb2.QueueInfo(queue_name="grows", requested_partitions=6),
+            update_mask=field_mask_pb2.FieldMask(paths=["requested_partitions"]),
+        ),
+        timeout=15,
+    )
+    wait_until(lambda: len([q for q in n2.info().queues if q.queue_name == "grows"][0].homes) == 6, timeout=10)
+    homes = list([q for q in n2.info().queues if q.queue_name == "grows"][0].homes)
+    assert sorted(homes.count(n) for n in ("n1", "n2", "n3")) == [2, 2, 2]
+    for node in cluster.nodes:
+        node.stubs.produce("grows", [node.node_id.encode()])
+    assert len(_drain(n2, "grows", 3)) == 3
+
+
+def test_delete_on_one_node_deletes_everywhere_and_the_name_can_be_reused(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.nodes
+    n1.stubs.create("doomed", requested_partitions=3)
+    for node in cluster.nodes:
+        node.stubs.produce("doomed", [b"left"])
+    with pytest.raises(grpc.RpcError) as error:
+        n3.stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="doomed"), timeout=15)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    n3.stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="doomed", force=True), timeout=15)
+    for node in cluster.nodes:
+        wait_until(lambda node=node: "doomed" not in [q.queue_name for q in node.info().queues], timeout=10)
+        with pytest.raises(grpc.RpcError) as missing:
+            node.stubs.produce("doomed", [b"x"])
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    n2.stubs.create("doomed", requested_partitions=3)
+    assert sum(s.total for s in n1.stubs.stats("doomed").partitions) == 0
+
+
+def test_dead_letter_queues_are_refused_in_cluster_mode_with_the_field_named(cluster: Cluster) -> None:
+    n1 = cluster.nodes[0]
+    n1.stubs.create("dlq-target")
+    with pytest.raises(grpc.RpcError) as error:
+        n1.stubs.create("with-dlq", dead_queue="dlq-target")
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "dead_queue" in (error.value.details() or "")
+
+
+def test_retiring_a_live_node_is_refused(cluster: Cluster) -> None:
+    stub = cluster_pb2_grpc.ClusterServiceStub(cluster.nodes[0].channel)
+    with pytest.raises(grpc.RpcError) as error:
+        stub.RetireNodeDiscardingData(cluster_pb2.RetireNodeDiscardingDataRequest(node_id="n2"), timeout=10)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_single_server_answers_cluster_info_as_one_node(tmp_path) -> None:
+    server = ThreadServer(str(tmp_path / "data"))
+    try:
+        channel = grpc.insecure_channel(server.address)
+        from conftest import Stubs
+
+        Stubs(channel).create("solo", requested_partitions=2)
+        info = cluster_pb2_grpc.ClusterServiceStub(channel).ClusterInfo(cluster_pb2.ClusterInfoRequest(), timeout=10)
+        assert not info.clustered and info.revision == 0
+        assert [(m.address, m.live) for m in info.members] == [(server.address, True)]
+        assert [(q.queue_name, list(q.homes)) for q in info.queues] == [("solo", ["", ""])]
+        channel.close()
+    finally:
+        server.stop()
