@@ -36,6 +36,11 @@ _LEASE_SLICE_S = 1.0
 _ANSWER_MARGIN_S = 0.5
 
 M = TypeVar("M", bound=Message)
+
+
+class Unreachable(Unavailable):
+    """A forwarded call that never reached its node (no connection): safe to send elsewhere."""
+
 Local = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
 
 
@@ -116,6 +121,8 @@ class Router:
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.UNAVAILABLE:
+                if "failed to connect" in (exc.details() or ""):
+                    raise Unreachable(f"node {node!r} (forwarded to) is unreachable: {exc.details()}") from None
                 raise Unavailable(f"node {node!r} (forwarded to) is unavailable: {exc.details()}") from None
             raise Relayed(code.value[0], exc.details() or code.name) from None
 
@@ -127,21 +134,26 @@ class Router:
 
     async def produce(self, request: pb.ProduceRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local) -> pb.ProduceResponse:
         entry = await self._lookup(request.queue_name)
+        forwarded = self.is_forwarded(context)
         key = next((item.idempotency_key for item in request.items if item.idempotency_key), "")
         if key:  # dedup works per home node: a key always goes to the same one
-            target = entry.homes[key_partition(key, len(entry.homes))].node
-        elif self._homes_here(entry) or self.is_forwarded(context):
-            target = self.node
-        else:
-            others = self._other_homes(entry)
-            if not others:
+            targets = [entry.homes[key_partition(key, len(entry.homes))].node]
+        elif self._homes_here(entry) or forwarded:
+            targets = [self.node]
+        else:  # a home that fails is skipped for the next one (ADR 19: try another partition)
+            targets = self._other_homes(entry)
+            if not targets:
                 raise Unavailable(f"queue {entry.config.name!r}: no live node homes any of its partitions")
-            target = others[0]
-        if target != self.node and not self.is_forwarded(context):
-            return await self._forward(target, "/querator.v1.QueueService/Produce", request, pb.ProduceResponse, context)
-        response: pb.ProduceResponse = await local(request, context)
-        response.partition = self._global(entry, response.partition)
-        return response
+        if targets[0] == self.node or forwarded:
+            response: pb.ProduceResponse = await local(request, context)
+            response.partition = self._global(entry, response.partition)
+            return response
+        for node in targets[:-1]:
+            try:
+                return await self._forward(node, "/querator.v1.QueueService/Produce", request, pb.ProduceResponse, context)
+            except Unreachable:  # never sent: another home cannot store it twice
+                continue
+        return await self._forward(targets[-1], "/querator.v1.QueueService/Produce", request, pb.ProduceResponse, context)
 
     # -- Lease -----------------------------------------------------------------------
 

@@ -1,0 +1,300 @@
+"""Cluster faults with real processes: kill -9 a node under load, SIGSTOP a node past
+its membership TTL, etcd killed and restarted, etcd paused, a dead node retired.
+
+One cluster (etcd + three nodes, TTL 3 s) serves the module; each test leaves it
+whole again for the next, except the last (retire), which retires n3 for good.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from aetcd import rpc  # type: ignore[import-untyped]
+from cluster_helpers import Cluster, Node
+from conftest import dur, wait_until
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from querator.v1 import cluster_pb2, cluster_pb2_grpc, queue_pb2, queues_pb2
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(str(tmp_path_factory.mktemp("faults")), ttl=3)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+def _etcd_get(cluster: Cluster, key: str) -> rpc.KeyValue | None:
+    channel = grpc.insecure_channel(cluster.etcd.endpoint)
+    try:
+        reply = rpc.KVStub(channel).Range(rpc.RangeRequest(key=f"/{cluster.prefix}/{key}".encode()), timeout=5)
+        return reply.kvs[0] if reply.kvs else None
+    finally:
+        channel.close()
+
+
+def _live(observer: Node) -> set[str]:
+    try:
+        return {m.node_id for m in observer.info(timeout=5).members if m.live}
+    except grpc.RpcError:
+        return set()
+
+
+class Load:
+    """A producer and a consumer per node, each through its own node, with a ledger."""
+
+    def __init__(self, cluster: Cluster, queue: str) -> None:
+        self.queue = queue
+        self.lock = threading.Lock()
+        self.acked: set[bytes] = set()
+        self.completed: Counter[bytes] = Counter()
+        # Completes that failed (their home died meanwhile): done or not, nobody knows.
+        self.unsure: set[bytes] = set()
+        self.errors: dict[str, list[str]] = {n.node_id: [] for n in cluster.nodes}
+        self.stop = threading.Event()
+        self.down: set[str] = set()
+        self.threads = []
+        for node in cluster.nodes:
+            self.threads.append(threading.Thread(target=self._produce, args=(node,), daemon=True))
+            self.threads.append(threading.Thread(target=self._consume, args=(node,), daemon=True))
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+
+    def _note(self, node: Node, what: str, exc: grpc.RpcError) -> None:
+        with self.lock:
+            if node.node_id not in self.down:
+                self.errors[node.node_id].append(f"{what}: {exc.code().name} {exc.details()}")
+
+    def _produce(self, node: Node) -> None:
+        channel = grpc.insecure_channel(node.address)
+        stub = node.stubs.queue.__class__(channel)
+        n = 0
+        while not self.stop.is_set() and node.node_id not in self.down:
+            payloads = [f"{node.node_id}-{n + i}".encode() for i in range(5)]
+            n += 5
+            try:
+                stub.Produce(queue_pb2.ProduceRequest(queue_name=self.queue, payloads=payloads), timeout=10)
+            except grpc.RpcError as exc:
+                self._note(node, "Produce", exc)
+                break
+            with self.lock:
+                self.acked.update(payloads)
+            time.sleep(0.01)
+        channel.close()
+
+    def _consume(self, node: Node) -> None:
+        channel = grpc.insecure_channel(node.address)
+        stub = node.stubs.queue.__class__(channel)
+        while not self.stop.is_set() and node.node_id not in self.down:
+            try:
+                reply = stub.Lease(
+                    queue_pb2.LeaseRequest(queue_name=self.queue, batch_size=20, request_timeout=dur(0.2)), timeout=10
+                )
+            except grpc.RpcError as exc:
+                self._note(node, "Lease", exc)
+                break
+            if not reply.items:
+                continue
+            try:
+                stub.Complete(
+                    queue_pb2.CompleteRequest(queue_name=self.queue, partition=reply.partition, ids=[i.id for i in reply.items]),
+                    timeout=10,
+                )
+            except grpc.RpcError:
+                with self.lock:  # the items' home died meanwhile: done or not, it is unknown
+                    self.unsure.update(i.payload for i in reply.items)
+                continue
+            with self.lock:
+                self.completed.update(i.payload for i in reply.items)
+        channel.close()
+
+
+def _drain(node: Node, queue: str, timeout: float = 60) -> Counter[bytes]:
+    """Lease and complete through ``node`` until nothing is stored."""
+    got: Counter[bytes] = Counter()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reply = node.stubs.lease(queue, 100, timeout=10, request_timeout=dur(0.5))
+        if reply.items:
+            node.stubs.complete(queue, reply.partition, [i.id for i in reply.items])
+            got.update(i.payload for i in reply.items)
+            continue
+        if sum(s.total for s in node.stubs.stats(queue).partitions) == 0:
+            return got
+    raise AssertionError(f"{queue} did not drain within {timeout}s")
+
+
+def test_kill9_a_node_under_load_others_keep_serving_and_nothing_is_lost(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.nodes
+    n1.stubs.create("load", requested_partitions=6, lease_timeout=dur(2))
+    load = Load(cluster, "load")
+    load.start()
+    time.sleep(1.0)
+    with load.lock:
+        load.down.add("n3")
+        before = len(load.acked)
+    n3.kill9()
+    wait_until(lambda: "n3" not in _live(n1), timeout=20, interval=0.2)
+    time.sleep(0.5)
+    with load.lock:
+        during = len(load.acked)
+    n3.start()
+    wait_until(lambda: _live(n1) == {"n1", "n2", "n3"}, timeout=20, interval=0.2)
+    time.sleep(0.5)
+    load.finish()
+    assert load.errors["n1"] == [] and load.errors["n2"] == [], load.errors
+    assert during > before + 20  # n1 and n2 kept producing while n3 was dead
+    # n3 serves its partitions again, and every acknowledged item is accounted for.
+    drained = _drain(n3, "load")
+    twice = [p for p, count in load.completed.items() if count > 1]
+    assert twice == []  # no item completed twice
+    assert [p for p in drained if load.completed[p]] == []  # none delivered after its complete
+    lost = load.acked - set(load.completed) - set(drained) - load.unsure
+    assert lost == set(), sorted(lost)[:5]
+    assert len(load.unsure) <= 40  # at most the batches in flight when n3 died
+
+
+def test_sigstop_a_node_past_its_ttl_then_sigcont_fences_then_rejoins(cluster: Cluster) -> None:
+    n1, n2, _ = cluster.nodes
+    member = _etcd_get(cluster, "members/n2")
+    assert member is not None
+    health = health_pb2_grpc.HealthStub(n2.channel)
+    n2.signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: "n2" not in _live(n1), timeout=20, interval=0.2)
+        outcome: list[grpc.StatusCode] = []
+
+        def create_while_fenced() -> None:
+            try:
+                n2.stubs.create("made-by-n2", requested_partitions=3)
+                outcome.append(grpc.StatusCode.OK)
+            except grpc.RpcError as exc:
+                outcome.append(exc.code())
+
+        caller = threading.Thread(target=create_while_fenced)
+        caller.start()
+        time.sleep(0.3)  # the call waits in n2's socket
+    finally:
+        n2.signal(signal.SIGCONT)
+    caller.join(30)
+    assert outcome and outcome[0] in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE), outcome
+    # It noticed, registered again (a new member key) and is live and writable again.
+    wait_until(lambda: "n2" in _live(n1), timeout=20, interval=0.2)
+    again = _etcd_get(cluster, "members/n2")
+    assert again is not None and again.create_revision > member.create_revision
+    wait_until(lambda: n2.info().admin_writable, timeout=20, interval=0.2)
+    status = health.Check(health_pb2.HealthCheckRequest(service="querator.v1.ClusterService"), timeout=5).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    made = _etcd_get(cluster, "queues/made-by-n2")
+    if outcome[0] == grpc.StatusCode.OK:
+        # Applied only under the new membership, never under the lapsed one.
+        assert made is not None and made.mod_revision > again.create_revision
+    else:
+        assert made is None
+    # And it serves data again.
+    n1.stubs.create("after-stop", requested_partitions=3)
+    n2.stubs.produce("after-stop", [b"a", b"b", b"c"])
+    assert sum(len(n2.stubs.lease("after-stop", 10, request_timeout=dur(0)).items) for _ in range(6)) == 3
+
+
+def _admin_code(node: Node, name: str) -> grpc.StatusCode:
+    try:
+        node.stubs.queues.CreateQueue(
+            queues_pb2.CreateQueueRequest(queue=queues_pb2.QueueInfo(queue_name=name)), timeout=15
+        )
+        return grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        return exc.code()
+
+
+def _data_round(cluster: Cluster, queue: str, tag: str) -> None:
+    """Produce on every node and lease + complete on every node: all must work."""
+    for node in cluster.nodes:
+        node.stubs.produce(queue, [f"{tag}-{node.node_id}".encode()])
+    seen: list[bytes] = []
+    for node in cluster.nodes * 3:
+        reply = node.stubs.lease(queue, 10, timeout=10, request_timeout=dur(0.3))
+        if reply.items:
+            node.stubs.complete(queue, reply.partition, [i.id for i in reply.items])
+            seen += [i.payload for i in reply.items]
+    assert sorted(seen) == sorted(f"{tag}-{n.node_id}".encode() for n in cluster.nodes)
+
+
+def test_etcd_killed_data_calls_work_admin_calls_unavailable_then_all_recover(cluster: Cluster) -> None:
+    n1, _, n3 = cluster.nodes
+    n1.stubs.create("steady", requested_partitions=3)
+    wait_until(lambda: all("steady" in [q.queue_name for q in n.info().queues] for n in cluster.nodes), timeout=10)
+    cluster.etcd.kill9()
+    try:
+        _data_round(cluster, "steady", "without-etcd")
+        for node in cluster.nodes:
+            assert _admin_code(node, f"refused-{node.node_id}") == grpc.StatusCode.UNAVAILABLE
+    finally:
+        cluster.etcd.start()
+    for node in cluster.nodes:
+        wait_until(lambda node=node: node.info().admin_writable, timeout=30, interval=0.2)
+    assert _admin_code(n1, "after-etcd") == grpc.StatusCode.OK
+    # The watches came back: n3 learns of the queue n1 just made.
+    wait_until(lambda: "after-etcd" in [q.queue_name for q in n3.info().queues], timeout=15, interval=0.1)
+    n3.stubs.produce("after-etcd", [b"x"])
+    _data_round(cluster, "steady", "etcd-back")
+
+
+def test_etcd_paused_data_calls_work_admin_calls_unavailable_then_all_recover(cluster: Cluster) -> None:
+    n1, n2, _ = cluster.nodes
+    cluster.etcd.pause()
+    try:
+        _data_round(cluster, "steady", "etcd-paused")
+        assert _admin_code(n2, "refused-paused") == grpc.StatusCode.UNAVAILABLE
+    finally:
+        cluster.etcd.resume()
+    for node in cluster.nodes:
+        wait_until(lambda node=node: node.info().admin_writable, timeout=30, interval=0.2)
+    assert _admin_code(n2, "after-pause") == grpc.StatusCode.OK
+    wait_until(lambda: "after-pause" in [q.queue_name for q in n1.info().queues], timeout=15, interval=0.1)
+
+
+def test_retire_a_dead_node_recreates_its_partitions_empty_elsewhere(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.nodes
+    n1.stubs.create("orphaned", requested_partitions=3)
+    n3.stubs.produce("orphaned", [b"kept-on-n3"])  # n3 homes a partition: served there
+    stub = cluster_pb2_grpc.ClusterServiceStub(n1.channel)
+    n3.kill9()
+    wait_until(lambda: "n3" not in _live(n1), timeout=20, interval=0.2)
+    homes = list([q for q in n1.info().queues if q.queue_name == "orphaned"][0].homes)
+    gone = homes.index("n3")
+    # Its partition is unavailable, not an error for producers.
+    n1.stubs.produce("orphaned", [b"on-n1"])
+    with pytest.raises(grpc.RpcError) as down:
+        n1.stubs.complete("orphaned", gone, ["1.0.1"])
+    assert down.value.code() == grpc.StatusCode.UNAVAILABLE
+    reply = stub.RetireNodeDiscardingData(cluster_pb2.RetireNodeDiscardingDataRequest(node_id="n3"), timeout=15)
+    assert reply.partitions_recreated >= 1
+    wait_until(lambda: "n3" not in {h for q in n2.info().queues for h in q.homes}, timeout=10)
+    info = n2.info()
+    assert "n3" not in {m.node_id for m in info.members}
+    # The recreated partition is empty and in service.
+    stats = n2.stubs.stats("orphaned")
+    assert [s.partition for s in stats.partitions] == [0, 1, 2]
+    assert stats.partitions[gone].total == 0
+    # A retired node never comes back with its old partitions.
+    with pytest.raises(AssertionError, match="retired"):
+        n3.start(timeout=30)
+    record = _etcd_get(cluster, "retired/n3")
+    assert record is not None and json.loads(record.value) == {}
