@@ -270,6 +270,51 @@ def test_etcd_paused_data_calls_work_admin_calls_unavailable_then_all_recover(cl
     wait_until(lambda: "after-pause" in [q.queue_name for q in n1.info().queues], timeout=15, interval=0.1)
 
 
+def test_a_node_that_was_down_brings_its_local_queues_in_step_with_the_catalog(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.nodes
+    n1.stubs.create("reborn", requested_partitions=3)
+    n1.stubs.create("tuned", requested_partitions=3)
+    for node in cluster.nodes:
+        node.stubs.produce("reborn", [f"old-{node.node_id}".encode()])
+    n2.kill9()
+    wait_until(lambda: "n2" not in _live(n1), timeout=20, interval=0.2)
+    # While n2 is away: a queue deleted and made again under the same name, and a
+    # setting changed.
+    n1.stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="reborn", force=True), timeout=15)
+    n3.stubs.create("reborn", requested_partitions=2)
+    from google.protobuf import field_mask_pb2
+
+    n1.stubs.queues.UpdateQueue(
+        queues_pb2.UpdateQueueRequest(
+            queue=queues_pb2.QueueInfo(queue_name="tuned", lease_timeout=dur(7)),
+            update_mask=field_mask_pb2.FieldMask(paths=["lease_timeout"]),
+        ),
+        timeout=15,
+    )
+    n2.start()
+    wait_until(lambda: _live(n1) == {"n1", "n2", "n3"}, timeout=20, interval=0.2)
+    # The new "reborn" grows onto n2: none of the old queue's items may show up there.
+    n1.stubs.queues.UpdateQueue(
+        queues_pb2.UpdateQueueRequest(
+            queue=queues_pb2.QueueInfo(queue_name="reborn", requested_partitions=4),
+            update_mask=field_mask_pb2.FieldMask(paths=["requested_partitions"]),
+        ),
+        timeout=15,
+    )
+    homes = list([q for q in n2.info().queues if q.queue_name == "reborn"][0].homes)
+    assert "n2" in homes
+    assert sum(s.total for s in n2.stubs.stats("reborn").partitions) == 0
+    # n2's part of "tuned" took the new lease timeout.
+    produced = n2.stubs.produce("tuned", [b"t"])
+    assert list(n2.info().queues[[q.queue_name for q in n2.info().queues].index("tuned")].homes)[produced.partition] == "n2"
+    before = time.time()
+    leased = n2.stubs.lease("tuned", 1, request_timeout=dur(0))
+    while not leased.items:  # the lease may come from another home first: it has none
+        leased = n2.stubs.lease("tuned", 1, request_timeout=dur(0.2))
+    deadline = leased.items[0].lease_deadline.seconds + leased.items[0].lease_deadline.nanos / 1e9
+    assert 5 < deadline - before < 9
+
+
 def test_retire_a_dead_node_recreates_its_partitions_empty_elsewhere(cluster: Cluster) -> None:
     n1, n2, n3 = cluster.nodes
     n1.stubs.create("orphaned", requested_partitions=3)

@@ -86,7 +86,7 @@ class CatalogCache:
             if deleted:
                 self.queues.pop(name, None)
             else:
-                self.queues[name] = QueueEntry.decode(name, kv.value, kv.mod_revision)
+                self.queues[name] = QueueEntry.decode(name, kv.value, kv.mod_revision, kv.create_revision)
         elif kind == "members":
             if deleted:
                 self.members.pop(name, None)

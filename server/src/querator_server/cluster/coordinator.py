@@ -68,6 +68,7 @@ class Coordinator:
         self._bootstrap_token = bootstrap_token
         self._reconcile_lock = asyncio.Lock()
         self.retired = False
+        self._foreign: set[str] = set()  # local queues the catalog never had (warned once)
 
     # -- start and stop ------------------------------------------------------------
 
@@ -116,8 +117,14 @@ class Coordinator:
                 self.membership.lost()
             for entry in _dead_queues_first(catalog.queues.values()):
                 await self._apply(entry)
-            for config in list(self.manager.list("", len(catalog.queues) + 1_000_000)[0]):
-                if config.name not in catalog.queues and config.name in catalog.deleted:
+            for config in [actor.config for actor in self.manager.queues()]:
+                if config.name in catalog.queues:
+                    continue
+                if config.name not in catalog.deleted:  # never in this cluster: kept, not served
+                    if config.name not in self._foreign:
+                        self._foreign.add(config.name)
+                        log.warning("cluster_unknown_local_queue", queue=config.name, detail="not in the catalog; kept")
+                else:
                     try:
                         await self.manager.delete(config.name, force=True)
                         log.info("cluster_queue_removed", queue=config.name)
@@ -129,27 +136,35 @@ class Coordinator:
 
     async def _apply(self, entry: QueueEntry) -> None:
         count = entry.local_count(self.node)
-        if count == 0:
-            return
+        name = entry.config.name
         try:
-            local = self.manager.get(entry.config.name)
+            local = self.manager.get(name)
         except NotFound:
             local = None
         try:
+            if local is not None and local.reference != entry.local_reference:
+                # A queue of this name that was deleted while this node was away: its
+                # items must not show up in the new queue.
+                await self.manager.delete(name, force=True)
+                log.info("cluster_stale_queue_removed", queue=name)
+                local = None
+            if count == 0:
+                return
+            config = entry.config.replace(partitions=count, reference=entry.local_reference)
             if local is None:
-                await self.manager.create(entry.config.replace(partitions=count))
-                log.info("cluster_queue_created_here", queue=entry.config.name, partitions=count)
+                await self.manager.create(config)
+                log.info("cluster_queue_created_here", queue=name, partitions=count)
                 return
             changes: dict[str, object] = {
-                f: getattr(entry.config, f) for f in _SHARED if f not in ("created_at_us", "updated_at_us")
-                and getattr(entry.config, f) != getattr(local, f)
+                f: getattr(config, f) for f in _SHARED if f not in ("created_at_us", "updated_at_us")
+                and getattr(config, f) != getattr(local, f)
             }
             if local.partitions < count:
                 changes["partitions"] = count
             if changes:
-                await self.manager.update(entry.config.name, changes)
+                await self.manager.update(name, changes)
         except QueratorError as exc:
-            log.error("cluster_reconcile_failed", queue=entry.config.name, error=exc.message)
+            log.error("cluster_reconcile_failed", queue=name, error=exc.message)
 
     async def lookup(self, name: str) -> QueueEntry:
         """The queue's entry; read from etcd when the cache does not have it yet (a queue
@@ -168,7 +183,7 @@ class Coordinator:
         if kv is None:
             raise NotFound(f"queue {name!r} does not exist")
         await self.catalog.wait_applied(kv.mod_revision, _APPLY_TIMEOUT_S)
-        return self.catalog.queues.get(name) or QueueEntry.decode(name, kv.value, kv.mod_revision)
+        return self.catalog.queues.get(name) or QueueEntry.decode(name, kv.value, kv.mod_revision, kv.create_revision)
 
     # -- admin ---------------------------------------------------------------------
 

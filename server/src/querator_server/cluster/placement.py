@@ -45,6 +45,15 @@ class QueueEntry:
     config: QueueConfig  # partitions == len(homes); uid and group unset
     homes: tuple[Home, ...]
     mod_revision: int = 0  # of its etcd key; updates compare it
+    # The create revision of its etcd key: tells this queue from an earlier one of the
+    # same name (deleted while a node was away), whose local copy must not be reused.
+    generation: int = 0
+
+    @property
+    def local_reference(self) -> str:
+        """What a node's local copy of the queue holds as its reference (never shown:
+        API answers come from the catalog): the generation it belongs to."""
+        return f"cluster-generation:{self.generation}"
 
     def encode(self) -> bytes:
         settings = {field: getattr(self.config, field) for field in _SHARED}
@@ -53,11 +62,11 @@ class QueueEntry:
         ).encode()
 
     @classmethod
-    def decode(cls, name: str, data: bytes, mod_revision: int) -> QueueEntry:
+    def decode(cls, name: str, data: bytes, mod_revision: int, generation: int) -> QueueEntry:
         doc = json.loads(data)
         homes = tuple(Home(str(node), int(index)) for node, index in doc["homes"])
         config = QueueConfig(name=name, partitions=len(homes)).replace(**doc["settings"])
-        return cls(config, homes, mod_revision)
+        return cls(config, homes, mod_revision, generation)
 
     def local_partitions(self, node: str) -> dict[int, int]:
         """``node``'s local index -> global partition, for the partitions it homes."""
