@@ -15,6 +15,10 @@ do not). After the last cycle the server is restarted, left to settle, and:
 - stats must equal what ListItems / ListScheduledItems show, per partition
 
     .venv/bin/python bench/crash_loop.py --cycles 1000 [--seed 1] [--producers 2] [--consumers 2]
+    .venv/bin/python bench/crash_loop.py --cluster --cycles 100 --producers 3 --consumers 3
+
+``--cluster`` runs an etcd and three nodes and kills one node per cycle while clients on
+the others go on (``run_cluster``); no dead-letter queue there (not in cluster mode yet).
 
 server/tests/test_crash_loop.py runs the same harness (``run``) for about 20 cycles.
 """
@@ -187,16 +191,19 @@ class Ledger:
     unexpected: list[str] = field(default_factory=list)
     killed: threading.Event = field(default_factory=threading.Event)
 
-    def fail(self, what: str, exc: grpc.RpcError) -> bool:
+    def fail(self, what: str, exc: grpc.RpcError, killed: threading.Event | None = None) -> bool:
         """Note a failed call; True if it is the kill (expected), False if not."""
-        if self.killed.is_set():
+        if (killed or self.killed).is_set():
             return True
         with self.lock:
             self.unexpected.append(f"{what}: {exc.code().name} {exc.details()}")
         return False
 
 
-def _producer(address: str, ledger: Ledger, tag: str, seed: int, stop: threading.Event) -> None:
+def _producer(
+    address: str, ledger: Ledger, tag: str, seed: int, stop: threading.Event, killed: threading.Event | None = None
+) -> None:
+    killed = killed or ledger.killed
     rng = random.Random(seed)
     stubs = Stubs(address)
     n = 0
@@ -220,7 +227,7 @@ def _producer(address: str, ledger: Ledger, tag: str, seed: int, stop: threading
             except grpc.RpcError as exc:
                 with ledger.lock:
                     ledger.unsure_produced.update(payloads)
-                ledger.fail("Produce", exc)
+                ledger.fail("Produce", exc, killed)
                 return
             with ledger.lock:
                 ledger.acked.update(payloads)
@@ -230,7 +237,19 @@ def _producer(address: str, ledger: Ledger, tag: str, seed: int, stop: threading
         stubs.close()
 
 
-def _consumer(address: str, ledger: Ledger, tag: str, seed: int, stop: threading.Event) -> None:
+def _consumer(
+    address: str,
+    ledger: Ledger,
+    tag: str,
+    seed: int,
+    stop: threading.Event,
+    killed: threading.Event | None = None,
+    home_down: threading.Event | None = None,
+) -> None:
+    """``killed``: this client's server is gone (its errors are expected); ``home_down``
+    (cluster): another node is, so a Complete or Retry for its partition may fail."""
+    killed = killed or ledger.killed
+    dead_letters = home_down is None  # the cluster run has no dead-letter queue
     rng = random.Random(seed)
     stubs = Stubs(address)
     try:
@@ -241,7 +260,7 @@ def _consumer(address: str, ledger: Ledger, tag: str, seed: int, stop: threading
             try:
                 lease = stubs.queue.Lease(request, timeout=RPC_TIMEOUT_S)
             except grpc.RpcError as exc:
-                ledger.fail("Lease", exc)
+                ledger.fail("Lease", exc, killed)
                 return
             if not lease.items:
                 continue
@@ -263,12 +282,16 @@ def _consumer(address: str, ledger: Ledger, tag: str, seed: int, stop: threading
                     at.retry_at.FromMicroseconds(int((time.time() + 0.3) * 1e6))
                     retry.append(at)
                 elif roll < 0.90:
-                    retry.append(queue_pb2.RetryItem(id=item_id, dead=True))
+                    if dead_letters:
+                        retry.append(queue_pb2.RetryItem(id=item_id, dead=True))
+                    else:
+                        complete.append(item_id)
                 else:
                     ledger.counts["abandoned"] += 1  # its lease runs out: the lifecycle takes it
-            if complete and not _settle(stubs, ledger, lease.partition, complete, by_payload, "Complete"):
+            down = killed if home_down is None or not home_down.is_set() else home_down
+            if complete and not _settle(stubs, ledger, lease.partition, complete, by_payload, "Complete", down):
                 return
-            if retry and not _settle(stubs, ledger, lease.partition, retry, by_payload, "Retry"):
+            if retry and not _settle(stubs, ledger, lease.partition, retry, by_payload, "Retry", down):
                 return
     finally:
         stubs.close()
@@ -281,8 +304,10 @@ def _settle(
     entries: list[str] | list[queue_pb2.RetryItem],
     by_payload: dict[str, tuple[bytes, int]],
     rpc: str,
+    killed: threading.Event | None = None,
 ) -> bool:
     """Complete or retry ``entries``; False when the server is gone."""
+    killed = killed or ledger.killed
     ids = [e if isinstance(e, str) else e.id for e in entries]
     try:
         if rpc == "Complete":
@@ -292,14 +317,16 @@ def _settle(
             request = queue_pb2.RetryRequest(queue_name=WORK, partition=partition, items=entries)
             stubs.queue.Retry(request, timeout=RPC_TIMEOUT_S)
     except grpc.RpcError as exc:
-        if rpc == "Complete" and ledger.killed.is_set():
+        if rpc == "Complete" and killed.is_set():
             with ledger.lock:
                 ledger.unsure_completed.update(by_payload[i][0] for i in ids)
-        if not ledger.killed.is_set() and exc.code() in LEASE_LOST:
+        if not killed.is_set() and exc.code() in LEASE_LOST:
             with ledger.lock:  # a slow client: its 1 s lease ran out first
                 ledger.counts["lease_lost"] += 1
             return True
-        ledger.fail(rpc, exc)
+        if killed is not ledger.killed and killed.is_set():
+            return True  # cluster: the partition's home is down; this client goes on
+        ledger.fail(rpc, exc, killed)
         return False
     with ledger.lock:
         if rpc == "Complete":
@@ -368,11 +395,11 @@ def _list(stubs: Stubs, name: str, partition: int, scheduled: bool) -> list[stor
     raise RuntimeError("paging did not end")
 
 
-def _snapshot(stubs: Stubs) -> tuple[dict[str, list[bytes]], list[str]]:
+def _snapshot(stubs: Stubs, names: tuple[str, ...] = (WORK, DLQ)) -> tuple[dict[str, list[bytes]], list[str]]:
     """Payloads stored per queue, and per-partition stats that differ from the listing."""
     stored: dict[str, list[bytes]] = {}
     mismatches: list[str] = []
-    for name in (WORK, DLQ):
+    for name in names:
         info = stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name=name), timeout=10).queue
         stats = {p.partition: p for p in stubs.queues.GetQueueStats(
             queues_pb2.GetQueueStatsRequest(queue_name=name), timeout=10
@@ -421,7 +448,7 @@ def _account(ledger: Ledger, stored: dict[str, list[bytes]], report: Report) -> 
             examples.append(f"{label}: {len(values)}, e.g. {sorted(values)[:3]}")
     report.examples = examples
     report.in_queue = len(stored[WORK])
-    report.in_dlq = len(stored[DLQ])
+    report.in_dlq = len(stored.get(DLQ, []))
 
 
 def _server_errors(log_path: str) -> list[str]:
@@ -541,6 +568,154 @@ def run(
     return report
 
 
+# -- cluster mode ---------------------------------------------------------------------
+
+CLUSTER_NODES = 3
+CLUSTER_PARTITIONS = 6  # two on each node
+CLUSTER_TTL_S = 2
+
+
+class EtcdProcess:
+    """etcd (the binary on PATH) on free loopback ports, data under ``data_dir``."""
+
+    def __init__(self, data_dir: str, log_path: str) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise RuntimeError("cluster mode needs the etcd binary (Debian: apt-get install etcd-server)")
+        self.endpoint = f"127.0.0.1:{free_port()}"
+        peer = f"http://127.0.0.1:{free_port()}"
+        self.command = [
+            binary, "--name", "crash-loop", "--data-dir", data_dir,
+            "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"crash-loop={peer}", "--log-level", "warn",
+        ]  # fmt: skip
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", int(self.endpoint.rsplit(":", 1)[1]))) == 0:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError("etcd did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def run_cluster(
+    cycles: int,
+    root: str,
+    *,
+    seed: int = 1,
+    producers: int = 3,
+    consumers: int = 3,
+    max_run_s: float = 0.5,
+    settle_s: float = 30.0,
+    progress: bool = False,
+) -> Report:
+    """Cycles of kill -9 on one random node of an etcd-coordinated three-node cluster.
+
+    Clients are spread over the nodes. The killed node's clients stop (their errors are
+    expected); the others go on while it is dead, and their Produce and Lease calls must
+    not fail (a Complete or Retry for the dead node's partition may: unknown outcome).
+    Then it restarts on its data directory. The accounting is the single-server one.
+    """
+    started = time.monotonic()
+    rng = random.Random(seed)
+    ledger = Ledger()
+    report = Report(cycles=cycles)
+    os.makedirs(root, exist_ok=True)
+    log_path = os.path.join(root, "cluster.log")
+    etcd = EtcdProcess(os.path.join(root, "etcd"), log_path)
+    etcd.start()
+    url = f"etcd://{etcd.endpoint}/crash-loop"
+    nodes = [
+        ServerProcess(
+            os.path.join(root, f"n{i}"), log_path, cluster=url, node_id=f"n{i}", cluster_lease_ttl_s=CLUSTER_TTL_S
+        )
+        for i in range(1, CLUSTER_NODES + 1)
+    ]
+    try:
+        for node in nodes:
+            node.start(timeout=60)
+        stubs = Stubs(nodes[0].address)
+        try:
+            info = queues_pb2.QueueInfo(
+                queue_name=WORK, lease_timeout={"seconds": LEASE_TIMEOUT_S}, requested_partitions=CLUSTER_PARTITIONS
+            )
+            stubs.queues.CreateQueue(queues_pb2.CreateQueueRequest(queue=info), timeout=10)
+        finally:
+            stubs.close()
+        for cycle in range(cycles):
+            victim = rng.randrange(len(nodes))
+            gone = [threading.Event() for _ in nodes]  # per node: it was killed
+            home_down = threading.Event()
+            stop = threading.Event()
+            workers = []
+            for i in range(producers):
+                at = i % len(nodes)
+                args = (nodes[at].address, ledger, f"c{cycle}p{i}", rng.getrandbits(32), stop, gone[at])
+                workers.append(threading.Thread(target=_producer, args=args, daemon=True))
+            for i in range(consumers):
+                at = i % len(nodes)
+                args = (nodes[at].address, ledger, f"c{cycle}w{i}", rng.getrandbits(32), stop, gone[at], home_down)
+                workers.append(threading.Thread(target=_consumer, args=args, daemon=True))
+            for w in workers:
+                w.start()
+            time.sleep(rng.uniform(0.05, max_run_s))
+            gone[victim].set()
+            home_down.set()
+            nodes[victim].kill9()
+            time.sleep(rng.uniform(0.2, 1.0))  # the others serve on while it is dead
+            stop.set()
+            for w in workers:
+                w.join(RPC_TIMEOUT_S * 3)
+                if w.is_alive():
+                    ledger.unexpected.append(f"cycle {cycle}: a client thread did not stop")
+            nodes[victim].start(timeout=60)
+            if progress and (cycle + 1) % 10 == 0:
+                print(f"  cycle {cycle + 1}/{cycles}: acked {len(ledger.acked)}", file=sys.stderr, flush=True)
+
+        stubs = Stubs(nodes[0].address)
+        try:
+            deadline = time.monotonic() + settle_s
+            while time.monotonic() < deadline:
+                try:
+                    if _settled(stubs):
+                        break
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+            stored, mismatches = _snapshot(stubs, (WORK,))
+            _account(ledger, stored, report)
+            report.stats_mismatches = mismatches
+        finally:
+            stubs.close()
+        for node in nodes:
+            node.terminate()
+    finally:
+        for node in nodes:
+            node.kill9()
+        etcd.stop()
+    report.acked = len(ledger.acked)
+    report.completed = sum(1 for d in ledger.completed.values() if d)
+    report.unsure_produced = len(ledger.unsure_produced - ledger.acked)
+    report.unsure_completed = len(ledger.unsure_completed)
+    report.unexpected_errors = list(ledger.unexpected)
+    report.server_errors = _server_errors(log_path)
+    report.counts = dict(ledger.counts)
+    report.seconds = time.monotonic() - started
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cycles", type=int, default=1000)
@@ -549,11 +724,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--consumers", type=int, default=2)
     parser.add_argument("--max-run", type=float, default=0.5, help="longest load phase per cycle, seconds")
     parser.add_argument("--data-dir", help="where to keep the data (default: a temporary directory, removed)")
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="kill -9 one node of an etcd-coordinated three-node cluster per cycle (needs the etcd binary)",
+    )
     args = parser.parse_args(argv)
     work = args.data_dir or tempfile.mkdtemp(prefix="querator-crash-loop-")
     data_dir = os.path.join(work, "data") if not args.data_dir else args.data_dir
     try:
-        report = run(
+        report = (run_cluster if args.cluster else run)(
             args.cycles,
             data_dir,
             seed=args.seed,
