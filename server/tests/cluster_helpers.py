@@ -120,7 +120,10 @@ class Etcd:
 class Node:
     """``querator serve --cluster`` as a child process (kill -9, SIGSTOP)."""
 
-    def __init__(self, node_id: str, data_dir: str, cluster_url: str, ttl: int = 3) -> None:
+    def __init__(
+        self, node_id: str, data_dir: str, cluster_url: str, ttl: int = 3, env: dict[str, str] | None = None
+    ) -> None:
+        self.env = env or {}
         self.node_id = node_id
         self.data_dir = data_dir
         self.cluster_url = cluster_url
@@ -136,7 +139,7 @@ class Node:
         if self._stderr is not None:
             self._stderr.close()
         self._stderr = tempfile.TemporaryFile()
-        env = dict(os.environ, QUERATOR_LOG_LEVEL="warning")
+        env = dict(os.environ, QUERATOR_LOG_LEVEL="warning", **self.env)
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "querator_server.cli",
@@ -195,7 +198,8 @@ class Node:
 class Cluster:
     """An etcd and ``size`` nodes n1..n<size>, each with its own data dir under ``root``."""
 
-    def __init__(self, root: str, size: int = 3, ttl: int = 3) -> None:
+    def __init__(self, root: str, size: int = 3, ttl: int = 3, env: dict[str, str] | None = None) -> None:
+        self.env = env
         self.root = root
         self.etcd = Etcd(os.path.join(root, "etcd"))
         self.prefix = f"test-{uuid.uuid4().hex[:8]}"
@@ -210,7 +214,7 @@ class Cluster:
     def start(self) -> Cluster:
         self.etcd.start()
         for i in range(1, self.size + 1):
-            node = Node(f"n{i}", os.path.join(self.root, f"n{i}"), self.url, self.ttl)
+            node = Node(f"n{i}", os.path.join(self.root, f"n{i}"), self.url, self.ttl, self.env)
             self.nodes.append(node)
             node.start()
         return self

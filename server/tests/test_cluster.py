@@ -237,3 +237,51 @@ def test_a_single_server_answers_cluster_info_as_one_node(tmp_path) -> None:
         channel.close()
     finally:
         server.stop()
+
+
+def test_forwarded_calls_carry_the_callers_api_key_and_keys_reach_every_node(tmp_path) -> None:
+    from querator.v1 import keys_pb2, keys_pb2_grpc
+
+    admin = [("authorization", "Bearer admin-secret-for-the-test")]
+    auth = Cluster(str(tmp_path / "auth"), size=2, env={"QUERATOR_AUTH": "true", "QUERATOR_ADMIN_TOKEN": admin[0][1][7:]})
+    try:
+        auth.start()
+        n1, n2 = auth.nodes
+        n1.stubs.queues.CreateQueue(
+            queues_pb2.CreateQueueRequest(queue=queues_pb2.QueueInfo(queue_name="secure", requested_partitions=1)),
+            timeout=15,
+            metadata=admin,
+        )
+        info = cluster_pb2_grpc.ClusterServiceStub(n1.channel).ClusterInfo(
+            cluster_pb2.ClusterInfoRequest(), timeout=10, metadata=admin
+        )
+        (home,) = info.queues[0].homes
+        nodes = {n.node_id: n for n in auth.nodes}
+        other = nodes["n2" if home == "n1" else "n1"]
+        made = keys_pb2_grpc.KeysServiceStub(other.channel).CreateKey(
+            keys_pb2.CreateKeyRequest(role=keys_pb2.ROLE_PRODUCER, queues=["secure"]), timeout=15, metadata=admin
+        )
+        producer = [("authorization", f"Bearer {made.token}")]
+        request = queue_pb2.ProduceRequest(queue_name="secure", payloads=[b"signed"])
+        # Sent to the node without the partition: forwarded with the key, which the home
+        # (that learnt of the key through the catalog) accepts.
+        wait_until(lambda: _produces(nodes[home], request, producer), timeout=10)
+        assert other.stubs.queue.Produce(request, timeout=10, metadata=producer).partition == 0
+        with pytest.raises(grpc.RpcError) as denied:
+            other.stubs.queue.Produce(request, timeout=10)
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        keys_pb2_grpc.KeysServiceStub(nodes[home].channel).RevokeKey(
+            keys_pb2.RevokeKeyRequest(key_id=made.key.key_id), timeout=15, metadata=admin
+        )
+        wait_until(lambda: not _produces(other, request, producer), timeout=10)
+    finally:
+        auth.stop()
+
+
+def _produces(node, request: queue_pb2.ProduceRequest, metadata: list[tuple[str, str]]) -> bool:
+    try:
+        node.stubs.queue.Produce(request, timeout=10, metadata=metadata)
+        return True
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, exc
+        return False
