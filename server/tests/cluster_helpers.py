@@ -226,3 +226,83 @@ class Cluster:
 
     def live(self, via: Node) -> set[str]:
         return {m.node_id for m in via.info().members if m.live}
+
+
+class Proxy:
+    """A TCP proxy on loopback in front of ``target``; ``cut()`` drops every connection
+    and refuses new ones until ``restore()`` (a node cut off from etcd)."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+        import threading
+
+        self._socket = socket
+        self.target = ("127.0.0.1", int(target.rsplit(":", 1)[1]))
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.open = threading.Event()
+        self.open.set()
+        self._lock = threading.Lock()
+        self._conns: list[object] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self.open.is_set():
+                client.close()
+                continue
+            try:
+                upstream = self._socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source, sink) -> None:  # type: ignore[no-untyped-def]
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        self.open.clear()
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            try:
+                conn.shutdown(self._socket.SHUT_RDWR)  # type: ignore[attr-defined]
+                conn.close()  # type: ignore[attr-defined]
+            except OSError:
+                pass
+
+    def restore(self) -> None:
+        self.open.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self.cut()
+        self.listener.close()

@@ -343,3 +343,44 @@ def test_retire_a_dead_node_recreates_its_partitions_empty_elsewhere(cluster: Cl
         n3.start(timeout=30)
     record = _etcd_get(cluster, "retired/n3")
     assert record is not None and json.loads(record.value) == {}
+
+
+def test_a_node_cut_off_while_history_is_compacted_lists_the_catalog_again(tmp_path) -> None:
+    from cluster_helpers import Proxy
+
+    small = Cluster(str(tmp_path / "cut"), size=1, ttl=3)
+    proxy = None
+    cut_off = None
+    try:
+        small.start()
+        (n1,) = small.nodes
+        proxy = Proxy(small.etcd.endpoint)
+        cut_off = Node("n2", str(tmp_path / "cut" / "n2"), f"etcd://{proxy.address}/{small.prefix}", ttl=3)
+        cut_off.start()
+        n1.stubs.create("seen", requested_partitions=2)
+        wait_until(lambda: "seen" in [q.queue_name for q in cut_off.info().queues], timeout=10)
+        proxy.cut()
+        n1.stubs.create("missed", requested_partitions=2)
+        n1.stubs.create("missed-too")  # compacting at the last revision removes the one before
+        channel = grpc.insecure_channel(small.etcd.endpoint)
+        try:
+            kv = rpc.KVStub(channel)
+            revision = kv.Range(rpc.RangeRequest(key=b"/"), timeout=5).header.revision
+            kv.Compact(rpc.CompactionRequest(revision=revision, physical=True), timeout=10)
+        finally:
+            channel.close()
+        # The cut-off node still serves what it knew, from its cached catalog.
+        assert "missed" not in [q.queue_name for q in cut_off.info().queues]
+        cut_off.stubs.produce("seen", [b"while-cut"])
+        proxy.restore()
+        # Its watch resumes from a compacted revision: it must list everything again.
+        wait_until(lambda: "missed" in [q.queue_name for q in cut_off.info().queues], timeout=20, interval=0.2)
+        assert "missed-too" in [q.queue_name for q in cut_off.info().queues]
+        assert "catalog_watch_compacted" in cut_off.stderr_text()
+        cut_off.stubs.produce("missed", [b"after"])
+    finally:
+        if cut_off is not None:
+            cut_off.stop()
+        if proxy is not None:
+            proxy.close()
+        small.stop()
