@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -248,3 +249,39 @@ def test_image_command_serves_is_healthy_and_stops_on_sigterm(
     assert proc.proc.wait(20) == 0, proc.log.read_text()
     assert proc.run_check(dockerfile.healthcheck()) != 0
     wait_until(lambda: proc.proc.poll() is not None, timeout=1)
+
+
+def test_the_cluster_profile_runs_etcd_and_three_nodes_scraped_by_prometheus(
+    dockerfile: Dockerfile, compose: dict[str, object]
+) -> None:
+    from querator_server.cli import add_serve_arguments
+
+    services = compose["services"]
+    assert isinstance(services, dict)
+    profiled = sorted(name for name, s in services.items() if "cluster" in s.get("profiles", []))
+    assert profiled == ["etcd", "node1", "node2", "node3", "prometheus-cluster"]
+    # The single server's stack stays as it was: none of its services is in a profile.
+    assert all(not services[name].get("profiles") for name in ("querator", "prometheus"))
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    single_health = services["querator"]["healthcheck"]["test"]
+    ids, advertised = set(), set()
+    for name in ("node1", "node2", "node3"):
+        node = services[name]
+        command = list(node["command"])
+        assert command[0] == "serve"
+        args = parser.parse_args(command[1:])  # every flag is one `querator serve` knows
+        assert args.cluster == "etcd://etcd:2379/compose"
+        assert args.advertise == f"{name}:{args.address.rsplit(':', 1)[1]}"
+        ids.add(args.node_id)
+        advertised.add(args.advertise)
+        assert node["depends_on"]["etcd"]["condition"] == "service_healthy"
+        assert node["healthcheck"]["test"] == single_health
+        assert any(str(v).endswith(":/data") for v in node["volumes"])
+    assert len(ids) == 3 and len(advertised) == 3
+    prometheus = services["prometheus-cluster"]
+    config_mount = next(str(v) for v in prometheus["volumes"] if "prometheus" in str(v) and ".yml" in str(v))
+    config = YAML(typ="safe").load((ROOT / config_mount.split(":")[0]).read_text())
+    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    metrics_port = dockerfile.env()["QUERATOR_METRICS_ADDRESS"].rsplit(":", 1)[1]
+    assert targets == {f"{n}:{metrics_port}" for n in ("node1", "node2", "node3")}
