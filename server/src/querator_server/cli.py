@@ -122,6 +122,9 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
     if config.cluster and not config.node_id:
         print("querator: --cluster needs --node-id (env QUERATOR_NODE_ID)", file=sys.stderr)
         return 2
+    if config.cluster and (config.tls_cert or config.tls_key or config.tls_client_ca):
+        print("querator: --cluster does not support TLS yet (nodes forward calls in plaintext)", file=sys.stderr)
+        return 2
     if config.cluster_lease_ttl_s < 2:
         print("querator: --cluster-lease-ttl must be at least 2 seconds", file=sys.stderr)
         return 2
