@@ -97,6 +97,23 @@ def test_complete_with_the_wrong_partition_or_a_bad_one_is_refused_clearly(clust
     assert "partition" in (error.value.details() or "")
 
 
+def _update(
+    node, field: str, info: queues_pb2.QueueInfo, barrier: threading.Barrier, outcome: dict[str, grpc.StatusCode]
+) -> None:
+    barrier.wait()
+    try:
+        node.stubs.queues.UpdateQueue(
+            queues_pb2.UpdateQueueRequest(queue=info, update_mask=field_mask_pb2.FieldMask(paths=[field])), timeout=15
+        )
+        outcome[field] = grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        outcome[field] = exc.code()
+
+
+def _get(node, name: str) -> queues_pb2.QueueInfo:
+    return node.stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name=name), timeout=10).queue
+
+
 def test_two_admins_racing_update_queue_on_two_nodes_lose_no_update(cluster: Cluster) -> None:
     n1, n2, _ = cluster.nodes
     n1.stubs.create("raced")
@@ -104,21 +121,15 @@ def test_two_admins_racing_update_queue_on_two_nodes_lose_no_update(cluster: Clu
     for round_ in range(1, 41):
         barrier = threading.Barrier(2)
         outcome: dict[str, grpc.StatusCode] = {}
-
-        def update(node, field: str, info: queues_pb2.QueueInfo) -> None:
-            barrier.wait()
-            try:
-                node.stubs.queues.UpdateQueue(
-                    queues_pb2.UpdateQueueRequest(queue=info, update_mask=field_mask_pb2.FieldMask(paths=[field])),
-                    timeout=15,
-                )
-                outcome[field] = grpc.StatusCode.OK
-            except grpc.RpcError as exc:
-                outcome[field] = exc.code()
-
         threads = [
-            threading.Thread(target=update, args=(n1, "reference", queues_pb2.QueueInfo(queue_name="raced", reference=f"r{round_}"))),
-            threading.Thread(target=update, args=(n2, "max_attempts", queues_pb2.QueueInfo(queue_name="raced", max_attempts=round_))),
+            threading.Thread(
+                target=_update,
+                args=(n1, "reference", queues_pb2.QueueInfo(queue_name="raced", reference=f"r{round_}"), barrier, outcome),
+            ),
+            threading.Thread(
+                target=_update,
+                args=(n2, "max_attempts", queues_pb2.QueueInfo(queue_name="raced", max_attempts=round_), barrier, outcome),
+            ),
         ]
         for t in threads:
             t.start()
@@ -126,16 +137,12 @@ def test_two_admins_racing_update_queue_on_two_nodes_lose_no_update(cluster: Clu
             t.join(30)
         assert set(outcome.values()) <= {grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION}, outcome
         assert grpc.StatusCode.OK in outcome.values()  # one always wins
-        current = n1.stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="raced"), timeout=10).queue
-        # Every update that was answered OK is in the queue: none overwritten by the other.
-        if outcome["reference"] == grpc.StatusCode.OK:
-            assert current.reference == f"r{round_}"
-        if outcome["max_attempts"] == grpc.StatusCode.OK:
-            wait_until(
-                lambda: n1.stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="raced"), timeout=10).queue.max_attempts
-                == round_,
-                timeout=10,
-            )
+        # Every update answered OK is in the queue, on every node: none overwritten by the other.
+        for node in cluster.nodes:
+            if outcome["reference"] == grpc.StatusCode.OK:
+                wait_until(lambda node=node, r=round_: _get(node, "raced").reference == f"r{r}", timeout=10)
+            if outcome["max_attempts"] == grpc.StatusCode.OK:
+                wait_until(lambda node=node, r=round_: _get(node, "raced").max_attempts == r, timeout=10)
         if grpc.StatusCode.FAILED_PRECONDITION in outcome.values():
             conflicts += 1
             if conflicts >= 3:
