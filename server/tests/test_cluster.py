@@ -292,3 +292,48 @@ def _produces(node, request: queue_pb2.ProduceRequest, metadata: list[tuple[str,
     except grpc.RpcError as exc:
         assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, exc
         return False
+
+
+def _one_home(cluster: Cluster, name: str):
+    n1 = cluster.nodes[0]
+    n1.stubs.create(name, requested_partitions=1)
+    (home,) = [q for q in n1.info().queues if q.queue_name == name][0].homes
+    others = [n for n in cluster.nodes if n.node_id != home]
+    return next(n for n in cluster.nodes if n.node_id == home), others
+
+
+def test_retry_and_extend_sent_to_any_node_reach_the_items_home(cluster: Cluster) -> None:
+    home, (a, b) = _one_home(cluster, "far")
+    a.stubs.produce("far", [b"job"])
+    leased = b.stubs.lease("far", 1)
+    (item,) = leased.items
+    asked = time.time()
+    extended = a.stubs.queue.Extend(
+        queue_pb2.ExtendRequest(queue_name="far", partition=leased.partition, ids=[item.id], lease_timeout=_dur(5)),
+        timeout=10,
+    )
+    # The home applied it: the lease now ends 5 s after the call, not 60 s after the lease.
+    assert abs(extended.lease_deadlines[0].seconds - (asked + 5)) < 3
+    assert extended.lease_deadlines[0].seconds < item.lease_deadline.seconds - 30
+    b.stubs.queue.Retry(
+        queue_pb2.RetryRequest(queue_name="far", partition=leased.partition, items=[queue_pb2.RetryItem(id=item.id)]),
+        timeout=10,
+    )
+    again = a.stubs.lease("far", 1)
+    assert [(i.payload, i.attempts) for i in again.items] == [(b"job", 2)]
+    b.stubs.complete("far", again.partition, [again.items[0].id])
+    assert home.stubs.lease("far", 1, request_timeout=_dur(0)).items == []
+
+
+def test_a_lease_key_works_whichever_node_each_call_reaches(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.nodes
+    n1.stubs.create("keyed-leases", requested_partitions=3)
+    for node in cluster.nodes:
+        node.stubs.produce("keyed-leases", [f"k-{node.node_id}-{i}".encode() for i in range(3)])
+    first = n1.stubs.lease("keyed-leases", 2, lease_key="worker-7")
+    again = n2.stubs.lease("keyed-leases", 2, lease_key="worker-7")
+    assert len(first.items) == 2
+    assert [i.id for i in again.items] == [i.id for i in first.items] and again.partition == first.partition
+    n3.stubs.queue.Complete(queue_pb2.CompleteRequest(queue_name="keyed-leases", lease_keys=["worker-7"]), timeout=10)
+    left = sum(s.total for s in n2.stubs.stats("keyed-leases").partitions)
+    assert left == 9 - 2

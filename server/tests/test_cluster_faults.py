@@ -243,6 +243,16 @@ def test_etcd_killed_data_calls_work_admin_calls_unavailable_then_all_recover(cl
     cluster.etcd.kill9()
     try:
         _data_round(cluster, "steady", "without-etcd")
+        # Fenced within the TTL, and it says so in health; data still flows.
+        health = health_pb2_grpc.HealthStub(n1.channel)
+        wait_until(
+            lambda: health.Check(health_pb2.HealthCheckRequest(service="querator.v1.ClusterService"), timeout=5).status
+            == health_pb2.HealthCheckResponse.NOT_SERVING,
+            timeout=15,
+            interval=0.2,
+        )
+        assert not n1.info().admin_writable
+        assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
         for node in cluster.nodes:
             assert _admin_code(node, f"refused-{node.node_id}") == grpc.StatusCode.UNAVAILABLE
     finally:
