@@ -337,3 +337,19 @@ def test_a_lease_key_works_whichever_node_each_call_reaches(cluster: Cluster) ->
     n3.stubs.queue.Complete(queue_pb2.CompleteRequest(queue_name="keyed-leases", lease_keys=["worker-7"]), timeout=10)
     left = sum(s.total for s in n2.stubs.stats("keyed-leases").partitions)
     assert left == 9 - 2
+
+
+@pytest.mark.parametrize("via_home", [True, False])
+def test_a_lease_that_completes_earlier_items_completes_them_at_their_home(cluster: Cluster, via_home: bool) -> None:
+    name = f"piggyback-{via_home}"
+    home, (a, b) = _one_home(cluster, name)
+    a.stubs.produce(name, [b"first", b"second"])
+    first = b.stubs.lease(name, 1)
+    caller = home if via_home else a
+    # Completes "first" (on its home) and leases "second", in one call to any node.
+    second = caller.stubs.lease(
+        name, 1, complete_ids=[first.items[0].id], complete_partition=first.partition
+    )
+    assert [i.payload for i in second.items] == [b"second"]
+    stats = b.stubs.stats(name)
+    assert (stats.partitions[0].total, stats.partitions[0].total_leased) == (1, 1)

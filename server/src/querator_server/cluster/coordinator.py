@@ -26,7 +26,7 @@ from ..model import QueueConfig
 from .catalog import CatalogCache, Keys
 from .etcd import Endpoint, Etcd, EtcdError, Txn
 from .membership import Membership
-from .placement import _SHARED, Home, QueueEntry, place
+from .placement import SHARED_FIELDS, Home, QueueEntry, place
 from .router import Router
 
 log = structlog.get_logger("querator.cluster")
@@ -156,7 +156,7 @@ class Coordinator:
                 log.info("cluster_queue_created_here", queue=name, partitions=count)
                 return
             changes: dict[str, object] = {
-                f: getattr(config, f) for f in _SHARED if f not in ("created_at_us", "updated_at_us")
+                f: getattr(config, f) for f in SHARED_FIELDS if f not in ("created_at_us", "updated_at_us")
                 and getattr(config, f) != getattr(local, f)
             }
             if local.partitions < count:

@@ -19,7 +19,7 @@ from ..model import QueueConfig
 
 # QueueConfig fields that belong to the cluster-wide queue; uid and group say where
 # one node keeps its part and are the node's own.
-_SHARED = (
+SHARED_FIELDS = (
     "dead_queue",
     "reference",
     "lease_timeout_us",
@@ -56,7 +56,7 @@ class QueueEntry:
         return f"cluster-generation:{self.generation}"
 
     def encode(self) -> bytes:
-        settings = {field: getattr(self.config, field) for field in _SHARED}
+        settings = {field: getattr(self.config, field) for field in SHARED_FIELDS}
         return json.dumps(
             {"settings": settings, "homes": [[h.node, h.index] for h in self.homes]}, sort_keys=True
         ).encode()

@@ -165,6 +165,8 @@ class Router:
             home = entry.homes[request.complete_partition]
             if home.node == self.node:
                 request.complete_partition = home.index
+            elif forwarded:
+                raise Unavailable(f"partition {request.complete_partition} is not homed on node {self.node!r}")
             else:  # complete at the items' home first, then lease without them
                 done = pb.CompleteRequest(
                     queue_name=request.queue_name, partition=request.complete_partition, ids=request.complete_ids
@@ -214,7 +216,8 @@ class Router:
                 response = await self._lease_here(entry, probe, context, local)
                 if _has_items(response):
                     return response
-                del probe.complete_ids[:]  # completed by the first probe
+                del request.complete_ids[:]  # completed by the first probe
+                del probe.complete_ids[:]
             others = self._other_homes(entry)
             for node in others:
                 try:
@@ -227,7 +230,6 @@ class Router:
             if left <= 0.05:
                 return pb.LeaseResponse(queue_name=entry.config.name)
             probe.CopyFrom(request)
-            del probe.complete_ids[:]
             probe.request_timeout.FromNanoseconds(int(min(left, _LEASE_SLICE_S) * 1e9))
             if here:
                 response = await self._lease_here(entry, probe, context, local)
