@@ -353,3 +353,29 @@ def test_a_lease_that_completes_earlier_items_completes_them_at_their_home(clust
     assert [i.payload for i in second.items] == [b"second"]
     stats = b.stubs.stats(name)
     assert (stats.partitions[0].total, stats.partitions[0].total_leased) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["--cluster", "http://127.0.0.1:2379/prod", "--node-id", "n1"], 1, "etcd://host:port/prefix"),
+        (["--cluster", "etcd://127.0.0.1:2379", "--node-id", "n1"], 1, "prefix"),
+        (["--cluster", "etcd://127.0.0.1:2379/prod"], 2, "--node-id"),
+        (["--cluster", "etcd://127.0.0.1:{free}/prod", "--node-id", "n1"], 1, "cannot reach the cluster catalog"),
+        (["--cluster", "etcd://127.0.0.1:2379/prod", "--node-id", "n1", "--tls-cert", "x"], 2, "TLS"),
+    ],
+)
+def test_bad_cluster_settings_stop_the_server_with_a_clear_message(tmp_path, args, code, message) -> None:
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    args = [a.replace("{free}", str(free_port())) for a in args]
+    result = subprocess.run(
+        [sys.executable, "-m", "querator_server.cli", "--address", f"127.0.0.1:{free_port()}",
+         "--data-dir", str(tmp_path / "data"), *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == code, result.stderr
+    assert message in result.stderr
