@@ -32,6 +32,9 @@ _TRANSPORT_HEADERS = frozenset({"user-agent", "grpc-accept-encoding", "grpc-time
 # A Lease that finds nothing anywhere waits on one node for at most this long before it
 # looks at the others again, so items produced elsewhere reach a waiting consumer.
 _LEASE_SLICE_S = 1.0
+# The longest a forwarded call waits when its caller set no deadline: the longest Lease
+# wait (15 min) and then some.
+_NO_DEADLINE_CAP_S = MAX_WAIT_US / 1e6 + 60
 # As queue_service's answer margin: a waiting Lease answers this long before the deadline.
 _ANSWER_MARGIN_S = 0.5
 
@@ -112,6 +115,8 @@ class Router:
         remaining = context.time_remaining()
         if timeout is None or (remaining is not None and remaining < timeout):
             timeout = remaining
+        if timeout is None:  # a caller without a deadline: still never wait forever on a paused node
+            timeout = _NO_DEADLINE_CAP_S
         call = self._channel(node).unary_unary(
             method, request_serializer=type(request).SerializeToString, response_deserializer=response_type.FromString
         )

@@ -1,0 +1,57 @@
+"""Placement and the catalog entry format: pure functions every node must agree on."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from querator_server.cluster.etcd import Endpoint, prefix_end
+from querator_server.cluster.placement import Home, QueueEntry, key_partition, place
+from querator_server.errors import InvalidArgument
+from querator_server.model import QueueConfig
+
+
+@pytest.mark.parametrize("partitions", [1, 2, 3, 7, 30])
+def test_new_partitions_spread_over_the_live_nodes(partitions: int) -> None:
+    homes = place(partitions, ["n3", "n1", "n2"])
+    counts = Counter(h.node for h in homes)
+    assert max(counts.values()) - min(counts.values(), default=0) <= 1
+    assert len(counts) == min(partitions, 3)
+    for node in counts:  # local indexes 0, 1, 2, ... on each node
+        assert sorted(h.index for h in homes if h.node == node) == list(range(counts[node]))
+
+
+def test_added_partitions_even_out_and_never_renumber_existing_ones() -> None:
+    existing = place(2, ["n1", "n2"])  # before n3 joined
+    added = place(4, ["n1", "n2", "n3"], existing)
+    assert Counter(h.node for h in existing + added) == {"n1": 2, "n2": 2, "n3": 2}
+    assert existing == [Home("n1", 0), Home("n2", 0)]
+    assert {h for h in added if h.node != "n3"} == {Home("n1", 1), Home("n2", 1)}
+
+
+def test_no_live_node_cannot_place() -> None:
+    with pytest.raises(ValueError):
+        place(1, [])
+
+
+def test_an_entry_round_trips_and_maps_local_indexes_to_partitions() -> None:
+    config = QueueConfig(name="q", reference="r", max_attempts=4, partitions=3, uid=99, group=2)
+    entry = QueueEntry(config, (Home("n1", 0), Home("n2", 0), Home("n1", 1)))
+    back = QueueEntry.decode("q", entry.encode(), mod_revision=7, generation=5)
+    assert back.config == config.replace(uid=0, group=-1)  # a node's own uid and group are not shared
+    assert back.homes == entry.homes and (back.mod_revision, back.generation) == (7, 5)
+    assert back.local_partitions("n1") == {0: 0, 1: 2} and back.local_count("n1") == 2
+    assert back.local_count("n3") == 0 and back.nodes() == ["n1", "n2"]
+
+
+def test_a_key_always_maps_to_the_same_partition() -> None:
+    assert key_partition("order-42", 5) == key_partition("order-42", 5)
+    assert len({key_partition(f"k{i}", 4) for i in range(100)}) == 4
+
+
+def test_cluster_urls() -> None:
+    assert Endpoint.parse("etcd://a:1,b:2/prod") == Endpoint(("a:1", "b:2"), "/prod/")
+    for bad in ("http://a:1/prod", "etcd://a:1", "etcd:///prod"):
+        with pytest.raises(InvalidArgument):
+            Endpoint.parse(bad)
+    assert prefix_end(b"/prod/") == b"/prod0"
