@@ -325,6 +325,27 @@ def test_a_node_that_was_down_brings_its_local_queues_in_step_with_the_catalog(c
     assert 5 < deadline - before < 9
 
 
+def test_a_members_lease_revoked_by_hand_makes_it_register_again(cluster: Cluster) -> None:
+    n1, n2, _ = cluster.nodes
+    member = _etcd_get(cluster, "members/n2")
+    assert member is not None and member.lease
+    channel = grpc.insecure_channel(cluster.etcd.endpoint)
+    try:
+        rpc.LeaseStub(channel).LeaseRevoke(rpc.LeaseRevokeRequest(ID=member.lease), timeout=5)
+    finally:
+        channel.close()
+    # n2 notices (its key's deletion, or a renewal answered with TTL 0) and registers
+    # under a new lease and a new fencing token.
+    wait_until(
+        lambda: (m := _etcd_get(cluster, "members/n2")) is not None and m.create_revision > member.create_revision,
+        timeout=15,
+        interval=0.1,
+    )
+    assert _etcd_get(cluster, "members/n2").lease != member.lease
+    wait_until(lambda: n2.info().admin_writable and "n2" in _live(n1), timeout=15, interval=0.1)
+    assert _admin_code(n2, "after-revoke") == grpc.StatusCode.OK
+
+
 def test_retire_a_dead_node_recreates_its_partitions_empty_elsewhere(cluster: Cluster) -> None:
     n1, n2, n3 = cluster.nodes
     n1.stubs.create("orphaned", requested_partitions=3)

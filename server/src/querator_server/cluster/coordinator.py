@@ -111,8 +111,11 @@ class Coordinator:
                 self.retired = True
                 log.error("cluster_node_retired", node=self.node, detail="this node no longer serves its partitions")
             member = catalog.members.get(self.node)
-            if self.membership.create_revision and (
-                member is None or member.create_revision != self.membership.create_revision
+            registered = self.membership.create_revision
+            # Judged only on a cache at least as new as the registration: an older event
+            # (the deletion of the previous key, say) says nothing about the current one.
+            if registered and catalog.revision >= registered and (
+                member is None or member.create_revision != registered
             ):
                 self.membership.lost()
             for entry in _dead_queues_first(catalog.queues.values()):

@@ -68,6 +68,11 @@ class Membership:
         """Put ``members/<node>`` under a fresh lease; wait out a previous one's TTL."""
         deadline = time.monotonic() + timeout
         value = json.dumps({"address": self.address, "pid": os.getpid()}).encode()
+        if self.lease:
+            _, kv = await self._etcd.get(self._key)
+            if kv is not None and kv.lease == self.lease:  # still ours: taken for lost too early
+                self.create_revision = kv.create_revision
+                return
         while True:
             sent = time.monotonic()
             lease = await self._etcd.grant(self.ttl_s)
