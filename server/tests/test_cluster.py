@@ -379,3 +379,18 @@ def test_bad_cluster_settings_stop_the_server_with_a_clear_message(tmp_path, arg
     )  # fmt: skip
     assert result.returncode == code, result.stderr
     assert message in result.stderr
+
+
+def test_streams_sent_to_a_node_without_the_partition_are_forwarded_message_by_message(cluster: Cluster) -> None:
+    home, (a, _) = _one_home(cluster, "streamed")
+    produce = [
+        queue_pb2.ProduceStreamRequest(request=queue_pb2.ProduceRequest(queue_name="streamed", payloads=[f"s{n}".encode()]))
+        for n in range(20)
+    ] + [queue_pb2.ProduceStreamRequest(request=queue_pb2.ProduceRequest(queue_name="no-such-queue", payloads=[b"x"]))]
+    answers = list(a.stubs.queue.ProduceStream(iter(produce), timeout=30))
+    assert [x.WhichOneof("result") for x in answers] == ["response"] * 20 + ["error"]
+    assert answers[-1].error.code == grpc.StatusCode.NOT_FOUND.value[0]
+    lease = [queue_pb2.LeaseStreamRequest(request=queue_pb2.LeaseRequest(queue_name="streamed", batch_size=5)) for _ in range(4)]
+    leased = [i.payload for x in a.stubs.queue.LeaseStream(iter(lease), timeout=30) for i in x.response.items]
+    assert sorted(leased) == sorted(f"s{n}".encode() for n in range(20))
+    assert sum(s.total_leased for s in home.stubs.stats("streamed").partitions) == 20
