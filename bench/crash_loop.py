@@ -18,7 +18,8 @@ do not). After the last cycle the server is restarted, left to settle, and:
     .venv/bin/python bench/crash_loop.py --cluster --cycles 100 --producers 3 --consumers 3
 
 ``--cluster`` runs an etcd and three nodes and kills one node per cycle while clients on
-the others go on (``run_cluster``); no dead-letter queue there (not in cluster mode yet).
+the others go on (``run_cluster``); its queue has no dead-letter queue and no attempt
+limit, so every item is either completed or still stored at the end.
 
 server/tests/test_crash_loop.py runs the same harness (``run``) for about 20 cycles.
 """

@@ -214,13 +214,40 @@ def test_delete_on_one_node_deletes_everywhere_and_the_name_can_be_reused(cluste
     assert sum(s.total for s in n1.stubs.stats("doomed").partitions) == 0
 
 
-def test_dead_letter_queues_are_refused_in_cluster_mode_with_the_field_named(cluster: Cluster) -> None:
-    n1 = cluster.nodes[0]
-    n1.stubs.create("dlq-target")
-    with pytest.raises(grpc.RpcError) as error:
-        n1.stubs.create("with-dlq", dead_queue="dlq-target")
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "dead_queue" in (error.value.details() or "")
+def test_dead_letters_reach_the_dead_letter_queue_from_every_node(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.nodes
+    n1.stubs.create("dlq", requested_partitions=1)
+    n2.stubs.create("sick", requested_partitions=3, dead_queue="dlq", max_attempts=1)
+    # The dead-letter queue now has a partition on every node that homes one of "sick".
+    homes = {q.queue_name: list(q.homes) for q in n3.info().queues}
+    assert set(homes["dlq"]) == set(homes["sick"]) == {"n1", "n2", "n3"}
+    assert n3.stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="dlq"), timeout=10).queue.requested_partitions == 3
+    for node in cluster.nodes:
+        node.stubs.produce("sick", [f"bad-{node.node_id}".encode()])
+    dead = 0
+    deadline = time.monotonic() + 30
+    while dead < 3 and time.monotonic() < deadline:
+        leased = n2.stubs.lease("sick", 10, request_timeout=_dur(0.5))
+        if leased.items:
+            n3.stubs.queue.Retry(
+                queue_pb2.RetryRequest(
+                    queue_name="sick",
+                    partition=leased.partition,
+                    items=[queue_pb2.RetryItem(id=i.id, dead=True) for i in leased.items],
+                ),
+                timeout=10,
+            )
+            dead += len(leased.items)
+    assert dead == 3
+    letters = _drain(n1, "dlq", 3)
+    assert sorted(item.payload for _, item in letters) == [b"bad-n1", b"bad-n2", b"bad-n3"]
+    with pytest.raises(grpc.RpcError) as in_use:
+        n1.stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="dlq", force=True), timeout=15)
+    assert in_use.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as missing:
+        n1.stubs.create("sick-too", dead_queue="no-such-dlq")
+    assert missing.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "dead_queue" in (missing.value.details() or "")
 
 
 def test_retiring_a_live_node_is_refused(cluster: Cluster) -> None:

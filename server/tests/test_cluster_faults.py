@@ -350,6 +350,8 @@ def test_retire_a_dead_node_recreates_its_partitions_empty_elsewhere(cluster: Cl
     n1, n2, n3 = cluster.nodes
     n1.stubs.create("orphaned", requested_partitions=3)
     n3.stubs.produce("orphaned", [b"kept-on-n3"])  # n3 homes a partition: served there
+    n1.stubs.create("orphaned-dlq", requested_partitions=1)
+    n1.stubs.create("orphaned-src", requested_partitions=3, dead_queue="orphaned-dlq")
     stub = cluster_pb2_grpc.ClusterServiceStub(n1.channel)
     n3.kill9()
     wait_until(lambda: "n3" not in _live(n1), timeout=20, interval=0.2)
@@ -365,6 +367,11 @@ def test_retire_a_dead_node_recreates_its_partitions_empty_elsewhere(cluster: Cl
     wait_until(lambda: "n3" not in {h for q in n2.info().queues for h in q.homes}, timeout=10)
     info = n2.info()
     assert "n3" not in {m.node_id for m in info.members}
+    # A dead-letter queue still has a partition on every node its user's partitions are on.
+    placed = {q.queue_name: list(q.homes) for q in n2.info().queues}
+    assert "n3" not in placed["orphaned-src"] + placed["orphaned-dlq"]
+    assert set(placed["orphaned-src"]) <= set(placed["orphaned-dlq"])
+    n2.stubs.produce("orphaned-src", [b"s"] * 3)
     # The recreated partition is empty and in service.
     stats = n2.stubs.stats("orphaned")
     assert [s.partition for s in stats.partitions] == [0, 1, 2]

@@ -214,13 +214,47 @@ class Coordinator:
         await self.catalog.wait_applied(revision, _APPLY_TIMEOUT_S)
         return revision
 
-    @staticmethod
-    def _no_dead_queue(config: QueueConfig) -> None:
-        if config.dead_queue:
-            raise InvalidArgument("queue.dead_queue", "dead-letter queues are not available in cluster mode yet")
+    def _check_dead_queue(self, config: QueueConfig) -> None:
+        """The single server's rules (manager._check_dead_queue), against the catalog."""
+        queues = self.catalog.queues
+        users = sorted(e.config.name for e in queues.values() if e.config.dead_queue == config.name)
+        dead = config.dead_queue
+        if not dead:
+            return
+        if dead == config.name:
+            raise InvalidArgument("queue.dead_queue", "a queue cannot be its own dead_queue")
+        target = queues.get(dead)
+        if target is None:
+            raise InvalidArgument("queue.dead_queue", f"queue {dead!r} does not exist; create it first")
+        if target.config.dead_queue:
+            raise InvalidArgument(
+                "queue.dead_queue", f"queue {dead!r} has a dead_queue of its own; a dead-letter queue may not"
+            )
+        if users:
+            raise FailedPrecondition(
+                f"queue {config.name!r} is the dead_queue of {', '.join(map(repr, users[:5]))} "
+                "and so cannot have a dead_queue of its own"
+            )
+
+    def _with_dead_queue(self, txn: Txn, config: QueueConfig, homes: Iterable[Home]) -> None:
+        """Give the dead-letter queue a partition on every node that homes one of the
+        queue's: dead letters go from a partition to the dead-letter queue's part on the
+        same node. Added to ``txn``, which also compares the dead-letter queue's revision."""
+        if not config.dead_queue:
+            return
+        target = self.catalog.queues[config.dead_queue]
+        have = {h.node for h in target.homes}
+        added = list(target.homes)
+        for node in sorted({h.node for h in homes} - have):
+            added += place(1, [node], added)
+        key = self.keys.queue(config.dead_queue)
+        txn.modified_at(key, target.mod_revision)
+        if len(added) > len(target.homes):
+            grown = target.config.replace(partitions=len(added), updated_at_us=now_us())
+            txn.put(key, QueueEntry(grown, tuple(added)).encode())
 
     async def create(self, config: QueueConfig) -> QueueConfig:
-        self._no_dead_queue(config)
+        self._check_dead_queue(config)
         txn = self._fenced_txn()
         live = self._live()
         if not live:
@@ -231,7 +265,13 @@ class Coordinator:
         )
         key = self.keys.queue(config.name)
         txn.created_at(key, 0).put(key, entry.encode()).delete(self.keys.deleted(config.name))
-        await self._commit(txn, lambda: AlreadyExists(f"queue {config.name!r} already exists"))
+        self._with_dead_queue(txn, entry.config, entry.homes)
+        await self._commit(
+            txn,
+            lambda: AlreadyExists(f"queue {config.name!r} already exists")
+            if config.name in self.catalog.queues or not config.dead_queue
+            else FailedPrecondition(f"queue {config.dead_queue!r} was changed meanwhile; retry"),
+        )
         log.info("cluster_queue_created", queue=config.name, homes=[h.node for h in entry.homes])
         return self.get(config.name)
 
@@ -260,13 +300,15 @@ class Coordinator:
             raise FailedPrecondition(
                 f"requested_partitions cannot be lowered from {current.partitions} to {updated.partitions}"
             )
-        self._no_dead_queue(updated)
+        if "dead_queue" in changes:
+            self._check_dead_queue(updated)
         homes = entry.homes
         if updated.partitions > current.partitions:
             homes = homes + tuple(place(updated.partitions - current.partitions, self._live(), homes))
         new = QueueEntry(updated, homes)
         key = self.keys.queue(name)
         txn.modified_at(key, entry.mod_revision).put(key, new.encode())
+        self._with_dead_queue(txn, updated, homes)
         await self._commit(
             txn,
             lambda: FailedPrecondition(
@@ -282,6 +324,9 @@ class Coordinator:
         entry = self.catalog.queues.get(name)
         if entry is None:
             raise NotFound(f"queue {name!r} does not exist")
+        users = sorted(e.config.name for e in self.catalog.queues.values() if e.config.dead_queue == name)
+        if users:
+            raise FailedPrecondition(f"queue {name!r} is the dead_queue of {', '.join(map(repr, users[:5]))}")
         key = self.keys.queue(name)
         txn.modified_at(key, entry.mod_revision).delete(key).put(self.keys.deleted(name), b"{}")
         await self._commit(
@@ -323,14 +368,12 @@ class Coordinator:
         live = self._live()
         if not live:
             raise Unavailable("no live node to recreate the partitions on")
-        # The first transaction marks the node retired (it can never come back) while it
-        # is still not registered; later ones, if the queues do not fit in one, move the rest.
-        txn = self._fenced_txn().created_at(self.keys.member(node), 0).put(self.keys.retired(node), b"{}")
-        ops = 1
+        queues = self.catalog.queues
+        work: dict[str, builtins.list[Home]] = {}
         moved = 0
         for entry in owned:
             kept = [h for h in entry.homes if h.node != node]
-            homes: list[Home] = []
+            homes: builtins.list[Home] = []
             for h in entry.homes:
                 if h.node == node:
                     (new,) = place(1, live, kept + homes)
@@ -338,8 +381,27 @@ class Coordinator:
                     moved += 1
                 else:
                     homes.append(h)
-            key = self.keys.queue(entry.config.name)
-            txn.modified_at(key, entry.mod_revision).put(key, QueueEntry(entry.config, tuple(homes)).encode())
+            work[entry.config.name] = homes
+        # Dead-letter queues follow their users onto the nodes their partitions moved to.
+        for entry in list(queues.values()):
+            target = entry.config.dead_queue
+            if not target or target not in queues:
+                continue
+            users_nodes = {h.node for h in work.get(entry.config.name, entry.homes)}
+            dead_homes = list(work.get(target, queues[target].homes))
+            for missing in sorted(users_nodes - {h.node for h in dead_homes}):
+                dead_homes += place(1, [missing], dead_homes)
+            if target in work or len(dead_homes) > len(queues[target].homes):
+                work[target] = dead_homes
+        # The first transaction marks the node retired (it can never come back) while it
+        # is still not registered; later ones, if the queues do not fit in one, move the rest.
+        txn = self._fenced_txn().created_at(self.keys.member(node), 0).put(self.keys.retired(node), b"{}")
+        ops = 1
+        for name, homes in work.items():
+            entry = queues[name]
+            key = self.keys.queue(name)
+            config = entry.config.replace(partitions=len(homes))
+            txn.modified_at(key, entry.mod_revision).put(key, QueueEntry(config, tuple(homes)).encode())
             ops += 1
             if ops >= _TXN_OPS:
                 await self._commit(txn, lambda: FailedPrecondition("the catalog changed meanwhile; retry"))
