@@ -118,7 +118,7 @@ def test_two_admins_racing_update_queue_on_two_nodes_lose_no_update(cluster: Clu
     n1, n2, _ = cluster.nodes
     n1.stubs.create("raced")
     conflicts = 0
-    for round_ in range(1, 41):
+    for round_ in range(1, 101):
         barrier = threading.Barrier(2)
         outcome: dict[str, grpc.StatusCode] = {}
         threads = [
@@ -145,9 +145,9 @@ def test_two_admins_racing_update_queue_on_two_nodes_lose_no_update(cluster: Clu
                 wait_until(lambda node=node, r=round_: _get(node, "raced").max_attempts == r, timeout=10)
         if grpc.StatusCode.FAILED_PRECONDITION in outcome.values():
             conflicts += 1
-            if conflicts >= 3:
+            if conflicts >= 2:
                 break
-    assert conflicts >= 1, "forty rounds of simultaneous updates and never a conflict"
+    assert conflicts >= 1, "a hundred rounds of simultaneous updates and never a conflict"
 
 
 def test_an_idempotency_key_dedups_whichever_node_receives_it(cluster: Cluster) -> None:

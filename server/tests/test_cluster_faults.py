@@ -167,7 +167,7 @@ def test_kill9_a_node_under_load_others_keep_serving_and_nothing_is_lost(cluster
     assert [p for p in drained if load.completed[p]] == []  # none delivered after its complete
     lost = load.acked - set(load.completed) - set(drained) - load.unsure
     assert lost == set(), sorted(lost)[:5]
-    assert len(load.unsure) <= 40  # at most the batches in flight when n3 died
+    assert len(load.unsure) <= 3 * 20  # at most one batch per consumer, in flight when n3 died
 
 
 def test_sigstop_a_node_past_its_ttl_then_sigcont_fences_then_rejoins(cluster: Cluster) -> None:
