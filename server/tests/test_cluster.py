@@ -421,3 +421,45 @@ def test_streams_sent_to_a_node_without_the_partition_are_forwarded_message_by_m
     leased = [i.payload for x in a.stubs.queue.LeaseStream(iter(lease), timeout=30) for i in x.response.items]
     assert sorted(leased) == sorted(f"s{n}".encode() for n in range(20))
     assert sum(s.total_leased for s in home.stubs.stats("streamed").partitions) == 20
+
+
+def test_a_former_single_servers_queues_are_kept_and_never_served_as_the_clusters(tmp_path) -> None:
+    from cluster_helpers import Node
+
+    data = str(tmp_path / "legacy")
+    single = ThreadServer(data)
+    try:
+        from conftest import Stubs
+
+        channel = grpc.insecure_channel(single.address)
+        Stubs(channel).create("legacy", requested_partitions=1)
+        Stubs(channel).produce("legacy", [b"from-before"])
+        channel.close()
+    finally:
+        single.stop()
+    small = Cluster(str(tmp_path / "c"), size=0)
+    node = None
+    try:
+        small.start()
+        node = Node("old", data, small.url)
+        node.start()
+        node.stubs.create("legacy", requested_partitions=2)  # the cluster's own queue of that name
+        with pytest.raises(grpc.RpcError) as refused:
+            node.stubs.produce("legacy", [b"new"])
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "before it joined" in (refused.value.details() or "")
+        assert "cluster_queue_name_taken_here" in node.stderr_text()
+    finally:
+        if node is not None:
+            node.stop()
+        small.stop()
+    # The old queue and its item are still in the data directory.
+    again = ThreadServer(data)
+    try:
+        channel = grpc.insecure_channel(again.address)
+        from conftest import Stubs
+
+        assert [i.payload for i in Stubs(channel).lease("legacy", 10).items] == [b"from-before"]
+        channel.close()
+    finally:
+        again.stop()

@@ -26,7 +26,7 @@ from ..model import QueueConfig
 from .catalog import CatalogCache, Keys
 from .etcd import Endpoint, Etcd, EtcdError, Txn
 from .membership import Membership
-from .placement import SHARED_FIELDS, Home, QueueEntry, place
+from .placement import GENERATION_MARK, SHARED_FIELDS, Home, QueueEntry, place
 from .router import Router
 
 log = structlog.get_logger("querator.cluster")
@@ -69,6 +69,9 @@ class Coordinator:
         self._reconcile_lock = asyncio.Lock()
         self.retired = False
         self._foreign: set[str] = set()  # local queues the catalog never had (warned once)
+        # Cluster queues this node cannot serve: its data directory has an older queue of
+        # the same name (from before it joined).
+        self._blocked: set[str] = set()
 
     # -- start and stop ------------------------------------------------------------
 
@@ -144,6 +147,13 @@ class Coordinator:
             local = self.manager.get(name)
         except NotFound:
             local = None
+        if local is not None and not local.reference.startswith(GENERATION_MARK):
+            # The data directory held this queue before it joined the cluster: never
+            # dropped, never served in place of the cluster's queue.
+            if name not in self._blocked:
+                self._blocked.add(name)
+                log.error("cluster_queue_name_taken_here", queue=name, detail="a local queue of this name predates the cluster")
+            return
         try:
             if local is not None and local.reference != entry.local_reference:
                 # A queue of this name that was deleted while this node was away: its
@@ -174,11 +184,18 @@ class Coordinator:
         just created on another node), so a call right after a create finds it."""
         if self.retired:
             raise FailedPrecondition(f"node {self.node!r} was retired from the cluster; it serves nothing")
+        if name in self._blocked:
+            raise FailedPrecondition(
+                f"node {self.node!r} holds a queue {name!r} from before it joined the cluster and cannot serve "
+                "the cluster's queue of that name; move that data away or send the call to another node"
+            )
         entry = self.catalog.queues.get(name)
         if entry is not None:
             if entry.mod_revision > self.catalog.applied:  # seen, but not yet applied to local storage
                 await self.catalog.wait_applied(entry.mod_revision, _APPLY_TIMEOUT_S)
             return entry
+        if self.membership.fenced:  # etcd is likely out of reach: answer now, not after its timeout
+            raise NotFound(f"queue {name!r} does not exist (as far as this node knows: it cannot reach the catalog)")
         try:
             _, kv = await self.etcd.get(self.keys.queue(name))
         except EtcdError:

@@ -32,6 +32,10 @@ SHARED_FIELDS = (
 )
 
 
+# The reference of a node's local copy of a cluster queue starts with this.
+GENERATION_MARK = "cluster-generation:"
+
+
 @dataclass(frozen=True, slots=True)
 class Home:
     node: str
@@ -53,7 +57,7 @@ class QueueEntry:
     def local_reference(self) -> str:
         """What a node's local copy of the queue holds as its reference (never shown:
         API answers come from the catalog): the generation it belongs to."""
-        return f"cluster-generation:{self.generation}"
+        return f"{GENERATION_MARK}{self.generation}"
 
     def encode(self) -> bytes:
         settings = {field: getattr(self.config, field) for field in SHARED_FIELDS}
