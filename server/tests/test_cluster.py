@@ -463,3 +463,19 @@ def test_a_former_single_servers_queues_are_kept_and_never_served_as_the_cluster
         channel.close()
     finally:
         again.stop()
+
+
+def test_a_forwarded_calls_invalid_argument_names_the_field_as_a_local_one_does(cluster: Cluster) -> None:
+    from conftest import bad_request_fields
+
+    home, (a, _) = _one_home(cluster, "validated")
+    from google.protobuf import duration_pb2
+
+    bad = queue_pb2.ExtendRequest(
+        queue_name="validated", partition=0, ids=["1.0.1"], lease_timeout=duration_pb2.Duration(seconds=-5)
+    )
+    for node in (home, a):  # served at the home, and forwarded there
+        with pytest.raises(grpc.RpcError) as error:
+            node.stubs.queue.Extend(bad, timeout=10)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert bad_request_fields(error.value) == ["lease_timeout"]

@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from querator.v1 import queue_pb2 as pb
 from querator.v1 import queues_pb2 as qpb
 
@@ -109,7 +111,9 @@ class Router:
         timeout: float | None = None,
     ) -> M:
         metadata = [
-            (k, v) for k, v in (context.invocation_metadata() or ()) if k not in _TRANSPORT_HEADERS and k != FORWARDED
+            (k, v)
+            for k, v in (context.invocation_metadata() or ())
+            if k not in _TRANSPORT_HEADERS and k != FORWARDED and not k.startswith("grpc-")
         ]
         metadata.append((FORWARDED, self.node))
         remaining = context.time_remaining()
@@ -129,6 +133,10 @@ class Router:
                 if "failed to connect" in (exc.details() or ""):
                     raise Unreachable(f"node {node!r} (forwarded to) is unreachable: {exc.details()}") from None
                 raise Unavailable(f"node {node!r} (forwarded to) is unavailable: {exc.details()}") from None
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                violations = _violations(exc)
+                if violations:  # the same error, fields and all, as if raised here
+                    raise InvalidArgument(violations) from None
             raise Relayed(code.value[0], exc.details() or code.name) from None
 
     @staticmethod
@@ -392,6 +400,18 @@ class Router:
         del response.partitions[:]
         response.partitions.extend(kept)
         return response
+
+
+def _violations(exc: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
+    """The (field, description) pairs of an INVALID_ARGUMENT's google.rpc.BadRequest."""
+    status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    out: list[tuple[str, str]] = []
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            out.extend((v.field, v.description) for v in bad.field_violations)
+    return out
 
 
 def _has_items(response: pb.LeaseResponse) -> bool:
