@@ -276,7 +276,7 @@ def test_a_single_server_answers_cluster_info_as_one_node(tmp_path) -> None:
 def test_forwarded_calls_carry_the_callers_api_key_and_keys_reach_every_node(tmp_path) -> None:
     from querator.v1 import keys_pb2, keys_pb2_grpc
 
-    admin = [("authorization", "Bearer admin-secret-for-the-test")]
+    admin = [("authorization", "Bearer " + "cluster-admin-token-for-the-test-" + "x" * 20)]
     auth = Cluster(str(tmp_path / "auth"), size=2, env={"QUERATOR_AUTH": "true", "QUERATOR_ADMIN_TOKEN": admin[0][1][7:]})
     try:
         auth.start()

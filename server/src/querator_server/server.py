@@ -189,7 +189,6 @@ class QueratorServer:
             self.cluster = Coordinator(
                 self.manager,
                 settings,
-                bootstrap_token=config.admin_token if config.auth else "",
                 on_standing=self._cluster_standing,
             )
             await self.cluster.start()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from ..auth import ApiKey, KeyRing, Role, new_key
+from ..auth import ApiKey, Role, new_key
 from ..clock import now_us
 from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, QueratorError, Unavailable
 from ..manager import QueuesManager
@@ -50,7 +50,6 @@ class Coordinator:
         self,
         manager: QueuesManager,
         settings: ClusterSettings,
-        bootstrap_token: str = "",
         on_standing: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
         self.manager = manager
@@ -65,7 +64,6 @@ class Coordinator:
             self.etcd, self.keys.member(self.node), self.node, settings.advertise, settings.lease_ttl_s, self._standing
         )
         self.router = Router(self.node, self.catalog, self.lookup)
-        self._bootstrap_token = bootstrap_token
         self._reconcile_lock = asyncio.Lock()
         self.retired = False
         self._foreign: set[str] = set()  # local queues the catalog never had (warned once)
@@ -136,9 +134,20 @@ class Coordinator:
                         log.info("cluster_queue_removed", queue=config.name)
                     except QueratorError as exc:
                         log.warning("cluster_queue_remove_failed", queue=config.name, error=exc.message)
-            self.manager.keyring = KeyRing(
-                (_key(r) for r in catalog.api_keys.values()), bootstrap_token=self._bootstrap_token
-            )
+            self._sync_keys()
+
+    def _sync_keys(self) -> None:
+        """The manager's key ring holds the catalog's keys (changed in place: the ring
+        keeps its bootstrap-token settings and what it has already logged)."""
+        ring = self.manager.keyring
+        wanted = {key_id: _key(record) for key_id, record in self.catalog.api_keys.items()}
+        for key in ring.keys():
+            if wanted.get(key.key_id) != key:
+                ring.remove(key.key_id)
+        held = {key.key_id for key in ring.keys()}
+        for key_id, key in wanted.items():
+            if key_id not in held:
+                ring.add(key)
 
     async def _apply(self, entry: QueueEntry) -> None:
         count = entry.local_count(self.node)
@@ -231,10 +240,23 @@ class Coordinator:
         await self.catalog.wait_applied(revision, _APPLY_TIMEOUT_S)
         return revision
 
-    def _check_dead_queue(self, config: QueueConfig) -> None:
+    def _users_text(self, name: str, visible: Callable[[str], bool] | None) -> str:
+        """The queues using ``name`` as their dead_queue, as an error text names them to a
+        caller who may see only ``visible`` ones (as manager._users_text)."""
+        users = sorted(e.config.name for e in self.catalog.queues.values() if e.config.dead_queue == name)
+        users = [u for u in users if u != name]
+        shown = users if visible is None else [u for u in users if visible(u)]
+        hidden = len(users) - len(shown)
+        named = ", ".join(map(repr, shown[:5])) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
+        if not hidden:
+            return named
+        others = f"{hidden} queue{'s' if hidden > 1 else ''} your key may not see"
+        return f"{named} and {others}" if named else others
+
+    def _check_dead_queue(self, config: QueueConfig, visible: Callable[[str], bool] | None = None) -> None:
         """The single server's rules (manager._check_dead_queue), against the catalog."""
         queues = self.catalog.queues
-        users = sorted(e.config.name for e in queues.values() if e.config.dead_queue == config.name)
+        users = self._users_text(config.name, visible)
         dead = config.dead_queue
         if not dead:
             return
@@ -249,8 +271,7 @@ class Coordinator:
             )
         if users:
             raise FailedPrecondition(
-                f"queue {config.name!r} is the dead_queue of {', '.join(map(repr, users[:5]))} "
-                "and so cannot have a dead_queue of its own"
+                f"queue {config.name!r} is the dead_queue of {users} and so cannot have a dead_queue of its own"
             )
 
     def _with_dead_queue(self, txn: Txn, config: QueueConfig, homes: Iterable[Home]) -> None:
@@ -270,8 +291,9 @@ class Coordinator:
             grown = target.config.replace(partitions=len(added), updated_at_us=now_us())
             txn.put(key, QueueEntry(grown, tuple(added)).encode())
 
-    async def create(self, config: QueueConfig) -> QueueConfig:
-        self._check_dead_queue(config)
+    async def create(self, config: QueueConfig, visible: Callable[[str], bool] | None = None) -> QueueConfig:
+        """As QueuesManager.create, in the catalog; ``visible``: what error texts may name."""
+        self._check_dead_queue(config, visible)
         txn = self._fenced_txn()
         live = self._live()
         if not live:
@@ -304,7 +326,9 @@ class Coordinator:
         names = sorted(n for n in self.catalog.queues if n > after and (visible is None or visible(n)))
         return [self.catalog.queues[n].config for n in names[:limit]], len(names) > limit
 
-    async def update(self, name: str, changes: dict[str, object]) -> QueueConfig:
+    async def update(
+        self, name: str, changes: dict[str, object], visible: Callable[[str], bool] | None = None
+    ) -> QueueConfig:
         txn = self._fenced_txn()
         entry = self.catalog.queues.get(name)
         if entry is None:
@@ -318,7 +342,7 @@ class Coordinator:
                 f"requested_partitions cannot be lowered from {current.partitions} to {updated.partitions}"
             )
         if "dead_queue" in changes:
-            self._check_dead_queue(updated)
+            self._check_dead_queue(updated, visible)
         homes = entry.homes
         if updated.partitions > current.partitions:
             homes = homes + tuple(place(updated.partitions - current.partitions, self._live(), homes))
@@ -334,16 +358,15 @@ class Coordinator:
         )
         return self.get(name)
 
-    async def delete(self, name: str, force: bool) -> None:
+    async def delete(self, name: str, force: bool, visible: Callable[[str], bool] | None = None) -> None:
         """Delete the queue everywhere (Router.delete checked first that it is empty,
         unless forced: the homes' storage goes when they apply the change)."""
         txn = self._fenced_txn()
         entry = self.catalog.queues.get(name)
         if entry is None:
             raise NotFound(f"queue {name!r} does not exist")
-        users = sorted(e.config.name for e in self.catalog.queues.values() if e.config.dead_queue == name)
-        if users:
-            raise FailedPrecondition(f"queue {name!r} is the dead_queue of {', '.join(map(repr, users[:5]))}")
+        if users := self._users_text(name, visible):
+            raise FailedPrecondition(f"queue {name!r} is the dead_queue of {users}")
         key = self.keys.queue(name)
         txn.modified_at(key, entry.mod_revision).delete(key).put(self.keys.deleted(name), b"{}")
         await self._commit(
