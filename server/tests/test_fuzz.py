@@ -27,7 +27,7 @@ from google.protobuf import duration_pb2, field_mask_pb2, timestamp_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from querator.v1 import keys_pb2, keys_pb2_grpc, queue_pb2, queues_pb2, storage_pb2
+from querator.v1 import cluster_pb2, cluster_pb2_grpc, keys_pb2, keys_pb2_grpc, queue_pb2, queues_pb2, storage_pb2
 
 C = grpc.StatusCode
 DOCUMENTED = {
@@ -65,6 +65,7 @@ class Fixture:
         self.server = server
         self.stubs = Stubs(grpc.insecure_channel(server.address))
         self.keys = keys_pb2_grpc.KeysServiceStub(self.stubs.channel)
+        self.cluster = cluster_pb2_grpc.ClusterServiceStub(self.stubs.channel)
         self.ids: list[str] = []
 
     def ensure_queues(self) -> None:
@@ -361,6 +362,14 @@ def request_strategies(fx: Fixture) -> dict[str, tuple[Any, st.SearchStrategy[An
         ),
         "ListKeys": (fx.keys.ListKeys, st.just(keys_pb2.ListKeysRequest())),
         "RevokeKey": (fx.keys.RevokeKey, st.builds(keys_pb2.RevokeKeyRequest, key_id=texts)),
+        "ClusterInfo": (
+            fx.cluster.ClusterInfo,
+            st.builds(cluster_pb2.ClusterInfoRequest, queue_names=st.lists(names, max_size=4)),
+        ),
+        "RetireNodeDiscardingData": (
+            fx.cluster.RetireNodeDiscardingData,
+            st.builds(cluster_pb2.RetireNodeDiscardingDataRequest, node_id=texts),
+        ),
     }
 
 
@@ -384,6 +393,8 @@ METHODS = {
     "CreateKey": "querator.v1.KeysService",
     "ListKeys": "querator.v1.KeysService",
     "RevokeKey": "querator.v1.KeysService",
+    "ClusterInfo": "querator.v1.ClusterService",
+    "RetireNodeDiscardingData": "querator.v1.ClusterService",
 }
 
 
