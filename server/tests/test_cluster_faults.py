@@ -346,6 +346,23 @@ def test_a_members_lease_revoked_by_hand_makes_it_register_again(cluster: Cluste
     assert _admin_code(n2, "after-revoke") == grpc.StatusCode.OK
 
 
+def test_sigterm_leaves_the_cluster_at_once_and_a_restart_needs_no_wait(cluster: Cluster) -> None:
+    n1, n2, _ = cluster.nodes
+    n1.stubs.create("graceful", requested_partitions=3)
+    n2.stubs.produce("graceful", [b"kept"])
+    assert n2.proc is not None
+    n2.signal(signal.SIGTERM)
+    assert n2.proc.wait(30) == 0
+    # The lease was revoked on the way out: the member key is gone the moment it exits,
+    # not when its TTL runs out.
+    assert _etcd_get(cluster, "members/n2") is None
+    wait_until(lambda: "n2" not in _live(n1), timeout=10, interval=0.05)
+    n2.start()
+    wait_until(lambda: "n2" in _live(n1), timeout=10, interval=0.05)
+    leased = [i.payload for _ in range(6) for i in n1.stubs.lease("graceful", 10, request_timeout=dur(0.2)).items]
+    assert leased == [b"kept"]
+
+
 def test_retire_a_dead_node_recreates_its_partitions_empty_elsewhere(cluster: Cluster) -> None:
     n1, n2, n3 = cluster.nodes
     n1.stubs.create("orphaned", requested_partitions=3)
