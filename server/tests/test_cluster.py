@@ -56,8 +56,8 @@ def test_create_on_n1_produce_on_n2_lease_on_n3_complete_on_n1_every_item_once(c
     by_partition: dict[int, list[str]] = {}
     for partition, item in leased:
         by_partition.setdefault(partition, []).append(item.id)
-    # Items came from partitions on more than one node: n3 served its own and n2's.
-    homes = {p: h for p, h in enumerate(n1.info().queues[0].homes)} if n1.info().queues else {}
+    # Produced on n2 (its own partitions), leased on n3: n3 served n2's items by forwarding.
+    homes = dict(enumerate([q for q in n1.info().queues if q.queue_name == "flow"][0].homes))
     for partition, ids in by_partition.items():
         n1.stubs.complete("flow", partition, ids)
     stats = n2.stubs.stats("flow")
@@ -166,7 +166,7 @@ def test_an_idempotency_key_dedups_whichever_node_receives_it(cluster: Cluster) 
 def test_a_forwarded_lease_keeps_the_callers_deadline(cluster: Cluster) -> None:
     n1, n2, n3 = cluster.nodes
     n1.stubs.create("lonely", requested_partitions=1)
-    (home,) = n1.info().queues and [q for q in n1.info().queues if q.queue_name == "lonely"][0].homes
+    (home,) = [q for q in n1.info().queues if q.queue_name == "lonely"][0].homes
     elsewhere = next(n for n in cluster.nodes if n.node_id != home)
     start = time.monotonic()
     # No request_timeout: the lease waits as long as the call allows. Were the deadline
