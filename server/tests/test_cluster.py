@@ -479,3 +479,21 @@ def test_a_forwarded_calls_invalid_argument_names_the_field_as_a_local_one_does(
             node.stubs.queue.Extend(bad, timeout=10)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert bad_request_fields(error.value) == ["lease_timeout"]
+
+
+def test_an_unreadable_catalog_key_is_skipped_and_the_watch_goes_on(cluster: Cluster) -> None:
+    from aetcd import rpc  # type: ignore[import-untyped]
+
+    n1, n2, _ = cluster.nodes
+    channel = grpc.insecure_channel(cluster.etcd.endpoint)
+    try:
+        kv = rpc.KVStub(channel)
+        for key, value in ((b"queues/garbled", b"not json"), (b"members/ghost", b"{}")):
+            kv.Put(rpc.PutRequest(key=f"/{cluster.prefix}/".encode() + key, value=value), timeout=5)
+    finally:
+        channel.close()
+    n1.stubs.create("after-garbage")
+    wait_until(lambda: "after-garbage" in [q.queue_name for q in n2.info().queues], timeout=10)
+    assert "garbled" not in [q.queue_name for q in n2.info().queues]
+    n2.stubs.produce("after-garbage", [b"fine"])
+    assert "catalog_key_unreadable" in n2.stderr_text()

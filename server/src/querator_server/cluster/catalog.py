@@ -80,6 +80,12 @@ class CatalogCache:
     # -- loading ---------------------------------------------------------------------
 
     def _apply(self, kv: KeyValue, deleted: bool) -> None:
+        try:
+            self._apply_key(kv, deleted)
+        except (ValueError, KeyError, TypeError) as exc:  # not written by us: skipped, never fatal
+            log.error("catalog_key_unreadable", key=kv.key[:200].decode(errors="replace"), error=str(exc)[:200])
+
+    def _apply_key(self, kv: KeyValue, deleted: bool) -> None:
         key = kv.key[len(self.keys.prefix) :].decode()
         kind, _, name = key.partition("/")
         if kind == "queues":
