@@ -390,6 +390,7 @@ def test_a_lease_that_completes_earlier_items_completes_them_at_their_home(clust
         (["--cluster", "etcd://127.0.0.1:2379/prod"], 2, "--node-id"),
         (["--cluster", "etcd://127.0.0.1:{free}/prod", "--node-id", "n1"], 1, "cannot reach the cluster catalog"),
         (["--cluster", "etcd://127.0.0.1:2379/prod", "--node-id", "n1", "--tls-cert", "x"], 2, "TLS"),
+        (["--cluster", "etcd://127.0.0.1:2379/prod", "--node-id", "n1", "--cluster-lease-ttl", "1"], 2, "at least 2"),
     ],
 )
 def test_bad_cluster_settings_stop_the_server_with_a_clear_message(tmp_path, args, code, message) -> None:

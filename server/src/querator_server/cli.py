@@ -125,8 +125,8 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
     if config.cluster and (config.tls_cert or config.tls_key or config.tls_client_ca):
         print("querator: --cluster does not support TLS yet (nodes forward calls in plaintext)", file=sys.stderr)
         return 2
-    if config.cluster_lease_ttl_s < 2:
-        print("querator: --cluster-lease-ttl must be at least 2 seconds", file=sys.stderr)
+    if config.cluster and config.cluster_lease_ttl_s < 2:
+        print("querator: --cluster-lease-ttl (QUERATOR_CLUSTER_LEASE_TTL) must be a whole number of seconds, at least 2", file=sys.stderr)
         return 2
     if config.auth and config.admin_token and (weak := check_bootstrap_token(config.admin_token)):
         print(f"querator: {weak}", file=sys.stderr)

@@ -77,7 +77,7 @@ class ServerConfig:
             "cluster": env.get("QUERATOR_CLUSTER", ""),
             "node_id": env.get("QUERATOR_NODE_ID", ""),
             "advertise": env.get("QUERATOR_ADVERTISE", ""),
-            "cluster_lease_ttl_s": int(env.get("QUERATOR_CLUSTER_LEASE_TTL", "5")),
+            "cluster_lease_ttl_s": _whole_seconds(env.get("QUERATOR_CLUSTER_LEASE_TTL", "5")),
         }
         if "QUERATOR_FAIL_QUEUE_AFTER" in env:
             values["fail_queue_after_s"] = _seconds(env["QUERATOR_FAIL_QUEUE_AFTER"], "QUERATOR_FAIL_QUEUE_AFTER")
@@ -93,6 +93,14 @@ def _seconds(text: str, name: str) -> float:
     if not value > 0:
         raise ValueError(f"{name} must be a number of seconds above 0, got {text!r}")
     return value
+
+
+def _whole_seconds(text: str) -> int:
+    """A whole number of seconds from the environment; 0 (refused by the caller) when not one."""
+    try:
+        return int(text.strip())
+    except ValueError:
+        return 0
 
 
 def _flag(text: str) -> bool:
