@@ -121,9 +121,18 @@ class Node:
     """``querator serve --cluster`` as a child process (kill -9, SIGSTOP)."""
 
     def __init__(
-        self, node_id: str, data_dir: str, cluster_url: str, ttl: int = 3, env: dict[str, str] | None = None
+        self,
+        node_id: str,
+        data_dir: str,
+        cluster_url: str,
+        ttl: int = 3,
+        env: dict[str, str] | None = None,
+        args: list[str] | None = None,
+        channel_credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.env = env or {}
+        self.args = args or []
+        self.credentials = channel_credentials
         self.node_id = node_id
         self.data_dir = data_dir
         self.cluster_url = cluster_url
@@ -148,15 +157,23 @@ class Node:
                 "--cluster", self.cluster_url,
                 "--node-id", self.node_id,
                 "--cluster-lease-ttl", str(self.ttl),
+                *self.args,
             ],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=self._stderr,
         )
-        wait_for_server(self.address, self.proc, timeout, self.stderr_text)
+        if self.credentials is None:
+            wait_for_server(self.address, self.proc, timeout, self.stderr_text)
+        else:  # TLS: wait for the port with a TLS channel of our own
+            _wait_tls(self.address, self.proc, self.credentials, timeout, self.stderr_text)
         if self.channel is None:
-            self.channel = grpc.insecure_channel(self.address)
+            self.channel = (
+                grpc.insecure_channel(self.address)
+                if self.credentials is None
+                else grpc.secure_channel(self.address, self.credentials)
+            )
             self.stubs = Stubs(self.channel)
 
     def stderr_text(self) -> str:
@@ -195,11 +212,35 @@ class Node:
             self._stderr = None
 
 
+def _wait_tls(address: str, proc: subprocess.Popen[bytes], credentials: grpc.ChannelCredentials, timeout: float, log) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    with grpc.secure_channel(address, credentials) as channel:
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"the server exited with {proc.returncode}:\n{log()}")
+            try:
+                grpc.channel_ready_future(channel).result(timeout=0.5)
+                return
+            except grpc.FutureTimeoutError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the server did not answer on {address}:\n{log()}") from None
+
+
 class Cluster:
     """An etcd and ``size`` nodes n1..n<size>, each with its own data dir under ``root``."""
 
-    def __init__(self, root: str, size: int = 3, ttl: int = 3, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        root: str,
+        size: int = 3,
+        ttl: int = 3,
+        env: dict[str, str] | None = None,
+        args: list[str] | None = None,
+        channel_credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.env = env
+        self.args = args
+        self.credentials = channel_credentials
         self.root = root
         self.etcd = Etcd(os.path.join(root, "etcd"))
         self.prefix = f"test-{uuid.uuid4().hex[:8]}"
@@ -214,7 +255,7 @@ class Cluster:
     def start(self) -> Cluster:
         self.etcd.start()
         for i in range(1, self.size + 1):
-            node = Node(f"n{i}", os.path.join(self.root, f"n{i}"), self.url, self.ttl, self.env)
+            node = Node(f"n{i}", os.path.join(self.root, f"n{i}"), self.url, self.ttl, self.env, self.args, self.credentials)
             self.nodes.append(node)
             node.start()
         return self

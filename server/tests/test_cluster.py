@@ -389,7 +389,7 @@ def test_a_lease_that_completes_earlier_items_completes_them_at_their_home(clust
         (["--cluster", "etcd://127.0.0.1:2379", "--node-id", "n1"], 1, "prefix"),
         (["--cluster", "etcd://127.0.0.1:2379/prod"], 2, "--node-id"),
         (["--cluster", "etcd://127.0.0.1:{free}/prod", "--node-id", "n1"], 1, "cannot reach the cluster catalog"),
-        (["--cluster", "etcd://127.0.0.1:2379/prod", "--node-id", "n1", "--tls-cert", "x"], 2, "TLS"),
+        (["--cluster", "etcd://127.0.0.1:{free}/prod", "--node-id", "n1", "--tls-cert", "nope.pem", "--tls-key", "nope.key"], 1, "cannot read the TLS"),
         (["--cluster", "etcd://127.0.0.1:2379/prod", "--node-id", "n1", "--cluster-lease-ttl", "1"], 2, "at least 2"),
     ],
 )
@@ -498,3 +498,39 @@ def test_an_unreadable_catalog_key_is_skipped_and_the_watch_goes_on(cluster: Clu
     assert "garbled" not in [q.queue_name for q in n2.info().queues]
     n2.stubs.produce("after-garbage", [b"fine"])
     assert "catalog_key_unreadable" in n2.stderr_text()
+
+
+def test_nodes_with_mutual_tls_forward_to_each_other_over_tls(tmp_path) -> None:
+    import subprocess
+
+    pki = tmp_path / "pki"
+    pki.mkdir()
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=pki, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=test-ca")  # fmt: skip
+    for name in ("node", "client"):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        (pki / f"{name}.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext")  # fmt: skip
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=(pki / "ca.pem").read_bytes(),
+        private_key=(pki / "client.key").read_bytes(),
+        certificate_chain=(pki / "client.pem").read_bytes(),
+    )
+    args = ["--tls-cert", str(pki / "node.pem"), "--tls-key", str(pki / "node.key"), "--tls-client-ca", str(pki / "ca.pem")]
+    secure = Cluster(str(tmp_path / "tls"), size=2, args=args, channel_credentials=credentials)
+    try:
+        secure.start()
+        n1, n2 = secure.nodes
+        n1.stubs.create("sealed", requested_partitions=1)
+        (home,) = [q for q in n1.info().queues if q.queue_name == "sealed"][0].homes
+        other = n2 if home == "n1" else n1
+        # Forwarded to the home over mutual TLS (the node presents its own certificate).
+        assert other.stubs.produce("sealed", [b"over-tls"]).partition == 0
+        assert [i.payload for i in other.stubs.lease("sealed", 1).items] == [b"over-tls"]
+    finally:
+        secure.stop()

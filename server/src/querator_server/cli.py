@@ -94,6 +94,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "default: --address)",
     )
     parser.add_argument(
+        "--cluster-ca",
+        help="with TLS: PEM CA bundle that signed the other nodes' certificates, for forwarded calls "
+        "(env QUERATOR_CLUSTER_CA; default: --tls-client-ca, else the system's roots)",
+    )
+    parser.add_argument(
         "--cluster-lease-ttl",
         type=int,
         dest="cluster_lease_ttl",
@@ -121,9 +126,6 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
         return 2
     if config.cluster and not config.node_id:
         print("querator: --cluster needs --node-id (env QUERATOR_NODE_ID)", file=sys.stderr)
-        return 2
-    if config.cluster and (config.tls_cert or config.tls_key or config.tls_client_ca):
-        print("querator: --cluster does not support TLS yet (nodes forward calls in plaintext)", file=sys.stderr)
         return 2
     if config.cluster and config.cluster_lease_ttl_s < 2:
         print("querator: --cluster-lease-ttl (QUERATOR_CLUSTER_LEASE_TTL) must be a whole number of seconds, at least 2", file=sys.stderr)
@@ -158,6 +160,7 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         node_id=args.node_id,
         advertise=args.advertise,
         cluster_lease_ttl_s=args.cluster_lease_ttl,
+        cluster_ca=args.cluster_ca,
     )
 
 

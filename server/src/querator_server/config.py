@@ -56,6 +56,9 @@ class ServerConfig:
     node_id: str = ""
     advertise: str = ""
     cluster_lease_ttl_s: int = 5
+    # With TLS on: the PEM CA bundle that signed the other nodes' certificates, for the
+    # calls a node forwards to another (default: tls_client_ca, else the system's roots).
+    cluster_ca: str = ""
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig:
@@ -77,6 +80,7 @@ class ServerConfig:
             "cluster": env.get("QUERATOR_CLUSTER", ""),
             "node_id": env.get("QUERATOR_NODE_ID", ""),
             "advertise": env.get("QUERATOR_ADVERTISE", ""),
+            "cluster_ca": env.get("QUERATOR_CLUSTER_CA", ""),
             "cluster_lease_ttl_s": _whole_seconds(env.get("QUERATOR_CLUSTER_LEASE_TTL", "5")),
         }
         if "QUERATOR_FAIL_QUEUE_AFTER" in env:

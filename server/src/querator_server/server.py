@@ -178,13 +178,26 @@ class QueratorServer:
 
     async def _join_cluster(self) -> None:
         from .cluster import ClusterSettings, Coordinator
+        from .cluster.router import PeerTls
 
         config = self.config
         advertise = config.advertise or config.address
         if advertise.rsplit(":", 1)[-1] in ("", "0"):
             await self.manager.stop()
             raise OSError("a cluster node needs --advertise host:port (or a fixed port in --address)")
-        settings = ClusterSettings(config.cluster, config.node_id, advertise, config.cluster_lease_ttl_s)
+        peer_tls = None
+        if config.tls_cert and config.tls_key:
+            ca = config.cluster_ca or config.tls_client_ca
+            try:
+                peer_tls = PeerTls(
+                    roots=_read(ca, "cluster CA") if ca else None,
+                    chain=_read(config.tls_cert, "certificate"),
+                    key=_read(config.tls_key, "key"),
+                )
+            except OSError:
+                await self.manager.stop()
+                raise
+        settings = ClusterSettings(config.cluster, config.node_id, advertise, config.cluster_lease_ttl_s, peer_tls)
         try:
             self.cluster = Coordinator(
                 self.manager,
@@ -220,16 +233,9 @@ class QueratorServer:
         if not (config.tls_cert and config.tls_key):
             raise OSError("TLS needs both a certificate (--tls-cert) and a key (--tls-key)")
 
-        def read(path: str, what: str) -> bytes:
-            try:
-                with open(path, "rb") as f:
-                    return f.read()
-            except OSError as exc:
-                raise OSError(f"cannot read the TLS {what} {path!r}: {exc.strerror}") from exc
-
-        chain = read(config.tls_cert, "certificate")
-        key = read(config.tls_key, "key")
-        client_ca = read(config.tls_client_ca, "client CA") if config.tls_client_ca else None
+        chain = _read(config.tls_cert, "certificate")
+        key = _read(config.tls_key, "key")
+        client_ca = _read(config.tls_client_ca, "client CA") if config.tls_client_ca else None
         return grpc.ssl_server_credentials(
             [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
         )
@@ -277,6 +283,14 @@ class QueratorServer:
 
     async def wait(self) -> None:
         await self._stopped.wait()
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise OSError(f"cannot read the TLS {what} {path!r}: {exc.strerror}") from exc
 
 
 def _raise_open_file_limit() -> None:

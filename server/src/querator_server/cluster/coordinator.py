@@ -27,7 +27,7 @@ from .catalog import CatalogCache, Keys
 from .etcd import Endpoint, Etcd, EtcdError, Txn
 from .membership import Membership
 from .placement import GENERATION_MARK, SHARED_FIELDS, Home, QueueEntry, place
-from .router import Router
+from .router import PeerTls, Router
 
 log = structlog.get_logger("querator.cluster")
 
@@ -43,6 +43,10 @@ class ClusterSettings:
     node_id: str
     advertise: str  # host:port other nodes and clients reach this node at
     lease_ttl_s: int = 5
+    # TLS for forwarded calls: the CA bundle that signed the other nodes' certificates
+    # (None: the system's roots) and this node's own chain and key, presented as a
+    # client certificate; None: plaintext.
+    peer_tls: PeerTls | None = None
 
 
 class Coordinator:
@@ -63,7 +67,7 @@ class Coordinator:
         self.membership = Membership(
             self.etcd, self.keys.member(self.node), self.node, settings.advertise, settings.lease_ttl_s, self._standing
         )
-        self.router = Router(self.node, self.catalog, self.lookup)
+        self.router = Router(self.node, self.catalog, self.lookup, settings.peer_tls)
         self._reconcile_lock = asyncio.Lock()
         self.retired = False
         self._foreign: set[str] = set()  # local queues the catalog never had (warned once)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -49,9 +50,30 @@ class Unreachable(Unavailable):
 Local = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
 
 
+@dataclass(frozen=True, slots=True)
+class PeerTls:
+    """How a node reaches the others over TLS: the roots it trusts (None: the system's)
+    and its own certificate chain and key, which mutual-TLS nodes ask for."""
+
+    roots: bytes | None
+    chain: bytes
+    key: bytes
+
+
 class Router:
-    def __init__(self, node: str, catalog: CatalogCache, lookup: Callable[[str], Awaitable[QueueEntry]]) -> None:
+    def __init__(
+        self,
+        node: str,
+        catalog: CatalogCache,
+        lookup: Callable[[str], Awaitable[QueueEntry]],
+        tls: PeerTls | None = None,
+    ) -> None:
         self.node = node
+        self._credentials = (
+            None
+            if tls is None
+            else grpc.ssl_channel_credentials(root_certificates=tls.roots, private_key=tls.key, certificate_chain=tls.chain)
+        )
         self._catalog = catalog
         self._lookup = lookup
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -98,7 +120,11 @@ class Router:
             raise Unavailable(f"node {node!r} is not live; its partitions are unavailable until it returns")
         channel = self._channels.get(member.address)
         if channel is None:
-            channel = self._channels[member.address] = grpc.aio.insecure_channel(member.address)
+            channel = self._channels[member.address] = (
+                grpc.aio.insecure_channel(member.address)
+                if self._credentials is None
+                else grpc.aio.secure_channel(member.address, self._credentials)
+            )
         return channel
 
     async def _forward(
