@@ -534,3 +534,25 @@ def test_nodes_with_mutual_tls_forward_to_each_other_over_tls(tmp_path) -> None:
         assert [i.payload for i in other.stubs.lease("sealed", 1).items] == [b"over-tls"]
     finally:
         secure.stop()
+
+
+def test_a_listing_started_on_one_node_goes_on_on_another(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.nodes
+    for i in range(3):
+        n1.stubs.create(f"paged-{i}")
+    first = n1.stubs.queues.ListQueues(queues_pb2.ListQueuesRequest(page_size=1), timeout=10)
+    assert first.next_page_token
+    second = n2.stubs.queues.ListQueues(
+        queues_pb2.ListQueuesRequest(page_size=1, page_token=first.next_page_token), timeout=10
+    )
+    assert second.queues[0].queue_name > first.queues[0].queue_name
+    # Items of a partition page the same way through any node.
+    home, (a, b) = _one_home(cluster, "paged-items")
+    a.stubs.produce("paged-items", [b"1", b"2", b"3"])
+    from querator.v1 import storage_pb2
+
+    page = a.stubs.storage.ListItems(storage_pb2.ListItemsRequest(queue_name="paged-items", page_size=2), timeout=10)
+    rest = b.stubs.storage.ListItems(
+        storage_pb2.ListItemsRequest(queue_name="paged-items", page_size=2, page_token=page.next_page_token), timeout=10
+    )
+    assert [i.payload for i in page.items] + [i.payload for i in rest.items] == [b"1", b"2", b"3"]

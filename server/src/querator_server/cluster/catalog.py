@@ -56,6 +56,10 @@ class Keys:
     def retired(self, node: str) -> bytes:
         return self.prefix + b"retired/" + node.encode()
 
+    @property
+    def token_secret(self) -> bytes:
+        return self.prefix + b"page-token-secret"
+
 
 class CatalogCache:
     """Queues, members, API keys, tombstones and retired nodes, at ``revision``."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
+import os
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
@@ -86,6 +87,7 @@ class Coordinator:
                     "elsewhere); start it with a new node id and an empty data directory"
                 )
             await self.membership.register(timeout=timeout)
+            await self._share_token_secret()
             await self.catalog.load()
         except EtcdError as exc:
             raise OSError(f"cannot reach the cluster catalog at {self.settings.url}: {exc}") from exc
@@ -94,6 +96,15 @@ class Coordinator:
         self.catalog.start()
         self.membership.start()
         log.info("cluster_joined", node=self.node, advertise=self.settings.advertise, revision=self.catalog.revision)
+
+    async def _share_token_secret(self) -> None:
+        """Every node signs page tokens with one secret (the first node's), so a listing
+        started on one node goes on on any other."""
+        key = self.keys.token_secret
+        await self.etcd.txn(Txn().created_at(key, 0).put(key, os.urandom(32)))
+        _, kv = await self.etcd.get(key)
+        if kv is not None and kv.value:
+            self.manager.token_secret = kv.value
 
     async def stop(self) -> None:
         await self.catalog.stop()
