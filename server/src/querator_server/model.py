@@ -28,6 +28,25 @@ SCHEDULE_MIN_US = 100_000
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 
+# The largest reply a Lease or a listing page is built to: gRPC's default receive limit,
+# so that a client with default settings (grpcurl, another language's stub) can read
+# every reply. A Lease stops before the item that would pass it and a page ends there,
+# but one item is always answered, and Produce keeps an item below MAX_REQUEST_BYTES,
+# which the server's send limit (about 9.2 MB, config.py) is set above.
+MAX_REPLY_BYTES = 4 << 20
+# Set aside for what a reply holds besides its items: the queue name, the partition,
+# a page token, and the envelope of a stream's answer.
+REPLY_FRAME_BYTES = 4096
+# What the items of one reply may add up to.
+REPLY_ITEMS_BYTES = MAX_REPLY_BYTES - REPLY_FRAME_BYTES
+# A bound on what an item's reply entry adds to its stored record: its id, times,
+# attempts and the tags and lengths around them (under 100 bytes; the stored header
+# alone is 69), with room for fields to come.
+ITEM_REPLY_OVERHEAD = 256
+# Metadata is stored as compact JSON (at least 6 bytes around each pair) and sent as
+# protobuf map entries (at most 11): this much more per pair, at most.
+METADATA_PAIR_OVERHEAD = 5
+
 
 @dataclass(frozen=True, slots=True)
 class QueueConfig:

@@ -14,7 +14,7 @@ from functools import partial
 import lmdb
 
 from ..errors import FailedPrecondition, NotFound, quote
-from ..model import SCHEDULE_MIN_US, NewItem
+from ..model import ITEM_REPLY_OVERHEAD, MAX_METADATA_PAIRS, METADATA_PAIR_OVERHEAD, SCHEDULE_MIN_US, NewItem
 from ..storage import Item
 from ..storage.keyed import LeaseKeyRecord
 from ..storage.record import (
@@ -42,6 +42,9 @@ from .view import PartitionView
 
 # A lease answered this close to its caller's deadline would arrive too late to use.
 FENCE_MARGIN_US = 2_000
+# An item with strings or metadata, counted against a lease's byte budget: its record,
+# plus the most its reply entry and metadata can add (see model.py).
+_DETAILED_ITEM_OVERHEAD = ITEM_REPLY_OVERHEAD + METADATA_PAIR_OVERHEAD * MAX_METADATA_PAIRS
 _HEX_DIGITS = "0123456789abcdef"
 
 
@@ -182,6 +185,8 @@ class Cycle(LifecycleSteps, StorageSteps):
                 if not replayed:
                     fresh.append(request)
             requests = fresh
+        if any(r.room is not None for r in requests):
+            requests = self._with_room(requests)
         total = self.ready_total()
         wanted = [r.batch_size for r in requests]
         if total >= sum(wanted):
@@ -212,11 +217,25 @@ class Cycle(LifecycleSteps, StorageSteps):
         else:
             self.unserved.append(request)
 
+    def _with_room(self, requests: list[LeaseRequest]) -> list[LeaseRequest]:
+        """The leases whose answers have room to be sent. The others are answered
+        ``no_room`` at once, leasing nothing: their caller waits for room and asks again."""
+        kept: list[LeaseRequest] = []
+        for request in requests:
+            if request.room is None or request.room.room() > 0:
+                kept.append(request)
+            else:
+                self._ok(request, LeaseResult(0, no_room=True))
+        return kept
+
     def _lease_one(self, txn: lmdb.Transaction[bytes], request: LeaseRequest, quota: int) -> LeaseResult | None:
         p = max(range(len(self._base)), key=lambda i: self._peek(i).ready)
         v = self.view(p)
         if not v.ready:
             return None
+        room = request.room
+        budget = request.max_bytes if room is None else min(request.max_bytes, room.room())
+        used = 0
         now = self.now
         deadline = now + self.config.lease_timeout_us
         taken: list[tuple[int, bytes]] = []
@@ -229,7 +248,10 @@ class Cycle(LifecycleSteps, StorageSteps):
         id_format = item_id(self.uid, p, 0)[:-1] + "%x"
         deadlines = self.lease_deadlines
         while len(ids) < quota:
-            run = self.store.lease_run(txn, p, last_seq + 1, quota - len(ids), leaser)
+            run = self.store.lease_run(
+                txn, p, last_seq + 1, quota - len(ids), leaser, budget - used, ITEM_REPLY_OVERHEAD, take_first=not ids
+            )
+            used += run.size
             if run.seqs:
                 ids.extend(map(id_format.__mod__, run.seqs))
                 payloads.extend(run.payloads)
@@ -241,6 +263,10 @@ class Cycle(LifecycleSteps, StorageSteps):
             if run.other is None:
                 break
             seq, raw = run.other
+            cost = len(raw) + _DETAILED_ITEM_OVERHEAD
+            if ids and used + cost > budget:
+                last_seq = seq - 1  # it stays ready, where the next lease starts
+                break
             state = read_state(raw)
             reason = self._death_reason(state)
             if reason:  # expired or out of attempts: never leased again
@@ -263,8 +289,12 @@ class Cycle(LifecycleSteps, StorageSteps):
             taken.append((seq, raw))
             result.add(item_id(self.uid, p, seq), Item.decode(leased))
             deadlines.append((deadline, p, seq))
+            used += cost
         if not ids:
             return None
+        if room is not None:
+            room.take(used)
+            request.charged += used
         count = len(ids)
         result.lease_deadlines = [deadline] * count
         v.ready -= count
@@ -296,6 +326,7 @@ class Cycle(LifecycleSteps, StorageSteps):
         deadline = now + self.config.lease_timeout_us
         result = LeaseResult(p)
         kept: list[int] = []
+        used = 0
         for seq in record.seqs:
             raw = self.store.get_raw(txn, p, seq)
             state = read_state(raw) if raw is not None else None
@@ -312,6 +343,10 @@ class Cycle(LifecycleSteps, StorageSteps):
                 self.lease_deadlines.append((deadline, p, seq))
             result.add(item_id(self.uid, p, seq), Item.decode(raw))
             kept.append(seq)
+            used += len(raw) + _DETAILED_ITEM_OVERHEAD
+        if request.room is not None:
+            request.room.take(used)
+            request.charged += used
         if tuple(kept) != record.seqs:
             assert self.keyed is not None
             self.keyed.put_lease_key(txn, key, record._replace(seqs=tuple(kept)), new=False)

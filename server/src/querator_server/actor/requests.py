@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from ..model import ImportedItem, NewItem, RetryOrder
+from ..model import REPLY_ITEMS_BYTES, ImportedItem, NewItem, RetryOrder
 from ..storage import Item
 
 
@@ -35,6 +36,14 @@ class ProduceRequest(Request):
     payloads: list[bytes] = field(default_factory=list)
 
 
+class ReplyRoom(Protocol):
+    """Bytes of answers that may still be made before earlier ones are sent."""
+
+    def room(self) -> int: ...
+
+    def take(self, size: int) -> None: ...
+
+
 @dataclass(eq=False, slots=True)
 class LeaseRequest(Request):
     batch_size: int
@@ -47,6 +56,13 @@ class LeaseRequest(Request):
     complete_partition: int = 0
     # An idempotent lease: a repeated key returns the items taken under it.
     lease_key: str = ""
+    # What the leased items may add up to (records and their reply overhead, see
+    # model.py), and the room left to send them, shared with other leases (a stream's).
+    max_bytes: int = REPLY_ITEMS_BYTES
+    room: ReplyRoom | None = None
+    # What the lease's cycles took from ``room`` (a cycle run twice takes twice): the
+    # caller settles it against the answer it actually built.
+    charged: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -127,6 +143,8 @@ class LeaseResult:
     created_at: list[int] = field(default_factory=list)
     # The items that carry more than a payload (encoding, kind, reference, metadata), by index.
     details: dict[int, Item] = field(default_factory=dict)
+    # Nothing leased because the lease's ReplyRoom was used up.
+    no_room: bool = False
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import lmdb
 
-from ..model import SCHEDULE_MIN_US
+from ..model import ITEM_REPLY_OVERHEAD, REPLY_ITEMS_BYTES, SCHEDULE_MIN_US
 from ..storage import Item
 from .cycle_base import CycleBase
 from .ids import item_id, parse_id, scheduled_id
@@ -21,23 +21,26 @@ from .view import PartitionView
 
 class StorageSteps(CycleBase):
     def list_items(self, txn: lmdb.Transaction[bytes], request: ListItemsRequest) -> None:
+        """A page of up to ``limit`` items, cut before the item that would take the
+        reply past REPLY_ITEMS_BYTES (one item always fits)."""
         p = request.partition
         out: list[StoredItem] = []
-        next_after: tuple[int, int] | None = None
+        cursors: list[tuple[int, int]] = []
         if request.scheduled:
             rows = self.store.page_scheduled(txn, p, request.after, request.limit + 1)
-            for due, seq, item in rows[: request.limit]:
-                out.append(StoredItem(scheduled_id(self.uid, p, seq, due), item))
-            if len(rows) > request.limit:
-                due, seq, _ = rows[request.limit - 1]
-                next_after = (due, seq)
+            listed = [(scheduled_id(self.uid, p, seq, due), item, (due, seq)) for due, seq, item in rows]
         else:
             page = self.store.page_items(txn, p, request.after[0], request.limit + 1)
-            for seq, item in page[: request.limit]:
-                out.append(StoredItem(item_id(self.uid, p, seq), item))
-            if len(page) > request.limit:
-                next_after = (page[request.limit - 1][0], 0)
-        self._ok(request, PageResult(out, next_after))
+            listed = [(item_id(self.uid, p, seq), item, (seq, 0)) for seq, item in page]
+        size = 0
+        for stored_id, item, cursor in listed[: request.limit]:
+            size += _reply_size(item)
+            if size > REPLY_ITEMS_BYTES and out:
+                break
+            out.append(StoredItem(stored_id, item))
+            cursors.append(cursor)
+        more = len(out) < len(listed)
+        self._ok(request, PageResult(out, cursors[-1] if more else None))
 
     def import_items(self, txn: lmdb.Transaction[bytes], request: ImportItemsRequest) -> None:
         p = request.partition
@@ -122,3 +125,14 @@ class StorageSteps(CycleBase):
             fresh.seq_dirty = v.seq_dirty
             self.views[p] = fresh
         self._ok(request, None)
+
+
+def _reply_size(item: Item) -> int:
+    """A bound on what ``item`` takes in a listing reply."""
+    size = len(item.payload) + ITEM_REPLY_OVERHEAD
+    for text in (item.reference, item.encoding, item.kind, item.source_id):
+        if text:
+            size += len(text.encode())
+    for name, value in item.metadata.items():
+        size += len(name.encode()) + len(value.encode()) + 11
+    return size

@@ -18,6 +18,7 @@ from ..model import (
     DEFAULT_LEASE_TIMEOUT_US,
     MAX_ATTEMPTS_LIMIT,
     MAX_PARTITIONS,
+    REPLY_ITEMS_BYTES,
     QueueConfig,
 )
 from . import convert as c
@@ -144,9 +145,19 @@ class QueuesService:
                 raise InvalidArgument("page_token", "is not a page token this server issued") from None
         visible = visible_queues()
         configs, more = self.admin.list(after, limit, visible)
-        token = c.encode_token(self.manager.token_secret, b"Q", configs[-1].name.encode()) if more and configs else ""
+        # Cut before the queue that would take the reply past what a client receives.
         failure = self.manager.failure
-        return pb.ListQueuesResponse(queues=[queue_info(q, visible, failure(q.name)) for q in configs], next_page_token=token)
+        infos: list[pb.QueueInfo] = []
+        size = 0
+        for config in configs:
+            info = queue_info(config, visible, failure(config.name))
+            size += info.ByteSize() + 8  # with its tag and length in the reply
+            if size > REPLY_ITEMS_BYTES and infos:
+                more = True
+                break
+            infos.append(info)
+        token = c.encode_token(self.manager.token_secret, b"Q", infos[-1].queue_name.encode()) if more and infos else ""
+        return pb.ListQueuesResponse(queues=infos, next_page_token=token)
 
     async def update_queue(
         self, request: pb.UpdateQueueRequest, context: grpc.aio.ServicerContext[Any, Any]

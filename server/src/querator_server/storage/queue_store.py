@@ -108,6 +108,10 @@ class LeasedRun:
     last_seq: int = 0
     # The ready item the run stopped at, which the leaser declined: (seq, record).
     other: tuple[int, bytes] | None = None
+    # What the leased records add up to (with the overhead per item), and whether the
+    # run stopped at an item that would have taken it past ``max_bytes``.
+    size: int = 0
+    full: bool = False
 
 
 # The largest seq or time a key can hold (8 bytes, unsigned).
@@ -628,9 +632,23 @@ class QueueStore:
         key = source_key(source_id)
         return any(txn.get(key, db=db) is not None for db in self._dbs)
 
-    def lease_run(self, txn: lmdb.Transaction[bytes], p: int, from_seq: int, quota: int, lease: PlainLeaser) -> LeasedRun:
+    def lease_run(
+        self,
+        txn: lmdb.Transaction[bytes],
+        p: int,
+        from_seq: int,
+        quota: int,
+        lease: PlainLeaser,
+        max_bytes: int,
+        item_overhead: int,
+        *,
+        take_first: bool,
+    ) -> LeasedRun:
         """Lease up to ``quota`` ready items of partition ``p`` from ``from_seq`` on, in
-        FIFO order, as ``lease`` rewrites them, until one it declines (``other``).
+        FIFO order, as ``lease`` rewrites them, until one it declines (``other``) or
+        one that would take the records leased past ``max_bytes`` (each record counted
+        with ``item_overhead`` more; with ``take_first`` the first item is taken
+        whatever its size).
 
         Each record is rewritten through the cursor that found it, which needs no
         search of the tree, and leased items on the way are skipped by their flag.
@@ -642,11 +660,16 @@ class QueueStore:
         seqs, records, payloads, attempts, created_at = run.seqs, run.records, run.payloads, run.attempts, run.created_at
         put, seq_of = cursor.put, seq_of_item_key
         seq = 0
+        size = 0
         for key, raw in cursor:
             if key[:1] != TAG_ITEM:
                 break
             if raw[0] & _FLAG_LEASED:
                 continue
+            size += len(raw) + item_overhead
+            if size > max_bytes and (seqs or not take_first):
+                run.full = True
+                break
             seq = seq_of(key)
             leased = lease(raw)
             if leased is None:
@@ -658,6 +681,7 @@ class QueueStore:
             payloads.append(leased[1])
             attempts.append(leased[2])
             created_at.append(leased[3])
+            run.size = size
             if len(seqs) >= quota:
                 break
         run.last_seq = seq

@@ -1,0 +1,163 @@
+"""Replies fit what a client can receive: a Lease takes items up to a byte budget
+(unary and stream alike) instead of committing a lease whose reply cannot be sent,
+and listing pages are cut by bytes too."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from querator.v1 import queue_pb2, queues_pb2, storage_pb2
+
+from conftest import Stubs, ThreadServer, dur
+
+# What gRPC clients accept by default, and so what every reply is built to fit.
+DEFAULT_RECEIVE = 4 << 20
+ITEM = 10_000
+BIG = 4_900_000
+
+
+@pytest.fixture
+def big_channel(server: ThreadServer) -> Iterator[grpc.Channel]:
+    """A channel that receives up to 64 MiB, as the SDK's does: big enough for the
+    9.2 MB the server may send, so only the server's own limits are tested."""
+    channel = grpc.insecure_channel(server.address, options=[("grpc.max_receive_message_length", 64 << 20)])
+    yield channel
+    channel.close()
+
+
+def _fill(stubs: Stubs, name: str, count: int, size: int) -> list[str]:
+    ids: list[str] = []
+    per_request = max(1, 4_000_000 // size)
+    for start in range(0, count, per_request):
+        n = min(per_request, count - start)
+        payloads = [f"{start + i:08d}".encode().ljust(size, b".") for i in range(n)]
+        ids.extend(stubs.produce(name, payloads).ids)
+    return ids
+
+
+def test_a_lease_of_more_than_a_reply_holds_takes_what_fits_and_loses_nothing(stubs: Stubs, big_channel: grpc.Channel) -> None:
+    stubs.create("q", lease_timeout=dur(5), max_attempts=2)
+    produced = _fill(stubs, "q", 1200, ITEM)
+    lease = Stubs(big_channel).queue.Lease
+    first = lease(queue_pb2.LeaseRequest(queue_name="q", batch_size=1000), timeout=10)
+    second = lease(queue_pb2.LeaseRequest(queue_name="q", batch_size=1000), timeout=10)
+    for reply in (first, second):
+        assert 0 < len(reply.items) < 1000
+        assert reply.ByteSize() <= DEFAULT_RECEIVE
+        # Nearly full: the budget stops near the item that would overflow, not far earlier.
+        assert reply.ByteSize() > 0.9 * DEFAULT_RECEIVE
+    # Leased exactly what was answered: the rest is still ready, never burnt.
+    stats = stubs.stats("q").partitions[0]
+    assert stats.total_leased == len(first.items) + len(second.items)
+    delivered = [item.id for reply in (first, second) for item in reply.items]
+    # A client with gRPC's default limit reads the rest, reply by reply.
+    while len(delivered) < len(produced):
+        reply = stubs.lease("q", batch_size=1000, request_timeout=dur(0))
+        assert reply.items, f"{len(produced) - len(delivered)} items never delivered"
+        delivered.extend(item.id for item in reply.items)
+        assert all(item.attempts == 1 for item in reply.items)
+    assert sorted(delivered) == sorted(produced)
+    assert all(item.attempts == 1 for reply in (first, second) for item in reply.items)
+
+
+def test_items_near_the_request_limit_are_leased_one_a_reply(stubs: Stubs, big_channel: grpc.Channel) -> None:
+    stubs.create("q", lease_timeout=dur(5), max_attempts=2)
+    produced = _fill(stubs, "q", 2, BIG)
+    lease = Stubs(big_channel).queue.Lease
+    replies = [lease(queue_pb2.LeaseRequest(queue_name="q", batch_size=2), timeout=10) for _ in range(2)]
+    assert [len(r.items) for r in replies] == [1, 1]
+    assert [r.items[0].id for r in replies] == produced
+    assert [len(r.items[0].payload) for r in replies] == [BIG, BIG]
+    assert [r.items[0].attempts for r in replies] == [1, 1]
+
+
+def test_items_with_strings_and_metadata_are_counted_too(stubs: Stubs) -> None:
+    stubs.create("q", lease_timeout=dur(5))
+    metadata = {f"key{i}": "v" * 200 for i in range(64)}
+    item = queue_pb2.ProduceItem(payload=b"x" * ITEM, reference="r" * 500, kind="k", encoding="e", metadata=metadata)
+    for _ in range(6):
+        stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name="q", items=[item] * 100), timeout=10)
+    total = 0
+    for columnar in (False, True, False):
+        reply = stubs.lease("q", batch_size=1000, columnar=columnar, request_timeout=dur(0))
+        count = len(reply.columns.ids) if columnar else len(reply.items)
+        assert 0 < count < 1000
+        assert reply.ByteSize() <= DEFAULT_RECEIVE
+        total += count
+    assert stubs.stats("q").partitions[0].total_leased == total
+
+
+def _lease_message(name: str, batch_size: int) -> queue_pb2.LeaseStreamRequest:
+    request = queue_pb2.LeaseRequest(queue_name=name, batch_size=batch_size, request_timeout=dur(0))
+    return queue_pb2.LeaseStreamRequest(request=request)
+
+
+def test_lease_stream_answers_fit_and_deliver_every_item(stubs: Stubs) -> None:
+    stubs.create("q", lease_timeout=dur(5), max_attempts=2)
+    produced = _fill(stubs, "q", 1200, ITEM)
+    answers = list(stubs.queue.LeaseStream(iter([_lease_message("q", 1000) for _ in range(5)]), timeout=30))
+    assert len(answers) == 5
+    assert all(a.WhichOneof("result") == "response" for a in answers)
+    assert all(a.ByteSize() <= DEFAULT_RECEIVE for a in answers)
+    delivered = [item.id for a in answers for item in a.response.items]
+    assert sorted(delivered) == sorted(produced)
+    assert all(item.attempts == 1 for a in answers for item in a.response.items)
+
+
+def test_list_items_pages_are_cut_by_bytes(stubs: Stubs) -> None:
+    stubs.create("q")
+    produced = _fill(stubs, "q", 1200, ITEM)
+    seen: list[str] = []
+    token = ""
+    pages = 0
+    while True:
+        request = storage_pb2.ListItemsRequest(queue_name="q", page_size=1000, page_token=token)
+        page = stubs.storage.ListItems(request, timeout=10)
+        assert page.ByteSize() <= DEFAULT_RECEIVE
+        seen.extend(item.id for item in page.items)
+        pages += 1
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == produced
+    assert pages >= 3
+
+
+def test_list_scheduled_items_pages_are_cut_by_bytes(stubs: Stubs) -> None:
+    stubs.create("q")
+    later = queue_pb2.ProduceItem(payload=b"s" * ITEM)
+    later.enqueue_at.GetCurrentTime()
+    later.enqueue_at.seconds += 3600
+    produced: list[str] = []
+    for _ in range(3):
+        produced.extend(stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name="q", items=[later] * 400), timeout=10).ids)
+    seen: list[str] = []
+    token = ""
+    while True:
+        request = storage_pb2.ListScheduledItemsRequest(queue_name="q", page_size=1000, page_token=token)
+        page = stubs.storage.ListScheduledItems(request, timeout=10)
+        assert page.ByteSize() <= DEFAULT_RECEIVE
+        seen.extend(item.id for item in page.items)
+        token = page.next_page_token
+        if not token:
+            break
+    assert sorted(seen) == sorted(produced)
+
+
+def test_list_queues_pages_are_cut_by_bytes(stubs: Stubs) -> None:
+    long_reference = "r" * 8000 if False else ""
+    names = [f"q{i:04d}-" + "n" * 490 for i in range(1000)]
+    for name in names:
+        stubs.create(name, reference=long_reference)
+    seen: list[str] = []
+    token = ""
+    while True:
+        page = stubs.queues.ListQueues(queues_pb2.ListQueuesRequest(page_size=1000, page_token=token), timeout=30)
+        assert page.ByteSize() <= DEFAULT_RECEIVE
+        seen.extend(q.queue_name for q in page.queues)
+        token = page.next_page_token
+        if not token:
+            break
+    assert sorted(seen) == sorted(names)
