@@ -8,9 +8,10 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from google.protobuf import field_mask_pb2
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 
-from conftest import Stubs, ThreadServer, dur
+from conftest import Stubs, ThreadServer, bad_request_fields, dur
 
 # What gRPC clients accept by default, and so what every reply is built to fit.
 DEFAULT_RECEIVE = 4 << 20
@@ -146,18 +147,74 @@ def test_list_scheduled_items_pages_are_cut_by_bytes(stubs: Stubs) -> None:
     assert sorted(seen) == sorted(produced)
 
 
-def test_list_queues_pages_are_cut_by_bytes(stubs: Stubs) -> None:
-    long_reference = "r" * 8000 if False else ""
-    names = [f"q{i:04d}-" + "n" * 490 for i in range(1000)]
-    for name in names:
-        stubs.create(name, reference=long_reference)
-    seen: list[str] = []
-    token = ""
-    while True:
-        page = stubs.queues.ListQueues(queues_pb2.ListQueuesRequest(page_size=1000, page_token=token), timeout=30)
-        assert page.ByteSize() <= DEFAULT_RECEIVE
-        seen.extend(q.queue_name for q in page.queues)
-        token = page.next_page_token
-        if not token:
-            break
-    assert sorted(seen) == sorted(names)
+def test_list_queues_pages_are_cut_by_bytes(data_dir: str) -> None:
+    # The longest names and reference allowed, in 4-byte characters: 820 queues of
+    # about 5.2 KB each make a page of 1000 larger than a default client receives.
+    srv = ThreadServer(data_dir, sync=False)
+    channel = grpc.insecure_channel(srv.address)
+    try:
+        stubs = Stubs(channel)
+        dead = "\U0001d538" * 512
+        stubs.create(dead)
+        names = [f"{i:04d}" + "\U0001d539" * 508 for i in range(820)]
+        for name in names:
+            stubs.create(name, dead_queue=dead, reference="\u00e9" * 512)
+        seen: list[str] = []
+        token = ""
+        pages = 0
+        while True:
+            page = stubs.queues.ListQueues(queues_pb2.ListQueuesRequest(page_size=1000, page_token=token), timeout=30)
+            assert page.ByteSize() <= DEFAULT_RECEIVE
+            seen.extend(q.queue_name for q in page.queues)
+            pages += 1
+            token = page.next_page_token
+            if not token:
+                break
+        assert sorted(seen) == sorted([*names, dead])
+        assert pages == 2
+    finally:
+        channel.close()
+        srv.stop()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("reference", "r" * 1025), ("reference", "\u00e9" * 513)],
+)
+def test_a_queue_reference_over_1024_bytes_is_invalid(stubs: Stubs, field: str, value: str) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        stubs.create("q", **{field: value})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_fields(err.value) == [f"queue.{field}"]
+    stubs.create("q", reference="\u00e9" * 512)  # 1024 bytes: accepted
+    with pytest.raises(grpc.RpcError) as err:
+        stubs.queues.UpdateQueue(
+            queues_pb2.UpdateQueueRequest(
+                queue=queues_pb2.QueueInfo(queue_name="q", reference=value),
+                update_mask=field_mask_pb2.FieldMask(paths=["reference"]),
+            ),
+            timeout=10,
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_fields(err.value) == ["queue.reference"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("encoding", "e" * 257), ("kind", "k" * 257), ("reference", "r" * 1025), ("kind", "\u00e9" * 129)],
+)
+def test_item_labels_over_their_limit_are_invalid(stubs: Stubs, field: str, value: str) -> None:
+    stubs.create("q")
+    items = [queue_pb2.ProduceItem(payload=b"ok"), queue_pb2.ProduceItem(payload=b"x", **{field: value})]
+    with pytest.raises(grpc.RpcError) as err:
+        stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name="q", items=items), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_fields(err.value) == [f"items[1].{field}"]
+    with pytest.raises(grpc.RpcError) as err:
+        stubs.storage.ImportItems(
+            storage_pb2.ImportItemsRequest(queue_name="q", items=[storage_pb2.StorageItem(payload=b"x", **{field: value})]),
+            timeout=10,
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_fields(err.value) == [f"items[0].{field}"]
+    assert stubs.stats("q").partitions[0].total == 0

@@ -20,6 +20,11 @@ MAX_METADATA_BYTES = 16 * 1024
 MAX_ATTEMPTS_LIMIT = 65_536
 MAX_PARTITIONS = 1024
 MAX_QUEUE_NAME = 512
+# Free text, in bytes of UTF-8: a queue's reference, and an item's reference, kind and
+# encoding. Items carry them to every lease and listing; a bound keeps a reply's size
+# a matter of payloads.
+MAX_REFERENCE_BYTES = 1024
+MAX_LABEL_BYTES = 256
 MAX_BATCH = 1000
 MAX_REQUEST_BYTES = 5_000_000
 MAX_WAIT_US = 15 * 60 * MICROS

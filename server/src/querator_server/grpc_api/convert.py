@@ -15,10 +15,12 @@ from ..model import (
     DEFAULT_PAGE_SIZE,
     MAX_BATCH,
     MAX_KEY_BYTES,
+    MAX_LABEL_BYTES,
     MAX_METADATA_BYTES,
     MAX_METADATA_PAIRS,
     MAX_PAGE_SIZE,
     MAX_QUEUE_NAME,
+    MAX_REFERENCE_BYTES,
     MAX_SOURCE_ID_BYTES,
 )
 
@@ -113,6 +115,19 @@ def source_id(value: str, field: str) -> str:
     if len(value) > MAX_SOURCE_ID_BYTES // 4 and len(value.encode()) > MAX_SOURCE_ID_BYTES:
         raise InvalidArgument(field, f"must be at most {MAX_SOURCE_ID_BYTES} bytes, got {len(value.encode())}")
     return value
+
+
+def text(value: str, field: str, limit: int) -> str:
+    """Free text of at most ``limit`` bytes of UTF-8."""
+    if value and (len(value) > limit or len(value.encode()) > limit):
+        raise InvalidArgument(field, f"must be at most {limit} bytes of UTF-8, got {len(value.encode())}")
+    return value
+
+
+def item_labels(item: object, field: str) -> None:
+    """Check an item's encoding, kind and reference (``field`` names the item)."""
+    for name, limit in (("encoding", MAX_LABEL_BYTES), ("kind", MAX_LABEL_BYTES), ("reference", MAX_REFERENCE_BYTES)):
+        text(getattr(item, name), f"{field}.{name}", limit)
 
 
 def metadata(pairs: Mapping[str, str], field: str) -> dict[str, str]:

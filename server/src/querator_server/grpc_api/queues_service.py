@@ -18,6 +18,7 @@ from ..model import (
     DEFAULT_LEASE_TIMEOUT_US,
     MAX_ATTEMPTS_LIMIT,
     MAX_PARTITIONS,
+    MAX_REFERENCE_BYTES,
     REPLY_ITEMS_BYTES,
     QueueConfig,
 )
@@ -72,7 +73,7 @@ def _settings(info: pb.QueueInfo, fields: set[str]) -> dict[str, object]:
     if "dead_queue" in fields:
         out["dead_queue"] = c.queue_name(info.dead_queue, "queue.dead_queue") if info.dead_queue else ""
     if "reference" in fields:
-        out["reference"] = info.reference
+        out["reference"] = c.text(info.reference, "queue.reference", MAX_REFERENCE_BYTES)
     if "lease_timeout" in fields:
         value = c.optional_duration_us(info, "lease_timeout", "queue.lease_timeout")
         out["lease_timeout_us"] = value or DEFAULT_LEASE_TIMEOUT_US

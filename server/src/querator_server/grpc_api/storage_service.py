@@ -108,6 +108,7 @@ class StorageService:
             field = f"items[{index}]"
             if item.attempts < 0:
                 raise InvalidArgument(f"{field}.attempts", "must not be negative")
+            c.item_labels(item, field)
             items.append(
                 ImportedItem(
                     payload=item.payload,
