@@ -28,6 +28,11 @@ MAX_LABEL_BYTES = 256
 MAX_BATCH = 1000
 MAX_REQUEST_BYTES = 5_000_000
 MAX_WAIT_US = 15 * 60 * MICROS
+# The longest durations accepted, so that every time computed from one (a lease's
+# deadline, an item's expiry, a due time) stays far inside what a protobuf Timestamp
+# can hold (year 9999): INVALID_ARGUMENT beyond them.
+MAX_LEASE_TIMEOUT_US = 24 * 3600 * MICROS
+MAX_LONG_DURATION_US = 10 * 365 * 24 * 3600 * MICROS
 DEFAULT_WAIT_US = 30 * MICROS
 SCHEDULE_MIN_US = 100_000
 DEFAULT_PAGE_SIZE = 100

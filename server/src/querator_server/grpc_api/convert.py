@@ -55,21 +55,40 @@ def optional_timestamp_us(msg: object, name: str, field: str) -> int:
     return timestamp_us(getattr(msg, name), field)
 
 
-def duration_us(d: duration_pb2.Duration, field: str, *, maximum_us: int | None = None) -> int:
+def duration_us(d: duration_pb2.Duration, field: str, *, maximum_us: int) -> int:
+    """A duration of 0, or of 1 µs (the server's resolution) to ``maximum_us``."""
     if d.seconds < 0 or d.nanos < 0 or d.nanos > 999_999_999:
         raise InvalidArgument(field, "must not be negative")
-    if d.seconds > _MAX_SECONDS:
-        raise InvalidArgument(field, "is too long")
+    if d.seconds > maximum_us // 1_000_000 + 1:
+        raise InvalidArgument(field, f"must be at most {_spoken(maximum_us)}")
     value = d.seconds * 1_000_000 + d.nanos // 1000
-    if maximum_us is not None and value > maximum_us:
-        raise InvalidArgument(field, f"must be at most {maximum_us // 1_000_000} seconds")
+    if value > maximum_us:
+        raise InvalidArgument(field, f"must be at most {_spoken(maximum_us)}")
+    if not value and d.nanos:
+        # Truncated to 0 it would mean "the default" (or "no limit"), not "very short".
+        raise InvalidArgument(field, "must be 0 or at least 1 microsecond, the server's resolution")
     return value
 
 
-def optional_duration_us(msg: object, name: str, field: str, *, maximum_us: int | None = None) -> int:
+def optional_duration_us(msg: object, name: str, field: str, *, maximum_us: int) -> int:
     if not msg.HasField(name):  # type: ignore[attr-defined]
         return 0
     return duration_us(getattr(msg, name), field, maximum_us=maximum_us)
+
+
+def future_timestamp_us(msg: object, name: str, field: str, *, within_us: int, now: int) -> int:
+    """An optional time (0 when unset) no later than ``within_us`` from ``now``."""
+    value = optional_timestamp_us(msg, name, field)
+    if value > now + within_us:
+        raise InvalidArgument(field, f"must be at most {_spoken(within_us)} from now")
+    return value
+
+
+def _spoken(us: int) -> str:
+    for unit, size in (("years", 365 * 86_400_000_000), ("hours", 3_600_000_000), ("minutes", 60_000_000)):
+        if us >= size and us % size == 0:
+            return f"{us // size} {unit}"
+    return f"{us / 1_000_000:g} seconds"
 
 
 def to_timestamp(us: int) -> timestamp_pb2.Timestamp:

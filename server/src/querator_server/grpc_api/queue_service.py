@@ -12,7 +12,7 @@ from .. import actor as a
 from ..clock import now_us
 from ..errors import InvalidArgument
 from ..manager import QueuesManager
-from ..model import DEFAULT_WAIT_US, MAX_WAIT_US, NewItem, RetryOrder
+from ..model import DEFAULT_WAIT_US, MAX_LEASE_TIMEOUT_US, MAX_LONG_DURATION_US, MAX_WAIT_US, NewItem, RetryOrder
 from . import convert as c
 from ..auth import Action
 from .authz import Guard
@@ -125,10 +125,13 @@ class QueueService:
         name = c.queue_name(request.queue_name)
         c.ids([item.id for item in request.items], "items", template="items[{index}].id")
         partition = self._partition(name, request.partition)
+        now = now_us()
         orders = [
             RetryOrder(
                 item_id=item.id,
-                retry_at_us=c.optional_timestamp_us(item, "retry_at", f"items[{index}].retry_at"),
+                retry_at_us=c.future_timestamp_us(
+                    item, "retry_at", f"items[{index}].retry_at", within_us=MAX_LONG_DURATION_US, now=now
+                ),
                 dead=item.dead,
             )
             for index, item in enumerate(request.items)
@@ -140,7 +143,7 @@ class QueueService:
     async def extend(self, request: pb.ExtendRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ExtendResponse:
         name = c.queue_name(request.queue_name)
         ids, partition, keys = self._ids_and_keys(name, request)
-        lease_timeout = c.optional_duration_us(request, "lease_timeout", "lease_timeout")
+        lease_timeout = c.optional_duration_us(request, "lease_timeout", "lease_timeout", maximum_us=MAX_LEASE_TIMEOUT_US)
         deadline = _request_deadline_us(request, context, now_us())
         result: a.ExtendResult = await self.manager.actor(name).submit(
             a.ExtendRequest(partition, ids, lease_timeout, keys, deadline_us=deadline)
@@ -182,7 +185,9 @@ def _new_item(index: int, item: pb.ProduceItem) -> NewItem:
         encoding=item.encoding,
         kind=item.kind,
         reference=item.reference,
-        enqueue_at_us=c.optional_timestamp_us(item, "enqueue_at", f"items[{index}].enqueue_at"),
+        enqueue_at_us=c.future_timestamp_us(
+            item, "enqueue_at", f"items[{index}].enqueue_at", within_us=MAX_LONG_DURATION_US, now=now_us()
+        ),
         idempotency_key=c.key(item.idempotency_key, f"items[{index}].idempotency_key"),
         metadata=c.metadata(item.metadata, f"items[{index}].metadata"),
     )

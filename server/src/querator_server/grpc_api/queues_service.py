@@ -17,6 +17,8 @@ from ..model import (
     DEFAULT_LEASE_KEY_TTL_US,
     DEFAULT_LEASE_TIMEOUT_US,
     MAX_ATTEMPTS_LIMIT,
+    MAX_LEASE_TIMEOUT_US,
+    MAX_LONG_DURATION_US,
     MAX_PARTITIONS,
     MAX_REFERENCE_BYTES,
     REPLY_ITEMS_BYTES,
@@ -75,10 +77,10 @@ def _settings(info: pb.QueueInfo, fields: set[str]) -> dict[str, object]:
     if "reference" in fields:
         out["reference"] = c.text(info.reference, "queue.reference", MAX_REFERENCE_BYTES)
     if "lease_timeout" in fields:
-        value = c.optional_duration_us(info, "lease_timeout", "queue.lease_timeout")
+        value = c.optional_duration_us(info, "lease_timeout", "queue.lease_timeout", maximum_us=MAX_LEASE_TIMEOUT_US)
         out["lease_timeout_us"] = value or DEFAULT_LEASE_TIMEOUT_US
     if "expire_timeout" in fields:
-        value = c.optional_duration_us(info, "expire_timeout", "queue.expire_timeout")
+        value = c.optional_duration_us(info, "expire_timeout", "queue.expire_timeout", maximum_us=MAX_LONG_DURATION_US)
         out["expire_timeout_us"] = value or DEFAULT_EXPIRE_TIMEOUT_US
     if "max_attempts" in fields:
         if not 0 <= info.max_attempts <= MAX_ATTEMPTS_LIMIT:
@@ -94,10 +96,10 @@ def _settings(info: pb.QueueInfo, fields: set[str]) -> dict[str, object]:
             )
         out["partitions"] = parts or 1
     if "dedup_window" in fields:
-        value = c.optional_duration_us(info, "dedup_window", "queue.dedup_window")
+        value = c.optional_duration_us(info, "dedup_window", "queue.dedup_window", maximum_us=MAX_LONG_DURATION_US)
         out["dedup_window_us"] = value or DEFAULT_DEDUP_WINDOW_US
     if "lease_key_ttl" in fields:
-        value = c.optional_duration_us(info, "lease_key_ttl", "queue.lease_key_ttl")
+        value = c.optional_duration_us(info, "lease_key_ttl", "queue.lease_key_ttl", maximum_us=MAX_LONG_DURATION_US)
         out["lease_key_ttl_us"] = value or DEFAULT_LEASE_KEY_TTL_US
     return out
 

@@ -11,7 +11,8 @@ from querator.v1 import storage_pb2 as pb
 from .. import actor as a
 from ..errors import InvalidArgument
 from ..manager import QueuesManager
-from ..model import ImportedItem
+from ..clock import now_us
+from ..model import MAX_LEASE_TIMEOUT_US, MAX_LONG_DURATION_US, ImportedItem
 from . import convert as c
 from ..auth import Action
 from .authz import Guard
@@ -104,6 +105,7 @@ class StorageService:
         partition = c.partition(request.partition, self.manager.get(name).partitions)
         c.count(request.items, "items")
         items: list[ImportedItem] = []
+        now = now_us()
         for index, item in enumerate(request.items):
             field = f"items[{index}]"
             if item.attempts < 0:
@@ -116,9 +118,15 @@ class StorageService:
                     kind=item.kind,
                     reference=item.reference,
                     is_leased=item.is_leased,
-                    lease_deadline_us=c.optional_timestamp_us(item, "lease_deadline", f"{field}.lease_deadline"),
-                    expire_deadline_us=c.optional_timestamp_us(item, "expire_deadline", f"{field}.expire_deadline"),
-                    enqueue_at_us=c.optional_timestamp_us(item, "enqueue_at", f"{field}.enqueue_at"),
+                    lease_deadline_us=c.future_timestamp_us(
+                        item, "lease_deadline", f"{field}.lease_deadline", within_us=MAX_LEASE_TIMEOUT_US, now=now
+                    ),
+                    expire_deadline_us=c.future_timestamp_us(
+                        item, "expire_deadline", f"{field}.expire_deadline", within_us=MAX_LONG_DURATION_US, now=now
+                    ),
+                    enqueue_at_us=c.future_timestamp_us(
+                        item, "enqueue_at", f"{field}.enqueue_at", within_us=MAX_LONG_DURATION_US, now=now
+                    ),
                     created_at_us=c.optional_timestamp_us(item, "created_at", f"{field}.created_at"),
                     attempts=item.attempts,
                     source_id=c.source_id(item.source_id, f"{field}.source_id"),
