@@ -146,12 +146,14 @@ class ClientConfig:
         return creds
 
     def options(self) -> list[tuple[str, Any]]:
-        return [
-            # A Lease of 1,000 items may well exceed gRPC's 4 MiB default.
+        given = {name for name, _ in self.channel_options}
+        defaults = [
+            # The server keeps a reply within 4 MiB, but one item may be up to 5 MB.
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", MAX_REQUEST_BYTES + (1 << 20)),
-            *self.channel_options,
         ]
+        # gRPC reads the first of two equal names: a channel option given replaces ours.
+        return [*(option for option in defaults if option[0] not in given), *self.channel_options]
 
     def call_metadata(self) -> list[tuple[str, str]]:
         out = list(self.metadata)

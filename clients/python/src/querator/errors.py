@@ -13,7 +13,12 @@ status code and, where the same code means different things, from the call::
      ├── FailedPrecondition         FAILED_PRECONDITION: the state forbids it (a DLQ in use,
      │    │                         a queue that still holds items, a busy client_id, ...)
      │    └── NotLeased       (*)   an id that exists but is not leased, or whose lease ran out
-     ├── Overloaded                 RESOURCE_EXHAUSTED: the queue is overloaded or the request too big
+     ├── Overloaded                 RESOURCE_EXHAUSTED: the queue is overloaded (too many requests
+     │                              waiting) or its storage is full; back off and retry
+     ├── MessageTooLarge            RESOURCE_EXHAUSTED for a message over a size limit: a request
+     │                              over the server's 5 MB, or a message over a gRPC send or
+     │                              receive limit ("... message larger than max"); retrying
+     │                              the same call fails the same way
      ├── Unavailable                UNAVAILABLE: server shutting down, storage failing, or no
      │                              connection; safe to retry
      ├── Unauthenticated            UNAUTHENTICATED: no API key, or one the server does not know
@@ -55,6 +60,7 @@ __all__ = [
     "InvalidRequest",
     "ItemNotFound",
     "LeaseLost",
+    "MessageTooLarge",
     "NotFound",
     "NotLeased",
     "Overloaded",
@@ -158,7 +164,18 @@ class NotLeased(FailedPrecondition, LeaseLost):
 
 
 class Overloaded(QueratorError):
-    """RESOURCE_EXHAUSTED: the queue is overloaded or the request is too big."""
+    """RESOURCE_EXHAUSTED: the queue is overloaded (too many requests waiting) or its
+    storage is full. A message over a size limit is :class:`MessageTooLarge` instead."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class MessageTooLarge(QueratorError):
+    """RESOURCE_EXHAUSTED because a message was over a size limit, not because the server
+    is busy: a request over the server's 5,000,000 bytes, or a message over this
+    channel's or the server's gRPC send or receive limit. Sending the same call again
+    fails the same way: send fewer or smaller items, or raise the channel's
+    ``grpc.max_receive_message_length`` (``channel_options``)."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -251,6 +268,13 @@ def _field_violations(trailing: object) -> list[FieldViolation]:
     return out
 
 
+def _is_size_message(message: str) -> bool:
+    """Whether a RESOURCE_EXHAUSTED message is about a message's size: gRPC's own ("Sent
+    message larger than max (N vs. M)", "Received message larger than max ...") or the
+    server's ("the request is N bytes; at most M bytes are accepted")."""
+    return "larger than max" in message or " bytes are accepted" in message
+
+
 def _is_queue_message(message: str) -> bool:
     return message.startswith("queue ") and ("does not exist" in message or "was deleted" in message)
 
@@ -265,6 +289,8 @@ def from_status(
         cls = ItemNotFound if item_call and not _is_queue_message(message) else QueueNotFound
     elif cls is FailedPrecondition and item_call and "client_id" not in message:
         cls = NotLeased
+    elif cls is Overloaded and _is_size_message(message):
+        cls = MessageTooLarge
     if cls is InvalidRequest:
         return InvalidRequest(message, code=code, field_violations=_field_violations(trailing))
     return cls(message, code=code)
