@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .model import MAX_REQUEST_BYTES
+from .model import MAX_REQUEST_BYTES, SERVER_UNSENT_BYTES, STALL_SECONDS, STREAM_UNSENT_BYTES
 
 DEFAULT_ADDRESS = "127.0.0.1:2319"
 DEFAULT_DATA_DIR = "./querator-data"
@@ -38,6 +38,11 @@ class ServerConfig:
     # A queue whose storage fails on every cycle (not for a full disk) for this long is
     # marked failed and no longer served, instead of failing every call in a loop.
     fail_queue_after_s: float = 60.0
+    # LeaseStream answers made but not yet sent: bytes server-wide and per stream, and
+    # how long one may wait before its stream is ended (grpc_api/send_room.py).
+    unsent_bytes: int = SERVER_UNSENT_BYTES
+    stream_unsent_bytes: int = STREAM_UNSENT_BYTES
+    stream_stall_s: float = STALL_SECONDS
     # API keys required on every call (health and reflection excepted).
     auth: bool = False
     # With auth: a token that acts as an admin key for every queue, to create the

@@ -49,6 +49,13 @@ MAX_REPLY_BYTES = 4 << 20
 REPLY_FRAME_BYTES = 4096
 # What the items of one reply may add up to.
 REPLY_ITEMS_BYTES = MAX_REPLY_BYTES - REPLY_FRAME_BYTES
+# LeaseStream answers made but not yet sent (grpc_api/send_room.py). Per stream: the
+# answer being sent and the next one, both full; server-wide: 64 streams' worth.
+STREAM_UNSENT_BYTES = 2 * MAX_REPLY_BYTES
+SERVER_UNSENT_BYTES = 64 * MAX_REPLY_BYTES
+# How long one answer may wait to be sent before its stream is ended and the items of
+# its unsent answers given back: a reader that takes this long for 4 MiB is stuck.
+STALL_SECONDS = 60.0
 # A bound on what an item's reply entry adds to its stored record: its id, times,
 # attempts and the tags and lengths around them (under 100 bytes; the stored header
 # alone is 69), with room for fields to come.

@@ -101,7 +101,14 @@ class QueratorServer:
         guard = Guard(lambda: self.manager.keyring) if self.config.auth else None
         cluster = self.cluster
         router = cluster.router if cluster is not None else None
-        self._queue_service = queue_service = QueueService(self.manager, guard, router)
+        self._queue_service = queue_service = QueueService(
+            self.manager,
+            guard,
+            router,
+            unsent_bytes=self.config.unsent_bytes,
+            stream_unsent_bytes=self.config.stream_unsent_bytes,
+            stall_s=self.config.stream_stall_s,
+        )
         server.add_generic_rpc_handlers(
             (
                 queue_service.handler(),
@@ -239,6 +246,11 @@ class QueratorServer:
         return grpc.ssl_server_credentials(
             [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
         )
+
+    @property
+    def unsent_stream_bytes(self) -> int:
+        """Bytes of LeaseStream answers made and not yet taken by gRPC (send_room.py)."""
+        return self._queue_service.send_room.unsent if self._queue_service is not None else 0
 
     @property
     def address(self) -> str:

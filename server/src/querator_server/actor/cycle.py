@@ -24,6 +24,7 @@ from ..storage.record import (
     scheduled_key,
     with_lease,
     with_lease_key,
+    without_lease,
 )
 from .ids import ItemRef, item_id, parse_id, scheduled_id
 from .lifecycle import LifecycleSteps
@@ -31,6 +32,7 @@ from .requests import (
     CompleteRequest,
     ExtendRequest,
     ExtendResult,
+    GiveBackRequest,
     LeaseRequest,
     LeaseResult,
     ProduceRequest,
@@ -234,7 +236,13 @@ class Cycle(LifecycleSteps, StorageSteps):
         if not v.ready:
             return None
         room = request.room
-        budget = request.max_bytes if room is None else min(request.max_bytes, room.room())
+        budget = request.max_bytes
+        if room is not None:
+            budget = min(budget, room.room())
+            if budget <= 0:  # earlier leases of this cycle took the stream's room
+                no_room = LeaseResult(0, no_room=True)
+                self._ok(request, no_room)
+                return no_room
         used = 0
         now = self.now
         deadline = now + self.config.lease_timeout_us
@@ -384,6 +392,39 @@ class Cycle(LifecycleSteps, StorageSteps):
             self.lease_deadlines = [d for d in self.lease_deadlines if d[1] != p or d[2] not in taken_seqs]
             # The caller is gone or too late; answer (if anyone listens) with nothing.
             self.results = [(r, LeaseResult(p) if r is request else res) for r, res in self.results]
+
+    def give_back(self, txn: lmdb.Transaction[bytes], request: GiveBackRequest) -> None:
+        """Undo the leases of an answer that was never delivered (see GiveBackRequest)."""
+        p = request.partition
+        v = self.view(p)
+        prefix = f"{self.uid:x}.{p:x}."
+        given = 0
+        for text in request.ids:
+            seq_hex = text[len(prefix) :]
+            if not text.startswith(prefix) or not seq_hex or len(seq_hex) > 16 or seq_hex.strip(_HEX_DIGITS):
+                continue
+            seq = int(seq_hex, 16)
+            raw = self.store.get_raw(txn, p, seq)
+            if raw is None:
+                continue
+            state = read_state(raw)
+            if not state.is_leased or state.lease_deadline != request.lease_deadline_us or state.lease_key:
+                continue  # completed, taken back, extended or re-leased since: not ours to give
+            attempts = max(0, state.attempts - 1)
+            given += 1
+            if request.reached:
+                item = Item.decode(raw)
+                self._end_lease(txn, p, seq, item)
+                item.attempts = attempts
+                self._requeue(txn, p, item, seq)
+                continue
+            self.store.put_raw(txn, p, seq, without_lease(raw, state, attempts=attempts))
+            self.lease_ends.append((p, seq))
+            v.ready += 1
+            v.leased -= 1
+            v.leased_at_sum -= state.leased_at
+            v.ready_hint = min(v.ready_hint, seq)
+        self._ok(request, given)
 
     # -- complete / retry / extend ----------------------------------------------------
 

@@ -46,6 +46,7 @@ from .requests import (
     DeadLetterRequest,
     DeleteItemsRequest,
     ExtendRequest,
+    GiveBackRequest,
     ImportItemsRequest,
     LeaseRequest,
     LeaseResult,
@@ -734,6 +735,7 @@ _OTHER: dict[type, Callable[..., None]] = {
     ClearRequest: Cycle.clear,
     DeadLetterRequest: Cycle.receive_dead_letters,
     OutboxDoneRequest: Cycle.outbox_done,
+    GiveBackRequest: Cycle.give_back,
 }
 
 

@@ -66,6 +66,20 @@ class LeaseRequest(Request):
 
 
 @dataclass(eq=False, slots=True)
+class GiveBackRequest(Request):
+    """Items leased for an answer that was never delivered (its stream was ended):
+    back to ready with the attempt their lease took given back. Only items still under
+    that lease (same deadline, no lease key) change. Items whose ids the caller may have
+    seen (``reached``: the answer was being sent) get new ids at the tail, so the old
+    ones fence; the others keep their id and place."""
+
+    partition: int
+    ids: list[str]
+    lease_deadline_us: int
+    reached: bool = False
+
+
+@dataclass(eq=False, slots=True)
 class CompleteRequest(Request):
     partition: int
     ids: list[str]

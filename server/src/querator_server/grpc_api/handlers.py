@@ -9,7 +9,8 @@ here, and each one is logged once with its queue name.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -19,9 +20,10 @@ from google.protobuf.message import DecodeError, Message
 from ..auth import Action
 from ..errors import Internal, QueratorError, ResourceExhausted, Unauthenticated, Unavailable
 from ..faults import asks_for_fault, faulty_call, request_faults_on
-from ..model import MAX_REQUEST_BYTES
+from ..model import MAX_REQUEST_BYTES, STALL_SECONDS, STREAM_UNSENT_BYTES
 from ..storage import StorageError
 from .authz import Guard
+from .send_room import SendRoom, StreamRoom, current_stream
 from .status import invalid_argument_status, status_code, stream_error, to_status
 
 log = structlog.get_logger("querator.rpc")
@@ -176,6 +178,7 @@ def _wrap_stream(
     action: Action,
     guard: Guard | None,
     readers: set[asyncio.Task[None]],
+    sending: Sending | None = None,
 ) -> StreamBehavior:
     """A stream of unary requests: each message applied as ``behavior`` (the unary
     method, wrapped in the message's ``request`` field), several at once, and answered
@@ -189,14 +192,33 @@ def _wrap_stream(
     Each message is still checked (its action and queue; a key revoked meanwhile): a
     message refused for its queue is answered PERMISSION_DENIED and the stream goes on;
     one whose key no longer authenticates is answered UNAUTHENTICATED, nothing more is
-    read, and the stream ends UNAUTHENTICATED once the messages before it are answered."""
+    read, and the stream ends UNAUTHENTICATED once the messages before it are answered.
+
+    With ``sending``, the bytes of answers not yet sent are counted (send_room.py), and
+    a stream whose client reads nothing for ``stall_s`` is ended."""
     full = f"/{service}/{method}"
     unary = method.removesuffix("Stream")
     faults = request_faults_on()
     if response_type.DESCRIPTOR.fields_by_name["response"].number != 1:
         raise ValueError(f"{response_type.__name__}.response must be field 1")
 
-    async def one(message: Any, context: grpc.aio.ServicerContext[Any, Any], revoked: list[Unauthenticated]) -> StreamAnswer:
+    async def one(
+        message: Any,
+        context: grpc.aio.ServicerContext[Any, Any],
+        revoked: list[Unauthenticated],
+        stream: StreamRoom | None,
+    ) -> StreamAnswer:
+        answer = await answer_of(message, context, revoked)
+        if stream is not None and sending is not None:
+            if stream.ended:  # made after its stream ended: it will never be sent
+                sending.give_back_answer(answer, reached=False)
+            else:
+                stream.take(len(answer.data))  # unsent from now until the writer hands it over
+        return answer
+
+    async def answer_of(
+        message: Any, context: grpc.aio.ServicerContext[Any, Any], revoked: list[Unauthenticated]
+    ) -> StreamAnswer:
         request = None if isinstance(message, _Malformed | _TooLarge) else message.request
         error: QueratorError
         try:
@@ -247,11 +269,17 @@ def _wrap_stream(
         await context.send_initial_metadata(())
         # Answers in the order asked: each message's task, oldest first; None ends it.
         answers: asyncio.Queue[asyncio.Task[StreamAnswer] | None] = asyncio.Queue(maxsize=STREAM_WINDOW)
+        stream = None if sending is None else StreamRoom(sending.room, sending.stream_limit)
+        current_stream.set(stream)  # seen by every message's task, created below
+        state: _Unsent | None = None
 
         async def read() -> None:
             try:
                 async for message in messages:
-                    task = asyncio.create_task(one(message, context, revoked))
+                    task = asyncio.create_task(one(message, context, revoked, stream))
+                    if state is not None and state.ended:
+                        task.cancel()
+                        break
                     try:
                         await answers.put(task)
                     except BaseException:  # stopped with the window full: nobody will answer it
@@ -266,13 +294,24 @@ def _wrap_stream(
 
         reader = asyncio.create_task(read())
         readers.add(reader)
+        if stream is not None and sending is not None:
+            state = _Unsent(context, answers, reader, stream, sending)
         try:
             while not (answers.empty() and reader.done()):
                 task = await answers.get()
                 if task is None:
                     break
-                answer = await task
-                yield answer
+                if state is None:
+                    answer = await task
+                    yield answer
+                else:
+                    state.stream.head = task
+                    answer = await task
+                    state.sending_now(answer)
+                    yield answer
+                    state.sent()
+                    if state.ended:
+                        return  # ended by the stall timeout; the client read the answer late
                 if revoked and getattr(answer.error, "code", 0) == _UNAUTHENTICATED:
                     # Later messages were checked after this one, and so failed too.
                     await _abort(context, full, "", revoked[0])
@@ -281,6 +320,8 @@ def _wrap_stream(
         finally:
             readers.discard(reader)
             reader.cancel()
+            if state is not None:
+                state.end()
             while not answers.empty():
                 left = answers.get_nowait()
                 if left is not None:
@@ -289,12 +330,140 @@ def _wrap_stream(
     return handler
 
 
+class Sending:
+    """How a stream's answers are bounded while they wait to be sent (send_room.py), and
+    what gives back the items of an answer that will never be (None: nothing to give)."""
+
+    def __init__(
+        self,
+        room: SendRoom,
+        give_back: Callable[[Message, bool], None] | None = None,
+        *,
+        stream_limit: int = STREAM_UNSENT_BYTES,
+        stall_s: float = STALL_SECONDS,
+    ) -> None:
+        self.room = room
+        self.give_back = give_back
+        self.stream_limit = stream_limit
+        self.stall_s = stall_s
+
+    def give_back_answer(self, answer: StreamAnswer, *, reached: bool) -> None:
+        if self.give_back is not None and answer.response is not None:
+            self.give_back(answer.response, reached)
+
+
+class _Unsent:
+    """A stream's answers that are made and not yet sent: their bytes (counted in its
+    ``StreamRoom``), the stall timer of the one gRPC holds, and its end, which gives back
+    the items of every answer the client will not get."""
+
+    def __init__(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        answers: asyncio.Queue[asyncio.Task[StreamAnswer] | None],
+        reader: asyncio.Task[None],
+        stream: StreamRoom,
+        sending: Sending,
+    ) -> None:
+        self.context = context
+        self.answers = answers
+        self.reader = reader
+        self.stream = stream
+        self.sending = sending
+        self.ended = False
+        self.stalled = False
+        # The answer handed to gRPC, which holds it until the client has read enough.
+        self.held: StreamAnswer | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        # The task gRPC runs the call in (it sends what the stream yields).
+        self.call = asyncio.current_task()
+
+    def sending_now(self, answer: StreamAnswer) -> None:
+        self.held = answer
+        self._timer = asyncio.get_running_loop().call_later(self.sending.stall_s, self._stall)
+
+    def sent(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.held is not None:
+            self.stream.give(len(self.held.data))
+            self.held = None
+
+    def end(self) -> None:
+        """The stream is over (once): answers it will not send are given back; the one
+        gRPC held stops counting (gone with the call)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.held is not None:
+            if not self.stalled:  # ended while gRPC held it: it may never arrive
+                self.sending.give_back_answer(self.held, reached=True)
+            self.stream.give(len(self.held.data))
+            self.held = None
+        if not self.ended:
+            self.ended = True
+            self.stream.end()
+            self.reader.cancel()
+        self._drop_answers()
+
+    def _drop_answers(self) -> None:
+        """Made answers are given back (their items were never seen); ones still being made
+        are cancelled (a Lease then leases nothing, or its cycle takes the lease back)."""
+        while not self.answers.empty():
+            task = self.answers.get_nowait()
+            if task is None:
+                continue
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled() and task.exception() is None:
+                answer = task.result()
+                self.stream.give(len(answer.data))
+                self.sending.give_back_answer(answer, reached=False)
+
+    def _stall(self) -> None:
+        """The client has read nothing for ``stall_s``: end the stream and give back the
+        items of every answer it was not sent, the one gRPC holds included (under new
+        ids: it may still arrive). That one's bytes count until the call is over."""
+        self._timer = None
+        self.stalled = self.ended = True
+        self.stream.end()
+        self.reader.cancel()
+        self._drop_answers()
+        if self.held is not None:
+            self.sending.give_back_answer(self.held, reached=True)
+        stall_s = self.sending.stall_s
+        message = f"the client read no answer for {stall_s:g} s; the stream is ended and its unsent items given back"
+        log.warning("stream_stalled", peer=self.context.peer(), unsent_bytes=self.stream.unsent)
+        context, call = self.context, self.call
+
+        async def abort() -> None:
+            with contextlib.suppress(Exception):
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message)
+            # gRPC does not resume a stream it holds an answer of once the status is
+            # out; ending the call's task closes it here, and ``end`` settles the rest.
+            if call is not None:
+                call.cancel()
+
+        _background(abort())
+
+
+_tasks: set[asyncio.Task[None]] = set()
+
+
+def _background(coro: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.get_running_loop().create_task(coro)
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+
+
 def generic_handler(
     service: str,
     methods: dict[str, tuple[Behavior, type[Message], type[Message], Action]],
     *,
     streams: dict[str, tuple[Behavior, type[Message], type[Message], Action]] | None = None,
     open_streams: set[asyncio.Task[None]] | None = None,
+    sending: dict[str, Sending] | None = None,
     guard: Guard | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> grpc.GenericRpcHandler[Any, Any]:
@@ -316,7 +485,7 @@ def generic_handler(
     }
     for name, (behavior, request_type, response_type, action) in (streams or {}).items():
         handlers[name] = grpc.stream_stream_rpc_method_handler(
-            _wrap_stream(service, name, behavior, response_type, action, guard, readers),
+            _wrap_stream(service, name, behavior, response_type, action, guard, readers, (sending or {}).get(name)),
             request_deserializer=_deserializer(request_type, max_request_bytes),
             response_serializer=_answer_bytes,  # serialized as they were made
         )

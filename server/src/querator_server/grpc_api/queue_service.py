@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import structlog
+from google.protobuf.message import Message
 from querator.v1 import queue_pb2 as pb
 
 from .. import actor as a
 from ..clock import now_us
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, QueratorError
 from ..manager import QueuesManager
 from ..model import DEFAULT_WAIT_US, MAX_LEASE_TIMEOUT_US, MAX_LONG_DURATION_US, MAX_WAIT_US, NewItem, RetryOrder
 from . import convert as c
 from ..auth import Action
 from .authz import Guard
-from .handlers import generic_handler
+from ..storage import StorageError
+from .handlers import Sending, generic_handler
+from ..model import SERVER_UNSENT_BYTES, STALL_SECONDS, STREAM_UNSENT_BYTES
+from .send_room import LeaseRoom, SendRoom, StreamRoom, current_stream
+
+log = structlog.get_logger("querator.rpc")
 
 if TYPE_CHECKING:
     from ..cluster.router import Router
@@ -42,11 +51,26 @@ def _request_deadline_us(request: object, context: grpc.aio.ServicerContext[Any,
 
 
 class QueueService:
-    def __init__(self, manager: QueuesManager, guard: Guard | None = None, router: Router | None = None) -> None:
+    def __init__(
+        self,
+        manager: QueuesManager,
+        guard: Guard | None = None,
+        router: Router | None = None,
+        *,
+        unsent_bytes: int = SERVER_UNSENT_BYTES,
+        stream_unsent_bytes: int = STREAM_UNSENT_BYTES,
+        stall_s: float = STALL_SECONDS,
+    ) -> None:
         self.manager = manager
         self.guard = guard
         self.router = router  # cluster mode: calls for partitions homed elsewhere are forwarded
         self._stream_readers: set[asyncio.Task[None]] = set()
+        # Bytes of LeaseStream answers made and not yet sent, server-wide (a metric).
+        self.send_room = SendRoom(unsent_bytes)
+        self._lease_sending = Sending(
+            self.send_room, self.give_back, stream_limit=stream_unsent_bytes, stall_s=stall_s
+        )
+        self._giving: set[asyncio.Task[None]] = set()
 
     def end_streams(self) -> None:
         """End every open stream once what it already sent is answered (shutting down)."""
@@ -88,20 +112,75 @@ class QueueService:
             complete_partition = c.partition(
                 request.complete_partition, self.manager.get(name).partitions, "complete_partition"
             )
-        result: a.LeaseResult = await self.manager.actor(name).submit(
-            a.LeaseRequest(
-                request.batch_size,
-                request.client_id,
-                wait_until,
-                complete_ids,
-                complete_partition,
-                c.key(request.lease_key, "lease_key"),
-                deadline_us=call_deadline,
-            )
+        lease = a.LeaseRequest(
+            request.batch_size,
+            request.client_id,
+            wait_until,
+            complete_ids,
+            complete_partition,
+            c.key(request.lease_key, "lease_key"),
+            deadline_us=call_deadline,
         )
+        stream = current_stream.get()
+        if stream is None:
+            result: a.LeaseResult = await self.manager.actor(name).submit(lease)
+        else:
+            result = await self._lease_on_stream(name, lease, stream)
         if request.columnar:
             return _lease_columns(name, result)
         return _lease_response(name, result)
+
+    async def _lease_on_stream(self, name: str, lease: a.LeaseRequest, stream: StreamRoom) -> a.LeaseResult:
+        """Lease only what the stream has room to send (send_room.py): without room, wait
+        for it and ask again. Room comes as the answers before this one are sent (the
+        one sent next always has room on its stream), so the wait ends unless the client
+        stops reading, and then the stream is ended; or at the call's deadline."""
+        task = asyncio.current_task()
+        room = LeaseRoom(stream, task)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + (lease.deadline_us - now_us()) / 1_000_000 if lease.deadline_us else math.inf
+        while True:
+            if room.room() <= 0 and not await stream.wait_for_room(task, until):
+                return a.LeaseResult(0)
+            lease.room = room
+            try:
+                result: a.LeaseResult = await self.manager.actor(name).submit(lease)
+            finally:
+                # What the cycles took provisionally; the answer's real size is taken
+                # by the stream as soon as it is made.
+                stream.give(lease.charged)
+                lease.charged = 0
+            if not result.no_room:
+                return result
+            # complete_ids already committed were emptied by the actor: not repeated.
+            lease = dataclasses.replace(lease)
+
+    def give_back(self, response: Message, reached: bool) -> None:
+        """Give back the items of a Lease answer its stream will never deliver."""
+        assert isinstance(response, pb.LeaseResponse)
+        if self.router is not None:
+            # In a cluster the answer's partition is cluster-wide and its items may live
+            # on another node: they come back when their lease runs out, as before.
+            return
+        if response.columns.ids:
+            ids, deadline = list(response.columns.ids), response.columns.lease_deadlines_us[0]
+        elif response.items:
+            first = response.items[0].lease_deadline
+            ids, deadline = [item.id for item in response.items], first.seconds * 1_000_000 + first.nanos // 1000
+        else:
+            return
+        give = a.GiveBackRequest(response.partition, ids, deadline, reached)
+        task = asyncio.get_running_loop().create_task(self._give_back(response.queue_name, give))
+        self._giving.add(task)
+        task.add_done_callback(self._giving.discard)
+
+    async def _give_back(self, name: str, request: a.GiveBackRequest) -> None:
+        try:
+            given = await self.manager.actor(name).submit(request)
+        except (QueratorError, StorageError) as exc:
+            log.warning("give_back_failed", queue=name[:200], items=len(request.ids), error=str(exc))
+            return
+        log.info("leases_given_back", queue=name[:200], partition=request.partition, items=given, new_ids=request.reached)
 
     def _partition(self, name: str, partition: int) -> int:
         return c.partition(partition, self.manager.get(name).partitions)
@@ -167,6 +246,7 @@ class QueueService:
             SERVICE,
             methods,
             open_streams=self._stream_readers,
+            sending={"LeaseStream": self._lease_sending},
             streams={
                 "ProduceStream": (methods["Produce"][0], pb.ProduceStreamRequest, pb.ProduceStreamResponse, Action.PRODUCE),
                 "LeaseStream": (methods["Lease"][0], pb.LeaseStreamRequest, pb.LeaseStreamResponse, Action.CONSUME),

@@ -255,6 +255,13 @@ def with_lease(raw: bytes, state: ItemState, *, attempts: int, deadline: int, le
     return head + raw[_STATE_FIXED.size :]
 
 
+def without_lease(raw: bytes, state: ItemState, *, attempts: int) -> bytes:
+    """``raw`` rewritten as ready (not leased) with ``attempts``; everything else kept."""
+    flags = _FLAG_EXPIRY_RUN if state.expiry_run else 0
+    head = _STATE_FIXED.pack(flags, attempts, state.created_at, state.expire_deadline, 0, state.enqueue_at, 0)
+    return head + raw[_STATE_FIXED.size :]
+
+
 def with_lease_key(raw: bytes, *, attempts: int, deadline: int, leased_at: int, lease_key: str) -> bytes:
     """``raw`` rewritten as leased under ``lease_key`` ("" for none), strings and payload
     copied as bytes rather than decoded and encoded again."""

@@ -1,0 +1,122 @@
+"""A LeaseStream whose client stops reading: the server keeps the bytes of answers it
+cannot send within bounds (per stream and server-wide), leases nothing more for it,
+and after the stall timeout ends the stream and gives the unsent items back without
+burning an attempt."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from querator.v1 import queue_pb2, storage_pb2
+
+from conftest import Stubs, ThreadServer, dur, wait_until
+
+MIB = 1 << 20
+ITEM = 10_000
+ITEMS = 4000
+SERVER_LIMIT = 3 * MIB
+STREAM_LIMIT = 1 * MIB
+STALL_S = 2.0
+# A stream's next answer may take a full reply (4 MiB) past its stream's bound.
+HEAD_ALLOWANCE = 4 * MIB
+
+
+@pytest.fixture
+def bounded(data_dir: str) -> Iterator[ThreadServer]:
+    srv = ThreadServer(
+        data_dir, unsent_bytes=SERVER_LIMIT, stream_unsent_bytes=STREAM_LIMIT, stream_stall_s=STALL_S
+    )
+    yield srv
+    srv.stop()
+
+
+def _all_items(stubs: Stubs) -> list[storage_pb2.StorageItem]:
+    items: list[storage_pb2.StorageItem] = []
+    token = ""
+    while True:
+        page = stubs.storage.ListItems(
+            storage_pb2.ListItemsRequest(queue_name="q", page_size=1000, page_token=token), timeout=10
+        )
+        items.extend(page.items)
+        token = page.next_page_token
+        if not token:
+            return items
+
+
+def test_streams_that_never_read_are_bounded_then_ended_and_their_items_given_back(bounded: ThreadServer) -> None:
+    channel = grpc.insecure_channel(bounded.address, options=[("grpc.max_receive_message_length", 64 * MIB)])
+    stubs = Stubs(channel)
+    try:
+        stubs.create("q", lease_timeout=dur(120), max_attempts=2)
+        for start in range(0, ITEMS, 400):
+            stubs.produce("q", [f"{n:06d}".encode().ljust(ITEM, b".") for n in range(start, start + 400)])
+        message = queue_pb2.LeaseStreamRequest(request=queue_pb2.LeaseRequest(queue_name="q", batch_size=100))
+        # Two real streams, each asking for far more than it reads: nothing, until the end.
+        calls = [stubs.queue.LeaseStream(iter([message] * 60), timeout=60) for _ in range(2)]
+        started = time.monotonic()
+        peak = 0
+        while time.monotonic() - started < STALL_S * 0.75:
+            peak = max(peak, bounded.server.unsent_stream_bytes)
+            time.sleep(0.01)
+        assert 0 < peak <= SERVER_LIMIT + 2 * HEAD_ALLOWANCE
+        leased_while_stuck = stubs.stats("q").partitions[0].total_leased
+        assert 0 < leased_while_stuck < ITEMS
+
+        # The stall timeout ends both streams: what they could not send is given back,
+        # and the stream ends DEADLINE_EXCEEDED for a client that reads at last.
+        wait_until(lambda: stubs.stats("q").partitions[0].total_leased < leased_while_stuck, timeout=30)
+        received: set[str] = set()
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as ended:
+                for answer in call:
+                    received.update(item.id for item in answer.response.items)
+            assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "given back" in (ended.value.details() or "")
+        wait_until(lambda: bounded.server.unsent_stream_bytes == 0, timeout=30)
+
+        stored = _all_items(stubs)
+        # Nothing lost or doubled.
+        assert sorted(item.payload[:6] for item in stored) == [f"{n:06d}".encode() for n in range(ITEMS)]
+        leased = [item for item in stored if item.is_leased]
+        ready = [item for item in stored if not item.is_leased]
+        # Only items the client holds are still leased; the rest were given back with
+        # the attempt their lease took.
+        assert {item.id for item in leased} <= received
+        assert len(ready) > ITEMS - leased_while_stuck
+        assert all(item.attempts == 0 for item in ready)
+        # And they are served again.
+        again = stubs.lease("q", batch_size=100, request_timeout=dur(0))
+        assert len(again.items) > 0 and all(item.attempts == 1 for item in again.items)
+    finally:
+        channel.close()
+
+
+def test_a_slow_reader_is_not_ended_and_gets_every_item(bounded: ThreadServer) -> None:
+    channel = grpc.insecure_channel(bounded.address, options=[("grpc.max_receive_message_length", 64 * MIB)])
+    stubs = Stubs(channel)
+    try:
+        stubs.create("q", lease_timeout=dur(120))
+        produced: list[str] = []
+        for _ in range(3):
+            produced.extend(stubs.produce("q", [b"s" * ITEM] * 400).ids)
+        message = queue_pb2.LeaseStreamRequest(
+            request=queue_pb2.LeaseRequest(queue_name="q", batch_size=100, request_timeout=dur(0))
+        )
+        outbox: queue.Queue[queue_pb2.LeaseStreamRequest | None] = queue.Queue()
+        for _ in range(8):
+            outbox.put(message)
+        received: list[str] = []
+        answers = 0
+        for answer in stubs.queue.LeaseStream(iter(outbox.get, None), timeout=60):
+            answers += 1
+            received.extend(item.id for item in answer.response.items)
+            time.sleep(STALL_S / 8)  # slow, but never stuck for the stall timeout
+            outbox.put(message if len(received) < len(produced) and answers < 100 else None)
+        assert sorted(received) == sorted(produced)
+        assert bounded.server.unsent_stream_bytes == 0
+    finally:
+        channel.close()
