@@ -6,7 +6,9 @@ burning an attempt."""
 from __future__ import annotations
 
 import queue
+import re
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -28,10 +30,23 @@ HEAD_ALLOWANCE = 4 * MIB
 @pytest.fixture
 def bounded(data_dir: str) -> Iterator[ThreadServer]:
     srv = ThreadServer(
-        data_dir, unsent_bytes=SERVER_LIMIT, stream_unsent_bytes=STREAM_LIMIT, stream_stall_s=STALL_S
+        data_dir,
+        unsent_bytes=SERVER_LIMIT,
+        stream_unsent_bytes=STREAM_LIMIT,
+        stream_stall_s=STALL_S,
+        metrics_address="127.0.0.1:0",
     )
     yield srv
     srv.stop()
+
+
+def _metric(srv: ThreadServer, name: str) -> float:
+    assert srv.server.metrics is not None
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics.port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert found, f"{name} not in /metrics"
+    return float(found.group(1))
 
 
 def _all_items(stubs: Stubs) -> list[storage_pb2.StorageItem]:
@@ -63,6 +78,7 @@ def test_streams_that_never_read_are_bounded_then_ended_and_their_items_given_ba
             peak = max(peak, bounded.server.unsent_stream_bytes)
             time.sleep(0.01)
         assert 0 < peak <= SERVER_LIMIT + 2 * HEAD_ALLOWANCE
+        assert 0 < _metric(bounded, "querator_lease_stream_unsent_bytes") <= SERVER_LIMIT + 2 * HEAD_ALLOWANCE
         leased_while_stuck = stubs.stats("q").partitions[0].total_leased
         assert 0 < leased_while_stuck < ITEMS
 
@@ -77,6 +93,8 @@ def test_streams_that_never_read_are_bounded_then_ended_and_their_items_given_ba
             assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert "given back" in (ended.value.details() or "")
         wait_until(lambda: bounded.server.unsent_stream_bytes == 0, timeout=30)
+        assert _metric(bounded, "querator_lease_stream_unsent_bytes") == 0
+        assert _metric(bounded, "querator_lease_streams_stalled_total") == 2
 
         stored = _all_items(stubs)
         # Nothing lost or doubled.

@@ -37,7 +37,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
 import structlog
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -443,6 +443,16 @@ class Metrics:
             buckets=STORAGE_BUCKETS,
             registry=r,
         )
+        self.stream_unsent = Gauge(
+            "querator_lease_stream_unsent_bytes",
+            "Bytes of LeaseStream answers made and not yet taken by gRPC, server-wide.",
+            registry=r,
+        )
+        self.streams_stalled = Counter(
+            "querator_lease_streams_stalled",
+            "LeaseStreams ended because their client read nothing for the stall timeout.",
+            registry=r,
+        )
         r.register(QueueCollector(manager))
         self._labelled = (
             self.rpc_duration,
@@ -469,6 +479,11 @@ class Metrics:
         """Remove every series of a deleted queue (a queue created again starts afresh)."""
         for metric in self._labelled:
             metric.remove_by_labels({"queue": name})
+
+    def watch_streams(self, unsent_bytes: Callable[[], int]) -> Callable[[], None]:
+        """Read the unsent bytes at scrape time; the callable returned counts a stalled stream."""
+        self.stream_unsent.set_function(unsent_bytes)
+        return self.streams_stalled.inc
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor[Any, Any]]:
         return [MetricsInterceptor(self)]

@@ -109,6 +109,9 @@ class QueratorServer:
             stream_unsent_bytes=self.config.stream_unsent_bytes,
             stall_s=self.config.stream_stall_s,
         )
+        if self.metrics is not None:
+            room = queue_service.send_room
+            queue_service.lease_sending.on_stall = self.metrics.watch_streams(lambda: room.unsent)
         server.add_generic_rpc_handlers(
             (
                 queue_service.handler(),

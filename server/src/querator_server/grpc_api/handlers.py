@@ -346,6 +346,8 @@ class Sending:
         self.give_back = give_back
         self.stream_limit = stream_limit
         self.stall_s = stall_s
+        # Told of each stream ended by the stall timeout (a metric).
+        self.on_stall: Callable[[], None] | None = None
 
     def give_back_answer(self, answer: StreamAnswer, *, reached: bool) -> None:
         if self.give_back is not None and answer.response is not None:
@@ -435,6 +437,8 @@ class _Unsent:
         stall_s = self.sending.stall_s
         message = f"the client read no answer for {stall_s:g} s; the stream is ended and its unsent items given back"
         log.warning("stream_stalled", peer=self.context.peer(), unsent_bytes=self.stream.unsent)
+        if self.sending.on_stall is not None:
+            self.sending.on_stall()
         context, call = self.context, self.call
 
         async def abort() -> None:

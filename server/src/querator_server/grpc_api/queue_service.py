@@ -67,7 +67,7 @@ class QueueService:
         self._stream_readers: set[asyncio.Task[None]] = set()
         # Bytes of LeaseStream answers made and not yet sent, server-wide (a metric).
         self.send_room = SendRoom(unsent_bytes)
-        self._lease_sending = Sending(
+        self.lease_sending = Sending(
             self.send_room, self.give_back, stream_limit=stream_unsent_bytes, stall_s=stall_s
         )
         self._giving: set[asyncio.Task[None]] = set()
@@ -246,7 +246,7 @@ class QueueService:
             SERVICE,
             methods,
             open_streams=self._stream_readers,
-            sending={"LeaseStream": self._lease_sending},
+            sending={"LeaseStream": self.lease_sending},
             streams={
                 "ProduceStream": (methods["Produce"][0], pb.ProduceStreamRequest, pb.ProduceStreamResponse, Action.PRODUCE),
                 "LeaseStream": (methods["Lease"][0], pb.LeaseStreamRequest, pb.LeaseStreamResponse, Action.CONSUME),

@@ -666,8 +666,8 @@ class QueueStore:
                 break
             if raw[0] & _FLAG_LEASED:
                 continue
-            size += len(raw) + item_overhead
-            if size > max_bytes and (seqs or not take_first):
+            cost = len(raw) + item_overhead
+            if size + cost > max_bytes and (seqs or not take_first):
                 run.full = True
                 break
             seq = seq_of(key)
@@ -675,16 +675,17 @@ class QueueStore:
             if leased is None:
                 run.other = (seq, raw)
                 break
+            size += cost
             put(key, leased[0])
             seqs.append(seq)
             records.append(raw)
             payloads.append(leased[1])
             attempts.append(leased[2])
             created_at.append(leased[3])
-            run.size = size
             if len(seqs) >= quota:
                 break
         run.last_seq = seq
+        run.size = size
         return run
 
     def page_items(self, txn: lmdb.Transaction[bytes], p: int, after_seq: int, limit: int) -> list[tuple[int, Item]]:
