@@ -202,12 +202,16 @@ class ProduceItem(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     encoding: _builtins.str
     """A free-form label describing how the payload is encoded, for example
-    "application/json". Stored and returned as given.
+    "application/json". Stored and returned as given. At most 256 bytes.
     """
     kind: _builtins.str
-    """A free-form label for the type of work this item represents."""
+    """A free-form label for the type of work this item represents. At most 256
+    bytes.
+    """
     reference: _builtins.str
-    """A free-form reference, for example the id of a record in another system."""
+    """A free-form reference, for example the id of a record in another system.
+    At most 1,024 bytes.
+    """
     payload: _builtins.bytes
     """The item's content, opaque to the server."""
     utf8: _builtins.str
@@ -224,7 +228,7 @@ class ProduceItem(_message.Message):
     def enqueue_at(self) -> _timestamp_pb2.Timestamp:
         """When set at least 100 ms in the future the item is scheduled and becomes
         ready (leasable) at that time. Unset, earlier or in the past means ready
-        now.
+        now. At most 10 years from now.
         """
 
     @_builtins.property
@@ -269,7 +273,8 @@ class ProduceRequest(_message.Message):
     @_builtins.property
     def request_timeout(self) -> _duration_pb2.Duration:
         """How long the server may take before it gives up. Optional: defaults to
-        the call's gRPC deadline, else 30 s.
+        the call's gRPC deadline, else 30 s; at most 15 minutes, and not below
+        1 microsecond.
         """
 
     @_builtins.property
@@ -378,7 +383,8 @@ class LeaseRequest(_message.Message):
     @_builtins.property
     def request_timeout(self) -> _duration_pb2.Duration:
         """How long to wait for items when none are ready. Optional: defaults to
-        the call's gRPC deadline, else 30 s; at most 15 minutes. The server
+        the call's gRPC deadline, else 30 s; at most 15 minutes (0: answer at
+        once; not between 0 and 1 microsecond). The server
         answers a little before the call's deadline so callers see OK with no
         items, not DEADLINE_EXCEEDED.
         """
@@ -681,7 +687,8 @@ class CompleteRequest(_message.Message):
     @_builtins.property
     def request_timeout(self) -> _duration_pb2.Duration:
         """How long the server may take before it gives up. Optional: defaults to
-        the call's gRPC deadline, else 30 s.
+        the call's gRPC deadline, else 30 s; at most 15 minutes, and not below
+        1 microsecond.
         """
 
     @_builtins.property
@@ -744,7 +751,8 @@ class RetryItem(_message.Message):
     @_builtins.property
     def retry_at(self) -> _timestamp_pb2.Timestamp:
         """When set in the future, the item is scheduled and becomes ready at that
-        time; otherwise it goes back to the tail of its partition at once.
+        time; otherwise it goes back to the tail of its partition at once. At
+        most 10 years from now.
         """
 
     def __init__(
@@ -783,7 +791,8 @@ class RetryRequest(_message.Message):
     @_builtins.property
     def request_timeout(self) -> _duration_pb2.Duration:
         """How long the server may take before it gives up. Optional: defaults to
-        the call's gRPC deadline, else 30 s.
+        the call's gRPC deadline, else 30 s; at most 15 minutes, and not below
+        1 microsecond.
         """
 
     def __init__(
@@ -843,14 +852,15 @@ class ExtendRequest(_message.Message):
 
     @_builtins.property
     def lease_timeout(self) -> _duration_pb2.Duration:
-        """The new lease length from now. Optional: defaults to the queue's
-        lease_timeout. Never extends past an item's expiry.
+        """The new lease length from now, at most 24 hours. Optional: defaults to
+        the queue's lease_timeout. Never extends past an item's expiry.
         """
 
     @_builtins.property
     def request_timeout(self) -> _duration_pb2.Duration:
         """How long the server may take before it gives up. Optional: defaults to
-        the call's gRPC deadline, else 30 s.
+        the call's gRPC deadline, else 30 s; at most 15 minutes, and not below
+        1 microsecond.
         """
 
     @_builtins.property

@@ -97,7 +97,10 @@ class QueueServiceServicer:
     def Lease(self, request, context):
         """Lease hands out up to batch_size ready items, oldest first, from one
         partition. When nothing is ready it waits up to request_timeout and then
-        answers OK with no items.
+        answers OK with no items. A reply is at most 4 MiB (gRPC's default
+        receive limit): the lease stops before the item that would take it past,
+        so it may hold fewer than batch_size items while more are ready. One item
+        is always leased, and an item of up to 5 MB makes a reply of its own.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -151,7 +154,12 @@ class QueueServiceServicer:
         producers: every Lease request sent (complete_ids and columnar included)
         is answered by exactly one response, in the order sent. A request that
         finds nothing waits as a Lease does, and the answers of later requests
-        wait behind it.
+        wait behind it. Answers not yet sent are bounded (8 MiB per stream, 256
+        MiB per server): past that a request waits, leasing nothing, until the
+        client reads. An answer that waits 60 s to be sent ends the stream with
+        DEADLINE_EXCEEDED, and the items of its unsent answers go back to the
+        queue with the attempt given back (those of the answer already on its way
+        under new ids, so the old ones fence).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

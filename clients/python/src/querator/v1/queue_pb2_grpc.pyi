@@ -47,7 +47,10 @@ class QueueServiceStub:
     Lease: _grpc.UnaryUnaryMultiCallable[_queue_pb2.LeaseRequest, _queue_pb2.LeaseResponse]
     """Lease hands out up to batch_size ready items, oldest first, from one
     partition. When nothing is ready it waits up to request_timeout and then
-    answers OK with no items.
+    answers OK with no items. A reply is at most 4 MiB (gRPC's default
+    receive limit): the lease stops before the item that would take it past,
+    so it may hold fewer than batch_size items while more are ready. One item
+    is always leased, and an item of up to 5 MB makes a reply of its own.
     """
     Complete: _grpc.UnaryUnaryMultiCallable[_queue_pb2.CompleteRequest, _queue_pb2.CompleteResponse]
     """Complete removes leased items for good. All ids succeed together or the
@@ -81,7 +84,12 @@ class QueueServiceStub:
     producers: every Lease request sent (complete_ids and columnar included)
     is answered by exactly one response, in the order sent. A request that
     finds nothing waits as a Lease does, and the answers of later requests
-    wait behind it.
+    wait behind it. Answers not yet sent are bounded (8 MiB per stream, 256
+    MiB per server): past that a request waits, leasing nothing, until the
+    client reads. An answer that waits 60 s to be sent ends the stream with
+    DEADLINE_EXCEEDED, and the items of its unsent answers go back to the
+    queue with the attempt given back (those of the answer already on its way
+    under new ids, so the old ones fence).
     """
 
 @_typing.type_check_only
@@ -103,7 +111,10 @@ class QueueServiceAsyncStub(QueueServiceStub):
     Lease: _aio.UnaryUnaryMultiCallable[_queue_pb2.LeaseRequest, _queue_pb2.LeaseResponse]  # type: ignore[assignment]
     """Lease hands out up to batch_size ready items, oldest first, from one
     partition. When nothing is ready it waits up to request_timeout and then
-    answers OK with no items.
+    answers OK with no items. A reply is at most 4 MiB (gRPC's default
+    receive limit): the lease stops before the item that would take it past,
+    so it may hold fewer than batch_size items while more are ready. One item
+    is always leased, and an item of up to 5 MB makes a reply of its own.
     """
     Complete: _aio.UnaryUnaryMultiCallable[_queue_pb2.CompleteRequest, _queue_pb2.CompleteResponse]  # type: ignore[assignment]
     """Complete removes leased items for good. All ids succeed together or the
@@ -137,7 +148,12 @@ class QueueServiceAsyncStub(QueueServiceStub):
     producers: every Lease request sent (complete_ids and columnar included)
     is answered by exactly one response, in the order sent. A request that
     finds nothing waits as a Lease does, and the answers of later requests
-    wait behind it.
+    wait behind it. Answers not yet sent are bounded (8 MiB per stream, 256
+    MiB per server): past that a request waits, leasing nothing, until the
+    client reads. An answer that waits 60 s to be sent ends the stream with
+    DEADLINE_EXCEEDED, and the items of its unsent answers go back to the
+    queue with the attempt given back (those of the answer already on its way
+    under new ids, so the old ones fence).
     """
 
 class QueueServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -168,7 +184,10 @@ class QueueServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_queue_pb2.LeaseResponse, _abc.Awaitable[_queue_pb2.LeaseResponse]]:
         """Lease hands out up to batch_size ready items, oldest first, from one
         partition. When nothing is ready it waits up to request_timeout and then
-        answers OK with no items.
+        answers OK with no items. A reply is at most 4 MiB (gRPC's default
+        receive limit): the lease stops before the item that would take it past,
+        so it may hold fewer than batch_size items while more are ready. One item
+        is always leased, and an item of up to 5 MB makes a reply of its own.
         """
 
     @_abc_1.abstractmethod
@@ -232,7 +251,12 @@ class QueueServiceServicer(metaclass=_abc_1.ABCMeta):
         producers: every Lease request sent (complete_ids and columnar included)
         is answered by exactly one response, in the order sent. A request that
         finds nothing waits as a Lease does, and the answers of later requests
-        wait behind it.
+        wait behind it. Answers not yet sent are bounded (8 MiB per stream, 256
+        MiB per server): past that a request waits, leasing nothing, until the
+        client reads. An answer that waits 60 s to be sent ends the stream with
+        DEADLINE_EXCEEDED, and the items of its unsent answers go back to the
+        queue with the attempt given back (those of the answer already on its way
+        under new ids, so the old ones fence).
         """
 
 def add_QueueServiceServicer_to_server(servicer: QueueServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -77,7 +77,7 @@ class QueueInfo(_message.Message):
     key may not see.
     """
     reference: _builtins.str
-    """A free-form note about the queue."""
+    """A free-form note about the queue, at most 1,024 bytes of UTF-8."""
     max_attempts: _builtins.int
     """How many leases an item gets before it is dead-lettered, 0 to 65,536;
     0 means unlimited. Changes apply to stored items too.
@@ -102,14 +102,15 @@ class QueueInfo(_message.Message):
     @_builtins.property
     def lease_timeout(self) -> _duration_pb2.Duration:
         """How long a lease lasts before the item goes back to the queue. Default
-        1 minute, or expire_timeout when that is shorter; at most expire_timeout.
-        Changes apply to new leases.
+        1 minute, or expire_timeout when that is shorter; at most expire_timeout
+        and at most 24 hours. Changes apply to new leases. Every duration of a
+        queue is 0 (the default) or at least 1 microsecond.
         """
 
     @_builtins.property
     def expire_timeout(self) -> _duration_pb2.Duration:
         """An item's total life from produce; expired items are dead-lettered.
-        Default 24 hours. Changes apply to new items.
+        Default 24 hours, at most 10 years. Changes apply to new items.
         """
 
     @_builtins.property
@@ -124,13 +125,13 @@ class QueueInfo(_message.Message):
     def dedup_window(self) -> _duration_pb2.Duration:
         """How long a produced item's idempotency_key is remembered: a second
         produce with the same key within this window stores nothing. Default
-        24 hours.
+        24 hours, at most 10 years.
         """
 
     @_builtins.property
     def lease_key_ttl(self) -> _duration_pb2.Duration:
         """How long a lease_key is remembered after its lease was taken, unless all
-        of its items are completed first. Default 1 hour.
+        of its items are completed first. Default 1 hour, at most 10 years.
         """
 
     def __init__(
@@ -261,7 +262,9 @@ class ListQueuesRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
-    """The most queues to return: 0 means 100, more than 1,000 is capped."""
+    """The most queues to return: 0 means 100, more than 1,000 is capped. A
+    page also ends before the queue that would take the reply past 4 MiB.
+    """
     page_token: _builtins.str
     """The next_page_token of a previous response; empty for the first page.
     Tokens are signed by the server (they stay good across restarts of the

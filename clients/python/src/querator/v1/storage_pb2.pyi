@@ -139,7 +139,10 @@ class ListItemsRequest(_message.Message):
     partition: _builtins.int
     """The partition to list."""
     page_size: _builtins.int
-    """The most items to return: 0 means 100, more than 1,000 is capped."""
+    """The most items to return: 0 means 100, more than 1,000 is capped. A page
+    also ends before the item that would take the reply past 4 MiB (one item
+    always fits).
+    """
     page_token: _builtins.str
     """The next_page_token of a previous response; empty for the first page.
     Tokens are signed by the server (they stay good across restarts of the
@@ -205,7 +208,10 @@ class ListScheduledItemsRequest(_message.Message):
     partition: _builtins.int
     """The partition to list."""
     page_size: _builtins.int
-    """The most items to return: 0 means 100, more than 1,000 is capped."""
+    """The most items to return: 0 means 100, more than 1,000 is capped. A page
+    also ends before the item that would take the reply past 4 MiB (one item
+    always fits).
+    """
     page_token: _builtins.str
     """The next_page_token of a previous response; empty for the first page.
     Tokens are signed by the server (they stay good across restarts of the
@@ -273,7 +279,9 @@ class ImportItemsRequest(_message.Message):
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___StorageItem]:
         """The items, 1 to 1,000 of them; their id fields are ignored (new ids are
         assigned). A missing expire_deadline defaults from the queue; a future
-        enqueue_at stores the item as scheduled.
+        enqueue_at stores the item as scheduled. Limits as for Produce (encoding,
+        kind, reference); expire_deadline and enqueue_at at most 10 years from
+        now, lease_deadline at most 24 hours from now.
         """
 
     def __init__(
