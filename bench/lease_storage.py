@@ -30,7 +30,7 @@ import time
 
 from querator_server.actor.requests import LeaseRequest, ProduceRequest
 from querator_server.actor.view import PartitionView
-from querator_server.model import QueueConfig
+from querator_server.model import ITEM_REPLY_OVERHEAD, REPLY_ITEMS_BYTES, QueueConfig
 from querator_server.storage import QueueStore
 from querator_server.storage.record import (
     _FLAG_LEASED,
@@ -78,7 +78,9 @@ def storage_calls(store: QueueStore, batches: int) -> tuple[float, float]:
     for _ in range(batches):
         with store.env.begin(write=True) as txn:
             a = time.perf_counter()
-            run = store.lease_run(txn, 0, from_seq, BATCH, leaser)
+            run = store.lease_run(
+                txn, 0, from_seq, BATCH, leaser, REPLY_ITEMS_BYTES, ITEM_REPLY_OVERHEAD, take_first=True
+            )
             leasing += time.perf_counter() - a
         with store.env.begin(write=True) as txn:
             a = time.perf_counter()
