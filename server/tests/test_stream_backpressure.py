@@ -20,24 +20,47 @@ from conftest import Stubs, ThreadServer, dur, wait_until
 MIB = 1 << 20
 ITEM = 10_000
 ITEMS = 4000
-SERVER_LIMIT = 3 * MIB
-STREAM_LIMIT = 1 * MIB
 STALL_S = 2.0
 # A stream's next answer may take a full reply (4 MiB) past its stream's bound.
 HEAD_ALLOWANCE = 4 * MIB
 
 
-@pytest.fixture
-def bounded(data_dir: str) -> Iterator[ThreadServer]:
-    srv = ThreadServer(
+def _server(data_dir: str, *, unsent: int, stream: int, stall_s: float) -> ThreadServer:
+    return ThreadServer(
         data_dir,
-        unsent_bytes=SERVER_LIMIT,
-        stream_unsent_bytes=STREAM_LIMIT,
-        stream_stall_s=STALL_S,
+        unsent_bytes=unsent,
+        stream_unsent_bytes=stream,
+        stream_stall_s=stall_s,
         metrics_address="127.0.0.1:0",
     )
+
+
+@pytest.fixture
+def bounded(data_dir: str) -> Iterator[ThreadServer]:
+    """Streams bounded at 1 MiB each, ended after 2 s without a read."""
+    srv = _server(data_dir, unsent=16 * MIB, stream=MIB, stall_s=STALL_S)
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def crowded(data_dir: str) -> Iterator[ThreadServer]:
+    """Room for 2 MiB of unsent answers in all, less than one stream may hold."""
+    srv = _server(data_dir, unsent=2 * MIB, stream=8 * MIB, stall_s=60)
+    yield srv
+    srv.stop()
+
+
+def _fill(stubs: Stubs) -> None:
+    stubs.create("q", lease_timeout=dur(120), max_attempts=2)
+    for start in range(0, ITEMS, 400):
+        stubs.produce("q", [f"{n:06d}".encode().ljust(ITEM, b".") for n in range(start, start + 400)])
+
+
+def _never_read(stubs: Stubs, streams: int) -> list[grpc.Call]:
+    """Streams of 60 Leases of 100 items each, whose client reads nothing (yet)."""
+    message = queue_pb2.LeaseStreamRequest(request=queue_pb2.LeaseRequest(queue_name="q", batch_size=100))
+    return [stubs.queue.LeaseStream(iter([message] * 60), timeout=60) for _ in range(streams)]  # type: ignore[misc]
 
 
 def _metric(srv: ThreadServer, name: str) -> float:
@@ -66,24 +89,21 @@ def test_streams_that_never_read_are_bounded_then_ended_and_their_items_given_ba
     channel = grpc.insecure_channel(bounded.address, options=[("grpc.max_receive_message_length", 64 * MIB)])
     stubs = Stubs(channel)
     try:
-        stubs.create("q", lease_timeout=dur(120), max_attempts=2)
-        for start in range(0, ITEMS, 400):
-            stubs.produce("q", [f"{n:06d}".encode().ljust(ITEM, b".") for n in range(start, start + 400)])
-        message = queue_pb2.LeaseStreamRequest(request=queue_pb2.LeaseRequest(queue_name="q", batch_size=100))
-        # Two real streams, each asking for far more than it reads: nothing, until the end.
-        calls = [stubs.queue.LeaseStream(iter([message] * 60), timeout=60) for _ in range(2)]
+        _fill(stubs)
+        calls = _never_read(stubs, 2)
         started = time.monotonic()
         peak = 0
         while time.monotonic() - started < STALL_S * 0.75:
             peak = max(peak, bounded.server.unsent_stream_bytes)
             time.sleep(0.01)
-        assert 0 < peak <= SERVER_LIMIT + 2 * HEAD_ALLOWANCE
-        assert 0 < _metric(bounded, "querator_lease_stream_unsent_bytes") <= SERVER_LIMIT + 2 * HEAD_ALLOWANCE
+        assert 0 < peak <= 2 * (MIB + HEAD_ALLOWANCE)
+        assert 0 < _metric(bounded, "querator_lease_stream_unsent_bytes") <= 2 * (MIB + HEAD_ALLOWANCE)
         leased_while_stuck = stubs.stats("q").partitions[0].total_leased
         assert 0 < leased_while_stuck < ITEMS
 
         # The stall timeout ends both streams: what they could not send is given back,
         # and the stream ends DEADLINE_EXCEEDED for a client that reads at last.
+        wait_until(lambda: _metric(bounded, "querator_lease_streams_stalled_total") == 2, timeout=30)
         wait_until(lambda: stubs.stats("q").partitions[0].total_leased < leased_while_stuck, timeout=30)
         received: set[str] = set()
         for call in calls:
@@ -94,7 +114,6 @@ def test_streams_that_never_read_are_bounded_then_ended_and_their_items_given_ba
             assert "given back" in (ended.value.details() or "")
         wait_until(lambda: bounded.server.unsent_stream_bytes == 0, timeout=30)
         assert _metric(bounded, "querator_lease_stream_unsent_bytes") == 0
-        assert _metric(bounded, "querator_lease_streams_stalled_total") == 2
 
         stored = _all_items(stubs)
         # Nothing lost or doubled.
@@ -113,7 +132,37 @@ def test_streams_that_never_read_are_bounded_then_ended_and_their_items_given_ba
         channel.close()
 
 
+def test_the_server_wide_bound_holds_across_streams(crowded: ThreadServer) -> None:
+    channel = grpc.insecure_channel(crowded.address, options=[("grpc.max_receive_message_length", 64 * MIB)])
+    stubs = Stubs(channel)
+    try:
+        _fill(stubs)
+        calls = _never_read(stubs, 3)
+        # Leasing stops once the transport holds what it takes and the room is used up.
+        last, steady_since = -1, time.monotonic()
+        deadline = time.monotonic() + 30
+        peak = 0
+        while time.monotonic() - steady_since < 1.0:
+            assert time.monotonic() < deadline, "leasing never stopped"
+            peak = max(peak, crowded.server.unsent_stream_bytes)
+            leased = stubs.stats("q").partitions[0].total_leased
+            if leased != last:
+                last, steady_since = leased, time.monotonic()
+            time.sleep(0.02)
+        # Within the room, give or take one item (a Lease always takes its first).
+        assert 0 < peak <= 2 * MIB + 2 * ITEM
+        assert 0 < last < ITEMS
+        for call in calls:
+            call.cancel()
+        # Ended by the client: their unsent answers are given back too.
+        wait_until(lambda: crowded.server.unsent_stream_bytes == 0, timeout=30)
+        wait_until(lambda: stubs.stats("q").partitions[0].total_leased < last, timeout=30)
+    finally:
+        channel.close()
+
+
 def test_a_slow_reader_is_not_ended_and_gets_every_item(bounded: ThreadServer) -> None:
+    # Reading an answer every quarter of a second: never stuck for the 2 s stall timeout.
     channel = grpc.insecure_channel(bounded.address, options=[("grpc.max_receive_message_length", 64 * MIB)])
     stubs = Stubs(channel)
     try:
