@@ -10,8 +10,9 @@ import grpc
 import pytest
 from google.protobuf import field_mask_pb2, timestamp_pb2
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
+from querator_server.storage.catalog import Catalog
 
-from conftest import Stubs, bad_request_fields, dur
+from conftest import Stubs, ThreadServer, bad_request_fields, dur
 
 HOUR = 3600
 YEAR = 365 * 24 * HOUR
@@ -136,3 +137,32 @@ def test_a_request_timeout_below_a_microsecond_is_invalid_not_unlimited(stubs: S
     lease = queue_pb2.LeaseRequest(queue_name="q", batch_size=1, request_timeout=dur(0, 1))
     assert _invalid(stubs.queue.Lease, lease, timeout=10) == ["request_timeout"]
     assert stubs.stats("q").partitions[0].total == 0
+
+
+def test_settings_stored_before_the_maximums_are_held_to_them(data_dir: str) -> None:
+    srv = ThreadServer(data_dir)
+    channel = grpc.insecure_channel(srv.address)
+    try:
+        Stubs(channel).create("q")
+    finally:
+        channel.close()
+        srv.stop()
+    # What an older server accepted: a lease of 8,000 years.
+    catalog = Catalog(f"{data_dir}/catalog")
+    (config,) = catalog.load()
+    catalog.put(config.replace(lease_timeout_us=MILLENNIA * 1_000_000, expire_timeout_us=MILLENNIA * 1_000_000))
+    catalog.env.close()
+
+    srv = ThreadServer(data_dir)
+    channel = grpc.insecure_channel(srv.address)
+    try:
+        stubs = Stubs(channel)
+        info = stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="q"), timeout=10).queue
+        assert info.lease_timeout.seconds == 24 * HOUR
+        assert info.expire_timeout.seconds == 10 * YEAR
+        stubs.produce("q", [b"a"])
+        item = stubs.lease("q", batch_size=1).items[0]
+        assert item.lease_deadline.ToDatetime().year < 10_000
+    finally:
+        channel.close()
+        srv.stop()

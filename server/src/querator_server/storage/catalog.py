@@ -14,7 +14,13 @@ from typing import Any
 
 import lmdb
 
-from ..model import DEFAULT_DEDUP_WINDOW_US, DEFAULT_LEASE_KEY_TTL_US, QueueConfig
+from ..model import (
+    DEFAULT_DEDUP_WINDOW_US,
+    DEFAULT_LEASE_KEY_TTL_US,
+    MAX_LEASE_TIMEOUT_US,
+    MAX_LONG_DURATION_US,
+    QueueConfig,
+)
 from .queue_store import FILE_MODE, StorageError, check_data_file, inject_write_fault, make_private_dir
 
 _NEXT_UID = b"next_uid"
@@ -157,18 +163,20 @@ def _encode(config: QueueConfig) -> bytes:
 
 def _decode(raw: bytes) -> QueueConfig:
     data = json.loads(raw)
+    # Settings stored before their maximums existed are held to them, so that no time
+    # computed from one (a lease deadline in year 10056) leaves the Timestamp range.
     return QueueConfig(
         name=str(data["name"]),
         uid=int(data["uid"]),
         dead_queue=str(data["dead_queue"]),
         reference=str(data["reference"]),
-        lease_timeout_us=int(data["lease_timeout_us"]),
-        expire_timeout_us=int(data["expire_timeout_us"]),
+        lease_timeout_us=min(int(data["lease_timeout_us"]), MAX_LEASE_TIMEOUT_US),
+        expire_timeout_us=min(int(data["expire_timeout_us"]), MAX_LONG_DURATION_US),
         max_attempts=int(data["max_attempts"]),
         partitions=int(data["partitions"]),
         created_at_us=int(data["created_at_us"]),
         updated_at_us=int(data["updated_at_us"]),
-        dedup_window_us=int(data.get("dedup_window_us", DEFAULT_DEDUP_WINDOW_US)),
-        lease_key_ttl_us=int(data.get("lease_key_ttl_us", DEFAULT_LEASE_KEY_TTL_US)),
+        dedup_window_us=min(int(data.get("dedup_window_us", DEFAULT_DEDUP_WINDOW_US)), MAX_LONG_DURATION_US),
+        lease_key_ttl_us=min(int(data.get("lease_key_ttl_us", DEFAULT_LEASE_KEY_TTL_US)), MAX_LONG_DURATION_US),
         group=int(data.get("group", -1)),
     )
