@@ -228,3 +228,12 @@ def test_item_labels_over_their_limit_are_invalid(stubs: Stubs, field: str, valu
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert bad_request_fields(err.value) == [f"items[0].{field}"]
     assert stubs.stats("q").partitions[0].total == 0
+
+
+def test_a_client_id_over_256_bytes_is_invalid(stubs: Stubs) -> None:
+    stubs.create("q")
+    with pytest.raises(grpc.RpcError) as err:
+        stubs.lease("q", batch_size=1, client_id="c" * 257, request_timeout=dur(0))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_fields(err.value) == ["client_id"]
+    assert len(stubs.lease("q", batch_size=1, client_id="c" * 256, request_timeout=dur(0)).items) == 0

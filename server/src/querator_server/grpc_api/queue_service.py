@@ -16,13 +16,23 @@ from .. import actor as a
 from ..clock import now_us
 from ..errors import InvalidArgument, QueratorError
 from ..manager import QueuesManager
-from ..model import DEFAULT_WAIT_US, MAX_LEASE_TIMEOUT_US, MAX_LONG_DURATION_US, MAX_WAIT_US, NewItem, RetryOrder
+from ..model import (
+    DEFAULT_WAIT_US,
+    MAX_LABEL_BYTES,
+    MAX_LEASE_TIMEOUT_US,
+    MAX_LONG_DURATION_US,
+    MAX_WAIT_US,
+    SERVER_UNSENT_BYTES,
+    STALL_SECONDS,
+    STREAM_UNSENT_BYTES,
+    NewItem,
+    RetryOrder,
+)
 from . import convert as c
 from ..auth import Action
 from .authz import Guard
 from ..storage import StorageError
 from .handlers import Sending, generic_handler
-from ..model import SERVER_UNSENT_BYTES, STALL_SECONDS, STREAM_UNSENT_BYTES
 from .send_room import LeaseRoom, SendRoom, StreamRoom, current_stream
 
 log = structlog.get_logger("querator.rpc")
@@ -95,6 +105,7 @@ class QueueService:
         name = c.queue_name(request.queue_name)
         if not 1 <= request.batch_size <= 1000:
             raise InvalidArgument("batch_size", f"must be between 1 and 1000, got {request.batch_size}")
+        c.text(request.client_id, "client_id", MAX_LABEL_BYTES)
         wait = c.optional_duration_us(request, "request_timeout", "request_timeout", maximum_us=MAX_WAIT_US)
         now = now_us()
         call_deadline = _call_deadline_us(context, now)

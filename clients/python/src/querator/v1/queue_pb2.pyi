@@ -360,6 +360,7 @@ class LeaseRequest(_message.Message):
     client_id: _builtins.str
     """Identifies the consumer. Two concurrent Lease calls with the same
     non-empty client_id on the same queue are refused (FAILED_PRECONDITION).
+    At most 256 bytes.
     """
     complete_partition: _builtins.int
     """The partition of complete_ids (the partition of the earlier LeaseResponse)."""
