@@ -300,7 +300,7 @@ class Cycle(LifecycleSteps, StorageSteps):
             used += cost
         if not ids:
             return None
-        if room is not None:
+        if room is not None and not request.future.done():  # a gone caller settles nothing
             room.take(used)
             request.charged += used
         count = len(ids)
@@ -352,7 +352,7 @@ class Cycle(LifecycleSteps, StorageSteps):
             result.add(item_id(self.uid, p, seq), Item.decode(raw))
             kept.append(seq)
             used += len(raw) + _DETAILED_ITEM_OVERHEAD
-        if request.room is not None:
+        if request.room is not None and not request.future.done():
             request.room.take(used)
             request.charged += used
         if tuple(kept) != record.seqs:
