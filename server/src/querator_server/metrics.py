@@ -445,7 +445,7 @@ class Metrics:
         )
         self.stream_unsent = Gauge(
             "querator_lease_stream_unsent_bytes",
-            "Bytes of LeaseStream answers made and not yet taken by gRPC, server-wide.",
+            "Bytes of LeaseStream answers made and not yet sent, server-wide.",
             registry=r,
         )
         self.streams_stalled = Counter(

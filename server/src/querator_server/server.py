@@ -252,7 +252,7 @@ class QueratorServer:
 
     @property
     def unsent_stream_bytes(self) -> int:
-        """Bytes of LeaseStream answers made and not yet taken by gRPC (send_room.py)."""
+        """Bytes of LeaseStream answers made and not yet sent (send_room.py)."""
         return self._queue_service.send_room.unsent if self._queue_service is not None else 0
 
     @property

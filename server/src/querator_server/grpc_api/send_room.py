@@ -4,7 +4,7 @@ A stream's answers go out in order, each once the client has read enough of the 
 before it (HTTP/2 flow control). A client that stops reading leaves them in memory:
 three LeaseStreams that never read took a server from 113 MB to 838 MB, and every
 answer held items leased to nobody. So each stream counts the bytes of its answers
-from the moment a Lease takes their items until gRPC has taken them, and a Lease on
+from the moment a Lease takes their items until they are sent (gRPC has written them out), and a Lease on
 a stream takes items only while its stream and the server have room (the actor asks
 ``room()`` as it leases: ``LeaseRoom``). One answer always has room on its stream:
 the next one to be sent, which waits behind no other (it may still wait for room
