@@ -660,22 +660,30 @@ class QueueStore:
         seqs, records, payloads, attempts, created_at = run.seqs, run.records, run.payloads, run.attempts, run.created_at
         put, seq_of = cursor.put, seq_of_item_key
         seq = 0
+        # ``quota`` records of at most ``small`` bytes stay within ``max_bytes``: the sum
+        # is kept item by item only from the first longer one on (most runs never see one).
+        small = max_bytes // max(quota, 1) - item_overhead
+        counting = False
         size = 0
         for key, raw in cursor:
             if key[:1] != TAG_ITEM:
                 break
             if raw[0] & _FLAG_LEASED:
                 continue
-            cost = len(raw) + item_overhead
-            if size + cost > max_bytes and (seqs or not take_first):
-                run.full = True
-                break
+            if counting or len(raw) > small:
+                if not counting:
+                    counting = True
+                    size = sum(map(len, records)) + len(records) * item_overhead
+                cost = len(raw) + item_overhead
+                if size + cost > max_bytes and (seqs or not take_first):
+                    run.full = True
+                    break
+                size += cost  # an item declined below ends the run: its size is not used
             seq = seq_of(key)
             leased = lease(raw)
             if leased is None:
                 run.other = (seq, raw)
                 break
-            size += cost
             put(key, leased[0])
             seqs.append(seq)
             records.append(raw)
@@ -685,7 +693,7 @@ class QueueStore:
             if len(seqs) >= quota:
                 break
         run.last_seq = seq
-        run.size = size
+        run.size = sum(map(len, records)) + len(records) * item_overhead
         return run
 
     def page_items(self, txn: lmdb.Transaction[bytes], p: int, after_seq: int, limit: int) -> list[tuple[int, Item]]:
