@@ -237,3 +237,26 @@ def test_a_client_id_over_256_bytes_is_invalid(stubs: Stubs) -> None:
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert bad_request_fields(err.value) == ["client_id"]
     assert len(stubs.lease("q", batch_size=1, client_id="c" * 256, request_timeout=dur(0)).items) == 0
+
+
+def test_a_page_whose_entries_outgrow_the_estimate_is_cut_exactly(
+    stubs: Stubs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With no allowance for what an entry adds to its payload, the storage step's cut
+    # lets a page grow past 4 MiB; the exact cut in the reply must catch it and page on.
+    from querator_server.actor import storage_steps
+
+    monkeypatch.setattr(storage_steps, "ITEM_REPLY_OVERHEAD", 0)
+    stubs.create("q")
+    produced = _fill(stubs, "q", 1200, ITEM)
+    seen: list[str] = []
+    token = ""
+    while True:
+        request = storage_pb2.ListItemsRequest(queue_name="q", page_size=1000, page_token=token)
+        page = stubs.storage.ListItems(request, timeout=10)
+        assert page.ByteSize() <= DEFAULT_RECEIVE
+        seen.extend(item.id for item in page.items)
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == produced

@@ -190,3 +190,5 @@ class ExtendResult:
 class PageResult:
     items: list[StoredItem]
     next_after: tuple[int, int] | None
+    # Where a page cut after item i goes on: the cursor of each item.
+    cursors: list[tuple[int, int]] = field(default_factory=list)

@@ -40,7 +40,7 @@ class StorageSteps(CycleBase):
             out.append(StoredItem(stored_id, item))
             cursors.append(cursor)
         more = len(out) < len(listed)
-        self._ok(request, PageResult(out, cursors[-1] if more else None))
+        self._ok(request, PageResult(out, cursors[-1] if more else None, cursors))
 
     def import_items(self, txn: lmdb.Transaction[bytes], request: ImportItemsRequest) -> None:
         p = request.partition

@@ -12,7 +12,7 @@ from .. import actor as a
 from ..errors import InvalidArgument
 from ..manager import QueuesManager
 from ..clock import now_us
-from ..model import MAX_LEASE_TIMEOUT_US, MAX_LONG_DURATION_US, ImportedItem
+from ..model import MAX_LEASE_TIMEOUT_US, MAX_LONG_DURATION_US, REPLY_ITEMS_BYTES, ImportedItem
 from . import convert as c
 from ..auth import Action
 from .authz import Guard
@@ -83,10 +83,22 @@ class StorageService:
         page: a.PageResult = await self.manager.actor(name).submit(
             a.ListItemsRequest(partition, limit, after, scheduled)
         )
+        # The page was cut by an estimate of each item's size; this is the exact cut, in
+        # case an item's reply entry holds more than the estimate allowed for.
+        items: list[pb.StorageItem] = []
+        next_after = page.next_after
+        size = 0
+        for index, stored in enumerate(page.items):
+            item = storage_item(stored)
+            size += item.ByteSize() + 8  # with its tag and length in the reply
+            if size > REPLY_ITEMS_BYTES and items:
+                next_after = page.cursors[index - 1]
+                break
+            items.append(item)
         token = ""
-        if page.next_after is not None:
-            token = c.encode_token(self.manager.token_secret, kind, _CURSOR.pack(config.uid, partition, *page.next_after))
-        return [storage_item(s) for s in page.items], token
+        if next_after is not None:
+            token = c.encode_token(self.manager.token_secret, kind, _CURSOR.pack(config.uid, partition, *next_after))
+        return items, token
 
     async def list_items(self, request: pb.ListItemsRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ListItemsResponse:
         items, token = await self._list(request, scheduled=False)
