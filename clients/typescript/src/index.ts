@@ -1,0 +1,54 @@
+/**
+ * Querator for TypeScript: a client for the Querator lease-based FIFO work-queue service.
+ *
+ *     import { Client, Worker } from "@querator/client";
+ *
+ *     const client = new Client({ address: "127.0.0.1:2319" });
+ *     await client.createQueue("emails");
+ *     await client.produce("emails", ["hello", "world"]);
+ *     const worker = new Worker(client, "emails", async (item) => console.log(item.text));
+ *     await worker.run();   // until worker.stop() or SIGTERM
+ *
+ * The generated messages and service descriptors are in "@querator/client/v1".
+ */
+export { Client, DEFAULT_ADDRESS, MAX_BATCH, type CallOptions, type ClientOptions, type TlsOptions } from "./client.js";
+export {
+  Cancelled,
+  DeadLetter,
+  DeadlineExceeded,
+  FailedPrecondition,
+  InvalidRequest,
+  ItemNotFound,
+  NotFound,
+  NotLeased,
+  Overloaded,
+  PermissionDenied,
+  QueratorError,
+  QueueExists,
+  QueueNotFound,
+  ServerError,
+  Unauthenticated,
+  Unavailable,
+  isLeaseLost,
+  type FieldViolation,
+} from "./errors.js";
+export { LeasedItem, type LeaseState } from "./items.js";
+export type {
+  ApiKey,
+  CreatedKey,
+  ExtendResult,
+  Item,
+  ItemRef,
+  Page,
+  PartitionStats,
+  Payload,
+  ProduceInput,
+  ProduceResult,
+  QueueInfo,
+  QueueSettings,
+  QueueStats,
+  Role,
+  StoredItem,
+} from "./models.js";
+export { Pager } from "./paging.js";
+export { Worker, backoff, type Handler, type WorkerHooks, type WorkerOptions, type WorkerStats } from "./worker.js";

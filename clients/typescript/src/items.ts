@@ -1,0 +1,81 @@
+import type { Client, CallOptions } from "./client.js";
+import type { ExtendResult, ItemRef } from "./models.js";
+
+export type LeaseState = "leased" | "completed" | "retried" | "dead";
+
+const decoder = new TextDecoder();
+
+/** A leased item: its content, and the calls that finish its lease. */
+export class LeasedItem implements ItemRef {
+  readonly queueName: string;
+  readonly partition: number;
+  readonly id: string;
+  readonly payload: Uint8Array;
+  readonly encoding: string;
+  readonly kind: string;
+  readonly reference: string;
+  /** How many times the item has been leased, this lease included. */
+  readonly attempts: number;
+  /** When the lease ends unless completed, retried or extended first (moved by extend). */
+  leaseDeadline: Date;
+  readonly createdAt: Date;
+  readonly metadata: Readonly<Record<string, string>>;
+  #state: LeaseState = "leased";
+  readonly #client: Client;
+
+  /** @internal built by the client from a Lease reply */
+  constructor(client: Client, fields: Omit<LeasedItem, "text" | "json" | "state" | "settled" | "complete" | "retry" | "extend" | "markSettled">) {
+    this.#client = client;
+    this.queueName = fields.queueName;
+    this.partition = fields.partition;
+    this.id = fields.id;
+    this.payload = fields.payload;
+    this.encoding = fields.encoding;
+    this.kind = fields.kind;
+    this.reference = fields.reference;
+    this.attempts = fields.attempts;
+    this.leaseDeadline = fields.leaseDeadline;
+    this.createdAt = fields.createdAt;
+    this.metadata = fields.metadata;
+  }
+
+  /** The payload decoded as UTF-8. */
+  get text(): string {
+    return decoder.decode(this.payload);
+  }
+
+  /** The payload parsed as JSON. */
+  json<T = unknown>(): T {
+    return JSON.parse(this.text) as T;
+  }
+
+  /** "leased" until completed, retried or dead-lettered through this client. */
+  get state(): LeaseState {
+    return this.#state;
+  }
+
+  get settled(): boolean {
+    return this.#state !== "leased";
+  }
+
+  /** @internal */
+  markSettled(state: LeaseState): void {
+    this.#state = state;
+  }
+
+  /** Remove the item for good. */
+  complete(options?: CallOptions): Promise<void> {
+    return this.#client.complete(this, options);
+  }
+
+  /** Give the item back: now, later (`at` / `inMs`) or to the dead-letter queue (`dead`). */
+  retry(options?: { at?: Date; inMs?: number; dead?: boolean } & CallOptions): Promise<void> {
+    return this.#client.retry(this, options);
+  }
+
+  /** Push the lease deadline (default: the queue's lease timeout from now). */
+  async extend(options?: { leaseTimeoutMs?: number } & CallOptions): Promise<Date> {
+    const result: ExtendResult = await this.#client.extend(this, options);
+    return result.deadlines[0] ?? this.leaseDeadline;
+  }
+}

@@ -1,0 +1,143 @@
+/** The client's values: plain objects in and out, no protobuf in sight. Durations are
+ * milliseconds (numbers), points in time are Dates. */
+
+/** A payload: bytes, or a string stored as UTF-8. */
+export type Payload = Uint8Array | string;
+
+/** An item to produce, with more than a payload. */
+export interface Item {
+  payload: Payload;
+  /** A free-form label of the payload's encoding, e.g. "application/json". */
+  encoding?: string;
+  /** A free-form label for the type of work. */
+  kind?: string;
+  /** A free-form reference, e.g. the id of a record elsewhere. */
+  reference?: string;
+  /** At least 100 ms in the future: the item is scheduled and becomes leasable then. */
+  enqueueAt?: Date;
+  /** At most 512 bytes: a second produce with the same key within the queue's
+   * dedupWindow stores nothing and answers the first item's id. */
+  idempotencyKey?: string;
+  /** String pairs handed to whoever leases the item (e.g. trace context); at most 64
+   * pairs and 16 KB in all. */
+  metadata?: Record<string, string>;
+}
+
+/** What produce accepts per item. */
+export type ProduceInput = Payload | Item;
+
+/** The ids of produced items, in the order given, and the partition each went to. */
+export interface ProduceResult {
+  ids: string[];
+  partitions: number[];
+  /** Items whose idempotencyKey had been seen before: they stored nothing. */
+  duplicates: number;
+}
+
+/** Names a leased item: what Complete, Retry and Extend need. LeasedItems are ItemRefs. */
+export interface ItemRef {
+  readonly queueName: string;
+  readonly partition: number;
+  readonly id: string;
+}
+
+/** A queue's settings. `partitions` is the API's requested_partitions. */
+export interface QueueInfo {
+  name: string;
+  deadQueue: string;
+  reference: string;
+  leaseTimeoutMs: number;
+  expireTimeoutMs: number;
+  maxAttempts: number;
+  partitions: number;
+  createdAt: Date | undefined;
+  updatedAt: Date | undefined;
+  dedupWindowMs: number;
+  leaseKeyTtlMs: number;
+}
+
+/** The settings createQueue and updateQueue take; what is left out defaults (create)
+ * or stays as it is (update). */
+export interface QueueSettings {
+  deadQueue?: string;
+  reference?: string;
+  leaseTimeoutMs?: number;
+  expireTimeoutMs?: number;
+  maxAttempts?: number;
+  partitions?: number;
+  dedupWindowMs?: number;
+  leaseKeyTtlMs?: number;
+}
+
+/** One partition's counts. `total` is ready plus leased; scheduled items are apart. */
+export interface PartitionStats {
+  partition: number;
+  total: number;
+  totalLeased: number;
+  ready: number;
+  scheduled: number;
+  averageAgeMs: number;
+  averageLeasedAgeMs: number;
+}
+
+/** A queue's counts now, per partition and summed. */
+export interface QueueStats {
+  queueName: string;
+  partitions: PartitionStats[];
+  total: number;
+  totalLeased: number;
+  ready: number;
+  scheduled: number;
+  leaseWaiting: number;
+  produceWaiting: number;
+  inFlight: number;
+}
+
+/** An item as StorageService stores it. Build one to import items (`id` is ignored). */
+export interface StoredItem {
+  id: string;
+  partition: number;
+  payload: Uint8Array;
+  isLeased: boolean;
+  leaseDeadline: Date | undefined;
+  expireDeadline: Date | undefined;
+  enqueueAt: Date | undefined;
+  createdAt: Date | undefined;
+  attempts: number;
+  reference: string;
+  encoding: string;
+  kind: string;
+  sourceId: string;
+  metadata: Record<string, string>;
+}
+
+/** The new deadline of each extended item, in order, and how many items were extended
+ * through lease keys. */
+export interface ExtendResult {
+  deadlines: Date[];
+  keyItemsExtended: number;
+}
+
+/** An API key's role: what it may do on the queues its patterns match. */
+export type Role = "producer" | "consumer" | "admin";
+
+/** An API key as the server describes it (never its token). */
+export interface ApiKey {
+  keyId: string;
+  role: Role;
+  queues: string[];
+  description: string;
+  createdAt: Date | undefined;
+}
+
+/** A new key and its token (send it as bearerToken). Shown only once. */
+export interface CreatedKey {
+  key: ApiKey;
+  token: string;
+}
+
+/** One page of a listing; `nextPageToken` is empty on the last page. */
+export interface Page<T> {
+  items: T[];
+  nextPageToken: string;
+}

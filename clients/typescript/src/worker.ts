@@ -1,0 +1,515 @@
+/**
+ * A Worker leases items, runs a handler on each, then completes, retries or
+ * dead-letters them: the Python SDK's Worker, for Node.
+ *
+ * Delivery is at least once: an item is completed only after its handler returned; an
+ * item whose worker died (or lost its lease) comes back by lease expiry and is handled
+ * again with `attempts` one higher. Handlers must therefore be idempotent.
+ *
+ * One Lease is in flight at a time, sent once there is room for a batch
+ * (concurrency + batchSize items held at most); leased items wait for a free handler
+ * slot. Completions and retries that pile up while a call runs go in the next call,
+ * one per partition. Held items' leases are extended (Extend) when half of their time
+ * is gone, until the handler settles them.
+ */
+import type { Client } from "./client.js";
+import { MAX_BATCH } from "./client.js";
+import { Cancelled, DeadLetter, QueratorError, Unavailable, isLeaseLost } from "./errors.js";
+import type { LeasedItem } from "./items.js";
+
+/** The handler: may return a promise. `signal` fires when the worker gives up on it at
+ * shutdown (after shutdownTimeoutMs). */
+export type Handler = (item: LeasedItem, signal: AbortSignal) => unknown;
+
+/** Callbacks for metrics and logging; every one optional, each must be quick. An
+ * exception thrown by a hook is ignored. */
+export interface WorkerHooks {
+  onLease?(items: readonly LeasedItem[]): void;
+  onStart?(item: LeasedItem): void;
+  onComplete?(item: LeasedItem, elapsedMs: number): void;
+  onRetry?(item: LeasedItem, error: unknown, retryAt: Date): void;
+  onDead?(item: LeasedItem, error: unknown): void;
+  onExtend?(items: readonly LeasedItem[]): void;
+  onLeaseLost?(item: LeasedItem, error: QueratorError): void;
+  onRelease?(items: readonly LeasedItem[]): void;
+  onError?(error: unknown): void;
+}
+
+/** Counters of what a worker did so far. */
+export interface WorkerStats {
+  leased: number;
+  completed: number;
+  retried: number;
+  dead: number;
+  extended: number;
+  lost: number;
+  released: number;
+  errors: number;
+}
+
+export interface WorkerOptions {
+  /** Handlers running at once. Default 10. */
+  concurrency?: number;
+  /** Items asked for per Lease call (default: concurrency, at most 1,000). */
+  batchSize?: number;
+  /** How long a Lease waits on the server when nothing is ready. Default 30 s. */
+  leaseWaitMs?: number;
+  /** Extend the leases of held items when half their time is gone. Default true. */
+  keepAlive?: boolean;
+  /** Lease length Extend asks for (default: the queue's lease timeout). */
+  leaseExtensionMs?: number;
+  /** Delay before a failed item comes back, by its attempt number (1 = first lease).
+   * Default: backoff() (1 s doubling to 5 minutes, jittered). */
+  retryBackoff?: (attempt: number) => number;
+  /** At stop: how long running handlers may finish before their items are released. Default 30 s. */
+  shutdownTimeoutMs?: number;
+  /** At stop: how long a Lease in flight may still answer before it is cancelled. Default 1 s. */
+  leaseGraceMs?: number;
+  /** Stop gracefully on SIGTERM and SIGINT while run() runs. Default true. */
+  handleSignals?: boolean;
+  /** Callbacks for metrics and logging (default: failures logged with console.warn). */
+  hooks?: WorkerHooks;
+  /** The Lease client_id (default: host, pid and a random suffix). */
+  clientId?: string;
+}
+
+/** Exponential backoff with jitter: initialMs * multiplier^(attempt-1), at most
+ * maximumMs, minus a random `jitter` fraction (0.2: 80-100 % of it). */
+export function backoff(
+  options: { initialMs?: number; maximumMs?: number; multiplier?: number; jitter?: number } = {},
+): (attempt: number) => number {
+  const { initialMs = 1000, maximumMs = 300_000, multiplier = 2, jitter = 0.2 } = options;
+  if (initialMs < 0 || maximumMs < initialMs) throw new RangeError("backoff needs 0 <= initialMs <= maximumMs");
+  if (multiplier < 1 || jitter < 0 || jitter > 1) throw new RangeError("backoff needs multiplier >= 1 and 0 <= jitter <= 1");
+  return (attempt) => Math.min(initialMs * multiplier ** Math.max(0, attempt - 1), maximumMs) * (1 - jitter * Math.random());
+}
+
+const defaultHooks: WorkerHooks = {
+  onRetry: (item, error, at) =>
+    console.warn(`querator: handler failed for item ${item.id} (attempt ${item.attempts}), retry at ${at.toISOString()}: ${String(error)}`),
+  onDead: (item, error) => console.warn(`querator: item ${item.id} dead-lettered after ${item.attempts} attempts: ${String(error)}`),
+  onLeaseLost: (item, error) => console.warn(`querator: lease of item ${item.id} lost: ${error.message}`),
+  onError: (error) => console.warn(`querator: worker call failed: ${String(error)}`),
+};
+
+interface Held {
+  item: LeasedItem;
+  /** performance.now() at which to extend the lease. */
+  extendAt: number;
+  lengthMs: number;
+  started: boolean;
+  /** Settling or settled: keep-alive leaves it alone. */
+  settling: boolean;
+  lost: boolean;
+}
+
+type Settlement = { held: Held; kind: "complete" } | { held: Held; kind: "retry"; at: Date | undefined; dead: boolean };
+
+function randomSuffix(): string {
+  return Math.random().toString(16).slice(2, 10);
+}
+
+/**
+ * Runs `handler` on items of `queueName`:
+ *
+ * - it returned: the item is completed (unless the handler settled it itself);
+ * - it threw DeadLetter: the item goes to the dead-letter queue;
+ * - it threw anything else: the item is retried at now + retryBackoff(attempts)
+ *   (dead-lettered instead once it used the queue's maxAttempts).
+ *
+ * `await worker.run()` runs until `worker.stop()` (or SIGTERM/SIGINT): leasing stops,
+ * leased items not started are released (Retry now), running handlers get
+ * shutdownTimeoutMs to finish, and the items of those that do not are released too.
+ */
+export class Worker {
+  readonly client: Client;
+  readonly queueName: string;
+  readonly stats: WorkerStats = { leased: 0, completed: 0, retried: 0, dead: 0, extended: 0, lost: 0, released: 0, errors: 0 };
+  readonly #handler: Handler;
+  readonly #o: Required<Omit<WorkerOptions, "batchSize" | "leaseExtensionMs" | "hooks" | "clientId">>;
+  readonly #batchSize: number;
+  readonly #extensionMs: number | undefined;
+  readonly #hooks: WorkerHooks;
+  readonly #clientId: string;
+  readonly #held = new Map<string, Held>();
+  readonly #waiting: Held[] = [];
+  readonly #running = new Set<Promise<void>>();
+  #settlements: Settlement[] = [];
+  #settling: Promise<void> | undefined;
+  #stopping = false;
+  #runPromise: Promise<void> | undefined;
+  readonly #stop = new AbortController();
+  readonly #handlerAbort = new AbortController();
+  #wake: (() => void) | undefined;
+  #leaseTimeoutMs = 60_000;
+  #maxAttempts = 0;
+
+  constructor(client: Client, queueName: string, handler: Handler, options: WorkerOptions = {}) {
+    this.client = client;
+    this.queueName = queueName;
+    this.#handler = handler;
+    this.#o = {
+      concurrency: options.concurrency ?? 10,
+      leaseWaitMs: options.leaseWaitMs ?? 30_000,
+      keepAlive: options.keepAlive ?? true,
+      retryBackoff: options.retryBackoff ?? backoff(),
+      shutdownTimeoutMs: options.shutdownTimeoutMs ?? 30_000,
+      leaseGraceMs: options.leaseGraceMs ?? 1_000,
+      handleSignals: options.handleSignals ?? true,
+    };
+    if (this.#o.concurrency < 1) throw new RangeError("concurrency must be at least 1");
+    this.#batchSize = Math.min(options.batchSize ?? this.#o.concurrency, MAX_BATCH);
+    if (this.#batchSize < 1) throw new RangeError(`batchSize must be between 1 and ${MAX_BATCH}`);
+    this.#extensionMs = options.leaseExtensionMs;
+    this.#hooks = options.hooks ?? defaultHooks;
+    this.#clientId = options.clientId ?? `node:${process.pid}:${randomSuffix()}`;
+  }
+
+  /** Run until stopped. Throws at start-up when the queue cannot be read (e.g. QueueNotFound). */
+  run(): Promise<void> {
+    this.#runPromise ??= this.#run();
+    return this.#runPromise;
+  }
+
+  /** Ask the worker to stop gracefully; resolves once run() has returned. */
+  async stop(): Promise<void> {
+    this.#stopping = true;
+    this.#stop.abort();
+    this.#wake?.();
+    if (this.#runPromise) await this.#runPromise.catch(() => undefined);
+  }
+
+  #hook<K extends keyof WorkerHooks>(name: K, ...args: Parameters<NonNullable<WorkerHooks[K]>>): void {
+    try {
+      (this.#hooks[name] as ((...a: unknown[]) => void) | undefined)?.call(this.#hooks, ...args);
+    } catch {
+      // a hook must not break the worker
+    }
+  }
+
+  #error(error: unknown): void {
+    this.stats.errors++;
+    this.#hook("onError", error);
+  }
+
+  async #run(): Promise<void> {
+    const info = await this.client.getQueue(this.queueName, { signal: this.#stop.signal });
+    this.#leaseTimeoutMs = info.leaseTimeoutMs;
+    this.#maxAttempts = info.maxAttempts;
+    const onSignal = (): void => void this.stop();
+    if (this.#o.handleSignals) {
+      process.on("SIGTERM", onSignal);
+      process.on("SIGINT", onSignal);
+    }
+    const keepAlive = this.#o.keepAlive ? this.#keepAlive() : Promise.resolve();
+    try {
+      for await (const batch of this.#batches()) {
+        this.#take(batch);
+      }
+    } finally {
+      if (this.#o.handleSignals) {
+        process.off("SIGTERM", onSignal);
+        process.off("SIGINT", onSignal);
+      }
+      await this.#shutdown();
+      await keepAlive;
+    }
+  }
+
+  // -- leasing ----------------------------------------------------------------------------
+
+  /** The worker's leased batches, one Lease at a time, each sent once there is room. */
+  async *#batches(): AsyncGenerator<LeasedItem[], void, undefined> {
+    const maxHeld = this.#o.concurrency + this.#batchSize;
+    let failures = 0;
+    while (!this.#stopping) {
+      const room = maxHeld - this.#held.size;
+      // A full batch, or whatever fits once no leased item waits for a handler.
+      if (room < this.#batchSize && (room <= 0 || this.#waiting.length > 0)) {
+        await new Promise<void>((resolve) => (this.#wake = resolve));
+        continue;
+      }
+      const sent = performance.now();
+      const call = this.client.lease(this.queueName, {
+        batchSize: Math.min(room, this.#batchSize),
+        waitMs: this.#o.leaseWaitMs,
+        clientId: this.#clientId,
+        signal: this.#leaseSignal(),
+      });
+      let items: LeasedItem[];
+      try {
+        items = await call;
+        failures = 0;
+      } catch (error) {
+        if (error instanceof Cancelled && this.#stopping) return;
+        failures++;
+        this.#error(error);
+        const delay = error instanceof Unavailable ? Math.min(100 * 2 ** failures, 2000) : Math.min(5000, 200 * 2 ** failures);
+        await this.#sleep(delay);
+        continue;
+      }
+      if (items.length) {
+        this.stats.leased += items.length;
+        this.#hook("onLease", items);
+        for (const item of items) {
+          const held: Held = { item, extendAt: sent + this.#leaseTimeoutMs / 2, lengthMs: this.#leaseTimeoutMs, started: false, settling: false, lost: false };
+          this.#held.set(item.id, held);
+        }
+        yield items;
+      }
+    }
+  }
+
+  /** The signal of a Lease call: at stop, it gets leaseGraceMs to answer (its items are
+   * then released) rather than being cut off while it may commit. */
+  #leaseSignal(): AbortSignal {
+    const grace = new AbortController();
+    const onStop = (): void => void setTimeout(() => grace.abort(), this.#o.leaseGraceMs).unref();
+    if (this.#stop.signal.aborted) onStop();
+    else this.#stop.signal.addEventListener("abort", onStop, { once: true });
+    return grace.signal;
+  }
+
+  #sleep(ms: number): Promise<void> {
+    return new Promise((resolve) => {
+      const timer = setTimeout(resolve, ms);
+      this.#stop.signal.addEventListener("abort", () => (clearTimeout(timer), resolve()), { once: true });
+    });
+  }
+
+  #take(items: LeasedItem[]): void {
+    for (const item of items) this.#waiting.push(this.#held.get(item.id)!);
+    this.#pump();
+  }
+
+  /** Start handlers while there are free slots. */
+  #pump(): void {
+    while (!this.#stopping && this.#running.size < this.#o.concurrency && this.#waiting.length) {
+      const held = this.#waiting.shift()!;
+      const task: Promise<void> = this.#process(held).finally(() => {
+        this.#running.delete(task);
+        this.#pump();
+        this.#wake?.();
+      });
+      this.#running.add(task);
+    }
+    if (!this.#waiting.length) this.#wake?.();
+  }
+
+  // -- handling ---------------------------------------------------------------------------
+
+  async #process(held: Held): Promise<void> {
+    const item = held.item;
+    held.started = true;
+    this.#hook("onStart", item);
+    const began = performance.now();
+    let error: unknown;
+    let failed = false;
+    try {
+      await this.#handler(item, this.#handlerAbort.signal);
+    } catch (e) {
+      error = e;
+      failed = true;
+    }
+    const elapsed = performance.now() - began;
+    if (this.#handlerAbort.signal.aborted && !item.settled) return; // given up at shutdown: released there
+    held.settling = true;
+    try {
+      if (item.settled) {
+        if (item.state === "completed") (this.stats.completed++, this.#hook("onComplete", item, elapsed));
+        else if (item.state === "dead") (this.stats.dead++, this.#hook("onDead", item, error));
+        else this.stats.retried++;
+        return;
+      }
+      if (!failed) {
+        if (await this.#settle({ held, kind: "complete" })) (this.stats.completed++, this.#hook("onComplete", item, elapsed));
+        return;
+      }
+      if (error instanceof DeadLetter || (this.#maxAttempts > 0 && item.attempts >= this.#maxAttempts)) {
+        if (await this.#settle({ held, kind: "retry", at: undefined, dead: true })) (this.stats.dead++, this.#hook("onDead", item, error));
+        return;
+      }
+      const at = new Date(Date.now() + this.#o.retryBackoff(item.attempts));
+      if (await this.#settle({ held, kind: "retry", at, dead: false })) (this.stats.retried++, this.#hook("onRetry", item, error, at));
+    } finally {
+      this.#held.delete(item.id);
+    }
+  }
+
+  #lost(held: Held, error: QueratorError): void {
+    if (held.lost) return;
+    held.lost = true;
+    this.stats.lost++;
+    this.#hook("onLeaseLost", held.item, error);
+  }
+
+  // -- settling: completes and retries in batches -----------------------------------------
+
+  readonly #results = new Map<Settlement, (ok: boolean) => void>();
+
+  /** Queue one settlement; what queued up while a call ran goes in the next one. */
+  #settle(s: Settlement): Promise<boolean> {
+    return new Promise((resolve) => {
+      this.#results.set(s, resolve);
+      this.#settlements.push(s);
+      this.#settling ??= new Promise<void>((r) => setImmediate(r)).then(() => this.#drain()).finally(() => (this.#settling = undefined));
+    });
+  }
+
+  async #drain(): Promise<void> {
+    while (this.#settlements.length) {
+      const batch = this.#settlements;
+      this.#settlements = [];
+      const groups = new Map<string, Settlement[]>();
+      for (const s of batch) {
+        const key = `${s.kind}\0${s.held.item.partition}`;
+        const group = groups.get(key) ?? [];
+        group.push(s);
+        groups.set(key, group);
+      }
+      for (const group of groups.values()) {
+        for (let start = 0; start < group.length; start += MAX_BATCH) await this.#apply(group.slice(start, start + MAX_BATCH), true);
+      }
+    }
+  }
+
+  async #apply(group: Settlement[], split: boolean): Promise<void> {
+    const done = (ok: boolean): void => {
+      for (const s of group) {
+        this.#results.get(s)?.(ok);
+        this.#results.delete(s);
+      }
+    };
+    try {
+      const first = group[0]!;
+      const items = group.map((s) => s.held.item);
+      if (first.kind === "complete") await this.client.complete(items);
+      else if (group.every((s) => s.kind === "retry" && !s.dead && !s.at)) await this.client.retry(items);
+      else {
+        // Retries of one batch may differ in time and kind: one call per distinct order.
+        for (const s of group) {
+          if (s.kind !== "retry") continue;
+          await this.client.retry(s.held.item, { ...(s.at ? { at: s.at } : {}), dead: s.dead });
+        }
+      }
+      done(true);
+    } catch (error) {
+      if (isLeaseLost(error)) {
+        if (split && group.length > 1) {
+          // All-or-nothing: find the lost ones.
+          for (const s of group) await this.#apply([s], false);
+          return;
+        }
+        for (const s of group) this.#lost(s.held, error);
+      } else {
+        this.#error(error);
+      }
+      done(false);
+    }
+  }
+
+  // -- keep-alive -------------------------------------------------------------------------
+
+  async #keepAlive(): Promise<void> {
+    while (!this.#stopping) {
+      const now = performance.now();
+      const due = [...this.#held.values()].filter((h) => this.#keep(h) && h.extendAt <= now);
+      if (due.length) await this.#extend(due);
+      const upcoming = [...this.#held.values()].filter((h) => this.#keep(h)).map((h) => h.extendAt);
+      const delay = Math.min(Math.max(Math.min(...upcoming, performance.now() + 1000) - performance.now(), 20), 1000);
+      await this.#sleep(delay);
+    }
+  }
+
+  #keep(held: Held): boolean {
+    return !(held.lost || held.settling || held.item.settled);
+  }
+
+  async #extend(due: Held[]): Promise<void> {
+    const byPartition = new Map<number, Held[]>();
+    for (const h of due) byPartition.set(h.item.partition, [...(byPartition.get(h.item.partition) ?? []), h]);
+    const options = this.#extensionMs !== undefined ? { leaseTimeoutMs: this.#extensionMs } : {};
+    for (const members of byPartition.values()) {
+      for (let start = 0; start < members.length; start += MAX_BATCH) {
+        const chunk = members.slice(start, start + MAX_BATCH);
+        const sent = performance.now();
+        try {
+          await this.client.extend(chunk.map((h) => h.item), options);
+          this.#extended(chunk, sent);
+        } catch (error) {
+          if (!isLeaseLost(error)) {
+            this.#error(error);
+            for (const h of chunk) h.extendAt = sent + Math.min(1000, h.lengthMs / 10); // again soon, while it lasts
+            continue;
+          }
+          for (const h of chunk) {
+            try {
+              await this.client.extend(h.item, options);
+              this.#extended([h], performance.now());
+            } catch (one) {
+              if (isLeaseLost(one)) {
+                if (this.#keep(h)) this.#lost(h, one);
+              } else {
+                this.#error(one);
+                h.extendAt = performance.now() + Math.min(1000, h.lengthMs / 10);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+
+  #extended(chunk: Held[], sent: number): void {
+    for (const h of chunk) {
+      h.lengthMs = this.#extensionMs ?? this.#leaseTimeoutMs;
+      h.extendAt = sent + h.lengthMs / 2;
+    }
+    this.stats.extended += chunk.length;
+    this.#hook("onExtend", chunk.map((h) => h.item));
+  }
+
+  // -- shutdown ---------------------------------------------------------------------------
+
+  /** Give items back at once (Retry now) so others can take them. */
+  async #release(items: LeasedItem[]): Promise<void> {
+    if (!items.length) return;
+    try {
+      await this.client.retry(items);
+      this.stats.released += items.length;
+    } catch {
+      for (const item of items) {
+        try {
+          await this.client.retry(item);
+          this.stats.released++;
+        } catch (error) {
+          if (!isLeaseLost(error)) this.#error(error);
+        }
+      }
+    }
+    this.#hook("onRelease", items);
+  }
+
+  async #shutdown(): Promise<void> {
+    this.#stopping = true;
+    // Leased but not started: give them back now.
+    const waiting = this.#waiting.splice(0);
+    for (const h of waiting) this.#held.delete(h.item.id);
+    await this.#release(waiting.map((h) => h.item));
+    if (this.#running.size) {
+      let timer: NodeJS.Timeout | undefined;
+      const late = await Promise.race([
+        Promise.all(this.#running).then(() => false),
+        new Promise<boolean>((resolve) => (timer = setTimeout(() => resolve(true), this.#o.shutdownTimeoutMs))),
+      ]);
+      clearTimeout(timer);
+      if (late) {
+        this.#handlerAbort.abort();
+        const stuck = [...this.#held.values()].filter((h) => h.started && !h.settling && !h.item.settled);
+        for (const h of stuck) this.#held.delete(h.item.id);
+        await this.#release(stuck.map((h) => h.item));
+      }
+    }
+    await this.#settling;
+  }
+}
