@@ -1,11 +1,11 @@
 import { type MessageInitShape } from "@bufbuild/protobuf";
 import { FieldMaskSchema } from "@bufbuild/protobuf/wkt";
 import { create } from "@bufbuild/protobuf";
-import { type Client as ConnectClient, type Interceptor, type Transport, createClient } from "@connectrpc/connect";
+import { Code, type Client as ConnectClient, type Interceptor, type Transport, createClient } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 
 import { fromDuration, fromMicros, fromTimestamp, payloadBytes, toDuration, toTimestamp } from "./convert.js";
-import { type CallKind, QueratorError, Unavailable, fromConnectError } from "./errors.js";
+import { Cancelled, type CallKind, QueratorError, Unavailable, fromConnectError } from "./errors.js";
 import { LeasedItem, type LeaseState } from "./items.js";
 import type {
   ApiKey,
@@ -187,7 +187,11 @@ export class Client {
       try {
         return await invoke({ signal, timeoutMs: deadline });
       } catch (error) {
-        const mapped = fromConnectError(error, kind);
+        let mapped = fromConnectError(error, kind);
+        if (mapped instanceof Cancelled && !signal.aborted) {
+          // Cancelled without being asked to: the connection or the stream was cut.
+          mapped = new Unavailable(mapped.rawMessage, Code.Unavailable, { cause: error });
+        }
         if (!(retry && mapped instanceof Unavailable && attempt <= this.#settings.retries && !signal.aborted)) throw mapped;
       }
       await sleep(backoffMs(attempt), signal);

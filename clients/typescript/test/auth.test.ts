@@ -1,0 +1,79 @@
+/** A server with API keys and TLS: refused without a key, roles enforced, TLS with a CA. */
+import assert from "node:assert/strict";
+import { mkdtempSync, readFileSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { after, before, test } from "node:test";
+
+import { Client, PermissionDenied, Unauthenticated, Unavailable } from "../src/index.js";
+import { ServerProcess, python, queueName } from "./server.js";
+
+const ADMIN = "admin-token-for-tests";
+let certs: string;
+let server: ServerProcess;
+let ca: string;
+
+before(async () => {
+  certs = mkdtempSync(join(tmpdir(), "querator-ts-certs-"));
+  await python("import sys, querator.testing as t; t.make_certificates(sys.argv[1])", [certs]);
+  ca = readFileSync(join(certs, "ca.pem"), "utf8");
+  server = await ServerProcess.start({
+    args: ["--auth", "--tls-cert", join(certs, "server.pem"), "--tls-key", join(certs, "server.key")],
+    env: { QUERATOR_ADMIN_TOKEN: ADMIN },
+    probe: { tls: { ca } },
+  });
+});
+
+after(async () => {
+  await server?.stop();
+  if (certs) rmSync(certs, { recursive: true, force: true });
+});
+
+test("a call without a key, or with an unknown one, is refused", async () => {
+  const anonymous = new Client({ address: server.address, tls: { ca } });
+  const wrong = new Client({ address: server.address, tls: { ca }, bearerToken: "not-a-key" });
+  try {
+    await assert.rejects(anonymous.createQueue(queueName()), (e: unknown) => e instanceof Unauthenticated && e.status === "UNAUTHENTICATED");
+    await assert.rejects(anonymous.listQueues().toArray(), Unauthenticated);
+    await assert.rejects(wrong.produce("anything", "x"), Unauthenticated);
+  } finally {
+    anonymous.close();
+    wrong.close();
+  }
+});
+
+test("keys: the admin token creates a producer key, which may produce but not lease; a revoked key is refused", async () => {
+  const admin = new Client({ address: server.address, tls: { ca }, bearerToken: ADMIN });
+  const q = queueName("orders");
+  await admin.createQueue(q);
+  const created = await admin.createKey("producer", [`${q}*`], { description: "ts test" });
+  assert.equal(created.key.role, "producer");
+  assert.deepEqual(created.key.queues, [`${q}*`]);
+  assert.ok(created.token.length > 10);
+  assert.ok((await admin.listKeys()).some((k) => k.keyId === created.key.keyId));
+
+  const producer = new Client({ address: server.address, tls: { ca }, bearerToken: created.token });
+  try {
+    const result = await producer.produce(q, ["allowed"]);
+    assert.equal(result.ids.length, 1);
+    await assert.rejects(producer.lease(q, { waitMs: 0 }), PermissionDenied);
+    await admin.revokeKey(created.key.keyId);
+    await assert.rejects(producer.produce(q, "after revoke"), Unauthenticated);
+    assert.equal((await admin.queueStats(q)).total, 1);
+  } finally {
+    producer.close();
+    admin.close();
+  }
+});
+
+test("TLS: a client that does not trust the server's CA cannot connect", async () => {
+  const untrusting = new Client({ address: server.address, tls: true, bearerToken: ADMIN, retries: 0 });
+  const plaintext = new Client({ address: server.address, bearerToken: ADMIN, retries: 0, timeoutMs: 3000 });
+  try {
+    await assert.rejects(untrusting.getQueue("x"), Unavailable);
+    await assert.rejects(plaintext.getQueue("x"), Unavailable);
+  } finally {
+    untrusting.close();
+    plaintext.close();
+  }
+});
