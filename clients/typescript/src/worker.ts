@@ -141,6 +141,7 @@ export class Worker {
   readonly #stop = new AbortController();
   readonly #handlerAbort = new AbortController();
   #wake: (() => void) | undefined;
+  #newLeases: (() => void) | undefined;
   #leaseTimeoutMs = 60_000;
   #maxAttempts = 0;
 
@@ -230,15 +231,15 @@ export class Worker {
         continue;
       }
       const sent = performance.now();
-      const call = this.client.lease(this.queueName, {
-        batchSize: Math.min(room, this.#batchSize),
-        waitMs: this.#o.leaseWaitMs,
-        clientId: this.#clientId,
-        signal: this.#leaseSignal(),
-      });
+      const [signal, done] = this.#leaseSignal();
       let items: LeasedItem[];
       try {
-        items = await call;
+        items = await this.client.lease(this.queueName, {
+          batchSize: Math.min(room, this.#batchSize),
+          waitMs: this.#o.leaseWaitMs,
+          clientId: this.#clientId,
+          signal,
+        });
         failures = 0;
       } catch (error) {
         if (error instanceof Cancelled && this.#stopping) return;
@@ -247,6 +248,8 @@ export class Worker {
         const delay = error instanceof Unavailable ? Math.min(100 * 2 ** failures, 2000) : Math.min(5000, 200 * 2 ** failures);
         await this.#sleep(delay);
         continue;
+      } finally {
+        done();
       }
       if (items.length) {
         this.stats.leased += items.length;
@@ -255,25 +258,42 @@ export class Worker {
           const held: Held = { item, extendAt: sent + this.#leaseTimeoutMs / 2, lengthMs: this.#leaseTimeoutMs, started: false, settling: false, lost: false };
           this.#held.set(item.id, held);
         }
+        this.#newLeases?.();
         yield items;
       }
     }
   }
 
-  /** The signal of a Lease call: at stop, it gets leaseGraceMs to answer (its items are
-   * then released) rather than being cut off while it may commit. */
-  #leaseSignal(): AbortSignal {
+  /** The signal of a Lease call, and the function to call once it answered: at stop,
+   * the call gets leaseGraceMs to answer (its items are then released) rather than being
+   * cut off while it may commit. */
+  #leaseSignal(): [AbortSignal, () => void] {
     const grace = new AbortController();
-    const onStop = (): void => void setTimeout(() => grace.abort(), this.#o.leaseGraceMs).unref();
+    let timer: NodeJS.Timeout | undefined;
+    const onStop = (): void => {
+      timer = setTimeout(() => grace.abort(), this.#o.leaseGraceMs);
+    };
     if (this.#stop.signal.aborted) onStop();
     else this.#stop.signal.addEventListener("abort", onStop, { once: true });
-    return grace.signal;
+    return [
+      grace.signal,
+      () => {
+        clearTimeout(timer);
+        this.#stop.signal.removeEventListener("abort", onStop);
+      },
+    ];
   }
 
+  /** Sleep, but wake up at once when stopping. */
   #sleep(ms: number): Promise<void> {
     return new Promise((resolve) => {
-      const timer = setTimeout(resolve, ms);
-      this.#stop.signal.addEventListener("abort", () => (clearTimeout(timer), resolve()), { once: true });
+      const wake = (): void => {
+        clearTimeout(timer);
+        this.#stop.signal.removeEventListener("abort", wake);
+        resolve();
+      };
+      const timer = setTimeout(wake, ms);
+      this.#stop.signal.addEventListener("abort", wake, { once: true });
     });
   }
 
@@ -352,8 +372,20 @@ export class Worker {
     return new Promise((resolve) => {
       this.#results.set(s, resolve);
       this.#settlements.push(s);
-      this.#settling ??= new Promise<void>((r) => setImmediate(r)).then(() => this.#drain()).finally(() => (this.#settling = undefined));
+      this.#kick();
     });
+  }
+
+  /** Start draining the settlements unless a drain runs; one that ends with more queued
+   * (they came in after its last look) starts the next. */
+  #kick(): void {
+    if (this.#settling) return;
+    this.#settling = new Promise<void>((r) => setImmediate(r))
+      .then(() => this.#drain())
+      .finally(() => {
+        this.#settling = undefined;
+        if (this.#settlements.length) this.#kick();
+      });
   }
 
   async #drain(): Promise<void> {
@@ -417,7 +449,9 @@ export class Worker {
       if (due.length) await this.#extend(due);
       const upcoming = [...this.#held.values()].filter((h) => this.#keep(h)).map((h) => h.extendAt);
       const delay = Math.min(Math.max(Math.min(...upcoming, performance.now() + 1000) - performance.now(), 20), 1000);
-      await this.#sleep(delay);
+      // New leases wake it early: their first extension may be due sooner than the delay.
+      await Promise.race([this.#sleep(delay), new Promise<void>((resolve) => (this.#newLeases = resolve))]);
+      this.#newLeases = undefined;
     }
   }
 
@@ -510,6 +544,6 @@ export class Worker {
         await this.#release(stuck.map((h) => h.item));
       }
     }
-    await this.#settling;
+    while (this.#settling) await this.#settling;
   }
 }
