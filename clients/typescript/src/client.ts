@@ -5,7 +5,8 @@ import { Code, type Client as ConnectClient, type Interceptor, type Transport, c
 import { createGrpcTransport } from "@connectrpc/connect-node";
 
 import { fromDuration, fromMicros, fromTimestamp, payloadBytes, toDuration, toTimestamp } from "./convert.js";
-import { Cancelled, type CallKind, QueratorError, Unavailable, fromConnectError } from "./errors.js";
+import { Cancelled, type CallKind, QueratorError, Unauthenticated, Unavailable, fromConnectError, fromStatus } from "./errors.js";
+import { RequestStream } from "./streams.js";
 import { LeasedItem, type LeaseState } from "./items.js";
 import type {
   ApiKey,
@@ -25,7 +26,13 @@ import type {
 } from "./models.js";
 import { Pager } from "./paging.js";
 import { type ApiKey as ApiKeyMessage, KeysService, Role as RoleEnum } from "./gen/querator/v1/keys_pb.js";
-import { type LeaseResponse, type ProduceItem, QueueService } from "./gen/querator/v1/queue_pb.js";
+import {
+  type LeaseResponse,
+  type ProduceItem,
+  type ProduceResponse,
+  type ProduceStreamResponse,
+  QueueService,
+} from "./gen/querator/v1/queue_pb.js";
 import { type QueueInfo as QueueInfoMessage, QueuesService } from "./gen/querator/v1/queues_pb.js";
 import { type StorageItem, StorageItemSchema, StorageService } from "./gen/querator/v1/storage_pb.js";
 
@@ -70,6 +77,9 @@ export interface ClientOptions {
   retries?: number;
   /** Produce requests one produce() keeps in flight. Default 4. */
   maxInFlight?: number;
+  /** Send Produce requests over one ProduceStream per queue (default true), as the
+   * Python SDK does; unary calls with servers that lack it. */
+  streams?: boolean;
   /** Full control: a Connect transport built by the caller (address and tls then unused). */
   transport?: Transport;
 }
@@ -120,6 +130,8 @@ export class Client {
   readonly #storage: ConnectClient<typeof StorageService>;
   readonly #keys: ConnectClient<typeof KeysService>;
   readonly #closing = new AbortController();
+  readonly #produceStreams = new Map<string, RequestStream<ProduceStreamRequestInit, ProduceStreamResponse>>();
+  #streams: boolean;
 
   constructor(options: ClientOptions = {}) {
     this.address = options.address || process.env["QUERATOR_ADDRESS"] || DEFAULT_ADDRESS;
@@ -129,6 +141,7 @@ export class Client {
       retries: options.retries ?? 3,
       maxInFlight: options.maxInFlight ?? 4,
     };
+    this.#streams = options.streams ?? true;
     if (this.#settings.retries < 0) throw new RangeError("retries must not be negative");
     if (this.#settings.maxInFlight < 1) throw new RangeError("maxInFlight must be at least 1");
     const headers: [string, string][] = Object.entries(options.metadata ?? {});
@@ -168,6 +181,8 @@ export class Client {
    * once idle. */
   close(): void {
     this.#closing.abort();
+    for (const stream of this.#produceStreams.values()) stream.close();
+    this.#produceStreams.clear();
   }
 
   // -- calling ----------------------------------------------------------------------------
@@ -233,13 +248,13 @@ export class Client {
 
     const send = (index: number, batch: (Uint8Array | ProduceItemInit)[]): Promise<void> => {
       const compact = batch.every((e) => e instanceof Uint8Array);
-      const request: MessageInitShape<typeof QueueService.method.produce.input> = compact
+      const request: ProduceRequestInit = compact
         ? { queueName, payloads: batch as Uint8Array[] }
         : { queueName, items: batch.map((e) => (e instanceof Uint8Array ? { payload: e } : e)) };
       const keyed = !compact && batch.every((e) => !(e instanceof Uint8Array) && Boolean(e.idempotencyKey));
       ids[index] = batch.map(() => "");
       partitions[index] = batch.map(() => -1);
-      return this.#call((o) => this.#queue.produce(request, o), options, keyed).then(
+      return this.#produceCall(queueName, request, options, keyed).then(
         (response) => {
           ids[index] = response.ids;
           partitions[index] = batch.map(() => response.partition);
@@ -287,6 +302,42 @@ export class Client {
       throw failure;
     }
     return result;
+  }
+
+  /** One Produce: over the queue's ProduceStream, else (streams off, or a server
+   * without it) a unary call. */
+  async #produceCall(queueName: string, request: ProduceRequestInit, options: CallOptions, retry: boolean): Promise<ProduceResponse> {
+    if (!this.#streams) return this.#call((o) => this.#queue.produce(request, o), options, retry);
+    const timeoutMs = options.timeoutMs ?? this.#settings.timeoutMs;
+    for (let attempt = 1; ; attempt++) {
+      if (this.#closing.signal.aborted) throw new QueratorError("the client is closed");
+      let stream = this.#produceStreams.get(queueName);
+      if (!stream || stream.broken) {
+        const opened: RequestStream<ProduceStreamRequestInit, ProduceStreamResponse> = new RequestStream(
+          (requests, signal) => this.#queue.produceStream(requests, { signal: AbortSignal.any([signal, this.#closing.signal]) }),
+          () => {
+            if (this.#produceStreams.get(queueName) === opened) this.#produceStreams.delete(queueName);
+          },
+        );
+        this.#produceStreams.set(queueName, (stream = opened));
+      }
+      let error: QueratorError;
+      try {
+        const answer = await stream.ask({ request: { ...request, requestTimeout: toDuration(timeoutMs) } }, timeoutMs, options.signal);
+        if (answer.result.case === "response") return answer.result.value;
+        const e = answer.result.value ?? { code: Code.Unknown, message: "an empty answer", fields: [] };
+        error = fromStatus(e.code as Code, e.message, e.fields.map((field) => ({ field, description: "" })));
+        if (error instanceof Unauthenticated) stream.close(); // reopened with fresh credentials
+      } catch (e) {
+        error = e instanceof QueratorError ? e : fromConnectError(e);
+        if (error.code === Code.Unimplemented) {
+          this.#streams = false; // a server from before the streams
+          return this.#call((o) => this.#queue.produce(request, o), options, retry);
+        }
+      }
+      if (!(retry && error instanceof Unavailable && attempt <= this.#settings.retries && !options.signal?.aborted)) throw error;
+      await sleep(backoffMs(attempt), options.signal);
+    }
   }
 
   /**
@@ -623,6 +674,9 @@ export class Client {
 }
 
 // -- conversions ---------------------------------------------------------------------------
+
+type ProduceRequestInit = MessageInitShape<typeof QueueService.method.produce.input>;
+type ProduceStreamRequestInit = MessageInitShape<typeof QueueService.method.produceStream.input>;
 
 type ProduceItemInit = MessageInitShape<typeof QueueService.method.produce.input> extends { items?: (infer I)[] } ? I & Partial<ProduceItem> : never;
 

@@ -87,6 +87,26 @@ describe("produce, lease, complete", () => {
     assert.deepEqual(seen, produced.ids);
   });
 
+  test("a failed produce on the queue's stream fails alone, with the unary call's error", async () => {
+    const q = queueName();
+    await client.createQueue(q);
+    const unary = new Client({ address: server.address, streams: false });
+    try {
+      for (const c of [client, unary]) {
+        await assert.rejects(c.produce(q, [{ payload: "x", idempotencyKey: "k".repeat(600) }]), (e: unknown) => {
+          assert.ok(e instanceof InvalidRequest, String(e));
+          assert.ok(e.fieldViolations.some((v) => v.field.includes("idempotency_key")), JSON.stringify(e.fieldViolations));
+          return true;
+        });
+        // The stream goes on: the next produce on it is stored.
+        assert.equal((await c.produce(q, ["after"])).ids.length, 1);
+      }
+    } finally {
+      unary.close();
+    }
+    assert.equal((await client.queueStats(q)).total, 2);
+  });
+
   test("a lease completes the previous batch in the same call", async () => {
     const q = queueName();
     await client.createQueue(q);

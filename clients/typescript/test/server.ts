@@ -28,6 +28,9 @@ async function freePort(): Promise<number> {
 }
 
 export interface ServerOptions {
+  /** Reuse an address and data directory (a restart); default: a free port, a new dir. */
+  address?: string;
+  dataDir?: string;
   args?: string[];
   env?: Record<string, string>;
   /** Client options for the readiness probe (e.g. tls, bearerToken). */
@@ -55,8 +58,8 @@ export class ServerProcess {
   /** Start a server and wait until it answers (a fresh port is tried if one was taken). */
   static async start(options: ServerOptions = {}): Promise<ServerProcess> {
     for (let attempt = 1; ; attempt++) {
-      const address = `127.0.0.1:${await freePort()}`;
-      const dataDir = mkdtempSync(join(tmpdir(), "querator-ts-"));
+      const address = options.address ?? `127.0.0.1:${await freePort()}`;
+      const dataDir = options.dataDir ?? mkdtempSync(join(tmpdir(), "querator-ts-"));
       const proc = spawn(join(VENV, "bin", "querator"), ["serve", "--address", address, "--data-dir", dataDir, "--log-level", "warning", ...(options.args ?? [])], {
         env: { ...process.env, ...options.env },
         stdio: ["ignore", "pipe", "pipe"],
@@ -64,7 +67,7 @@ export class ServerProcess {
       const server = new ServerProcess(address, dataDir, proc);
       if (await server.#ready(options.probe ?? {})) return server;
       await server.stop();
-      if (attempt >= 3) throw new Error(`querator serve did not start on ${address}:\n${server.log}`);
+      if (attempt >= 3 || options.address) throw new Error(`querator serve did not start on ${address}:\n${server.log}`);
     }
   }
 
@@ -85,6 +88,16 @@ export class ServerProcess {
       return false;
     } finally {
       client.close();
+    }
+  }
+
+  /** kill -9 the server, keeping its data directory. */
+  async kill(): Promise<void> {
+    const proc = this.#proc;
+    if (proc.exitCode === null && proc.signalCode === null) {
+      const exited = new Promise<void>((r) => proc.once("exit", () => r()));
+      proc.kill("SIGKILL");
+      await exited;
     }
   }
 

@@ -1,0 +1,130 @@
+/**
+ * Produce over ProduceStream: one long-lived call per queue carrying many Produce
+ * requests, as the Python SDK's AsyncClient does. Per request, a stream costs the
+ * server about half the CPU of a unary call, and this client much less: a unary call
+ * through Connect sets up an HTTP/2 stream, headers and an async-iterator pipeline of
+ * its own (measured with bench/sdk_clients.py: 18 µs of client CPU per produced item
+ * in unary calls of 100 items, against ... on a stream).
+ *
+ * The server answers each request once, in the order sent; a request that fails is
+ * answered with its error and the stream goes on. A stream opens on first use and again
+ * after it breaks; the requests in flight when it breaks fail with its error
+ * (UNAVAILABLE when the server went away). A caller that stops waiting (deadline or
+ * signal) cannot take its request back: it is left to run, as a unary Produce past its
+ * deadline may still be stored, and its answer is dropped when it comes.
+ */
+import { Code } from "@connectrpc/connect";
+
+import { Cancelled, DeadlineExceeded, type QueratorError, Unavailable, fromConnectError } from "./errors.js";
+
+/** An async iterable fed by push(): the request side of a stream. */
+class Outbox<T> implements AsyncIterable<T> {
+  #items: T[] = [];
+  #wake: (() => void) | undefined;
+  #ended = false;
+
+  push(item: T): void {
+    this.#items.push(item);
+    this.#wake?.();
+  }
+
+  end(): void {
+    this.#ended = true;
+    this.#wake?.();
+  }
+
+  async *[Symbol.asyncIterator](): AsyncGenerator<T, void, undefined> {
+    for (;;) {
+      if (this.#items.length) {
+        const items = this.#items;
+        this.#items = [];
+        yield* items;
+        continue;
+      }
+      if (this.#ended) return;
+      await new Promise<void>((resolve) => (this.#wake = resolve));
+      this.#wake = undefined;
+    }
+  }
+}
+
+interface Waiter<Res> {
+  resolve(answer: Res): void;
+  reject(error: QueratorError): void;
+  /** The caller stopped waiting: the answer is dropped. */
+  gone: boolean;
+}
+
+/** One open stream: requests written in order, answers handed out in order. */
+export class RequestStream<Req, Res> {
+  readonly #outbox = new Outbox<Req>();
+  readonly #waiting: Waiter<Res>[] = [];
+  readonly #abort = new AbortController();
+  #broken: QueratorError | undefined;
+  readonly #onBroken: () => void;
+
+  constructor(open: (requests: AsyncIterable<Req>, signal: AbortSignal) => AsyncIterable<Res>, onBroken: () => void) {
+    this.#onBroken = onBroken;
+    void this.#read(open(this.#outbox, this.#abort.signal));
+  }
+
+  get broken(): boolean {
+    return this.#broken !== undefined;
+  }
+
+  /** Send `request`; its answer, or the stream's error. */
+  ask(request: Req, timeoutMs: number, signal?: AbortSignal): Promise<Res> {
+    if (this.#broken) return Promise.reject(this.#broken);
+    return new Promise<Res>((resolve, reject) => {
+      let timer: NodeJS.Timeout | undefined;
+      const stop = (error: QueratorError): void => {
+        if (waiter.gone) return;
+        waiter.gone = true;
+        clearTimeout(timer);
+        signal?.removeEventListener("abort", onAbort);
+        reject(error);
+      };
+      const onAbort = (): void => stop(new Cancelled("the call was cancelled", Code.Canceled));
+      const waiter: Waiter<Res> = {
+        gone: false,
+        resolve: (answer) => {
+          if (waiter.gone) return;
+          waiter.gone = true;
+          clearTimeout(timer);
+          signal?.removeEventListener("abort", onAbort);
+          resolve(answer);
+        },
+        reject: stop,
+      };
+      if (signal?.aborted) return onAbort();
+      signal?.addEventListener("abort", onAbort, { once: true });
+      timer = setTimeout(() => stop(new DeadlineExceeded(`no answer within ${timeoutMs} ms`, Code.DeadlineExceeded)), timeoutMs);
+      this.#waiting.push(waiter);
+      this.#outbox.push(request);
+    });
+  }
+
+  close(): void {
+    this.#outbox.end();
+    this.#abort.abort();
+  }
+
+  async #read(answers: AsyncIterable<Res>): Promise<void> {
+    let error: QueratorError;
+    try {
+      for await (const answer of answers) {
+        const waiter = this.#waiting.shift();
+        if (waiter === undefined) throw new Error("an answer nobody asked for");
+        waiter.resolve(answer);
+      }
+      error = new Unavailable("the stream ended", Code.Unavailable);
+    } catch (e) {
+      error = fromConnectError(e);
+      if (error instanceof Cancelled && !this.#abort.signal.aborted) error = new Unavailable(error.rawMessage, Code.Unavailable, { cause: e });
+    }
+    this.#broken = error;
+    this.#outbox.end();
+    for (const waiter of this.#waiting.splice(0)) waiter.reject(error);
+    this.#onBroken();
+  }
+}
