@@ -4,7 +4,7 @@
  * server about half the CPU of a unary call, and this client much less: a unary call
  * through Connect sets up an HTTP/2 stream, headers and an async-iterator pipeline of
  * its own (measured with bench/sdk_clients.py: 18 µs of client CPU per produced item
- * in unary calls of 100 items, against ... on a stream).
+ * in unary calls of 100 items, 7 µs on a stream).
  *
  * The server answers each request once, in the order sent; a request that fails is
  * answered with its error and the stream goes on. A stream opens on first use and again
