@@ -1,5 +1,6 @@
 /** A server with API keys and TLS: refused without a key, roles enforced, TLS with a CA. */
 import assert from "node:assert/strict";
+import { randomBytes } from "node:crypto";
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -8,7 +9,8 @@ import { after, before, test } from "node:test";
 import { Client, PermissionDenied, Unauthenticated, Unavailable } from "../src/index.js";
 import { ServerProcess, python, queueName } from "./server.js";
 
-const ADMIN = "admin-token-for-tests";
+// The server asks for a bootstrap token as strong as a key: 32 random bytes.
+const ADMIN = randomBytes(32).toString("base64url");
 let certs: string;
 let server: ServerProcess;
 let ca: string;
