@@ -245,7 +245,8 @@ export const RoleSchema: GenEnum<Role> = /*@__PURE__*/
 /**
  * KeysService manages API keys when the server runs with authentication on.
  * Every call needs an admin key whose queue patterns include "*" (or the
- * bootstrap admin token the server was started with).
+ * bootstrap admin token the server was started with, which a server started
+ * with QUERATOR_ADMIN_TOKEN_UNTIL_KEY refuses once such a key exists).
  *
  * Callers send a key as gRPC metadata: `authorization: Bearer <token>`.
  *

@@ -962,6 +962,12 @@ export const QueueService: GenService<{
    * its error and the stream goes on. A stream costs the server about half
    * the CPU per request of a unary call.
    *
+   * With API keys, both streams are authenticated when they open: without a
+   * valid key the call ends UNAUTHENTICATED at once. Each request is then
+   * checked for its queue (PERMISSION_DENIED answers that request alone); a
+   * key revoked while the stream is open answers the next request
+   * UNAUTHENTICATED and ends the stream so, after the requests before it.
+   *
    * @generated from rpc querator.v1.QueueService.ProduceStream
    */
   produceStream: {

@@ -31,7 +31,10 @@ export type QueueInfo = Message<"querator.v1.QueueInfo"> & {
    * The name of the dead-letter queue that receives items which ran out of
    * attempts or lifetime. Empty: such items are deleted (and logged). The
    * dead-letter queue must exist, may not be this queue and may not have a
-   * dead-letter queue of its own.
+   * dead-letter queue of its own. With API keys, answers show it only to a
+   * key whose patterns match it: for other keys it reads empty (setting it
+   * needs a key that matches it too), and no error text names a queue the
+   * key may not see.
    *
    * @generated from field: string dead_queue = 2;
    */
