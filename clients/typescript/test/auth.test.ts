@@ -79,3 +79,25 @@ test("TLS: a client that does not trust the server's CA cannot connect", async (
     plaintext.close();
   }
 });
+
+test("mutual TLS: a client certificate signed by the server's client CA is let in, none is refused", async () => {
+  const mtls = await ServerProcess.start({
+    args: ["--tls-cert", join(certs, "server.pem"), "--tls-key", join(certs, "server.key"), "--tls-client-ca", join(certs, "ca.pem")],
+    probe: { tls: { ca, cert: readFileSync(join(certs, "client.pem")), key: readFileSync(join(certs, "client.key")) } },
+  });
+  const withCert = new Client({
+    address: mtls.address,
+    tls: { ca, cert: readFileSync(join(certs, "client.pem")), key: readFileSync(join(certs, "client.key")) },
+  });
+  const withoutCert = new Client({ address: mtls.address, tls: { ca }, retries: 0, timeoutMs: 5000 });
+  try {
+    const q = queueName("mtls");
+    await withCert.createQueue(q);
+    assert.equal((await withCert.produce(q, "over mutual TLS")).ids.length, 1);
+    await assert.rejects(withoutCert.getQueue(q), Unavailable);
+  } finally {
+    withCert.close();
+    withoutCert.close();
+    await mtls.stop();
+  }
+});
