@@ -298,7 +298,7 @@ export class Client {
     await Promise.all(pending);
     const result: ProduceResult = { ids: ids.flat(), partitions: partitions.flat(), duplicates };
     if (failure) {
-      (failure as QueratorError & { produced?: ProduceResult }).produced = result.ids.some(Boolean) ? result : undefined;
+      failure.produced = result.ids.some(Boolean) ? result : undefined;
       throw failure;
     }
     return result;

@@ -29,6 +29,8 @@
 import { BinaryReader } from "@bufbuild/protobuf/wire";
 import { Code, ConnectError } from "@connectrpc/connect";
 
+import type { ProduceResult } from "./models.js";
+
 /** One bad field of a request, as the server's google.rpc.BadRequest names it. */
 export interface FieldViolation {
   readonly field: string;
@@ -69,6 +71,10 @@ export class QueratorError extends Error {
 
   /** The server's message without the status prefix. */
   readonly rawMessage: string;
+
+  /** For a produce() that stored some batches before failing: what was stored (ids ""
+   * for the items that were not). */
+  produced: ProduceResult | undefined;
 
   /** The status code's gRPC name, e.g. "NOT_FOUND" ("UNKNOWN" when there is none). */
   get status(): string {

@@ -107,6 +107,21 @@ describe("produce, lease, complete", () => {
     assert.equal((await client.queueStats(q)).total, 2);
   });
 
+  test("a produce that fails part way says what it stored", async () => {
+    const q = queueName();
+    await client.createQueue(q);
+    const items = Array.from({ length: 2500 }, (_, i) => ({ payload: `item ${i}`, ...(i === 2100 ? { idempotencyKey: "k".repeat(600) } : {}) }));
+    await assert.rejects(client.produce(q, items, { batchSize: 1000 }), (e: unknown) => {
+      assert.ok(e instanceof InvalidRequest);
+      assert.ok(e.produced);
+      assert.equal(e.produced.ids.length, 2500);
+      assert.ok(e.produced.ids.slice(0, 2000).every(Boolean));
+      assert.ok(e.produced.ids.slice(2000).every((id) => id === ""));
+      return true;
+    });
+    assert.equal((await client.queueStats(q)).total, 2000);
+  });
+
   test("a lease completes the previous batch in the same call", async () => {
     const q = queueName();
     await client.createQueue(q);
