@@ -57,7 +57,7 @@ test("the worker completes on success, retries with backoff on a throw, dead-let
 
 test("keep-alive: a handler that outlives its lease keeps it through Extend", async () => {
   const q = queueName();
-  await client.createQueue(q, { leaseTimeoutMs: 800 });
+  await client.createQueue(q, { leaseTimeoutMs: 2500 });
   await client.produce(q, "slow");
   const other = new Client({ address: server.address });
   let stolen: LeasedItem[] = [];
@@ -67,9 +67,9 @@ test("keep-alive: a handler that outlives its lease keeps it through Extend", as
     q,
     async (item: LeasedItem) => {
       seenAttempts = item.attempts;
-      // Four lease lengths: without Extend the item would go back and another consumer
-      // would get it.
-      const until = Date.now() + 3200;
+      // Two and a half lease lengths: without Extend the item would go back and another
+      // consumer would get it. (Extends are due every 1.25 s: room for a loaded machine.)
+      const until = Date.now() + 6250;
       while (Date.now() < until) {
         stolen = stolen.concat(await other.lease(q, { batchSize: 1, waitMs: 0 }));
         await new Promise((r) => setTimeout(r, 200));
@@ -84,7 +84,7 @@ test("keep-alive: a handler that outlives its lease keeps it through Extend", as
   other.close();
   assert.deepEqual(stolen.map((i) => i.text), []);
   assert.equal(seenAttempts, 1);
-  assert.ok(worker.stats.extended >= 3, `extended ${worker.stats.extended} times`);
+  assert.ok(worker.stats.extended >= 2, `extended ${worker.stats.extended} times`);
   assert.equal(worker.stats.lost, 0);
   assert.equal((await client.queueStats(q)).total, 0);
 });
