@@ -28,7 +28,9 @@ import { Pager } from "./paging.js";
 import { type ApiKey as ApiKeyMessage, KeysService, Role as RoleEnum } from "./gen/querator/v1/keys_pb.js";
 import {
   type LeaseResponse,
+  type LeaseStreamResponse,
   type ProduceItem,
+  type StreamError,
   type ProduceResponse,
   type ProduceStreamResponse,
   QueueService,
@@ -77,8 +79,8 @@ export interface ClientOptions {
   retries?: number;
   /** Produce requests one produce() keeps in flight. Default 4. */
   maxInFlight?: number;
-  /** Send Produce requests over one ProduceStream per queue (default true), as the
-   * Python SDK does; unary calls with servers that lack it. */
+  /** Send Produce and Lease requests over a ProduceStream / LeaseStream per queue
+   * (default true), as the Python SDK does; unary calls with servers that lack them. */
   streams?: boolean;
   /** Full control: a Connect transport built by the caller (address and tls then unused). */
   transport?: Transport;
@@ -130,7 +132,8 @@ export class Client {
   readonly #storage: ConnectClient<typeof StorageService>;
   readonly #keys: ConnectClient<typeof KeysService>;
   readonly #closing = new AbortController();
-  readonly #produceStreams = new Map<string, RequestStream<ProduceStreamRequestInit, ProduceStreamResponse>>();
+  /** The open ProduceStream and LeaseStream of each queue (key: kind and queue). */
+  readonly #openStreams = new Map<string, RequestStream<unknown, unknown>>();
   #streams: boolean;
 
   constructor(options: ClientOptions = {}) {
@@ -181,8 +184,8 @@ export class Client {
    * once idle. */
   close(): void {
     this.#closing.abort();
-    for (const stream of this.#produceStreams.values()) stream.close();
-    this.#produceStreams.clear();
+    for (const stream of this.#openStreams.values()) stream.close(new Cancelled("the client was closed", Code.Canceled));
+    this.#openStreams.clear();
   }
 
   // -- calling ----------------------------------------------------------------------------
@@ -306,33 +309,55 @@ export class Client {
 
   /** One Produce: over the queue's ProduceStream, else (streams off, or a server
    * without it) a unary call. */
-  async #produceCall(queueName: string, request: ProduceRequestInit, options: CallOptions, retry: boolean): Promise<ProduceResponse> {
-    if (!this.#streams) return this.#call((o) => this.#queue.produce(request, o), options, retry);
+  #produceCall(queueName: string, request: ProduceRequestInit, options: CallOptions, retry: boolean): Promise<ProduceResponse> {
+    const unary = (): Promise<ProduceResponse> => this.#call((o) => this.#queue.produce(request, o), options, retry);
     const timeoutMs = options.timeoutMs ?? this.#settings.timeoutMs;
+    const message = { request: { ...request, requestTimeout: toDuration(timeoutMs) } };
+    const open = (requests: AsyncIterable<ProduceStreamRequestInit>, signal: AbortSignal): AsyncIterable<ProduceStreamResponse> =>
+      this.#queue.produceStream(requests, { signal });
+    return this.#streamCall(`produce\0${queueName}`, open, message, timeoutMs, options, retry, {}, false, unary);
+  }
+
+  /** One request on the stream of `key` (opened when missing or broken), with the
+   * unary call's errors and retries; `unary` for a server without the streams. */
+  async #streamCall<Req, V>(
+    key: string,
+    open: (requests: AsyncIterable<Req>, signal: AbortSignal) => AsyncIterable<StreamAnswer<V>>,
+    message: Req,
+    timeoutMs: number,
+    options: CallOptions,
+    retry: boolean,
+    kind: CallKind,
+    cancelAbandoned: boolean,
+    unary: () => Promise<V>,
+  ): Promise<V> {
+    if (!this.#streams) return unary();
     for (let attempt = 1; ; attempt++) {
       if (this.#closing.signal.aborted) throw new QueratorError("the client is closed");
-      let stream = this.#produceStreams.get(queueName);
+      let stream = this.#openStreams.get(key) as RequestStream<Req, StreamAnswer<V>> | undefined;
       if (!stream || stream.broken) {
-        const opened: RequestStream<ProduceStreamRequestInit, ProduceStreamResponse> = new RequestStream(
-          (requests, signal) => this.#queue.produceStream(requests, { signal: AbortSignal.any([signal, this.#closing.signal]) }),
+        const opened: RequestStream<Req, StreamAnswer<V>> = new RequestStream(
+          open,
           () => {
-            if (this.#produceStreams.get(queueName) === opened) this.#produceStreams.delete(queueName);
+            if (this.#openStreams.get(key) === opened) this.#openStreams.delete(key);
           },
+          cancelAbandoned,
         );
-        this.#produceStreams.set(queueName, (stream = opened));
+        this.#openStreams.set(key, opened as RequestStream<unknown, unknown>);
+        stream = opened;
       }
       let error: QueratorError;
       try {
-        const answer = await stream.ask({ request: { ...request, requestTimeout: toDuration(timeoutMs) } }, timeoutMs, options.signal);
+        const answer = await stream.ask(message, timeoutMs, options.signal);
         if (answer.result.case === "response") return answer.result.value;
         const e = answer.result.value ?? { code: Code.Unknown, message: "an empty answer", fields: [] };
-        error = fromStatus(e.code as Code, e.message, e.fields.map((field) => ({ field, description: "" })));
-        if (error instanceof Unauthenticated) stream.close(); // reopened with fresh credentials
+        error = fromStatus(e.code as Code, e.message, e.fields.map((field) => ({ field, description: "" })), kind);
+        if (error instanceof Unauthenticated) stream.close(); // the next one opens with fresh credentials
       } catch (e) {
-        error = e instanceof QueratorError ? e : fromConnectError(e);
+        error = e instanceof QueratorError ? e : fromConnectError(e, kind);
         if (error.code === Code.Unimplemented) {
           this.#streams = false; // a server from before the streams
-          return this.#call((o) => this.#queue.produce(request, o), options, retry);
+          return unary();
         }
       }
       if (!(retry && error instanceof Unavailable && attempt <= this.#settings.retries && !options.signal?.aborted)) throw error;
@@ -355,7 +380,11 @@ export class Client {
       leaseKey?: string;
     } & CallOptions = {},
   ): Promise<LeasedItem[]> {
-    const waitMs = options.waitMs ?? 30_000;
+    const timeoutMs = options.timeoutMs ?? (options.waitMs ?? 30_000) + this.#settings.leaseMarginMs;
+    // A call deadline shorter than the wait bounds it: the answer (OK, maybe no items)
+    // comes a little before the deadline. The server does this itself for a unary call;
+    // a request on a stream has only its request_timeout.
+    const waitMs = Math.min(options.waitMs ?? 30_000, Math.max(0, timeoutMs - Math.min(this.#settings.leaseMarginMs, timeoutMs / 5)));
     const completing = options.complete ?? [];
     if (completing.length > MAX_BATCH) throw new RangeError(`a Lease completes at most ${MAX_BATCH} items`);
     for (const ref of completing) {
@@ -372,13 +401,15 @@ export class Client {
       completePartition: completing[0]?.partition ?? 0,
       columnar: true,
     };
-    const response = await this.#call(
-      (o) => this.#queue.lease(request, o),
-      options,
-      completing.length === 0,
-      { itemCall: completing.length > 0 },
-      options.timeoutMs ?? waitMs + this.#settings.leaseMarginMs,
-    );
+    const retry = completing.length === 0;
+    const kind = { itemCall: completing.length > 0 };
+    const unary = (): Promise<LeaseResponse> => this.#call((o) => this.#queue.lease(request, o), options, retry, kind, timeoutMs);
+    const open = (requests: AsyncIterable<LeaseStreamRequestInit>, signal: AbortSignal): AsyncIterable<LeaseStreamResponse> =>
+      this.#queue.leaseStream(requests, { signal });
+    // A Lease that waits holds back the answers behind it on its stream: one stream per
+    // client_id and queue, so only that consumer's own requests wait behind it.
+    const key = `lease\0${queueName}\0${request.clientId}`;
+    const response = await this.#streamCall(key, open, { request }, timeoutMs, options, retry, kind, true, unary);
     markAll(completing, "completed");
     return this.#leased(response);
   }
@@ -677,6 +708,11 @@ export class Client {
 
 type ProduceRequestInit = MessageInitShape<typeof QueueService.method.produce.input>;
 type ProduceStreamRequestInit = MessageInitShape<typeof QueueService.method.produceStream.input>;
+type LeaseStreamRequestInit = MessageInitShape<typeof QueueService.method.leaseStream.input>;
+/** What ProduceStream and LeaseStream answer: the unary call's response, or its error. */
+type StreamAnswer<V> = {
+  result: { case: "response"; value: V } | { case: "error"; value: StreamError } | { case: undefined; value?: undefined };
+};
 
 type ProduceItemInit = MessageInitShape<typeof QueueService.method.produce.input> extends { items?: (infer I)[] } ? I & Partial<ProduceItem> : never;
 

@@ -1,6 +1,6 @@
 /**
- * Produce over ProduceStream: one long-lived call per queue carrying many Produce
- * requests, as the Python SDK's AsyncClient does. Per request, a stream costs the
+ * Produce and Lease over ProduceStream / LeaseStream: one long-lived call per queue and
+ * kind carrying many requests, as the Python SDK's AsyncClient does. Per request, a stream costs the
  * server about half the CPU of a unary call, and this client much less: a unary call
  * through Connect sets up an HTTP/2 stream, headers and an async-iterator pipeline of
  * its own (measured with bench/sdk_clients.py: 18 µs of client CPU per produced item
@@ -10,8 +10,12 @@
  * answered with its error and the stream goes on. A stream opens on first use and again
  * after it breaks; the requests in flight when it breaks fail with its error
  * (UNAVAILABLE when the server went away). A caller that stops waiting (deadline or
- * signal) cannot take its request back: it is left to run, as a unary Produce past its
- * deadline may still be stored, and its answer is dropped when it comes.
+ * signal) cannot take its request back alone. A Produce is left to run, as a unary
+ * Produce past its deadline may still be stored, and its answer is dropped when it
+ * comes. A Lease would lease items nobody receives until their lease ran out, so its
+ * stream is cancelled (`cancelAbandoned`), which the server treats as a cancelled call
+ * for every request in flight on it; the others fail UNAVAILABLE and are retried on a
+ * new stream as after any UNAVAILABLE.
  */
 import { Code } from "@connectrpc/connect";
 
@@ -62,9 +66,15 @@ export class RequestStream<Req, Res> {
   readonly #abort = new AbortController();
   #broken: QueratorError | undefined;
   readonly #onBroken: () => void;
+  readonly #cancelAbandoned: boolean;
 
-  constructor(open: (requests: AsyncIterable<Req>, signal: AbortSignal) => AsyncIterable<Res>, onBroken: () => void) {
+  constructor(
+    open: (requests: AsyncIterable<Req>, signal: AbortSignal) => AsyncIterable<Res>,
+    onBroken: () => void,
+    cancelAbandoned = false,
+  ) {
     this.#onBroken = onBroken;
+    this.#cancelAbandoned = cancelAbandoned;
     void this.#read(open(this.#outbox, this.#abort.signal));
   }
 
@@ -84,7 +94,12 @@ export class RequestStream<Req, Res> {
         signal?.removeEventListener("abort", onAbort);
         reject(error);
       };
-      const onAbort = (): void => stop(new Cancelled("the call was cancelled", Code.Canceled));
+      const abandon = (error: QueratorError): void => {
+        const sent = !waiter.gone;
+        stop(error);
+        if (sent && this.#cancelAbandoned) this.close(new Unavailable("the stream was cancelled for a request its caller gave up on", Code.Unavailable));
+      };
+      const onAbort = (): void => abandon(new Cancelled("the call was cancelled", Code.Canceled));
       const waiter: Waiter<Res> = {
         gone: false,
         resolve: (answer) => {
@@ -98,15 +113,19 @@ export class RequestStream<Req, Res> {
       };
       if (signal?.aborted) return onAbort();
       signal?.addEventListener("abort", onAbort, { once: true });
-      timer = setTimeout(() => stop(new DeadlineExceeded(`no answer within ${timeoutMs} ms`, Code.DeadlineExceeded)), timeoutMs);
+      timer = setTimeout(() => abandon(new DeadlineExceeded(`no answer within ${timeoutMs} ms`, Code.DeadlineExceeded)), timeoutMs);
       this.#waiting.push(waiter);
       this.#outbox.push(request);
     });
   }
 
-  close(): void {
+  /** Close the stream: the requests in flight on it fail with `error`. */
+  close(error: QueratorError = new Unavailable("the stream was closed", Code.Unavailable)): void {
+    if (this.#broken) return;
+    this.#broken = error;
     this.#outbox.end();
     this.#abort.abort();
+    for (const waiter of this.#waiting.splice(0)) waiter.reject(error);
   }
 
   async #read(answers: AsyncIterable<Res>): Promise<void> {
@@ -122,9 +141,9 @@ export class RequestStream<Req, Res> {
       error = fromConnectError(e);
       if (error instanceof Cancelled && !this.#abort.signal.aborted) error = new Unavailable(error.rawMessage, Code.Unavailable, { cause: e });
     }
-    this.#broken = error;
+    this.#broken ??= error;
     this.#outbox.end();
-    for (const waiter of this.#waiting.splice(0)) waiter.reject(error);
+    for (const waiter of this.#waiting.splice(0)) waiter.reject(this.#broken);
     this.#onBroken();
   }
 }

@@ -256,6 +256,12 @@ describe("queues and errors", () => {
     let started = Date.now();
     await assert.rejects(client.lease(q, { waitMs: 20_000, signal: AbortSignal.timeout(300) }), Cancelled);
     assert.ok(Date.now() - started < 10_000);
+    // The abandoned Lease takes nothing: an item produced now goes to the next one.
+    await client.produce(q, "after the abort");
+    const [item] = await client.lease(q, { waitMs: 5000 });
+    assert.equal(item?.text, "after the abort");
+    assert.equal(item?.attempts, 1);
+    await item!.complete();
     // The server answers a Lease a little before the call's deadline: OK, no items.
     started = Date.now();
     assert.deepEqual(await client.lease(q, { waitMs: 20_000, timeoutMs: 1000 }), []);
