@@ -213,7 +213,8 @@ export type ProduceItem = Message<"querator.v1.ProduceItem"> & {
   enqueueAt?: Timestamp | undefined;
 
   /**
-   * Optional, at most 512 bytes: a second produce of an item with the same
+   * Optional, at most 512 bytes of UTF-8 (longer: INVALID_ARGUMENT naming
+   * items[i].idempotency_key): a second produce of an item with the same
    * key into the same queue within the queue's dedup_window stores nothing
    * and answers the first item's id (counted in ProduceResponse.duplicates).
    *
@@ -386,7 +387,8 @@ export type LeaseRequest = Message<"querator.v1.LeaseRequest"> & {
    * still ready), never new items. A keyed lease does not wait: it answers
    * at once with what was ready (possibly nothing, which is remembered too).
    * Complete and Extend accept the key too. A key is forgotten once all its
-   * items are completed, or after the queue's lease_key_ttl.
+   * items are completed, or after the queue's lease_key_ttl. Longer than 512
+   * bytes of UTF-8: INVALID_ARGUMENT naming lease_key.
    *
    * @generated from field: string lease_key = 7;
    */
@@ -672,7 +674,8 @@ export type CompleteRequest = Message<"querator.v1.CompleteRequest"> & {
   /**
    * Lease keys whose items to complete (every item still leased under each
    * key, in any partition). Idempotent: a key already completed or forgotten
-   * is not an error.
+   * is not an error. At most 1,000 keys of at most 512 bytes each
+   * (INVALID_ARGUMENT naming lease_keys[i]).
    *
    * @generated from field: repeated string lease_keys = 5;
    */
@@ -843,7 +846,8 @@ export type ExtendRequest = Message<"querator.v1.ExtendRequest"> & {
   /**
    * Lease keys whose items to extend: every item still leased under each key
    * with an unexpired lease (others are left alone; an unknown key extends
-   * nothing).
+   * nothing). At most 1,000 keys of at most 512 bytes each (INVALID_ARGUMENT
+   * naming lease_keys[i]).
    *
    * @generated from field: repeated string lease_keys = 6;
    */

@@ -2,8 +2,8 @@
 // @generated from file querator/v1/queues.proto (package querator.v1, syntax proto3)
 /* eslint-disable */
 
-import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
-import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
+import type { GenEnum, GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
+import { enumDesc, fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
 import type { Duration, FieldMask, Timestamp } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_duration, file_google_protobuf_field_mask, file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
 import type { Message } from "@bufbuild/protobuf";
@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file querator/v1/queues.proto.
  */
 export const file_querator_v1_queues: GenFile = /*@__PURE__*/
-  fileDesc("ChhxdWVyYXRvci92MS9xdWV1ZXMucHJvdG8SC3F1ZXJhdG9yLnYxIqIDCglRdWV1ZUluZm8SEgoKcXVldWVfbmFtZRgBIAEoCRISCgpkZWFkX3F1ZXVlGAIgASgJEhEKCXJlZmVyZW5jZRgDIAEoCRIwCg1sZWFzZV90aW1lb3V0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjEKDmV4cGlyZV90aW1lb3V0GAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhQKDG1heF9hdHRlbXB0cxgGIAEoBRIcChRyZXF1ZXN0ZWRfcGFydGl0aW9ucxgHIAEoBRIuCgpjcmVhdGVkX2F0GAggASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIuCgp1cGRhdGVkX2F0GAkgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIvCgxkZWR1cF93aW5kb3cYCiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SMAoNbGVhc2Vfa2V5X3R0bBgLIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiI7ChJDcmVhdGVRdWV1ZVJlcXVlc3QSJQoFcXVldWUYASABKAsyFi5xdWVyYXRvci52MS5RdWV1ZUluZm8iPAoTQ3JlYXRlUXVldWVSZXNwb25zZRIlCgVxdWV1ZRgBIAEoCzIWLnF1ZXJhdG9yLnYxLlF1ZXVlSW5mbyIlCg9HZXRRdWV1ZVJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCSI5ChBHZXRRdWV1ZVJlc3BvbnNlEiUKBXF1ZXVlGAEgASgLMhYucXVlcmF0b3IudjEuUXVldWVJbmZvIjoKEUxpc3RRdWV1ZXNSZXF1ZXN0EhEKCXBhZ2Vfc2l6ZRgBIAEoBRISCgpwYWdlX3Rva2VuGAIgASgJIlUKEkxpc3RRdWV1ZXNSZXNwb25zZRImCgZxdWV1ZXMYASADKAsyFi5xdWVyYXRvci52MS5RdWV1ZUluZm8SFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJImwKElVwZGF0ZVF1ZXVlUmVxdWVzdBIlCgVxdWV1ZRgBIAEoCzIWLnF1ZXJhdG9yLnYxLlF1ZXVlSW5mbxIvCgt1cGRhdGVfbWFzaxgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5GaWVsZE1hc2siPAoTVXBkYXRlUXVldWVSZXNwb25zZRIlCgVxdWV1ZRgBIAEoCzIWLnF1ZXJhdG9yLnYxLlF1ZXVlSW5mbyI3ChJEZWxldGVRdWV1ZVJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCRINCgVmb3JjZRgCIAEoCCIVChNEZWxldGVRdWV1ZVJlc3BvbnNlIl4KEUNsZWFyUXVldWVSZXF1ZXN0EhIKCnF1ZXVlX25hbWUYASABKAkSDQoFcXVldWUYAiABKAgSEQoJc2NoZWR1bGVkGAMgASgIEhMKC2Rlc3RydWN0aXZlGAQgASgIIhQKEkNsZWFyUXVldWVSZXNwb25zZSIqChRHZXRRdWV1ZVN0YXRzUmVxdWVzdBISCgpxdWV1ZV9uYW1lGAEgASgJIsIBCg5QYXJ0aXRpb25TdGF0cxIRCglwYXJ0aXRpb24YASABKAUSDQoFdG90YWwYAiABKAMSFAoMdG90YWxfbGVhc2VkGAMgASgDEhEKCXNjaGVkdWxlZBgEIAEoAxIuCgthdmVyYWdlX2FnZRgFIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhI1ChJhdmVyYWdlX2xlYXNlZF9hZ2UYBiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24inwEKFUdldFF1ZXVlU3RhdHNSZXNwb25zZRISCgpxdWV1ZV9uYW1lGAEgASgJEi8KCnBhcnRpdGlvbnMYAiADKAsyGy5xdWVyYXRvci52MS5QYXJ0aXRpb25TdGF0cxIVCg1sZWFzZV93YWl0aW5nGAMgASgFEhcKD3Byb2R1Y2Vfd2FpdGluZxgEIAEoBRIRCglpbl9mbGlnaHQYBSABKAUyxAQKDVF1ZXVlc1NlcnZpY2USUAoLQ3JlYXRlUXVldWUSHy5xdWVyYXRvci52MS5DcmVhdGVRdWV1ZVJlcXVlc3QaIC5xdWVyYXRvci52MS5DcmVhdGVRdWV1ZVJlc3BvbnNlEkcKCEdldFF1ZXVlEhwucXVlcmF0b3IudjEuR2V0UXVldWVSZXF1ZXN0Gh0ucXVlcmF0b3IudjEuR2V0UXVldWVSZXNwb25zZRJNCgpMaXN0UXVldWVzEh4ucXVlcmF0b3IudjEuTGlzdFF1ZXVlc1JlcXVlc3QaHy5xdWVyYXRvci52MS5MaXN0UXVldWVzUmVzcG9uc2USUAoLVXBkYXRlUXVldWUSHy5xdWVyYXRvci52MS5VcGRhdGVRdWV1ZVJlcXVlc3QaIC5xdWVyYXRvci52MS5VcGRhdGVRdWV1ZVJlc3BvbnNlElAKC0RlbGV0ZVF1ZXVlEh8ucXVlcmF0b3IudjEuRGVsZXRlUXVldWVSZXF1ZXN0GiAucXVlcmF0b3IudjEuRGVsZXRlUXVldWVSZXNwb25zZRJNCgpDbGVhclF1ZXVlEh4ucXVlcmF0b3IudjEuQ2xlYXJRdWV1ZVJlcXVlc3QaHy5xdWVyYXRvci52MS5DbGVhclF1ZXVlUmVzcG9uc2USVgoNR2V0UXVldWVTdGF0cxIhLnF1ZXJhdG9yLnYxLkdldFF1ZXVlU3RhdHNSZXF1ZXN0GiIucXVlcmF0b3IudjEuR2V0UXVldWVTdGF0c1Jlc3BvbnNlQqYBCg5pby5xdWVyYXRvci52MUILUXVldWVzUHJvdG9QAVo6Z2l0aHViLmNvbS9xdWVyYXRvci9xdWVyYXRvci9nZW4vZ28vcXVlcmF0b3IvdjE7cXVlcmF0b3J2MaICA1FYWKoCC1F1ZXJhdG9yLlYxygILUXVlcmF0b3JcVjHiAhdRdWVyYXRvclxWMVxHUEJNZXRhZGF0YeoCDFF1ZXJhdG9yOjpWMWIGcHJvdG8z", [file_google_protobuf_duration, file_google_protobuf_field_mask, file_google_protobuf_timestamp]);
+  fileDesc("ChhxdWVyYXRvci92MS9xdWV1ZXMucHJvdG8SC3F1ZXJhdG9yLnYxItsDCglRdWV1ZUluZm8SEgoKcXVldWVfbmFtZRgBIAEoCRISCgpkZWFkX3F1ZXVlGAIgASgJEhEKCXJlZmVyZW5jZRgDIAEoCRIwCg1sZWFzZV90aW1lb3V0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjEKDmV4cGlyZV90aW1lb3V0GAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhQKDG1heF9hdHRlbXB0cxgGIAEoBRIcChRyZXF1ZXN0ZWRfcGFydGl0aW9ucxgHIAEoBRIuCgpjcmVhdGVkX2F0GAggASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIuCgp1cGRhdGVkX2F0GAkgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIvCgxkZWR1cF93aW5kb3cYCiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SMAoNbGVhc2Vfa2V5X3R0bBgLIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhImCgVzdGF0ZRgUIAEoDjIXLnF1ZXJhdG9yLnYxLlF1ZXVlU3RhdGUSDwoHZmFpbHVyZRgVIAEoCSI7ChJDcmVhdGVRdWV1ZVJlcXVlc3QSJQoFcXVldWUYASABKAsyFi5xdWVyYXRvci52MS5RdWV1ZUluZm8iPAoTQ3JlYXRlUXVldWVSZXNwb25zZRIlCgVxdWV1ZRgBIAEoCzIWLnF1ZXJhdG9yLnYxLlF1ZXVlSW5mbyIlCg9HZXRRdWV1ZVJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCSI5ChBHZXRRdWV1ZVJlc3BvbnNlEiUKBXF1ZXVlGAEgASgLMhYucXVlcmF0b3IudjEuUXVldWVJbmZvIjoKEUxpc3RRdWV1ZXNSZXF1ZXN0EhEKCXBhZ2Vfc2l6ZRgBIAEoBRISCgpwYWdlX3Rva2VuGAIgASgJIlUKEkxpc3RRdWV1ZXNSZXNwb25zZRImCgZxdWV1ZXMYASADKAsyFi5xdWVyYXRvci52MS5RdWV1ZUluZm8SFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJImwKElVwZGF0ZVF1ZXVlUmVxdWVzdBIlCgVxdWV1ZRgBIAEoCzIWLnF1ZXJhdG9yLnYxLlF1ZXVlSW5mbxIvCgt1cGRhdGVfbWFzaxgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5GaWVsZE1hc2siPAoTVXBkYXRlUXVldWVSZXNwb25zZRIlCgVxdWV1ZRgBIAEoCzIWLnF1ZXJhdG9yLnYxLlF1ZXVlSW5mbyI3ChJEZWxldGVRdWV1ZVJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCRINCgVmb3JjZRgCIAEoCCIVChNEZWxldGVRdWV1ZVJlc3BvbnNlIl4KEUNsZWFyUXVldWVSZXF1ZXN0EhIKCnF1ZXVlX25hbWUYASABKAkSDQoFcXVldWUYAiABKAgSEQoJc2NoZWR1bGVkGAMgASgIEhMKC2Rlc3RydWN0aXZlGAQgASgIIhQKEkNsZWFyUXVldWVSZXNwb25zZSIqChRHZXRRdWV1ZVN0YXRzUmVxdWVzdBISCgpxdWV1ZV9uYW1lGAEgASgJIsIBCg5QYXJ0aXRpb25TdGF0cxIRCglwYXJ0aXRpb24YASABKAUSDQoFdG90YWwYAiABKAMSFAoMdG90YWxfbGVhc2VkGAMgASgDEhEKCXNjaGVkdWxlZBgEIAEoAxIuCgthdmVyYWdlX2FnZRgFIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhI1ChJhdmVyYWdlX2xlYXNlZF9hZ2UYBiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24inwEKFUdldFF1ZXVlU3RhdHNSZXNwb25zZRISCgpxdWV1ZV9uYW1lGAEgASgJEi8KCnBhcnRpdGlvbnMYAiADKAsyGy5xdWVyYXRvci52MS5QYXJ0aXRpb25TdGF0cxIVCg1sZWFzZV93YWl0aW5nGAMgASgFEhcKD3Byb2R1Y2Vfd2FpdGluZxgEIAEoBRIRCglpbl9mbGlnaHQYBSABKAUqWgoKUXVldWVTdGF0ZRIbChdRVUVVRV9TVEFURV9VTlNQRUNJRklFRBAAEhcKE1FVRVVFX1NUQVRFX1NFUlZJTkcQARIWChJRVUVVRV9TVEFURV9GQUlMRUQQAjLEBAoNUXVldWVzU2VydmljZRJQCgtDcmVhdGVRdWV1ZRIfLnF1ZXJhdG9yLnYxLkNyZWF0ZVF1ZXVlUmVxdWVzdBogLnF1ZXJhdG9yLnYxLkNyZWF0ZVF1ZXVlUmVzcG9uc2USRwoIR2V0UXVldWUSHC5xdWVyYXRvci52MS5HZXRRdWV1ZVJlcXVlc3QaHS5xdWVyYXRvci52MS5HZXRRdWV1ZVJlc3BvbnNlEk0KCkxpc3RRdWV1ZXMSHi5xdWVyYXRvci52MS5MaXN0UXVldWVzUmVxdWVzdBofLnF1ZXJhdG9yLnYxLkxpc3RRdWV1ZXNSZXNwb25zZRJQCgtVcGRhdGVRdWV1ZRIfLnF1ZXJhdG9yLnYxLlVwZGF0ZVF1ZXVlUmVxdWVzdBogLnF1ZXJhdG9yLnYxLlVwZGF0ZVF1ZXVlUmVzcG9uc2USUAoLRGVsZXRlUXVldWUSHy5xdWVyYXRvci52MS5EZWxldGVRdWV1ZVJlcXVlc3QaIC5xdWVyYXRvci52MS5EZWxldGVRdWV1ZVJlc3BvbnNlEk0KCkNsZWFyUXVldWUSHi5xdWVyYXRvci52MS5DbGVhclF1ZXVlUmVxdWVzdBofLnF1ZXJhdG9yLnYxLkNsZWFyUXVldWVSZXNwb25zZRJWCg1HZXRRdWV1ZVN0YXRzEiEucXVlcmF0b3IudjEuR2V0UXVldWVTdGF0c1JlcXVlc3QaIi5xdWVyYXRvci52MS5HZXRRdWV1ZVN0YXRzUmVzcG9uc2VCpgEKDmlvLnF1ZXJhdG9yLnYxQgtRdWV1ZXNQcm90b1ABWjpnaXRodWIuY29tL3F1ZXJhdG9yL3F1ZXJhdG9yL2dlbi9nby9xdWVyYXRvci92MTtxdWVyYXRvcnYxogIDUVhYqgILUXVlcmF0b3IuVjHKAgtRdWVyYXRvclxWMeICF1F1ZXJhdG9yXFYxXEdQQk1ldGFkYXRh6gIMUXVlcmF0b3I6OlYxYgZwcm90bzM", [file_google_protobuf_duration, file_google_protobuf_field_mask, file_google_protobuf_timestamp]);
 
 /**
  * QueueInfo is a queue's settings.
@@ -110,6 +110,27 @@ export type QueueInfo = Message<"querator.v1.QueueInfo"> & {
    * @generated from field: google.protobuf.Duration lease_key_ttl = 11;
    */
   leaseKeyTtl?: Duration | undefined;
+
+  /**
+   * Output only (ignored by CreateQueue and UpdateQueue): whether the server
+   * serves the queue. QUEUE_STATE_FAILED when its storage could not be loaded
+   * at start (missing, damaged, unreadable) or kept failing while running
+   * (see failure): every call on the queue then answers UNAVAILABLE with the
+   * reason, while the other queues serve as usual. Nothing touches a failed
+   * queue's storage; repair or restore it and restart the server, or delete
+   * the queue (DeleteQueue with force).
+   *
+   * @generated from field: querator.v1.QueueState state = 20;
+   */
+  state: QueueState;
+
+  /**
+   * Output only: why the queue failed, without the server's file paths; empty
+   * while it serves.
+   *
+   * @generated from field: string failure = 21;
+   */
+  failure: string;
 };
 
 /**
@@ -218,6 +239,9 @@ export type ListQueuesRequest = Message<"querator.v1.ListQueuesRequest"> & {
 
   /**
    * The next_page_token of a previous response; empty for the first page.
+   * Tokens are signed by the server (they stay good across restarts of the
+   * same data directory); one it did not issue for this listing is
+   * INVALID_ARGUMENT naming page_token.
    *
    * @generated from field: string page_token = 2;
    */
@@ -534,6 +558,40 @@ export type GetQueueStatsResponse = Message<"querator.v1.GetQueueStatsResponse">
  */
 export const GetQueueStatsResponseSchema: GenMessage<GetQueueStatsResponse> = /*@__PURE__*/
   messageDesc(file_querator_v1_queues, 15);
+
+/**
+ * QueueState says whether the server serves a queue.
+ *
+ * @generated from enum querator.v1.QueueState
+ */
+export enum QueueState {
+  /**
+   * Not set (a server older than this field).
+   *
+   * @generated from enum value: QUEUE_STATE_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * The queue is served.
+   *
+   * @generated from enum value: QUEUE_STATE_SERVING = 1;
+   */
+  SERVING = 1,
+
+  /**
+   * The queue is not served: see QueueInfo.failure.
+   *
+   * @generated from enum value: QUEUE_STATE_FAILED = 2;
+   */
+  FAILED = 2,
+}
+
+/**
+ * Describes the enum querator.v1.QueueState.
+ */
+export const QueueStateSchema: GenEnum<QueueState> = /*@__PURE__*/
+  enumDesc(file_querator_v1_queues, 0);
 
 /**
  * QueuesService manages queues: create, inspect, change, clear and delete.

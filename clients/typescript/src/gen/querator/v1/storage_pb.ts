@@ -99,6 +99,10 @@ export type StorageItem = Message<"querator.v1.StorageItem"> & {
 
   /**
    * For items moved to a dead-letter queue: the item's id in its source queue.
+   * ImportItems: optional, at most 510 bytes of UTF-8 (it becomes part of a
+   * storage key, which LMDB caps at 511 bytes); longer is INVALID_ARGUMENT
+   * naming items[i].source_id. A dead-letter queue stores an item with a given
+   * source_id once.
    *
    * @generated from field: string source_id = 12;
    */
@@ -148,6 +152,9 @@ export type ListItemsRequest = Message<"querator.v1.ListItemsRequest"> & {
 
   /**
    * The next_page_token of a previous response; empty for the first page.
+   * Tokens are signed by the server (they stay good across restarts of the
+   * same data directory); one it did not issue for this listing is
+   * INVALID_ARGUMENT naming page_token.
    *
    * @generated from field: string page_token = 4;
    */
@@ -218,6 +225,9 @@ export type ListScheduledItemsRequest = Message<"querator.v1.ListScheduledItemsR
 
   /**
    * The next_page_token of a previous response; empty for the first page.
+   * Tokens are signed by the server (they stay good across restarts of the
+   * same data directory); one it did not issue for this listing is
+   * INVALID_ARGUMENT naming page_token.
    *
    * @generated from field: string page_token = 4;
    */
