@@ -142,6 +142,8 @@ export class Worker {
   readonly #handlerAbort = new AbortController();
   #wake: (() => void) | undefined;
   #newLeases: (() => void) | undefined;
+  /** Shut down: keep-alive, which runs on while handlers finish at stop, ends. */
+  #done = false;
   #leaseTimeoutMs = 60_000;
   #maxAttempts = 0;
 
@@ -194,7 +196,14 @@ export class Worker {
   }
 
   async #run(): Promise<void> {
-    const info = await this.client.getQueue(this.queueName, { signal: this.#stop.signal });
+    if (this.#stopping) return; // stopped before it started
+    let info;
+    try {
+      info = await this.client.getQueue(this.queueName, { signal: this.#stop.signal });
+    } catch (error) {
+      if (error instanceof Cancelled && this.#stopping) return;
+      throw error;
+    }
     this.#leaseTimeoutMs = info.leaseTimeoutMs;
     this.#maxAttempts = info.maxAttempts;
     const onSignal = (): void => void this.stop();
@@ -213,6 +222,8 @@ export class Worker {
         process.off("SIGINT", onSignal);
       }
       await this.#shutdown();
+      this.#done = true;
+      this.#newLeases?.();
       await keepAlive;
     }
   }
@@ -443,14 +454,18 @@ export class Worker {
   // -- keep-alive -------------------------------------------------------------------------
 
   async #keepAlive(): Promise<void> {
-    while (!this.#stopping) {
+    while (!this.#done) {
       const now = performance.now();
       const due = [...this.#held.values()].filter((h) => this.#keep(h) && h.extendAt <= now);
       if (due.length) await this.#extend(due);
       const upcoming = [...this.#held.values()].filter((h) => this.#keep(h)).map((h) => h.extendAt);
       const delay = Math.min(Math.max(Math.min(...upcoming, performance.now() + 1000) - performance.now(), 20), 1000);
       // New leases wake it early: their first extension may be due sooner than the delay.
-      await Promise.race([this.#sleep(delay), new Promise<void>((resolve) => (this.#newLeases = resolve))]);
+      // It runs on through a stop, while running handlers finish.
+      await new Promise<void>((resolve) => {
+        const timer = setTimeout(resolve, delay);
+        this.#newLeases = () => (clearTimeout(timer), resolve());
+      });
       this.#newLeases = undefined;
     }
   }

@@ -124,6 +124,37 @@ test("graceful stop: running handlers finish and complete, leased items not star
   assert.deepEqual(back.map((i) => [i.text, i.attempts]).sort(), [["c", 2], ["d", 2], ["e", 1], ["f", 1]]);
 });
 
+test("keep-alive goes on through a graceful stop while a handler finishes", async () => {
+  const q = queueName();
+  await client.createQueue(q, { leaseTimeoutMs: 2500 });
+  await client.produce(q, "finishing");
+  let started = false;
+  const worker = new Worker(
+    client,
+    q,
+    async () => {
+      started = true;
+      await new Promise((r) => setTimeout(r, 6250)); // two and a half lease lengths
+    },
+    { concurrency: 1, leaseWaitMs: 200, shutdownTimeoutMs: 30_000, hooks: quiet, handleSignals: false },
+  );
+  const running = worker.run();
+  await waitUntil(() => started, 20_000, "the handler started");
+  await worker.stop(); // returns once the handler finished and its item completed
+  await running;
+  assert.equal(worker.stats.completed, 1);
+  assert.equal(worker.stats.lost, 0);
+  assert.ok(worker.stats.extended >= 2, `extended ${worker.stats.extended} times`);
+  assert.equal((await client.queueStats(q)).total, 0);
+});
+
+test("a worker stopped before it runs returns at once", async () => {
+  const worker = new Worker(client, queueName("never"), () => undefined, { handleSignals: false });
+  await worker.stop();
+  await worker.run();
+  assert.equal(worker.stats.leased, 0);
+});
+
 test("stop gives up on a handler that outlives shutdownTimeoutMs: its signal fires, its item goes back", async () => {
   const q = queueName();
   await client.createQueue(q, { leaseTimeoutMs: 60_000 });
