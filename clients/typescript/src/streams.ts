@@ -17,6 +17,10 @@
  * stream is cancelled (`cancelAbandoned`), which the server treats as a cancelled call
  * for every request in flight on it; the others fail UNAVAILABLE and are retried on a
  * new stream as after any UNAVAILABLE.
+ *
+ * A stream with nothing in flight for IDLE_MS is closed (and opened again by the next
+ * request): an open stream keeps Node's event loop alive, so a program that forgot
+ * client.close() would otherwise never exit.
  */
 import { Code } from "@connectrpc/connect";
 
@@ -53,6 +57,9 @@ class Outbox<T> implements AsyncIterable<T> {
   }
 }
 
+/** How long a stream with nothing in flight stays open. */
+export const IDLE_MS = 1000;
+
 interface Waiter<Res> {
   resolve(answer: Res): void;
   reject(error: QueratorError): void;
@@ -66,6 +73,7 @@ export class RequestStream<Req, Res> {
   readonly #waiting: Waiter<Res>[] = [];
   readonly #abort = new AbortController();
   #broken: QueratorError | undefined;
+  #idle: NodeJS.Timeout | undefined;
   readonly #onBroken: () => void;
   readonly #cancelAbandoned: boolean;
 
@@ -115,6 +123,7 @@ export class RequestStream<Req, Res> {
       if (signal?.aborted) return onAbort();
       signal?.addEventListener("abort", onAbort, { once: true });
       timer = setTimeout(() => abandon(new DeadlineExceeded(`no answer within ${timeoutMs} ms`, Code.DeadlineExceeded)), timeoutMs);
+      clearTimeout(this.#idle);
       this.#waiting.push(waiter);
       this.#outbox.push(request);
     });
@@ -122,6 +131,7 @@ export class RequestStream<Req, Res> {
 
   /** Close the stream: the requests in flight on it fail with `error`. */
   close(error: QueratorError = new Unavailable("the stream was closed", Code.Unavailable)): void {
+    clearTimeout(this.#idle);
     if (this.#broken) return;
     this.#broken = error;
     this.#outbox.end();
@@ -136,6 +146,10 @@ export class RequestStream<Req, Res> {
         const waiter = this.#waiting.shift();
         if (waiter === undefined) throw new Error("an answer nobody asked for");
         waiter.resolve(answer);
+        if (this.#waiting.length === 0) {
+          // unref: the timer itself does not keep the program running.
+          this.#idle = setTimeout(() => this.close(), IDLE_MS).unref();
+        }
       }
       error = new Unavailable("the stream ended", Code.Unavailable);
     } catch (e) {

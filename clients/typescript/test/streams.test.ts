@@ -1,6 +1,10 @@
-/** Produce over a ProduceStream when the server dies and comes back. */
+/** Produce and Lease streams: a server that dies and comes back; a client never closed. */
 import assert from "node:assert/strict";
-import { after, test } from "node:test";
+import { execFile } from "node:child_process";
+import { dirname, join } from "node:path";
+import { test, after } from "node:test";
+import { fileURLToPath, pathToFileURL } from "node:url";
+import { promisify } from "node:util";
 
 import { Client, Unavailable } from "../src/index.js";
 import { ServerProcess, queueName } from "./server.js";
@@ -32,4 +36,23 @@ test("after kill -9 a produce fails Unavailable; once the server is back a new s
   } finally {
     client.close();
   }
+});
+
+test("a program that never closes its client still exits: idle streams close themselves", async () => {
+  const server = await ServerProcess.start();
+  servers.push(server);
+  const index = pathToFileURL(join(dirname(fileURLToPath(import.meta.url)), "..", "src", "index.js")).href;
+  const script = `
+    import { Client } from ${JSON.stringify(index)};
+    const client = new Client({ address: ${JSON.stringify(server.address)} });
+    await client.createQueue("forgotten");
+    await client.produce("forgotten", ["a", "b"]);
+    const items = await client.lease("forgotten", { batchSize: 2, waitMs: 1000 });
+    await client.complete(items);
+    console.log("done", items.length);
+  `;
+  const started = Date.now();
+  const { stdout } = await promisify(execFile)("node", ["--input-type=module", "-e", script], { timeout: 30_000 });
+  assert.equal(stdout.trim(), "done 2");
+  assert.ok(Date.now() - started < 20_000, `exited after ${Date.now() - started} ms`);
 });
