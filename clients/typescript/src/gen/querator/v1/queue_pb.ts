@@ -168,14 +168,15 @@ export const LeaseStreamResponseSchema: GenMessage<LeaseStreamResponse> = /*@__P
 export type ProduceItem = Message<"querator.v1.ProduceItem"> & {
   /**
    * A free-form label describing how the payload is encoded, for example
-   * "application/json". Stored and returned as given.
+   * "application/json". Stored and returned as given. At most 256 bytes.
    *
    * @generated from field: string encoding = 1;
    */
   encoding: string;
 
   /**
-   * A free-form label for the type of work this item represents.
+   * A free-form label for the type of work this item represents. At most 256
+   * bytes.
    *
    * @generated from field: string kind = 2;
    */
@@ -183,6 +184,7 @@ export type ProduceItem = Message<"querator.v1.ProduceItem"> & {
 
   /**
    * A free-form reference, for example the id of a record in another system.
+   * At most 1,024 bytes.
    *
    * @generated from field: string reference = 3;
    */
@@ -206,7 +208,7 @@ export type ProduceItem = Message<"querator.v1.ProduceItem"> & {
   /**
    * When set at least 100 ms in the future the item is scheduled and becomes
    * ready (leasable) at that time. Unset, earlier or in the past means ready
-   * now.
+   * now. At most 10 years from now.
    *
    * @generated from field: google.protobuf.Timestamp enqueue_at = 6;
    */
@@ -254,7 +256,8 @@ export type ProduceRequest = Message<"querator.v1.ProduceRequest"> & {
 
   /**
    * How long the server may take before it gives up. Optional: defaults to
-   * the call's gRPC deadline, else 30 s.
+   * the call's gRPC deadline, else 30 s; at most 15 minutes, and not below
+   * 1 microsecond.
    *
    * @generated from field: google.protobuf.Duration request_timeout = 2;
    */
@@ -344,6 +347,7 @@ export type LeaseRequest = Message<"querator.v1.LeaseRequest"> & {
   /**
    * Identifies the consumer. Two concurrent Lease calls with the same
    * non-empty client_id on the same queue are refused (FAILED_PRECONDITION).
+   * At most 256 bytes.
    *
    * @generated from field: string client_id = 3;
    */
@@ -351,7 +355,8 @@ export type LeaseRequest = Message<"querator.v1.LeaseRequest"> & {
 
   /**
    * How long to wait for items when none are ready. Optional: defaults to
-   * the call's gRPC deadline, else 30 s; at most 15 minutes. The server
+   * the call's gRPC deadline, else 30 s; at most 15 minutes (0: answer at
+   * once; not between 0 and 1 microsecond). The server
    * answers a little before the call's deadline so callers see OK with no
    * items, not DEADLINE_EXCEEDED.
    *
@@ -665,7 +670,8 @@ export type CompleteRequest = Message<"querator.v1.CompleteRequest"> & {
 
   /**
    * How long the server may take before it gives up. Optional: defaults to
-   * the call's gRPC deadline, else 30 s.
+   * the call's gRPC deadline, else 30 s; at most 15 minutes, and not below
+   * 1 microsecond.
    *
    * @generated from field: google.protobuf.Duration request_timeout = 4;
    */
@@ -719,7 +725,8 @@ export type RetryItem = Message<"querator.v1.RetryItem"> & {
 
   /**
    * When set in the future, the item is scheduled and becomes ready at that
-   * time; otherwise it goes back to the tail of its partition at once.
+   * time; otherwise it goes back to the tail of its partition at once. At
+   * most 10 years from now.
    *
    * @generated from field: google.protobuf.Timestamp retry_at = 2;
    */
@@ -770,7 +777,8 @@ export type RetryRequest = Message<"querator.v1.RetryRequest"> & {
 
   /**
    * How long the server may take before it gives up. Optional: defaults to
-   * the call's gRPC deadline, else 30 s.
+   * the call's gRPC deadline, else 30 s; at most 15 minutes, and not below
+   * 1 microsecond.
    *
    * @generated from field: google.protobuf.Duration request_timeout = 4;
    */
@@ -828,8 +836,8 @@ export type ExtendRequest = Message<"querator.v1.ExtendRequest"> & {
   ids: string[];
 
   /**
-   * The new lease length from now. Optional: defaults to the queue's
-   * lease_timeout. Never extends past an item's expiry.
+   * The new lease length from now, at most 24 hours. Optional: defaults to
+   * the queue's lease_timeout. Never extends past an item's expiry.
    *
    * @generated from field: google.protobuf.Duration lease_timeout = 4;
    */
@@ -837,7 +845,8 @@ export type ExtendRequest = Message<"querator.v1.ExtendRequest"> & {
 
   /**
    * How long the server may take before it gives up. Optional: defaults to
-   * the call's gRPC deadline, else 30 s.
+   * the call's gRPC deadline, else 30 s; at most 15 minutes, and not below
+   * 1 microsecond.
    *
    * @generated from field: google.protobuf.Duration request_timeout = 5;
    */
@@ -915,7 +924,10 @@ export const QueueService: GenService<{
   /**
    * Lease hands out up to batch_size ready items, oldest first, from one
    * partition. When nothing is ready it waits up to request_timeout and then
-   * answers OK with no items.
+   * answers OK with no items. A reply is at most 4 MiB (gRPC's default
+   * receive limit): the lease stops before the item that would take it past,
+   * so it may hold fewer than batch_size items while more are ready. One item
+   * is always leased, and an item of up to 5 MB makes a reply of its own.
    *
    * @generated from rpc querator.v1.QueueService.Lease
    */
@@ -984,7 +996,12 @@ export const QueueService: GenService<{
    * producers: every Lease request sent (complete_ids and columnar included)
    * is answered by exactly one response, in the order sent. A request that
    * finds nothing waits as a Lease does, and the answers of later requests
-   * wait behind it.
+   * wait behind it. Answers not yet sent are bounded (8 MiB per stream, 256
+   * MiB per server): past that a request waits, leasing nothing, until the
+   * client reads. An answer that waits 60 s to be sent ends the stream with
+   * DEADLINE_EXCEEDED, and the items of its unsent answers go back to the
+   * queue with the attempt given back (those of the answer already on its way
+   * under new ids, so the old ones fence).
    *
    * @generated from rpc querator.v1.QueueService.LeaseStream
    */

@@ -41,7 +41,7 @@ export type QueueInfo = Message<"querator.v1.QueueInfo"> & {
   deadQueue: string;
 
   /**
-   * A free-form note about the queue.
+   * A free-form note about the queue, at most 1,024 bytes of UTF-8.
    *
    * @generated from field: string reference = 3;
    */
@@ -49,8 +49,9 @@ export type QueueInfo = Message<"querator.v1.QueueInfo"> & {
 
   /**
    * How long a lease lasts before the item goes back to the queue. Default
-   * 1 minute, or expire_timeout when that is shorter; at most expire_timeout.
-   * Changes apply to new leases.
+   * 1 minute, or expire_timeout when that is shorter; at most expire_timeout
+   * and at most 24 hours. Changes apply to new leases. Every duration of a
+   * queue is 0 (the default) or at least 1 microsecond.
    *
    * @generated from field: google.protobuf.Duration lease_timeout = 4;
    */
@@ -58,7 +59,7 @@ export type QueueInfo = Message<"querator.v1.QueueInfo"> & {
 
   /**
    * An item's total life from produce; expired items are dead-lettered.
-   * Default 24 hours. Changes apply to new items.
+   * Default 24 hours, at most 10 years. Changes apply to new items.
    *
    * @generated from field: google.protobuf.Duration expire_timeout = 5;
    */
@@ -97,7 +98,7 @@ export type QueueInfo = Message<"querator.v1.QueueInfo"> & {
   /**
    * How long a produced item's idempotency_key is remembered: a second
    * produce with the same key within this window stores nothing. Default
-   * 24 hours.
+   * 24 hours, at most 10 years.
    *
    * @generated from field: google.protobuf.Duration dedup_window = 10;
    */
@@ -105,7 +106,7 @@ export type QueueInfo = Message<"querator.v1.QueueInfo"> & {
 
   /**
    * How long a lease_key is remembered after its lease was taken, unless all
-   * of its items are completed first. Default 1 hour.
+   * of its items are completed first. Default 1 hour, at most 10 years.
    *
    * @generated from field: google.protobuf.Duration lease_key_ttl = 11;
    */
@@ -231,7 +232,8 @@ export const GetQueueResponseSchema: GenMessage<GetQueueResponse> = /*@__PURE__*
  */
 export type ListQueuesRequest = Message<"querator.v1.ListQueuesRequest"> & {
   /**
-   * The most queues to return: 0 means 100, more than 1,000 is capped.
+   * The most queues to return: 0 means 100, more than 1,000 is capped. A
+   * page also ends before the queue that would take the reply past 4 MiB.
    *
    * @generated from field: int32 page_size = 1;
    */

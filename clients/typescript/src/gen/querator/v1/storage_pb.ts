@@ -144,7 +144,9 @@ export type ListItemsRequest = Message<"querator.v1.ListItemsRequest"> & {
   partition: number;
 
   /**
-   * The most items to return: 0 means 100, more than 1,000 is capped.
+   * The most items to return: 0 means 100, more than 1,000 is capped. A page
+   * also ends before the item that would take the reply past 4 MiB (one item
+   * always fits).
    *
    * @generated from field: int32 page_size = 3;
    */
@@ -217,7 +219,9 @@ export type ListScheduledItemsRequest = Message<"querator.v1.ListScheduledItemsR
   partition: number;
 
   /**
-   * The most items to return: 0 means 100, more than 1,000 is capped.
+   * The most items to return: 0 means 100, more than 1,000 is capped. A page
+   * also ends before the item that would take the reply past 4 MiB (one item
+   * always fits).
    *
    * @generated from field: int32 page_size = 3;
    */
@@ -292,7 +296,9 @@ export type ImportItemsRequest = Message<"querator.v1.ImportItemsRequest"> & {
   /**
    * The items, 1 to 1,000 of them; their id fields are ignored (new ids are
    * assigned). A missing expire_deadline defaults from the queue; a future
-   * enqueue_at stores the item as scheduled.
+   * enqueue_at stores the item as scheduled. Limits as for Produce (encoding,
+   * kind, reference); expire_deadline and enqueue_at at most 10 years from
+   * now, lease_deadline at most 24 hours from now.
    *
    * @generated from field: repeated querator.v1.StorageItem items = 3;
    */
