@@ -765,3 +765,17 @@ def test_a_dead_letter_consumed_before_the_resend_after_a_crash_is_not_sent_agai
         assert payloads(all_items(stubs, "z-dead")) == [b"marker"], "the consumed dead letter came back"
     finally:
         stubs.channel.close()
+
+
+def test_scheduled_produces_spread_over_partitions_by_their_scheduled_counts(stubs: Stubs) -> None:
+    """ADR 24: scheduled items are distributed like ready ones, counted on their own.
+    Eight produces of ten scheduled items on four partitions: twenty in each, not all
+    eighty in the partition that has the fewest ready items."""
+    create(stubs, "q", expire=600, requested_partitions=4)
+    stubs.produce("q", [b"ready"] * 3)  # ready items elsewhere do not steer scheduled ones
+    due = time.time() + 300
+    for n in range(8):
+        produce_at(stubs, "q", [b"s%d" % n] * 10, due)
+    per_partition = [p.scheduled for p in stubs.stats("q").partitions]
+    assert per_partition == [20, 20, 20, 20]
+    assert sum(len(scheduled_items(stubs, "q", p)) for p in range(4)) == 80

@@ -56,10 +56,9 @@ class Cycle(LifecycleSteps, StorageSteps):
     # -- produce -------------------------------------------------------------------
 
     def produce(self, txn: lmdb.Transaction[bytes], request: ProduceRequest) -> None:
-        counts = [self._peek(p).ready for p in range(len(self._base))]
-        p = counts.index(min(counts))
-        v = self.view(p)
         store, now = self.store, self.now
+        p = self._produce_partition(request, now + SCHEDULE_MIN_US)
+        v = self.view(p)
         expire = now + self.config.expire_timeout_us
         if request.payloads:
             self._produce_payloads(txn, request, p, v, expire)
@@ -118,6 +117,22 @@ class Cycle(LifecycleSteps, StorageSteps):
         if len(request.items) > duplicates:
             v.note_expiry(expire)
         self._ok(request, ProduceResult(p, ids, duplicates))
+
+    def _produce_partition(self, request: ProduceRequest, schedule_from: int) -> int:
+        """The partition with the fewest ready items, or, for a request of scheduled
+        items, the fewest scheduled ones (ADR 24): scheduled items are counted apart
+        from ready ones, else they would all land in the partition that has no ready
+        items and make it the fullest once they fall due. A request mixing both counts
+        both."""
+        parts = range(len(self._base))
+        scheduled = 0 if request.payloads else sum(1 for new in request.items if new.enqueue_at_us >= schedule_from)
+        if not scheduled:
+            counts = [self._peek(p).ready for p in parts]
+        elif scheduled == len(request.items):
+            counts = [self._peek(p).scheduled for p in parts]
+        else:
+            counts = [self._peek(p).ready + self._peek(p).scheduled for p in parts]
+        return counts.index(min(counts))
 
     def _produce_payloads(
         self, txn: lmdb.Transaction[bytes], request: ProduceRequest, p: int, v: PartitionView, expire: int
