@@ -113,6 +113,13 @@ class Stubs:
             items = [queue_pb2.ProduceItem(payload=p) for p in payloads[i : i + 1000]]
             self.queue.Produce(queue_pb2.ProduceRequest(queue_name=name, items=items), timeout=30)
 
+    def fill(self, name: str, partition: int, payloads: list[bytes]) -> None:
+        """Store ready items straight into one partition (ImportItems), for uneven fills."""
+        for i in range(0, len(payloads), 1000):
+            items = [storage_pb2.StorageItem(payload=p) for p in payloads[i : i + 1000]]
+            request = storage_pb2.ImportItemsRequest(queue_name=name, partition=partition, items=items)
+            self.storage.ImportItems(request, timeout=30)
+
     def items(self, name: str) -> list[storage_pb2.StorageItem]:
         info = self.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name=name)).queue
         out: list[storage_pb2.StorageItem] = []

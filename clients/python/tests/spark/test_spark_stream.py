@@ -137,19 +137,17 @@ def test_a_failed_batch_is_replayed_with_the_same_ids_after_a_restart(
     assert stubs.stats(queue) == (0, 0)
 
 
-@pytest.mark.timeout(300)
-def test_a_killed_driver_resumes_and_duplicates_at_most_the_batch_in_flight(
-    spark: Any, srv: EmbeddedServer, stubs: Stubs, tmp_path: Path
-) -> None:
-    n, per_trigger = 1_500, 500
-    queue = stubs.create()
-    stubs.produce(queue, payloads(n))
+def kill_driver_mid_batch(
+    srv: EmbeddedServer, queue: str, tmp_path: Path, per_trigger: int, *options: str
+) -> dict[str, list[str]]:
+    """Run stream_driver.py until it stalls in batch 1, kill -9 it (and its JVM and
+    Python workers); what each batch wrote to the sink, by file name."""
     sink, checkpoint = tmp_path / "sink", tmp_path / "cp"
     sink.mkdir()
     env = {**os.environ, **spark_env(), "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
     args = [sys.executable, str(HERE / "stream_driver.py"), srv.address, queue, str(checkpoint), str(sink)]
     driver = subprocess.Popen(
-        [*args, str(per_trigger), "1"],
+        [*args, str(per_trigger), "1", *options],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -168,23 +166,89 @@ def test_a_killed_driver_resumes_and_duplicates_at_most_the_batch_in_flight(
             os.killpg(driver.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    killed = {p.name: p.read_text().splitlines() for p in sink.glob("batch-*")}
-    assert sorted(name.split("-")[1] for name in killed) == ["0", "1"]
-    in_flight = next(lines for name, lines in killed.items() if name.startswith("batch-1-"))
-    assert stubs.stats(queue) == (n - per_trigger, per_trigger)
+    return {p.name: p.read_text().splitlines() for p in sink.glob("batch-*")}
 
+
+def resume_after_kill(
+    spark: Any, srv: EmbeddedServer, queue: str, tmp_path: Path, killed: dict[str, list[str]], n: int, **options: str
+) -> None:
+    """Restart from the killed driver's checkpoint; every item is read, and only those
+    of the batch in flight at the kill at most twice."""
+    in_flight = next(lines for name, lines in killed.items() if name.startswith("batch-1-"))
     resumed: list[str] = []
 
     def handler(df: Any, batch_id: int) -> None:
         resumed.extend(r.payload.decode() for r in df.select("payload").collect())
 
-    query = run_available_now(stream(spark, srv, queue, maxItemsPerTrigger=str(per_trigger)), handler, checkpoint)
+    query = run_available_now(stream(spark, srv, queue, **options), handler, tmp_path / "cp")
     assert query.exception() is None
     everything = Counter([line for lines in killed.values() for line in lines] + resumed)
     assert set(everything) == {p.decode() for p in payloads(n)}
     duplicates = {p for p, count in everything.items() if count > 1}
     assert duplicates <= set(in_flight)
     assert max(everything.values()) <= 2
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_driver_resumes_and_duplicates_at_most_the_batch_in_flight(
+    spark: Any, srv: EmbeddedServer, stubs: Stubs, tmp_path: Path
+) -> None:
+    n, per_trigger = 1_500, 500
+    queue = stubs.create()
+    stubs.produce(queue, payloads(n))
+    killed = kill_driver_mid_batch(srv, queue, tmp_path, per_trigger)
+    assert sorted(name.split("-")[1] for name in killed) == ["0", "1"]
+    assert stubs.stats(queue) == (n - per_trigger, per_trigger)
+    resume_after_kill(spark, srv, queue, tmp_path, killed, n, maxItemsPerTrigger=str(per_trigger))
+    assert stubs.stats(queue) == (0, 0)
+
+
+# Queue partitions filled unevenly: a keyed lease is served from the fullest partition
+# and returns fewer items than asked once that one runs short while others hold more.
+UNEVEN = (700, 300, 150, 50)
+
+
+def fill_unevenly(stubs: Stubs) -> tuple[str, int]:
+    queue = stubs.create(requested_partitions=len(UNEVEN))
+    items = payloads(sum(UNEVEN))
+    start = 0
+    for partition, count in enumerate(UNEVEN):
+        stubs.fill(queue, partition, items[start : start + count])
+        start += count
+    return queue, start
+
+
+def test_available_now_reads_every_ready_item_of_unevenly_filled_partitions(
+    spark: Any, srv: EmbeddedServer, stubs: Stubs, tmp_path: Path
+) -> None:
+    """One Lease of 500 per batch: the second batch gets the 300 of the fullest
+    partition; the stream plans by what it received and reads all 1,200."""
+    queue, n = fill_unevenly(stubs)
+    seen: Counter[bytes] = Counter()
+    sizes: list[int] = []
+
+    def handler(df: Any, batch_id: int) -> None:
+        rows = df.select("payload").collect()
+        sizes.append(len(rows))
+        seen.update(r.payload for r in rows)
+
+    options = {"maxItemsPerTrigger": "500", "numPartitions": "1", "leaseBatchSize": "500"}
+    query = run_available_now(stream(spark, srv, queue, **options), handler, tmp_path / "cp")
+    assert query.exception() is None
+    assert seen == Counter(payloads(n)), f"batches of {sizes}"
+    assert 300 in sizes  # a batch did come up short
+    assert stubs.stats(queue) == (0, 0)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_driver_of_an_uneven_queue_resumes_and_reads_every_item(
+    spark: Any, srv: EmbeddedServer, stubs: Stubs, tmp_path: Path
+) -> None:
+    queue, n = fill_unevenly(stubs)
+    options = {"numPartitions": "1", "leaseBatchSize": "500"}
+    killed = kill_driver_mid_batch(srv, queue, tmp_path, 500, *(f"{k}={v}" for k, v in options.items()))
+    assert sorted(name.split("-")[1] for name in killed) == ["0", "1"]
+    resume_after_kill(spark, srv, queue, tmp_path, killed, n, maxItemsPerTrigger="500", **options)
     assert stubs.stats(queue) == (0, 0)
 
 

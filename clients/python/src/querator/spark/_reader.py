@@ -217,7 +217,8 @@ class QueratorStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         #: Batches below this one are known to be completed (in this process).
         self._completed_below = 0
         #: Trigger.AvailableNow: items ready when the query started, and what each
-        #: planned batch takes of them.
+        #: planned batch takes of them (what it asked for until it is committed, then
+        #: what it received).
         self._target: int | None = None
         self._planned: dict[int, int] = {}
         self._lease_timeout_s = 60.0
@@ -282,7 +283,23 @@ class QueratorStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target = self.rpc().ready_items()
         self._planned = {}
 
+    def _count_received(self, offset: dict[str, Any]) -> None:
+        """Trigger.AvailableNow: count what the batch that ends at ``offset`` received
+        instead of what it asked for, before completing it.
+
+        A keyed lease is served from one queue partition and returns fewer items than
+        asked when that partition runs short while others still hold ready items;
+        counting the items asked for would end the stream before it read them.
+        """
+        batch = int(offset["batch"]) - 1
+        if batch in self._planned and batch >= self._completed_below:
+            # Items still leased under the batch's keys: all it received, since Spark
+            # committed the batch and the keys are kept alive until completed.
+            self._planned[batch] = self.rpc().extend_keys(batch_keys(offset))
+
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        if self._target is not None:
+            self._count_received(start)
         self._complete_before(start)
         partitions = self._refresh_queue()
         wanted = self.rpc().ready_items()
