@@ -12,6 +12,7 @@ import pytest
 from conftest import Stubs, ThreadServer
 from querator_server.storage import Item, QueueStore
 from querator_server.storage.catalog import Catalog, CatalogError
+from querator.v1 import queue_pb2
 from querator_server.storage.record import expiry_key, item_key
 
 
@@ -30,7 +31,7 @@ def _format(path: Path) -> bytes | None:
     return found
 
 
-@pytest.mark.parametrize("older", [b"querator-catalog-1", b"querator-catalog-2"])
+@pytest.mark.parametrize("older", [b"querator-catalog-1", b"querator-catalog-2", b"querator-catalog-3"])
 def test_an_older_catalog_is_read_and_stamped_with_the_current_format(tmp_path: Path, older: bytes) -> None:
     path = tmp_path / "catalog"
     Catalog(str(path)).env.close()
@@ -38,7 +39,7 @@ def test_an_older_catalog_is_read_and_stamped_with_the_current_format(tmp_path: 
     catalog = Catalog(str(path))
     assert catalog.load() == []
     catalog.env.close()
-    assert _format(path) == b"querator-catalog-3"  # an older server now refuses it
+    assert _format(path) == b"querator-catalog-4"  # an older server now refuses it
 
 
 def test_an_unknown_catalog_format_is_refused_by_name(tmp_path: Path) -> None:
@@ -106,4 +107,73 @@ def test_a_format_2_data_directory_keeps_its_queues_where_they_are_and_groups_ne
     finally:
         server.stop()
     assert sorted(os.listdir(data / "queues")) == ["1"] and sorted(os.listdir(data / "groups")) == ["0"]
-    assert _format(data / "catalog") == b"querator-catalog-3"
+    assert _format(data / "catalog") == b"querator-catalog-4"
+
+
+# Records as a server of catalog format 3 wrote them (no history block): a leased item
+# with every string, and a fresh payload-only one. Kept as bytes, not re-encoded, so a
+# change of the record layout that misreads them fails here.
+FORMAT_3_RICH = bytes.fromhex(
+    "010300000000401e18240a0600008098281765060000c7b11b240a0600000000000000000000401e18240a060006"
+    "0000000400000004000000040000000200000009000000372e302e3166726566206a736f6e6b696e646b317b226b"
+    "223a2276227d7061796c6f6164"
+)
+FORMAT_3_PLAIN = bytes.fromhex(
+    "020000000000401e18240a0600008098281765060000000000000000000000000000000000000000000000000000"
+    "000000000000000000000000000000000000000000000062617265"
+)
+
+
+def test_records_of_format_3_read_as_they_were_written() -> None:
+    rich = Item.decode(FORMAT_3_RICH)
+    assert rich == Item(
+        payload=b"payload",
+        encoding="json",
+        kind="kind",
+        reference="ref ",
+        source_id="7.0.1f",
+        created_at=1_700_000_000_000_000,
+        expire_deadline=1_800_000_000_000_000,
+        enqueue_at=0,
+        attempts=3,
+        is_leased=True,
+        lease_deadline=1_700_000_060_000_000,
+        leased_at=1_700_000_000_000_000,
+        lease_key="k1",
+        metadata={"k": "v"},
+    )
+    assert rich.message_id == "" and rich.dead_reason == 0
+    plain = Item.decode(FORMAT_3_PLAIN)
+    assert (plain.payload, plain.expiry_run, plain.message_id) == (b"bare", True, "")
+    # A record without history is still written byte for byte as format 3 wrote it.
+    assert plain.encode() == FORMAT_3_PLAIN and rich.encode() == FORMAT_3_RICH
+
+
+def test_a_format_3_data_directory_serves_its_items_and_their_new_fields(tmp_path: Path) -> None:
+    """A data directory as a server of format 3 left it (records without history):
+    its items lease, re-queue (gaining a history) and list; the stamp becomes 4."""
+    data = tmp_path / "data"
+    server = ThreadServer(str(data))
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stubs = Stubs(channel)
+            stubs.create("old", requested_partitions=1)
+            ids = list(stubs.produce("old", [b"a", b"b"]).ids)
+    finally:
+        server.stop()
+    _stamp(data / "catalog", b"querator-catalog-3")
+
+    server = ThreadServer(str(data))
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stubs = Stubs(channel)
+            leased = stubs.lease("old", batch_size=2)
+            assert [(i.id, i.message_id, i.payload) for i in leased.items] == [(ids[0], ids[0], b"a"), (ids[1], ids[1], b"b")]
+            stubs.queue.Retry(
+                queue_pb2.RetryRequest(queue_name="old", partition=0, items=[queue_pb2.RetryItem(id=ids[0])]), timeout=10
+            )
+            (requeued,) = [i for i in stubs.list_items("old") if i.payload == b"a"]
+            assert requeued.id != ids[0] and requeued.message_id == ids[0]
+    finally:
+        server.stop()
+    assert _format(data / "catalog") == b"querator-catalog-4"

@@ -153,7 +153,9 @@ def test_produce_jsonl_lease_retry_and_items(
     assert code == 0 and "scheduled" in out and "base64://4=" in out
     assert len(out.splitlines()) == 3  # header, the retried item, the scheduled one
     code, out, _ = cli(capsys, srv, "items", "list", dlq, "--json")
-    assert json.loads(out)["payload"] == '{"nested":true}'
+    dead = json.loads(out)
+    assert dead["payload"] == '{"nested":true}'
+    assert (dead["message_id"], dead["dead_reason"], dead["dead_attempts"]) == (ids[2], "retry_dead", 1)
 
     export = tmp_path / "export.jsonl"
     export.write_text(out)
@@ -162,6 +164,7 @@ def test_produce_jsonl_lease_retry_and_items(
     code, out, _ = cli(capsys, srv, "items", "list", name, "--json", "--limit", "5")
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["payload"] for r in rows] == ["one", '{"nested":true}'] and rows[1]["source_id"] == ids[2]
+    assert (rows[1]["message_id"], rows[1]["dead_reason"], rows[1]["dead_at"]) == (ids[2], "retry_dead", dead["dead_at"])
     assert cli(capsys, srv, "items", "delete", name, rows[1]["id"])[0] == 0
     assert [i.payload for i in client.list_items(name)] == [b"one"]
 

@@ -33,6 +33,11 @@ def test_columns_and_items_give_the_same_fields() -> None:
         metadata={"m": "v"},
         lease_deadline=_ts(DEADLINE_US),
         created_at=_ts(CREATED_US + 1),
+        message_id="m-b",
+        source_id="s-b",
+        dead_reason=queue_pb2.DEAD_REASON_EXPIRED,
+        dead_at=_ts(CREATED_US + 2),
+        dead_attempts=4,
     )
     columns = queue_pb2.LeaseColumns(
         ids=["a", "b"],
@@ -43,6 +48,11 @@ def test_columns_and_items_give_the_same_fields() -> None:
         kinds=["", "k"],
         encodings=["", "e"],
         references=["", "r"],
+        message_ids=["a", "m-b"],
+        source_ids=["", "s-b"],
+        dead_reasons=[queue_pb2.DEAD_REASON_UNSPECIFIED, queue_pb2.DEAD_REASON_EXPIRED],
+        dead_at_us=[0, CREATED_US + 2],
+        dead_attempts=[0, 4],
     )
     columns.metadata.add()
     columns.metadata.add().entries.update({"m": "v"})
@@ -54,6 +64,8 @@ def test_columns_and_items_give_the_same_fields() -> None:
         microsecond=(CREATED_US + 1) % 1_000_000
     )
     assert fields[0]["metadata"] == {} and fields[0]["metadata"] is not fields[1]["metadata"]
+    assert (fields[1]["message_id"], fields[1]["dead_reason"], fields[1]["dead_attempts"]) == ("m-b", "expired", 4)
+    assert (fields[0]["message_id"], fields[0]["dead_reason"], fields[0]["dead_at"]) == ("a", None, None)
 
 
 def test_payload_only_columns_fill_the_optional_fields_blank() -> None:
@@ -62,5 +74,9 @@ def test_payload_only_columns_fill_the_optional_fields_blank() -> None:
     )
     fields = list(leased_fields(queue_pb2.LeaseResponse(queue_name="q", columns=columns)))
     assert [(f["kind"], f["encoding"], f["reference"], f["metadata"]) for f in fields] == [("", "", "", {})] * 2
+    assert [(f["message_id"], f["source_id"], f["dead_reason"], f["dead_at"]) for f in fields] == [
+        ("a", "", None, None),
+        ("b", "", None, None),
+    ]
     fields[0]["metadata"]["x"] = "1"
     assert fields[1]["metadata"] == {}

@@ -118,6 +118,11 @@ class ImportedItem:
     attempts: int = 0
     source_id: str = ""
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The history (storage/record.py): kept as given.
+    message_id: str = ""
+    dead_reason: int = 0
+    dead_at_us: int = 0
+    dead_attempts: int = 0
 
 
 @dataclass(slots=True)

@@ -30,6 +30,7 @@ from ._items import AnyLeasedItem, AsyncLeasedItem, LeasedItem
 from ._models import (
     ApiKey,
     CreatedKey,
+    DeadReason,
     ExtendResult,
     Item,
     ItemRef,
@@ -81,6 +82,7 @@ __all__ = [
     "ClientConfig",
     "CreatedKey",
     "DeadLetter",
+    "DeadReason",
     "DeadlineExceeded",
     "ExtendResult",
     "FailedPrecondition",

@@ -10,7 +10,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ._convert import Seconds
-from ._models import ItemRef
+from ._models import DeadReason, ItemRef
 from .errors import DeadLetter
 
 if TYPE_CHECKING:
@@ -40,6 +40,11 @@ class _LeasedBase:
         "lease_deadline",
         "created_at",
         "metadata",
+        "message_id",
+        "source_id",
+        "dead_reason",
+        "dead_at",
+        "dead_attempts",
         "_state",
         "_lock",
     )
@@ -58,6 +63,11 @@ class _LeasedBase:
         lease_deadline: datetime,
         created_at: datetime,
         metadata: Mapping[str, str] | None = None,
+        message_id: str = "",
+        source_id: str = "",
+        dead_reason: DeadReason | None = None,
+        dead_at: datetime | None = None,
+        dead_attempts: int = 0,
     ) -> None:
         self.queue_name = queue_name
         self.partition = partition
@@ -73,6 +83,17 @@ class _LeasedBase:
         self.created_at = created_at
         #: The string pairs given at produce (e.g. trace context); empty when none.
         self.metadata: Mapping[str, str] = {} if metadata is None else metadata
+        #: The item's stable id: the id it was produced with, the same through every
+        #: re-queue, retry, dead-lettering and redrive (``id`` is this lease's; use
+        #: ``message_id`` to follow the item in logs).
+        self.message_id = message_id or id
+        #: In a dead-letter queue: the item's id in the queue it came from.
+        self.source_id = source_id
+        #: Dead letters only: why it died (None for other items), when, and how many
+        #: times it had been leased there (``attempts`` counts the leases here).
+        self.dead_reason = dead_reason
+        self.dead_at = dead_at
+        self.dead_attempts = dead_attempts
         self._state: str | None = None
         self._lock = threading.Lock()
 

@@ -6,11 +6,23 @@ import json as _json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
 Payload = bytes | bytearray | memoryview | str
+
+
+class DeadReason(StrEnum):
+    """Why an item was moved to a dead-letter queue (``dead_reason`` of a dead letter)."""
+
+    #: Its lease ran out, or a lease found it, with the queue's max_attempts reached.
+    MAX_ATTEMPTS = "max_attempts"
+    #: Its expire_timeout passed.
+    EXPIRED = "expired"
+    #: A consumer gave it up: ``item.dead()`` / Retry with ``dead``.
+    RETRY_DEAD = "retry_dead"
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +177,14 @@ class StoredItem:
     source_id: str = ""
     #: String pairs given at produce (e.g. trace context), kept by import.
     metadata: Mapping[str, str] = field(default_factory=dict, hash=False)
+    #: The item's stable id: the id it was produced with, kept when it is re-queued,
+    #: scheduled again, dead-lettered or redriven (``id`` changes each time).
+    message_id: str = ""
+    #: Dead letters only: why the item died, when, and after how many attempts in the
+    #: queue it died in (``attempts`` counts the leases in the queue that holds it now).
+    dead_reason: DeadReason | None = None
+    dead_at: datetime | None = None
+    dead_attempts: int = 0
 
     def __post_init__(self) -> None:
         if self.metadata:

@@ -14,6 +14,7 @@ from ._models import (
     ROLES,
     ApiKey,
     CreatedKey,
+    DeadReason,
     ExtendResult,
     Item,
     ItemRef,
@@ -252,6 +253,11 @@ def leased_fields(response: queue_pb2.LeaseResponse) -> Iterator[dict[str, Any]]
             "lease_deadline": c.from_timestamp(item.lease_deadline),
             "created_at": c.from_timestamp(item.created_at),
             "metadata": dict(item.metadata) if item.metadata else {},
+            "message_id": item.message_id or item.id,
+            "source_id": item.source_id,
+            "dead_reason": dead_reason(item.dead_reason),
+            "dead_at": c.from_timestamp(item.dead_at) if item.HasField("dead_at") else None,
+            "dead_attempts": item.dead_attempts,
         }
 
 
@@ -262,10 +268,20 @@ def _column_fields(queue_name: str, partition: int, columns: queue_pb2.LeaseColu
     kinds = list(columns.kinds) or blank
     references = list(columns.references) or blank
     metadata = [dict(m.entries) for m in columns.metadata] or [{} for _ in range(n)]
+    message_ids = list(columns.message_ids) or columns.ids
+    source_ids = list(columns.source_ids) or blank
+    reasons = [dead_reason(r) for r in columns.dead_reasons] or [None] * n
+    dead_at = [c.from_micros(us) if us else None for us in columns.dead_at_us] or [None] * n
+    dead_attempts = list(columns.dead_attempts) or [0] * n
     for i, (item_id, payload, attempts, deadline_us, created_us) in enumerate(
         zip(columns.ids, columns.payloads, columns.attempts, columns.lease_deadlines_us, columns.created_at_us)
     ):
         yield {
+            "message_id": message_ids[i],
+            "source_id": source_ids[i],
+            "dead_reason": reasons[i],
+            "dead_at": dead_at[i],
+            "dead_attempts": dead_attempts[i],
             "queue_name": queue_name,
             "partition": partition,
             "id": item_id,
@@ -446,7 +462,29 @@ def stored_item(item: storage_pb2.StorageItem, partition: int) -> StoredItem:
         kind=item.kind,
         source_id=item.source_id,
         metadata=dict(item.metadata),
+        message_id=item.message_id,
+        dead_reason=dead_reason(item.dead_reason),
+        dead_at=c.optional_timestamp(item, "dead_at"),
+        dead_attempts=item.dead_attempts,
     )
+
+
+_DEAD_REASONS: dict[int, DeadReason] = {
+    queue_pb2.DEAD_REASON_MAX_ATTEMPTS: DeadReason.MAX_ATTEMPTS,
+    queue_pb2.DEAD_REASON_EXPIRED: DeadReason.EXPIRED,
+    queue_pb2.DEAD_REASON_RETRY_DEAD: DeadReason.RETRY_DEAD,
+}
+_DEAD_REASON_VALUES = {reason: queue_pb2.DeadReason.Value(f"DEAD_REASON_{reason.name}") for reason in DeadReason}
+
+
+def dead_reason(value: int) -> DeadReason | None:
+    """The SDK's DeadReason of an API value (None: not a dead letter, or a reason this
+    SDK does not know yet)."""
+    return _DEAD_REASONS.get(value)
+
+
+def dead_reason_value(reason: DeadReason | str | None) -> queue_pb2.DeadReason.ValueType:
+    return _DEAD_REASON_VALUES[DeadReason(reason)] if reason else queue_pb2.DEAD_REASON_UNSPECIFIED
 
 
 def storage_item(item: StoredItem | Item | Payload) -> storage_pb2.StorageItem:
@@ -469,10 +507,13 @@ def storage_item(item: StoredItem | Item | Payload) -> storage_pb2.StorageItem:
         kind=item.kind,
         payload=c.payload_bytes(item.payload),
         source_id=item.source_id,
+        message_id=item.message_id,
+        dead_reason=dead_reason_value(item.dead_reason),
+        dead_attempts=item.dead_attempts,
     )
     if item.metadata:
         out.metadata.update(item.metadata)
-    for name in ("lease_deadline", "expire_deadline", "enqueue_at", "created_at"):
+    for name in ("lease_deadline", "expire_deadline", "enqueue_at", "created_at", "dead_at"):
         value: datetime | None = getattr(item, name)
         if value is not None:
             getattr(out, name).CopyFrom(c.to_timestamp(value))

@@ -25,7 +25,7 @@ from typing import IO, Any
 from ._client import Client
 from ._config import ADDRESS_ENV, DEFAULT_ADDRESS
 from ._items import LeasedItem
-from ._models import ROLES, ApiKey, Item, ItemRef, QueueInfo, StoredItem
+from ._models import ROLES, ApiKey, DeadReason, Item, ItemRef, QueueInfo, StoredItem
 from .errors import InvalidRequest, QueratorError
 
 TOKEN_ENV = "QUERATOR_TOKEN"
@@ -217,6 +217,17 @@ def _time_field(obj: dict[str, Any], key: str, where: str) -> datetime | None:
         raise UsageError(f"{where}: {key}: {exc}") from None
 
 
+def _dead_reason_field(obj: dict[str, Any], where: str) -> DeadReason | None:
+    value = obj.get("dead_reason")
+    if not value:
+        return None
+    try:
+        return DeadReason(str(value))
+    except ValueError:
+        known = ", ".join(reason.value for reason in DeadReason)
+        raise UsageError(f"{where}: dead_reason: must be one of {known}, got {value!r}") from None
+
+
 def produce_items(lines: Iterable[str], name: str, jsonl: bool) -> Iterator[Item | bytes]:
     if not jsonl:
         for line in lines:
@@ -251,6 +262,10 @@ def import_items(lines: Iterable[str], name: str) -> Iterator[StoredItem]:
             kind=str(obj.get("kind", "")),
             source_id=str(obj.get("source_id", "")),
             metadata=_metadata_of(obj, where),
+            message_id=str(obj.get("message_id", "")),
+            dead_reason=_dead_reason_field(obj, where),
+            dead_at=_time_field(obj, "dead_at", where),
+            dead_attempts=int(obj.get("dead_attempts", 0)),
         )
 
 

@@ -18,6 +18,7 @@ from ..model import ITEM_REPLY_OVERHEAD, MAX_METADATA_PAIRS, METADATA_PAIR_OVERH
 from ..storage import Item
 from ..storage.keyed import LeaseKeyRecord
 from ..storage.record import (
+    DEAD_RETRIED,
     ItemState,
     plain_leaser,
     read_state,
@@ -27,6 +28,7 @@ from ..storage.record import (
     without_lease,
 )
 from .ids import ItemRef, item_id, parse_id, scheduled_id
+from .cycle_base import DEATH_CODES
 from .lifecycle import LifecycleSteps
 from .requests import (
     CompleteRequest,
@@ -297,7 +299,7 @@ class Cycle(LifecycleSteps, StorageSteps):
                 self.store.delete(txn, p, seq, item)
                 v.ready -= 1
                 v.created_sum -= item.created_at
-                self._dead_letter(txn, p, seq, item, item_id(self.uid, p, seq), reason)
+                self._dead_letter(txn, p, seq, item, item_id(self.uid, p, seq), reason, DEATH_CODES[reason])
                 continue
             if state.lease_key or request.lease_key:
                 # Tagged items change their tag (and their old key loses them).
@@ -563,7 +565,7 @@ class Cycle(LifecycleSteps, StorageSteps):
             self._end_lease(txn, p, seq, item)
             reason = "retried as dead" if order.dead else self._death_reason(item)
             if reason:
-                self._dead_letter(txn, p, seq, item, old_id, reason)
+                self._dead_letter(txn, p, seq, item, old_id, reason, DEAD_RETRIED if order.dead else DEATH_CODES[reason])
             elif order.retry_at_us >= self.now + SCHEDULE_MIN_US:
                 self._schedule(txn, p, item, order.retry_at_us, seq)
             else:

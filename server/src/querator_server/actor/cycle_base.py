@@ -30,7 +30,7 @@ from ..faults import InjectedFault
 from ..model import QueueConfig
 from ..storage import Item, QueueStore
 from ..storage.keyed import KeyedIndex
-from ..storage.record import ItemState
+from ..storage.record import DEAD_EXPIRED, DEAD_MAX_ATTEMPTS, ItemState
 from .requests import LeaseRequest, Request
 from .view import PartitionView
 
@@ -62,6 +62,10 @@ class _Appended:
     def __init__(self, items: list[Any], length: int) -> None:
         self.items = items
         self.length = length
+# What _death_reason answers, and the DeadReason each stands for.
+EXPIRED = "expired"
+MAX_ATTEMPTS = "max_attempts reached"
+DEATH_CODES = {EXPIRED: DEAD_EXPIRED, MAX_ATTEMPTS: DEAD_MAX_ATTEMPTS}
 
 
 class CycleBase:
@@ -221,10 +225,10 @@ class CycleBase:
 
     def _death_reason(self, item: Item | ItemState) -> str:
         if item.expire_deadline <= self.now:
-            return "expired"
+            return EXPIRED
         limit = self.config.max_attempts
         if limit and item.attempts >= limit:
-            return "max_attempts reached"
+            return MAX_ATTEMPTS
         return ""
 
     def _remove_leased(self, txn: lmdb.Transaction[bytes], p: int, found: Iterable[tuple[int, ItemState]]) -> None:

@@ -14,8 +14,8 @@ import lmdb
 
 from ..faults import FAULT_FILE_ENV, InjectedFault, lifecycle_fault
 from ..storage import Item
-from ..storage.record import TAG_ITEM, parse_scheduled_key, seq_of_item_key
-from .cycle_base import CycleBase
+from ..storage.record import DEAD_EXPIRED, TAG_ITEM, parse_scheduled_key, seq_of_item_key
+from .cycle_base import DEATH_CODES, CycleBase
 from .ids import item_id, scheduled_id
 from .requests import DeadLetterRequest, OutboxDoneRequest
 
@@ -38,8 +38,11 @@ class LifecycleSteps(CycleBase):
         item.lease_deadline = 0
         item.leased_at = 0
 
-    def _requeue(self, txn: lmdb.Transaction[bytes], p: int, item: Item, old_seq: int = 0) -> None:
-        """Put an item at the tail of its partition under a new id."""
+    def _requeue(self, txn: lmdb.Transaction[bytes], p: int, item: Item, old_seq: int = 0, old_id: str = "") -> None:
+        """Put an item at the tail of its partition under a new id; its message id
+        stays the id it had before its first move (``old_id``, or the one of ``old_seq``)."""
+        if not item.message_id:
+            item.message_id = old_id or (item_id(self.uid, p, old_seq) if old_seq else "")
         v = self.view(p)
         item.enqueue_at = 0
         new_seq = v.take_seq()
@@ -51,6 +54,8 @@ class LifecycleSteps(CycleBase):
         v.note_expiry(item.expire_deadline)
 
     def _schedule(self, txn: lmdb.Transaction[bytes], p: int, item: Item, due: int, old_seq: int) -> None:
+        if not item.message_id:
+            item.message_id = item_id(self.uid, p, old_seq)
         if item.lease_key:
             self._untag(txn, item.lease_key, old_seq)
             item.lease_key = ""
@@ -61,12 +66,16 @@ class LifecycleSteps(CycleBase):
         v.note_due(due)
         v.note_expiry(item.expire_deadline)
 
-    def _dead_letter(self, txn: lmdb.Transaction[bytes], p: int, seq: int, item: Item, old_id: str, reason: str) -> None:
+    def _dead_letter(
+        self, txn: lmdb.Transaction[bytes], p: int, seq: int, item: Item, old_id: str, reason: str, code: int
+    ) -> None:
         """Send an item (already out of its place) to the dead-letter queue, or drop it.
 
         The item goes to the partition's outbox in this same transaction; the actor
         hands the outbox to the dead-letter queue after the commit and removes each
-        entry once that queue has stored it (deduplicated by source_id).
+        entry once that queue has stored it (deduplicated by source_id). It carries
+        its history: its message id, why (``code``, a DEAD_*), when, after how many
+        attempts.
         """
         if item.lease_key:
             self._untag(txn, item.lease_key, seq)
@@ -74,6 +83,8 @@ class LifecycleSteps(CycleBase):
         if not self.config.dead_queue:
             self.dropped.append((old_id, reason))
             return
+        item.message_id = item.message_id or old_id
+        item.dead_reason, item.dead_at, item.dead_attempts = code, self.now, item.attempts
         item.source_id = old_id
         self.store.put_outbox(txn, p, seq, item)
         self.outbox_added.append((p, seq, item))
@@ -104,7 +115,7 @@ class LifecycleSteps(CycleBase):
             self._end_lease(txn, p, seq, item)
             reason = self._death_reason(item)
             if reason:
-                self._dead_letter(txn, p, seq, item, old_id, f"lease expired, {reason}")
+                self._dead_letter(txn, p, seq, item, old_id, f"lease expired, {reason}", DEATH_CODES[reason])
             else:
                 self._requeue(txn, p, item, seq)
         for p in range(len(self._base)):
@@ -124,10 +135,11 @@ class LifecycleSteps(CycleBase):
         for due, seq, item in due_rows:
             self.store.delete_scheduled(txn, p, due, seq, item)
             v.scheduled -= 1
+            old_id = scheduled_id(self.uid, p, seq, due)
             if item.expire_deadline <= self.now:
-                self._dead_letter(txn, p, seq, item, scheduled_id(self.uid, p, seq, due), "expired while scheduled")
+                self._dead_letter(txn, p, seq, item, old_id, "expired while scheduled", DEAD_EXPIRED)
             else:
-                self._requeue(txn, p, item)
+                self._requeue(txn, p, item, old_id=old_id)
         if len(due_rows) == LIFECYCLE_BATCH:
             self.more_lifecycle = True
         v.first_due = self.store.first_due(txn, p)
@@ -147,13 +159,17 @@ class LifecycleSteps(CycleBase):
                 self.store.delete_scheduled(txn, p, due, seq, item)
                 v.scheduled -= 1
                 old_id = scheduled_id(self.uid, p, seq, due)
-            self._dead_letter(txn, p, seq, item, old_id, "expired")
+            self._dead_letter(txn, p, seq, item, old_id, "expired", DEAD_EXPIRED)
         if next_deadline == self.now:
             self.more_lifecycle = True
         v.first_expiry = next_deadline
 
     def receive_dead_letters(self, txn: lmdb.Transaction[bytes], request: DeadLetterRequest) -> None:
-        """Store items another queue dead-lettered here, once each by source_id."""
+        """Store items another queue dead-lettered here, once each by source_id.
+
+        ``attempts`` starts again (this queue's max_attempts counts leases here); the
+        attempts of the source queue stay in ``dead_attempts``.
+        """
         counts = [self._peek(p).ready for p in range(len(self._base))]
         p = counts.index(min(counts))
         expire = self.now + self.config.expire_timeout_us

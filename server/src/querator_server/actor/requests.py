@@ -155,7 +155,8 @@ class LeaseResult:
     attempts: list[int] = field(default_factory=list)
     lease_deadlines: list[int] = field(default_factory=list)
     created_at: list[int] = field(default_factory=list)
-    # The items that carry more than a payload (encoding, kind, reference, metadata), by index.
+    # The items that carry more than a payload (encoding, kind, reference, metadata, a
+    # source id or a history), by index.
     details: dict[int, Item] = field(default_factory=dict)
     # Nothing leased because the lease's ReplyRoom was used up.
     no_room: bool = False
@@ -164,7 +165,7 @@ class LeaseResult:
         return len(self.ids)
 
     def add(self, item_id: str, item: Item) -> None:
-        if item.encoding or item.kind or item.reference or item.metadata:
+        if item.encoding or item.kind or item.reference or item.metadata or item.source_id or item.message_id:
             self.details[len(self.ids)] = item
         self.ids.append(item_id)
         self.payloads.append(item.payload)

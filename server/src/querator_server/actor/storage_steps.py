@@ -60,6 +60,10 @@ class StorageSteps(CycleBase):
                 expire_deadline=given.expire_deadline_us or now + self.config.expire_timeout_us,
                 enqueue_at=given.enqueue_at_us,
                 attempts=given.attempts,
+                message_id=given.message_id,
+                dead_reason=given.dead_reason,
+                dead_at=given.dead_at_us,
+                dead_attempts=given.dead_attempts,
             )
             v.note_expiry(item.expire_deadline)
             if given.enqueue_at_us >= now + SCHEDULE_MIN_US:

@@ -301,11 +301,18 @@ def _lease_response(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
                 reference=detail.reference,
                 payload=payload,
                 attempts=attempts,
+                message_id=detail.message_id or item_id,
+                source_id=detail.source_id,
             )
             if detail.metadata:
                 out.metadata.update(detail.metadata)
-        else:  # most items: three keyword arguments fewer to parse
-            out = add(id=item_id, payload=payload, attempts=attempts)
+            if detail.dead_reason:
+                out.dead_reason = detail.dead_reason  # type: ignore[assignment]
+                out.dead_attempts = detail.dead_attempts
+                out.dead_at.seconds, micros = divmod(detail.dead_at, 1_000_000)
+                out.dead_at.nanos = micros * 1000
+        else:  # most items: fewer keyword arguments to parse
+            out = add(id=item_id, payload=payload, attempts=attempts, message_id=item_id)
         deadline, created = out.lease_deadline, out.created_at
         deadline.seconds, micros = divmod(result.lease_deadlines[index], 1_000_000)
         deadline.nanos = micros * 1000
@@ -340,4 +347,14 @@ def _lease_columns(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
                 entries = columns.metadata.add().entries
                 if i in details:
                     entries.update(details[i].metadata)
+        if any(detail.message_id for detail in details.values()):
+            ids = result.ids
+            columns.message_ids.extend([(details[i].message_id if i in details else "") or ids[i] for i in indexes])
+        if any(detail.source_id for detail in details.values()):
+            columns.source_ids.extend([details[i].source_id if i in details else "" for i in indexes])
+        if any(detail.dead_reason for detail in details.values()):
+            dead = [details.get(i) for i in indexes]
+            columns.dead_reasons.extend([d.dead_reason if d else 0 for d in dead])  # type: ignore[misc]
+            columns.dead_at_us.extend([d.dead_at if d else 0 for d in dead])
+            columns.dead_attempts.extend([d.dead_attempts if d else 0 for d in dead])
     return response

@@ -6,7 +6,7 @@ import struct
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from querator.v1 import storage_pb2 as pb
+from querator.v1 import queue_pb2, storage_pb2 as pb
 
 from .. import actor as a
 from ..errors import InvalidArgument
@@ -42,7 +42,12 @@ def storage_item(stored: a.StoredItem) -> pb.StorageItem:
         payload=item.payload,
         source_id=item.source_id,
         metadata=item.metadata,
+        message_id=item.message_id or stored.item_id,
+        dead_reason=item.dead_reason,  # type: ignore[arg-type]
+        dead_attempts=item.dead_attempts,
     )
+    if item.dead_at:
+        out.dead_at.CopyFrom(ts(item.dead_at))
     if item.is_leased:
         out.lease_deadline.CopyFrom(ts(item.lease_deadline))
     if item.enqueue_at:
@@ -123,6 +128,10 @@ class StorageService:
             if item.attempts < 0:
                 raise InvalidArgument(f"{field}.attempts", "must not be negative")
             c.item_labels(item, field)
+            if item.dead_attempts < 0:
+                raise InvalidArgument(f"{field}.dead_attempts", "must not be negative")
+            if item.dead_reason not in queue_pb2.DeadReason.values():
+                raise InvalidArgument(f"{field}.dead_reason", f"is not a known DeadReason: {item.dead_reason}")
             items.append(
                 ImportedItem(
                     payload=item.payload,
@@ -143,6 +152,10 @@ class StorageService:
                     attempts=item.attempts,
                     source_id=c.source_id(item.source_id, f"{field}.source_id"),
                     metadata=c.metadata(item.metadata, f"{field}.metadata"),
+                    message_id=c.source_id(item.message_id, f"{field}.message_id"),
+                    dead_reason=item.dead_reason,
+                    dead_at_us=c.optional_timestamp_us(item, "dead_at", f"{field}.dead_at"),
+                    dead_attempts=item.dead_attempts,
                 )
             )
         ids: list[str] = await self.manager.actor(name).submit(a.ImportItemsRequest(partition, items))

@@ -33,10 +33,12 @@ _FORMAT = b"format"
 # which a server of format 1 would read as an entry of the batch's first item only.
 # 3: a queue may keep its storage in a group environment (groups/<n>, its "group"),
 # where a server of format 2 would find no directory and refuse to start.
-_FORMAT_VERSION = b"querator-catalog-3"
+# 4: an item record may carry a history block (record.py), which a server of format 3
+# would read as the start of the payload.
+_FORMAT_VERSION = b"querator-catalog-4"
 # Formats this server reads as they are; opening one stamps it with _FORMAT_VERSION, so
 # an older server then refuses the directory instead of misreading it.
-_UPGRADABLE_FORMATS = (b"querator-catalog-1", b"querator-catalog-2")
+_UPGRADABLE_FORMATS = (b"querator-catalog-1", b"querator-catalog-2", b"querator-catalog-3")
 
 
 class CatalogError(StorageError):

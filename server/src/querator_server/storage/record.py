@@ -16,6 +16,14 @@ A partition is one named LMDB database whose keys start with a one-byte tag:
 - ``n``: the next sequence number, so a seq (and hence an id) is never reused.
 
 Times are microseconds since the epoch; big-endian unsigned integers sort like numbers.
+
+Record versions: a record is the header, the strings and the payload (catalog formats
+1 to 3). An item that was re-queued, scheduled again, moved or dead-lettered also
+carries its *history* (the id it was produced with; why, when and after how many
+attempts it died): a block between the strings and the payload, marked by a flag bit,
+so a record without the bit is read as before, and the records of fresh items (all but
+a few) are as small and as cheap to lease as they were. Catalog format 4 marks a data
+directory whose records may hold the block, which older servers would misread.
 """
 
 from __future__ import annotations
@@ -45,6 +53,17 @@ _HEADER = struct.Struct("<BIqqqqqIIIIII")
 _FLAG_LEASED = 1
 # Indexed by an expiry run (see the module docstring) rather than an entry of its own.
 _FLAG_EXPIRY_RUN = 2
+# A history block (_HISTORY and the message id) follows the metadata.
+_FLAG_HISTORY = 4
+# Flags a lease rewrite keeps as they were.
+_KEPT_FLAGS = _FLAG_EXPIRY_RUN | _FLAG_HISTORY
+# dead_reason, dead_at, dead_attempts, byte length of the message id.
+_HISTORY = struct.Struct("<BqII")
+
+# Why an item was dead-lettered (DeadReason in the API; 0: it was not).
+DEAD_MAX_ATTEMPTS = 1
+DEAD_EXPIRED = 2
+DEAD_RETRIED = 3
 # The fixed part of the header: what lease and extend rewrite without decoding the
 # strings and payload behind it.
 _STATE_FIXED = struct.Struct("<BIqqqqq")
@@ -119,10 +138,24 @@ class Item:
     metadata: dict[str, str] = field(default_factory=dict)
     # Indexed by an expiry run, not by an expiry entry of its own (storage detail).
     expiry_run: bool = False
+    # The history (see the module docstring). The stable id the item was produced
+    # with, "" while it still has that id (so fresh items store nothing).
+    message_id: str = ""
+    # Set when the item was dead-lettered: why (DEAD_*), when, and after how many
+    # attempts in the queue it died in.
+    dead_reason: int = 0
+    dead_at: int = 0
+    dead_attempts: int = 0
 
     def encode(self) -> bytes:
+        history = b""
+        if self.message_id or self.dead_reason or self.dead_at or self.dead_attempts:
+            message_id = self.message_id.encode()
+            history = _HISTORY.pack(self.dead_reason, self.dead_at, self.dead_attempts, len(message_id)) + message_id
         fixed = (
-            (_FLAG_LEASED if self.is_leased else 0) | (_FLAG_EXPIRY_RUN if self.expiry_run else 0),
+            (_FLAG_LEASED if self.is_leased else 0)
+            | (_FLAG_EXPIRY_RUN if self.expiry_run else 0)
+            | (_FLAG_HISTORY if history else 0),
             self.attempts,
             self.created_at,
             self.expire_deadline,
@@ -132,7 +165,7 @@ class Item:
         )
         if not (self.source_id or self.reference or self.encoding or self.kind or self.lease_key or self.metadata):
             # Most items carry only a payload: skip six encodes and an eight-part join.
-            return _HEADER.pack(*fixed, 0, 0, 0, 0, 0, 0) + self.payload
+            return _HEADER.pack(*fixed, 0, 0, 0, 0, 0, 0) + history + self.payload
         source = self.source_id.encode()
         reference = self.reference.encode()
         encoding = self.encoding.encode()
@@ -142,7 +175,7 @@ class Item:
         header = _HEADER.pack(
             *fixed, len(source), len(reference), len(encoding), len(kind), len(lease_key), len(metadata)
         )
-        return b"".join((header, source, reference, encoding, kind, lease_key, metadata, self.payload))
+        return b"".join((header, source, reference, encoding, kind, lease_key, metadata, history, self.payload))
 
     @classmethod
     def decode(cls, data: bytes) -> Item:
@@ -179,6 +212,9 @@ class Item:
             pos += n_lease_key
             metadata = json.loads(view[pos : pos + n_metadata]) if n_metadata else {}
             pos += n_metadata
+        if flags & _FLAG_HISTORY:
+            return cls._with_history(view, pos, flags, (created_at, expire_deadline, enqueue_at, attempts),
+                                     (lease_deadline, leased_at), (source, reference, encoding, kind, lease_key), metadata)
         return cls(
             payload=view[pos:],
             encoding=encoding,
@@ -195,6 +231,46 @@ class Item:
             lease_key=lease_key,
             metadata=metadata,
             expiry_run=bool(flags & _FLAG_EXPIRY_RUN),
+        )
+
+    @classmethod
+    def _with_history(
+        cls,
+        view: bytes,
+        pos: int,
+        flags: int,
+        times: tuple[int, int, int, int],
+        lease: tuple[int, int],
+        strings: tuple[str, str, str, str, str],
+        metadata: dict[str, str],
+    ) -> Item:
+        """``decode`` of a record with a history block at ``pos`` (apart, so that the
+        records without one pay no more than they did)."""
+        dead_reason, dead_at, dead_attempts, n_message_id = _HISTORY.unpack_from(view, pos)
+        pos += _HISTORY.size
+        message_id = view[pos : pos + n_message_id].decode()
+        created_at, expire_deadline, enqueue_at, attempts = times
+        source, reference, encoding, kind, lease_key = strings
+        return cls(
+            payload=view[pos + n_message_id :],
+            encoding=encoding,
+            kind=kind,
+            reference=reference,
+            source_id=source,
+            created_at=created_at,
+            expire_deadline=expire_deadline,
+            enqueue_at=enqueue_at,
+            attempts=attempts,
+            is_leased=bool(flags & _FLAG_LEASED),
+            lease_deadline=lease[0],
+            leased_at=lease[1],
+            lease_key=lease_key,
+            metadata=metadata,
+            expiry_run=bool(flags & _FLAG_EXPIRY_RUN),
+            message_id=message_id,
+            dead_reason=dead_reason,
+            dead_at=dead_at,
+            dead_attempts=dead_attempts,
         )
 
 
@@ -248,7 +324,7 @@ _new_tuple = tuple.__new__
 
 def with_lease(raw: bytes, state: ItemState, *, attempts: int, deadline: int, leased_at: int) -> bytes:
     """``raw`` rewritten as leased with these lease fields; everything else kept."""
-    flags = _FLAG_LEASED | (_FLAG_EXPIRY_RUN if state.expiry_run else 0)
+    flags = _FLAG_LEASED | (raw[0] & _KEPT_FLAGS)
     head = _STATE_FIXED.pack(
         flags, attempts, state.created_at, state.expire_deadline, deadline, state.enqueue_at, leased_at
     )
@@ -269,7 +345,7 @@ def with_lease_key(raw: bytes, *, attempts: int, deadline: int, leased_at: int, 
     n_source, n_reference, n_encoding, n_kind, n_lease_key = header[7:12]
     start = _HEADER.size + n_source + n_reference + n_encoding + n_kind
     key = lease_key.encode()
-    header[0] = _FLAG_LEASED | (header[0] & _FLAG_EXPIRY_RUN)
+    header[0] = _FLAG_LEASED | (header[0] & _KEPT_FLAGS)
     header[1] = attempts
     header[4] = deadline
     header[6] = leased_at
@@ -303,7 +379,7 @@ PlainLeaser = Callable[[bytes], "tuple[bytes, bytes, int, int] | None"]
 def plain_leaser(*, now: int, max_attempts: int, deadline: int, key_bytes: bytes) -> PlainLeaser:
     """The rewrite of one lease (at ``now``, until ``deadline``, under the lease key
     ``key_bytes``) for the common item: a payload and nothing else, not tagged by a
-    lease key, not due to die. It maps a record to (the leased record, its payload,
+    lease key, with no history, not due to die. It maps a record to (the leased record, its payload,
     attempts, created_at), or to None for every other item, which takes the general
     path (``read_state``, ``with_lease_key``, ``Item.decode``).
 
@@ -320,7 +396,7 @@ def plain_leaser(*, now: int, max_attempts: int, deadline: int, key_bytes: bytes
         if raw[_LENGTHS] != _NO_STRINGS:
             return None
         flags, attempts, created, expire, _deadline, _enqueue_at, _leased_at = unpack(raw)
-        if expire <= now or (max_attempts and attempts >= max_attempts):
+        if expire <= now or flags & _FLAG_HISTORY or (max_attempts and attempts >= max_attempts):
             return None
         attempts += 1
         payload = raw[_HEADER.size :]

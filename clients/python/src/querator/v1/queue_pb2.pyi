@@ -9,6 +9,7 @@ from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -19,6 +20,34 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _DeadReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DeadReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DeadReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DEAD_REASON_UNSPECIFIED: _DeadReason.ValueType  # 0
+    """Not a dead letter."""
+    DEAD_REASON_MAX_ATTEMPTS: _DeadReason.ValueType  # 1
+    """Its lease ran out (or a lease found it) with max_attempts reached."""
+    DEAD_REASON_EXPIRED: _DeadReason.ValueType  # 2
+    """Its expire_timeout passed (ready, scheduled, or when its lease ended)."""
+    DEAD_REASON_RETRY_DEAD: _DeadReason.ValueType  # 3
+    """A consumer gave it back with Retry and `dead` set."""
+
+class DeadReason(_DeadReason, metaclass=_DeadReasonEnumTypeWrapper):
+    """DeadReason says why an item was moved to a dead-letter queue."""
+
+DEAD_REASON_UNSPECIFIED: DeadReason.ValueType  # 0
+"""Not a dead letter."""
+DEAD_REASON_MAX_ATTEMPTS: DeadReason.ValueType  # 1
+"""Its lease ran out (or a lease found it) with max_attempts reached."""
+DEAD_REASON_EXPIRED: DeadReason.ValueType  # 2
+"""Its expire_timeout passed (ready, scheduled, or when its lease ended)."""
+DEAD_REASON_RETRY_DEAD: DeadReason.ValueType  # 3
+"""A consumer gave it back with Retry and `dead` set."""
+Global___DeadReason: _TypeAlias = DeadReason  # noqa: Y015
 
 @_typing.final
 class StreamError(_message.Message):
@@ -456,6 +485,11 @@ class LeaseItem(_message.Message):
     LEASE_DEADLINE_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    SOURCE_ID_FIELD_NUMBER: _builtins.int
+    DEAD_REASON_FIELD_NUMBER: _builtins.int
+    DEAD_AT_FIELD_NUMBER: _builtins.int
+    DEAD_ATTEMPTS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The item's id for this lease: pass it to Complete, Retry or Extend."""
     encoding: _builtins.str
@@ -468,6 +502,25 @@ class LeaseItem(_message.Message):
     """As given at produce."""
     attempts: _builtins.int
     """How many times the item has been leased, this lease included."""
+    message_id: _builtins.str
+    """The item's stable id: the id it was produced with, kept when the item is
+    re-queued (lease expired, Retry), promoted from scheduled, dead-lettered
+    or redriven, while `id` changes with each of these. Use it to follow an
+    item in logs; use `id` to complete, retry or extend this lease.
+    """
+    source_id: _builtins.str
+    """For items in a dead-letter queue (or redriven from one): the item's id in
+    the queue it came from. Empty otherwise.
+    """
+    dead_reason: Global___DeadReason.ValueType
+    """Why the item was dead-lettered; DEAD_REASON_UNSPECIFIED for items that
+    were not.
+    """
+    dead_attempts: _builtins.int
+    """How many times the item had been leased in the queue it died in; its
+    `attempts` counts the leases in the dead-letter queue, so that queue's own
+    max_attempts applies afresh (dead letters only).
+    """
     @_builtins.property
     def lease_deadline(self) -> _timestamp_pb2.Timestamp:
         """When the lease ends unless completed, retried or extended first."""
@@ -479,6 +532,10 @@ class LeaseItem(_message.Message):
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """As given at produce."""
+
+    @_builtins.property
+    def dead_at(self) -> _timestamp_pb2.Timestamp:
+        """When the item was dead-lettered (dead letters only)."""
 
     def __init__(
         self,
@@ -492,10 +549,15 @@ class LeaseItem(_message.Message):
         lease_deadline: _timestamp_pb2.Timestamp | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        message_id: _builtins.str = ...,
+        source_id: _builtins.str = ...,
+        dead_reason: Global___DeadReason.ValueType = ...,
+        dead_at: _timestamp_pb2.Timestamp | None = ...,
+        dead_attempts: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "lease_deadline", b"lease_deadline"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dead_at", b"dead_at", "lease_deadline", b"lease_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "encoding", b"encoding", "id", b"id", "kind", b"kind", "lease_deadline", b"lease_deadline", "metadata", b"metadata", "payload", b"payload", "reference", b"reference"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "dead_at", b"dead_at", "dead_attempts", b"dead_attempts", "dead_reason", b"dead_reason", "encoding", b"encoding", "id", b"id", "kind", b"kind", "lease_deadline", b"lease_deadline", "message_id", b"message_id", "metadata", b"metadata", "payload", b"payload", "reference", b"reference", "source_id", b"source_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -561,6 +623,11 @@ class LeaseColumns(_message.Message):
     KINDS_FIELD_NUMBER: _builtins.int
     REFERENCES_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    MESSAGE_IDS_FIELD_NUMBER: _builtins.int
+    SOURCE_IDS_FIELD_NUMBER: _builtins.int
+    DEAD_REASONS_FIELD_NUMBER: _builtins.int
+    DEAD_AT_US_FIELD_NUMBER: _builtins.int
+    DEAD_ATTEMPTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The items' ids for this lease: pass them to Complete, Retry or Extend."""
@@ -599,6 +666,30 @@ class LeaseColumns(_message.Message):
     def metadata(self) -> _containers.RepeatedCompositeFieldContainer[Global___ItemMetadata]:
         """Empty, or one per item."""
 
+    @_builtins.property
+    def message_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Empty when every item's message_id equals its id (no item of the batch
+        was ever moved); else one per item.
+        """
+
+    @_builtins.property
+    def source_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Empty, or one per item."""
+
+    @_builtins.property
+    def dead_reasons(self) -> _containers.RepeatedScalarFieldContainer[Global___DeadReason.ValueType]:
+        """Empty when no item of the batch is a dead letter; else one per item."""
+
+    @_builtins.property
+    def dead_at_us(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Empty, or one per item: when each was dead-lettered, in microseconds
+        since the Unix epoch (0 for items that were not).
+        """
+
+    @_builtins.property
+    def dead_attempts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Empty, or one per item."""
+
     def __init__(
         self,
         *,
@@ -611,10 +702,15 @@ class LeaseColumns(_message.Message):
         kinds: _abc.Iterable[_builtins.str] | None = ...,
         references: _abc.Iterable[_builtins.str] | None = ...,
         metadata: _abc.Iterable[Global___ItemMetadata] | None = ...,
+        message_ids: _abc.Iterable[_builtins.str] | None = ...,
+        source_ids: _abc.Iterable[_builtins.str] | None = ...,
+        dead_reasons: _abc.Iterable[Global___DeadReason.ValueType] | None = ...,
+        dead_at_us: _abc.Iterable[_builtins.int] | None = ...,
+        dead_attempts: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at_us", b"created_at_us", "encodings", b"encodings", "ids", b"ids", "kinds", b"kinds", "lease_deadlines_us", b"lease_deadlines_us", "metadata", b"metadata", "payloads", b"payloads", "references", b"references"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at_us", b"created_at_us", "dead_at_us", b"dead_at_us", "dead_attempts", b"dead_attempts", "dead_reasons", b"dead_reasons", "encodings", b"encodings", "ids", b"ids", "kinds", b"kinds", "lease_deadlines_us", b"lease_deadlines_us", "message_ids", b"message_ids", "metadata", b"metadata", "payloads", b"payloads", "references", b"references", "source_ids", b"source_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -8,6 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from querator.v1 import queue_pb2 as _queue_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -58,6 +59,10 @@ class StorageItem(_message.Message):
     PAYLOAD_FIELD_NUMBER: _builtins.int
     SOURCE_ID_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    DEAD_REASON_FIELD_NUMBER: _builtins.int
+    DEAD_AT_FIELD_NUMBER: _builtins.int
+    DEAD_ATTEMPTS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The item's current id."""
     is_leased: _builtins.bool
@@ -79,6 +84,16 @@ class StorageItem(_message.Message):
     naming items[i].source_id. A dead-letter queue stores an item with a given
     source_id once.
     """
+    message_id: _builtins.str
+    """The item's stable id: the id it was produced with, kept across re-queues,
+    promotion, dead-lettering and redrive (see LeaseItem.message_id).
+    """
+    dead_reason: _queue_pb2.DeadReason.ValueType
+    """Why the item was dead-lettered; DEAD_REASON_UNSPECIFIED if it was not."""
+    dead_attempts: _builtins.int
+    """How many times the item had been leased in the queue it died in (dead
+    letters only; `attempts` counts leases in the queue that holds it now).
+    """
     @_builtins.property
     def lease_deadline(self) -> _timestamp_pb2.Timestamp:
         """When the current lease ends (leased items only)."""
@@ -99,6 +114,10 @@ class StorageItem(_message.Message):
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """As given at produce."""
 
+    @_builtins.property
+    def dead_at(self) -> _timestamp_pb2.Timestamp:
+        """When the item was dead-lettered (dead letters only)."""
+
     def __init__(
         self,
         *,
@@ -115,10 +134,14 @@ class StorageItem(_message.Message):
         payload: _builtins.bytes = ...,
         source_id: _builtins.str = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        message_id: _builtins.str = ...,
+        dead_reason: _queue_pb2.DeadReason.ValueType = ...,
+        dead_at: _timestamp_pb2.Timestamp | None = ...,
+        dead_attempts: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "enqueue_at", b"enqueue_at", "expire_deadline", b"expire_deadline", "lease_deadline", b"lease_deadline"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dead_at", b"dead_at", "enqueue_at", b"enqueue_at", "expire_deadline", b"expire_deadline", "lease_deadline", b"lease_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "encoding", b"encoding", "enqueue_at", b"enqueue_at", "expire_deadline", b"expire_deadline", "id", b"id", "is_leased", b"is_leased", "kind", b"kind", "lease_deadline", b"lease_deadline", "metadata", b"metadata", "payload", b"payload", "reference", b"reference", "source_id", b"source_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "dead_at", b"dead_at", "dead_attempts", b"dead_attempts", "dead_reason", b"dead_reason", "encoding", b"encoding", "enqueue_at", b"enqueue_at", "expire_deadline", b"expire_deadline", "id", b"id", "is_leased", b"is_leased", "kind", b"kind", "lease_deadline", b"lease_deadline", "message_id", b"message_id", "metadata", b"metadata", "payload", b"payload", "reference", b"reference", "source_id", b"source_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -76,7 +76,8 @@ class StorageServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ImportItems(self, request, context):
-        """ImportItems stores items as given (attempts, deadlines, source_id kept).
+        """ImportItems stores items as given (attempts, deadlines, source_id and the
+        history fields message_id, dead_reason, dead_at, dead_attempts kept).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -38,7 +38,9 @@ class StorageServiceStub:
     ListScheduledItems: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ListScheduledItemsRequest, _storage_pb2.ListScheduledItemsResponse]
     """ListScheduledItems lists the scheduled items of a partition by due time."""
     ImportItems: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ImportItemsRequest, _storage_pb2.ImportItemsResponse]
-    """ImportItems stores items as given (attempts, deadlines, source_id kept)."""
+    """ImportItems stores items as given (attempts, deadlines, source_id and the
+    history fields message_id, dead_reason, dead_at, dead_attempts kept).
+    """
     DeleteItems: _grpc.UnaryUnaryMultiCallable[_storage_pb2.DeleteItemsRequest, _storage_pb2.DeleteItemsResponse]
     """DeleteItems deletes items by id, whatever their state."""
 
@@ -52,7 +54,9 @@ class StorageServiceAsyncStub(StorageServiceStub):
     ListScheduledItems: _aio.UnaryUnaryMultiCallable[_storage_pb2.ListScheduledItemsRequest, _storage_pb2.ListScheduledItemsResponse]  # type: ignore[assignment]
     """ListScheduledItems lists the scheduled items of a partition by due time."""
     ImportItems: _aio.UnaryUnaryMultiCallable[_storage_pb2.ImportItemsRequest, _storage_pb2.ImportItemsResponse]  # type: ignore[assignment]
-    """ImportItems stores items as given (attempts, deadlines, source_id kept)."""
+    """ImportItems stores items as given (attempts, deadlines, source_id and the
+    history fields message_id, dead_reason, dead_at, dead_attempts kept).
+    """
     DeleteItems: _aio.UnaryUnaryMultiCallable[_storage_pb2.DeleteItemsRequest, _storage_pb2.DeleteItemsResponse]  # type: ignore[assignment]
     """DeleteItems deletes items by id, whatever their state."""
 
@@ -81,7 +85,9 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _storage_pb2.ImportItemsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.ImportItemsResponse, _abc.Awaitable[_storage_pb2.ImportItemsResponse]]:
-        """ImportItems stores items as given (attempts, deadlines, source_id kept)."""
+        """ImportItems stores items as given (attempts, deadlines, source_id and the
+        history fields message_id, dead_reason, dead_at, dead_attempts kept).
+        """
 
     @_abc_1.abstractmethod
     def DeleteItems(
