@@ -168,3 +168,25 @@ def test_import_keeps_the_history_it_is_given_and_checks_it(stubs: Stubs) -> Non
             assert "INVALID_ARGUMENT" in str(exc) and field in str(exc)
         else:
             raise AssertionError(f"{field} was accepted")
+
+
+def test_dead_letters_stay_in_the_dead_letter_queue_until_removed(stubs: Stubs) -> None:
+    """The dead-letter queue's expire_timeout (1.5 s here) applies to what is produced
+    into it, never to the dead letters it keeps for someone to look at."""
+    create(stubs, "dlq", lease=1, expire=1.5)
+    create(stubs, "q", dead_queue="dlq")
+    stubs.produce("q", [b"dead"])
+    retry(stubs, "q", [lease_now(stubs, "q").items[0].id], dead=True)
+    wait_until(lambda: stubs.list_items("dlq"), timeout=EVENTUALLY)
+    stubs.produce("dlq", [b"produced here"])
+    (dead,) = [i for i in stubs.list_items("dlq") if i.payload == b"dead"]
+    assert not dead.HasField("expire_deadline"), "a dead letter has no expiry"
+
+    # Both re-queued by a Retry (a re-queue keeps the dead letter's lack of expiry);
+    # past the produced item's expiry it is gone, the dead letter is not.
+    retry(stubs, "dlq", [i.id for i in lease_now(stubs, "dlq").items])
+    wait_until(lambda: [i.payload for i in stubs.list_items("dlq")] == [b"dead"], timeout=EVENTUALLY)
+    time.sleep(2.0)
+    assert [(i.payload, i.message_id) for i in stubs.list_items("dlq")] == [(b"dead", dead.message_id)]
+    (again,) = lease_now(stubs, "dlq").items
+    assert again.payload == b"dead" and again.dead_reason == RETRY_DEAD

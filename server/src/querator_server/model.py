@@ -34,6 +34,10 @@ MAX_WAIT_US = 15 * 60 * MICROS
 MAX_LEASE_TIMEOUT_US = 24 * 3600 * MICROS
 MAX_LONG_DURATION_US = 10 * 365 * 24 * 3600 * MICROS
 DEFAULT_WAIT_US = 30 * MICROS
+# The expire deadline of items that never expire (dead letters in their dead-letter
+# queue): the last microsecond a protobuf Timestamp can hold, so every time computed
+# from it stays valid, and it sorts after every real deadline in the expiry index.
+NEVER_US = 253_402_300_799_999_999
 SCHEDULE_MIN_US = 100_000
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import lmdb
 
 from ..faults import FAULT_FILE_ENV, InjectedFault, lifecycle_fault
+from ..model import NEVER_US
 from ..storage import Item
 from ..storage.record import DEAD_EXPIRED, TAG_ITEM, parse_scheduled_key, seq_of_item_key
 from .cycle_base import DEATH_CODES, CycleBase
@@ -168,11 +169,13 @@ class LifecycleSteps(CycleBase):
         """Store items another queue dead-lettered here, once each by source_id.
 
         ``attempts`` starts again (this queue's max_attempts counts leases here); the
-        attempts of the source queue stay in ``dead_attempts``.
+        attempts of the source queue stay in ``dead_attempts``. Dead letters never
+        expire here: they were kept for someone to look at, and a deadline of this
+        queue's expire_timeout (24 hours by default) would delete them unseen. They
+        stay until completed, deleted, cleared or redriven.
         """
         counts = [self._peek(p).ready for p in range(len(self._base))]
         p = counts.index(min(counts))
-        expire = self.now + self.config.expire_timeout_us
         for item in request.items:
             if item.source_id and self.store.has_source(txn, item.source_id):
                 continue  # sent before a crash; already here
@@ -181,7 +184,7 @@ class LifecycleSteps(CycleBase):
             item.lease_deadline = 0
             item.leased_at = 0
             item.enqueue_at = 0
-            item.expire_deadline = expire
+            item.expire_deadline = NEVER_US
             self._requeue(txn, p, item)
         self._ok(request, None)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..model import NEVER_US
 from ..storage import PartitionScan
 
 
@@ -73,5 +74,7 @@ class PartitionView:
             self.first_due = due
 
     def note_expiry(self, deadline: int) -> None:
+        if deadline >= NEVER_US:
+            return  # (dead letters) nothing to wake up for
         if not self.first_expiry or deadline < self.first_expiry:
             self.first_expiry = deadline

@@ -12,7 +12,7 @@ from .. import actor as a
 from ..errors import InvalidArgument
 from ..manager import QueuesManager
 from ..clock import now_us
-from ..model import MAX_LEASE_TIMEOUT_US, MAX_LONG_DURATION_US, REPLY_ITEMS_BYTES, ImportedItem
+from ..model import MAX_LEASE_TIMEOUT_US, MAX_LONG_DURATION_US, NEVER_US, REPLY_ITEMS_BYTES, ImportedItem
 from . import convert as c
 from ..auth import Action
 from .authz import Guard
@@ -33,7 +33,6 @@ def storage_item(stored: a.StoredItem) -> pb.StorageItem:
     out = pb.StorageItem(
         id=stored.item_id,
         is_leased=item.is_leased,
-        expire_deadline=ts(item.expire_deadline),
         created_at=ts(item.created_at),
         attempts=item.attempts,
         reference=item.reference,
@@ -46,6 +45,8 @@ def storage_item(stored: a.StoredItem) -> pb.StorageItem:
         dead_reason=item.dead_reason,  # type: ignore[arg-type]
         dead_attempts=item.dead_attempts,
     )
+    if item.expire_deadline < NEVER_US:  # unset: it never expires
+        out.expire_deadline.CopyFrom(ts(item.expire_deadline))
     if item.dead_at:
         out.dead_at.CopyFrom(ts(item.dead_at))
     if item.is_leased:

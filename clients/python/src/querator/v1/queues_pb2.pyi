@@ -74,7 +74,9 @@ class QueueInfo(_message.Message):
     dead-letter queue of its own. With API keys, answers show it only to a
     key whose patterns match it: for other keys it reads empty (setting it
     needs a key that matches it too), and no error text names a queue the
-    key may not see.
+    key may not see. Dead letters stay in the dead-letter queue until removed
+    (completed, deleted, cleared or redriven): its expire_timeout does not
+    apply to them.
     """
     reference: _builtins.str
     """A free-form note about the queue, at most 1,024 bytes of UTF-8."""
@@ -110,7 +112,9 @@ class QueueInfo(_message.Message):
     @_builtins.property
     def expire_timeout(self) -> _duration_pb2.Duration:
         """An item's total life from produce; expired items are dead-lettered.
-        Default 24 hours, at most 10 years. Changes apply to new items.
+        Default 24 hours, at most 10 years. Changes apply to new items. Not
+        applied to the dead letters a queue receives as another queue's
+        dead_queue: they never expire.
         """
 
     @_builtins.property

@@ -100,7 +100,9 @@ class StorageItem(_message.Message):
 
     @_builtins.property
     def expire_deadline(self) -> _timestamp_pb2.Timestamp:
-        """When the item expires and is dead-lettered."""
+        """When the item expires and is dead-lettered. Unset for items that never
+        expire (dead letters in their dead-letter queue).
+        """
 
     @_builtins.property
     def enqueue_at(self) -> _timestamp_pb2.Timestamp:
