@@ -43,6 +43,12 @@ from collections.abc import Iterable
 DEAD_LETTER_STORED = "dead-letter-stored"
 """After the dead-letter queue committed an outbox batch, before the source dropped it."""
 
+REDRIVE_TAKEN = "redrive-taken"
+"""A redrive committed its items to the origin's redrive outbox, before any target took them."""
+
+REDRIVE_STORED = "redrive-stored"
+"""A redrive's target committed the items, before the origin dropped them from its outbox."""
+
 MOVE_COPIED = "move-copied"
 """Moving a queue out of its commit group: its copy is durable, the catalog not yet changed."""
 

@@ -310,6 +310,7 @@ class QueuesManager:
             store,
             lane,
             resolve=self.actor,
+            resolve_uid=self.actor_by_uid,
             max_inbox=self._max_inbox,
             group=group,
             fail_after_s=self._fail_queue_after_s,
@@ -368,6 +369,10 @@ class QueuesManager:
             f"queue {name!r} has failed and is not served: {self.failure(name)}; "
             "repair or restore its storage and restart the server, or delete the queue"
         )
+    def actor_by_uid(self, uid: int) -> LogicalQueue | None:
+        """The running actor of the queue whose storage uid is ``uid`` (None: none is;
+        the queue was deleted)."""
+        return next((actor for actor in self._actors.values() if actor.config.uid == uid), None)
 
     def get(self, name: str) -> QueueConfig:
         config = self._configs.get(name)
@@ -390,6 +395,10 @@ class QueuesManager:
                     if len(names) > limit:
                         break
         return [self._configs[n] for n in names[:limit]], len(names) > limit
+
+    def queues_by_uid(self, visible: Callable[[str], bool] | None = None) -> dict[int, str]:
+        """The name of every queue (that is ``visible``), by storage uid."""
+        return {c.uid: c.name for c in self._configs.values() if visible is None or visible(c.name)}
 
     def dead_letter_users(self, name: str) -> builtins.list[str]:
         return sorted(c.name for c in self._configs.values() if c.dead_queue == name)

@@ -15,6 +15,8 @@ from .requests import (
     PageResult,
     ProduceRequest,
     ProduceResult,
+    RedriveRequest,
+    RedriveResult,
     RetryRequest,
     StoredItem,
 )
@@ -34,6 +36,8 @@ __all__ = [
     "PageResult",
     "ProduceRequest",
     "ProduceResult",
+    "RedriveRequest",
+    "RedriveResult",
     "RetryRequest",
     "StoredItem",
 ]

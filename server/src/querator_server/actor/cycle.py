@@ -3,7 +3,8 @@
 ``Cycle`` runs on the event loop in the store's held transaction (see cycle_base.py for
 the rules every step follows). This module holds the client requests: produce,
 lease (shared round-robin, idempotent lease keys), complete, retry and extend; the
-lifecycle and storage steps come from lifecycle.py and storage_steps.py.
+lifecycle, storage and redrive steps come from lifecycle.py, storage_steps.py and
+redrive.py.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..storage.record import (
 from .ids import ItemRef, item_id, parse_id, scheduled_id
 from .cycle_base import DEATH_CODES
 from .lifecycle import LifecycleSteps
+from .redrive import RedriveSteps
 from .requests import (
     CompleteRequest,
     ExtendRequest,
@@ -52,7 +54,7 @@ _DETAILED_ITEM_OVERHEAD = ITEM_REPLY_OVERHEAD + METADATA_PAIR_OVERHEAD * MAX_MET
 _HEX_DIGITS = "0123456789abcdef"
 
 
-class Cycle(LifecycleSteps, StorageSteps):
+class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
     """The transaction body of one actor cycle and everything it decided."""
 
     # -- produce -------------------------------------------------------------------

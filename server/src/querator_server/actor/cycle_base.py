@@ -107,6 +107,8 @@ class CycleBase:
         self.unserved: list[LeaseRequest] = []
         # Items moved to the dead-letter outbox: (partition, seq, item with source_id).
         self.outbox_added: list[tuple[int, int, Item]] = []
+        # Items moved to the redrive outbox: (partition, seq, target uid, item).
+        self.redrive_added: list[tuple[int, int, int, Item]] = []
         # Items deleted because the queue has no dead-letter queue: (id, reason).
         self.dropped: list[tuple[str, str]] = []
         # Whether lifecycle work was left for the next cycle.

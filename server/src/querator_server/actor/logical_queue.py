@@ -29,7 +29,16 @@ from ..errors import (
     ResourceExhausted,
     Unavailable,
 )
-from ..faults import DEAD_LETTER_STORED, MOVE_COPIED, MOVE_RECORDED, InjectedFault, crash_point, faulty_call
+from ..faults import (
+    DEAD_LETTER_STORED,
+    MOVE_COPIED,
+    MOVE_RECORDED,
+    REDRIVE_STORED,
+    REDRIVE_TAKEN,
+    InjectedFault,
+    crash_point,
+    faulty_call,
+)
 from ..model import PartitionStats, QueueConfig, QueueStats, QueueTotals
 from ..storage import MAX_GROWTHS, Item, MapFull, QueueStore, StorageError, StorageFull
 from ..storage.queue_store import disk_full
@@ -40,6 +49,7 @@ from .cycle_base import StepFailed
 from .lane import StorageLane
 from .leases import LeaseDeadlines
 from .lifecycle import LIFECYCLE_BATCH
+from .redrive import handed_over
 from .requests import (
     ClearRequest,
     CompleteRequest,
@@ -53,6 +63,9 @@ from .requests import (
     ListItemsRequest,
     OutboxDoneRequest,
     ProduceRequest,
+    RedriveDoneRequest,
+    RedriveInRequest,
+    RedriveRequest,
     Request,
     RetryRequest,
 )
@@ -102,6 +115,7 @@ class LogicalQueue:
         lane: StorageLane,
         *,
         resolve: Callable[[str], LogicalQueue] | None = None,
+        resolve_uid: Callable[[int], LogicalQueue | None] | None = None,
         max_inbox: int = DEFAULT_MAX_INBOX,
         group: CommitGroup | None = None,
         fail_after_s: float = 60.0,
@@ -117,6 +131,8 @@ class LogicalQueue:
         self.failed = False
         # Finds another queue's actor by name (for dead letters).
         self._resolve = resolve
+        # Finds another queue's actor by storage uid (for redrives; None: no such queue).
+        self._resolve_uid = resolve_uid
         self.store = store
         self._lane = lane
         # The commit group whose environment holds this queue's storage, if any.
@@ -136,6 +152,10 @@ class LogicalQueue:
         # Dead letters committed to the outbox but not yet stored by the DLQ.
         self._outbox: dict[tuple[int, int], Item] = {}
         self._outbox_task: asyncio.Task[None] | None = None
+        # Items redriven out of this queue, committed to the redrive outbox but not yet
+        # stored by their target: (partition, seq) -> (target uid, item as it was here).
+        self._redrive: dict[tuple[int, int], tuple[int, Item]] = {}
+        self._redrive_task: asyncio.Task[None] | None = None
         self._lifecycle_pending = False
         # After a lifecycle step failed: not before this time (wall µs; 0: no hold).
         self._lifecycle_after = 0
@@ -159,7 +179,7 @@ class LogicalQueue:
     async def start(self, keyed: KeyedIndex | None = None) -> None:
         """Load the queue's state and start the actor; ``keyed`` reuses the handles of
         an earlier actor on the same (still open) storage, so no write is needed."""
-        self._views, leases, self._outbox = await self._storage_job(self._load)
+        self._views, leases, self._outbox, self._redrive = await self._storage_job(self._load)
         self._leases = LeaseDeadlines(leases)
         self._keyed = keyed or await self._storage_job(partial(KeyedIndex, self.store))
         self._dedup_at, self._lease_keys_at = await self._storage_job(self._load_key_times)
@@ -180,22 +200,31 @@ class LogicalQueue:
         still holds the first copy, so nobody may consume that copy before the resend.
         """
         self._kick_outbox()
-        if self._outbox_task is not None:
-            await asyncio.shield(self._outbox_task)
+        self._kick_redrive()
+        for task in (self._outbox_task, self._redrive_task):
+            if task is not None:
+                await asyncio.shield(task)
 
     def _load(
         self,
-    ) -> tuple[list[PartitionView], list[tuple[int, int, int]], dict[tuple[int, int], Item]]:
+    ) -> tuple[
+        list[PartitionView],
+        list[tuple[int, int, int]],
+        dict[tuple[int, int], Item],
+        dict[tuple[int, int], tuple[int, Item]],
+    ]:
         views: list[PartitionView] = []
         leases: list[tuple[int, int, int]] = []
         outbox: dict[tuple[int, int], Item] = {}
+        redrive: dict[tuple[int, int], tuple[int, Item]] = {}
         with self.store.env.begin() as txn:
             for p in range(self.store.partitions):
                 scan = self.store.scan(txn, p)
                 views.append(PartitionView.from_scan(scan))
                 leases.extend((deadline, p, seq) for deadline, seq in scan.leases)
                 outbox.update(((p, seq), item) for seq, item in self.store.outbox(txn, p))
-        return views, leases, outbox
+                redrive.update(((p, seq), (uid, item)) for seq, uid, item in self.store.redrive_outbox(txn, p))
+        return views, leases, outbox, redrive
 
     async def stop(self) -> None:
         """Finish what was submitted, fail waiting leases with UNAVAILABLE, close storage."""
@@ -214,13 +243,15 @@ class LogicalQueue:
         return self._lane.run(fn)
 
     async def _cancel_outbox(self) -> None:
-        task, self._outbox_task = self._outbox_task, None
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        tasks = (self._outbox_task, self._redrive_task)
+        self._outbox_task = self._redrive_task = None
+        for task in tasks:
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
 
     async def delete(self, force: bool) -> None:
         """Stop the actor for good if the queue is empty (or ``force``); storage stays open."""
@@ -309,7 +340,7 @@ class LogicalQueue:
         return len(self._inbox)
 
     def holds_items(self) -> bool:
-        return any(v.ready or v.leased or v.scheduled for v in self._views)
+        return bool(self._redrive) or any(v.ready or v.leased or v.scheduled for v in self._views)
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -492,6 +523,11 @@ class LogicalQueue:
             for p, seq, item in cycle.outbox_added:
                 self._outbox[(p, seq)] = item
             self._kick_outbox()
+        if cycle.redrive_added:
+            crash_point(REDRIVE_TAKEN)
+            for p, seq, target, item in cycle.redrive_added:
+                self._redrive[(p, seq)] = (target, item)
+            self._kick_redrive()
         for request, result in cycle.results:
             _answer(request, result)
         later = now_us()
@@ -713,6 +749,49 @@ class LogicalQueue:
             for key, _ in entries:
                 self._outbox.pop(key, None)
 
+    # -- redrive ---------------------------------------------------------------------
+
+    def _kick_redrive(self) -> None:
+        if self._redrive and (self._redrive_task is None or self._redrive_task.done()):
+            self._redrive_task = asyncio.create_task(self._send_redrive(), name=f"redrive:{self.name}")
+
+    async def redriven(self, entries: list[tuple[int, int]]) -> None:
+        """Wait until these redrive outbox entries are stored by their targets (or
+        back here) and dropped from the outbox."""
+        while self._closed is None and any(key in self._redrive for key in entries):
+            self._kick_redrive()
+            task = self._redrive_task
+            if task is None:
+                break
+            await asyncio.shield(task)
+        if any(key in self._redrive for key in entries):
+            raise self._closed or Unavailable("the redrive is still in progress")
+
+    async def _send_redrive(self) -> None:
+        """Hand the redrive outbox to its targets (see redrive.py), then drop what they
+        stored. Items whose target queue is gone go back into this queue."""
+        while self._redrive and self._closed is None:
+            by_target: dict[int, list[tuple[tuple[int, int], Item]]] = {}
+            for key, (target_uid, item) in list(self._redrive.items())[:1000]:
+                by_target.setdefault(target_uid, []).append((key, item))
+            try:
+                for target_uid, entries in by_target.items():
+                    target = self._resolve_uid(target_uid) if self._resolve_uid is not None else None
+                    keys = [key for key, _ in entries]
+                    if target is None:
+                        log.warning("redrive_target_gone", queue=self.name, items=len(keys), target_uid=target_uid)
+                        await self.submit(RedriveDoneRequest(keys, restore=True))
+                    else:
+                        items = [handed_over(self.config.uid, p, seq, item) for (p, seq), item in entries]
+                        await target.submit(RedriveInRequest(items))
+                        crash_point(REDRIVE_STORED)
+                        await self.submit(RedriveDoneRequest(keys))
+                    for key in keys:
+                        self._redrive.pop(key, None)
+            except QueratorError as exc:
+                log.warning("redrive_failed", queue=self.name, error=exc.message)
+                await asyncio.sleep(OUTBOX_RETRY_S)
+
     def _apply_delete(self, request: _Delete) -> None:
         if not request.force and self.holds_items():
             _answer(request, FailedPrecondition(f"queue {self.name!r} still holds items; set force to delete it"))
@@ -736,6 +815,9 @@ _OTHER: dict[type, Callable[..., None]] = {
     DeadLetterRequest: Cycle.receive_dead_letters,
     OutboxDoneRequest: Cycle.outbox_done,
     GiveBackRequest: Cycle.give_back,
+    RedriveRequest: Cycle.redrive,
+    RedriveInRequest: Cycle.receive_redriven,
+    RedriveDoneRequest: Cycle.redrive_done,
 }
 
 

@@ -141,6 +141,48 @@ class OutboxDoneRequest(Request):
     entries: list[tuple[int, int]]
 
 
+@dataclass(eq=False, slots=True)
+class RedriveRequest(Request):
+    """Move up to ``limit`` ready items out of this queue (RedriveItems).
+
+    ``targets`` maps the uid of each queue an item may go to onto that queue: the
+    uid of an item's source queue (from its source_id) for a redrive to the sources,
+    or, with ``target_uid``, that one queue for every item.
+    """
+
+    targets: dict[int, str]
+    limit: int
+    after: tuple[int, int]  # (partition, seq): go on after this item
+    kind: str = ""
+    dead_reason: int = 0
+    target_uid: int = 0
+
+
+@dataclass(slots=True)
+class RedriveResult:
+    message_ids: list[str]
+    # (partition, seq) of each moved item's redrive outbox entry.
+    entries: list[tuple[int, int]]
+    skipped: int
+    next_after: tuple[int, int] | None
+
+
+@dataclass(eq=False, slots=True)
+class RedriveInRequest(Request):
+    """Items another queue redrives into this one (each with its source_id there)."""
+
+    items: list[Item]
+
+
+@dataclass(eq=False, slots=True)
+class RedriveDoneRequest(Request):
+    """Redrive outbox entries the target queue has durably stored, or, with
+    ``restore``, that go back into this queue (their target is gone)."""
+
+    entries: list[tuple[int, int]]
+    restore: bool = False
+
+
 @dataclass(slots=True)
 class LeaseResult:
     """What a lease took, oldest first, as parallel lists: entry i of each is item i's.

@@ -29,11 +29,15 @@ def visible_queues() -> Callable[[str], bool] | None:
 
 
 def queues_named(request: object) -> list[str]:
-    """Every queue a request names: queue_name, or queue.queue_name and queue.dead_queue."""
+    """Every queue a request names: queue_name (and a redrive's target_queue), or
+    queue.queue_name and queue.dead_queue."""
     names: list[str] = []
     name = getattr(request, "queue_name", None)
     if isinstance(name, str):
         names.append(name)
+    target = getattr(request, "target_queue", None)
+    if isinstance(target, str):
+        names.append(target)
     info = getattr(request, "queue", None)
     if info is not None and not isinstance(info, bool):
         names.append(getattr(info, "queue_name", ""))

@@ -9,13 +9,21 @@ import grpc
 from querator.v1 import queue_pb2, storage_pb2 as pb
 
 from .. import actor as a
-from ..errors import InvalidArgument
+from ..errors import FailedPrecondition, InvalidArgument
 from ..manager import QueuesManager
 from ..clock import now_us
-from ..model import MAX_LEASE_TIMEOUT_US, MAX_LONG_DURATION_US, NEVER_US, REPLY_ITEMS_BYTES, ImportedItem
+from ..model import (
+    MAX_BATCH,
+    MAX_LABEL_BYTES,
+    MAX_LEASE_TIMEOUT_US,
+    MAX_LONG_DURATION_US,
+    NEVER_US,
+    REPLY_ITEMS_BYTES,
+    ImportedItem,
+)
 from . import convert as c
 from ..auth import Action
-from .authz import Guard
+from .authz import Guard, current_principal
 from .handlers import generic_handler
 
 if TYPE_CHECKING:
@@ -171,6 +179,65 @@ class StorageService:
         await self.manager.actor(name).submit(a.DeleteItemsRequest(partition, ids))
         return pb.DeleteItemsResponse()
 
+    async def redrive_items(
+        self, request: pb.RedriveItemsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RedriveItemsResponse:
+        if self.router is not None:
+            # A cluster keeps a queue's partitions on several nodes and a redrive
+            # hands items between the actors of one process (actor/redrive.py).
+            raise FailedPrecondition(
+                "RedriveItems is not available on a cluster yet: move dead letters with "
+                "ListItems, ImportItems and DeleteItems at each partition's home"
+            )
+        name = c.queue_name(request.queue_name)
+        config = self.manager.get(name)
+        limit = request.max_items or MAX_BATCH
+        if not 1 <= limit <= MAX_BATCH:
+            raise InvalidArgument("max_items", f"must be between 1 and {MAX_BATCH}, got {request.max_items}")
+        if request.dead_reason not in queue_pb2.DeadReason.values():
+            raise InvalidArgument("dead_reason", f"is not a known DeadReason: {request.dead_reason}")
+        c.text(request.kind, "kind", MAX_LABEL_BYTES)
+        after = (0, 0)
+        if request.page_token:
+            raw = c.decode_token(self.manager.token_secret, request.page_token, b"R")
+            if len(raw) != _CURSOR.size:
+                raise InvalidArgument("page_token", "is not a page token this server issued")
+            uid, partition, seq, _ = _CURSOR.unpack(raw)
+            if uid != config.uid or partition >= config.partitions:
+                raise InvalidArgument("page_token", "was issued for another queue")
+            if seq >= 2**64 - 1:  # seq + 1 becomes a storage key
+                raise InvalidArgument("page_token", "is not a page token this server issued")
+            after = (partition, seq)
+        target_uid = 0
+        if request.target_queue:
+            target = c.queue_name(request.target_queue, "target_queue")
+            if target == name:
+                raise InvalidArgument("target_queue", "must not be the queue the items come from")
+            target_uid = self.manager.get(target).uid
+            targets = {target_uid: target}
+        else:
+            principal = current_principal.get()
+            targets = self.manager.queues_by_uid(None if principal is None else principal.matches)
+        actor = self.manager.actor(name)
+        result: a.RedriveResult = await actor.submit(
+            a.RedriveRequest(
+                targets,
+                limit,
+                after,
+                kind=request.kind,
+                dead_reason=request.dead_reason,
+                target_uid=target_uid,
+            )
+        )
+        # Answer once the items are stored in their targets and gone from here.
+        await actor.redriven(result.entries)
+        token = ""
+        if result.next_after is not None:
+            token = c.encode_token(self.manager.token_secret, b"R", _CURSOR.pack(config.uid, result.next_after[0], result.next_after[1], 0))
+        return pb.RedriveItemsResponse(
+            moved=len(result.message_ids), message_ids=result.message_ids, skipped=result.skipped, next_page_token=token
+        )
+
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         methods: dict[str, Any] = {
                 "ListItems": (self.list_items, pb.ListItemsRequest, pb.ListItemsResponse, Action.ADMIN),
@@ -180,6 +247,7 @@ class StorageService:
                     pb.ListScheduledItemsResponse, Action.ADMIN),
                 "ImportItems": (self.import_items, pb.ImportItemsRequest, pb.ImportItemsResponse, Action.ADMIN),
                 "DeleteItems": (self.delete_items, pb.DeleteItemsRequest, pb.DeleteItemsResponse, Action.ADMIN),
+                "RedriveItems": (self.redrive_items, pb.RedriveItemsRequest, pb.RedriveItemsResponse, Action.ADMIN),
         }
         if self.router is not None:
             methods = self.router.route(SERVICE, methods)

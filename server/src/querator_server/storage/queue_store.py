@@ -46,6 +46,7 @@ from .record import (
     TAG_EXPIRY,
     TAG_ITEM,
     TAG_OUTBOX,
+    TAG_REDRIVE,
     TAG_SCHEDULED,
     Item,
     ItemState,
@@ -59,6 +60,7 @@ from .record import (
     parse_scheduled_key,
     plain_header,
     read_state,
+    redrive_key,
     scheduled_key,
     seq_of_item_key,
     source_key,
@@ -749,6 +751,31 @@ class QueueStore:
             out.append((seq_of_item_key(TAG_ITEM + key[1:]), Item.decode(raw)))
         return out
 
+    # -- the redrive outbox ------------------------------------------------------
+
+    def put_redrive(self, txn: lmdb.Transaction[bytes], p: int, seq: int, target_uid: int, item: Item) -> None:
+        item.expiry_run = False
+        txn.put(redrive_key(seq), encode_u64(target_uid) + item.encode(), db=self._dbs[p])
+
+    def delete_redrive(self, txn: lmdb.Transaction[bytes], p: int, seq: int) -> None:
+        txn.delete(redrive_key(seq), db=self._dbs[p])
+
+    def get_redrive(self, txn: lmdb.Transaction[bytes], p: int, seq: int) -> tuple[int, Item] | None:
+        raw = txn.get(redrive_key(seq), db=self._dbs[p])
+        return None if raw is None else (decode_u64(raw[:8]), Item.decode(raw[8:]))
+
+    def redrive_outbox(self, txn: lmdb.Transaction[bytes], p: int) -> list[tuple[int, int, Item]]:
+        """(seq, target queue uid, item) of every item on its way out of partition ``p``."""
+        cursor = txn.cursor(db=self._dbs[p])
+        out: list[tuple[int, int, Item]] = []
+        if not cursor.set_range(TAG_REDRIVE):
+            return out
+        for key, raw in cursor:
+            if key[:1] != TAG_REDRIVE:
+                break
+            out.append((seq_of_item_key(TAG_ITEM + key[1:]), decode_u64(raw[:8]), Item.decode(raw[8:])))
+        return out
+
     def page_scheduled(
         self, txn: lmdb.Transaction[bytes], p: int, after: tuple[int, int], limit: int
     ) -> list[tuple[int, int, Item]]:
@@ -912,6 +939,8 @@ class QueueStore:
                 max_seq = max(max_seq, seq)
                 result.scheduled += 1
         for seq, _item in self.outbox(txn, p):
+            max_seq = max(max_seq, seq)
+        for seq, _uid, _item in self.redrive_outbox(txn, p):
             max_seq = max(max_seq, seq)
         result.next_seq = max(result.next_seq, max_seq + 1)
         if not result.first_ready_seq:

@@ -11,6 +11,9 @@ A partition is one named LMDB database whose keys start with a one-byte tag:
   place deletes no entry of their own; the entry goes once none of its items is stored.
 - ``d`` + seq (8): an item on its way to the dead-letter queue (the outbox); it leaves
   once the dead-letter queue has durably taken it.
+- ``r`` + seq (8): an item being redriven to another queue (the redrive outbox); the
+  value is the target queue's uid (8) and the item record. It leaves once the target
+  has durably taken the item.
 - ``u`` + source id: the key of the item that came from that source item (dead-letter
   queues only), so a dead letter sent twice across a crash is stored once.
 - ``n``: the next sequence number, so a seq (and hence an id) is never reused.
@@ -39,6 +42,7 @@ TAG_SCHEDULED = b"s"
 TAG_EXPIRY = b"x"
 TAG_OUTBOX = b"d"
 TAG_SOURCE = b"u"
+TAG_REDRIVE = b"r"
 KEY_NEXT_SEQ = b"n"
 
 _U64 = struct.Struct(">Q")
@@ -75,6 +79,10 @@ def item_key(seq: int) -> bytes:
 
 def outbox_key(seq: int) -> bytes:
     return _ITEM_KEY.pack(TAG_OUTBOX, seq)
+
+
+def redrive_key(seq: int) -> bytes:
+    return _ITEM_KEY.pack(TAG_REDRIVE, seq)
 
 
 def source_key(source_id: str) -> bytes:

@@ -396,3 +396,94 @@ class DeleteItemsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteItemsResponse: _TypeAlias = DeleteItemsResponse  # noqa: Y015
+
+@_typing.final
+class RedriveItemsRequest(_message.Message):
+    """RedriveItemsRequest moves up to max_items ready items of a dead-letter queue."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_NAME_FIELD_NUMBER: _builtins.int
+    TARGET_QUEUE_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    DEAD_REASON_FIELD_NUMBER: _builtins.int
+    MAX_ITEMS_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    queue_name: _builtins.str
+    """The queue to move items out of (usually a dead-letter queue). Leased and
+    scheduled items stay where they are.
+    """
+    target_queue: _builtins.str
+    """Where to move them. Empty: each item goes back to the queue it died in
+    (named by its source_id); items whose source queue no longer exists (or
+    is not visible to the caller) stay and are counted in `skipped`. Must not
+    be queue_name.
+    """
+    kind: _builtins.str
+    """Optional: move only items of this kind."""
+    dead_reason: _queue_pb2.DeadReason.ValueType
+    """Optional: move only dead letters that died for this reason."""
+    max_items: _builtins.int
+    """The most items to move in this call, 1 to 1,000; 0 means 1,000."""
+    page_token: _builtins.str
+    """The next_page_token of a previous call, to go on after the items it
+    looked at; empty to start with the oldest item.
+    """
+    def __init__(
+        self,
+        *,
+        queue_name: _builtins.str = ...,
+        target_queue: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        dead_reason: _queue_pb2.DeadReason.ValueType = ...,
+        max_items: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead_reason", b"dead_reason", "kind", b"kind", "max_items", b"max_items", "page_token", b"page_token", "queue_name", b"queue_name", "target_queue", b"target_queue"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RedriveItemsRequest: _TypeAlias = RedriveItemsRequest  # noqa: Y015
+
+@_typing.final
+class RedriveItemsResponse(_message.Message):
+    """RedriveItemsResponse is sent once the moved items are durably stored in
+    their target queues and gone from queue_name.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MOVED_FIELD_NUMBER: _builtins.int
+    MESSAGE_IDS_FIELD_NUMBER: _builtins.int
+    SKIPPED_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    moved: _builtins.int
+    """How many items were moved."""
+    skipped: _builtins.int
+    """Items that matched but stayed: their source queue is gone or not visible."""
+    next_page_token: _builtins.str
+    """Non-empty when items remain that this call did not look at (it stopped at
+    max_items or after looking at 10,000 items): pass it as page_token to go
+    on. Empty once every item was looked at.
+    """
+    @_builtins.property
+    def message_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The message_id of each moved item, oldest first per partition."""
+
+    def __init__(
+        self,
+        *,
+        moved: _builtins.int = ...,
+        message_ids: _abc.Iterable[_builtins.str] | None = ...,
+        skipped: _builtins.int = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message_ids", b"message_ids", "moved", b"moved", "next_page_token", b"next_page_token", "skipped", b"skipped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RedriveItemsResponse: _TypeAlias = RedriveItemsResponse  # noqa: Y015

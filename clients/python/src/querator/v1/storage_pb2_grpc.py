@@ -55,6 +55,11 @@ class StorageServiceStub:
                 request_serializer=querator_dot_v1_dot_storage__pb2.DeleteItemsRequest.SerializeToString,
                 response_deserializer=querator_dot_v1_dot_storage__pb2.DeleteItemsResponse.FromString,
                 _registered_method=True)
+        self.RedriveItems = channel.unary_unary(
+                '/querator.v1.StorageService/RedriveItems',
+                request_serializer=querator_dot_v1_dot_storage__pb2.RedriveItemsRequest.SerializeToString,
+                response_deserializer=querator_dot_v1_dot_storage__pb2.RedriveItemsResponse.FromString,
+                _registered_method=True)
 
 
 class StorageServiceServicer:
@@ -90,6 +95,17 @@ class StorageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RedriveItems(self, request, context):
+        """RedriveItems moves ready items out of a dead-letter queue: each back to
+        the queue it died in, or all to a named queue. Each item is moved exactly
+        once, also across a crash of the server at any point of the move: it is
+        found afterwards in one of the two queues, never in both and never in
+        neither (see docs/architecture.md, "Redrive").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StorageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +128,11 @@ def add_StorageServiceServicer_to_server(servicer, server):
                     servicer.DeleteItems,
                     request_deserializer=querator_dot_v1_dot_storage__pb2.DeleteItemsRequest.FromString,
                     response_serializer=querator_dot_v1_dot_storage__pb2.DeleteItemsResponse.SerializeToString,
+            ),
+            'RedriveItems': grpc.unary_unary_rpc_method_handler(
+                    servicer.RedriveItems,
+                    request_deserializer=querator_dot_v1_dot_storage__pb2.RedriveItemsRequest.FromString,
+                    response_serializer=querator_dot_v1_dot_storage__pb2.RedriveItemsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +244,33 @@ class StorageService:
             '/querator.v1.StorageService/DeleteItems',
             querator_dot_v1_dot_storage__pb2.DeleteItemsRequest.SerializeToString,
             querator_dot_v1_dot_storage__pb2.DeleteItemsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RedriveItems(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/querator.v1.StorageService/RedriveItems',
+            querator_dot_v1_dot_storage__pb2.RedriveItemsRequest.SerializeToString,
+            querator_dot_v1_dot_storage__pb2.RedriveItemsResponse.FromString,
             options,
             channel_credentials,
             insecure,

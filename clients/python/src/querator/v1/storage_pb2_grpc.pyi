@@ -43,6 +43,13 @@ class StorageServiceStub:
     """
     DeleteItems: _grpc.UnaryUnaryMultiCallable[_storage_pb2.DeleteItemsRequest, _storage_pb2.DeleteItemsResponse]
     """DeleteItems deletes items by id, whatever their state."""
+    RedriveItems: _grpc.UnaryUnaryMultiCallable[_storage_pb2.RedriveItemsRequest, _storage_pb2.RedriveItemsResponse]
+    """RedriveItems moves ready items out of a dead-letter queue: each back to
+    the queue it died in, or all to a named queue. Each item is moved exactly
+    once, also across a crash of the server at any point of the move: it is
+    found afterwards in one of the two queues, never in both and never in
+    neither (see docs/architecture.md, "Redrive").
+    """
 
 @_typing.type_check_only
 class StorageServiceAsyncStub(StorageServiceStub):
@@ -59,6 +66,13 @@ class StorageServiceAsyncStub(StorageServiceStub):
     """
     DeleteItems: _aio.UnaryUnaryMultiCallable[_storage_pb2.DeleteItemsRequest, _storage_pb2.DeleteItemsResponse]  # type: ignore[assignment]
     """DeleteItems deletes items by id, whatever their state."""
+    RedriveItems: _aio.UnaryUnaryMultiCallable[_storage_pb2.RedriveItemsRequest, _storage_pb2.RedriveItemsResponse]  # type: ignore[assignment]
+    """RedriveItems moves ready items out of a dead-letter queue: each back to
+    the queue it died in, or all to a named queue. Each item is moved exactly
+    once, also across a crash of the server at any point of the move: it is
+    found afterwards in one of the two queues, never in both and never in
+    neither (see docs/architecture.md, "Redrive").
+    """
 
 class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
     """StorageService inspects and repairs a queue's stored items directly."""
@@ -96,5 +110,18 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.DeleteItemsResponse, _abc.Awaitable[_storage_pb2.DeleteItemsResponse]]:
         """DeleteItems deletes items by id, whatever their state."""
+
+    @_abc_1.abstractmethod
+    def RedriveItems(
+        self,
+        request: _storage_pb2.RedriveItemsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_storage_pb2.RedriveItemsResponse, _abc.Awaitable[_storage_pb2.RedriveItemsResponse]]:
+        """RedriveItems moves ready items out of a dead-letter queue: each back to
+        the queue it died in, or all to a named queue. Each item is moved exactly
+        once, also across a crash of the server at any point of the move: it is
+        found afterwards in one of the two queues, never in both and never in
+        neither (see docs/architecture.md, "Redrive").
+        """
 
 def add_StorageServiceServicer_to_server(servicer: StorageServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

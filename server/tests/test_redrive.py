@@ -1,0 +1,184 @@
+"""RedriveItems: dead letters back to their source queues (or to a named queue) in one
+call, each exactly once, also when the server is killed -9 in the middle of the move.
+
+Real servers over real gRPC on real LMDB; the crash tests run ``querator serve`` as a
+child process that kills itself at the named crash point (faults.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from querator.v1 import queue_pb2, queues_pb2, storage_pb2
+
+from conftest import bad_request_fields, dur, ProcessServer, Stubs, wait_until
+
+EVENTUALLY = 20.0
+
+
+def create(stubs: Stubs, name: str, **settings: object) -> None:
+    stubs.create(name, lease_timeout=dur(60), expire_timeout=dur(3600), **settings)
+
+
+def items_of(stubs: Stubs, name: str) -> list[storage_pb2.StorageItem]:
+    """Ready and leased items of every partition."""
+    info = stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name=name), timeout=10).queue
+    return [item for p in range(info.requested_partitions) for item in stubs.list_items(name, p)]
+
+
+def kill_all(stubs: Stubs, name: str, payloads: list[bytes], *, kind: str = "") -> dict[bytes, str]:
+    """Produce ``payloads`` into ``name`` and give each up as dead; their ids by payload."""
+    items = [queue_pb2.ProduceItem(payload=p, kind=kind) for p in payloads]
+    stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name=name, items=items), timeout=10)
+    ids: dict[bytes, str] = {}
+    while len(ids) < len(payloads):
+        leased = stubs.lease(name, batch_size=100, request_timeout=dur(0.5))
+        retry = [queue_pb2.RetryItem(id=i.id, dead=True) for i in leased.items]
+        stubs.queue.Retry(queue_pb2.RetryRequest(queue_name=name, partition=leased.partition, items=retry), timeout=10)
+        ids.update({i.payload: i.message_id for i in leased.items})
+    return ids
+
+
+def redrive(stubs: Stubs, name: str, **kw: object) -> storage_pb2.RedriveItemsResponse:
+    request = storage_pb2.RedriveItemsRequest(queue_name=name, **kw)  # type: ignore[arg-type]
+    return stubs.storage.RedriveItems(request, timeout=30)
+
+
+def test_dead_letters_go_back_to_the_queue_each_died_in(stubs: Stubs) -> None:
+    create(stubs, "dlq", requested_partitions=2)
+    create(stubs, "a", dead_queue="dlq")
+    create(stubs, "b", dead_queue="dlq", requested_partitions=3)
+    from_a = kill_all(stubs, "a", [b"a1", b"a2"])
+    from_b = kill_all(stubs, "b", [b"b1", b"b2", b"b3"])
+    wait_until(lambda: len(items_of(stubs, "dlq")) == 5, timeout=EVENTUALLY)
+    held = stubs.lease("dlq", batch_size=1, request_timeout=dur(0.5)).items[0]  # leased: it stays
+    stubs.produce("dlq", [b"produced here"])  # no source queue: it stays, counted as skipped
+    dead = {i.payload: i for i in items_of(stubs, "dlq")}
+
+    answer = redrive(stubs, "dlq")
+    assert (answer.moved, answer.skipped, answer.next_page_token) == (4, 1, "")
+    left = {i.payload for i in items_of(stubs, "dlq")}
+    assert left == {b"produced here", held.payload}
+    for name, ids in (("a", from_a), ("b", from_b)):
+        back = {i.payload: i for i in items_of(stubs, name)}
+        want = {p for p in ids if p != held.payload}
+        assert set(back) == want, name
+        for payload in want:
+            item = back[payload]
+            assert item.message_id == ids[payload], "the message id survives the round trip"
+            assert item.source_id == dead[payload].id, "its id in the dead-letter queue"
+            assert (item.attempts, item.dead_reason, item.is_leased) == (0, queue_pb2.DEAD_REASON_UNSPECIFIED, False)
+            assert item.HasField("expire_deadline")
+    assert sorted(answer.message_ids) == sorted(ids for ids in {**from_a, **from_b}.values() if ids != held.message_id)
+    leased = stubs.lease("b", batch_size=10, request_timeout=dur(0.5))
+    assert {i.message_id for i in leased.items} <= set(from_b.values()) and all(i.attempts == 1 for i in leased.items)
+
+
+def test_filters_a_named_target_max_items_and_page_tokens(stubs: Stubs) -> None:
+    create(stubs, "dlq")
+    create(stubs, "src", dead_queue="dlq", max_attempts=1)
+    create(stubs, "other")
+    kill_all(stubs, "src", [b"x1", b"x2", b"x3"], kind="x")
+    kill_all(stubs, "src", [b"y1"], kind="y")
+    wait_until(lambda: len(items_of(stubs, "dlq")) == 4, timeout=EVENTUALLY)
+
+    # The reason filter: none of them ran out of attempts.
+    assert redrive(stubs, "dlq", dead_reason=queue_pb2.DEAD_REASON_MAX_ATTEMPTS).moved == 0
+    first = redrive(stubs, "dlq", target_queue="other", kind="x", max_items=2, dead_reason=queue_pb2.DEAD_REASON_RETRY_DEAD)
+    assert first.moved == 2 and first.next_page_token
+    second = redrive(stubs, "dlq", target_queue="other", kind="x", max_items=2, page_token=first.next_page_token)
+    assert second.moved == 1 and second.next_page_token == ""
+    assert sorted(i.payload for i in items_of(stubs, "other")) == [b"x1", b"x2", b"x3"]
+    assert [i.payload for i in items_of(stubs, "dlq")] == [b"y1"]
+    assert items_of(stubs, "src") == []
+
+
+def test_bad_redrives_answer_invalid_argument_or_not_found(stubs: Stubs) -> None:
+    create(stubs, "dlq")
+    bad: list[tuple[dict[str, object], str]] = [
+        ({"queue_name": "dlq", "target_queue": "dlq"}, "target_queue"),
+        ({"queue_name": "dlq", "max_items": 1001}, "max_items"),
+        ({"queue_name": "dlq", "max_items": -1}, "max_items"),
+        ({"queue_name": "dlq", "dead_reason": 42}, "dead_reason"),
+        ({"queue_name": "dlq", "page_token": "forged"}, "page_token"),
+        ({"queue_name": "dlq", "kind": "k" * 513}, "kind"),
+        ({"queue_name": "dlq", "target_queue": "has space"}, "target_queue"),
+    ]
+    for fields, field in bad:
+        with pytest.raises(grpc.RpcError) as caught:
+            stubs.storage.RedriveItems(storage_pb2.RedriveItemsRequest(**fields), timeout=10)  # type: ignore[arg-type]
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+        assert bad_request_fields(caught.value) == [field]
+    for fields in ({"queue_name": "nope"}, {"queue_name": "dlq", "target_queue": "nope"}):
+        with pytest.raises(grpc.RpcError) as caught:
+            stubs.storage.RedriveItems(storage_pb2.RedriveItemsRequest(**fields), timeout=10)  # type: ignore[arg-type]
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+# -- kill -9 in the middle of a redrive ------------------------------------------------
+
+
+@pytest.fixture
+def proc(data_dir: str) -> Iterator[ProcessServer]:
+    srv = ProcessServer(data_dir)
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("crash_at", ["redrive-taken", "redrive-stored"])
+def test_kill9_in_the_middle_of_a_redrive_leaves_every_item_in_exactly_one_queue(
+    proc: ProcessServer, monkeypatch: pytest.MonkeyPatch, crash_at: str
+) -> None:
+    """Killed after the dead-letter queue committed the move out (the items are in no
+    queue a reader sees), or after the source stored them (they are in both
+    environments' files): after the restart each item is in the source exactly once.
+    The source has 40 partitions, so its storage is a directory of its own while the
+    dead-letter queue's is in a commit group: no transaction spans the two."""
+    proc.start()
+    stubs = Stubs(grpc.insecure_channel(proc.address))
+    try:
+        create(stubs, "dlq", requested_partitions=2)
+        create(stubs, "src", dead_queue="dlq", requested_partitions=40)
+        sent = kill_all(stubs, "src", [b"p%d" % i for i in range(30)])
+        wait_until(lambda: len(items_of(stubs, "dlq")) == 30, timeout=EVENTUALLY)
+    finally:
+        stubs.channel.close()
+    proc.terminate()
+
+    monkeypatch.setenv("QUERATOR_CRASH_AT", crash_at)
+    proc.start()
+    stubs = Stubs(grpc.insecure_channel(proc.address))
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            redrive(stubs, "dlq")
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        stubs.channel.close()
+    wait_until(lambda: proc.proc is not None and proc.proc.poll() is not None, timeout=EVENTUALLY)
+    assert proc.proc is not None and proc.proc.returncode == -9, "the crash point did not fire"
+
+    monkeypatch.delenv("QUERATOR_CRASH_AT")
+    proc.start()
+    stubs = Stubs(grpc.insecure_channel(proc.address))
+    try:
+        # The hand-over finished during start-up, before the server took calls.
+        back = items_of(stubs, "src")
+        assert items_of(stubs, "dlq") == []
+        counts = Counter(i.message_id for i in back)
+        assert counts == Counter(sent.values()), "an item was lost or duplicated"
+        assert {i.payload: i.message_id for i in back} == sent
+        # Nothing is left in transit: a second redrive finds nothing, a restart adds nothing.
+        assert redrive(stubs, "dlq").moved == 0
+    finally:
+        stubs.channel.close()
+    proc.terminate()
+    proc.start()
+    stubs = Stubs(grpc.insecure_channel(proc.address))
+    try:
+        assert Counter(i.message_id for i in items_of(stubs, "src")) == Counter(sent.values())
+        assert items_of(stubs, "dlq") == []
+    finally:
+        stubs.channel.close()
