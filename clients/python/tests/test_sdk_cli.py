@@ -217,3 +217,25 @@ def test_parse_duration() -> None:
     assert parse_duration("500ms") == timedelta(milliseconds=500)
     assert parse_duration("1h30m") == timedelta(minutes=90)
     assert parse_duration("2d") == timedelta(days=2)
+
+
+def test_dlq_redrive_moves_dead_letters_back(capsys: pytest.CaptureFixture[str], srv: EmbeddedServer, client: querator.Client) -> None:
+    dlq, name = unique("dlq"), unique()
+    client.create_queue(dlq)
+    client.create_queue(name, dead_queue=dlq)
+    client.produce(name, ["one", "two", "three"])
+    for item in client.lease(name, batch_size=3, wait=0):
+        item.dead()
+    produced = {i.payload: i.message_id for i in client.list_items(dlq)}
+    assert len(produced) == 3
+
+    code, out, _ = cli(capsys, srv, "dlq", "redrive", dlq, "--limit", "2", "--reason", "retry_dead", "--json")
+    answer = json.loads(out)
+    assert code == 0 and (answer["moved"], answer["skipped"]) == (2, 0)
+    code, out, _ = cli(capsys, srv, "dlq", "redrive", dlq)
+    assert code == 0 and out.strip() == f"moved 1 items from {dlq} to their source queues"
+    assert list(client.list_items(dlq)) == []
+    assert sorted((i.payload, i.message_id) for i in client.list_items(name)) == sorted(produced.items())
+    with pytest.raises(SystemExit) as exited:
+        cli(capsys, srv, "dlq", "redrive", dlq, "--reason", "bogus")
+    assert exited.value.code == 2 and "invalid choice" in capsys.readouterr().err

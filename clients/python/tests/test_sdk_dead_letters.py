@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 import querator
 from querator import DeadReason
 from querator.embedded import EmbeddedServer
@@ -88,3 +90,42 @@ def test_the_async_twin_and_import_carry_the_history(srv: EmbeddedServer, client
         ("7.0.1", "7.0.9", DeadReason.MAX_ATTEMPTS, died, 5),
         (listed[1].id, "", None, None, 0),
     ]
+
+
+def _dead_letters(client: querator.Client, dlq: str, name: str, payloads: list[str], kind: str = "") -> dict[str, str]:
+    """Produce into ``name`` and give every item up as dead; message id by payload."""
+    client.produce(name, [querator.Item(p, kind=kind) for p in payloads])
+    ids: dict[str, str] = {}
+    for item in client.lease(name, batch_size=len(payloads), wait=0):
+        ids[item.text] = item.message_id
+        item.dead()
+    wait_until(lambda: len(list(client.list_items(dlq))) >= len(payloads))
+    return ids
+
+
+def test_redrive_items_moves_dead_letters_back_with_their_message_ids(srv: EmbeddedServer, client: querator.Client) -> None:
+    dlq, name, other = unique("dlq"), unique(), unique("other")
+    client.create_queue(dlq)
+    client.create_queue(name, dead_queue=dlq)
+    client.create_queue(other)
+    ids = _dead_letters(client, dlq, name, ["a", "b", "c"], kind="k")
+    ids |= _dead_letters(client, dlq, name, ["z"], kind="other")
+
+    assert client.redrive_items(dlq, dead_reason=DeadReason.EXPIRED) == querator.RedriveResult()
+    first = client.redrive_items(dlq, kind="k", limit=2, dead_reason="retry_dead")
+    assert first.moved == 2 and first.skipped == 0 and set(first.message_ids) <= {ids["a"], ids["b"], ids["c"]}
+    back = {i.payload.decode(): i for i in client.list_items(name)}
+    assert {back[p].message_id for p in back} == set(first.message_ids)
+    assert all(i.dead_reason is None and i.attempts == 0 for i in back.values())
+
+    async def rest() -> querator.RedriveResult:
+        async with querator.AsyncClient(srv.address) as aclient:
+            return await aclient.redrive_items(dlq, to=other)
+
+    moved = run(rest())
+    assert moved.moved == 2 and list(client.list_items(dlq)) == []
+    assert sorted(i.message_id for i in client.list_items(other)) == sorted(moved.message_ids)
+    with pytest.raises(ValueError):
+        client.redrive_items(dlq, limit=0)
+    with pytest.raises(querator.InvalidRequest):
+        client.redrive_items(dlq, to=dlq)

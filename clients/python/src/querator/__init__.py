@@ -39,6 +39,7 @@ from ._models import (
     ProduceResult,
     QueueInfo,
     QueueStats,
+    RedriveResult,
     StoredItem,
 )
 from ._paging import AsyncPager, Pager
@@ -108,6 +109,7 @@ __all__ = [
     "QueueInfo",
     "QueueNotFound",
     "QueueStats",
+    "RedriveResult",
     "ServerError",
     "StoredItem",
     "Unauthenticated",

@@ -20,6 +20,7 @@ from ._items import COMPLETED, DEAD, RETRIED, AsyncLeasedItem
 from ._models import (
     ApiKey,
     CreatedKey,
+    DeadReason,
     ExtendResult,
     Item,
     Page,
@@ -27,6 +28,7 @@ from ._models import (
     ProduceResult,
     QueueInfo,
     QueueStats,
+    RedriveResult,
     StoredItem,
 )
 from ._paging import AsyncPager
@@ -557,6 +559,30 @@ class AsyncClient(BaseClient):
         for chunk in p.chunks(list(ids)):
             request = storage_pb2.DeleteItemsRequest(queue_name=queue_name, partition=partition, ids=chunk)
             await self._call(self._stubs()[2].DeleteItems, request, timeout=call_timeout, retry=True)
+
+    async def redrive_items(
+        self,
+        queue_name: str,
+        *,
+        to: str | None = None,
+        kind: str | None = None,
+        dead_reason: DeadReason | str | None = None,
+        limit: int | None = None,
+        timeout: Seconds | None = None,
+    ) -> RedriveResult:
+        """Move ready items out of a dead-letter queue; see :meth:`querator.Client.redrive_items`."""
+        call_timeout = self._config.call_timeout(timeout)
+        done, token = RedriveResult(), ""
+        while True:
+            request = p.redrive_request(
+                queue_name, done, token, to=to, kind=kind, dead_reason=dead_reason, limit=limit
+            )
+            if request is None:
+                return done
+            response = await self._call(self._stubs()[2].RedriveItems, request, timeout=call_timeout, retry=False)
+            done, token = p.redrive_progress(done, response), response.next_page_token
+            if not token:
+                return done
 
     # -- KeysService --------------------------------------------------------------------------
 

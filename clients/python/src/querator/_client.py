@@ -19,6 +19,7 @@ from ._items import COMPLETED, DEAD, RETRIED, LeasedItem
 from ._models import (
     ApiKey,
     CreatedKey,
+    DeadReason,
     ExtendResult,
     Item,
     Page,
@@ -26,6 +27,7 @@ from ._models import (
     ProduceResult,
     QueueInfo,
     QueueStats,
+    RedriveResult,
     StoredItem,
 )
 from ._paging import Pager
@@ -518,6 +520,37 @@ class Client(BaseClient):
         for chunk in p.chunks(list(ids)):
             request = storage_pb2.DeleteItemsRequest(queue_name=queue_name, partition=partition, ids=chunk)
             self._call(self._storage.DeleteItems, request, timeout=call_timeout, retry=True)
+
+    def redrive_items(
+        self,
+        queue_name: str,
+        *,
+        to: str | None = None,
+        kind: str | None = None,
+        dead_reason: DeadReason | str | None = None,
+        limit: int | None = None,
+        timeout: Seconds | None = None,
+    ) -> RedriveResult:
+        """Move ready items out of ``queue_name`` (a dead-letter queue): each back to the
+        queue it died in, or all ``to`` one queue; only those of ``kind`` or that died for
+        ``dead_reason`` when given; at most ``limit`` (None: every matching one).
+
+        Each item is moved exactly once, also if the server crashes mid-move; the calls
+        are not retried automatically (a retry would move further items). Items whose
+        source queue is gone stay, counted in ``skipped``.
+        """
+        call_timeout = self._config.call_timeout(timeout)
+        done, token = RedriveResult(), ""
+        while True:
+            request = p.redrive_request(
+                queue_name, done, token, to=to, kind=kind, dead_reason=dead_reason, limit=limit
+            )
+            if request is None:
+                return done
+            response = self._call(self._storage.RedriveItems, request, timeout=call_timeout, retry=False)
+            done, token = p.redrive_progress(done, response), response.next_page_token
+            if not token:
+                return done
 
     # -- KeysService (servers with auth on; an admin key for "*") -----------------------------
 

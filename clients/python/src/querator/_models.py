@@ -191,6 +191,16 @@ class StoredItem:
             object.__setattr__(self, "metadata", dict(self.metadata))
 
 
+@dataclass(frozen=True, slots=True)
+class RedriveResult:
+    """What :meth:`~querator.Client.redrive_items` did: how many items it moved, their
+    message ids, and how many matching items stayed (their source queue is gone)."""
+
+    moved: int = 0
+    message_ids: tuple[str, ...] = ()
+    skipped: int = 0
+
+
 class ExtendResult(list[datetime]):
     """What :meth:`~querator.Client.extend` returns: the new deadline of each item, in order.
 

@@ -22,6 +22,7 @@ from ._models import (
     Payload,
     QueueInfo,
     QueueStats,
+    RedriveResult,
     StoredItem,
 )
 from .tracing import _merge_trace as merge_trace
@@ -485,6 +486,41 @@ def dead_reason(value: int) -> DeadReason | None:
 
 def dead_reason_value(reason: DeadReason | str | None) -> queue_pb2.DeadReason.ValueType:
     return _DEAD_REASON_VALUES[DeadReason(reason)] if reason else queue_pb2.DEAD_REASON_UNSPECIFIED
+
+
+def redrive_request(
+    queue_name: str,
+    done: RedriveResult,
+    token: str,
+    *,
+    to: str | None,
+    kind: str | None,
+    dead_reason: DeadReason | str | None,
+    limit: int | None,
+) -> storage_pb2.RedriveItemsRequest | None:
+    """The next RedriveItems call of a redrive that has ``done`` so much, or None when
+    ``limit`` items are moved."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    remaining = MAX_BATCH if limit is None else min(MAX_BATCH, limit - done.moved)
+    if remaining <= 0:
+        return None
+    return storage_pb2.RedriveItemsRequest(
+        queue_name=queue_name,
+        target_queue=to or "",
+        kind=kind or "",
+        dead_reason=dead_reason_value(dead_reason),
+        max_items=remaining,
+        page_token=token,
+    )
+
+
+def redrive_progress(done: RedriveResult, response: storage_pb2.RedriveItemsResponse) -> RedriveResult:
+    return RedriveResult(
+        moved=done.moved + response.moved,
+        message_ids=done.message_ids + tuple(response.message_ids),
+        skipped=done.skipped + response.skipped,
+    )
 
 
 def storage_item(item: StoredItem | Item | Payload) -> storage_pb2.StorageItem:

@@ -22,6 +22,7 @@ from dataclasses import asdict, is_dataclass
 from datetime import UTC, datetime, timedelta
 from typing import IO, Any
 
+from ._cli_dlq import add_dlq_commands
 from ._client import Client
 from ._config import ADDRESS_ENV, DEFAULT_ADDRESS
 from ._items import LeasedItem
@@ -774,6 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
     leaf(ksub, "list", cmd_keys_list, "list keys (never their tokens)")
     p = leaf(ksub, "revoke", cmd_keys_revoke, "revoke a key: calls with its token fail from now on")
     p.add_argument("key_id")
+    add_dlq_commands(commands, leaf)
     return parser
 
 
