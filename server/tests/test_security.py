@@ -12,7 +12,7 @@ import grpc
 import pytest
 from querator.v1 import keys_pb2, keys_pb2_grpc, queue_pb2, queue_pb2_grpc, queues_pb2, storage_pb2
 
-from conftest import Stubs, ThreadServer
+from conftest import Stubs, ThreadServer, wait_until
 
 BOOTSTRAP = "bootstrap-admin-token-for-tests"
 
@@ -376,3 +376,27 @@ def test_produce_lease_round_trip_with_auth_and_tls(data_dir: str, pki: Path) ->
             )
     finally:
         srv.stop()
+
+
+def test_a_redrive_moves_items_only_into_queues_the_key_may_touch(channel: grpc.Channel) -> None:
+    admin = Authed(channel, BOOTSTRAP)
+    admin.create("team-dlq")
+    admin.create("team-a", dead_queue="team-dlq")
+    admin.create("other-b", dead_queue="team-dlq")
+    for name in ("team-a", "other-b"):
+        admin.produce(name, [name.encode()])
+        leased = admin.lease(name)
+        retry = [queue_pb2.RetryItem(id=leased.items[0].id, dead=True)]
+        admin.queue.Retry(queue_pb2.RetryRequest(queue_name=name, partition=0, items=retry), timeout=5)
+    wait_until(lambda: len(admin.list_items("team-dlq")) == 2)
+    team = Authed(channel, _key(admin, keys_pb2.ROLE_ADMIN, "team-*"))
+
+    def redrive(**kw: object) -> storage_pb2.RedriveItemsResponse:
+        request = storage_pb2.RedriveItemsRequest(queue_name="team-dlq", **kw)  # type: ignore[arg-type]
+        return team.storage.RedriveItems(request, timeout=10)
+
+    assert _code(lambda: redrive(target_queue="other-b")) == grpc.StatusCode.PERMISSION_DENIED
+    answer = redrive()
+    assert (answer.moved, answer.skipped) == (1, 1)  # other-b's item stays: the key may not touch it
+    assert [i.payload for i in admin.list_items("team-a")] == [b"team-a"]
+    assert [i.payload for i in admin.list_items("team-dlq")] == [b"other-b"]
