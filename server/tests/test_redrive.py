@@ -7,10 +7,13 @@ child process that kills itself at the named crash point (faults.py).
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
+import lmdb
 import pytest
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 
@@ -180,5 +183,63 @@ def test_kill9_in_the_middle_of_a_redrive_leaves_every_item_in_exactly_one_queue
     try:
         assert Counter(i.message_id for i in items_of(stubs, "src")) == Counter(sent.values())
         assert items_of(stubs, "dlq") == []
+    finally:
+        stubs.channel.close()
+
+
+def _forget_queue(data_dir: str, name: str) -> None:
+    """Remove a queue from the catalog of a stopped server, as a deletion that a crash
+    interrupted leaves it (start-up then drops its storage)."""
+    env = lmdb.open(str(Path(data_dir) / "catalog"), max_dbs=4)
+    with env.begin(write=True) as txn:
+        queues = env.open_db(b"queues", txn=txn)
+        keys = [key for key, raw in txn.cursor(db=queues) if json.loads(raw)["name"] == name]
+        assert len(keys) == 1 and txn.delete(keys[0], db=queues)
+    env.close()
+
+
+def test_items_in_transit_to_a_queue_that_is_gone_come_back_to_the_dead_letter_queue(
+    proc: ProcessServer, monkeypatch: pytest.MonkeyPatch, data_dir: str
+) -> None:
+    proc.start()
+    stubs = Stubs(grpc.insecure_channel(proc.address))
+    try:
+        create(stubs, "dlq")
+        create(stubs, "src", dead_queue="dlq")
+        create(stubs, "tmp", requested_partitions=40)
+        sent = kill_all(stubs, "src", [b"p%d" % i for i in range(5)])
+        wait_until(lambda: len(items_of(stubs, "dlq")) == 5, timeout=EVENTUALLY)
+        before = {i.message_id: i for i in items_of(stubs, "dlq")}
+    finally:
+        stubs.channel.close()
+    proc.terminate()
+
+    monkeypatch.setenv("QUERATOR_CRASH_AT", "redrive-taken")
+    proc.start()
+    stubs = Stubs(grpc.insecure_channel(proc.address))
+    try:
+        with pytest.raises(grpc.RpcError):
+            redrive(stubs, "dlq", target_queue="tmp")
+    finally:
+        stubs.channel.close()
+    wait_until(lambda: proc.proc is not None and proc.proc.poll() is not None, timeout=EVENTUALLY)
+    assert proc.proc is not None and proc.proc.returncode == -9, "the crash point did not fire"
+    _forget_queue(data_dir, "tmp")
+
+    monkeypatch.delenv("QUERATOR_CRASH_AT")
+    proc.start()
+    stubs = Stubs(grpc.insecure_channel(proc.address))
+    try:
+        back = items_of(stubs, "dlq")
+        assert Counter(i.message_id for i in back) == Counter(sent.values()), "an item was lost or duplicated"
+        for item in back:  # back as dead letters, their history intact
+            was = before[item.message_id]
+            assert (item.payload, item.source_id, item.dead_reason, item.dead_attempts) == (
+                was.payload,
+                was.source_id,
+                was.dead_reason,
+                was.dead_attempts,
+            )
+        assert items_of(stubs, "src") == []
     finally:
         stubs.channel.close()
