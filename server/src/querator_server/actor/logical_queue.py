@@ -66,6 +66,7 @@ from .requests import (
     RedriveDoneRequest,
     RedriveInRequest,
     RedriveRequest,
+    RedriveResult,
     Request,
     RetryRequest,
 )
@@ -156,6 +157,8 @@ class LogicalQueue:
         # stored by their target: (partition, seq) -> (target uid, item as it was here).
         self._redrive: dict[tuple[int, int], tuple[int, Item]] = {}
         self._redrive_task: asyncio.Task[None] | None = None
+        # RedriveItems calls waiting for their entries to leave the outbox.
+        self._redrive_waiters: list[tuple[list[tuple[int, int]], asyncio.Future[None]]] = []
         self._lifecycle_pending = False
         # After a lifecycle step failed: not before this time (wall µs; 0: no hold).
         self._lifecycle_after = 0
@@ -243,6 +246,10 @@ class LogicalQueue:
         return self._lane.run(fn)
 
     async def _cancel_outbox(self) -> None:
+        for _entries, waiter in self._redrive_waiters:
+            if not waiter.done():
+                waiter.set_exception(Unavailable(f"queue {self.name!r} stopped; the moved items are handed over at start"))
+        self._redrive_waiters = []
         tasks = (self._outbox_task, self._redrive_task)
         self._outbox_task = self._redrive_task = None
         for task in tasks:
@@ -527,6 +534,9 @@ class LogicalQueue:
             crash_point(REDRIVE_TAKEN)
             for p, seq, target, item in cycle.redrive_added:
                 self._redrive[(p, seq)] = (target, item)
+            for _request, result in cycle.results:
+                if isinstance(result, RedriveResult) and result.delivered is not None:
+                    self._redrive_waiters.append((result.entries, result.delivered))
             self._kick_redrive()
         for request, result in cycle.results:
             _answer(request, result)
@@ -755,17 +765,16 @@ class LogicalQueue:
         if self._redrive and (self._redrive_task is None or self._redrive_task.done()):
             self._redrive_task = asyncio.create_task(self._send_redrive(), name=f"redrive:{self.name}")
 
-    async def redriven(self, entries: list[tuple[int, int]]) -> None:
-        """Wait until these redrive outbox entries are stored by their targets (or
-        back here) and dropped from the outbox."""
-        while self._closed is None and any(key in self._redrive for key in entries):
-            self._kick_redrive()
-            task = self._redrive_task
-            if task is None:
-                break
-            await asyncio.shield(task)
-        if any(key in self._redrive for key in entries):
-            raise self._closed or Unavailable("the redrive is still in progress")
+    def _settle_redrive_waiters(self) -> None:
+        still: list[tuple[list[tuple[int, int]], asyncio.Future[None]]] = []
+        for entries, waiter in self._redrive_waiters:
+            if waiter.done():
+                continue
+            if any(key in self._redrive for key in entries):
+                still.append((entries, waiter))
+            else:
+                waiter.set_result(None)
+        self._redrive_waiters = still
 
     async def _send_redrive(self) -> None:
         """Hand the redrive outbox to its targets (see redrive.py), then drop what they
@@ -788,6 +797,7 @@ class LogicalQueue:
                         await self.submit(RedriveDoneRequest(keys))
                     for key in keys:
                         self._redrive.pop(key, None)
+                    self._settle_redrive_waiters()
             except QueratorError as exc:
                 log.warning("redrive_failed", queue=self.name, error=exc.message)
                 await asyncio.sleep(OUTBOX_RETRY_S)

@@ -22,6 +22,7 @@ only ever leads to one of them.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import lmdb
@@ -95,7 +96,8 @@ class RedriveSteps(LifecycleSteps):
                     break
             if next_after is not None:
                 break
-        self._ok(request, RedriveResult(moved, entries, skipped, next_after))
+        delivered = asyncio.get_running_loop().create_future() if entries else None
+        self._ok(request, RedriveResult(moved, entries, skipped, next_after, delivered))
 
     @staticmethod
     def _source_uid(item: Item) -> int:

@@ -165,6 +165,9 @@ class RedriveResult:
     entries: list[tuple[int, int]]
     skipped: int
     next_after: tuple[int, int] | None
+    # Set once every moved item is stored by its target (or back here) and gone from
+    # the redrive outbox; None when nothing moved.
+    delivered: asyncio.Future[None] | None = None
 
 
 @dataclass(eq=False, slots=True)

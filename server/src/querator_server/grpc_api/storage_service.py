@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from typing import TYPE_CHECKING, Any
 
@@ -230,7 +231,8 @@ class StorageService:
             )
         )
         # Answer once the items are stored in their targets and gone from here.
-        await actor.redriven(result.entries)
+        if result.delivered is not None:
+            await asyncio.shield(result.delivered)
         token = ""
         if result.next_after is not None:
             token = c.encode_token(self.manager.token_secret, b"R", _CURSOR.pack(config.uid, result.next_after[0], result.next_after[1], 0))
