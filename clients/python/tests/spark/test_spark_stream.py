@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from google.protobuf import duration_pb2
 from querator.embedded import EmbeddedServer
+from querator.v1 import queue_pb2
 from spark_helpers import Stubs, session_fixture, spark_env, srv, stubs, wait_until  # noqa: F401 - fixtures
 
 spark = session_fixture("local[2,2]")
@@ -323,3 +324,30 @@ def test_server_down_fails_the_query(spark: Any, stubs: Stubs, tmp_path: Path) -
         pass
     assert not query.isActive
     assert query.exception() is not None
+
+
+def test_rows_carry_the_stable_message_id_of_items_that_were_redelivered(
+    spark: Any, srv: EmbeddedServer, stubs: Stubs, tmp_path: Path
+) -> None:
+    queue = stubs.create()
+    produced = {p: i for p, i in zip(payloads(4), _produce_ids(stubs, queue, payloads(4)))}
+    # Two items leased and given back: they are redelivered under new ids.
+    leased = stubs.queue.Lease(queue_pb2.LeaseRequest(queue_name=queue, batch_size=2), timeout=10)
+    retry = [queue_pb2.RetryItem(id=i.id) for i in leased.items]
+    stubs.queue.Retry(queue_pb2.RetryRequest(queue_name=queue, partition=0, items=retry), timeout=10)
+
+    snapshot = spark.read.format("querator").option("address", srv.address).option("queue", queue).load()
+    listed = {r.payload: (r.id, r.message_id) for r in snapshot.collect()}
+    rows: list[Any] = []
+    query = run_available_now(stream(spark, srv, queue), lambda df, _: rows.extend(df.collect()), tmp_path / "cp")
+    assert query.exception() is None
+    read = {r.payload: (r.id, r.message_id) for r in rows}
+    for payload, first_id in produced.items():
+        assert read[payload][1] == first_id == listed[payload][1]
+        moved = payload in {i.payload for i in leased.items}
+        assert (read[payload][0] != first_id) == moved and (listed[payload][0] != first_id) == moved
+
+
+def _produce_ids(stubs: Stubs, queue: str, values: list[bytes]) -> list[str]:
+    items = [queue_pb2.ProduceItem(payload=v) for v in values]
+    return list(stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name=queue, items=items), timeout=10).ids)

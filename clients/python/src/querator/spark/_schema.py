@@ -21,8 +21,8 @@ from pyspark.sql.types import (
 from ..v1 import queue_pb2, storage_pb2
 
 #: The columns of a read, snapshot or stream. A streaming read's rows are leased items
-#: (``is_leased`` true, no ``expire_deadline`` / ``enqueue_at`` / ``source_id``); a
-#: snapshot's rows are stored items as listed, leased or not.
+#: (``is_leased`` true, no ``expire_deadline`` / ``enqueue_at``); a snapshot's rows are
+#: stored items as listed, leased or not.
 READ_SCHEMA = StructType(
     [
         StructField("id", StringType(), False),
@@ -38,6 +38,9 @@ READ_SCHEMA = StructType(
         StructField("enqueue_at", TimestampType(), True),
         StructField("expire_deadline", TimestampType(), True),
         StructField("source_id", StringType(), True),
+        # The item's stable id (the id it was produced with): the same on every
+        # redelivery, so a sink can deduplicate by it; ``id`` is the lease's.
+        StructField("message_id", StringType(), False),
     ]
 )
 
@@ -75,7 +78,8 @@ def leased_batch(partition: int, items: Sequence[queue_pb2.LeaseItem]) -> Any:
         [True] * n,
         none,
         none,
-        none,
+        [i.source_id or None for i in items],
+        [i.message_id or i.id for i in items],
     ]
     return _batch(columns)
 
@@ -98,7 +102,8 @@ def leased_columns(partition: int, columns: queue_pb2.LeaseColumns) -> Any:
         [True] * n,
         none,
         none,
-        none,
+        [s or None for s in columns.source_ids] or none,
+        list(columns.message_ids) or list(columns.ids),
     ]
     return _batch(values)
 
@@ -120,6 +125,7 @@ def stored_batch(partition: int, items: Sequence[storage_pb2.StorageItem]) -> An
         [micros(i.enqueue_at) for i in items],
         [micros(i.expire_deadline) for i in items],
         [i.source_id or None for i in items],
+        [i.message_id or i.id for i in items],
     ]
     return _batch(columns)
 
