@@ -17,7 +17,8 @@ import lmdb
 import pytest
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 
-from conftest import bad_request_fields, dur, ProcessServer, Stubs, wait_until
+from conftest import bad_request_fields, dur, ProcessServer, Stubs, ThreadServer, wait_until
+from querator_server.faults import APPLY, FAULT_FILE_ENV, REQUEST_FAULT_METADATA, REQUEST_FAULTS_ENV
 
 EVENTUALLY = 20.0
 
@@ -243,3 +244,47 @@ def test_items_in_transit_to_a_queue_that_is_gone_come_back_to_the_dead_letter_q
         assert items_of(stubs, "src") == []
     finally:
         stubs.channel.close()
+
+
+def test_a_redrive_that_fails_while_applied_moves_nothing_and_fails_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A RedriveItems that raises in its step (``querator-fault: apply``) in the same
+    cycle as a healthy one: it answers INTERNAL and moves nothing; the other moves its
+    items (test_isolation.py holds the commits the same way)."""
+    stall = tmp_path / "fault"
+    monkeypatch.setenv(REQUEST_FAULTS_ENV, "1")
+    monkeypatch.setenv(FAULT_FILE_ENV, str(stall))
+    server = ThreadServer(str(tmp_path / "data"))
+    stubs = Stubs(grpc.insecure_channel(server.address))
+    try:
+        create(stubs, "dlq")
+        create(stubs, "src", dead_queue="dlq")
+        sent = kill_all(stubs, "src", [b"a", b"b", b"c", b"d"])
+        wait_until(lambda: len(items_of(stubs, "dlq")) == 4, timeout=EVENTUALLY)
+        actor = server.server.manager.actor("dlq")
+
+        stall.write_text("stall")  # hold the commits: what follows waits for one cycle
+        first = stubs.queue.Produce.future(
+            queue_pb2.ProduceRequest(queue_name="dlq", items=[queue_pb2.ProduceItem(payload=b"first")]), timeout=30
+        )
+        wait_until(lambda: stubs.stats("dlq").in_flight == 1, timeout=20)
+        request = storage_pb2.RedriveItemsRequest(queue_name="dlq", max_items=2)
+        faulty = stubs.storage.RedriveItems.future(request, metadata=((REQUEST_FAULT_METADATA, APPLY),), timeout=30)
+        twin = stubs.storage.RedriveItems.future(request, timeout=30)
+        wait_until(lambda: actor.waiting_requests() == 2, timeout=20)
+        stall.unlink()
+
+        with pytest.raises(grpc.RpcError) as failed:
+            faulty.result(timeout=30)
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+        first.result(timeout=30)
+        assert twin.result(timeout=30).moved == 2
+        back = items_of(stubs, "src")
+        left = [i for i in items_of(stubs, "dlq") if i.payload != b"first"]
+        assert len(back) == 2 and len(left) == 2
+        assert Counter(i.message_id for i in back + left) == Counter(sent.values())
+    finally:
+        stall.unlink(missing_ok=True)
+        stubs.channel.close()
+        server.stop()
