@@ -16,7 +16,7 @@ import pytest
 from cluster_helpers import Cluster
 from conftest import ThreadServer, wait_until
 from google.protobuf import field_mask_pb2
-from querator.v1 import cluster_pb2, cluster_pb2_grpc, queue_pb2, queues_pb2
+from querator.v1 import cluster_pb2, cluster_pb2_grpc, queue_pb2, queues_pb2, storage_pb2
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +241,13 @@ def test_dead_letters_reach_the_dead_letter_queue_from_every_node(cluster: Clust
     assert dead == 3
     letters = _drain(n1, "dlq", 3)
     assert sorted(item.payload for _, item in letters) == [b"bad-n1", b"bad-n2", b"bad-n3"]
+    # Each says why it died and keeps its message id, whichever node it died on.
+    assert all(item.dead_reason == queue_pb2.DEAD_REASON_RETRY_DEAD for _, item in letters)
+    assert all(item.message_id and item.source_id and item.dead_attempts == 1 for _, item in letters)
+    # A redrive hands items between the actors of one process: refused on a cluster.
+    with pytest.raises(grpc.RpcError) as no_redrive:
+        n2.stubs.storage.RedriveItems(storage_pb2.RedriveItemsRequest(queue_name="dlq"), timeout=10)
+    assert no_redrive.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     with pytest.raises(grpc.RpcError) as in_use:
         n1.stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="dlq", force=True), timeout=15)
     assert in_use.value.code() == grpc.StatusCode.FAILED_PRECONDITION
