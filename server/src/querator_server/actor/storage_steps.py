@@ -134,7 +134,7 @@ class StorageSteps(CycleBase):
 def _reply_size(item: Item) -> int:
     """A bound on what ``item`` takes in a listing reply."""
     size = len(item.payload) + ITEM_REPLY_OVERHEAD
-    for text in (item.reference, item.encoding, item.kind, item.source_id):
+    for text in (item.reference, item.encoding, item.kind, item.source_id, item.message_id):
         if text:
             size += len(text.encode())
     for name, value in item.metadata.items():
