@@ -2,8 +2,8 @@
 // @generated from file querator/v1/queue.proto (package querator.v1, syntax proto3)
 /* eslint-disable */
 
-import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
-import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
+import type { GenEnum, GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
+import { enumDesc, fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
 import type { Duration, Timestamp } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_duration, file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
 import type { Message } from "@bufbuild/protobuf";
@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file querator/v1/queue.proto.
  */
 export const file_querator_v1_queue: GenFile = /*@__PURE__*/
-  fileDesc("ChdxdWVyYXRvci92MS9xdWV1ZS5wcm90bxILcXVlcmF0b3IudjEiPAoLU3RyZWFtRXJyb3ISDAoEY29kZRgBIAEoBRIPCgdtZXNzYWdlGAIgASgJEg4KBmZpZWxkcxgDIAMoCSJEChRQcm9kdWNlU3RyZWFtUmVxdWVzdBIsCgdyZXF1ZXN0GAEgASgLMhsucXVlcmF0b3IudjEuUHJvZHVjZVJlcXVlc3QifgoVUHJvZHVjZVN0cmVhbVJlc3BvbnNlEjAKCHJlc3BvbnNlGAEgASgLMhwucXVlcmF0b3IudjEuUHJvZHVjZVJlc3BvbnNlSAASKQoFZXJyb3IYAiABKAsyGC5xdWVyYXRvci52MS5TdHJlYW1FcnJvckgAQggKBnJlc3VsdCJAChJMZWFzZVN0cmVhbVJlcXVlc3QSKgoHcmVxdWVzdBgBIAEoCzIZLnF1ZXJhdG9yLnYxLkxlYXNlUmVxdWVzdCJ6ChNMZWFzZVN0cmVhbVJlc3BvbnNlEi4KCHJlc3BvbnNlGAEgASgLMhoucXVlcmF0b3IudjEuTGVhc2VSZXNwb25zZUgAEikKBWVycm9yGAIgASgLMhgucXVlcmF0b3IudjEuU3RyZWFtRXJyb3JIAEIICgZyZXN1bHQikwIKC1Byb2R1Y2VJdGVtEhAKCGVuY29kaW5nGAEgASgJEgwKBGtpbmQYAiABKAkSEQoJcmVmZXJlbmNlGAMgASgJEg8KB3BheWxvYWQYBCABKAwSDAoEdXRmOBgFIAEoCRIuCgplbnF1ZXVlX2F0GAYgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIXCg9pZGVtcG90ZW5jeV9rZXkYByABKAkSOAoIbWV0YWRhdGEYCCADKAsyJi5xdWVyYXRvci52MS5Qcm9kdWNlSXRlbS5NZXRhZGF0YUVudHJ5Gi8KDU1ldGFkYXRhRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4ASKTAQoOUHJvZHVjZVJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCRIyCg9yZXF1ZXN0X3RpbWVvdXQYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SJwoFaXRlbXMYAyADKAsyGC5xdWVyYXRvci52MS5Qcm9kdWNlSXRlbRIQCghwYXlsb2FkcxgEIAMoDCJFCg9Qcm9kdWNlUmVzcG9uc2USEQoJcGFydGl0aW9uGAEgASgFEgsKA2lkcxgCIAMoCRISCgpkdXBsaWNhdGVzGAMgASgFItQBCgxMZWFzZVJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCRISCgpiYXRjaF9zaXplGAIgASgFEhEKCWNsaWVudF9pZBgDIAEoCRIyCg9yZXF1ZXN0X3RpbWVvdXQYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SFAoMY29tcGxldGVfaWRzGAUgAygJEhoKEmNvbXBsZXRlX3BhcnRpdGlvbhgGIAEoBRIRCglsZWFzZV9rZXkYByABKAkSEAoIY29sdW1uYXIYCCABKAgiugIKCUxlYXNlSXRlbRIKCgJpZBgBIAEoCRIQCghlbmNvZGluZxgCIAEoCRIMCgRraW5kGAMgASgJEhEKCXJlZmVyZW5jZRgEIAEoCRIPCgdwYXlsb2FkGAUgASgMEhAKCGF0dGVtcHRzGAYgASgFEjIKDmxlYXNlX2RlYWRsaW5lGAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIuCgpjcmVhdGVkX2F0GAggASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBI2CghtZXRhZGF0YRgJIAMoCzIkLnF1ZXJhdG9yLnYxLkxlYXNlSXRlbS5NZXRhZGF0YUVudHJ5Gi8KDU1ldGFkYXRhRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4ASKJAQoNTGVhc2VSZXNwb25zZRISCgpxdWV1ZV9uYW1lGAEgASgJEhEKCXBhcnRpdGlvbhgCIAEoBRIlCgVpdGVtcxgDIAMoCzIWLnF1ZXJhdG9yLnYxLkxlYXNlSXRlbRIqCgdjb2x1bW5zGAQgASgLMhkucXVlcmF0b3IudjEuTGVhc2VDb2x1bW5zItUBCgxMZWFzZUNvbHVtbnMSCwoDaWRzGAEgAygJEhAKCHBheWxvYWRzGAIgAygMEhAKCGF0dGVtcHRzGAMgAygFEhoKEmxlYXNlX2RlYWRsaW5lc191cxgEIAMoAxIVCg1jcmVhdGVkX2F0X3VzGAUgAygDEhEKCWVuY29kaW5ncxgGIAMoCRINCgVraW5kcxgHIAMoCRISCgpyZWZlcmVuY2VzGAggAygJEisKCG1ldGFkYXRhGAkgAygLMhkucXVlcmF0b3IudjEuSXRlbU1ldGFkYXRhIncKDEl0ZW1NZXRhZGF0YRI3CgdlbnRyaWVzGAEgAygLMiYucXVlcmF0b3IudjEuSXRlbU1ldGFkYXRhLkVudHJpZXNFbnRyeRouCgxFbnRyaWVzRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4ASKNAQoPQ29tcGxldGVSZXF1ZXN0EhIKCnF1ZXVlX25hbWUYASABKAkSEQoJcGFydGl0aW9uGAIgASgFEgsKA2lkcxgDIAMoCRIyCg9yZXF1ZXN0X3RpbWVvdXQYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SEgoKbGVhc2Vfa2V5cxgFIAMoCSISChBDb21wbGV0ZVJlc3BvbnNlIlMKCVJldHJ5SXRlbRIKCgJpZBgBIAEoCRIsCghyZXRyeV9hdBgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDAoEZGVhZBgDIAEoCCKQAQoMUmV0cnlSZXF1ZXN0EhIKCnF1ZXVlX25hbWUYASABKAkSEQoJcGFydGl0aW9uGAIgASgFEiUKBWl0ZW1zGAMgAygLMhYucXVlcmF0b3IudjEuUmV0cnlJdGVtEjIKD3JlcXVlc3RfdGltZW91dBgEIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiIPCg1SZXRyeVJlc3BvbnNlIr0BCg1FeHRlbmRSZXF1ZXN0EhIKCnF1ZXVlX25hbWUYASABKAkSEQoJcGFydGl0aW9uGAIgASgFEgsKA2lkcxgDIAMoCRIwCg1sZWFzZV90aW1lb3V0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjIKD3JlcXVlc3RfdGltZW91dBgFIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhISCgpsZWFzZV9rZXlzGAYgAygJImEKDkV4dGVuZFJlc3BvbnNlEjMKD2xlYXNlX2RlYWRsaW5lcxgBIAMoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASGgoSa2V5X2l0ZW1zX2V4dGVuZGVkGAIgASgFMpIECgxRdWV1ZVNlcnZpY2USRAoHUHJvZHVjZRIbLnF1ZXJhdG9yLnYxLlByb2R1Y2VSZXF1ZXN0GhwucXVlcmF0b3IudjEuUHJvZHVjZVJlc3BvbnNlEj4KBUxlYXNlEhkucXVlcmF0b3IudjEuTGVhc2VSZXF1ZXN0GhoucXVlcmF0b3IudjEuTGVhc2VSZXNwb25zZRJHCghDb21wbGV0ZRIcLnF1ZXJhdG9yLnYxLkNvbXBsZXRlUmVxdWVzdBodLnF1ZXJhdG9yLnYxLkNvbXBsZXRlUmVzcG9uc2USPgoFUmV0cnkSGS5xdWVyYXRvci52MS5SZXRyeVJlcXVlc3QaGi5xdWVyYXRvci52MS5SZXRyeVJlc3BvbnNlEkEKBkV4dGVuZBIaLnF1ZXJhdG9yLnYxLkV4dGVuZFJlcXVlc3QaGy5xdWVyYXRvci52MS5FeHRlbmRSZXNwb25zZRJaCg1Qcm9kdWNlU3RyZWFtEiEucXVlcmF0b3IudjEuUHJvZHVjZVN0cmVhbVJlcXVlc3QaIi5xdWVyYXRvci52MS5Qcm9kdWNlU3RyZWFtUmVzcG9uc2UoATABElQKC0xlYXNlU3RyZWFtEh8ucXVlcmF0b3IudjEuTGVhc2VTdHJlYW1SZXF1ZXN0GiAucXVlcmF0b3IudjEuTGVhc2VTdHJlYW1SZXNwb25zZSgBMAFCpQEKDmlvLnF1ZXJhdG9yLnYxQgpRdWV1ZVByb3RvUAFaOmdpdGh1Yi5jb20vcXVlcmF0b3IvcXVlcmF0b3IvZ2VuL2dvL3F1ZXJhdG9yL3YxO3F1ZXJhdG9ydjGiAgNRWFiqAgtRdWVyYXRvci5WMcoCC1F1ZXJhdG9yXFYx4gIXUXVlcmF0b3JcVjFcR1BCTWV0YWRhdGHqAgxRdWVyYXRvcjo6VjFiBnByb3RvMw", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
+  fileDesc("ChdxdWVyYXRvci92MS9xdWV1ZS5wcm90bxILcXVlcmF0b3IudjEiPAoLU3RyZWFtRXJyb3ISDAoEY29kZRgBIAEoBRIPCgdtZXNzYWdlGAIgASgJEg4KBmZpZWxkcxgDIAMoCSJEChRQcm9kdWNlU3RyZWFtUmVxdWVzdBIsCgdyZXF1ZXN0GAEgASgLMhsucXVlcmF0b3IudjEuUHJvZHVjZVJlcXVlc3QifgoVUHJvZHVjZVN0cmVhbVJlc3BvbnNlEjAKCHJlc3BvbnNlGAEgASgLMhwucXVlcmF0b3IudjEuUHJvZHVjZVJlc3BvbnNlSAASKQoFZXJyb3IYAiABKAsyGC5xdWVyYXRvci52MS5TdHJlYW1FcnJvckgAQggKBnJlc3VsdCJAChJMZWFzZVN0cmVhbVJlcXVlc3QSKgoHcmVxdWVzdBgBIAEoCzIZLnF1ZXJhdG9yLnYxLkxlYXNlUmVxdWVzdCJ6ChNMZWFzZVN0cmVhbVJlc3BvbnNlEi4KCHJlc3BvbnNlGAEgASgLMhoucXVlcmF0b3IudjEuTGVhc2VSZXNwb25zZUgAEikKBWVycm9yGAIgASgLMhgucXVlcmF0b3IudjEuU3RyZWFtRXJyb3JIAEIICgZyZXN1bHQikwIKC1Byb2R1Y2VJdGVtEhAKCGVuY29kaW5nGAEgASgJEgwKBGtpbmQYAiABKAkSEQoJcmVmZXJlbmNlGAMgASgJEg8KB3BheWxvYWQYBCABKAwSDAoEdXRmOBgFIAEoCRIuCgplbnF1ZXVlX2F0GAYgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIXCg9pZGVtcG90ZW5jeV9rZXkYByABKAkSOAoIbWV0YWRhdGEYCCADKAsyJi5xdWVyYXRvci52MS5Qcm9kdWNlSXRlbS5NZXRhZGF0YUVudHJ5Gi8KDU1ldGFkYXRhRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4ASKTAQoOUHJvZHVjZVJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCRIyCg9yZXF1ZXN0X3RpbWVvdXQYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SJwoFaXRlbXMYAyADKAsyGC5xdWVyYXRvci52MS5Qcm9kdWNlSXRlbRIQCghwYXlsb2FkcxgEIAMoDCJFCg9Qcm9kdWNlUmVzcG9uc2USEQoJcGFydGl0aW9uGAEgASgFEgsKA2lkcxgCIAMoCRISCgpkdXBsaWNhdGVzGAMgASgFItQBCgxMZWFzZVJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCRISCgpiYXRjaF9zaXplGAIgASgFEhEKCWNsaWVudF9pZBgDIAEoCRIyCg9yZXF1ZXN0X3RpbWVvdXQYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SFAoMY29tcGxldGVfaWRzGAUgAygJEhoKEmNvbXBsZXRlX3BhcnRpdGlvbhgGIAEoBRIRCglsZWFzZV9rZXkYByABKAkSEAoIY29sdW1uYXIYCCABKAgi0wMKCUxlYXNlSXRlbRIKCgJpZBgBIAEoCRIQCghlbmNvZGluZxgCIAEoCRIMCgRraW5kGAMgASgJEhEKCXJlZmVyZW5jZRgEIAEoCRIPCgdwYXlsb2FkGAUgASgMEhAKCGF0dGVtcHRzGAYgASgFEjIKDmxlYXNlX2RlYWRsaW5lGAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIuCgpjcmVhdGVkX2F0GAggASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBI2CghtZXRhZGF0YRgJIAMoCzIkLnF1ZXJhdG9yLnYxLkxlYXNlSXRlbS5NZXRhZGF0YUVudHJ5EhIKCm1lc3NhZ2VfaWQYCiABKAkSEQoJc291cmNlX2lkGAsgASgJEiwKC2RlYWRfcmVhc29uGAwgASgOMhcucXVlcmF0b3IudjEuRGVhZFJlYXNvbhIrCgdkZWFkX2F0GA0gASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIVCg1kZWFkX2F0dGVtcHRzGA4gASgFGi8KDU1ldGFkYXRhRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4ASKJAQoNTGVhc2VSZXNwb25zZRISCgpxdWV1ZV9uYW1lGAEgASgJEhEKCXBhcnRpdGlvbhgCIAEoBRIlCgVpdGVtcxgDIAMoCzIWLnF1ZXJhdG9yLnYxLkxlYXNlSXRlbRIqCgdjb2x1bW5zGAQgASgLMhkucXVlcmF0b3IudjEuTGVhc2VDb2x1bW5zItgCCgxMZWFzZUNvbHVtbnMSCwoDaWRzGAEgAygJEhAKCHBheWxvYWRzGAIgAygMEhAKCGF0dGVtcHRzGAMgAygFEhoKEmxlYXNlX2RlYWRsaW5lc191cxgEIAMoAxIVCg1jcmVhdGVkX2F0X3VzGAUgAygDEhEKCWVuY29kaW5ncxgGIAMoCRINCgVraW5kcxgHIAMoCRISCgpyZWZlcmVuY2VzGAggAygJEisKCG1ldGFkYXRhGAkgAygLMhkucXVlcmF0b3IudjEuSXRlbU1ldGFkYXRhEhMKC21lc3NhZ2VfaWRzGAogAygJEhIKCnNvdXJjZV9pZHMYCyADKAkSLQoMZGVhZF9yZWFzb25zGAwgAygOMhcucXVlcmF0b3IudjEuRGVhZFJlYXNvbhISCgpkZWFkX2F0X3VzGA0gAygDEhUKDWRlYWRfYXR0ZW1wdHMYDiADKAUidwoMSXRlbU1ldGFkYXRhEjcKB2VudHJpZXMYASADKAsyJi5xdWVyYXRvci52MS5JdGVtTWV0YWRhdGEuRW50cmllc0VudHJ5Gi4KDEVudHJpZXNFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAk6AjgBIo0BCg9Db21wbGV0ZVJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCRIRCglwYXJ0aXRpb24YAiABKAUSCwoDaWRzGAMgAygJEjIKD3JlcXVlc3RfdGltZW91dBgEIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhISCgpsZWFzZV9rZXlzGAUgAygJIhIKEENvbXBsZXRlUmVzcG9uc2UiUwoJUmV0cnlJdGVtEgoKAmlkGAEgASgJEiwKCHJldHJ5X2F0GAIgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIMCgRkZWFkGAMgASgIIpABCgxSZXRyeVJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCRIRCglwYXJ0aXRpb24YAiABKAUSJQoFaXRlbXMYAyADKAsyFi5xdWVyYXRvci52MS5SZXRyeUl0ZW0SMgoPcmVxdWVzdF90aW1lb3V0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIg8KDVJldHJ5UmVzcG9uc2UivQEKDUV4dGVuZFJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCRIRCglwYXJ0aXRpb24YAiABKAUSCwoDaWRzGAMgAygJEjAKDWxlYXNlX3RpbWVvdXQYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SMgoPcmVxdWVzdF90aW1lb3V0GAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhIKCmxlYXNlX2tleXMYBiADKAkiYQoORXh0ZW5kUmVzcG9uc2USMwoPbGVhc2VfZGVhZGxpbmVzGAEgAygLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIaChJrZXlfaXRlbXNfZXh0ZW5kZWQYAiABKAUqfAoKRGVhZFJlYXNvbhIbChdERUFEX1JFQVNPTl9VTlNQRUNJRklFRBAAEhwKGERFQURfUkVBU09OX01BWF9BVFRFTVBUUxABEhcKE0RFQURfUkVBU09OX0VYUElSRUQQAhIaChZERUFEX1JFQVNPTl9SRVRSWV9ERUFEEAMykgQKDFF1ZXVlU2VydmljZRJECgdQcm9kdWNlEhsucXVlcmF0b3IudjEuUHJvZHVjZVJlcXVlc3QaHC5xdWVyYXRvci52MS5Qcm9kdWNlUmVzcG9uc2USPgoFTGVhc2USGS5xdWVyYXRvci52MS5MZWFzZVJlcXVlc3QaGi5xdWVyYXRvci52MS5MZWFzZVJlc3BvbnNlEkcKCENvbXBsZXRlEhwucXVlcmF0b3IudjEuQ29tcGxldGVSZXF1ZXN0Gh0ucXVlcmF0b3IudjEuQ29tcGxldGVSZXNwb25zZRI+CgVSZXRyeRIZLnF1ZXJhdG9yLnYxLlJldHJ5UmVxdWVzdBoaLnF1ZXJhdG9yLnYxLlJldHJ5UmVzcG9uc2USQQoGRXh0ZW5kEhoucXVlcmF0b3IudjEuRXh0ZW5kUmVxdWVzdBobLnF1ZXJhdG9yLnYxLkV4dGVuZFJlc3BvbnNlEloKDVByb2R1Y2VTdHJlYW0SIS5xdWVyYXRvci52MS5Qcm9kdWNlU3RyZWFtUmVxdWVzdBoiLnF1ZXJhdG9yLnYxLlByb2R1Y2VTdHJlYW1SZXNwb25zZSgBMAESVAoLTGVhc2VTdHJlYW0SHy5xdWVyYXRvci52MS5MZWFzZVN0cmVhbVJlcXVlc3QaIC5xdWVyYXRvci52MS5MZWFzZVN0cmVhbVJlc3BvbnNlKAEwAUKlAQoOaW8ucXVlcmF0b3IudjFCClF1ZXVlUHJvdG9QAVo6Z2l0aHViLmNvbS9xdWVyYXRvci9xdWVyYXRvci9nZW4vZ28vcXVlcmF0b3IvdjE7cXVlcmF0b3J2MaICA1FYWKoCC1F1ZXJhdG9yLlYxygILUXVlcmF0b3JcVjHiAhdRdWVyYXRvclxWMVxHUEJNZXRhZGF0YeoCDFF1ZXJhdG9yOjpWMWIGcHJvdG8z", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
 
 /**
  * StreamError is the failure of one request of a stream, which goes on. It
@@ -485,6 +485,48 @@ export type LeaseItem = Message<"querator.v1.LeaseItem"> & {
    * @generated from field: map<string, string> metadata = 9;
    */
   metadata: { [key: string]: string };
+
+  /**
+   * The item's stable id: the id it was produced with, kept when the item is
+   * re-queued (lease expired, Retry), promoted from scheduled, dead-lettered
+   * or redriven, while `id` changes with each of these. Use it to follow an
+   * item in logs; use `id` to complete, retry or extend this lease.
+   *
+   * @generated from field: string message_id = 10;
+   */
+  messageId: string;
+
+  /**
+   * For items in a dead-letter queue (or redriven from one): the item's id in
+   * the queue it came from. Empty otherwise.
+   *
+   * @generated from field: string source_id = 11;
+   */
+  sourceId: string;
+
+  /**
+   * Why the item was dead-lettered; DEAD_REASON_UNSPECIFIED for items that
+   * were not.
+   *
+   * @generated from field: querator.v1.DeadReason dead_reason = 12;
+   */
+  deadReason: DeadReason;
+
+  /**
+   * When the item was dead-lettered (dead letters only).
+   *
+   * @generated from field: google.protobuf.Timestamp dead_at = 13;
+   */
+  deadAt?: Timestamp | undefined;
+
+  /**
+   * How many times the item had been leased in the queue it died in; its
+   * `attempts` counts the leases in the dead-letter queue, so that queue's own
+   * max_attempts applies afresh (dead letters only).
+   *
+   * @generated from field: int32 dead_attempts = 14;
+   */
+  deadAttempts: number;
 };
 
 /**
@@ -610,6 +652,43 @@ export type LeaseColumns = Message<"querator.v1.LeaseColumns"> & {
    * @generated from field: repeated querator.v1.ItemMetadata metadata = 9;
    */
   metadata: ItemMetadata[];
+
+  /**
+   * Empty when every item's message_id equals its id (no item of the batch
+   * was ever moved); else one per item.
+   *
+   * @generated from field: repeated string message_ids = 10;
+   */
+  messageIds: string[];
+
+  /**
+   * Empty, or one per item.
+   *
+   * @generated from field: repeated string source_ids = 11;
+   */
+  sourceIds: string[];
+
+  /**
+   * Empty when no item of the batch is a dead letter; else one per item.
+   *
+   * @generated from field: repeated querator.v1.DeadReason dead_reasons = 12;
+   */
+  deadReasons: DeadReason[];
+
+  /**
+   * Empty, or one per item: when each was dead-lettered, in microseconds
+   * since the Unix epoch (0 for items that were not).
+   *
+   * @generated from field: repeated int64 dead_at_us = 13;
+   */
+  deadAtUs: bigint[];
+
+  /**
+   * Empty, or one per item.
+   *
+   * @generated from field: repeated int32 dead_attempts = 14;
+   */
+  deadAttempts: number[];
 };
 
 /**
@@ -897,6 +976,47 @@ export type ExtendResponse = Message<"querator.v1.ExtendResponse"> & {
  */
 export const ExtendResponseSchema: GenMessage<ExtendResponse> = /*@__PURE__*/
   messageDesc(file_querator_v1_queue, 19);
+
+/**
+ * DeadReason says why an item was moved to a dead-letter queue.
+ *
+ * @generated from enum querator.v1.DeadReason
+ */
+export enum DeadReason {
+  /**
+   * Not a dead letter.
+   *
+   * @generated from enum value: DEAD_REASON_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * Its lease ran out (or a lease found it) with max_attempts reached.
+   *
+   * @generated from enum value: DEAD_REASON_MAX_ATTEMPTS = 1;
+   */
+  MAX_ATTEMPTS = 1,
+
+  /**
+   * Its expire_timeout passed (ready, scheduled, or when its lease ended).
+   *
+   * @generated from enum value: DEAD_REASON_EXPIRED = 2;
+   */
+  EXPIRED = 2,
+
+  /**
+   * A consumer gave it back with Retry and `dead` set.
+   *
+   * @generated from enum value: DEAD_REASON_RETRY_DEAD = 3;
+   */
+  RETRY_DEAD = 3,
+}
+
+/**
+ * Describes the enum querator.v1.DeadReason.
+ */
+export const DeadReasonSchema: GenEnum<DeadReason> = /*@__PURE__*/
+  enumDesc(file_querator_v1_queue, 0);
 
 /**
  * QueueService moves items through a queue: producers add them, consumers

@@ -34,7 +34,9 @@ export type QueueInfo = Message<"querator.v1.QueueInfo"> & {
    * dead-letter queue of its own. With API keys, answers show it only to a
    * key whose patterns match it: for other keys it reads empty (setting it
    * needs a key that matches it too), and no error text names a queue the
-   * key may not see.
+   * key may not see. Dead letters stay in the dead-letter queue until removed
+   * (completed, deleted, cleared or redriven): its expire_timeout does not
+   * apply to them.
    *
    * @generated from field: string dead_queue = 2;
    */
@@ -59,7 +61,9 @@ export type QueueInfo = Message<"querator.v1.QueueInfo"> & {
 
   /**
    * An item's total life from produce; expired items are dead-lettered.
-   * Default 24 hours, at most 10 years. Changes apply to new items.
+   * Default 24 hours, at most 10 years. Changes apply to new items. Not
+   * applied to the dead letters a queue receives as another queue's
+   * dead_queue: they never expire.
    *
    * @generated from field: google.protobuf.Duration expire_timeout = 5;
    */

@@ -6,13 +6,15 @@ import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegen
 import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
 import type { Timestamp } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
+import type { DeadReason } from "./queue_pb.js";
+import { file_querator_v1_queue } from "./queue_pb.js";
 import type { Message } from "@bufbuild/protobuf";
 
 /**
  * Describes the file querator/v1/storage.proto.
  */
 export const file_querator_v1_storage: GenFile = /*@__PURE__*/
-  fileDesc("ChlxdWVyYXRvci92MS9zdG9yYWdlLnByb3RvEgtxdWVyYXRvci52MSLJAwoLU3RvcmFnZUl0ZW0SCgoCaWQYASABKAkSEQoJaXNfbGVhc2VkGAIgASgIEjIKDmxlYXNlX2RlYWRsaW5lGAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIzCg9leHBpcmVfZGVhZGxpbmUYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCmVucXVldWVfYXQYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCmNyZWF0ZWRfYXQYBiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhAKCGF0dGVtcHRzGAcgASgFEhEKCXJlZmVyZW5jZRgIIAEoCRIQCghlbmNvZGluZxgJIAEoCRIMCgRraW5kGAogASgJEg8KB3BheWxvYWQYCyABKAwSEQoJc291cmNlX2lkGAwgASgJEjgKCG1ldGFkYXRhGA0gAygLMiYucXVlcmF0b3IudjEuU3RvcmFnZUl0ZW0uTWV0YWRhdGFFbnRyeRovCg1NZXRhZGF0YUVudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoCToCOAEiYAoQTGlzdEl0ZW1zUmVxdWVzdBISCgpxdWV1ZV9uYW1lGAEgASgJEhEKCXBhcnRpdGlvbhgCIAEoBRIRCglwYWdlX3NpemUYAyABKAUSEgoKcGFnZV90b2tlbhgEIAEoCSJVChFMaXN0SXRlbXNSZXNwb25zZRInCgVpdGVtcxgBIAMoCzIYLnF1ZXJhdG9yLnYxLlN0b3JhZ2VJdGVtEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSJpChlMaXN0U2NoZWR1bGVkSXRlbXNSZXF1ZXN0EhIKCnF1ZXVlX25hbWUYASABKAkSEQoJcGFydGl0aW9uGAIgASgFEhEKCXBhZ2Vfc2l6ZRgDIAEoBRISCgpwYWdlX3Rva2VuGAQgASgJIl4KGkxpc3RTY2hlZHVsZWRJdGVtc1Jlc3BvbnNlEicKBWl0ZW1zGAEgAygLMhgucXVlcmF0b3IudjEuU3RvcmFnZUl0ZW0SFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJImQKEkltcG9ydEl0ZW1zUmVxdWVzdBISCgpxdWV1ZV9uYW1lGAEgASgJEhEKCXBhcnRpdGlvbhgCIAEoBRInCgVpdGVtcxgDIAMoCzIYLnF1ZXJhdG9yLnYxLlN0b3JhZ2VJdGVtIiIKE0ltcG9ydEl0ZW1zUmVzcG9uc2USCwoDaWRzGAEgAygJIkgKEkRlbGV0ZUl0ZW1zUmVxdWVzdBISCgpxdWV1ZV9uYW1lGAEgASgJEhEKCXBhcnRpdGlvbhgCIAEoBRILCgNpZHMYAyADKAkiFQoTRGVsZXRlSXRlbXNSZXNwb25zZTLnAgoOU3RvcmFnZVNlcnZpY2USSgoJTGlzdEl0ZW1zEh0ucXVlcmF0b3IudjEuTGlzdEl0ZW1zUmVxdWVzdBoeLnF1ZXJhdG9yLnYxLkxpc3RJdGVtc1Jlc3BvbnNlEmUKEkxpc3RTY2hlZHVsZWRJdGVtcxImLnF1ZXJhdG9yLnYxLkxpc3RTY2hlZHVsZWRJdGVtc1JlcXVlc3QaJy5xdWVyYXRvci52MS5MaXN0U2NoZWR1bGVkSXRlbXNSZXNwb25zZRJQCgtJbXBvcnRJdGVtcxIfLnF1ZXJhdG9yLnYxLkltcG9ydEl0ZW1zUmVxdWVzdBogLnF1ZXJhdG9yLnYxLkltcG9ydEl0ZW1zUmVzcG9uc2USUAoLRGVsZXRlSXRlbXMSHy5xdWVyYXRvci52MS5EZWxldGVJdGVtc1JlcXVlc3QaIC5xdWVyYXRvci52MS5EZWxldGVJdGVtc1Jlc3BvbnNlQqcBCg5pby5xdWVyYXRvci52MUIMU3RvcmFnZVByb3RvUAFaOmdpdGh1Yi5jb20vcXVlcmF0b3IvcXVlcmF0b3IvZ2VuL2dvL3F1ZXJhdG9yL3YxO3F1ZXJhdG9ydjGiAgNRWFiqAgtRdWVyYXRvci5WMcoCC1F1ZXJhdG9yXFYx4gIXUXVlcmF0b3JcVjFcR1BCTWV0YWRhdGHqAgxRdWVyYXRvcjo6VjFiBnByb3RvMw", [file_google_protobuf_timestamp]);
+  fileDesc("ChlxdWVyYXRvci92MS9zdG9yYWdlLnByb3RvEgtxdWVyYXRvci52MSLPBAoLU3RvcmFnZUl0ZW0SCgoCaWQYASABKAkSEQoJaXNfbGVhc2VkGAIgASgIEjIKDmxlYXNlX2RlYWRsaW5lGAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIzCg9leHBpcmVfZGVhZGxpbmUYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCmVucXVldWVfYXQYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCmNyZWF0ZWRfYXQYBiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhAKCGF0dGVtcHRzGAcgASgFEhEKCXJlZmVyZW5jZRgIIAEoCRIQCghlbmNvZGluZxgJIAEoCRIMCgRraW5kGAogASgJEg8KB3BheWxvYWQYCyABKAwSEQoJc291cmNlX2lkGAwgASgJEjgKCG1ldGFkYXRhGA0gAygLMiYucXVlcmF0b3IudjEuU3RvcmFnZUl0ZW0uTWV0YWRhdGFFbnRyeRISCgptZXNzYWdlX2lkGA4gASgJEiwKC2RlYWRfcmVhc29uGA8gASgOMhcucXVlcmF0b3IudjEuRGVhZFJlYXNvbhIrCgdkZWFkX2F0GBAgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIVCg1kZWFkX2F0dGVtcHRzGBEgASgFGi8KDU1ldGFkYXRhRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4ASJgChBMaXN0SXRlbXNSZXF1ZXN0EhIKCnF1ZXVlX25hbWUYASABKAkSEQoJcGFydGl0aW9uGAIgASgFEhEKCXBhZ2Vfc2l6ZRgDIAEoBRISCgpwYWdlX3Rva2VuGAQgASgJIlUKEUxpc3RJdGVtc1Jlc3BvbnNlEicKBWl0ZW1zGAEgAygLMhgucXVlcmF0b3IudjEuU3RvcmFnZUl0ZW0SFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJImkKGUxpc3RTY2hlZHVsZWRJdGVtc1JlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCRIRCglwYXJ0aXRpb24YAiABKAUSEQoJcGFnZV9zaXplGAMgASgFEhIKCnBhZ2VfdG9rZW4YBCABKAkiXgoaTGlzdFNjaGVkdWxlZEl0ZW1zUmVzcG9uc2USJwoFaXRlbXMYASADKAsyGC5xdWVyYXRvci52MS5TdG9yYWdlSXRlbRIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkiZAoSSW1wb3J0SXRlbXNSZXF1ZXN0EhIKCnF1ZXVlX25hbWUYASABKAkSEQoJcGFydGl0aW9uGAIgASgFEicKBWl0ZW1zGAMgAygLMhgucXVlcmF0b3IudjEuU3RvcmFnZUl0ZW0iIgoTSW1wb3J0SXRlbXNSZXNwb25zZRILCgNpZHMYASADKAkiSAoSRGVsZXRlSXRlbXNSZXF1ZXN0EhIKCnF1ZXVlX25hbWUYASABKAkSEQoJcGFydGl0aW9uGAIgASgFEgsKA2lkcxgDIAMoCSIVChNEZWxldGVJdGVtc1Jlc3BvbnNlIqIBChNSZWRyaXZlSXRlbXNSZXF1ZXN0EhIKCnF1ZXVlX25hbWUYASABKAkSFAoMdGFyZ2V0X3F1ZXVlGAIgASgJEgwKBGtpbmQYAyABKAkSLAoLZGVhZF9yZWFzb24YBCABKA4yFy5xdWVyYXRvci52MS5EZWFkUmVhc29uEhEKCW1heF9pdGVtcxgFIAEoBRISCgpwYWdlX3Rva2VuGAYgASgJImQKFFJlZHJpdmVJdGVtc1Jlc3BvbnNlEg0KBW1vdmVkGAEgASgFEhMKC21lc3NhZ2VfaWRzGAIgAygJEg8KB3NraXBwZWQYAyABKAUSFwoPbmV4dF9wYWdlX3Rva2VuGAQgASgJMrwDCg5TdG9yYWdlU2VydmljZRJKCglMaXN0SXRlbXMSHS5xdWVyYXRvci52MS5MaXN0SXRlbXNSZXF1ZXN0Gh4ucXVlcmF0b3IudjEuTGlzdEl0ZW1zUmVzcG9uc2USZQoSTGlzdFNjaGVkdWxlZEl0ZW1zEiYucXVlcmF0b3IudjEuTGlzdFNjaGVkdWxlZEl0ZW1zUmVxdWVzdBonLnF1ZXJhdG9yLnYxLkxpc3RTY2hlZHVsZWRJdGVtc1Jlc3BvbnNlElAKC0ltcG9ydEl0ZW1zEh8ucXVlcmF0b3IudjEuSW1wb3J0SXRlbXNSZXF1ZXN0GiAucXVlcmF0b3IudjEuSW1wb3J0SXRlbXNSZXNwb25zZRJQCgtEZWxldGVJdGVtcxIfLnF1ZXJhdG9yLnYxLkRlbGV0ZUl0ZW1zUmVxdWVzdBogLnF1ZXJhdG9yLnYxLkRlbGV0ZUl0ZW1zUmVzcG9uc2USUwoMUmVkcml2ZUl0ZW1zEiAucXVlcmF0b3IudjEuUmVkcml2ZUl0ZW1zUmVxdWVzdBohLnF1ZXJhdG9yLnYxLlJlZHJpdmVJdGVtc1Jlc3BvbnNlQqcBCg5pby5xdWVyYXRvci52MUIMU3RvcmFnZVByb3RvUAFaOmdpdGh1Yi5jb20vcXVlcmF0b3IvcXVlcmF0b3IvZ2VuL2dvL3F1ZXJhdG9yL3YxO3F1ZXJhdG9ydjGiAgNRWFiqAgtRdWVyYXRvci5WMcoCC1F1ZXJhdG9yXFYx4gIXUXVlcmF0b3JcVjFcR1BCTWV0YWRhdGHqAgxRdWVyYXRvcjo6VjFiBnByb3RvMw", [file_google_protobuf_timestamp, file_querator_v1_queue]);
 
 /**
  * StorageItem is an item with every stored field.
@@ -42,7 +44,8 @@ export type StorageItem = Message<"querator.v1.StorageItem"> & {
   leaseDeadline?: Timestamp | undefined;
 
   /**
-   * When the item expires and is dead-lettered.
+   * When the item expires and is dead-lettered. Unset for items that never
+   * expire (dead letters in their dead-letter queue).
    *
    * @generated from field: google.protobuf.Timestamp expire_deadline = 4;
    */
@@ -114,6 +117,36 @@ export type StorageItem = Message<"querator.v1.StorageItem"> & {
    * @generated from field: map<string, string> metadata = 13;
    */
   metadata: { [key: string]: string };
+
+  /**
+   * The item's stable id: the id it was produced with, kept across re-queues,
+   * promotion, dead-lettering and redrive (see LeaseItem.message_id).
+   *
+   * @generated from field: string message_id = 14;
+   */
+  messageId: string;
+
+  /**
+   * Why the item was dead-lettered; DEAD_REASON_UNSPECIFIED if it was not.
+   *
+   * @generated from field: querator.v1.DeadReason dead_reason = 15;
+   */
+  deadReason: DeadReason;
+
+  /**
+   * When the item was dead-lettered (dead letters only).
+   *
+   * @generated from field: google.protobuf.Timestamp dead_at = 16;
+   */
+  deadAt?: Timestamp | undefined;
+
+  /**
+   * How many times the item had been leased in the queue it died in (dead
+   * letters only; `attempts` counts leases in the queue that holds it now).
+   *
+   * @generated from field: int32 dead_attempts = 17;
+   */
+  deadAttempts: number;
 };
 
 /**
@@ -384,6 +417,112 @@ export const DeleteItemsResponseSchema: GenMessage<DeleteItemsResponse> = /*@__P
   messageDesc(file_querator_v1_storage, 8);
 
 /**
+ * RedriveItemsRequest moves up to max_items ready items of a dead-letter queue.
+ *
+ * @generated from message querator.v1.RedriveItemsRequest
+ */
+export type RedriveItemsRequest = Message<"querator.v1.RedriveItemsRequest"> & {
+  /**
+   * The queue to move items out of (usually a dead-letter queue). Leased and
+   * scheduled items stay where they are.
+   *
+   * @generated from field: string queue_name = 1;
+   */
+  queueName: string;
+
+  /**
+   * Where to move them. Empty: each item goes back to the queue it died in
+   * (named by its source_id); items whose source queue no longer exists (or
+   * is not visible to the caller) stay and are counted in `skipped`. Must not
+   * be queue_name.
+   *
+   * @generated from field: string target_queue = 2;
+   */
+  targetQueue: string;
+
+  /**
+   * Optional: move only items of this kind.
+   *
+   * @generated from field: string kind = 3;
+   */
+  kind: string;
+
+  /**
+   * Optional: move only dead letters that died for this reason.
+   *
+   * @generated from field: querator.v1.DeadReason dead_reason = 4;
+   */
+  deadReason: DeadReason;
+
+  /**
+   * The most items to move in this call, 1 to 1,000; 0 means 1,000.
+   *
+   * @generated from field: int32 max_items = 5;
+   */
+  maxItems: number;
+
+  /**
+   * The next_page_token of a previous call, to go on after the items it
+   * looked at; empty to start with the oldest item.
+   *
+   * @generated from field: string page_token = 6;
+   */
+  pageToken: string;
+};
+
+/**
+ * Describes the message querator.v1.RedriveItemsRequest.
+ * Use `create(RedriveItemsRequestSchema)` to create a new message.
+ */
+export const RedriveItemsRequestSchema: GenMessage<RedriveItemsRequest> = /*@__PURE__*/
+  messageDesc(file_querator_v1_storage, 9);
+
+/**
+ * RedriveItemsResponse is sent once the moved items are durably stored in
+ * their target queues and gone from queue_name.
+ *
+ * @generated from message querator.v1.RedriveItemsResponse
+ */
+export type RedriveItemsResponse = Message<"querator.v1.RedriveItemsResponse"> & {
+  /**
+   * How many items were moved.
+   *
+   * @generated from field: int32 moved = 1;
+   */
+  moved: number;
+
+  /**
+   * The message_id of each moved item, oldest first per partition.
+   *
+   * @generated from field: repeated string message_ids = 2;
+   */
+  messageIds: string[];
+
+  /**
+   * Items that matched but stayed: their source queue is gone or not visible.
+   *
+   * @generated from field: int32 skipped = 3;
+   */
+  skipped: number;
+
+  /**
+   * Non-empty when items remain that this call did not look at (it stopped at
+   * max_items or after looking at 10,000 items): pass it as page_token to go
+   * on. Empty once every item was looked at.
+   *
+   * @generated from field: string next_page_token = 4;
+   */
+  nextPageToken: string;
+};
+
+/**
+ * Describes the message querator.v1.RedriveItemsResponse.
+ * Use `create(RedriveItemsResponseSchema)` to create a new message.
+ */
+export const RedriveItemsResponseSchema: GenMessage<RedriveItemsResponse> = /*@__PURE__*/
+  messageDesc(file_querator_v1_storage, 10);
+
+/**
  * StorageService inspects and repairs a queue's stored items directly.
  *
  * @generated from service querator.v1.StorageService
@@ -410,7 +549,8 @@ export const StorageService: GenService<{
     output: typeof ListScheduledItemsResponseSchema;
   },
   /**
-   * ImportItems stores items as given (attempts, deadlines, source_id kept).
+   * ImportItems stores items as given (attempts, deadlines, source_id and the
+   * history fields message_id, dead_reason, dead_at, dead_attempts kept).
    *
    * @generated from rpc querator.v1.StorageService.ImportItems
    */
@@ -428,6 +568,20 @@ export const StorageService: GenService<{
     methodKind: "unary";
     input: typeof DeleteItemsRequestSchema;
     output: typeof DeleteItemsResponseSchema;
+  },
+  /**
+   * RedriveItems moves ready items out of a dead-letter queue: each back to
+   * the queue it died in, or all to a named queue. Each item is moved exactly
+   * once, also across a crash of the server at any point of the move: it is
+   * found afterwards in one of the two queues, never in both and never in
+   * neither (see docs/architecture.md, "Redrive").
+   *
+   * @generated from rpc querator.v1.StorageService.RedriveItems
+   */
+  redriveItems: {
+    methodKind: "unary";
+    input: typeof RedriveItemsRequestSchema;
+    output: typeof RedriveItemsResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_querator_v1_storage, 0);
