@@ -22,6 +22,13 @@ A second word limits the fault to the storage whose directory ends with it (for 
 ``io-error queues/1``: the queue with uid 1 that has an environment of its own); every
 other commit goes through.
 
+Partition faults. ``partition-error <storage> <database>`` names no write fault either:
+every step of a cycle that works on that one partition (and the probe that checks whether
+it works again) fails as on a damaged database, while the rest of the storage works. The
+database is the partition's LMDB database in that storage: ``p1`` in ``queues/7``,
+``q7.p1`` in a commit group's ``groups/0``. The partition is marked faulty
+(actor/cycle_base.py) until the line is gone.
+
 A test creates, rewrites or removes the file while the server runs, so one server process
 can be made to fail and then recover. Unset, a commit pays one dict lookup.
 
@@ -65,6 +72,7 @@ MAP_FULL = "map-full"
 STALL = "stall"
 WRITE_FAULTS = (NO_SPACE, IO_ERROR, MAP_FULL, STALL)
 LIFECYCLE_ERROR = "lifecycle-error"
+PARTITION_ERROR = "partition-error"
 
 # A stalled commit gives up waiting after this long, so a forgotten switch cannot hang
 # a test run forever.
@@ -89,7 +97,7 @@ def _read_fault(path: str, storage: str, *, lifecycle: bool = False) -> str:
         return "" if lifecycle else NO_SPACE
     for line in lines:
         words = line.split()
-        if not words or (words[0] == LIFECYCLE_ERROR) != lifecycle:
+        if not words or words[0] == PARTITION_ERROR or (words[0] == LIFECYCLE_ERROR) != lifecycle:
             continue
         if len(words) > 1 and not storage.rstrip(os.sep).endswith(words[1].rstrip("/")):
             continue
@@ -126,8 +134,32 @@ def lifecycle_fault(storage: str) -> bool:
     return path is not None and _read_fault(path, storage, lifecycle=True) == LIFECYCLE_ERROR
 
 
+def partition_faults(storage: str) -> frozenset[str]:
+    """The databases of the storage in directory ``storage`` that ``partition-error``
+    lines of the fault file name now (empty: none, or no fault file)."""
+    path = os.environ.get(FAULT_FILE_ENV)
+    if not path:
+        return frozenset()
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read(4096).splitlines()
+    except OSError:
+        return frozenset()
+    names: set[str] = set()
+    for line in lines:
+        words = line.split()
+        if len(words) == 3 and words[0] == PARTITION_ERROR and storage.rstrip(os.sep).endswith(words[1].rstrip("/")):
+            names.add(words[2])
+    return frozenset(names)
+
+
 class InjectedFault(RuntimeError):
     """The failure ``QUERATOR_REQUEST_FAULTS`` injects: stands for any bug."""
+
+
+class InjectedPartitionFault(RuntimeError):
+    """What a ``partition-error`` fault raises: stands for a damaged partition database
+    (LMDB's MDB_CORRUPTED or MDB_PAGE_NOTFOUND in that database alone)."""
 
 
 # Whether the call being handled asked for a fault (set by the gRPC layer, read by the

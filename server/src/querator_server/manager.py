@@ -175,6 +175,10 @@ class QueuesManager:
         self._actors: dict[str, LogicalQueue] = {}
         # Queues that failed to load or whose storage kept failing: name -> why.
         self._failed: dict[str, str] = {}
+        # Queues with faulty partitions: name -> how many (actor/cycle_base.py).
+        self._faulty: dict[str, int] = {}
+        # Told the number of faulty partitions on the server when it changes (health).
+        self.on_faulty_partitions: Callable[[int], None] | None = None
         self._lock = asyncio.Lock()
         self._closing = False
         # Metrics (metrics.Metrics) hooks each actor as it is made; None when off.
@@ -265,6 +269,20 @@ class QueuesManager:
     def failed_queues(self) -> int:
         return len(self._failed)
 
+    def faulty_partitions(self) -> int:
+        """Partitions of all queues left out because their storage failed."""
+        return sum(self._faulty.values())
+
+    def _partitions_faulty(self, name: str, count: int) -> None:
+        before = self.faulty_partitions()
+        if count:
+            self._faulty[name] = count
+        else:
+            self._faulty.pop(name, None)
+        after = self.faulty_partitions()
+        if after != before and self.on_faulty_partitions is not None:
+            self.on_faulty_partitions(after)
+
     def _remove_orphans(self) -> None:
         """Delete storage left behind by a queue deletion that a crash interrupted."""
         root = os.path.join(self.data_dir, "queues")
@@ -315,6 +333,7 @@ class QueuesManager:
             group=group,
             fail_after_s=self._fail_queue_after_s,
             on_failed=self._queue_failed,
+            on_partitions=self._partitions_faulty,
         )
         if self.observer is not None:
             self.observer.attach(actor)
@@ -531,6 +550,7 @@ class QueuesManager:
             del self._configs[name]
             self._names.remove(name)
             del self._actors[name]
+            self._partitions_faulty(name, 0)
             if self.observer is not None:
                 self.observer.detach(name)
             # A crash before this point leaves an orphan directory that start-up removes.

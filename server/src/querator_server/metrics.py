@@ -201,6 +201,12 @@ class QueueCollector(Collector):
             labels=["queue", "state"],
         )
         partitions = GaugeMetricFamily("querator_queue_partitions", "Partitions of the queue.", labels=["queue"])
+        faulty = GaugeMetricFamily(
+            "querator_queue_partitions_faulty",
+            "Partitions of the queue whose storage failed: no produce or lease goes to them "
+            "until a probe finds them working (GetQueueStats says why).",
+            labels=["queue"],
+        )
         head_age = GaugeMetricFamily(
             "querator_queue_oldest_ready_age_seconds",
             "Age since produce of the oldest of the items at the head of the queue's partitions "
@@ -239,6 +245,7 @@ class QueueCollector(Collector):
             items.add_metric([name, "leased"], totals.leased)
             items.add_metric([name, "scheduled"], totals.scheduled)
             partitions.add_metric([name], totals.partitions)
+            faulty.add_metric([name], totals.faulty)
             held = totals.ready + totals.leased
             avg_age.add_metric([name], max(0.0, now_us - totals.created_sum / held) / 1e6 if held else 0.0)
             lease_waiting.add_metric([name], totals.lease_waiting)
@@ -255,7 +262,7 @@ class QueueCollector(Collector):
             "querator_queues_failed", "Queues not served because their storage failed (GetQueue says why)."
         )
         failed.add_metric([], self._manager.failed_queues())
-        yield from (queues, failed, items, partitions, head_age, avg_age, lease_waiting, produce_waiting, map_used, map_size)
+        yield from (queues, failed, items, partitions, faulty, head_age, avg_age, lease_waiting, produce_waiting, map_used, map_size)
 
 
 def _queue_of(request: Any) -> str:

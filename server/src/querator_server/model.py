@@ -146,6 +146,9 @@ class PartitionStats:
     scheduled: int
     average_age_us: int
     average_leased_age_us: int
+    # Why the partition is faulty and since when (wall µs); "" and 0 while it serves.
+    failure: str = ""
+    faulty_since_us: int = 0
 
 
 @dataclass(slots=True)
@@ -159,6 +162,7 @@ class QueueTotals:
     created_sum: int  # of the ready and leased items' created_at, for their average age
     lease_waiting: int
     produce_waiting: int
+    faulty: int = 0  # partitions
 
 
 @dataclass(slots=True)

@@ -38,6 +38,14 @@ _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}
 SHUTDOWN_LULL_S = 0.05
 SHUTDOWN_DRAIN_S = 0.5
 _REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+# A health check name of its own: NOT_SERVING while any partition of any queue is faulty
+# (GetQueueStats says which and why). The server itself stays SERVING: its other
+# partitions serve, and a balancer taking the node out would fail them too.
+PARTITIONS_HEALTH = "querator.partitions"
+
+
+def _partitions_status(faulty: int) -> Any:
+    return health_pb2.HealthCheckResponse.NOT_SERVING if faulty else health_pb2.HealthCheckResponse.SERVING
 
 
 def _reflection_v1(servicer: ReflectionServicer) -> grpc.GenericRpcHandler[Any, Any]:
@@ -67,6 +75,7 @@ class QueratorServer:
             fail_queue_after_s=config.fail_queue_after_s,
         )
         self.health = HealthService()
+        self._health_updates: set[asyncio.Task[None]] = set()
         self._server: grpc.aio.Server | None = None
         self._queue_service: QueueService | None = None
         self._reflection: ReflectionServicer | None = None
@@ -150,6 +159,8 @@ class QueratorServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if cluster is not None and cluster.membership.fenced:
             await self._cluster_standing(False)
+        await self.health.set(PARTITIONS_HEALTH, _partitions_status(self.manager.faulty_partitions()))
+        self.manager.on_faulty_partitions = self._faulty_partitions_changed
         log.info(
             "server_started",
             address=self.address,
@@ -259,6 +270,11 @@ class QueratorServer:
     def address(self) -> str:
         host = self.config.address.rsplit(":", 1)[0]
         return f"{host}:{self.port}"
+
+    def _faulty_partitions_changed(self, faulty: int) -> None:
+        task = asyncio.get_running_loop().create_task(self.health.set(PARTITIONS_HEALTH, _partitions_status(faulty)))
+        self._health_updates.add(task)
+        task.add_done_callback(self._health_updates.discard)
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting calls, fail waiting leases, drain the queues, close storage."""

@@ -62,6 +62,9 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
     def produce(self, txn: lmdb.Transaction[bytes], request: ProduceRequest) -> None:
         store, now = self.store, self.now
         p = self._produce_partition(request, now + SCHEDULE_MIN_US)
+        self.at = p  # self.enter(p), inlined: once per request
+        if self.faulty or self.broken:
+            self.refuse(p)
         v = self.view(p)
         expire = now + self.config.expire_timeout_us
         if request.payloads:
@@ -128,7 +131,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         from ready ones, else they would all land in the partition that has no ready
         items and make it the fullest once they fall due. A request mixing both counts
         both."""
-        parts = range(len(self._base))
+        parts: Sequence[int] = self.some_healthy() if self.faulty else range(len(self._base))
         scheduled = 0 if request.payloads else sum(1 for new in request.items if new.enqueue_at_us >= schedule_from)
         if not scheduled:
             counts = [self._peek(p).ready for p in parts]
@@ -136,7 +139,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             counts = [self._peek(p).scheduled for p in parts]
         else:
             counts = [self._peek(p).ready + self._peek(p).scheduled for p in parts]
-        return counts.index(min(counts))
+        return parts[counts.index(min(counts))]
 
     def _produce_payloads(
         self, txn: lmdb.Transaction[bytes], request: ProduceRequest, p: int, v: PartitionView, expire: int
@@ -250,10 +253,12 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         return kept
 
     def _lease_one(self, txn: lmdb.Transaction[bytes], request: LeaseRequest, quota: int) -> LeaseResult | None:
-        p = max(range(len(self._base)), key=lambda i: self._peek(i).ready)
-        v = self.view(p)
-        if not v.ready:
+        partitions = self.healthy() if self.faulty else range(len(self._base))
+        p = max(partitions, key=lambda i: self._peek(i).ready)
+        if not self._peek(p).ready:
             return None
+        self.enter(p)
+        v = self.view(p)
         room = request.room
         budget = request.max_bytes
         if room is not None:
@@ -349,6 +354,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         if p >= len(self._base):
             self._ok(request, LeaseResult(0))
             return
+        self.enter(p)
         v = self.view(p)
         deadline = now + self.config.lease_timeout_us
         result = LeaseResult(p)
@@ -508,6 +514,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         self._ok(request, None)
 
     def _complete(self, txn: lmdb.Transaction[bytes], p: int, ids: Sequence[str], field: str = "ids") -> None:
+        self.enter(p)
         if self._complete_run(txn, p, ids):
             return
         found = self._leased_items(txn, p, ids, field=field)
@@ -555,11 +562,13 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 continue
             p = record.partition
             if p < len(self._base):
+                self.enter(p)
                 self._remove_leased(txn, p, self.store.leased_under(txn, p, record.seqs, key))
             self.keyed.drop_lease_key(txn, key)
 
     def retry(self, txn: lmdb.Transaction[bytes], request: RetryRequest) -> None:
         p = request.partition
+        self.enter(p)
         found = self._leased_items(txn, p, [o.item_id for o in request.orders])
         for (seq, raw, _state), order in zip(found, request.orders):
             item = Item.decode(raw)
@@ -576,6 +585,8 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
 
     def extend(self, txn: lmdb.Transaction[bytes], request: ExtendRequest) -> None:
         p = request.partition
+        if request.ids:
+            self.enter(p)
         found = self._leased_items(txn, p, request.ids, check_deadline=True) if request.ids else []
         timeout = request.lease_timeout_us or self.config.lease_timeout_us
         deadlines = [self._extend_one(txn, p, seq, raw, state, timeout) for seq, raw, state in found]
@@ -584,6 +595,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             record = self.keyed.lease_key(txn, key)  # type: ignore[union-attr]
             if record is None or record.partition >= len(self._base):
                 continue
+            self.enter(record.partition)
             for seq in record.seqs:
                 raw = self.store.get_raw(txn, record.partition, seq)
                 if raw is None:

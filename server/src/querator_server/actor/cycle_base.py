@@ -15,6 +15,17 @@ cycle's state saved before it, so the failing step is rolled back and fails alon
 first run pays nothing for this: a nested transaction per request would cost 7-8 µs
 each at a commit group's 1,016 databases, 15% of a cycle of 500 produces of 100 items
 (bench/RESULTS.md, "Isolating a failing request").
+
+A partition's storage can fail alone: a damaged database (LMDB's MDB_CORRUPTED or
+MDB_PAGE_NOTFOUND met while a step works on one partition, or the ``partition-error``
+fault) is that partition's, once a read of the whole partition in a nested transaction
+fails too (``_confirm_faulty``; if that read works, the error was not the partition's
+and fails the cycle as any storage error does). The isolated run then marks the
+partition *faulty*: the step is rolled back, a Produce or Lease (or the lifecycle) runs
+again without that partition, and anything naming it answers ``UNAVAILABLE``. Faulty
+partitions are left out of every later cycle until a probe (``probe``) reads and writes
+them again. A failed commit, by contrast, is the whole environment's: nothing in it
+says which database it was, so it stays the queue's (and its commit group's) failure.
 """
 
 from __future__ import annotations
@@ -25,10 +36,10 @@ from typing import Any
 import lmdb
 import structlog
 
-from ..errors import Internal, QueratorError
-from ..faults import InjectedFault
+from ..errors import Internal, QueratorError, Unavailable
+from ..faults import InjectedFault, InjectedPartitionFault
 from ..model import QueueConfig
-from ..storage import Item, QueueStore
+from ..storage import Item, PartitionScan, QueueStore
 from ..storage.keyed import KeyedIndex
 from ..storage.record import DEAD_EXPIRED, DEAD_MAX_ATTEMPTS, ItemState
 from .requests import LeaseRequest, Request
@@ -52,6 +63,12 @@ def _storage_wide(exc: BaseException) -> bool:
     error, a damaged page) rather than the step that met it: that fails the cycle. LMDB
     refusing a key or value of a bad size is the step's own."""
     return isinstance(exc, lmdb.Error) and not isinstance(exc, lmdb.BadValsizeError)
+
+
+def _partition_error(exc: BaseException) -> bool:
+    """Whether ``exc`` may be the failure of the database the step was working on: a
+    damaged B-tree page of it. Anything else LMDB raises concerns the transaction."""
+    return isinstance(exc, lmdb.CorruptedError | lmdb.PageNotFoundError | InjectedPartitionFault)
 
 
 class _Appended:
@@ -81,8 +98,24 @@ class CycleBase:
         *,
         isolated: bool = False,
         writable: bool = True,
+        faulty: dict[int, str] | None = None,
+        broken: frozenset[int] = frozenset(),
     ) -> None:
         self.store = store
+        # Faulty partitions (partition -> why), left out of this cycle; empty, the common
+        # case, costs one truth test where a step picks its partition. Replaced, never
+        # changed in place: it is the actor's until the cycle commits.
+        self.faulty: dict[int, str] = faulty or {}
+        # Partitions found faulty by this cycle, and probed partitions that work again
+        # (partition -> what a read of it found); the actor adopts both after the commit.
+        self.newly_faulty: dict[int, str] = {}
+        self.recovered: dict[int, tuple[PartitionScan, list[tuple[int, Item]], list[tuple[int, int, Item]]]] = {}
+        self.still_faulty: dict[int, str] = {}
+        # Partitions that the partition-error fault breaks in this cycle (faults.py).
+        self.broken = broken
+        # The partition the running step works on (-1: none yet): a damaged page it
+        # meets is that partition's.
+        self.at = -1
         # Each step in a nested transaction of its own (see the module docstring);
         # ``writable``: the cycle runs in a write transaction (not only listings).
         self.isolated = isolated
@@ -137,7 +170,73 @@ class CycleBase:
         return self.views.get(p) or self._base[p]
 
     def ready_total(self) -> int:
+        if self.faulty:
+            return sum(self._peek(p).ready for p in self.healthy())
         return sum(self._peek(p).ready for p in range(len(self._base)))
+
+    # -- faulty partitions ------------------------------------------------------------
+
+    def healthy(self) -> list[int]:
+        """The partitions not faulty, for the steps that pick one (only when some are)."""
+        healthy = [p for p in range(len(self._base)) if p not in self.faulty]
+        if not healthy:
+            reasons = "; ".join(f"partition {p}: {why}" for p, why in sorted(self.faulty.items()))
+            raise Unavailable(f"every partition of queue {self.config.name!r} is faulty ({reasons}); retry later")
+        return healthy
+
+    def enter(self, p: int) -> None:
+        """The step works on partition ``p`` from here on: a faulty one answers
+        ``UNAVAILABLE`` before anything is written, and a damaged page met from here on
+        is ``p``'s."""
+        self.at = p
+        if self.faulty and p in self.faulty:
+            raise self.faulty_error(p, self.faulty[p])
+        if self.broken and p in self.broken:
+            raise InjectedPartitionFault(f"partition {p} is damaged (injected fault)")
+
+    def faulty_error(self, p: int, reason: str) -> Unavailable:
+        return Unavailable(
+            f"partition {p} of queue {self.config.name!r} is faulty and not served ({reason}); "
+            "its items are kept and come back when its storage works again; retry later"
+        )
+
+    def _confirm_faulty(self, txn: lmdb.Transaction[bytes], p: int, exc: BaseException) -> str:
+        """Why partition ``p`` is faulty, "" if a full read of it works after all (the
+        error that a step met there was not the partition's)."""
+        reason = f"its storage failed: {type(exc).__name__}: {exc}"
+        if self.broken and p in self.broken:
+            return reason
+        if not self.writable:  # a failed read ends a read transaction: no second try
+            return ""
+        child = self.store.env.begin(write=True, parent=txn)
+        try:
+            self.store.scan(child, p)
+        except lmdb.Error as again:
+            return f"its storage failed: {type(again).__name__}: {again}" if _partition_error(again) else ""
+        finally:
+            child.abort()
+        return ""
+
+    def probe(self, txn: lmdb.Transaction[bytes], p: int) -> None:
+        """Whether faulty partition ``p`` works again: read all of it and write its next
+        seq, in a nested transaction of their own. If so, its view is rebuilt from the
+        read (``recovered``), else it stays faulty (``still_faulty``, with why)."""
+        child = self.store.env.begin(write=True, parent=txn)
+        try:
+            if self.broken and p in self.broken:
+                raise InjectedPartitionFault(f"partition {p} is damaged (injected fault)")
+            scan = self.store.scan(child, p)
+            scan.next_seq = max(scan.next_seq, self._base[p].next_seq)
+            self.store.write_next_seq(child, p, scan.next_seq)
+            outbox = self.store.outbox(child, p)
+            moving = self.store.redrive_outbox(child, p)
+        except Exception as exc:
+            child.abort()
+            self.still_faulty[p] = f"its storage failed: {type(exc).__name__}: {exc}"
+            return
+        child.commit()
+        self.views[p] = PartitionView.from_scan(scan)
+        self.recovered[p] = (scan, outbox, moving)
 
     # -- results -------------------------------------------------------------------
 
@@ -154,6 +253,7 @@ class CycleBase:
     ) -> bool:
         """Run ``step`` for ``request`` (None: the lifecycle); a failure is the request's
         alone. False when the step failed (the request is answered with the error)."""
+        self.at = -1
         if not self.isolated:
             try:
                 step(txn)
@@ -165,7 +265,7 @@ class CycleBase:
                 self.fail(request, exc)
                 return False
             except Exception as exc:
-                if _storage_wide(exc):
+                if _storage_wide(exc) and not (self.at >= 0 and _partition_error(exc)):
                     raise
                 raise StepFailed(request, exc) from exc
             return True
@@ -178,9 +278,13 @@ class CycleBase:
         except Exception as exc:
             if self.writable:
                 child.abort()
-            if _storage_wide(exc):
+            at = self.at
+            reason = self._confirm_faulty(txn, at, exc) if at >= 0 and _partition_error(exc) else ""
+            if _storage_wide(exc) and not reason:
                 raise
             self._restore(saved)
+            if reason:
+                return self._faulty_found(txn, request, step, at, reason)
             if isinstance(exc, QueratorError) and request is not None:
                 self.fail(request, exc)
                 return False
@@ -195,6 +299,22 @@ class CycleBase:
         if self.writable:
             child.commit()
         return True
+
+    def _faulty_found(
+        self,
+        txn: lmdb.Transaction[bytes],
+        request: Request | None,
+        step: Callable[[lmdb.Transaction[bytes]], object],
+        p: int,
+        reason: str,
+    ) -> bool:
+        """Partition ``p`` failed under ``step`` (rolled back): mark it faulty and run the
+        step again. A Produce, a Lease or the lifecycle picks among the other partitions
+        (each failure marks one more, so this ends); a step on ``p`` itself now answers
+        ``UNAVAILABLE`` in ``enter``."""
+        self.faulty = {**self.faulty, p: reason}
+        self.newly_faulty[p] = reason
+        return self.apply(txn, request, step)
 
     def _save(self) -> dict[str, Any]:
         """What ``_restore`` needs to undo a step: every list's length (steps only

@@ -81,6 +81,11 @@ class LeaseDeadlines:
                 due.append((deadline, p, seq))
         return due
 
+    def drop_partition(self, p: int) -> None:
+        """Forget the leases of partition ``p`` (faulty: read again once it works)."""
+        self._live = {key: deadline for key, deadline in self._live.items() if key[0] != p}
+        self._rebuild()
+
     def restore(self, leases: Iterable[tuple[int, int, int]]) -> None:
         """Put back leases taken by ``pop_due`` whose cycle failed."""
         self.add_all(leases)

@@ -107,7 +107,11 @@ class LifecycleSteps(CycleBase):
             )
             if n == LIFECYCLE_BATCH or m == LIFECYCLE_BATCH:
                 self.more_lifecycle = True
+        faulty = self.faulty
         for deadline, p, seq in expired_leases:
+            if faulty and p in faulty:
+                continue  # its leases are read again when it works again
+            self.enter(p)
             item = self.store.get(txn, p, seq)
             if item is None or not item.is_leased or item.lease_deadline != deadline:
                 continue  # completed, retried or extended since
@@ -120,11 +124,15 @@ class LifecycleSteps(CycleBase):
             else:
                 self._requeue(txn, p, item, seq)
         for p in range(len(self._base)):
+            if faulty and p in faulty:
+                continue
             first_due = self._peek(p).first_due
             if first_due and first_due <= now:
+                self.enter(p)
                 self._promote(txn, p)
             first_expiry = self._peek(p).first_expiry
             if first_expiry and first_expiry <= now:
+                self.enter(p)
                 self._expire(txn, p)
         if os.environ.get(FAULT_FILE_ENV) and lifecycle_fault(self.store.path):
             raise InjectedFault("injected into the lifecycle step")
@@ -174,8 +182,9 @@ class LifecycleSteps(CycleBase):
         queue's expire_timeout (24 hours by default) would delete them unseen. They
         stay until completed, deleted, cleared or redriven.
         """
-        counts = [self._peek(p).ready for p in range(len(self._base))]
-        p = counts.index(min(counts))
+        partitions = self.some_healthy() if self.faulty else range(len(self._base))
+        p = min(partitions, key=lambda i: self._peek(i).ready)
+        self.enter(p)
         for item in request.items:
             if item.source_id and self.store.has_source(txn, item.source_id):
                 continue  # sent before a crash; already here
@@ -190,5 +199,6 @@ class LifecycleSteps(CycleBase):
 
     def outbox_done(self, txn: lmdb.Transaction[bytes], request: OutboxDoneRequest) -> None:
         for p, seq in request.entries:
+            self.enter(p)
             self.store.delete_outbox(txn, p, seq)
         self._ok(request, None)

@@ -11,6 +11,7 @@ nothing are parked and take part in later cycles until their wait runs out.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,13 +32,16 @@ from ..errors import (
 )
 from ..faults import (
     DEAD_LETTER_STORED,
+    FAULT_FILE_ENV,
     MOVE_COPIED,
     MOVE_RECORDED,
     REDRIVE_STORED,
     REDRIVE_TAKEN,
     InjectedFault,
+    InjectedPartitionFault,
     crash_point,
     faulty_call,
+    partition_faults,
 )
 from ..model import PartitionStats, QueueConfig, QueueStats, QueueTotals
 from ..storage import MAX_GROWTHS, Item, MapFull, QueueStore, StorageError, StorageFull
@@ -79,6 +83,12 @@ log = structlog.get_logger("querator.queue")
 DEFAULT_MAX_INBOX = 10_000
 # How long to wait before handing the dead-letter outbox over again after a failure.
 OUTBOX_RETRY_S = 1.0
+# A faulty partition is probed this long after it failed, then ever less often: each
+# probe that fails doubles the wait, up to PROBE_MAX_S. A probe reads the whole
+# partition (as a start does), so a damaged one that stays damaged costs one read of it
+# every half minute.
+PROBE_FIRST_S = 0.5
+PROBE_MAX_S = 30.0
 
 
 @dataclass(eq=False, slots=True)
@@ -121,8 +131,18 @@ class LogicalQueue:
         group: CommitGroup | None = None,
         fail_after_s: float = 60.0,
         on_failed: Callable[[str, str], None] | None = None,
+        on_partitions: Callable[[str, int], None] | None = None,
     ) -> None:
         self.config = config
+        # Faulty partitions (cycle_base.py): partition -> why, and since when (wall µs).
+        # Replaced, never changed in place, so a cycle may hold the one it was given.
+        self._faulty: dict[int, str] = {}
+        self._faulty_since: dict[int, int] = {}
+        self._probe_at = 0  # when to probe them next (wall µs)
+        self._probe_delay_s = PROBE_FIRST_S
+        self._probing: list[int] = []  # the partitions the running cycle probes
+        # Told the queue's name and its number of faulty partitions when that changes.
+        self._on_partitions = on_partitions
         # Storage failing on every cycle for this long marks the queue failed (called
         # with its name and why) instead of failing calls in a loop.
         self._fail_after_us = int(fail_after_s * 1_000_000)
@@ -182,7 +202,9 @@ class LogicalQueue:
     async def start(self, keyed: KeyedIndex | None = None) -> None:
         """Load the queue's state and start the actor; ``keyed`` reuses the handles of
         an earlier actor on the same (still open) storage, so no write is needed."""
-        self._views, leases, self._outbox, self._redrive = await self._storage_job(self._load)
+        self._views, leases, self._outbox, self._redrive, faulty = await self._storage_job(self._load)
+        if faulty:
+            self._partitions_changed(faulty, {}, now_us())
         self._leases = LeaseDeadlines(leases)
         self._keyed = keyed or await self._storage_job(partial(KeyedIndex, self.store))
         self._dedup_at, self._lease_keys_at = await self._storage_job(self._load_key_times)
@@ -215,19 +237,43 @@ class LogicalQueue:
         list[tuple[int, int, int]],
         dict[tuple[int, int], Item],
         dict[tuple[int, int], tuple[int, Item]],
+        dict[int, str],
     ]:
+        """Read every partition; one whose database is damaged is faulty (its view empty
+        until a probe reads it), and the others serve. Each partition is read in a
+        transaction of its own: an error ends the read transaction it happens in."""
         views: list[PartitionView] = []
         leases: list[tuple[int, int, int]] = []
         outbox: dict[tuple[int, int], Item] = {}
         redrive: dict[tuple[int, int], tuple[int, Item]] = {}
-        with self.store.env.begin() as txn:
-            for p in range(self.store.partitions):
-                scan = self.store.scan(txn, p)
-                views.append(PartitionView.from_scan(scan))
-                leases.extend((deadline, p, seq) for deadline, seq in scan.leases)
-                outbox.update(((p, seq), item) for seq, item in self.store.outbox(txn, p))
-                redrive.update(((p, seq), (uid, item)) for seq, uid, item in self.store.redrive_outbox(txn, p))
-        return views, leases, outbox, redrive
+        faulty: dict[int, str] = {}
+        broken = self._broken()
+        for p in range(self.store.partitions):
+            try:
+                with self.store.env.begin() as txn:
+                    if p in broken:
+                        raise InjectedPartitionFault(f"partition {p} is damaged (injected fault)")
+                    scan = self.store.scan(txn, p)
+                    stored = self.store.outbox(txn, p)
+                    moving = self.store.redrive_outbox(txn, p)
+            except (lmdb.CorruptedError, lmdb.PageNotFoundError, InjectedPartitionFault) as exc:
+                faulty[p] = f"its storage failed: {type(exc).__name__}: {exc}"
+                views.append(PartitionView())
+                continue
+            views.append(PartitionView.from_scan(scan))
+            leases.extend((deadline, p, seq) for deadline, seq in scan.leases)
+            outbox.update(((p, seq), item) for seq, item in stored)
+            redrive.update(((p, seq), (uid, item)) for seq, uid, item in moving)
+        return views, leases, outbox, redrive, faulty
+
+    def _broken(self) -> frozenset[int]:
+        """The partitions the ``partition-error`` fault names now (tests; faults.py)."""
+        if not os.environ.get(FAULT_FILE_ENV):
+            return frozenset()
+        names = partition_faults(self.store.path)
+        if not names:
+            return frozenset()
+        return frozenset(p for p in range(self.store.partitions) if self.store.database_name(p) in names)
 
     async def stop(self) -> None:
         """Finish what was submitted, fail waiting leases with UNAVAILABLE, close storage."""
@@ -315,6 +361,8 @@ class LogicalQueue:
                     scheduled=v.scheduled,
                     average_age_us=max(0, now - v.created_sum // total) if total else 0,
                     average_leased_age_us=max(0, now - v.leased_at_sum // v.leased) if v.leased else 0,
+                    failure=self._faulty.get(p, ""),
+                    faulty_since_us=self._faulty_since.get(p, 0),
                 )
             )
         waiting, producing = self._waiting_calls()
@@ -332,7 +380,7 @@ class LogicalQueue:
             scheduled += v.scheduled
             created += v.created_sum
         waiting, producing = self._waiting_calls()
-        return QueueTotals(len(views), ready, leased, scheduled, created, waiting, producing)
+        return QueueTotals(len(views), ready, leased, scheduled, created, waiting, producing, faulty=len(self._faulty))
 
     def _waiting_calls(self) -> tuple[int, int]:
         """Lease calls waiting for items, Produce calls waiting for a cycle."""
@@ -354,7 +402,7 @@ class LogicalQueue:
     async def _run(self) -> None:
         try:
             while True:
-                if not self._inbox and not self._lifecycle_due():
+                if not self._inbox and not self._lifecycle_due() and not self._probe_due():
                     if self._closed is not None:
                         break
                     self._arm_timer()
@@ -382,8 +430,11 @@ class LogicalQueue:
         ended; skipping those costs a heap pop per ended lease, which only pays when
         the answer could be "due now".
         """
-        times = [v.first_due for v in self._views if v.first_due]
-        times.extend(v.first_expiry for v in self._views if v.first_expiry)
+        views = self._views
+        if self._faulty:  # nothing of theirs is due until they work again
+            views = [v for p, v in enumerate(views) if p not in self._faulty]
+        times = [v.first_due for v in views if v.first_due]
+        times.extend(v.first_expiry for v in views if v.first_expiry)
         if self._dedup_at:
             times.append(self._dedup_at + self.config.dedup_window_us)
         if self._lease_keys_at:
@@ -412,6 +463,8 @@ class LogicalQueue:
             lifecycle = max(lifecycle, self._lifecycle_after)
         if lifecycle:
             times.append(lifecycle)
+        if self._faulty:
+            times.append(self._probe_at)
         wake_at = min(times, default=0)
         if self._timer is not None:
             if wake_at == self._timer_at:
@@ -459,11 +512,52 @@ class LogicalQueue:
             if isinstance(request, _Reconfigure):
                 await self._apply_config(request)
         lifecycle = self._lifecycle_due()
-        if len(batch) or lifecycle:
+        self._probing = self._take_probes(now)
+        if len(batch) or lifecycle or self._probing:
             await self._apply(batch, now, lifecycle)
         for request in control:
             if isinstance(request, _Delete):
                 self._apply_delete(request)
+
+    def _probe_due(self) -> bool:
+        return bool(self._faulty) and now_us() >= self._probe_at
+
+    def _take_probes(self, now: int) -> list[int]:
+        """The faulty partitions this cycle probes (all of them, when a probe is due)."""
+        if not self._faulty or now < self._probe_at:
+            return []
+        self._probe_at = now + int(self._probe_delay_s * 1_000_000)
+        self._probe_delay_s = min(self._probe_delay_s * 2, PROBE_MAX_S)
+        return sorted(self._faulty)
+
+    def _partitions_changed(self, faulty: dict[int, str], recovered: dict[int, object], now: int) -> None:
+        """Adopt what a committed cycle found: partitions now faulty, and probed ones
+        that work again (their views came with the cycle's)."""
+        newly = [p for p in faulty if p not in self._faulty]
+        self._faulty = {**{p: why for p, why in self._faulty.items() if p not in recovered}, **faulty}
+        self._faulty_since = {p: self._faulty_since.get(p, now) for p in self._faulty}
+        for p in newly:
+            self._leases.drop_partition(p)  # read again from storage when it works again
+            log.error("partition_faulty", queue=self.name, partition=p, reason=faulty[p])
+        if newly and len(self._faulty) == len(newly):
+            self._probe_at = now + int(PROBE_FIRST_S * 1_000_000)
+            self._probe_delay_s = PROBE_FIRST_S * 2
+        if not self._faulty:
+            self._probe_delay_s = PROBE_FIRST_S
+        if (newly or recovered) and self._on_partitions is not None:
+            self._on_partitions(self.name, len(self._faulty))
+
+    def _adopt_partitions(self, cycle: Cycle) -> None:
+        for p, (scan, outbox, moving) in cycle.recovered.items():
+            self._leases.add_all((deadline, p, seq) for deadline, seq in scan.leases)
+            self._outbox.update(((p, seq), item) for seq, item in outbox)
+            self._redrive.update(((p, seq), (uid, item)) for seq, uid, item in moving)
+            since = self._faulty_since.get(p, 0)
+            log.warning("partition_recovered", queue=self.name, partition=p, faulty_s=round((cycle.now - since) / 1e6, 1))
+        self._partitions_changed({**cycle.still_faulty, **cycle.newly_faulty}, dict(cycle.recovered), cycle.now)
+        if cycle.recovered:
+            self._kick_outbox()
+            self._kick_redrive()
 
     async def _apply(self, batch: _Batch, now: int, lifecycle: bool) -> None:
         self._in_flight = len(batch)
@@ -501,6 +595,8 @@ class LogicalQueue:
             self._in_flight = 0
         for p, view in cycle.views.items():
             self._views[p] = view
+        if cycle.newly_faulty or self._probing:
+            self._adopt_partitions(cycle)
         if self._failed_cycles and cycle.writable and not any(r is None for r, _ in cycle.step_failures):
             # A committed write (a listing proves nothing of writes) ends a run of failures.
             self._failing_since = self._failed_cycles = 0
@@ -593,7 +689,7 @@ class LogicalQueue:
         """Apply the cycle on the loop in the store's held transaction; commit it on the
         queue's storage thread (see queue_store.py for why the work stays on the loop)."""
         body = self._body(batch, now, lifecycle, expired, isolated=isolated)
-        if _only_listings(batch, lifecycle):
+        if _only_listings(batch, lifecycle or bool(self._probing)):
             # Only listings: a read transaction, no commit and no fsync.
             return self.store.read(body)
         if self.group is not None:
@@ -638,10 +734,22 @@ class LogicalQueue:
             (self._dedup_at and self._dedup_at + self.config.dedup_window_us <= now)
             or (self._lease_keys_at and self._lease_keys_at + self.config.lease_key_ttl_us <= now)
         )
-        writable = not _only_listings(batch, lifecycle)
+        probes = self._probing
+        writable = not _only_listings(batch, lifecycle or bool(probes))
+        broken = self._broken()
 
         def body(txn: lmdb.Transaction[bytes]) -> Cycle:
-            cycle = Cycle(self.store, self.config, self._views, now, self._keyed, isolated=isolated, writable=writable)
+            cycle = Cycle(
+                self.store,
+                self.config,
+                self._views,
+                now,
+                self._keyed,
+                isolated=isolated,
+                writable=writable,
+                faulty=self._faulty,
+                broken=broken,
+            )
             for produce in batch.produces:
                 cycle.apply(txn, produce, partial(cycle.produce, request=produce))
             leases = batch.leases
@@ -657,6 +765,8 @@ class LogicalQueue:
                 cycle.apply(txn, request, partial(_OTHER[type(request)], cycle, request=request))
             if lifecycle:
                 cycle.apply(txn, None, partial(cycle.lifecycle, expired_leases=expired, forget_keys=forget_keys))
+            for p in probes:
+                cycle.probe(txn, p)
             # Items that became ready in this cycle (retry, expiry, promotion, import,
             # dead letters) go to leases that found nothing, without waiting a cycle.
             if cycle.unserved and cycle.ready_total():
@@ -738,7 +848,12 @@ class LogicalQueue:
         between its commit and ours stores nothing twice.
         """
         while self._outbox and self._closed is None:
-            entries = list(self._outbox.items())[:1000]
+            entries = list(self._outbox.items())
+            if self._faulty:  # theirs wait until the partition works again
+                entries = [entry for entry in entries if entry[0][0] not in self._faulty]
+                if not entries:
+                    return
+            entries = entries[:1000]
             dead_queue = self.config.dead_queue
             try:
                 if dead_queue:
@@ -781,7 +896,12 @@ class LogicalQueue:
         stored. Items whose target queue is gone go back into this queue."""
         while self._redrive and self._closed is None:
             by_target: dict[int, list[tuple[tuple[int, int], Item]]] = {}
-            for key, (target_uid, item) in list(self._redrive.items())[:1000]:
+            pending = list(self._redrive.items())
+            if self._faulty:  # theirs wait until the partition works again
+                pending = [entry for entry in pending if entry[0][0] not in self._faulty]
+                if not pending:
+                    return
+            for key, (target_uid, item) in pending[:1000]:
                 by_target.setdefault(target_uid, []).append((key, item))
             try:
                 for target_uid, entries in by_target.items():

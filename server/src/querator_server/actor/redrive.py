@@ -72,6 +72,9 @@ class RedriveSteps(LifecycleSteps):
         next_after: tuple[int, int] | None = None
         first_p, first_after = request.after
         for p in range(first_p, len(self._base)):
+            if self.faulty and p in self.faulty:
+                continue  # its items stay; a redrive after it works again finds them
+            self.enter(p)
             after = first_after if p == first_p else 0
             while next_after is None:
                 page = self.store.page_items(txn, p, after, _PAGE)
@@ -117,11 +120,12 @@ class RedriveSteps(LifecycleSteps):
 
     def receive_redriven(self, txn: lmdb.Transaction[bytes], request: RedriveInRequest) -> None:
         """Store items redriven here, once each by source_id, as fresh ready items."""
-        counts = [self._peek(p).ready for p in range(len(self._base))]
-        p = counts.index(min(counts))
+        partitions = self.some_healthy() if self.faulty else range(len(self._base))
+        p = min(partitions, key=lambda i: self._peek(i).ready)
+        self.enter(p)
         expire = self.now + self.config.expire_timeout_us
         for item in request.items:
-            if self.store.has_source(txn, item.source_id):
+            if self.store.has_source(txn, item.source_id, self.faulty):
                 continue  # handed over before a crash; already here
             item.expire_deadline = expire
             item.created_at = item.created_at or self.now
@@ -132,6 +136,7 @@ class RedriveSteps(LifecycleSteps):
         """Drop outbox entries their target stored, or (``restore``) put them back
         where items of this partition go: its tail, as ready items."""
         for p, seq in request.entries:
+            self.enter(p)
             if request.restore:
                 found = self.store.get_redrive(txn, p, seq)
                 if found is not None:

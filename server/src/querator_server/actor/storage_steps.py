@@ -24,6 +24,7 @@ class StorageSteps(CycleBase):
         """A page of up to ``limit`` items, cut before the item that would take the
         reply past REPLY_ITEMS_BYTES (one item always fits)."""
         p = request.partition
+        self.enter(p)
         out: list[StoredItem] = []
         cursors: list[tuple[int, int]] = []
         if request.scheduled:
@@ -44,6 +45,7 @@ class StorageSteps(CycleBase):
 
     def import_items(self, txn: lmdb.Transaction[bytes], request: ImportItemsRequest) -> None:
         p = request.partition
+        self.enter(p)
         v = self.view(p)
         now = self.now
         ids: list[str] = []
@@ -88,6 +90,7 @@ class StorageSteps(CycleBase):
 
     def delete_items(self, txn: lmdb.Transaction[bytes], request: DeleteItemsRequest) -> None:
         p = request.partition
+        self.enter(p)
         v = self.view(p)
         for text in dict.fromkeys(request.ids):
             ref = parse_id(text)
@@ -113,7 +116,11 @@ class StorageSteps(CycleBase):
         self._ok(request, None)
 
     def clear(self, txn: lmdb.Transaction[bytes], request: ClearRequest) -> None:
+        if self.faulty:  # all or nothing: refused before anything is cleared
+            p = min(self.faulty)
+            raise self.faulty_error(p, self.faulty[p])
         for p in range(len(self._base)):
+            self.enter(p)
             removed = self.store.clear(
                 txn,
                 p,

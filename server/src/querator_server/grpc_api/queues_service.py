@@ -216,6 +216,9 @@ class QueuesService:
                     scheduled=s.scheduled,
                     average_age=c.to_duration(s.average_age_us),
                     average_leased_age=c.to_duration(s.average_leased_age_us),
+                    faulty=bool(s.failure),
+                    failure=s.failure,
+                    faulty_since=c.to_timestamp(s.faulty_since_us) if s.faulty_since_us else None,
                 )
                 for s in stats.partitions
             ],

@@ -299,6 +299,10 @@ class QueueStore:
     def db(self, p: int) -> Any:
         return self._dbs[p]
 
+    def database_name(self, p: int) -> str:
+        """The LMDB database of partition ``p`` in its environment (``p1``, ``q7.p1``)."""
+        return (self.prefix + f"p{p}".encode()).decode()
+
     @property
     def partitions(self) -> int:
         return len(self._dbs)

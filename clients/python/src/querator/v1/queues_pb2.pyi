@@ -501,6 +501,9 @@ class PartitionStats(_message.Message):
     SCHEDULED_FIELD_NUMBER: _builtins.int
     AVERAGE_AGE_FIELD_NUMBER: _builtins.int
     AVERAGE_LEASED_AGE_FIELD_NUMBER: _builtins.int
+    FAULTY_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
+    FAULTY_SINCE_FIELD_NUMBER: _builtins.int
     partition: _builtins.int
     """The partition number."""
     total: _builtins.int
@@ -509,6 +512,18 @@ class PartitionStats(_message.Message):
     """Leased items."""
     scheduled: _builtins.int
     """Scheduled items (not counted in total)."""
+    faulty: _builtins.bool
+    """The partition's storage failed (a damaged database, an error reading or
+    writing it) and the partition is left out: Produce and Lease go to the
+    queue's other partitions, and Complete, Retry, Extend and storage calls for
+    its items answer UNAVAILABLE with the reason. Its items are kept. The
+    server probes it in the background (after 0.5 s, then ever less often, at
+    least every 30 s) and puts it back as soon as its storage works again; the
+    counts above are the last ones known until then. A failure of the whole
+    storage (a commit that fails) is the queue's instead: see QueueInfo.state.
+    """
+    failure: _builtins.str
+    """Why the partition is faulty; empty while it serves."""
     @_builtins.property
     def average_age(self) -> _duration_pb2.Duration:
         """The mean time since the ready and leased items were produced."""
@@ -516,6 +531,10 @@ class PartitionStats(_message.Message):
     @_builtins.property
     def average_leased_age(self) -> _duration_pb2.Duration:
         """The mean time since the leased items were leased."""
+
+    @_builtins.property
+    def faulty_since(self) -> _timestamp_pb2.Timestamp:
+        """Since when the partition is faulty; unset while it serves."""
 
     def __init__(
         self,
@@ -526,10 +545,13 @@ class PartitionStats(_message.Message):
         scheduled: _builtins.int = ...,
         average_age: _duration_pb2.Duration | None = ...,
         average_leased_age: _duration_pb2.Duration | None = ...,
+        faulty: _builtins.bool = ...,
+        failure: _builtins.str = ...,
+        faulty_since: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["average_age", b"average_age", "average_leased_age", b"average_leased_age"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["average_age", b"average_age", "average_leased_age", b"average_leased_age", "faulty_since", b"faulty_since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["average_age", b"average_age", "average_leased_age", b"average_leased_age", "partition", b"partition", "scheduled", b"scheduled", "total", b"total", "total_leased", b"total_leased"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["average_age", b"average_age", "average_leased_age", b"average_leased_age", "failure", b"failure", "faulty", b"faulty", "faulty_since", b"faulty_since", "partition", b"partition", "scheduled", b"scheduled", "total", b"total", "total_leased", b"total_leased"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
