@@ -242,6 +242,13 @@ def test_a_partition_damaged_at_start_is_faulty_and_the_rest_serves(tmp_path: Pa
             with pytest.raises(grpc.RpcError) as refused:
                 stubs.storage.ListItems(storage_pb2.ListItemsRequest(queue_name="q", partition=1), timeout=10)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            # What the faulty partition holds is unknown to the server (it shows none): the
+            # queue looks empty once partition 0 is done with, yet is not deleted without force.
+            stubs.complete("q", 0, [i.id for i in drained.items])
+            assert sum(p.total + p.scheduled for p in stubs.stats("q").partitions) == 0
+            with pytest.raises(grpc.RpcError) as kept:
+                stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="q"), timeout=10)
+            assert kept.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             fault.unlink()
             wait_until(lambda: not _faulty(stubs), timeout=30)
             assert _health(channel, PARTITIONS_HEALTH) == SERVING

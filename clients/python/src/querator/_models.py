@@ -116,7 +116,12 @@ class QueueInfo:
 
 @dataclass(frozen=True, slots=True)
 class PartitionStats:
-    """One partition's counts. ``total`` is ready plus leased; scheduled items are apart."""
+    """One partition's counts. ``total`` is ready plus leased; scheduled items are apart.
+
+    ``failure``: why the partition is faulty (its storage failed; no produce or lease goes
+    to it and calls naming it raise ``Unavailable`` until the server finds it working
+    again), since ``faulty_since``; empty and None while it serves.
+    """
 
     partition: int
     total: int
@@ -124,10 +129,16 @@ class PartitionStats:
     scheduled: int
     average_age: timedelta
     average_leased_age: timedelta
+    failure: str = ""
+    faulty_since: datetime | None = None
 
     @property
     def ready(self) -> int:
         return self.total - self.total_leased
+
+    @property
+    def faulty(self) -> bool:
+        return bool(self.failure)
 
 
 @dataclass(frozen=True, slots=True)

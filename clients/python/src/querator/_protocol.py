@@ -435,6 +435,8 @@ def queue_stats(response: queues_pb2.GetQueueStatsResponse) -> QueueStats:
                 scheduled=p.scheduled,
                 average_age=c.from_duration(p.average_age),
                 average_leased_age=c.from_duration(p.average_leased_age),
+                failure=(p.failure or "faulty") if p.faulty else "",
+                faulty_since=c.optional_timestamp(p, "faulty_since"),
             )
             for p in response.partitions
         ],

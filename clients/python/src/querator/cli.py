@@ -365,11 +365,14 @@ def cmd_queues_stats(args: argparse.Namespace, client: Client) -> int:
     if args.json:
         emit_json({**_plain(stats), "total": stats.total, "total_leased": stats.total_leased, "scheduled": stats.scheduled}, sys.stdout)
         return 0
+    faulty = any(p.faulty for p in stats.partitions)  # the column only when it says something
     rows = [
         [p.partition, p.total, p.ready, p.total_leased, p.scheduled, p.average_age, p.average_leased_age]
+        + ([p.failure or "-"] if faulty else [])
         for p in stats.partitions
     ]
-    emit_table(["PARTITION", "TOTAL", "READY", "LEASED", "SCHEDULED", "AVG_AGE", "AVG_LEASED_AGE"], rows, sys.stdout)
+    headers = ["PARTITION", "TOTAL", "READY", "LEASED", "SCHEDULED", "AVG_AGE", "AVG_LEASED_AGE"]
+    emit_table(headers + (["FAULTY"] if faulty else []), rows, sys.stdout)
     print(f"lease_waiting={stats.lease_waiting} produce_waiting={stats.produce_waiting} in_flight={stats.in_flight}")
     return 0
 

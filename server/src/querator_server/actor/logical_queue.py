@@ -395,7 +395,9 @@ class LogicalQueue:
         return len(self._inbox)
 
     def holds_items(self) -> bool:
-        return bool(self._redrive) or any(v.ready or v.leased or v.scheduled for v in self._views)
+        # What a faulty partition holds is not known for sure (nothing, if it failed at
+        # start): deleting the queue then takes force.
+        return bool(self._faulty or self._redrive) or any(v.ready or v.leased or v.scheduled for v in self._views)
 
     # -- the loop ----------------------------------------------------------------------
 
