@@ -9,6 +9,8 @@ other queues of its commit group) works.
 
 from __future__ import annotations
 
+import os
+import struct
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -62,6 +64,35 @@ def _faulty_gauge(port: int, queue: str) -> float:
             if sample.name == "querator_queue_partitions_faulty" and sample.labels.get("queue") == queue:
                 return float(sample.value)
     raise AssertionError("no querator_queue_partitions_faulty sample for the queue")
+
+
+# LMDB's page header: pgno (8), pad (2), flags (2), lower (2), upper (2); then the node
+# offsets. A branch node starts with its child's page number in three u16s.
+_PAGE_HEADER = 16
+_P_BRANCH, _P_LEAF = 0x01, 0x02
+
+
+def _branch_pages_over(data: bytes, page_size: int, marker: bytes, other: bytes) -> list[int]:
+    """The B-tree branch pages of ``data`` (an LMDB file) whose children are mostly leaf
+    pages holding ``marker`` rather than ``other``: the inner pages of the database whose
+    items carry ``marker`` (stale copies of them too, which are free pages)."""
+    pages = len(data) // page_size
+    found: list[int] = []
+    for n in range(2, pages):  # pages 0 and 1 are the meta pages
+        page = data[n * page_size : (n + 1) * page_size]
+        flags, lower = struct.unpack_from("<HH", page, 10)
+        if not flags & _P_BRANCH:
+            continue
+        children = []
+        for i in range((lower - _PAGE_HEADER) // 2):
+            (offset,) = struct.unpack_from("<H", page, _PAGE_HEADER + 2 * i)
+            lo, hi, top = struct.unpack_from("<HHH", page, offset)
+            child = lo | hi << 16 | top << 32
+            children.append(data[child * page_size : (child + 1) * page_size] if child < pages else b"")
+        # A reused page keeps stale bytes between its entries: count, don't exclude.
+        if sum(marker in c for c in children) > sum(other in c for c in children):
+            found.append(n)
+    return found
 
 
 @dataclass
@@ -168,6 +199,55 @@ def test_a_faulty_partition_fails_alone_and_comes_back_with_its_items(env: Env) 
     assert {i.id for i in rest.items} == {i for i, (_p, is_leased) in before.items() if not is_leased}
     # And it takes produce again.
     assert bad in {stubs.produce("q", [b"again-%d" % i]).partition for i in range(PARTITIONS * 2)}
+
+
+def test_a_database_damaged_on_disk_is_faulty_until_its_pages_are_restored(env: Env) -> None:
+    """No injected fault: one partition's B-tree pages are really damaged in the file
+    (under the running server, which maps it), so LMDB reports MDB_CORRUPTED for that
+    database alone; restoring the bytes is the repair."""
+    stubs = env.stubs
+    stubs.create("q", requested_partitions=2, lease_timeout=dur(120))
+    markers = {}
+    for tag in (b"AAAA", b"BBBB"):
+        reply = stubs.produce("q", [tag * 60 + b"-%d" % i for i in range(100)])
+        markers[reply.partition] = tag
+    assert sorted(markers) == [0, 1]
+    held = stubs.lease("q", batch_size=10)
+    bad, uid = held.partition, _uid_of(held.items[0].id)
+    groups = Path(env.server.data_dir, "groups")
+    home = sorted(groups.iterdir())[0] if groups.is_dir() else Path(env.server.data_dir, "queues", str(uid))
+    path = home / "data.mdb"
+    data = path.read_bytes()
+    page_size = os.sysconf("SC_PAGE_SIZE")
+    damaged = _branch_pages_over(data, page_size, markers[bad] * 60, markers[1 - bad] * 60)
+    assert damaged
+    original = {n: data[n * page_size + 10 : n * page_size + 12] for n in damaged}
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for n in damaged:
+            os.pwrite(fd, b"\x00\x00", n * page_size + 10)  # neither branch nor leaf
+
+        with pytest.raises(grpc.RpcError) as failed:
+            stubs.complete("q", bad, [i.id for i in held.items])
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "is faulty" in (failed.value.details() or "") and "MDB_CORRUPTED" in (failed.value.details() or "")
+        assert list(_faulty(stubs)) == [bad]
+        assert all(stubs.produce("q", [b"new-%d" % i]).partition != bad for i in range(5))
+        other = stubs.lease("q", batch_size=200)
+        assert other.partition != bad and len(other.items) == 105
+        stubs.complete("q", other.partition, [i.id for i in other.items])
+        time.sleep(1.0)  # probes meanwhile find it still damaged
+        assert list(_faulty(stubs)) == [bad]
+
+        for n, flags in original.items():
+            os.pwrite(fd, flags, n * page_size + 10)
+    finally:
+        os.close(fd)
+    wait_until(lambda: not _faulty(stubs), timeout=30)
+    stored = stubs.list_items("q", bad)
+    assert len(stored) == 100 and sum(i.is_leased for i in stored) == 10
+    stubs.complete("q", bad, [i.id for i in held.items])
+    assert len(stubs.lease("q", batch_size=200).items) == 90
 
 
 def test_every_partition_faulty_refuses_produce_and_a_failed_commit_marks_none(env: Env) -> None:
