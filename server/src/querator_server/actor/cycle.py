@@ -508,6 +508,8 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         return self.store.get_raw(txn, partition, ref.seq)
 
     def complete(self, txn: lmdb.Transaction[bytes], request: CompleteRequest) -> None:
+        if self.faulty and request.lease_keys:
+            self._refuse_faulty_keys(txn, request.lease_keys)
         if request.ids:
             self._complete(txn, request.partition, request.ids)
         self._complete_keys(txn, request.lease_keys)
@@ -566,6 +568,16 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 self._remove_leased(txn, p, self.store.leased_under(txn, p, record.seqs, key))
             self.keyed.drop_lease_key(txn, key)
 
+    def _refuse_faulty_keys(self, txn: lmdb.Transaction[bytes], keys: Sequence[str]) -> None:
+        """Answer UNAVAILABLE, before anything is written, if a key's items are on a
+        faulty partition (a request is applied whole or not at all)."""
+        if self.keyed is None:
+            return
+        for key in keys:
+            record = self.keyed.lease_key(txn, key)
+            if record is not None and record.partition in self.faulty:
+                raise self.faulty_error(record.partition, self.faulty[record.partition])
+
     def retry(self, txn: lmdb.Transaction[bytes], request: RetryRequest) -> None:
         p = request.partition
         self.enter(p)
@@ -585,6 +597,8 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
 
     def extend(self, txn: lmdb.Transaction[bytes], request: ExtendRequest) -> None:
         p = request.partition
+        if self.faulty and request.lease_keys:
+            self._refuse_faulty_keys(txn, request.lease_keys)
         if request.ids:
             self.enter(p)
         found = self._leased_items(txn, p, request.ids, check_deadline=True) if request.ids else []

@@ -186,7 +186,9 @@ class LifecycleSteps(CycleBase):
         p = min(partitions, key=lambda i: self._peek(i).ready)
         self.enter(p)
         for item in request.items:
-            if item.source_id and self.store.has_source(txn, item.source_id):
+            # A faulty partition is not read: an item first sent before a crash and stored
+            # there would be stored twice (only if it is resent while the partition is out).
+            if item.source_id and self.store.has_source(txn, item.source_id, self.faulty):
                 continue  # sent before a crash; already here
             item.attempts = 0
             item.is_leased = False

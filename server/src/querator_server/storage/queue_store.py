@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -633,9 +633,12 @@ class QueueStore:
         if txn.get(source_key(source_id), db=db) == key:
             txn.delete(source_key(source_id), db=db)
 
-    def has_source(self, txn: lmdb.Transaction[bytes], source_id: str) -> bool:
-        """Whether any partition holds an item that came from ``source_id``."""
+    def has_source(self, txn: lmdb.Transaction[bytes], source_id: str, skip: Container[int] = ()) -> bool:
+        """Whether any partition (but those in ``skip``) holds an item that came from
+        ``source_id``."""
         key = source_key(source_id)
+        if skip:
+            return any(txn.get(key, db=db) is not None for p, db in enumerate(self._dbs) if p not in skip)
         return any(txn.get(key, db=db) is not None for db in self._dbs)
 
     def lease_run(
