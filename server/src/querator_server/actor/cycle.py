@@ -257,7 +257,9 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         p = max(partitions, key=lambda i: self._peek(i).ready)
         if not self._peek(p).ready:
             return None
-        self.enter(p)
+        self.at = p  # self.enter(p), inlined
+        if self.faulty or self.broken:
+            self.refuse(p)
         v = self.view(p)
         room = request.room
         budget = request.max_bytes
@@ -516,7 +518,9 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         self._ok(request, None)
 
     def _complete(self, txn: lmdb.Transaction[bytes], p: int, ids: Sequence[str], field: str = "ids") -> None:
-        self.enter(p)
+        self.at = p  # self.enter(p), inlined
+        if self.faulty or self.broken:
+            self.refuse(p)
         if self._complete_run(txn, p, ids):
             return
         found = self._leased_items(txn, p, ids, field=field)

@@ -189,9 +189,14 @@ class CycleBase:
         ``UNAVAILABLE`` before anything is written, and a damaged page met from here on
         is ``p``'s."""
         self.at = p
-        if self.faulty and p in self.faulty:
+        if self.faulty or self.broken:
+            self.refuse(p)
+
+    def refuse(self, p: int) -> None:
+        """``enter``'s checks, for the hot steps that inline the rest (a call less)."""
+        if p in self.faulty:
             raise self.faulty_error(p, self.faulty[p])
-        if self.broken and p in self.broken:
+        if p in self.broken:
             raise InjectedPartitionFault(f"partition {p} is damaged (injected fault)")
 
     def faulty_error(self, p: int, reason: str) -> Unavailable:
@@ -269,52 +274,43 @@ class CycleBase:
                     raise
                 raise StepFailed(request, exc) from exc
             return True
-        saved = self._save()
-        child = self.store.env.begin(write=True, parent=txn) if self.writable else txn
-        try:
-            step(child)
-            if request is not None and request.fault:
-                raise InjectedFault("injected into this request's apply step")
-        except Exception as exc:
-            if self.writable:
-                child.abort()
-            at = self.at
-            reason = self._confirm_faulty(txn, at, exc) if at >= 0 and _partition_error(exc) else ""
-            if _storage_wide(exc) and not reason:
-                raise
-            self._restore(saved)
-            if reason:
-                return self._faulty_found(txn, request, step, at, reason)
-            if isinstance(exc, QueratorError) and request is not None:
-                self.fail(request, exc)
+        while True:
+            saved = self._save()
+            child = self.store.env.begin(write=True, parent=txn) if self.writable else txn
+            try:
+                step(child)
+                if request is not None and request.fault:
+                    raise InjectedFault("injected into this request's apply step")
+            except Exception as exc:
+                if self.writable:
+                    child.abort()
+                at = self.at
+                reason = self._confirm_faulty(txn, at, exc) if at >= 0 and _partition_error(exc) else ""
+                if _storage_wide(exc) and not reason:
+                    raise
+                self._restore(saved)
+                if reason:
+                    # The step runs again: a Produce, a Lease or the lifecycle picks among
+                    # the other partitions (each failure marks one more, so this ends); a
+                    # step on this partition itself now answers UNAVAILABLE in ``enter``.
+                    self.faulty = {**self.faulty, at: reason}
+                    self.newly_faulty[at] = reason
+                    self.at = -1
+                    continue
+                if isinstance(exc, QueratorError) and request is not None:
+                    self.fail(request, exc)
+                    return False
+                self.step_failures.append((request, exc))
+                if request is not None:
+                    kind = type(request).__name__.removesuffix("Request")
+                    self.fail(
+                        request,
+                        Internal(f"internal error while applying this {kind} request ({type(exc).__name__}); it was not applied"),
+                    )
                 return False
-            self.step_failures.append((request, exc))
-            if request is not None:
-                kind = type(request).__name__.removesuffix("Request")
-                self.fail(
-                    request,
-                    Internal(f"internal error while applying this {kind} request ({type(exc).__name__}); it was not applied"),
-                )
-            return False
-        if self.writable:
-            child.commit()
-        return True
-
-    def _faulty_found(
-        self,
-        txn: lmdb.Transaction[bytes],
-        request: Request | None,
-        step: Callable[[lmdb.Transaction[bytes]], object],
-        p: int,
-        reason: str,
-    ) -> bool:
-        """Partition ``p`` failed under ``step`` (rolled back): mark it faulty and run the
-        step again. A Produce, a Lease or the lifecycle picks among the other partitions
-        (each failure marks one more, so this ends); a step on ``p`` itself now answers
-        ``UNAVAILABLE`` in ``enter``."""
-        self.faulty = {**self.faulty, p: reason}
-        self.newly_faulty[p] = reason
-        return self.apply(txn, request, step)
+            if self.writable:
+                child.commit()
+            return True
 
     def _save(self) -> dict[str, Any]:
         """What ``_restore`` needs to undo a step: every list's length (steps only
