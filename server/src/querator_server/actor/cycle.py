@@ -423,6 +423,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
     def give_back(self, txn: lmdb.Transaction[bytes], request: GiveBackRequest) -> None:
         """Undo the leases of an answer that was never delivered (see GiveBackRequest)."""
         p = request.partition
+        self.enter(p)  # a faulty partition: its leases run out once it works again
         v = self.view(p)
         prefix = f"{self.uid:x}.{p:x}."
         given = 0
