@@ -260,6 +260,8 @@ def test_every_partition_faulty_refuses_produce_and_a_failed_commit_marks_none(e
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "every partition of queue 'q' is faulty" in (refused.value.details() or "")
     assert sorted(_faulty(stubs)) == [0, 1]
+    # A Lease finds nothing to take and waits (answering empty), as on a full disk.
+    assert not stubs.lease("q", batch_size=5, request_timeout=dur(0, 300_000_000)).items
     env.fault.unlink()
     wait_until(lambda: not _faulty(stubs), timeout=30)
     assert stubs.produce("q", [b"c"]).ids

@@ -71,6 +71,11 @@ class Unavailable(QueratorError):
     """The server is shutting down or storage is failing; the caller may retry."""
 
 
+class NoHealthyPartition(Unavailable):
+    """Every partition of the queue here is faulty (its storage failed): a Produce may
+    still succeed on another node's partitions of the queue."""
+
+
 class Internal(QueratorError):
     """A bug met while applying one request: it was not applied, and nothing else failed."""
 

@@ -254,6 +254,8 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
 
     def _lease_one(self, txn: lmdb.Transaction[bytes], request: LeaseRequest, quota: int) -> LeaseResult | None:
         partitions = self.healthy() if self.faulty else range(len(self._base))
+        if not partitions:  # every partition faulty: the lease waits, as for a full disk
+            return None
         p = max(partitions, key=lambda i: self._peek(i).ready)
         if not self._peek(p).ready:
             return None

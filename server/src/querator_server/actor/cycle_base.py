@@ -36,7 +36,7 @@ from typing import Any
 import lmdb
 import structlog
 
-from ..errors import Internal, QueratorError, Unavailable
+from ..errors import Internal, NoHealthyPartition, QueratorError, Unavailable
 from ..faults import InjectedFault, InjectedPartitionFault
 from ..model import QueueConfig
 from ..storage import Item, PartitionScan, QueueStore
@@ -178,10 +178,14 @@ class CycleBase:
 
     def healthy(self) -> list[int]:
         """The partitions not faulty, for the steps that pick one (only when some are)."""
-        healthy = [p for p in range(len(self._base)) if p not in self.faulty]
+        return [p for p in range(len(self._base)) if p not in self.faulty]
+
+    def some_healthy(self) -> list[int]:
+        """``healthy``, for a step that must put items somewhere: none answers UNAVAILABLE."""
+        healthy = self.healthy()
         if not healthy:
             reasons = "; ".join(f"partition {p}: {why}" for p, why in sorted(self.faulty.items()))
-            raise Unavailable(f"every partition of queue {self.config.name!r} is faulty ({reasons}); retry later")
+            raise NoHealthyPartition(f"every partition of queue {self.config.name!r} is faulty ({reasons}); retry later")
         return healthy
 
     def enter(self, p: int) -> None:

@@ -24,7 +24,7 @@ from grpc_status import rpc_status
 from querator.v1 import queue_pb2 as pb
 from querator.v1 import queues_pb2 as qpb
 
-from ..errors import FailedPrecondition, InvalidArgument, Relayed, Unavailable
+from ..errors import FailedPrecondition, InvalidArgument, NoHealthyPartition, Relayed, Unavailable
 from ..model import DEFAULT_WAIT_US, MAX_WAIT_US
 from .catalog import CatalogCache
 from .placement import QueueEntry, key_partition
@@ -184,9 +184,17 @@ class Router:
             if not targets:
                 raise Unavailable(f"queue {entry.config.name!r}: no live node homes any of its partitions")
         if targets[0] == self.node or forwarded:
-            response: pb.ProduceResponse = await local(request, context)
-            response.partition = self._global(entry, response.partition)
-            return response
+            try:
+                response: pb.ProduceResponse = await local(request, context)
+            except NoHealthyPartition:
+                # Every partition of the queue here is faulty: the other homes' serve
+                # (ADR 19). Not for a keyed produce, whose dedup lives at its one home.
+                targets = [] if key or forwarded else self._other_homes(entry)
+                if not targets:
+                    raise
+            else:
+                response.partition = self._global(entry, response.partition)
+                return response
         for node in targets[:-1]:
             try:
                 return await self._forward(node, "/querator.v1.QueueService/Produce", request, pb.ProduceResponse, context)
