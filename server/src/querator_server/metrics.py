@@ -155,7 +155,10 @@ class QueueProbe:
         """
         store = actor.store
         views = actor._views
-        todo = [p for p in range(len(views)) if p in changed or p not in self.heads]  # type: ignore[operator]
+        faulty = actor.faulty_partitions  # not read: their heads stay as last known
+        todo = [
+            p for p in range(len(views)) if (p in changed or p not in self.heads) and p not in faulty  # type: ignore[operator]
+        ]
         try:
             if todo:
                 with store.env.begin() as txn:

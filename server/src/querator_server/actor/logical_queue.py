@@ -194,6 +194,11 @@ class LogicalQueue:
         return self.config.name
 
     @property
+    def faulty_partitions(self) -> dict[int, str]:
+        """The faulty partitions and why (read only: replaced, never changed in place)."""
+        return self._faulty
+
+    @property
     def keyed_index(self) -> KeyedIndex | None:
         return self._keyed
 
