@@ -298,6 +298,27 @@ def test_a_lease_that_ran_out_on_a_faulty_partition_is_handled_once_it_works(env
     assert all(i.attempts == 2 for i in again.items)
 
 
+def test_an_item_that_dies_on_a_faulty_partition_is_dead_lettered_once_it_works(env: Env) -> None:
+    stubs = env.stubs
+    stubs.create("dlq")
+    stubs.create("q", requested_partitions=2, lease_timeout=dur(1), max_attempts=1, dead_queue="dlq")
+    _fill(stubs, "q", 2)
+    held = stubs.lease("q", batch_size=5)
+    bad, uid = held.partition, _uid_of(held.items[0].id)
+    env.fault.write_text(_fault_line(env.server.data_dir, uid, bad))
+    with pytest.raises(grpc.RpcError):
+        stubs.complete("q", bad, [held.items[0].id])
+    time.sleep(1.5)  # the leases run out, out of attempts, while the partition is faulty
+    assert sum(s.total for s in stubs.stats("dlq").partitions) == 0
+    assert _faulty(stubs)[bad].total_leased == 5
+    env.fault.unlink()
+    wait_until(lambda: not _faulty(stubs), timeout=30)
+    wait_until(lambda: sum(s.total for s in stubs.stats("dlq").partitions) == 5, timeout=10)
+    dead = stubs.lease("dlq", batch_size=10)
+    assert sorted(i.payload for i in dead.items) == sorted(i.payload for i in held.items)
+    assert stubs.stats("q").partitions[bad].total == 0
+
+
 def test_a_partition_damaged_at_start_is_faulty_and_the_rest_serves(tmp_path: Path) -> None:
     """A restart: the partition cannot be read at start, so the queue starts without it."""
     data_dir, fault = str(tmp_path / "data"), tmp_path / "fault"
