@@ -142,7 +142,7 @@ def test_produce_jsonl_lease_retry_and_items(
     assert cli(capsys, srv, "retry", name, ids[0])[0] == 0
     assert cli(capsys, srv, "retry", name, ids[1], "--in", "2h")[0] == 0
     code, out, _ = cli(capsys, srv, "retry", name, ids[2], "--dead", "--json")
-    assert code == 0 and json.loads(out) == {"dead_lettered": 1}
+    assert code == 0 and json.loads(out) == {"retried": 0, "dead_lettered": 1}
     code, _, err = cli(capsys, srv, "complete", name, ids[0])
     assert code == 1 and "NOT_FOUND" in err  # retried: it has a new id now
 

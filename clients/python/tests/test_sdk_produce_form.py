@@ -38,7 +38,6 @@ def test_anything_more_than_a_payload_goes_as_items() -> None:
     mixed = _request([b"a", Item(b"b", kind="k")])
     assert [(i.payload, i.kind) for i in mixed.items] == [(b"a", ""), (b"b", "k")]  # type: ignore[attr-defined]
     assert p.all_keyed(list(p.produce_batches([Item(b"a", idempotency_key="k1")], None))[0])
-    assert p.produce_request("q", [b"a"], 5.0, compact=False).items[0].payload == b"a"
 
 
 def test_both_forms_store_the_same(client: querator.Client, queue: str) -> None:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from datetime import timedelta
+from collections.abc import Callable, Iterable, Iterator
+from datetime import datetime
 from typing import Any
 
 import grpc
 
+from . import _operations as ops
+from . import _protocol as p
 from . import tracing as _tracing
 from ._config import Backoff, ClientConfig, make_config
 from ._convert import Seconds
-from ._models import ProduceResult
+from ._models import Item, ProduceResult
 from .errors import QueratorError
 
 
@@ -90,12 +92,30 @@ class BaseClient:
         """The current trace context for produced items, when tracing is on."""
         return _tracing._carrier() if self._config.tracing else None
 
-    def _lease_deadline(self, wait: float) -> float:
-        return wait + self._config.lease_margin.total_seconds()
+    def _produce_plan(
+        self,
+        queue_name: str,
+        items: Iterable[p.ProduceArg] | p.ProduceArg,
+        encoding: str,
+        kind: str,
+        reference: str,
+        enqueue_at: datetime | None,
+        timeout: Seconds | None,
+        retry: bool | None,
+        batch_size: int,
+    ) -> Iterator[tuple[int, ops.Call, int]]:
+        """The Produce calls of a ``produce()``, lazily: (index, call, number of items)."""
+        defaults = Item(b"", encoding=encoding, kind=kind, reference=reference, enqueue_at=enqueue_at)
+        call_timeout = self._config.call_timeout(timeout)
+        retry = self._config.retry_produce if retry is None else retry
+        for index, batch in enumerate(p.produce_batches(items, defaults, max_items=batch_size, trace=self._trace())):
+            request = p.produce_request(queue_name, batch, call_timeout)
+            yield index, ops.produce_call(request, call_timeout, retry), len(batch)
 
-    def _backoff(self, attempt: int) -> float:
-        delay: timedelta = self._config.backoff(attempt)
-        return delay.total_seconds()
+    @staticmethod
+    def _orders_for_retry(items: p.ItemsArg, at: datetime | None, in_: Seconds | None, dead: bool) -> list[ops.RetryOrder]:
+        when = p.retry_at(at, in_)
+        return [(ref, when, dead) for ref in p.refs(items)]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._config.address!r})"

@@ -1,50 +1,39 @@
-"""The blocking client."""
+"""The blocking client: the operations of ``_operations.py`` over a :class:`SyncTransport`."""
 
 from __future__ import annotations
 
 import collections
-import time
+import functools
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Unpack
 
 import grpc
-from google.protobuf.message import Message
 
+from . import _operations as ops
 from . import _protocol as p
 from ._base import BaseClient, ProduceCollector
-from ._convert import Seconds, seconds
-from ._items import COMPLETED, DEAD, RETRIED, LeasedItem
+from ._convert import Seconds
+from ._items import LeasedItem
 from ._models import (
     ApiKey,
     CreatedKey,
     DeadReason,
     ExtendResult,
     Item,
-    Page,
     Payload,
     ProduceResult,
     QueueInfo,
+    QueueSettings,
     QueueStats,
     RedriveResult,
     StoredItem,
 )
 from ._paging import Pager
-from .errors import QueratorError, Unavailable, from_rpc_error
-from .v1 import (
-    keys_pb2,
-    keys_pb2_grpc,
-    queue_pb2,
-    queue_pb2_grpc,
-    queues_pb2,
-    queues_pb2_grpc,
-    storage_pb2,
-    storage_pb2_grpc,
-)
-
-Req = TypeVar("Req", bound=Message)
-Resp = TypeVar("Resp", bound=Message)
+from ._transport import SyncTransport
+from .errors import QueratorError
+from .v1 import queue_pb2
 
 
 class Client(BaseClient):
@@ -55,25 +44,13 @@ class Client(BaseClient):
     """
 
     def _setup(self) -> None:
-        self._compact = True  # ProduceRequest.payloads; off once a server refuses it
-        creds = self._config.credentials()
-        options = self._config.options()
-        if creds is None:
-            self._channel: grpc.Channel | None = grpc.insecure_channel(self._config.address, options=options)
-        else:
-            self._channel = grpc.secure_channel(self._config.address, creds, options=options)
-        self._queue = queue_pb2_grpc.QueueServiceStub(self._channel)
-        self._queues = queues_pb2_grpc.QueuesServiceStub(self._channel)
-        self._storage = storage_pb2_grpc.StorageServiceStub(self._channel)
-        self._keys = keys_pb2_grpc.KeysServiceStub(self._channel)
+        self._transport = SyncTransport(self._config)
 
     # -- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
         """Close the channel; calls in flight are cancelled."""
-        channel, self._channel = self._channel, None
-        if channel is not None:
-            channel.close()
+        self._transport.close()
 
     def __enter__(self) -> Client:
         return self
@@ -85,42 +62,7 @@ class Client(BaseClient):
 
     def wait_ready(self, timeout: Seconds = 10) -> None:
         """Block until the channel is connected; Unavailable after ``timeout``."""
-        if self._channel is None:
-            raise RuntimeError("the client is closed")
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=seconds(timeout))
-        except grpc.FutureTimeoutError:
-            raise Unavailable(
-                f"could not connect to {self._config.address} within {timeout}s", code=grpc.StatusCode.UNAVAILABLE
-            ) from None
-
-    # -- calling -----------------------------------------------------------------------
-
-    def _call(
-        self,
-        rpc: grpc.UnaryUnaryMultiCallable[Req, Resp],
-        request: Req,
-        *,
-        timeout: float,
-        retry: bool,
-        item_call: bool = False,
-        key_call: bool = False,
-    ) -> Resp:
-        attempt = 0
-        while True:
-            try:
-                return rpc(
-                    request,
-                    timeout=timeout,
-                    metadata=tuple(self._config.call_metadata()),
-                    wait_for_ready=self._config.wait_for_ready or None,
-                )
-            except grpc.RpcError as exc:
-                error = from_rpc_error(exc, item_call=item_call, key_call=key_call)
-                if not (retry and isinstance(error, Unavailable) and attempt < self._config.retries):
-                    raise error from exc
-            attempt += 1
-            time.sleep(self._backoff(attempt))
+        self._transport.wait_ready(timeout)
 
     # -- QueueService -------------------------------------------------------------------
 
@@ -152,52 +94,27 @@ class Client(BaseClient):
         client's ``tracing=True`` each item's metadata also gets the current trace
         context (:mod:`querator.tracing`).
         """
-        defaults = Item(b"", encoding=encoding, kind=kind, reference=reference, enqueue_at=enqueue_at)
-        call_timeout = self._config.call_timeout(timeout)
-        retry = self._config.retry_produce if retry is None else retry
+        plan = self._produce_plan(queue_name, items, encoding, kind, reference, enqueue_at, timeout, retry, batch_size)
         window = max_in_flight or self._config.max_in_flight
-        stub = self._queue
         collector = ProduceCollector(on_progress)
-        inflight: collections.deque[tuple[int, queue_pb2.ProduceRequest, Any]] = collections.deque()
+        inflight: collections.deque[tuple[int, ops.Call, grpc.Future[queue_pb2.ProduceResponse]]] = collections.deque()
 
         def finish_oldest() -> None:
-            index, request, future = inflight.popleft()
+            index, call, future = inflight.popleft()
             try:
-                response = future.result()
-            except grpc.RpcError as exc:
-                error = from_rpc_error(exc)
-                plain = p.itemized(request)
-                if plain is not None and p.refuses_compact(error, request):
-                    # A server from before ProduceRequest.payloads: send items, now and later.
-                    self._compact = False
-                    request = plain
-                elif not ((retry or p.all_keyed(list(request.items))) and isinstance(error, Unavailable)):
-                    collector.failed(error)
-                    return
-                try:
-                    response = self._call(stub.Produce, request, timeout=call_timeout, retry=retry or p.all_keyed(list(request.items)))
-                except QueratorError as again:
-                    collector.failed(again)
-                    return
+                response = self._transport.finish(call, future)
+            except QueratorError as error:
+                collector.failed(error)
+                return
             collector.stored(index, list(response.ids), response.partition, response.duplicates)
 
-        batches = p.produce_batches(items, defaults, max_items=batch_size, trace=self._trace())
-        for index, batch in enumerate(batches):
-            if collector.error is not None:
-                break
+        for index, call, size in plan:
             while len(inflight) >= window:
                 finish_oldest()
             if collector.error is not None:
                 break
-            request = p.produce_request(queue_name, batch, call_timeout, compact=self._compact)
-            collector.sent(index, len(batch))
-            future = stub.Produce.future(
-                request,
-                timeout=call_timeout,
-                metadata=tuple(self._config.call_metadata()),
-                wait_for_ready=self._config.wait_for_ready or None,
-            )
-            inflight.append((index, request, future))
+            collector.sent(index, size)
+            inflight.append((index, call, self._transport.start(call)))
         while inflight:
             finish_oldest()
         return collector.finish()
@@ -229,17 +146,10 @@ class Client(BaseClient):
         the items still leased under it instead of new ones (complete them with
         ``complete(lease_keys=...)``).
         """
-        completing = p.lease_completions(queue_name, complete)
-        request, wait_s = p.lease_request(queue_name, batch_size, wait, client_id, completing, lease_key)
-        response = self._call(
-            self._queue.Lease,
-            request,
-            timeout=self._lease_deadline(wait_s),
-            retry=not completing,
-            item_call=bool(completing),
+        make = functools.partial(LeasedItem, self)
+        return self._transport.run(
+            ops.lease(self._config, make, queue_name, batch_size, wait, client_id, complete, lease_key)
         )
-        p.mark(completing, COMPLETED)
-        return [LeasedItem(self, **fields) for fields in p.leased_fields(response)]
 
     def complete(
         self,
@@ -258,16 +168,7 @@ class Client(BaseClient):
         each key. Idempotent: a key already completed or forgotten is no error, so these
         requests are retried after UNAVAILABLE.
         """
-        call_timeout = self._config.call_timeout(timeout)
-        stub = self._queue
-        for queue, partition, members in p.group_refs(items):
-            request = p.complete_request(queue, partition, members, call_timeout)
-            self._call(stub.Complete, request, timeout=call_timeout, retry=False, item_call=True)
-            p.mark(members, COMPLETED)
-        queue, key_chunks = p.lease_keys(lease_keys, queue_name)
-        for keys in key_chunks:
-            request = p.complete_keys_request(queue, keys, call_timeout)
-            self._call(stub.Complete, request, timeout=call_timeout, retry=True, item_call=True)
+        self._transport.run(ops.complete(self._config, items, lease_keys, queue_name, timeout))
 
     def retry(
         self,
@@ -277,26 +178,15 @@ class Client(BaseClient):
         in_: Seconds | None = None,
         dead: bool = False,
         timeout: Seconds | None = None,
-    ) -> None:
+    ) -> list[str]:
         """Give leased items back: to the tail now, at ``at`` / after ``in_``, or ``dead``.
 
         ``dead=True`` sends them to the dead-letter queue (deleted when there is none).
         An item out of attempts (the queue's ``max_attempts``) is dead-lettered anyway.
+        Returns the ids of the items dead-lettered (empty when every item was retried);
+        a LeasedItem's ``state`` says the same.
         """
-        when = p.retry_at(at, in_)
-        self._retry_orders([(m, when, dead) for m in p.refs(items)], timeout=timeout)
-
-    def _retry_orders(self, orders: list[tuple[p.Ref, datetime | None, bool]], *, timeout: Seconds | None = None) -> None:
-        call_timeout = self._config.call_timeout(timeout)
-        grouped: dict[tuple[str, int], list[tuple[p.Ref, datetime | None, bool]]] = {}
-        for order in orders:
-            grouped.setdefault((order[0].queue_name, order[0].partition), []).append(order)
-        for (queue, partition), group in grouped.items():
-            for chunk in p.chunks(group):
-                request = p.retry_request(queue, partition, chunk, call_timeout)
-                self._call(self._queue.Retry, request, timeout=call_timeout, retry=False, item_call=True)
-                for ref, _, dead in chunk:
-                    p.mark([ref], DEAD if dead else RETRIED)
+        return self._transport.run(ops.retry(self._config, self._orders_for_retry(items, at, in_, dead), timeout))
 
     def extend(
         self,
@@ -315,115 +205,36 @@ class Client(BaseClient):
         item still validly leased under each key; the result's ``key_items_extended``
         counts them.
         """
-        call_timeout = self._config.call_timeout(timeout)
-        stub = self._queue
-        out: list[datetime] = []
-        key_items = 0
-        for queue, partition, members in p.group_refs(items):
-            request = p.extend_request(queue, partition, members, lease_timeout, call_timeout)
-            response = self._call(stub.Extend, request, timeout=call_timeout, retry=True, item_call=True)
-            out.extend(p.apply_deadlines(members, response))
-        queue, key_chunks = p.lease_keys(lease_keys, queue_name)
-        for keys in key_chunks:
-            request = p.extend_request(queue, 0, [], lease_timeout, call_timeout, keys)
-            response = self._call(stub.Extend, request, timeout=call_timeout, retry=True, item_call=True)
-            key_items += response.key_items_extended
-        return p.extend_result(out, key_items)
+        return self._transport.run(ops.extend(self._config, items, lease_timeout, lease_keys, queue_name, timeout))
 
     # -- QueuesService ------------------------------------------------------------------
 
-    def create_queue(
-        self,
-        name: str,
-        *,
-        dead_queue: str | None = None,
-        reference: str | None = None,
-        lease_timeout: Seconds | None = None,
-        expire_timeout: Seconds | None = None,
-        max_attempts: int | None = None,
-        partitions: int | None = None,
-        dedup_window: Seconds | None = None,
-        lease_key_ttl: Seconds | None = None,
-        timeout: Seconds | None = None,
-    ) -> QueueInfo:
-        """Create a queue; unset settings take the server's defaults. QueueExists if taken."""
-        info, _ = p.queue_info_message(
-            name,
-            {
-                "dead_queue": dead_queue,
-                "reference": reference,
-                "lease_timeout": lease_timeout,
-                "expire_timeout": expire_timeout,
-                "max_attempts": max_attempts,
-                "partitions": partitions,
-                "dedup_window": dedup_window,
-                "lease_key_ttl": lease_key_ttl,
-            },
-        )
-        request = queues_pb2.CreateQueueRequest(queue=info)
-        response = self._call(
-            self._queues.CreateQueue, request, timeout=self._config.call_timeout(timeout), retry=False
-        )
-        return p.queue_info(response.queue)
+    def create_queue(self, name: str, *, timeout: Seconds | None = None, **settings: Unpack[QueueSettings]) -> QueueInfo:
+        """Create a queue; unset settings take the server's defaults. QueueExists if taken.
+
+        Settings (:class:`~querator.QueueSettings`): ``dead_queue``, ``reference``,
+        ``lease_timeout``, ``expire_timeout``, ``max_attempts``, ``partitions``,
+        ``dedup_window``, ``lease_key_ttl``; durations as seconds, timedelta or "30s".
+        """
+        return self._transport.run(ops.create_queue(self._config, name, settings, timeout))
 
     def get_queue(self, name: str, *, timeout: Seconds | None = None) -> QueueInfo:
-        request = queues_pb2.GetQueueRequest(queue_name=name)
-        response = self._call(self._queues.GetQueue, request, timeout=self._config.call_timeout(timeout), retry=True)
-        return p.queue_info(response.queue)
+        """A queue's settings; QueueNotFound when there is none of that name."""
+        return self._transport.run(ops.get_queue(self._config, name, timeout))
 
-    def list_queues(
-        self, *, page_size: int = 0, page_token: str = "", timeout: Seconds | None = None
-    ) -> Pager[QueueInfo]:
+    def list_queues(self, *, page_size: int = 0, page_token: str = "", timeout: Seconds | None = None) -> Pager[QueueInfo]:
         """All queues sorted by name, fetched ``page_size`` at a time as iteration goes."""
-        call_timeout = self._config.call_timeout(timeout)
+        page = ops.list_queues(self._config, page_size, timeout)
+        return Pager(lambda token: self._transport.run(page(token)), page_token)
 
-        def fetch(token: str) -> Page[QueueInfo]:
-            request = queues_pb2.ListQueuesRequest(page_size=page_size, page_token=token)
-            response = self._call(self._queues.ListQueues, request, timeout=call_timeout, retry=True)
-            return Page([p.queue_info(q) for q in response.queues], response.next_page_token)
-
-        return Pager(fetch, page_token)
-
-    def update_queue(
-        self,
-        name: str,
-        *,
-        dead_queue: str | None = None,
-        reference: str | None = None,
-        lease_timeout: Seconds | None = None,
-        expire_timeout: Seconds | None = None,
-        max_attempts: int | None = None,
-        partitions: int | None = None,
-        dedup_window: Seconds | None = None,
-        lease_key_ttl: Seconds | None = None,
-        timeout: Seconds | None = None,
-    ) -> QueueInfo:
-        """Change exactly the settings given (``dead_queue=""`` removes the DLQ)."""
-        info, paths = p.queue_info_message(
-            name,
-            {
-                "dead_queue": dead_queue,
-                "reference": reference,
-                "lease_timeout": lease_timeout,
-                "expire_timeout": expire_timeout,
-                "max_attempts": max_attempts,
-                "partitions": partitions,
-                "dedup_window": dedup_window,
-                "lease_key_ttl": lease_key_ttl,
-            },
-        )
-        if not paths:
-            raise ValueError("update_queue needs at least one setting to change")
-        request = queues_pb2.UpdateQueueRequest(queue=info, update_mask=p.update_mask(paths))
-        response = self._call(
-            self._queues.UpdateQueue, request, timeout=self._config.call_timeout(timeout), retry=True
-        )
-        return p.queue_info(response.queue)
+    def update_queue(self, name: str, *, timeout: Seconds | None = None, **settings: Unpack[QueueSettings]) -> QueueInfo:
+        """Change exactly the settings given (``dead_queue=""`` removes the DLQ); the
+        settings are those of :meth:`create_queue`."""
+        return self._transport.run(ops.update_queue(self._config, name, settings, timeout))
 
     def delete_queue(self, name: str, *, force: bool = False, timeout: Seconds | None = None) -> None:
         """Delete a queue and its items; one that still holds items needs ``force=True``."""
-        request = queues_pb2.DeleteQueueRequest(queue_name=name, force=force)
-        self._call(self._queues.DeleteQueue, request, timeout=self._config.call_timeout(timeout), retry=False)
+        self._transport.run(ops.delete_queue(self._config, name, force, timeout))
 
     def clear_queue(
         self,
@@ -435,62 +246,27 @@ class Client(BaseClient):
         timeout: Seconds | None = None,
     ) -> None:
         """Remove ready items (leased ones too with ``destructive``) and/or scheduled items."""
-        request = queues_pb2.ClearQueueRequest(
-            queue_name=name, queue=ready, scheduled=scheduled, destructive=destructive
-        )
-        self._call(self._queues.ClearQueue, request, timeout=self._config.call_timeout(timeout), retry=True)
+        self._transport.run(ops.clear_queue(self._config, name, ready, scheduled, destructive, timeout))
 
     def queue_stats(self, name: str, *, timeout: Seconds | None = None) -> QueueStats:
         """Counts per partition; cheap enough to call every second."""
-        request = queues_pb2.GetQueueStatsRequest(queue_name=name)
-        response = self._call(
-            self._queues.GetQueueStats, request, timeout=self._config.call_timeout(timeout), retry=True
-        )
-        return p.queue_stats(response)
+        return self._transport.run(ops.queue_stats(self._config, name, timeout))
 
     # -- StorageService ------------------------------------------------------------------
 
     def list_items(
-        self,
-        queue_name: str,
-        *,
-        partition: int = 0,
-        page_size: int = 0,
-        page_token: str = "",
-        timeout: Seconds | None = None,
+        self, queue_name: str, *, partition: int = 0, page_size: int = 0, page_token: str = "", timeout: Seconds | None = None
     ) -> Pager[StoredItem]:
         """Ready and leased items of one partition in FIFO order."""
-        call_timeout = self._config.call_timeout(timeout)
-
-        def fetch(token: str) -> Page[StoredItem]:
-            request = storage_pb2.ListItemsRequest(
-                queue_name=queue_name, partition=partition, page_size=page_size, page_token=token
-            )
-            response = self._call(self._storage.ListItems, request, timeout=call_timeout, retry=True)
-            return Page([p.stored_item(i, partition) for i in response.items], response.next_page_token)
-
-        return Pager(fetch, page_token)
+        page = ops.list_items(self._config, queue_name, partition, page_size, timeout, scheduled=False)
+        return Pager(lambda token: self._transport.run(page(token)), page_token)
 
     def list_scheduled_items(
-        self,
-        queue_name: str,
-        *,
-        partition: int = 0,
-        page_size: int = 0,
-        page_token: str = "",
-        timeout: Seconds | None = None,
+        self, queue_name: str, *, partition: int = 0, page_size: int = 0, page_token: str = "", timeout: Seconds | None = None
     ) -> Pager[StoredItem]:
         """Scheduled items of one partition, by due time."""
-        call_timeout = self._config.call_timeout(timeout)
-
-        def fetch(token: str) -> Page[StoredItem]:
-            request = storage_pb2.ListScheduledItemsRequest(
-                queue_name=queue_name, partition=partition, page_size=page_size, page_token=token
-            )
-            response = self._call(self._storage.ListScheduledItems, request, timeout=call_timeout, retry=True)
-            return Page([p.stored_item(i, partition) for i in response.items], response.next_page_token)
-
-        return Pager(fetch, page_token)
+        page = ops.list_items(self._config, queue_name, partition, page_size, timeout, scheduled=True)
+        return Pager(lambda token: self._transport.run(page(token)), page_token)
 
     def import_items(
         self,
@@ -504,22 +280,13 @@ class Client(BaseClient):
 
         Sent 1,000 at a time; not retried automatically (a retry could store twice).
         """
-        call_timeout = self._config.call_timeout(timeout)
-        ids: list[str] = []
-        for chunk in p.chunks([p.storage_item(i) for i in items]):
-            request = storage_pb2.ImportItemsRequest(queue_name=queue_name, partition=partition, items=chunk)
-            response = self._call(self._storage.ImportItems, request, timeout=call_timeout, retry=False)
-            ids.extend(response.ids)
-        return ids
+        return self._transport.run(ops.import_items(self._config, queue_name, items, partition, timeout))
 
     def delete_items(
         self, queue_name: str, ids: Iterable[str], *, partition: int = 0, timeout: Seconds | None = None
     ) -> None:
         """Delete items by id, whatever their state; unknown ids are ignored."""
-        call_timeout = self._config.call_timeout(timeout)
-        for chunk in p.chunks(list(ids)):
-            request = storage_pb2.DeleteItemsRequest(queue_name=queue_name, partition=partition, ids=chunk)
-            self._call(self._storage.DeleteItems, request, timeout=call_timeout, retry=True)
+        self._transport.run(ops.delete_items(self._config, queue_name, ids, partition, timeout))
 
     def redrive_items(
         self,
@@ -539,54 +306,29 @@ class Client(BaseClient):
         are not retried automatically (a retry would move further items). Items whose
         source queue is gone stay, counted in ``skipped``.
         """
-        call_timeout = self._config.call_timeout(timeout)
-        done, token = RedriveResult(), ""
-        while True:
-            request = p.redrive_request(
-                queue_name, done, token, to=to, kind=kind, dead_reason=dead_reason, limit=limit
-            )
-            if request is None:
-                return done
-            response = self._call(self._storage.RedriveItems, request, timeout=call_timeout, retry=False)
-            done, token = p.redrive_progress(done, response), response.next_page_token
-            if not token:
-                return done
+        return self._transport.run(
+            ops.redrive_items(self._config, queue_name, to, kind, dead_reason, limit, timeout)
+        )
 
     # -- KeysService (servers with auth on; an admin key for "*") -----------------------------
 
     def create_key(
-        self,
-        role: str,
-        queues: Iterable[str] | str,
-        *,
-        description: str = "",
-        timeout: Seconds | None = None,
+        self, role: str, queues: Iterable[str] | str, *, description: str = "", timeout: Seconds | None = None
     ) -> CreatedKey:
         """Create an API key: ``role`` is producer, consumer or admin; ``queues`` name patterns.
 
         The result's ``token`` is shown only here (the server keeps a hash). Not retried:
         a repeat would make a second key.
         """
-        request = p.create_key_request(role, queues, description)
-        response = self._call(
-            self._keys.CreateKey, request, timeout=self._config.call_timeout(timeout), retry=False, key_call=True
-        )
-        return p.created_key(response)
+        return self._transport.run(ops.create_key(self._config, role, queues, description, timeout))
 
     def list_keys(self, *, timeout: Seconds | None = None) -> list[ApiKey]:
         """Every key, sorted by id (never the tokens)."""
-        request = keys_pb2.ListKeysRequest()
-        response = self._call(
-            self._keys.ListKeys, request, timeout=self._config.call_timeout(timeout), retry=True, key_call=True
-        )
-        return [p.api_key(k) for k in response.keys]
+        return self._transport.run(ops.list_keys(self._config, timeout))
 
     def revoke_key(self, key_id: str, *, timeout: Seconds | None = None) -> None:
         """Delete a key; calls with its token fail with Unauthenticated from then on."""
-        request = keys_pb2.RevokeKeyRequest(key_id=key_id)
-        self._call(
-            self._keys.RevokeKey, request, timeout=self._config.call_timeout(timeout), retry=False, key_call=True
-        )
+        self._transport.run(ops.revoke_key(self._config, key_id, timeout))
 
 
 __all__ = ["Client"]

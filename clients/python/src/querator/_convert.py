@@ -2,26 +2,58 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
-Seconds = timedelta | float | int
-"""A duration: a :class:`~datetime.timedelta` or a number of seconds."""
+Seconds = timedelta | float | int | str
+"""A duration: a :class:`~datetime.timedelta`, a number of seconds, or text such as
+``"30s"``, ``"500ms"``, ``"5m"``, ``"1h30m"``, ``"2d"`` (:func:`parse_duration`)."""
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-def seconds(value: Seconds) -> float:
-    """``value`` as float seconds; refuses negative durations."""
-    out = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if out < 0:
-        raise ValueError(f"a duration must not be negative, got {value!r}")
-    return out
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h|d)")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``"1.5"`` (seconds), ``"500ms"``, ``"30s"``, ``"5m"``, ``"1h30m"``, ``"2d"``.
+
+    The one parser behind every duration the SDK and the command line accept as text;
+    ValueError names the text and gives examples.
+    """
+    value = text.strip()
+    try:
+        return timedelta(seconds=float(value))
+    except ValueError:
+        pass
+    pos, total = 0, 0.0
+    for match in _DURATION.finditer(value):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _UNITS[match.group(2)]
+        pos = match.end()
+    if pos != len(value) or not value:
+        raise ValueError(f"not a duration: {text!r} (e.g. 30s, 500ms, 5m, 1h30m)")
+    return timedelta(seconds=total)
 
 
 def as_timedelta(value: Seconds) -> timedelta:
-    return value if isinstance(value, timedelta) else timedelta(seconds=float(value))
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, str):
+        return parse_duration(value)
+    return timedelta(seconds=float(value))
+
+
+def seconds(value: Seconds) -> float:
+    """``value`` as float seconds; refuses negative durations."""
+    out = as_timedelta(value).total_seconds()
+    if out < 0:
+        raise ValueError(f"a duration must not be negative, got {value!r}")
+    return out
 
 
 def to_duration(value: Seconds) -> duration_pb2.Duration:

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Mapping
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._convert import Seconds
 from ._models import DeadReason, ItemRef
@@ -16,8 +16,21 @@ from .errors import DeadLetter
 if TYPE_CHECKING:
     from opentelemetry.context import Context
 
-    from ._async_client import AsyncClient
-    from ._client import Client
+
+# What a leased item needs of the client that leased it. Typed as protocols so that
+# this module need not import the clients, which import it.
+class _Settles(Protocol):
+    def complete(self, items: Any) -> None: ...
+    def retry(self, items: Any, *, at: datetime | None = None, in_: Seconds | None = None, dead: bool = False) -> Any: ...
+    def extend(self, items: Any, *, lease_timeout: Seconds | None = None) -> list[datetime]: ...
+
+
+class _AsyncSettles(Protocol):
+    async def complete(self, items: Any) -> None: ...
+    async def retry(
+        self, items: Any, *, at: datetime | None = None, in_: Seconds | None = None, dead: bool = False
+    ) -> Any: ...
+    async def extend(self, items: Any, *, lease_timeout: Seconds | None = None) -> list[datetime]: ...
 
 #: What happened to a leased item through this object (None: nothing yet).
 COMPLETED = "completed"
@@ -155,7 +168,7 @@ class LeasedItem(_LeasedBase):
 
     __slots__ = ("_client",)
 
-    def __init__(self, client: Client, **fields: Any) -> None:
+    def __init__(self, client: _Settles, **fields: Any) -> None:
         super().__init__(**fields)
         self._client = client
 
@@ -202,7 +215,7 @@ class AsyncLeasedItem(_LeasedBase):
 
     __slots__ = ("_client",)
 
-    def __init__(self, client: AsyncClient, **fields: Any) -> None:
+    def __init__(self, client: _AsyncSettles, **fields: Any) -> None:
         super().__init__(**fields)
         self._client = client
 

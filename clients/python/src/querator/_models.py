@@ -7,7 +7,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar
+
+if TYPE_CHECKING:
+    from ._convert import Seconds
 
 T = TypeVar("T")
 
@@ -112,6 +115,24 @@ class QueueInfo:
     dedup_window: timedelta = timedelta(hours=24)
     lease_key_ttl: timedelta = timedelta(hours=1)
     failure: str = ""
+
+
+class QueueSettings(TypedDict, total=False):
+    """The settings of a queue that ``create_queue`` and ``update_queue`` take; None or
+    absent: the server's default (create) or unchanged (update)."""
+
+    dead_queue: str | None
+    reference: str | None
+    lease_timeout: Seconds | None
+    expire_timeout: Seconds | None
+    max_attempts: int | None
+    partitions: int | None
+    dedup_window: Seconds | None
+    lease_key_ttl: Seconds | None
+
+
+#: The names of :class:`QueueSettings`, in the order the command line and docs show them.
+QUEUE_SETTINGS: tuple[str, ...] = tuple(QueueSettings.__annotations__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,12 +34,13 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
 
+from . import _operations as ops
 from . import _protocol as p
 from . import tracing as _tracing
 from ._config import BATCH_BYTES, MAX_BATCH
 from ._convert import Seconds, payload_bytes, seconds
 from ._models import Item, Payload
-from .errors import QueratorError, Unavailable, from_rpc_error
+from .errors import QueratorError
 
 if TYPE_CHECKING:
     from ._async_client import AsyncClient
@@ -56,7 +57,6 @@ class _Batch(Generic[F]):
     started: float = 0.0
     attempt: int = 0
     not_before: float = 0.0
-    compact: bool = False  # last sent as ProduceRequest.payloads
 
 
 class _Settings:
@@ -133,7 +133,7 @@ class Producer:
         reference: str = "",
         enqueue_at: datetime | None = None,
     ) -> None:
-        self._client = client
+        self._transport = client._transport  # the client's I/O: its internal interface
         self._s = _Settings(
             queue_name, max_items, max_bytes, max_latency, max_in_flight, max_pending,
             encoding, kind, reference, enqueue_at, client.config.tracing,
@@ -224,45 +224,34 @@ class Producer:
                 self._cond.wait(max(wake, 0.001))
 
     def _send(self, batch: _Batch[concurrent.futures.Future[str]]) -> None:
-        request = p.produce_request(self._s.queue_name, batch.items, self._timeout, compact=self._client._compact)
-        batch.compact = bool(request.payloads)
-        config = self._client.config
+        request = p.produce_request(self._s.queue_name, batch.items, self._timeout)
+        call = ops.produce_call(request, self._timeout, self._retry)
         try:
-            call = self._client._queue.Produce.future(
-                request,
-                timeout=self._timeout,
-                metadata=tuple(config.call_metadata()),
-                wait_for_ready=config.wait_for_ready or None,
-            )
+            future = self._transport.start(call)
         except Exception as exc:  # e.g. the client was closed: fail this batch, keep running
-            self._done(batch, _Failed(exc))
+            self._done(batch, call, _Failed(exc))
             return
-        call.add_done_callback(lambda done: self._done(batch, done))
+        future.add_done_callback(lambda done: self._done(batch, call, done))
 
-    def _done(self, batch: _Batch[concurrent.futures.Future[str]], call: Any) -> None:
+    def _done(self, batch: _Batch[concurrent.futures.Future[str]], call: ops.Call, future: Any) -> None:
         try:
-            response = call.result()
+            response = future.result()
             error: QueratorError | None = None
         except grpc.RpcError as exc:
-            error = from_rpc_error(exc)
+            error = self._transport.error(call, exc)
         except Exception as exc:  # cancelled at close, or a bug: fail the batch's futures
             error = QueratorError(f"produce failed: {exc!r}")
         with self._cond:
             self._in_flight -= 1
-            if error is not None and batch.compact and p.refuses_compact(error, None):
-                # A server from before ProduceRequest.payloads: send items, now and later.
-                self._client._compact = False
+            # Retried from the sender thread after the policy's delay, not slept on here
+            # (this runs on a gRPC callback thread).
+            delay = self._transport.retry_policy.delay(batch.attempt + 1, error) if error and call.retry else None
+            if delay is not None:
+                batch.attempt += 1
+                batch.not_before = time.monotonic() + delay
                 self._ready.appendleft(batch)
                 self._cond.notify_all()
                 return
-            retry = self._retry or p.all_keyed(batch.items)
-            if error is not None and retry and isinstance(error, Unavailable):
-                if batch.attempt < self._client.config.retries:
-                    batch.attempt += 1
-                    batch.not_before = time.monotonic() + self._client._backoff(batch.attempt)
-                    self._ready.appendleft(batch)
-                    self._cond.notify_all()
-                    return
             self._pending -= len(batch.items)
             if error is None:
                 self._duplicates += response.duplicates
@@ -347,7 +336,7 @@ class AsyncProducer:
         reference: str = "",
         enqueue_at: datetime | None = None,
     ) -> None:
-        self._client = client
+        self._transport = client._transport  # the client's I/O: its internal interface
         self._s = _Settings(
             queue_name, max_items, max_bytes, max_latency, max_in_flight, max_pending,
             encoding, kind, reference, enqueue_at, client.config.tracing,
@@ -426,10 +415,9 @@ class AsyncProducer:
     async def _send(self, batch: _Batch[asyncio.Future[str]]) -> None:
         assert self._slots is not None and self._changed is not None
         try:
-            request = p.produce_request(self._s.queue_name, batch.items, self._timeout, compact=self._client._compact)
+            request = p.produce_request(self._s.queue_name, batch.items, self._timeout)
             try:
-                retry = self._retry or p.all_keyed(batch.items)
-                response = await self._client._produce_call(request, timeout=self._timeout, retry=retry)
+                response = await self._transport.invoke(ops.produce_call(request, self._timeout, self._retry))
             except QueratorError as error:
                 for future in batch.futures:
                     if not future.done():

@@ -149,40 +149,15 @@ def all_keyed(batch: Sequence[ProduceEntry]) -> bool:
     return all(not isinstance(item, bytes) and item.idempotency_key for item in batch)
 
 
-def produce_request(
-    queue_name: str, batch: Sequence[ProduceEntry], timeout: float, *, compact: bool = True
-) -> queue_pb2.ProduceRequest:
-    """The request for ``batch``: the compact form when every entry is a bare payload
-    (and ``compact``: the server knows it), else one ProduceItem per item."""
+def produce_request(queue_name: str, batch: Sequence[ProduceEntry], timeout: float) -> queue_pb2.ProduceRequest:
+    """The request for ``batch``: the compact form when every entry is a bare payload,
+    else one ProduceItem per item."""
     request = queue_pb2.ProduceRequest(queue_name=queue_name, request_timeout=c.to_duration(timeout))
-    if compact and all(isinstance(entry, bytes) for entry in batch):
+    if all(isinstance(entry, bytes) for entry in batch):
         request.payloads.extend(batch)  # type: ignore[arg-type]
     else:
         request.items.extend(queue_pb2.ProduceItem(payload=e) if isinstance(e, bytes) else e for e in batch)
     return request
-
-
-def itemized(request: queue_pb2.ProduceRequest) -> queue_pb2.ProduceRequest | None:
-    """``request`` in the item form if it is in the compact form (for a server from
-    before ``payloads``, which refuses it as having no items); else None."""
-    if not request.payloads:
-        return None
-    out = queue_pb2.ProduceRequest(queue_name=request.queue_name, items=[queue_pb2.ProduceItem(payload=b) for b in request.payloads])
-    if request.HasField("request_timeout"):
-        out.request_timeout.CopyFrom(request.request_timeout)
-    return out
-
-
-def refuses_compact(error: Exception, request: queue_pb2.ProduceRequest | None) -> bool:
-    """The server did not know ``payloads``: it saw a request without items. ``request``:
-    what was sent, or None when the caller knows it was in the compact form."""
-    from .errors import InvalidRequest
-
-    return (
-        (request is None or bool(request.payloads))
-        and isinstance(error, InvalidRequest)
-        and [v.field for v in error.field_violations] == ["items"]
-    )
 
 
 # -- lease, complete, retry, extend -----------------------------------------------------
@@ -235,34 +210,9 @@ def lease_completions(queue_name: str, items: ItemsArg | None) -> list[Ref]:
 
 
 def leased_fields(response: queue_pb2.LeaseResponse) -> Iterator[dict[str, Any]]:
-    """Each leased item's fields, from the reply's columns (asked for by every Lease the
-    SDK sends) or, from a server that predates them, its items."""
-    columns = response.columns
-    if columns.ids:
-        yield from _column_fields(response.queue_name, response.partition, columns)
-        return
-    for item in response.items:
-        yield {
-            "queue_name": response.queue_name,
-            "partition": response.partition,
-            "id": item.id,
-            "payload": bytes(item.payload),
-            "encoding": item.encoding,
-            "kind": item.kind,
-            "reference": item.reference,
-            "attempts": item.attempts,
-            "lease_deadline": c.from_timestamp(item.lease_deadline),
-            "created_at": c.from_timestamp(item.created_at),
-            "metadata": dict(item.metadata) if item.metadata else {},
-            "message_id": item.message_id or item.id,
-            "source_id": item.source_id,
-            "dead_reason": dead_reason(item.dead_reason),
-            "dead_at": c.from_timestamp(item.dead_at) if item.HasField("dead_at") else None,
-            "dead_attempts": item.dead_attempts,
-        }
-
-
-def _column_fields(queue_name: str, partition: int, columns: queue_pb2.LeaseColumns) -> Iterator[dict[str, Any]]:
+    """Each leased item's fields, from the reply's columns (every Lease the SDK sends
+    asks for them)."""
+    queue_name, partition, columns = response.queue_name, response.partition, response.columns
     n = len(columns.ids)
     blank = [""] * n
     encodings = list(columns.encodings) or blank
@@ -387,7 +337,7 @@ _SETTINGS = {
 _DURATIONS = ("lease_timeout", "expire_timeout", "dedup_window", "lease_key_ttl")
 
 
-def queue_info_message(name: str, settings: dict[str, Any]) -> tuple[queues_pb2.QueueInfo, list[str]]:
+def queue_info_message(name: str, settings: Mapping[str, Any]) -> tuple[queues_pb2.QueueInfo, list[str]]:
     """A QueueInfo with the given settings (None values skipped) and the proto field names set."""
     info = queues_pb2.QueueInfo(queue_name=name)
     paths: list[str] = []

@@ -589,18 +589,20 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         p = request.partition
         self.enter(p)
         found = self._leased_items(txn, p, [o.item_id for o in request.orders])
+        dead: list[str] = []
         for (seq, raw, _state), order in zip(found, request.orders):
             item = Item.decode(raw)
             old_id = item_id(self.uid, p, seq)
             self._end_lease(txn, p, seq, item)
             reason = "retried as dead" if order.dead else self._death_reason(item)
             if reason:
+                dead.append(order.item_id)
                 self._dead_letter(txn, p, seq, item, old_id, reason, DEAD_RETRIED if order.dead else DEATH_CODES[reason])
             elif order.retry_at_us >= self.now + SCHEDULE_MIN_US:
                 self._schedule(txn, p, item, order.retry_at_us, seq)
             else:
                 self._requeue(txn, p, item, seq)
-        self._ok(request, None)
+        self._ok(request, dead)
 
     def extend(self, txn: lmdb.Transaction[bytes], request: ExtendRequest) -> None:
         p = request.partition

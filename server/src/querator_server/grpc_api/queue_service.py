@@ -227,8 +227,8 @@ class QueueService:
             for index, item in enumerate(request.items)
         ]
         deadline = _request_deadline_us(request, context, now_us())
-        await self.manager.actor(name).submit(a.RetryRequest(partition, orders, deadline_us=deadline))
-        return pb.RetryResponse()
+        dead: list[str] = await self.manager.actor(name).submit(a.RetryRequest(partition, orders, deadline_us=deadline))
+        return pb.RetryResponse(dead_ids=dead)
 
     async def extend(self, request: pb.ExtendRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ExtendResponse:
         name = c.queue_name(request.queue_name)

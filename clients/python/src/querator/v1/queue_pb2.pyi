@@ -914,12 +914,23 @@ class RetryResponse(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    DEAD_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def dead_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The ids (as sent) of the items that went to the dead-letter queue, or were
+        deleted when the queue has none, instead of back to the queue: those sent
+        with dead, those out of attempts (max_attempts) and those past their
+        expiry. Empty when every item was retried.
+        """
+
     def __init__(
         self,
+        *,
+        dead_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead_ids", b"dead_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,5 @@
+import sys
+
+from ._app import main
+
+sys.exit(main())
