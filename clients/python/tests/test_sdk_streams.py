@@ -11,9 +11,6 @@ from typing import Any
 
 import grpc
 import pytest
-from google.protobuf import any_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_status import rpc_status
 from prometheus_client.parser import text_string_to_metric_families
 from sdk_helpers import run, unique
 

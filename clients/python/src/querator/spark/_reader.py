@@ -30,7 +30,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
@@ -42,8 +41,8 @@ from pyspark.sql.streaming.datasource import (
 
 from ..v1 import queue_pb2
 from ._options import ReadOptions
-from ._rpc import Rpc, connect
-from ._schema import leased_batch, leased_columns, stored_batch
+from ._rpc import Pending, Rpc, connect
+from ._schema import leased_columns, stored_batch
 
 log = logging.getLogger("querator.spark")
 
@@ -145,27 +144,23 @@ def read_leased(rpc: Rpc, part: LeasePartition, in_flight: int) -> Iterator[Any]
         remaining -= size
         requests.append(rpc.lease_request(key, size, LEASE_WAIT_S))
     timeout = rpc.conn.timeout + LEASE_WAIT_S
-    pending: deque[tuple[grpc.Future[queue_pb2.LeaseResponse], queue_pb2.LeaseRequest]] = deque()
+    pending: deque[Pending] = deque()
     try:
         for request in requests:
-            pending.append((rpc.start(rpc.queue.Lease, request, timeout=timeout), request))
+            pending.append(rpc.start("Lease", request, timeout=timeout))
             if len(pending) >= in_flight:  # the keys are fixed, so their order is free
-                yield from _leased(rpc, *pending.popleft(), timeout)
+                yield from _leased(rpc, pending.popleft())
         while pending:
-            yield from _leased(rpc, *pending.popleft(), timeout)
+            yield from _leased(rpc, pending.popleft())
     finally:
-        for future, _ in pending:
-            future.cancel()
+        for call in pending:
+            call.cancel()
 
 
-def _leased(
-    rpc: Rpc, future: grpc.Future[queue_pb2.LeaseResponse], request: queue_pb2.LeaseRequest, timeout: float
-) -> Iterator[Any]:
-    reply = rpc.finish(future, rpc.queue.Lease, request, timeout=timeout)
+def _leased(rpc: Rpc, pending: Pending) -> Iterator[Any]:
+    reply: queue_pb2.LeaseResponse = rpc.finish(pending)
     if reply.columns.ids:
         yield leased_columns(reply.partition, reply.columns)
-    elif reply.items:  # a server that predates columnar replies
-        yield leased_batch(reply.partition, reply.items)
 
 
 class _KeepAlive:

@@ -1,11 +1,11 @@
-"""The few calls the connector makes, on the generated stubs, with bounded retries.
+"""The few calls the connector makes, over the SDK's blocking transport.
 
 Every call the connector makes is safe to repeat: produces carry idempotency keys,
 leases carry lease keys, completion and extension by key are idempotent, listing and
 stats only read. So a call that fails with UNAVAILABLE (or whose deadline passed) is
-retried a few times with backoff; after that the error is raised as the SDK's
-:class:`~querator.errors.QueratorError` subclass, which fails the Spark task (Spark
-retries the task) or the driver call (the query fails).
+retried a few times with backoff, under the SDK's one retry policy; after that the
+error is raised as the SDK's :class:`~querator.errors.QueratorError` subclass, which
+fails the Spark task (Spark retries the task) or the driver call (the query fails).
 
 Connections are cached per process: Spark reuses its Python workers across tasks.
 """
@@ -13,34 +13,38 @@ Connections are cached per process: Spark reuses its Python workers across tasks
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import grpc
-from google.protobuf import duration_pb2
 
-from .._config import ClientConfig
-from ..errors import from_rpc_error
-from ..v1 import queue_pb2, queue_pb2_grpc, queues_pb2, queues_pb2_grpc, storage_pb2, storage_pb2_grpc
+from .._config import Backoff, ClientConfig
+from .._convert import to_duration
+from .._operations import QUEUE, QUEUES, STORAGE, Call
+from .._retry import RetryPolicy
+from .._transport import SyncTransport
+from ..errors import DeadlineExceeded, Unavailable
+from ..v1 import queue_pb2, queues_pb2, storage_pb2
 from ._options import Connection
-
-Request = TypeVar("Request")
-Response = TypeVar("Response")
 
 #: Most lease keys one Complete or Extend request may name.
 MAX_KEYS = 1000
-_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-_BACKOFF_S = 0.2
+# Every call is safe to repeat, so a passed deadline is retried too.
+_RETRY_ON = (Unavailable, DeadlineExceeded)
+_BACKOFF = Backoff(timedelta(milliseconds=200), timedelta(seconds=5))
 
 
-def duration(seconds: float) -> duration_pb2.Duration:
-    micros = max(0, round(seconds * 1_000_000))
-    return duration_pb2.Duration(seconds=micros // 1_000_000, nanos=(micros % 1_000_000) * 1000)
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A call sent by :meth:`Rpc.start`, its reply still to come."""
 
+    call: Call
+    future: grpc.Future[Any]
 
-def retryable(error: grpc.RpcError) -> bool:
-    return isinstance(error, grpc.Call) and error.code() in _RETRYABLE
+    def cancel(self) -> None:
+        self.future.cancel()
 
 
 class Rpc:
@@ -60,55 +64,35 @@ class Rpc:
             ("grpc.max_receive_message_length", -1),
             ("grpc.max_send_message_length", 6 << 20),
         ]
-        credentials = config.credentials()
-        if credentials is None:
-            self.channel = grpc.insecure_channel(conn.address, options=options)
-        else:
-            self.channel = grpc.secure_channel(conn.address, credentials, options=options)
-        self.metadata = tuple(config.call_metadata())
-        self.queue = queue_pb2_grpc.QueueServiceStub(self.channel)
-        self.queues = queues_pb2_grpc.QueuesServiceStub(self.channel)
-        self.storage = storage_pb2_grpc.StorageServiceStub(self.channel)
+        policy = RetryPolicy(conn.retries, _BACKOFF, on=_RETRY_ON)
+        self.transport = SyncTransport(config, retry_policy=policy, options=options)
 
     def close(self) -> None:
-        self.channel.close()
+        self.transport.close()
 
     # -- plumbing ----------------------------------------------------------------------
 
-    def call(self, method: Callable[..., Response], request: Any, *, timeout: float | None = None) -> Response:
-        """``method(request)`` with the connection's deadline, retried while retryable."""
-        attempt = 0
-        while True:
-            try:
-                return method(request, timeout=timeout or self.conn.timeout, metadata=self.metadata)
-            except grpc.RpcError as error:
-                attempt += 1
-                if not retryable(error) or attempt > self.conn.retries:
-                    raise from_rpc_error(error) from error
-                time.sleep(_BACKOFF_S * 2 ** (attempt - 1))
+    def _call(self, service: str, method: str, request: Any, timeout: float | None) -> Call:
+        return Call(service, method, request, timeout or self.conn.timeout, retry=True)
 
-    def start(self, method: Any, request: Request, *, timeout: float | None = None) -> grpc.Future[Any]:
-        """Send ``request`` without waiting; :meth:`finish` gets the reply."""
-        future: grpc.Future[Any] = method.future(request, timeout=timeout or self.conn.timeout, metadata=self.metadata)
-        return future
+    def call(self, service: str, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        """The reply to ``service.method(request)``, retried while the policy allows."""
+        return self.transport.invoke(self._call(service, method, request, timeout))
 
-    def finish(
-        self, future: grpc.Future[Response], method: Any, request: Request, *, timeout: float | None = None
-    ) -> Response:
-        """The reply of a :meth:`start`; a retryable failure is sent again with :meth:`call`."""
-        try:
-            return future.result()
-        except grpc.RpcError as error:
-            if not retryable(error) or self.conn.retries < 1:
-                raise from_rpc_error(error) from error
-        reply: Response = self.call(method, request, timeout=timeout)
-        return reply
+    def start(self, method: str, request: Any, *, timeout: float | None = None) -> Pending:
+        """Send a QueueService ``request`` without waiting; :meth:`finish` gets the reply."""
+        call = self._call(QUEUE, method, request, timeout)
+        return Pending(call, self.transport.start(call))
+
+    def finish(self, pending: Pending) -> Any:
+        """The reply of a :meth:`start`; a retryable failure is sent again."""
+        return self.transport.finish(pending.call, pending.future)
 
     # -- calls -------------------------------------------------------------------------
 
     def produce(self, items: Sequence[queue_pb2.ProduceItem]) -> queue_pb2.ProduceResponse:
-        request = queue_pb2.ProduceRequest(queue_name=self.queue_name, items=items)
-        return self.call(self.queue.Produce, request)
+        reply: queue_pb2.ProduceResponse = self.call(QUEUE, "Produce", self.produce_request(items))
+        return reply
 
     def produce_request(self, items: Sequence[queue_pb2.ProduceItem]) -> queue_pb2.ProduceRequest:
         return queue_pb2.ProduceRequest(queue_name=self.queue_name, items=items)
@@ -118,30 +102,31 @@ class Rpc:
             queue_name=self.queue_name,
             batch_size=batch_size,
             lease_key=key,
-            request_timeout=duration(wait),
+            request_timeout=to_duration(wait),
             columnar=True,
         )
 
     def complete_keys(self, keys: Sequence[str]) -> None:
         for i in range(0, len(keys), MAX_KEYS):
             request = queue_pb2.CompleteRequest(queue_name=self.queue_name, lease_keys=keys[i : i + MAX_KEYS])
-            self.call(self.queue.Complete, request)
+            self.call(QUEUE, "Complete", request)
 
     def extend_keys(self, keys: Sequence[str]) -> int:
         extended = 0
         for i in range(0, len(keys), MAX_KEYS):
             request = queue_pb2.ExtendRequest(queue_name=self.queue_name, lease_keys=keys[i : i + MAX_KEYS])
-            extended += self.call(self.queue.Extend, request).key_items_extended
+            extended += self.call(QUEUE, "Extend", request).key_items_extended
         return extended
 
     def queue_info(self) -> queues_pb2.QueueInfo:
         request = queues_pb2.GetQueueRequest(queue_name=self.queue_name)
-        return self.call(self.queues.GetQueue, request).queue
+        info: queues_pb2.QueueInfo = self.call(QUEUES, "GetQueue", request).queue
+        return info
 
     def ready_items(self) -> int:
         """Items ready now (stored minus leased; scheduled ones are not counted)."""
         request = queues_pb2.GetQueueStatsRequest(queue_name=self.queue_name)
-        stats = self.call(self.queues.GetQueueStats, request)
+        stats = self.call(QUEUES, "GetQueueStats", request)
         return sum(max(0, p.total - p.total_leased) for p in stats.partitions)
 
     def list_page(
@@ -151,17 +136,17 @@ class Rpc:
             sched = storage_pb2.ListScheduledItemsRequest(
                 queue_name=self.queue_name, partition=partition, page_size=page_size, page_token=token
             )
-            reply = self.call(self.storage.ListScheduledItems, sched)
+            reply = self.call(STORAGE, "ListScheduledItems", sched)
             return reply.items, reply.next_page_token
         request = storage_pb2.ListItemsRequest(
             queue_name=self.queue_name, partition=partition, page_size=page_size, page_token=token
         )
-        page = self.call(self.storage.ListItems, request)
+        page = self.call(STORAGE, "ListItems", request)
         return page.items, page.next_page_token
 
     def delete_items(self, partition: int, ids: Sequence[str]) -> None:
         request = storage_pb2.DeleteItemsRequest(queue_name=self.queue_name, partition=partition, ids=ids)
-        self.call(self.storage.DeleteItems, request)
+        self.call(STORAGE, "DeleteItems", request)
 
 
 _cache: dict[Connection, Rpc] = {}

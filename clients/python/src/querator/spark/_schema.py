@@ -61,31 +61,9 @@ def micros(ts: timestamp_pb2.Timestamp) -> int | None:
     return seconds * 1_000_000 + nanos // 1000
 
 
-def leased_batch(partition: int, items: Sequence[queue_pb2.LeaseItem]) -> Any:
-    """One record batch of leased items (all from queue ``partition``)."""
-    n = len(items)
-    none: list[None] = [None] * n
-    columns: list[list[Any]] = [
-        [i.id for i in items],
-        [partition] * n,
-        [i.payload for i in items],
-        [i.kind for i in items],
-        [i.reference for i in items],
-        [i.encoding for i in items],
-        [i.attempts for i in items],
-        [micros(i.created_at) for i in items],
-        [micros(i.lease_deadline) for i in items],
-        [True] * n,
-        none,
-        none,
-        [i.source_id or None for i in items],
-        [i.message_id or i.id for i in items],
-    ]
-    return _batch(columns)
-
-
 def leased_columns(partition: int, columns: queue_pb2.LeaseColumns) -> Any:
-    """``leased_batch`` of a columnar Lease reply (``LeaseRequest.columnar``)."""
+    """One record batch of leased items (all from queue ``partition``), from a columnar
+    Lease reply (``LeaseRequest.columnar``)."""
     n = len(columns.ids)
     none: list[None] = [None] * n
     blank = [""] * n

@@ -24,7 +24,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import pyarrow as pa  # type: ignore[import-untyped,unused-ignore]
 import pyarrow.compute as pc  # type: ignore[import-untyped,unused-ignore]
 from google.protobuf import timestamp_pb2
@@ -46,7 +45,7 @@ from pyspark.sql.types import (
 from .._config import BATCH_BYTES
 from ..v1 import queue_pb2
 from ._options import OptionError, WriteOptions
-from ._rpc import Rpc, connect
+from ._rpc import Pending, Rpc, connect
 
 log = logging.getLogger("querator.spark")
 
@@ -157,29 +156,28 @@ class _Sender:
     def __init__(self, rpc: Rpc, in_flight: int) -> None:
         self.rpc = rpc
         self.in_flight = in_flight
-        self.pending: deque[tuple[grpc.Future[queue_pb2.ProduceResponse], queue_pb2.ProduceRequest]] = deque()
+        self.pending: deque[Pending] = deque()
         self.rows = 0
         self.duplicates = 0
 
     def send(self, items: list[queue_pb2.ProduceItem]) -> None:
         while len(self.pending) >= self.in_flight:
             self._settle_oldest()
-        request = self.rpc.produce_request(items)
-        self.pending.append((self.rpc.start(self.rpc.queue.Produce, request), request))
+        self.pending.append(self.rpc.start("Produce", self.rpc.produce_request(items)))
 
     def flush(self) -> None:
         while self.pending:
             self._settle_oldest()
 
     def cancel(self) -> None:
-        for future, _ in self.pending:
-            future.cancel()
+        for pending in self.pending:
+            pending.cancel()
         self.pending.clear()
 
     def _settle_oldest(self) -> None:
-        future, request = self.pending.popleft()
-        response = self.rpc.finish(future, self.rpc.queue.Produce, request)
-        self.rows += len(request.items)
+        pending = self.pending.popleft()
+        response: queue_pb2.ProduceResponse = self.rpc.finish(pending)
+        self.rows += len(pending.call.request.items)  # type: ignore[attr-defined]
         self.duplicates += response.duplicates
 
 
