@@ -74,9 +74,6 @@ __all__ = [
     "from_rpc_error",
 ]
 
-_DETAILS_KEY = "grpc-status-details-bin"
-
-
 @dataclass(frozen=True, slots=True)
 class FieldViolation:
     """One bad field of a request, as the server's ``google.rpc.BadRequest`` names it."""
@@ -243,28 +240,36 @@ _BY_CODE: dict[grpc.StatusCode, type[QueratorError]] = {
 }
 
 
-def _field_violations(trailing: object) -> list[FieldViolation]:
-    """Decode google.rpc.BadRequest field violations from the status-details trailer."""
-    import google.rpc.error_details_pb2 as error_details_pb2
-    import google.rpc.status_pb2 as status_pb2
+class _Ended:
+    """A finished call's status, in the shape ``grpc_status.rpc_status.from_call`` reads."""
 
+    def __init__(self, code: grpc.StatusCode, message: str, trailing: object) -> None:
+        self._code, self._message, self._trailing = code, message, trailing
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._message
+
+    def trailing_metadata(self) -> object:
+        return self._trailing
+
+
+def _field_violations(code: grpc.StatusCode, message: str, trailing: object) -> list[FieldViolation]:
+    """The google.rpc.BadRequest field violations of the call's rich status, if any."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    try:
+        status = rpc_status.from_call(_Ended(code, message, trailing or ()))  # type: ignore[arg-type]
+    except Exception:  # a garbled or mismatched trailer must not hide the real error
+        return []
     out: list[FieldViolation] = []
-    for entry in trailing or ():  # type: ignore[attr-defined]
-        try:
-            key, value = entry
-        except (TypeError, ValueError):
-            continue
-        if key != _DETAILS_KEY or not isinstance(value, bytes):
-            continue
-        try:
-            status = status_pb2.Status.FromString(value)
-        except Exception:  # a garbled trailer must not hide the real error
-            continue
-        for detail in status.details:
-            if detail.TypeName() == error_details_pb2.BadRequest.DESCRIPTOR.full_name:
-                bad = error_details_pb2.BadRequest()
-                detail.Unpack(bad)
-                out.extend(FieldViolation(v.field, v.description) for v in bad.field_violations)
+    for detail in status.details if status is not None else ():
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad):
+            out.extend(FieldViolation(v.field, v.description) for v in bad.field_violations)
     return out
 
 
@@ -292,7 +297,7 @@ def from_status(
     elif cls is Overloaded and _is_size_message(message):
         cls = MessageTooLarge
     if cls is InvalidRequest:
-        return InvalidRequest(message, code=code, field_violations=_field_violations(trailing))
+        return InvalidRequest(message, code=code, field_violations=_field_violations(code, message, trailing))
     return cls(message, code=code)
 
 
