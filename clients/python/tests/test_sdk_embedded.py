@@ -63,3 +63,40 @@ def test_missing_server_package_is_a_clear_import_error(monkeypatch: pytest.Monk
     monkeypatch.setitem(sys.modules, "querator_server", None)  # as if not installed
     with pytest.raises(ImportError, match="pip install querator-server"):
         EmbeddedServer().start()
+
+
+_HOST_APP = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="HOST %(name)s %(levelname)s %(message)s")
+from querator.embedded import EmbeddedServer
+with EmbeddedServer() as srv, srv.client() as c:
+    c.create_queue("q")
+    try:
+        c.create_queue("q")
+    except Exception:
+        pass
+    print("app output")
+"""
+
+
+def test_embedded_server_logs_through_the_hosts_logging_and_never_to_stdout() -> None:
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-c", _HOST_APP], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "app output\n"  # the application's own output only
+    lines = result.stderr.splitlines()
+    # Formatted by the host's handler, under the server's logger names.
+    assert any(line.startswith("HOST querator.server INFO server_started address=127.0.0.1:") for line in lines)
+    assert any(line.startswith("HOST querator.server.rpc INFO rpc_error") and "ALREADY_EXISTS" in line for line in lines)
+
+
+def test_embedded_server_log_records_carry_the_event(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="querator.server"):
+        with EmbeddedServer() as srv, srv.client() as c:
+            c.create_queue("logged")
+    created = [r for r in caplog.records if getattr(r, "querator_event", {}).get("event") == "queue_created"]
+    assert created and created[0].name == "querator.server.manager"
+    assert created[0].querator_event["queue"] == "logged"  # type: ignore[attr-defined]

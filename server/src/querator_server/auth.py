@@ -23,9 +23,9 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import structlog
 
 from .errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from .logging import get_logger
 
 
 class Role(enum.IntEnum):
@@ -49,7 +49,7 @@ _GRANTS: dict[Role, frozenset[Action]] = {
     Role.ADMIN: frozenset({Action.PRODUCE, Action.CONSUME, Action.READ, Action.LIST, Action.ADMIN, Action.KEYS}),
 }
 
-log = structlog.get_logger("querator.auth")
+log = get_logger("auth")
 
 # A bootstrap token must hold at least 256 bits, like a key's secret
 # (secrets.token_urlsafe(32): 43 characters). The server cannot measure randomness, so

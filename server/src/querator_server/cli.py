@@ -133,7 +133,7 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
     if config.auth and config.admin_token and (weak := check_bootstrap_token(config.admin_token)):
         print(f"querator: {weak}", file=sys.stderr)
         return 2
-    qlogging.configure(config.log_level)
+    qlogging.configure(config.log_level, json=getattr(args, "log_json", None), process=True)
     try:
         asyncio.run(serve(config))
     except OSError as exc:

@@ -1,9 +1,19 @@
-"""structlog set-up: coloured lines on a terminal, JSON lines otherwise.
+"""Server logs: structured events through the standard library's ``logging``.
 
-Whatever else logs in the process is made to follow: the standard library's logging
-(asyncio's "Task exception was never retrieved", grpc's Python side) and warnings go
-through the same renderer, and gRPC's C core, which writes plain text to the stderr
-file descriptor, is kept to errors and fatal errors (``quiet_grpc_core``).
+Every module logs through :func:`get_logger`: a structlog logger with the server's own
+processors (not structlog's global configuration, which belongs to the application
+when the server runs inside one), writing to the stdlib logger ``querator.server`` or
+a child of it. A record's message is ``event key=value ...`` (readable under any
+handler) and the event itself rides along as ``record.querator_event``.
+
+So the host's logging configuration decides what happens to the server's logs: an
+embedded server writes nothing of its own, to stdout or anywhere else.
+``querator serve`` owns its process (:func:`configure` with ``process=True``): one
+handler on the root logger renders every record, the server's events, the standard
+library's (asyncio's "Task exception was never retrieved", grpc's Python side) and
+warnings, as a JSON line (coloured text on a terminal) on stderr; and gRPC's C core,
+which writes plain text to the stderr file descriptor, is kept to errors and fatal
+errors (:func:`quiet_grpc_core`).
 """
 
 from __future__ import annotations
@@ -11,8 +21,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import MutableMapping
+from datetime import UTC, datetime
+from typing import Any
 
 import structlog
+
+ROOT = "querator.server"
+EVENT_ATTR = "querator_event"
 
 # gRPC's C core logs at INFO and above by default (a failed TLS handshake writes a line
 # per connection attempt) in its own plain-text format, which breaks JSON-lines logs.
@@ -31,35 +47,72 @@ def grpc_core_loaded_loud() -> bool:
     return "grpc" in sys.modules and any(name not in os.environ for name in GRPC_CORE_ENV)
 
 
-def configure(level: str = "info", *, json: bool | None = None) -> None:
+def _to_stdlib(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The last processor: the stdlib call's arguments (message, ``extra``, ``exc_info``)."""
+    exc_info = event_dict.pop("exc_info", None)
+    fields = " ".join(f"{key}={value}" for key, value in event_dict.items() if key not in ("event", "level"))
+    message = f"{event_dict.get('event', '')} {fields}".rstrip()
+    return (message,), {"extra": {EVENT_ATTR: dict(event_dict)}, "exc_info": exc_info}
+
+
+_PROCESSORS: list[Any] = [
+    structlog.stdlib.filter_by_level,
+    structlog.contextvars.merge_contextvars,
+    structlog.processors.add_log_level,
+    _to_stdlib,
+]
+
+
+def get_logger(name: str = "") -> Any:
+    """The logger of a server module: ``querator.server`` or ``querator.server.<name>``."""
+    target = logging.getLogger(f"{ROOT}.{name}" if name else ROOT)
+    return structlog.wrap_logger(target, processors=_PROCESSORS, wrapper_class=structlog.stdlib.BoundLogger)
+
+
+class EventFormatter(logging.Formatter):
+    """Renders a record as one line: a server event as it was logged, any other record
+    as its message with the logger's name; plus level, timestamp and exception."""
+
+    def __init__(self, *, json: bool) -> None:
+        super().__init__()
+        self._render: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=True)
+
+    def format(self, record: logging.LogRecord) -> str:
+        event = getattr(record, EVENT_ATTR, None)
+        if event is None:
+            event = {"event": record.getMessage(), "logger": record.name}
+        event = dict(event)
+        event.setdefault("level", record.levelname.lower())
+        event["timestamp"] = datetime.fromtimestamp(record.created, UTC).isoformat()
+        if record.exc_info:
+            event["exception"] = self.formatException(record.exc_info)
+        return str(self._render(None, record.levelname.lower(), event))
+
+
+def configure(level: str = "info", *, json: bool | None = None, process: bool = False) -> None:
+    """Write the server's events at ``level`` and above to stderr: JSON lines, or
+    coloured text on a terminal (``json`` decides when given).
+
+    ``process``: the server owns the process (``querator serve``): every stdlib record
+    and warning goes the same way (the handler is the root logger's). Otherwise only
+    ``querator.server`` gets the handler (an embedded server with a ``log_level``).
+    Replaces an earlier call's handler.
+    """
     if json is None:
         json = not sys.stderr.isatty()
-    renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=True)
-    )
-    shared: list[structlog.typing.Processor] = [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
-    ]
-    structlog.configure(
-        processors=[*shared, structlog.processors.format_exc_info, renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
-            processors=[
-                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                structlog.processors.format_exc_info,
-                renderer,
-            ],
-        )
-    )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.getLevelNamesMapping()[level.upper()])
-    logging.captureWarnings(True)
+    handler.setFormatter(EventFormatter(json=json))
+    handler.querator_handler = True  # type: ignore[attr-defined]
+    server = logging.getLogger(ROOT)
+    for old in [h for h in server.handlers if getattr(h, "querator_handler", False)]:
+        server.removeHandler(old)
+    server.setLevel(logging.getLevelNamesMapping()[level.upper()])
+    if process:
+        root = logging.getLogger()
+        root.handlers[:] = [handler]
+        root.setLevel(server.level)
+        server.propagate = True
+        logging.captureWarnings(True)
+    else:
+        server.addHandler(handler)
+        server.propagate = False

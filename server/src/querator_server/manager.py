@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-import structlog
 
 from .actor import LogicalQueue
 from .actor.lane import StorageLane
@@ -33,8 +32,9 @@ from .model import QueueConfig
 from .storage import Catalog, QueueStore, StorageError
 from .storage.groups import copy_out
 from .storage.queue_store import DEFAULT_MAP_SIZE
+from .logging import get_logger
 
-log = structlog.get_logger("querator.manager")
+log = get_logger("manager")
 
 # How long start-up waits for dead letters left by a crash to reach their queues.
 _RESUME_TIMEOUT_S = 30.0

@@ -36,20 +36,20 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
-import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .errors import NotFound
 from .storage.record import TAG_ITEM, item_key, read_state
+from .logging import get_logger
 
 if TYPE_CHECKING:
     from .actor import LogicalQueue
     from .actor.cycle import Cycle
     from .manager import QueuesManager
 
-log = structlog.get_logger("querator.metrics")
+log = get_logger("metrics")
 
 # Only calls of our own API are measured (not health checks or reflection).
 _API_PREFIX = "/querator.v1."

@@ -25,11 +25,12 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from importlib import resources
 from typing import Any
 
-import structlog
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-log = structlog.get_logger("querator.reflection")
+from .logging import get_logger
+
+log = get_logger("reflection")
 
 DESCRIPTOR_SET_PACKAGE = "querator.v1"
 DESCRIPTOR_SET_NAME = "querator_v1.binpb"

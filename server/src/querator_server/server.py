@@ -10,7 +10,6 @@ import signal
 from typing import Any
 
 import grpc
-import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
@@ -26,10 +25,11 @@ from .grpc_api.keys_service import KeysService
 from .grpc_api.queue_service import SERVICE as QUEUE_SERVICE
 from .grpc_api.queues_service import SERVICE as QUEUES_SERVICE
 from .grpc_api.storage_service import SERVICE as STORAGE_SERVICE
+from .logging import get_logger
 from .manager import QueuesManager
 from .reflection import ReflectionServicer
 
-log = structlog.get_logger("querator.server")
+log = get_logger()
 
 SERVICES = (QUEUE_SERVICE, QUEUES_SERVICE, STORAGE_SERVICE, KEYS_SERVICE, CLUSTER_SERVICE)
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}

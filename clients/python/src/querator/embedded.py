@@ -67,8 +67,9 @@ class EmbeddedServer:
 
     ``address`` defaults to ``127.0.0.1:0`` (a free port; read :attr:`address` after
     start). ``sync=False`` skips fsync (faster; for throw-away data such as tests).
-    ``log_level`` configures the server's structured logs (to stderr); None leaves
-    logging as the application set it up. ``tls`` serves TLS (``mutual_tls``: client
+    ``log_level`` writes the server's structured logs to stderr at that level; None
+    (the default) leaves them to the application's logging configuration: they go
+    through stdlib ``logging`` to the logger ``querator.server``, never to stdout. ``tls`` serves TLS (``mutual_tls``: client
     certificates signed by ``tls.ca`` required); ``admin_token`` turns API keys on with
     that bootstrap admin token. Other ``settings`` go to ``ServerConfig``.
     """

@@ -34,10 +34,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import lmdb
-import structlog
 
 from ..errors import Internal, NoHealthyPartition, QueratorError, Unavailable
 from ..faults import InjectedFault, InjectedPartitionFault
+from ..logging import get_logger
 from ..model import QueueConfig
 from ..storage import Item, PartitionScan, QueueStore
 from ..storage.keyed import KeyedIndex
@@ -45,7 +45,7 @@ from ..storage.record import DEAD_EXPIRED, DEAD_MAX_ATTEMPTS, ItemState
 from .requests import LeaseRequest, Request
 from .view import PartitionView
 
-log = structlog.get_logger("querator.queue")
+log = get_logger("queue")
 
 
 class StepFailed(Exception):

@@ -19,7 +19,6 @@ from functools import partial
 from typing import Any, TypeVar
 
 import lmdb
-import structlog
 
 from ..clock import now_us
 from ..errors import (
@@ -75,10 +74,11 @@ from .requests import (
     RetryRequest,
 )
 from .view import PartitionView
+from ..logging import get_logger
 
 T = TypeVar("T")
 
-log = structlog.get_logger("querator.queue")
+log = get_logger("queue")
 
 DEFAULT_MAX_INBOX = 10_000
 # How long to wait before handing the dead-letter outbox over again after a failure.

@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import grpc
-import structlog
 from google.protobuf.message import DecodeError, Message
 
 from ..auth import Action
@@ -25,8 +24,9 @@ from ..storage import StorageError
 from .authz import Guard
 from .send_room import SendRoom, StreamRoom, current_stream
 from .status import invalid_argument_status, status_code, stream_error, to_status
+from ..logging import get_logger
 
-log = structlog.get_logger("querator.rpc")
+log = get_logger("rpc")
 
 Behavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Message]]
 StreamBehavior = Callable[[AsyncIterator[Any], grpc.aio.ServicerContext[Any, Any]], AsyncIterator["StreamAnswer"]]
