@@ -69,6 +69,19 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+# Submodules reachable as attributes without an import of their own, loaded on first
+# use: querator.testing and querator.embedded need the server package only when used.
+_LAZY_SUBMODULES = frozenset({"cli", "embedded", "testing", "tracing"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "AnyLeasedItem",
     "ApiKey",

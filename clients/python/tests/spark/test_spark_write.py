@@ -264,3 +264,12 @@ def test_a_replayed_streaming_batch_stores_nothing_twice(
     run()
     assert (checkpoint / "commits" / "2").exists()  # batch 2 ran again
     assert Counter(stubs.payloads(queue)) == expected
+
+
+def test_a_write_to_a_missing_queue_fails_on_the_driver_before_any_task(spark: Any, srv: EmbeddedServer) -> None:
+    df = numbers(spark, 100, 2)
+    with pytest.raises(Exception) as failed:
+        write(df, srv, "no-such-queue")
+    text = str(failed.value)
+    assert "QueueNotFound" in text and "no-such-queue" in text
+    assert "in stage" not in text and "Task" not in text  # no task ran: the driver refused the job

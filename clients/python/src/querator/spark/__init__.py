@@ -17,6 +17,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+try:
+    import pyarrow  # noqa: F401
+    import pyspark  # noqa: F401
+except ModuleNotFoundError as exc:  # only the extra's own packages get the hint
+    if exc.name not in ("pyarrow", "pyspark"):
+        raise
+    raise ImportError(
+        f"querator.spark needs {exc.name}, which is not installed: pip install 'querator-client[spark]'"
+    ) from exc
+
 from ._options import OptionError
 from ._schema import READ_SCHEMA
 from ._source import QueratorDataSource

@@ -41,7 +41,7 @@ from pyspark.sql.streaming.datasource import (
 
 from ..v1 import queue_pb2
 from ._options import ReadOptions
-from ._rpc import Pending, Rpc, connect
+from ._rpc import Pending, Rpc, connect, require_queue
 from ._schema import leased_columns, stored_batch
 
 log = logging.getLogger("querator.spark")
@@ -206,6 +206,7 @@ class QueratorStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """``spark.readStream.format("querator")``: micro-batches of items leased by key."""
 
     def __init__(self, options: ReadOptions) -> None:
+        require_queue(options.connection)
         self.options = options
         self._rpc: Rpc | None = None
         self._initial: dict[str, Any] | None = None

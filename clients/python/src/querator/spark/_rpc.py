@@ -149,6 +149,12 @@ class Rpc:
         self.call(STORAGE, "DeleteItems", request)
 
 
+def require_queue(conn: Connection) -> None:
+    """Fail here, on the driver, when the queue does not exist (QueueNotFound), rather
+    than in every task of the job."""
+    connect(conn).queue_info()
+
+
 _cache: dict[Connection, Rpc] = {}
 _cache_lock = threading.Lock()
 

@@ -45,7 +45,7 @@ from pyspark.sql.types import (
 from .._config import BATCH_BYTES
 from ..v1 import queue_pb2
 from ._options import OptionError, WriteOptions
-from ._rpc import Pending, Rpc, connect
+from ._rpc import Pending, Rpc, connect, require_queue
 
 log = logging.getLogger("querator.spark")
 
@@ -211,6 +211,7 @@ class QueratorWriter(DataSourceArrowWriter):
     """``df.write.format("querator")``: one job, keys ``spark-<job>:<partition>:<row>``."""
 
     def __init__(self, options: WriteOptions, schema: StructType) -> None:
+        require_queue(options.connection)
         check_input(schema, options.key_column)
         self.options = options
         self.key_column = key_column_of(schema, options)
@@ -291,6 +292,7 @@ class QueratorStreamWriter(DataSourceStreamArrowWriter):
     """
 
     def __init__(self, options: WriteOptions, schema: StructType) -> None:
+        require_queue(options.connection)
         check_input(schema, options.key_column)
         self.options = options
         self.key_column = key_column_of(schema, options)
