@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 try:
-    import pyarrow  # noqa: F401
+    import pyarrow  # type: ignore[import-untyped,unused-ignore]  # noqa: F401
     import pyspark  # noqa: F401
 except ModuleNotFoundError as exc:  # only the extra's own packages get the hint
     if exc.name not in ("pyarrow", "pyspark"):
