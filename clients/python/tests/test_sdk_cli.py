@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -239,3 +240,115 @@ def test_dlq_redrive_moves_dead_letters_back(capsys: pytest.CaptureFixture[str],
     with pytest.raises(SystemExit) as exited:
         cli(capsys, srv, "dlq", "redrive", dlq, "--reason", "bogus")
     assert exited.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_ids_and_payloads_after_options(capsys: pytest.CaptureFixture[str], srv: EmbeddedServer, client: querator.Client) -> None:
+    name = unique()
+    client.create_queue(name, partitions=1)
+    code, out, err = cli(capsys, srv, "produce", name, "--kind", "K", "a", "b", "--json")
+    assert code == 0, err
+    assert [(i.text, i.kind) for i in client.lease(name, batch_size=2, wait=0)] == [("a", "K"), ("b", "K")]
+
+    ids = [i.id for i in client.list_items(name)]
+    code, out, err = cli(capsys, srv, "retry", name, "-p", "0", *ids)  # -p before the ids
+    assert (code, out) == (0, "retried 2 items\n"), err
+    keyed = client.lease(name, batch_size=2, wait=0, lease_key="K1")
+    code, out, err = cli(capsys, srv, "complete", name, "--lease-key", "K1", keyed[0].id)  # a key, then an id
+    assert code == 0, err
+    assert client.queue_stats(name).total == 0  # the key completed both; the id was one of them
+    client.produce(name, ["c"])
+    [stored] = list(client.list_items(name))
+    code, out, err = cli(capsys, srv, "items", "delete", name, "-p", "0", stored.id)
+    assert (code, out) == (0, "deleted 1 items\n"), err
+    assert client.queue_stats(name).total == 0
+
+
+def test_unknown_options_get_the_commands_own_usage(srv: EmbeddedServer) -> None:
+    bad = querator_cmd(srv.address, "queues", "create", "x", "--bogus", "1")
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("usage: querator queues create ")
+    assert "querator queues create: error: unrecognized arguments: --bogus" in bad.stderr
+    extra = querator_cmd(srv.address, "queues", "get", "x", "y")  # no list to take a second word
+    assert extra.returncode == 2 and extra.stderr.startswith("usage: querator queues get ")
+
+
+def test_version() -> None:
+    result = subprocess.run([sys.executable, "-m", "querator.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert result.stdout == f"querator (querator-client {querator.__version__}, querator-server 0.1.0)\n"
+
+
+def test_retry_says_when_the_server_dead_lettered(capsys: pytest.CaptureFixture[str], srv: EmbeddedServer, client: querator.Client) -> None:
+    name, dlq = unique(), unique("dlq")
+    client.create_queue(dlq)
+    client.create_queue(name, max_attempts=1, dead_queue=dlq)
+    client.produce(name, ["x", "y"])
+    ids = [i.id for i in client.lease(name, batch_size=2, wait=0)]
+    code, out, err = cli(capsys, srv, "retry", name, *ids)
+    assert (code, out) == (0, "dead-lettered 2 items (out of attempts)\n"), err
+    deadline = time.monotonic() + 30  # the dead-letter queue takes them after the commit
+    while client.queue_stats(dlq).total < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.queue_stats(dlq).total == 2
+    client.produce(name, ["z"])
+    [item] = client.lease(name, wait=0)
+    code, out, _ = cli(capsys, srv, "retry", name, item.id, "--json")
+    assert json.loads(out) == {"retried": 0, "dead_lettered": 1}
+
+
+def test_deleting_a_queue_with_items_names_the_flag(srv: EmbeddedServer, client: querator.Client) -> None:
+    name = unique()
+    client.create_queue(name)
+    client.produce(name, ["x"])
+    result = querator_cmd(srv.address, "queues", "delete", name)
+    assert result.returncode == 1
+    assert result.stderr == f"querator: FAILED_PRECONDITION: queue {name!r} still holds items; add --force to delete it\n"
+    assert querator_cmd(srv.address, "queues", "delete", name, "--force").returncode == 0
+
+
+def test_items_list_shows_progress_on_stderr(srv: EmbeddedServer, client: querator.Client) -> None:
+    name = unique()
+    client.create_queue(name)
+    client.produce(name, [b"p"] * 12_000)
+    listed = querator_cmd(srv.address, "items", "list", name, "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert len(listed.stdout.splitlines()) == 12_000
+    assert listed.stderr == "listed 10000 items\nlisted 12000 items\n"
+
+
+def test_serve_on_a_client_only_install_says_what_to_install() -> None:
+    code = "import sys; sys.modules['querator_server'] = None\nfrom querator.cli import main\nsys.exit(main(sys.argv[1:]))"
+    for argv in (["serve", "--address", "127.0.0.1:0"], ["--json", "serve", "--data-dir", "d"], ["serve", "--help"]):
+        result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, argv
+        assert result.stderr == (
+            "querator: 'serve' runs the server, which is not installed here: pip install querator-server\n"
+        )
+
+
+def test_serve_after_top_level_options(tmp_path: Path) -> None:
+    """``querator --json serve ...`` runs the server, logging JSON lines; ``--address``
+    before ``serve`` is where it listens."""
+    import signal
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "stderr.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUERATOR_")}
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "querator.cli", "--json", "--address", f"127.0.0.1:{port}", "serve", "--data-dir", "d"],
+            cwd=tmp_path, env=env, stderr=err,
+        )  # fmt: skip
+        try:
+            with querator.Client(f"127.0.0.1:{port}") as c:
+                c.wait_ready(60)
+                c.create_queue("served")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert "server_started" in [e["event"] for e in events]
+    assert (tmp_path / "d").is_dir()
