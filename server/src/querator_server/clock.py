@@ -13,7 +13,3 @@ MICROS = 1_000_000
 
 def now_us() -> int:
     return time.time_ns() // 1000
-
-
-def seconds_to_us(seconds: float) -> int:
-    return int(seconds * MICROS)

@@ -17,7 +17,6 @@ from ._models import (
     DeadReason,
     ExtendResult,
     Item,
-    ItemRef,
     PartitionStats,
     Payload,
     QueueInfo,
@@ -511,10 +510,6 @@ def storage_item(item: StoredItem | Item | Payload) -> storage_pb2.StorageItem:
 def chunks(values: list[Any], size: int = MAX_BATCH) -> Iterator[list[Any]]:
     for start in range(0, len(values), size):
         yield values[start : start + size]
-
-
-def as_ref(queue_name: str, partition: int, ids: Iterable[str]) -> list[ItemRef]:
-    return [ItemRef(queue_name, partition, i) for i in ids]
 
 
 def extend_result(deadlines: list[datetime], key_items: int) -> ExtendResult:

@@ -734,10 +734,6 @@ class QueueStore:
     def delete_scheduled(self, txn: lmdb.Transaction[bytes], p: int, due: int, seq: int, item: Item) -> None:
         self._forget(txn, p, scheduled_key(due, seq), item)
 
-    def get_by_key(self, txn: lmdb.Transaction[bytes], p: int, key: bytes) -> Item | None:
-        raw = txn.get(key, db=self._dbs[p])
-        return None if raw is None else Item.decode(raw)
-
     # -- the dead-letter outbox --------------------------------------------------
 
     def put_outbox(self, txn: lmdb.Transaction[bytes], p: int, seq: int, item: Item) -> None:
@@ -797,10 +793,6 @@ class QueueStore:
             d, s = parse_scheduled_key(key)
             out.append((d, s, Item.decode(raw)))
         return out
-
-    def due_scheduled(self, txn: lmdb.Transaction[bytes], p: int, now: int, limit: int) -> list[tuple[int, int, Item]]:
-        """Scheduled items due at or before ``now``, in (due, seq) order."""
-        return [entry for entry in self.page_scheduled(txn, p, (0, -1), limit) if entry[0] <= now]
 
     def first_due(self, txn: lmdb.Transaction[bytes], p: int) -> int:
         cursor = txn.cursor(db=self._dbs[p])
