@@ -1,0 +1,71 @@
+"""The SDK's module graph: no import runs in a circle, TYPE_CHECKING imports included."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import querator
+
+PACKAGE = Path(querator.__file__).parent
+
+
+def _imports() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[1:2] == ("v1",):
+            continue  # generated code
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = module.split(".") if parts[-1] == "__init__" else module.split(".")[:-1]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[: len(package) - (node.level - 1)]
+                if node.module:
+                    deps.add(".".join([*base, node.module]))
+                else:
+                    deps.update(".".join([*base, alias.name]) for alias in node.names)
+        graph[module] = {d for d in deps if not d.startswith("querator.v1")}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if dep not in graph:
+                continue
+            if state.get(dep) == 1:
+                return path[path.index(dep) :] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_sdk_has_no_import_cycle() -> None:
+    graph = _imports()
+    assert "querator._items" in graph and "querator.cli._app" in graph  # the walk saw the modules
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_a_cycle_would_be_found() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_producers_reach_their_client_only_through_its_transport() -> None:
+    text = (PACKAGE / "_producer.py").read_text()
+    private = set(re.findall(r"client\._(\w+)", text))
+    assert private == {"transport"}
