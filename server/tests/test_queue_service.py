@@ -819,6 +819,26 @@ def test_retry_now_moves_the_item_to_the_tail_with_a_new_id(stubs: Stubs) -> Non
     assert stubs.stats("q").partitions[0].total == 0
 
 
+def test_retry_answers_the_ids_it_dead_lettered(stubs: Stubs) -> None:
+    stubs.create("q", max_attempts=2)
+    stubs.produce("q", [b"a", b"b", b"c"])
+    first = lease_now(stubs, "q", batch_size=3).items
+    reply = stubs.queue.Retry(retry_req("q", 0, [i.id for i in first]), timeout=5)
+    assert list(reply.dead_ids) == []  # attempts 1 of 2: all back in the queue
+    second = lease_now(stubs, "q", batch_size=3).items
+    assert [i.attempts for i in second] == [2, 2, 2]
+    request = queue_pb2.RetryRequest(
+        queue_name="q",
+        partition=0,
+        items=[queue_pb2.RetryItem(id=second[0].id), queue_pb2.RetryItem(id=second[1].id, dead=True)],
+    )
+    reply = stubs.queue.Retry(request, timeout=5)
+    # Out of attempts, and sent dead: both dead-lettered (deleted: no DLQ), in the order sent.
+    assert list(reply.dead_ids) == [second[0].id, second[1].id]
+    stubs.complete("q", 0, [second[2].id])
+    assert stubs.stats("q").partitions[0].total == 0
+
+
 def test_retry_at_in_the_past_is_immediate(stubs: Stubs) -> None:
     stubs.create("q")
     stubs.produce("q", [b"a"])

@@ -299,3 +299,15 @@ def test_config_is_shared_between_twins(srv: EmbeddedServer) -> None:
     a = querator.AsyncClient(config=c.config)
     assert a.config is c.config and a.config.timeout == timedelta(seconds=3)
     c.close()
+
+
+def test_retry_returns_and_marks_the_items_the_server_dead_lettered(client: querator.Client) -> None:
+    name = unique()
+    client.create_queue(name, max_attempts=2)
+    client.produce(name, ["a", "b"])
+    first = client.lease(name, batch_size=2, wait=0)
+    assert client.retry(first) == []
+    assert [i.state for i in first] == ["retried", "retried"]
+    second = client.lease(name, batch_size=2, wait=0)
+    assert client.retry(second) == [i.id for i in second]  # out of attempts
+    assert [i.state for i in second] == ["dead", "dead"]
