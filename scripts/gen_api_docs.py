@@ -2,7 +2,7 @@
 """Write docs/api.md, the API reference, from the comments in proto/querator/v1.
 
 It reads the descriptor set that scripts/gen_proto.sh writes with source info
-(clients/python/src/querator/v1/querator_v1.binpb), so the comments in the .proto
+(clients/proto/src/querator/v1/querator_v1.binpb), so the comments in the .proto
 files are the single source. `./dev gen` runs it after the code generator;
 server/tests/test_api_docs.py fails when the committed docs/api.md differs.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from google.protobuf import descriptor_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
-DESCRIPTORS = ROOT / "clients/python/src/querator/v1/querator_v1.binpb"
+DESCRIPTORS = ROOT / "clients/proto/src/querator/v1/querator_v1.binpb"
 OUTPUT = ROOT / "docs/api.md"
 PACKAGE = "querator.v1"
 FILE_ORDER = ("querator/v1/queue.proto", "querator/v1/queues.proto", "querator/v1/storage.proto")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates the Python code for proto/querator/v1 into the client package,
+# Regenerates the Python code for proto/querator/v1 into the querator-proto package,
 # plus querator_v1.binpb: a FileDescriptorSet of our files WITH source info
 # (the proto comments), which the server's reflection service hands out so
 # grpcurl describe shows the API reference. Imports (well-known types) are
@@ -11,7 +11,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 py="${PYTHON:-$root/.venv/bin/python}"
 bindir="$(dirname "$py")"
-out=clients/python/src
+out=clients/proto/src
 rm -f "$out"/querator/v1/*_pb2*.py "$out"/querator/v1/*_pb2*.pyi "$out"/querator/v1/*.binpb
 PATH="$bindir:$PATH" "$py" -m grpc_tools.protoc -Iproto \
   --python_out="$out" --mypy_out=quiet:"$out" \

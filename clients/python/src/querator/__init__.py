@@ -23,6 +23,13 @@ The generated gRPC stubs live in ``querator.v1`` (``queue_pb2``, ``queues_pb2``,
 ``storage_pb2``, ``keys_pb2`` and their ``_grpc`` twins).
 """
 
+# querator.v1 (the generated code) comes from the querator-proto distribution, which
+# may sit in another directory than this package (editable installs, or separate
+# sys.path entries): look for portions of ``querator`` along the whole path.
+import pkgutil
+
+__path__ = pkgutil.extend_path(__path__, __name__)
+
 from ._async_client import AsyncClient
 from ._client import Client
 from ._config import Backoff, ClientConfig
