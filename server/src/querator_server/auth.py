@@ -23,7 +23,6 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-
 from .errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 from .logging import get_logger
 
