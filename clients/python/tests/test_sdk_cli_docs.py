@@ -326,19 +326,18 @@ def test_every_shell_command_in_the_docs_runs_as_written(doc: Path, tmp_path: Pa
     ran = 0
     try:
         for block in [b for b in _shell_blocks() if b.path == doc]:
-            lines = logical_lines(block.text)
-            commands = [l for l in lines if _RUNS_QUERATOR.search(l) and not re.match(rf"{_ASSIGN}querator serve\b", l)]
-            serves = [l for l in lines if re.match(rf"{_ASSIGN}querator serve\b", l)]
-            for line in serves:
-                shell.serve(line.split(" #")[0])
-                ran += 1
-            if not commands:
-                continue
-            if not shell.servers:
-                shell.serve("querator serve")
             setup = next((fn for key, fn in SETUP.items() if block.text.startswith(key)), None)
-            for line in commands:
-                if setup is not None and not line.startswith("export"):
+            for line in logical_lines(block.text):
+                if re.match(rf"{_ASSIGN}querator serve\b", line):
+                    shell.serve(line.split(" #")[0])
+                    ran += 1
+                    continue
+                if not _RUNS_QUERATOR.search(line):
+                    continue  # docker, mv, ./dev setup: not ours to run here
+                exporting = line.startswith("export")
+                if not exporting and not shell.servers:
+                    shell.serve("querator serve")
+                if setup is not None and not exporting:
                     setup(shell)
                     setup = None
                 result = shell.run(line)
