@@ -350,3 +350,42 @@ def test_every_shell_command_in_the_docs_runs_as_written(doc: Path, tmp_path: Pa
     finally:
         shell.stop()
     assert ran > 0
+
+
+# -- commands named in the prose: each command and option must exist -----------------------------
+
+_INLINE = re.compile(r"`(?:[A-Z_]+=\S+\s+)*(?:\w+=\$\()?(querator\s[^`]*)`")
+
+
+def _leaf(parser: argparse.ArgumentParser, words: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The parser of the command ``words`` name, and the words after the command's name."""
+    while words:
+        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subparsers or words[0] not in subparsers[0].choices:
+            break
+        parser, words = subparsers[0].choices[words[0]], words[1:]
+    return parser, words
+
+
+def test_every_command_the_prose_names_exists_with_its_options() -> None:
+    from querator_server.cli import add_serve_arguments
+
+    checked = 0
+    for path in DOCS:
+        for match in _INLINE.finditer(path.read_text()):
+            words = match.group(1).rstrip(")").split()[1:]
+            top = build_parser()
+            if words[:1] == ["serve"]:
+                leaf, rest = argparse.ArgumentParser(), words[1:]
+                add_serve_arguments(leaf)
+            else:
+                leaf, rest = _leaf(top, [w for w in words if not w.startswith("--") or w not in top._option_string_actions])
+                if leaf is top:  # only top-level options, e.g. querator --version
+                    assert all(w in top._option_string_actions for w in words), f"{path.name}: {match.group(0)}"
+            for word in rest:
+                option = word.split("=")[0]
+                if option.startswith("-") and option not in ("-", "--"):
+                    known = leaf._option_string_actions.keys() | top._option_string_actions.keys()
+                    assert option in known, f"{path.name}: {match.group(0)}: no option {option}"
+            checked += 1
+    assert checked >= 10
