@@ -61,3 +61,21 @@ def test_durations_as_text_work_in_the_sdk_as_in_the_cli(client: querator.Client
         client.create_queue(unique(), lease_timeout="30 parsecs")
     with querator.Client(client.address, timeout="5s") as other:
         assert other.config.timeout == timedelta(seconds=5)
+
+
+def test_a_worker_takes_durations_as_text(client: querator.Client) -> None:
+    import time
+
+    name = unique()
+    client.create_queue(name)
+    client.produce(name, ["a", "b"])
+    done: list[str] = []
+    worker = querator.Worker(client, name, lambda item: done.append(item.text), lease_wait="200ms", shutdown_timeout="5s")
+    worker.start(timeout="10s")
+    try:
+        deadline = time.monotonic() + 30
+        while len(done) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        worker.stop(timeout="10s")
+    assert sorted(done) == ["a", "b"]
