@@ -21,6 +21,7 @@ context current where ``produce()`` was called (:mod:`querator.tracing`).
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import concurrent.futures
@@ -109,16 +110,15 @@ class _Settings:
         return bool(batch.items) and (len(batch.items) >= self.max_items or batch.size + cost > self.max_bytes)
 
 
-class Producer:
-    """Batching producer for :class:`~querator.Client`; ``produce()`` returns a Future of the id.
+C = TypeVar("C", "Client", "AsyncClient")
 
-    A background thread sends the batches. ``flush()`` waits for everything produced so
-    far; ``close()`` (or leaving the ``with`` block) flushes and stops the thread.
-    """
+
+class _Producing(abc.ABC, Generic[C]):
+    """The constructor both producers share; each sets up its own machinery in ``_setup``."""
 
     def __init__(
         self,
-        client: Client,
+        client: C,
         queue_name: str,
         *,
         max_items: int = MAX_BATCH,
@@ -133,22 +133,20 @@ class Producer:
         reference: str = "",
         enqueue_at: datetime | None = None,
     ) -> None:
-        self._transport = client._transport  # the client's I/O: its internal interface
         self._s = _Settings(
             queue_name, max_items, max_bytes, max_latency, max_in_flight, max_pending,
             encoding, kind, reference, enqueue_at, client.config.tracing,
         )  # fmt: skip
         self._retry = client.config.retry_produce if retry is None else retry
         self._timeout = client.config.call_timeout(timeout)
-        self._cond = threading.Condition()
-        self._batch: _Batch[concurrent.futures.Future[str]] = _Batch()
-        self._ready: collections.deque[_Batch[concurrent.futures.Future[str]]] = collections.deque()
         self._pending = 0
-        self._in_flight = 0
         self._duplicates = 0
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="querator-producer", daemon=True)
-        self._thread.start()
+        self._setup(client)
+
+    @abc.abstractmethod
+    def _setup(self, client: C) -> None:
+        """The producer's own state, and its client's transport."""
 
     @property
     def pending(self) -> int:
@@ -159,6 +157,23 @@ class Producer:
     def duplicates(self) -> int:
         """Items so far whose idempotency key had been seen before (they stored nothing)."""
         return self._duplicates
+
+
+class Producer(_Producing["Client"]):
+    """Batching producer for :class:`~querator.Client`; ``produce()`` returns a Future of the id.
+
+    A background thread sends the batches. ``flush()`` waits for everything produced so
+    far; ``close()`` (or leaving the ``with`` block) flushes and stops the thread.
+    """
+
+    def _setup(self, client: Client) -> None:
+        self._transport = client._transport  # the client's I/O: its internal interface
+        self._cond = threading.Condition()
+        self._batch: _Batch[concurrent.futures.Future[str]] = _Batch()
+        self._ready: collections.deque[_Batch[concurrent.futures.Future[str]]] = collections.deque()
+        self._in_flight = 0
+        self._thread = threading.Thread(target=self._run, name="querator-producer", daemon=True)
+        self._thread.start()
 
     def produce(
         self,
@@ -311,7 +326,7 @@ def _overloaded(limit: int) -> QueratorError:
     return Overloaded(f"{limit} items are already pending in the producer")
 
 
-class AsyncProducer:
+class AsyncProducer(_Producing["AsyncClient"]):
     """Batching producer for :class:`~querator.AsyncClient`.
 
     ``fut = await producer.produce(item)`` waits only for room (``max_pending``) and
@@ -319,47 +334,13 @@ class AsyncProducer:
     one event loop; ``async with`` flushes and stops it.
     """
 
-    def __init__(
-        self,
-        client: AsyncClient,
-        queue_name: str,
-        *,
-        max_items: int = MAX_BATCH,
-        max_bytes: int = BATCH_BYTES,
-        max_latency: Seconds = 0.01,
-        max_in_flight: int = 4,
-        max_pending: int = 100_000,
-        retry: bool | None = None,
-        timeout: Seconds | None = None,
-        encoding: str = "",
-        kind: str = "",
-        reference: str = "",
-        enqueue_at: datetime | None = None,
-    ) -> None:
+    def _setup(self, client: AsyncClient) -> None:
         self._transport = client._transport  # the client's I/O: its internal interface
-        self._s = _Settings(
-            queue_name, max_items, max_bytes, max_latency, max_in_flight, max_pending,
-            encoding, kind, reference, enqueue_at, client.config.tracing,
-        )  # fmt: skip
-        self._retry = client.config.retry_produce if retry is None else retry
-        self._timeout = client.config.call_timeout(timeout)
         self._batch: _Batch[asyncio.Future[str]] = _Batch()
-        self._pending = 0
-        self._duplicates = 0
-        self._closed = False
         self._changed: asyncio.Condition | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._slots: asyncio.Semaphore | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-
-    @property
-    def pending(self) -> int:
-        return self._pending
-
-    @property
-    def duplicates(self) -> int:
-        """Items so far whose idempotency key had been seen before (they stored nothing)."""
-        return self._duplicates
 
     def _start(self) -> asyncio.Condition:
         if self._changed is None:
