@@ -311,3 +311,12 @@ def test_retry_returns_and_marks_the_items_the_server_dead_lettered(client: quer
     second = client.lease(name, batch_size=2, wait=0)
     assert client.retry(second) == [i.id for i in second]  # out of attempts
     assert [i.state for i in second] == ["dead", "dead"]
+
+
+def test_a_closed_client_says_so(srv: EmbeddedServer) -> None:
+    c = querator.Client(srv.address)
+    c.wait_ready(10)
+    c.close()
+    c.close()  # twice is harmless
+    with pytest.raises(RuntimeError, match="closed"):
+        c.wait_ready(1)

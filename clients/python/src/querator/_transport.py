@@ -76,11 +76,16 @@ class SyncTransport(_Transport):
         else:
             self.channel = grpc.secure_channel(config.address, creds, options=self._options)
         self._stubs = _stubs(self.channel)
+        self._closed = False
 
     def close(self) -> None:
-        self.channel.close()
+        if not self._closed:
+            self._closed = True
+            self.channel.close()
 
     def wait_ready(self, timeout: Seconds) -> None:
+        if self._closed:
+            raise RuntimeError("the client is closed")
         try:
             grpc.channel_ready_future(self.channel).result(timeout=seconds(timeout))
         except grpc.FutureTimeoutError:
