@@ -326,6 +326,14 @@ def test_serve_on_a_client_only_install_says_what_to_install() -> None:
         )
 
 
+def test_client_options_before_serve_are_refused() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "querator.cli", "--token", "t", "serve", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "querator: error: --token before 'serve': only --address and --json apply to the server" in result.stderr
+
+
 def test_serve_after_top_level_options(tmp_path: Path) -> None:
     """``querator --json serve ...`` runs the server, logging JSON lines; ``--address``
     before ``serve`` is where it listens."""

@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     if at is not None and argv[at] == "serve":
         top = argparse.ArgumentParser(prog="querator", add_help=False)
         add_common(top, defaults=False)
+        client_only = [w.split("=")[0] for w in argv[:at] if w.split("=")[0] not in ("--address", "--json")]
+        client_only = [w for w in client_only if w.startswith("--")]
+        if client_only:
+            top.error(f"{', '.join(client_only)} before 'serve': only --address and --json apply to the server")
         return serve.run(top.parse_args(argv[:at]), argv[at + 1 :])
     args = parse(parser, argv)
     try:
