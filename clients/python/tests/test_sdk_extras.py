@@ -79,3 +79,10 @@ def test_a_worker_takes_durations_as_text(client: querator.Client) -> None:
     finally:
         worker.stop(timeout="10s")
     assert sorted(done) == ["a", "b"]
+
+
+def test_an_unknown_queue_setting_is_a_type_error(client: querator.Client) -> None:
+    with pytest.raises(TypeError, match="unknown queue setting 'max_attempt'"):
+        client.create_queue(unique(), max_attempt=3)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="unknown queue setting 'lease'"):
+        client.update_queue(unique(), lease=None)  # type: ignore[call-arg]

@@ -11,6 +11,7 @@ from google.protobuf import field_mask_pb2
 from . import _convert as c
 from ._config import BATCH_BYTES, MAX_BATCH
 from ._models import (
+    QUEUE_SETTINGS,
     ROLES,
     ApiKey,
     CreatedKey,
@@ -323,16 +324,8 @@ def apply_deadlines(members: list[Ref], response: queue_pb2.ExtendResponse) -> l
 
 # -- queues -------------------------------------------------------------------------------
 
-_SETTINGS = {
-    "dead_queue": "dead_queue",
-    "reference": "reference",
-    "lease_timeout": "lease_timeout",
-    "expire_timeout": "expire_timeout",
-    "max_attempts": "max_attempts",
-    "partitions": "requested_partitions",
-    "dedup_window": "dedup_window",
-    "lease_key_ttl": "lease_key_ttl",
-}
+# QueueSettings names that differ from QueueInfo's field names, and the durations.
+_PROTO_NAMES = {"partitions": "requested_partitions"}
 _DURATIONS = ("lease_timeout", "expire_timeout", "dedup_window", "lease_key_ttl")
 
 
@@ -341,9 +334,11 @@ def queue_info_message(name: str, settings: Mapping[str, Any]) -> tuple[queues_p
     info = queues_pb2.QueueInfo(queue_name=name)
     paths: list[str] = []
     for key, value in settings.items():
+        if key not in QUEUE_SETTINGS:  # what a keyword-only signature would refuse
+            raise TypeError(f"unknown queue setting {key!r}; the settings are {', '.join(QUEUE_SETTINGS)}")
         if value is None:
             continue
-        proto_name = _SETTINGS[key]
+        proto_name = _PROTO_NAMES.get(key, key)
         if key in _DURATIONS:
             getattr(info, proto_name).CopyFrom(c.to_duration(value))
         else:
