@@ -48,6 +48,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="log level (env QUERATOR_LOG_LEVEL, default info)",
     )
     parser.add_argument(
+        "--log-json",
+        action="store_true",
+        help="log JSON lines even on a terminal (default: coloured text on a terminal, JSON lines otherwise)",
+    )
+    parser.add_argument(
         "--auth",
         action="store_true",
         default=None,
@@ -133,7 +138,7 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
     if config.auth and config.admin_token and (weak := check_bootstrap_token(config.admin_token)):
         print(f"querator: {weak}", file=sys.stderr)
         return 2
-    qlogging.configure(config.log_level, json=getattr(args, "log_json", None), process=True)
+    qlogging.configure(config.log_level, json=True if args.log_json else None, process=True)
     try:
         asyncio.run(serve(config))
     except OSError as exc:

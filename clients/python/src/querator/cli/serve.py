@@ -2,7 +2,7 @@
 
 It parses its own arguments (the server's), so it is dispatched before the client
 commands' parser runs; of the options before it, ``--address`` and ``--json`` apply
-(the listening address; JSON log lines).
+(the listening address; JSON log lines, the server's ``--log-json``).
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ def run(top: argparse.Namespace, argv: list[str]) -> int:
     add_serve_arguments, run_serve = server
     # The options before "serve" become the server's own, ahead of ARGV (whose win): the
     # server may start itself again from these arguments alone.
-    server_argv = [*(["--address", top.address] if getattr(top, "address", None) else []), *argv]
+    server_argv = [
+        *(["--address", top.address] if getattr(top, "address", None) else []),
+        *(["--log-json"] if getattr(top, "json", False) else []),
+        *argv,
+    ]
     parser = argparse.ArgumentParser(prog="querator serve", description="Run the Querator server.")
     add_serve_arguments(parser)
-    args = parser.parse_args(server_argv)
-    if getattr(top, "json", False):
-        args.log_json = True
-    return int(run_serve(args, server_argv))
+    return int(run_serve(parser.parse_args(server_argv), server_argv))
