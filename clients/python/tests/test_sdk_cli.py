@@ -360,3 +360,39 @@ def test_serve_after_top_level_options(tmp_path: Path) -> None:
     events = [json.loads(line) for line in log.read_text().splitlines()]
     assert "server_started" in [e["event"] for e in events]
     assert (tmp_path / "d").is_dir()
+
+
+def test_json_before_serve_logs_json_lines_even_on_a_terminal(tmp_path: Path) -> None:
+    import pty
+    import signal
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUERATOR_")}
+    master, terminal = pty.openpty()  # the server's stderr is a terminal: coloured text by default
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "querator.cli", "--json", "serve", "--address", f"127.0.0.1:{port}", "--data-dir", "d"],
+        cwd=tmp_path, env=env, stderr=terminal, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    os.close(terminal)
+    try:
+        with querator.Client(f"127.0.0.1:{port}") as c:
+            c.wait_ready(60)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the terminal's other end is closed: all read
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    lines = [line for line in out.decode().splitlines() if line.strip()]
+    events = [json.loads(line) for line in lines]  # JSON, not coloured text
+    assert "server_started" in [e["event"] for e in events]
