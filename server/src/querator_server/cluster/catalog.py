@@ -14,13 +14,13 @@ import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import structlog
 
 from ..errors import Unavailable
 from .etcd import Compacted, Etcd, EtcdError, Event, KeyValue
 from .placement import QueueEntry
+from ..logging import get_logger
 
-log = structlog.get_logger("querator.cluster")
+log = get_logger("cluster")
 
 # Backoff between two failed watch attempts: short, as a node re-watches once etcd is
 # back; capped, so a long outage costs a call a second at most.

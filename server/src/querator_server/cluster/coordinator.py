@@ -17,7 +17,6 @@ import os
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-import structlog
 
 from ..auth import ApiKey, Role, new_key
 from ..clock import now_us
@@ -29,8 +28,9 @@ from .etcd import Endpoint, Etcd, EtcdError, Txn
 from .membership import Membership
 from .placement import GENERATION_MARK, SHARED_FIELDS, Home, QueueEntry, place
 from .router import PeerTls, Router
+from ..logging import get_logger
 
-log = structlog.get_logger("querator.cluster")
+log = get_logger("cluster")
 
 # How long an admin call waits for this node to apply its own change.
 _APPLY_TIMEOUT_S = 10.0

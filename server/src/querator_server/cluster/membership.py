@@ -17,12 +17,12 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 
-import structlog
 
 from ..errors import FailedPrecondition, Unavailable
 from .etcd import Etcd, EtcdError, Txn
+from ..logging import get_logger
 
-log = structlog.get_logger("querator.cluster")
+log = get_logger("cluster")
 
 
 class Membership:
