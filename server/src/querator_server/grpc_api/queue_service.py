@@ -8,7 +8,6 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import structlog
 from google.protobuf.message import Message
 from querator.v1 import queue_pb2 as pb
 
@@ -34,8 +33,9 @@ from .authz import Guard
 from ..storage import StorageError
 from .handlers import Sending, generic_handler
 from .send_room import LeaseRoom, SendRoom, StreamRoom, current_stream
+from ..logging import get_logger
 
-log = structlog.get_logger("querator.rpc")
+log = get_logger("rpc")
 
 if TYPE_CHECKING:
     from ..cluster.router import Router
