@@ -31,6 +31,7 @@ _ECHO_SERVICE = "bench.Echo"
 
 def _echo_server(port: int) -> None:
     import grpc
+
     from querator.v1 import queue_pb2
 
     async def echo(request: Any, context: Any) -> Any:
@@ -85,6 +86,7 @@ class EchoClient:
 
     async def open(self) -> None:
         import grpc
+
         from querator.v1 import queue_pb2
 
         channel = grpc.aio.insecure_channel(self.address, options=[("grpc.max_receive_message_length", 64 << 20)])

@@ -42,6 +42,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import grpc
+
 from querator.v1 import (
     queue_pb2,
     queue_pb2_grpc,

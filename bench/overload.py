@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+
 from querator.v1 import queue_pb2, queue_pb2_grpc, queues_pb2, queues_pb2_grpc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

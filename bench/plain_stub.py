@@ -51,6 +51,7 @@ class PlainQueratorClient:
 
     def open_sync(self) -> None:
         import grpc
+
         from querator.v1 import queue_pb2, queue_pb2_grpc, queues_pb2, queues_pb2_grpc
 
         channel = grpc.insecure_channel(
@@ -195,6 +196,7 @@ def _null_server(port: int) -> None:
     import asyncio
 
     import grpc
+
     from querator.v1 import queue_pb2
 
     async def produce(request: Any, context: Any) -> Any:

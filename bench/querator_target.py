@@ -95,6 +95,7 @@ class QueratorClient:
 
     async def open(self) -> None:
         import grpc
+
         from querator.v1 import queue_pb2, queue_pb2_grpc, queues_pb2, queues_pb2_grpc
 
         channel = grpc.aio.insecure_channel(

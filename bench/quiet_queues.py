@@ -19,6 +19,7 @@ import threading
 import time
 
 import grpc
+
 from querator.v1 import queue_pb2, queue_pb2_grpc, queues_pb2, queues_pb2_grpc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -25,10 +25,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import querator  # noqa: E402
 from common import median, process_cpu_s  # noqa: E402
 from querator_target import QueratorService  # noqa: E402
-
-import querator  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
 TS_BUILD = os.path.join(ROOT, "clients", "typescript", "dist", "src", "index.js")

@@ -18,10 +18,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import querator  # noqa: E402
 from common import process_cpu_s  # noqa: E402
 from querator_target import QueratorService  # noqa: E402
-
-import querator  # noqa: E402
 
 
 async def produce(address: str, queue: str, items: int) -> None:

@@ -20,8 +20,10 @@ from typing import IO
 
 import grpc
 import pytest
-from conftest import Stubs, free_port, wait_for_server
+
 from querator.v1 import cluster_pb2, cluster_pb2_grpc
+
+from conftest import Stubs, free_port, wait_for_server
 
 
 def etcd_binary() -> str:

@@ -26,6 +26,7 @@ import pytest
 from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+
 from querator.v1 import (
     queue_pb2,
     queue_pb2_grpc,

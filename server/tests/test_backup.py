@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import grpc
-from conftest import Stubs, ThreadServer
+
 from querator.v1 import queues_pb2
+
+from conftest import Stubs, ThreadServer
 
 
 def run_backup(src: str, dest: str) -> subprocess.CompletedProcess[str]:

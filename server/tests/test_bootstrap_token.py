@@ -11,10 +11,11 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from test_security import Authed, _code, _key
+
 from querator.v1 import keys_pb2
 
 from conftest import ProcessServer, wait_until
-from test_security import Authed, _code, _key
 
 STRONG = secrets.token_urlsafe(32)  # 43 characters, 256 bits
 

@@ -14,9 +14,11 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from cluster_helpers import Cluster
-from conftest import ThreadServer, wait_until
 from google.protobuf import field_mask_pb2
+
 from querator.v1 import cluster_pb2, cluster_pb2_grpc, queue_pb2, queues_pb2, storage_pb2
+
+from conftest import ThreadServer, wait_until
 
 
 @pytest.fixture(scope="module")

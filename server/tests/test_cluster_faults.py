@@ -18,9 +18,11 @@ import grpc
 import pytest
 from aetcd import rpc  # type: ignore[import-untyped]
 from cluster_helpers import Cluster, Node
-from conftest import dur, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from querator.v1 import cluster_pb2, cluster_pb2_grpc, queue_pb2, queues_pb2
+
+from conftest import dur, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from cluster_helpers import Cluster
-from conftest import wait_until
+
 from querator_server.faults import FAULT_FILE_ENV
+
+from conftest import wait_until
 
 
 def _fault_line(node_dir: Path, item_id: str) -> str:

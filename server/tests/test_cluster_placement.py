@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+
 from querator_server.cluster.etcd import Endpoint, prefix_end
 from querator_server.cluster.placement import Home, QueueEntry, key_partition, place
 from querator_server.errors import InvalidArgument

@@ -10,6 +10,7 @@ from typing import Any
 
 import lmdb
 import pytest
+
 from querator_server.actor.commit_group import CommitGroup
 from querator_server.actor.lane import StorageLane
 from querator_server.faults import FAULT_FILE_ENV

@@ -10,12 +10,14 @@ from collections.abc import Iterator
 import grpc
 import lmdb
 import pytest
-from conftest import ProcessServer, Stubs, ThreadServer
 from grpc import StatusCode as Code
+
 from querator.v1 import queue_pb2, queues_pb2
 from querator_server.actor import LogicalQueue
 from querator_server.storage import StorageError
 from querator_server.storage.groups import GROUP_MAX_PARTITIONS, GROUP_QUEUES
+
+from conftest import ProcessServer, Stubs, ThreadServer
 
 
 def _databases(path: str) -> set[bytes]:

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import Stubs, free_port, wait_until
 from ruamel.yaml import YAML
+
+from conftest import Stubs, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

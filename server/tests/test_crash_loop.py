@@ -39,6 +39,7 @@ def test_kill9_cycles_under_load_lose_nothing_and_duplicate_nothing(tmp_path: Pa
 
 def test_cluster_kill9_a_node_per_cycle_others_serve_on_and_nothing_is_lost(tmp_path: Path) -> None:
     from cluster_helpers import etcd_binary
+
     from crash_loop import run_cluster
 
     etcd_binary()  # skipped (or, in CI, failed) with the reason when etcd is missing

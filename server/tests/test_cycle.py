@@ -11,11 +11,7 @@ import re
 from collections.abc import Iterator
 
 import pytest
-from cycle_helpers import SECOND, T0
-from cycle_helpers import request as _request
-from cycle_helpers import run_cycle as _run
-from cycle_helpers import seq_of as _seq
-from cycle_helpers import stored_keys as _stored_keys
+
 from querator_server.actor.cycle import Cycle
 from querator_server.actor.ids import item_id
 from querator_server.actor.requests import CompleteRequest, ExtendRequest, LeaseRequest, ProduceRequest
@@ -25,6 +21,12 @@ from querator_server.model import NewItem, QueueConfig
 from querator_server.storage import Item, QueueStore
 from querator_server.storage.keyed import KeyedIndex
 from querator_server.storage.record import item_key
+
+from cycle_helpers import SECOND, T0
+from cycle_helpers import request as _request
+from cycle_helpers import run_cycle as _run
+from cycle_helpers import seq_of as _seq
+from cycle_helpers import stored_keys as _stored_keys
 
 
 @pytest.fixture

@@ -13,9 +13,10 @@ from __future__ import annotations
 import time
 
 from google.protobuf import timestamp_pb2
+
 from querator.v1 import queue_pb2, storage_pb2
 
-from conftest import dur, secs, Stubs, wait_until
+from conftest import Stubs, dur, secs, wait_until
 
 EVENTUALLY = 10.0
 MAX_ATTEMPTS = queue_pb2.DEAD_REASON_MAX_ATTEMPTS

@@ -26,11 +26,13 @@ from pathlib import Path
 import grpc
 import lmdb
 import pytest
-import querator
-from conftest import ProcessServer, Stubs, ThreadServer, free_port
 from google.protobuf import field_mask_pb2
+
+import querator
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 from querator_server.faults import FAULT_FILE_ENV
+
+from conftest import ProcessServer, Stubs, ThreadServer, free_port
 
 OK = grpc.StatusCode.OK
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE

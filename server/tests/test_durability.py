@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 from google.protobuf import field_mask_pb2
+
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2, storage_pb2_grpc
 
 from conftest import ProcessServer, Stubs, ThreadServer, wait_until

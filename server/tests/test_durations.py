@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 from google.protobuf import field_mask_pb2, timestamp_pb2
+
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 from querator_server.storage.catalog import Catalog
 

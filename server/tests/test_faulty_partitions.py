@@ -19,12 +19,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import ProcessServer, Stubs, ThreadServer, dur, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 from querator_server.faults import FAULT_FILE_ENV
 from querator_server.server import PARTITIONS_HEALTH
+
+from conftest import ProcessServer, Stubs, ThreadServer, dur, wait_until
 
 PARTITIONS = 3
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -22,12 +22,14 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import Stubs, ThreadServer
 from google.protobuf import duration_pb2, field_mask_pb2, timestamp_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from querator.v1 import cluster_pb2, cluster_pb2_grpc, keys_pb2, keys_pb2_grpc, queue_pb2, queues_pb2, storage_pb2
+
+from conftest import Stubs, ThreadServer
 
 C = grpc.StatusCode
 DOCUMENTED = {

@@ -8,15 +8,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from cycle_helpers import SECOND, T0
-from cycle_helpers import request as _request
-from cycle_helpers import run_cycle as _run
+
 from querator_server.actor.cycle import Cycle
 from querator_server.actor.requests import CompleteRequest, ExtendRequest, GiveBackRequest, LeaseRequest, ProduceRequest
 from querator_server.actor.view import PartitionView
 from querator_server.errors import NotFound
 from querator_server.model import NewItem, QueueConfig
 from querator_server.storage import QueueStore
+
+from cycle_helpers import SECOND, T0
+from cycle_helpers import request as _request
+from cycle_helpers import run_cycle as _run
 
 CONFIG = QueueConfig(name="q", uid=1, lease_timeout_us=60 * SECOND)
 

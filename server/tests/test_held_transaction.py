@@ -16,9 +16,11 @@ from pathlib import Path
 import grpc
 import lmdb
 import pytest
-from conftest import Stubs, ThreadServer
+
 from querator.v1 import queues_pb2
 from querator_server.storage import MapFull, QueueStore, StorageError
+
+from conftest import Stubs, ThreadServer
 
 
 @pytest.fixture

@@ -20,9 +20,11 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import Stubs, ThreadServer, dur, secs, wait_until
+
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 from querator_server.faults import APPLY, FAULT_FILE_ENV, REQUEST_FAULT_METADATA, REQUEST_FAULTS_ENV
+
+from conftest import Stubs, ThreadServer, dur, secs, wait_until
 
 FAULT = ((REQUEST_FAULT_METADATA, APPLY),)
 GOOD_PRODUCES = 20

@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 from google.protobuf import field_mask_pb2, timestamp_pb2
+
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 
-from conftest import dur, ProcessServer, secs, Stubs, ThreadServer, wait_until
+from conftest import ProcessServer, Stubs, ThreadServer, dur, secs, wait_until
 
 OK = grpc.StatusCode.OK
 NOT_FOUND = grpc.StatusCode.NOT_FOUND

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
 from querator.v1 import queue_pb2
 
 from conftest import Stubs

@@ -12,15 +12,17 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import Stubs, ThreadServer, wait_until
 from google.protobuf import duration_pb2, timestamp_pb2
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+
 from querator.v1 import queue_pb2, queues_pb2
 from querator_server.config import ServerConfig
 from querator_server.metrics import MAX_SCRAPES, SCRAPE_THREAD, parse_address
 from querator_server.server import QueratorServer
+
+from conftest import Stubs, ThreadServer, wait_until
 
 
 class Scraper:

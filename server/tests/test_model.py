@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 
 import grpc
-from conftest import Stubs, ThreadServer
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -30,7 +29,10 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
+
+from conftest import Stubs, ThreadServer
 
 Q = "m"
 DLQ = "m-dlq"

@@ -8,9 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ThreadServer
 from ruamel.yaml import YAML
 from test_grpcurl_cookbook import run_steps, steps
+
+from conftest import ThreadServer
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "operations.md"

@@ -72,6 +72,7 @@ def test_a_stream_that_floods_without_reading_holds_a_bounded_amount(tmp_path: P
     import threading
 
     import grpc
+
     from crash_loop import ServerProcess
     from overload import FAULT_FILE_ENV, rss_mb, wait_for
     from querator.v1 import queue_pb2, queue_pb2_grpc, queues_pb2, queues_pb2_grpc

@@ -7,6 +7,7 @@ import time
 import grpc
 import pytest
 from google.protobuf import duration_pb2, field_mask_pb2
+
 from querator.v1 import queue_pb2, queues_pb2
 
 from conftest import Stubs, ThreadServer, wait_until

@@ -22,10 +22,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import Stubs, free_port
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from querator.v1 import queue_pb2, queues_pb2
 from querator_server.faults import APPLY, REQUEST_FAULT_METADATA, REQUEST_FAULTS_ENV
+
+from conftest import Stubs, free_port
 
 
 def _openssl(*args: str, cwd: Path) -> None:

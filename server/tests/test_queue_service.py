@@ -14,9 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from google.protobuf import duration_pb2, timestamp_pb2
+
 from querator.v1 import queue_pb2, storage_pb2
 
-from conftest import bad_request_fields as violation_fields, dur, secs, Stubs, ThreadServer, wait_until
+from conftest import Stubs, ThreadServer, dur, secs, wait_until
+from conftest import bad_request_fields as violation_fields
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND

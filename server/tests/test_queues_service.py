@@ -13,9 +13,10 @@ from collections.abc import Callable
 import grpc
 import pytest
 from google.protobuf import field_mask_pb2, timestamp_pb2
+
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 
-from conftest import bad_request_fields, dur, secs, Stubs, ThreadServer, wait_until
+from conftest import Stubs, ThreadServer, bad_request_fields, dur, secs, wait_until
 
 Code = grpc.StatusCode
 HOUR = 3600

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from querator_server.storage.record import Item, plain_header, plain_leaser, read_state, with_lease, with_lease_key
 
 text = st.text(max_size=40)

@@ -15,10 +15,11 @@ from pathlib import Path
 import grpc
 import lmdb
 import pytest
-from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 
-from conftest import bad_request_fields, dur, ProcessServer, Stubs, ThreadServer, wait_until
+from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 from querator_server.faults import APPLY, FAULT_FILE_ENV, REQUEST_FAULT_METADATA, REQUEST_FAULTS_ENV
+
+from conftest import ProcessServer, Stubs, ThreadServer, bad_request_fields, dur, wait_until
 
 EVENTUALLY = 20.0
 

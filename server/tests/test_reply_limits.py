@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from google.protobuf import field_mask_pb2
+
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 
 from conftest import Stubs, ThreadServer, bad_request_fields, dur

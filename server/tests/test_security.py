@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from querator.v1 import keys_pb2, keys_pb2_grpc, queue_pb2, queue_pb2_grpc, queues_pb2, storage_pb2
 
 from conftest import Stubs, ThreadServer, wait_until

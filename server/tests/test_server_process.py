@@ -16,6 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 from querator_server.config import ServerConfig
 

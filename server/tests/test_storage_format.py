@@ -9,11 +9,13 @@ from pathlib import Path
 import grpc
 import lmdb
 import pytest
-from conftest import Stubs, ThreadServer
+
+from querator.v1 import queue_pb2
 from querator_server.storage import Item, QueueStore
 from querator_server.storage.catalog import Catalog, CatalogError
-from querator.v1 import queue_pb2
 from querator_server.storage.record import expiry_key, item_key
+
+from conftest import Stubs, ThreadServer
 
 
 def _stamp(path: Path, version: bytes) -> None:

@@ -19,10 +19,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-from cycle_helpers import SECOND, T0, request, run_cycle, seq_of, stored_keys
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from querator_server.actor.ids import item_id
 from querator_server.actor.requests import CompleteRequest, LeaseRequest, ProduceRequest, RetryRequest
 from querator_server.actor.view import PartitionView
@@ -31,6 +31,8 @@ from querator_server.model import NewItem, QueueConfig, RetryOrder
 from querator_server.storage import Item, QueueStore
 from querator_server.storage.groups import open_group_env, queue_prefix
 from querator_server.storage.record import item_key
+
+from cycle_helpers import SECOND, T0, request, run_cycle, seq_of, stored_keys
 
 LEASE_S = 10
 EXPIRE_S = 60

@@ -18,9 +18,10 @@ import pytest
 from google.protobuf import field_mask_pb2, timestamp_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 
-from conftest import ProcessServer, dur, secs, Stubs, ThreadServer
+from conftest import ProcessServer, Stubs, ThreadServer, dur, secs
 
 Code = grpc.StatusCode
 HOUR = 3600

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+
 from querator.v1 import queue_pb2, storage_pb2
 
 from conftest import Stubs, ThreadServer, dur, wait_until

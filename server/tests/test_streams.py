@@ -5,12 +5,13 @@ with its error while the stream goes on."""
 from __future__ import annotations
 
 import queue
-import time
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
+
 from querator.v1 import queue_pb2
 
 from conftest import Stubs, ThreadServer, dur

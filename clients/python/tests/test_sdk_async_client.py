@@ -6,11 +6,12 @@ import socket
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sdk_helpers import run, srv, unique  # noqa: F401 (fixtures)
 
 import querator
 from querator import ItemRef
 from querator.embedded import EmbeddedServer
+
+from sdk_helpers import run, srv, unique  # noqa: F401 (fixtures)
 
 
 def test_async_queue_admin(srv: EmbeddedServer) -> None:

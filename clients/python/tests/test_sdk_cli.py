@@ -11,11 +11,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from sdk_helpers import client, srv, unique  # noqa: F401 (fixtures)
 
 import querator
 from querator.cli import main, parse_duration
 from querator.embedded import EmbeddedServer
+
+from sdk_helpers import client, srv, unique  # noqa: F401 (fixtures)
 
 
 def querator_cmd(address: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -8,11 +8,12 @@ from datetime import UTC, datetime, timedelta
 
 import grpc
 import pytest
-from sdk_helpers import client, queue, srv, unique  # noqa: F401 (fixtures)
 
 import querator
 from querator import Item, ItemRef
 from querator.embedded import EmbeddedServer
+
+from sdk_helpers import client, queue, srv, unique  # noqa: F401 (fixtures)
 
 
 def test_queue_admin_round_trip(client: querator.Client) -> None:

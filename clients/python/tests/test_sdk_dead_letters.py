@@ -11,6 +11,7 @@ import pytest
 import querator
 from querator import DeadReason
 from querator.embedded import EmbeddedServer
+
 from sdk_helpers import client, run, srv, unique, wait_until  # noqa: F401 (fixtures)
 
 

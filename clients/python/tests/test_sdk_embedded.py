@@ -6,11 +6,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from sdk_helpers import run
 
 import querator
 from querator.embedded import EmbeddedServer
 from querator.testing import server
+
+from sdk_helpers import run
 
 
 def test_embedded_server_keeps_data_across_restarts(tmp_path: Path) -> None:

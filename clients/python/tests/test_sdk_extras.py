@@ -7,9 +7,10 @@ import sys
 from datetime import timedelta
 
 import pytest
-from sdk_helpers import client, srv, unique  # noqa: F401 (fixtures)
 
 import querator
+
+from sdk_helpers import client, srv, unique  # noqa: F401 (fixtures)
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:

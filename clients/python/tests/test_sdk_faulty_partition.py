@@ -6,10 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sdk_helpers import wait_until
 
 import querator
 from querator.embedded import EmbeddedServer
+
+from sdk_helpers import wait_until
 
 
 def test_sdk_sees_a_faulty_partition(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from google.protobuf import timestamp_pb2
+
 from querator._protocol import leased_fields
 from querator.v1 import queue_pb2
 
@@ -39,7 +40,7 @@ def test_columns_give_every_field() -> None:
     as_columns = queue_pb2.LeaseResponse(queue_name="q", partition=3, columns=columns)
 
     fields = list(leased_fields(as_columns))
-    deadline = datetime.fromtimestamp(DEADLINE_US // 1_000_000, timezone.utc).replace(microsecond=DEADLINE_US % 1_000_000)
+    deadline = datetime.fromtimestamp(DEADLINE_US // 1_000_000, UTC).replace(microsecond=DEADLINE_US % 1_000_000)
     assert [(f["id"], f["payload"], f["attempts"], f["kind"], f["encoding"], f["reference"]) for f in fields] == [
         ("a", b"1", 1, "", "", ""),
         ("b", b"2", 2, "k", "e", "r"),
@@ -47,7 +48,7 @@ def test_columns_give_every_field() -> None:
     assert {f["queue_name"] for f in fields} == {"q"} and {f["partition"] for f in fields} == {3}
     assert [f["lease_deadline"] for f in fields] == [deadline, deadline]
     assert fields[1]["metadata"] == {"m": "v"}
-    assert fields[1]["created_at"] == datetime.fromtimestamp(CREATED_US / 1e6, timezone.utc).replace(
+    assert fields[1]["created_at"] == datetime.fromtimestamp(CREATED_US / 1e6, UTC).replace(
         microsecond=(CREATED_US + 1) % 1_000_000
     )
     assert fields[0]["metadata"] == {} and fields[0]["metadata"] is not fields[1]["metadata"]

@@ -4,10 +4,11 @@ call cannot help, while Overloaded tells the caller to back off and retry."""
 from __future__ import annotations
 
 import pytest
-from sdk_helpers import client, queue, run, srv  # noqa: F401 (fixtures)
 
 import querator
 from querator.embedded import EmbeddedServer
+
+from sdk_helpers import client, queue, run, srv  # noqa: F401 (fixtures)
 
 
 def test_a_request_over_the_servers_limit_is_message_too_large(client: querator.Client, queue: str) -> None:
@@ -49,9 +50,9 @@ def test_the_async_client_maps_it_the_same_way(srv: EmbeddedServer, queue: str) 
 
 
 def test_a_busy_queue_is_still_overloaded() -> None:
-    from querator.errors import from_status
-
     import grpc
+
+    from querator.errors import from_status
 
     busy = from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue 'q' is overloaded: 10000 requests waiting")
     assert type(busy) is querator.Overloaded

@@ -7,11 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-from sdk_helpers import client, queue, run, srv, unique  # noqa: F401 (fixtures)
 
 import querator
 from querator.cli import main
 from querator.embedded import EmbeddedServer
+
+from sdk_helpers import client, queue, run, srv, unique  # noqa: F401 (fixtures)
 
 META = {"team": "billing", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "ü": "✓"}
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from sdk_helpers import client, queue, run, srv, unique  # noqa: F401 (fixtures)
 
 import querator
 from querator import Item, ItemRef
 from querator.embedded import EmbeddedServer
+
+from sdk_helpers import client, queue, run, srv, unique  # noqa: F401 (fixtures)
 
 
 def test_queue_settings_for_keys(client: querator.Client) -> None:

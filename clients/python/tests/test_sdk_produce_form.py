@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from sdk_helpers import client, queue, srv  # noqa: F401 (fixtures)
-
 import querator
 from querator import Item
 from querator import _protocol as p
+
+from sdk_helpers import client, queue, srv  # noqa: F401 (fixtures)
 
 
 def _request(values: object, defaults: Item | None = None, trace: dict[str, str] | None = None) -> object:

@@ -6,10 +6,11 @@ import asyncio
 import threading
 
 import pytest
-from sdk_helpers import client, queue, run, srv, unique  # noqa: F401 (fixtures)
 
 import querator
 from querator.embedded import EmbeddedServer
+
+from sdk_helpers import client, queue, run, srv, unique  # noqa: F401 (fixtures)
 
 
 def test_producer_batches_and_resolves_futures(client: querator.Client, queue: str) -> None:

@@ -10,12 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sdk_helpers import run, unique
 
 import querator
 from querator.cli import main
 from querator.embedded import EmbeddedServer, TLSFiles
 from querator.testing import make_certificates, server
+
+from sdk_helpers import run, unique
 
 ADMIN = "bootstrap-admin-token-for-sdk-tests"
 

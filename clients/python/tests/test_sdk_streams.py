@@ -12,11 +12,12 @@ from typing import Any
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sdk_helpers import run, unique
 
 import querator
 from querator.testing import server
 from querator.v1 import queue_pb2
+
+from sdk_helpers import run, unique
 
 
 def _calls(srv: Any) -> dict[tuple[str, str, str], float]:

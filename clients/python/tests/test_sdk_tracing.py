@@ -9,11 +9,12 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from sdk_helpers import run, srv, unique, wait_until  # noqa: F401 (fixtures)
 
 import querator
 import querator.tracing
 from querator.embedded import EmbeddedServer
+
+from sdk_helpers import run, srv, unique, wait_until  # noqa: F401 (fixtures)
 
 pytest.importorskip("opentelemetry.sdk.trace")
 

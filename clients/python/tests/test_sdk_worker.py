@@ -9,11 +9,11 @@ from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
-from sdk_helpers import client, run, srv, unique, wait_until  # noqa: F401 (fixtures)
-
 import querator
 from querator.embedded import EmbeddedServer
 from querator.testing import server
+
+from sdk_helpers import client, run, srv, unique, wait_until  # noqa: F401 (fixtures)
 
 FAST_RETRY = querator.Backoff(initial=timedelta(milliseconds=1), maximum=timedelta(milliseconds=1))
 

@@ -11,16 +11,15 @@ import asyncio
 import bisect
 import builtins
 import contextlib
-import re
 import fcntl
 import itertools
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
-
 
 from .actor import LogicalQueue
 from .actor.lane import StorageLane
@@ -28,11 +27,11 @@ from .auth import ApiKey, KeyRing, Role, new_key
 from .clock import now_us
 from .commit_groups import GROUP_MAX_PARTITIONS, CommitGroups, queue_prefix
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from .logging import get_logger
 from .model import QueueConfig
 from .storage import Catalog, QueueStore, StorageError
 from .storage.groups import copy_out
 from .storage.queue_store import DEFAULT_MAP_SIZE
-from .logging import get_logger
 
 log = get_logger("manager")
 

@@ -36,13 +36,21 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .errors import NotFound
-from .storage.record import TAG_ITEM, item_key, read_state
 from .logging import get_logger
+from .storage.record import TAG_ITEM, item_key, read_state
 
 if TYPE_CHECKING:
     from .actor import LogicalQueue

@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Union, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from . import tracing as _tracing
 from ._config import MAX_BATCH, Backoff
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("querator.worker")
 
-Handler = Union[Callable[["LeasedItem"], object], Callable[["AsyncLeasedItem"], Awaitable[object]]]
+Handler = Callable[["LeasedItem"], object] | Callable[["AsyncLeasedItem"], Awaitable[object]]
 
 
 class WorkerHooks:

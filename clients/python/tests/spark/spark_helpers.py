@@ -21,8 +21,9 @@ pytest.importorskip("pyspark", reason="the Spark tests need: pip install 'querat
 pytest.importorskip("pyarrow", reason="the Spark tests need: pip install 'querator-client[spark]'")
 
 import grpc
-import querator.spark
 from pyspark.sql import SparkSession
+
+import querator.spark
 from querator.embedded import EmbeddedServer
 from querator.testing import server as embedded_server
 from querator.v1 import queue_pb2, queue_pb2_grpc, queues_pb2, queues_pb2_grpc, storage_pb2, storage_pb2_grpc

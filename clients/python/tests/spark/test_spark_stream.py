@@ -15,8 +15,10 @@ from typing import Any
 
 import pytest
 from google.protobuf import duration_pb2
+
 from querator.embedded import EmbeddedServer
 from querator.v1 import queue_pb2
+
 from spark_helpers import Stubs, session_fixture, spark_env, srv, stubs, wait_until  # noqa: F401 - fixtures
 
 spark = session_fixture("local[2,2]")

@@ -7,7 +7,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+
 from querator.embedded import EmbeddedServer
+
 from spark_helpers import Stubs, session_fixture, srv, stubs  # noqa: F401 - fixtures
 
 # local[2,2]: two cores, and a failed task is tried once more before its job fails.
@@ -42,6 +44,7 @@ def failing(address: str, queue: str, partition: int, first_attempt_only: bool, 
 
         import grpc
         from pyspark import TaskContext
+
         from querator.v1 import queues_pb2, queues_pb2_grpc
 
         def stored_count() -> int:

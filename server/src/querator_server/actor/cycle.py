@@ -28,8 +28,8 @@ from ..storage.record import (
     with_lease_key,
     without_lease,
 )
-from .ids import ItemRef, item_id, parse_id, scheduled_id
 from .cycle_base import DEATH_CODES
+from .ids import ItemRef, item_id, parse_id, scheduled_id
 from .lifecycle import LifecycleSteps
 from .redrive import RedriveSteps
 from .requests import (

@@ -42,10 +42,11 @@ from ..faults import (
     faulty_call,
     partition_faults,
 )
+from ..logging import get_logger
 from ..model import PartitionStats, QueueConfig, QueueStats, QueueTotals
 from ..storage import MAX_GROWTHS, Item, MapFull, QueueStore, StorageError, StorageFull
-from ..storage.queue_store import disk_full
 from ..storage.keyed import KeyedIndex
+from ..storage.queue_store import disk_full
 from .commit_group import HAND_OVER_AT, CommitGroup
 from .cycle import Cycle
 from .cycle_base import StepFailed
@@ -74,7 +75,6 @@ from .requests import (
     RetryRequest,
 )
 from .view import PartitionView
-from ..logging import get_logger
 
 T = TypeVar("T")
 

@@ -28,8 +28,8 @@ from dataclasses import replace
 import lmdb
 
 from ..storage import Item
-from .lifecycle import LifecycleSteps
 from .ids import item_id, parse_id
+from .lifecycle import LifecycleSteps
 from .requests import RedriveDoneRequest, RedriveInRequest, RedriveRequest, RedriveResult
 
 # A redrive looks at no more items than this in one call (and so in one cycle), so a

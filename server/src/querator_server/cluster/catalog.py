@@ -14,11 +14,10 @@ import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-
 from ..errors import Unavailable
+from ..logging import get_logger
 from .etcd import Compacted, Etcd, EtcdError, Event, KeyValue
 from .placement import QueueEntry
-from ..logging import get_logger
 
 log = get_logger("cluster")
 

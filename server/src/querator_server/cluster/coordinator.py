@@ -17,10 +17,10 @@ import os
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-
 from ..auth import ApiKey, Role, new_key
 from ..clock import now_us
 from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, QueratorError, Unavailable
+from ..logging import get_logger
 from ..manager import QueuesManager
 from ..model import QueueConfig
 from .catalog import CatalogCache, Keys
@@ -28,7 +28,6 @@ from .etcd import Endpoint, Etcd, EtcdError, Txn
 from .membership import Membership
 from .placement import GENERATION_MARK, SHARED_FIELDS, Home, QueueEntry, place
 from .router import PeerTls, Router
-from ..logging import get_logger
 
 log = get_logger("cluster")
 

@@ -17,10 +17,9 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 
-
 from ..errors import FailedPrecondition, Unavailable
-from .etcd import Etcd, EtcdError, Txn
 from ..logging import get_logger
+from .etcd import Etcd, EtcdError, Txn
 
 log = get_logger("cluster")
 

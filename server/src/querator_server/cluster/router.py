@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+
 from querator.v1 import queue_pb2 as pb
 from querator.v1 import queues_pb2 as qpb
 

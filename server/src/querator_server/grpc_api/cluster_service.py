@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
+
 from querator.v1 import cluster_pb2 as pb
 
 from ..auth import Action

@@ -19,12 +19,12 @@ from google.protobuf.message import DecodeError, Message
 from ..auth import Action
 from ..errors import Internal, QueratorError, ResourceExhausted, Unauthenticated, Unavailable
 from ..faults import asks_for_fault, faulty_call, request_faults_on
+from ..logging import get_logger
 from ..model import MAX_REQUEST_BYTES, STALL_SECONDS, STREAM_UNSENT_BYTES
 from ..storage import StorageError
 from .authz import Guard
 from .send_room import SendRoom, StreamRoom, current_stream
 from .status import invalid_argument_status, status_code, stream_error, to_status
-from ..logging import get_logger
 
 log = get_logger("rpc")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import grpc
+
 from querator.v1 import keys_pb2 as pb
 
 from ..auth import Action, ApiKey, Role

@@ -9,11 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import Message
+
 from querator.v1 import queue_pb2 as pb
 
 from .. import actor as a
+from ..auth import Action
 from ..clock import now_us
 from ..errors import InvalidArgument, QueratorError
+from ..logging import get_logger
 from ..manager import QueuesManager
 from ..model import (
     DEFAULT_WAIT_US,
@@ -27,13 +30,11 @@ from ..model import (
     NewItem,
     RetryOrder,
 )
-from . import convert as c
-from ..auth import Action
-from .authz import Guard
 from ..storage import StorageError
+from . import convert as c
+from .authz import Guard
 from .handlers import Sending, generic_handler
 from .send_room import LeaseRoom, SendRoom, StreamRoom, current_stream
-from ..logging import get_logger
 
 log = get_logger("rpc")
 

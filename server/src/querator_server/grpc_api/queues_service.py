@@ -6,9 +6,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
+
 from querator.v1 import queues_pb2 as pb
 
 from .. import actor as a
+from ..auth import Action
 from ..errors import InvalidArgument
 from ..manager import QueuesManager
 from ..model import (
@@ -25,7 +27,6 @@ from ..model import (
     QueueConfig,
 )
 from . import convert as c
-from ..auth import Action
 from .authz import Guard, visible_queues
 from .handlers import generic_handler
 

@@ -10,6 +10,7 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
+
 from querator.v1 import queue_pb2
 
 from ..errors import (

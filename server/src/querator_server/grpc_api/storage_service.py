@@ -7,12 +7,15 @@ import struct
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from querator.v1 import queue_pb2, storage_pb2 as pb
+
+from querator.v1 import queue_pb2
+from querator.v1 import storage_pb2 as pb
 
 from .. import actor as a
+from ..auth import Action
+from ..clock import now_us
 from ..errors import FailedPrecondition, InvalidArgument
 from ..manager import QueuesManager
-from ..clock import now_us
 from ..model import (
     MAX_BATCH,
     MAX_LABEL_BYTES,
@@ -23,7 +26,6 @@ from ..model import (
     ImportedItem,
 )
 from . import convert as c
-from ..auth import Action
 from .authz import Guard, current_principal
 from .handlers import generic_handler
 

@@ -35,7 +35,6 @@ import lmdb
 
 from ..faults import MAP_FULL, NO_SPACE, write_fault
 from .record import (
-    PlainLeaser,
     _FLAG_EXPIRY_RUN,
     _FLAG_LEASED,
     _HEADER,
@@ -50,6 +49,7 @@ from .record import (
     TAG_SCHEDULED,
     Item,
     ItemState,
+    PlainLeaser,
     decode_u64,
     encode_u64,
     expiry_key,
