@@ -1,12 +1,24 @@
 import { type MessageInitShape } from "@bufbuild/protobuf";
 import { FieldMaskSchema } from "@bufbuild/protobuf/wkt";
 import { create } from "@bufbuild/protobuf";
-import { Code, type Client as ConnectClient, type Interceptor, type Transport, createClient } from "@connectrpc/connect";
-import { createGrpcTransport } from "@connectrpc/connect-node";
+import { Code, type Interceptor, type Transport } from "@connectrpc/connect";
+import { Http2SessionManager, createGrpcTransport } from "@connectrpc/connect-node";
 
 import { fromDuration, fromMicros, fromTimestamp, payloadBytes, toDuration, toTimestamp } from "./convert.js";
-import { Cancelled, type CallKind, QueratorError, Unauthenticated, Unavailable, fromConnectError, fromStatus } from "./errors.js";
-import { RequestStream } from "./streams.js";
+import { NodeChannel } from "./channel.js";
+import {
+  Cancelled,
+  type CallKind,
+  InvalidRequest,
+  QueratorError,
+  QueueNotFound,
+  Unauthenticated,
+  Unavailable,
+  fromConnectError,
+  fromStatus,
+} from "./errors.js";
+import { ClusterMap, DOWN_FIRST_MS, type Logger } from "./routing.js";
+import { RequestStream, closedHere } from "./streams.js";
 import { LeasedItem, type LeaseState } from "./items.js";
 import type {
   ApiKey,
@@ -25,7 +37,7 @@ import type {
   StoredItem,
 } from "./models.js";
 import { Pager } from "./paging.js";
-import { type ApiKey as ApiKeyMessage, KeysService, Role as RoleEnum } from "./gen/querator/v1/keys_pb.js";
+import { type ApiKey as ApiKeyMessage, Role as RoleEnum } from "./gen/querator/v1/keys_pb.js";
 import {
   type LeaseResponse,
   type LeaseStreamResponse,
@@ -39,7 +51,7 @@ import {
   QueueService,
 } from "./gen/querator/v1/queue_pb.js";
 import { type QueueInfo as QueueInfoMessage, QueuesService } from "./gen/querator/v1/queues_pb.js";
-import { type StorageItem, StorageItemSchema, StorageService } from "./gen/querator/v1/storage_pb.js";
+import { type StorageItem, StorageItemSchema } from "./gen/querator/v1/storage_pb.js";
 
 export const DEFAULT_ADDRESS = "127.0.0.1:2319";
 /** The API's limits: items per request, and bytes per request (batches stay under). */
@@ -68,6 +80,19 @@ export interface TlsOptions {
 export interface ClientOptions {
   /** host:port of the server; default: $QUERATOR_ADDRESS, else 127.0.0.1:2319. */
   address?: string;
+  /** A cluster's bootstrap addresses (host:port of some of its nodes; the first that
+   * answers tells the client the rest). Instead of `address`. */
+  addresses?: readonly string[];
+  /** In a cluster: how often the client reads the cluster's map again. Default 30 s. */
+  clusterRefreshMs?: number;
+  /** Where the client logs (nodes going down and coming back): `console` fits.
+   * Default: nothing is logged. */
+  logger?: Logger;
+  /** Retry a Produce after UNAVAILABLE even when it may have been stored (a reply lost
+   * with its node): never loses an item, may store a batch twice. Default false: only a
+   * Produce that never reached a server, or whose items all carry idempotency keys, is
+   * retried. */
+  retryProduce?: boolean;
   /** Deadline of each call in milliseconds (Lease: its wait plus leaseMarginMs). Default 30 s. */
   timeoutMs?: number;
   /** Extra time a Lease call gets over its wait before the client gives up. Default 5 s. */
@@ -85,8 +110,31 @@ export interface ClientOptions {
   /** Send Produce and Lease requests over a ProduceStream / LeaseStream per queue
    * (default true), as the Python SDK does; unary calls with servers that lack them. */
   streams?: boolean;
-  /** Full control: a Connect transport built by the caller (address and tls then unused). */
+  /** Full control: a Connect transport built by the caller (address and tls then unused;
+   * no cluster routing: every call goes through it). */
   transport?: Transport;
+}
+
+/** Where a call must or may go in a cluster. */
+type Target =
+  | { to: "any" }
+  | { to: "produce"; queue: string }
+  | { to: "lease"; queue: string }
+  | { to: "home"; queue: string; partition: number }
+  | { to: "key"; queue: string; key: string };
+
+const ANY: Target = { to: "any" };
+
+/** Connection errors that mean the request never left this process. */
+const NOT_CONNECTED = new Set(["ECONNREFUSED", "EHOSTUNREACH", "ENETUNREACH", "ENOTFOUND", "EAI_AGAIN", "EADDRNOTAVAIL"]);
+
+/** Whether `error` says the request was never sent: no connection to the node. */
+function neverSent(error: unknown): boolean {
+  for (let e: unknown = error, depth = 0; e instanceof Error && depth < 6; e = e.cause, depth++) {
+    const code = (e as NodeJS.ErrnoException).code;
+    if (typeof code === "string" && NOT_CONNECTED.has(code)) return true;
+  }
+  return false;
 }
 
 type Settings = Required<Pick<ClientOptions, "timeoutMs" | "leaseMarginMs" | "retries" | "maxInFlight">>;
@@ -127,20 +175,35 @@ function isItem(value: ProduceInput): value is Item {
  *     }
  */
 export class Client {
+  /** The (first) address the client was given. */
   readonly address: string;
+  /** Every bootstrap address. */
+  readonly addresses: readonly string[];
   readonly #settings: Settings;
-  readonly #transport: Transport;
-  readonly #queue: ConnectClient<typeof QueueService>;
-  readonly #queues: ConnectClient<typeof QueuesService>;
-  readonly #storage: ConnectClient<typeof StorageService>;
-  readonly #keys: ConnectClient<typeof KeysService>;
   readonly #closing = new AbortController();
-  /** The open ProduceStream and LeaseStream of each queue (key: kind and queue). */
-  readonly #openStreams = new Map<string, RequestStream<unknown, unknown>>();
+  /** The channel to the first address (or the caller's transport). */
+  readonly #default: NodeChannel;
+  /** A channel per node address, the first address's among them. */
+  readonly #channels = new Map<string, NodeChannel>();
+  readonly #makeChannel: ((address: string) => NodeChannel) | undefined;
+  /** The cluster's map; `clustered` false for a single server (then every call goes
+   * to #default, with no further look at it). */
+  readonly #map: ClusterMap;
+  readonly #refreshMs: number;
+  readonly #retryProduce: boolean;
+  #refreshing: Promise<void> | undefined;
+  #refreshedAt = -Infinity;
+  /** Queues to ask ClusterInfo about on the next refresh. */
+  readonly #wanted = new Set<string>();
+  /** No first ClusterInfo before this time (it failed). */
+  #discoverAfter = -Infinity;
   #streams: boolean;
 
   constructor(options: ClientOptions = {}) {
-    this.address = options.address || process.env["QUERATOR_ADDRESS"] || DEFAULT_ADDRESS;
+    const addresses = options.addresses?.filter(Boolean) ?? [];
+    if (!addresses.length) addresses.push(options.address || process.env["QUERATOR_ADDRESS"] || DEFAULT_ADDRESS);
+    this.addresses = addresses;
+    this.address = addresses[0]!;
     this.#settings = {
       timeoutMs: options.timeoutMs ?? 30_000,
       leaseMarginMs: options.leaseMarginMs ?? 5_000,
@@ -148,70 +211,242 @@ export class Client {
       maxInFlight: options.maxInFlight ?? 4,
     };
     this.#streams = options.streams ?? true;
+    this.#refreshMs = options.clusterRefreshMs ?? 30_000;
+    this.#retryProduce = options.retryProduce ?? false;
+    this.#map = new ClusterMap(options.logger);
     if (this.#settings.retries < 0) throw new RangeError("retries must not be negative");
     if (this.#settings.maxInFlight < 1) throw new RangeError("maxInFlight must be at least 1");
+    if (!(this.#refreshMs > 0)) throw new RangeError("clusterRefreshMs must be positive");
     const headers: [string, string][] = Object.entries(options.metadata ?? {});
     if (options.bearerToken) headers.push(["authorization", `Bearer ${options.bearerToken}`]);
     const addHeaders: Interceptor = (next) => (req) => {
       for (const [key, value] of headers) req.header.set(key, value);
       return next(req);
     };
-    this.#transport = options.transport ?? this.#makeTransport(options.tls, headers.length ? [addHeaders] : []);
-    this.#queue = createClient(QueueService, this.#transport);
-    this.#queues = createClient(QueuesService, this.#transport);
-    this.#storage = createClient(StorageService, this.#transport);
-    this.#keys = createClient(KeysService, this.#transport);
+    const interceptors = headers.length ? [addHeaders] : [];
+    if (options.transport) {
+      this.#default = new NodeChannel(this.address, options.transport);
+      this.#map.clustered = false; // the caller's transport: one server as far as we know
+    } else {
+      this.#default = new NodeChannel(this.address, this.#makeTransport(this.address, options.tls, interceptors));
+      this.#makeChannel = (address) => {
+        const session = new Http2SessionManager(`${this.#secure(options.tls) ? "https" : "http"}://${address}`, {}, this.#nodeOptions(options.tls));
+        return new NodeChannel(address, this.#makeTransport(address, options.tls, interceptors, session), session);
+      };
+    }
+    this.#channels.set(this.address, this.#default);
   }
 
-  #makeTransport(tls: ClientOptions["tls"], interceptors: Interceptor[]): Transport {
-    const secure = tls !== undefined && tls !== false;
+  #secure(tls: ClientOptions["tls"]): boolean {
+    return tls !== undefined && tls !== false;
+  }
+
+  #nodeOptions(tls: ClientOptions["tls"]): Record<string, unknown> {
+    if (!this.#secure(tls)) return {};
     const t: TlsOptions = typeof tls === "object" ? tls : {};
-    const nodeOptions = secure
-      ? {
-          ...(t.ca !== undefined ? { ca: t.ca } : {}),
-          ...(t.cert !== undefined ? { cert: t.cert } : {}),
-          ...(t.key !== undefined ? { key: t.key } : {}),
-          ...(t.serverName !== undefined ? { servername: t.serverName } : {}),
-        }
-      : {};
+    return {
+      ...(t.ca !== undefined ? { ca: t.ca } : {}),
+      ...(t.cert !== undefined ? { cert: t.cert } : {}),
+      ...(t.key !== undefined ? { key: t.key } : {}),
+      ...(t.serverName !== undefined ? { servername: t.serverName } : {}),
+    };
+  }
+
+  #makeTransport(address: string, tls: ClientOptions["tls"], interceptors: Interceptor[], sessionManager?: Http2SessionManager): Transport {
     return createGrpcTransport({
-      baseUrl: `${secure ? "https" : "http"}://${this.address}`,
+      baseUrl: `${this.#secure(tls) ? "https" : "http"}://${address}`,
       interceptors,
-      nodeOptions,
+      nodeOptions: this.#nodeOptions(tls),
+      ...(sessionManager ? { sessionManager } : {}),
       // A reply of 1,000 leased items may be large; requests stay under the API's 5 MB.
       readMaxBytes: 64 << 20,
     });
   }
 
-  /** Cancel the calls in flight (they fail with Cancelled); the connection is closed
+  /** Cancel the calls in flight (they fail with Cancelled); the connections are closed
    * once idle. */
   close(): void {
     this.#closing.abort();
-    for (const stream of this.#openStreams.values()) stream.close(new Cancelled("the client was closed", Code.Canceled));
-    this.#openStreams.clear();
+    for (const channel of this.#channels.values()) channel.close(new Cancelled("the client was closed", Code.Canceled));
+  }
+
+  /** Whether the server is a cluster node (undefined until the first data call asked). */
+  get clustered(): boolean | undefined {
+    return this.#map.clustered;
+  }
+
+  // -- the cluster's map -------------------------------------------------------------------
+
+  #channel(address: string, node: string): NodeChannel {
+    let channel = this.#channels.get(address);
+    if (!channel) {
+      channel = this.#makeChannel!(address);
+      this.#channels.set(address, channel);
+    }
+    channel.node = node;
+    return channel;
+  }
+
+  /** Ask ClusterInfo (about the queues the map places and those wanted) of the nodes in
+   * turn: live ones first, then the bootstrap addresses. One at a time: a caller that
+   * comes while one runs waits for it. */
+  #refresh(queue?: string): Promise<void> {
+    if (queue !== undefined) this.#wanted.add(queue);
+    this.#refreshing ??= this.#askCluster().finally(() => (this.#refreshing = undefined));
+    return this.#refreshing;
+  }
+
+  async #askCluster(): Promise<void> {
+    const now = performance.now();
+    const known = this.#map.clustered ? this.#map.queues() : [];
+    const asked = [...new Set([...known, ...this.#wanted])];
+    this.#wanted.clear();
+    const candidates = [...new Set([...this.#map.liveAddresses(now), ...this.addresses])];
+    const timeoutMs = Math.min(this.#settings.timeoutMs, 5_000);
+    let failure: unknown;
+    for (const address of candidates) {
+      if (this.#closing.signal.aborted) return;
+      const channel = this.#channels.get(address) ?? (this.#makeChannel ? this.#channel(address, this.#map.nodeAt(address) ?? "") : this.#default);
+      try {
+        const answer = await channel.cluster.clusterInfo({ queueNames: asked }, { timeoutMs, signal: this.#closing.signal });
+        const gone = this.#map.apply(answer, asked.length ? asked : undefined, performance.now());
+        this.#refreshedAt = performance.now();
+        for (const address of gone) {
+          const old = this.#channels.get(address);
+          if (!old || old === this.#default) continue;
+          this.#channels.delete(address);
+          old.close(new Unavailable(`node at ${address} left the cluster`, Code.Unavailable), true);
+        }
+        return;
+      } catch (error) {
+        const mapped = fromConnectError(error);
+        if (mapped.code === Code.Unimplemented) {
+          this.#map.clustered ??= false; // a server from before ClusterService: one server
+          return;
+        }
+        failure = mapped;
+        if (!(mapped instanceof Unavailable || mapped instanceof Cancelled)) break; // not a node problem
+      }
+    }
+    if (this.#map.clustered === undefined) {
+      // No answer yet: calls go to the first address meanwhile; ask again later.
+      this.#discoverAfter = performance.now() + (failure instanceof Unavailable ? DOWN_FIRST_MS : this.#refreshMs);
+    }
+  }
+
+  /** The channel a call for `target` goes to. */
+  async #channelFor(target: Target): Promise<NodeChannel> {
+    if (this.#map.clustered === undefined) {
+      if (performance.now() < this.#discoverAfter) return this.#default;
+      await this.#refresh("queue" in target ? target.queue : undefined);
+      if (!this.#map.clustered) return this.#default;
+    }
+    const now = performance.now();
+    if (now - this.#refreshedAt >= this.#refreshMs) void this.#refresh();
+    if (target.to === "any") return this.#anyChannel(now);
+    for (let i = 0; i < 2 && this.#map.needsLookup(target.queue, now); i++) await this.#refresh(target.queue);
+    if (target.to === "home" || target.to === "key") {
+      let node = target.to === "home" ? this.#map.home(target.queue, target.partition) : this.#map.keyHome(target.queue, target.key);
+      if (node !== undefined && this.#map.address(node) === "") {
+        // The map says its home is down: once, in case the map is stale, read it again.
+        await this.#refreshIfOlder(DOWN_FIRST_MS);
+        node = target.to === "home" ? this.#map.home(target.queue, target.partition) : this.#map.keyHome(target.queue, target.key);
+      }
+      if (node === undefined) return this.#anyChannel(now); // a partition the map does not know: let a node answer
+      const address = this.#map.address(node);
+      if (address === "") {
+        const what = target.to === "home" ? `partition ${target.partition}` : `the partition of lease key ${JSON.stringify(target.key)}`;
+        throw new Unavailable(
+          `${what} of queue ${target.queue} lives on node ${node}, which is down; its items are served again when it returns`,
+          Code.Unavailable,
+        );
+      }
+      return this.#channel(address, node);
+    }
+    if (this.#map.statsDue(target.queue, now)) void this.#count(target.queue, now);
+    const node = target.to === "produce" ? this.#map.produceNode(target.queue, now) : this.#map.leaseNode(target.queue, now);
+    if (node === undefined) return this.#anyChannel(now); // every home down as far as we know: a node says so
+    return this.#channel(this.#map.address(node), node);
+  }
+
+  /** A node for a call any node answers: the first address while it is up, else a live one. */
+  #anyChannel(now: number): NodeChannel {
+    const node = this.#map.nodeAt(this.address);
+    if (node === undefined || (this.#map.address(node) !== "" && !this.#map.isDown(node, now))) return this.#default;
+    const address = this.#map.liveAddresses(now)[0];
+    return address === undefined ? this.#default : this.#channel(address, this.#map.nodeAt(address) ?? "");
+  }
+
+  #refreshIfOlder(ms: number): Promise<void> {
+    return performance.now() - this.#refreshedAt >= ms ? this.#refresh() : Promise.resolve();
+  }
+
+  /** Count what waits on each node's partitions of `queue` (GetQueueStats), for routing. */
+  async #count(queue: string, now: number): Promise<void> {
+    this.#map.statsAsked(queue, now);
+    try {
+      const r = await this.#anyChannel(now).queues.getQueueStats({ queueName: queue }, { timeoutMs: 2_000, signal: this.#closing.signal });
+      this.#map.applyStats(
+        queue,
+        r.partitions.map((p) => ({ partition: p.partition, ready: Number(p.total - p.totalLeased) })),
+        performance.now(),
+      );
+    } catch {
+      // the counts stay as they were; the next call asks again after a second
+    }
+  }
+
+  /** After a call to `channel` failed with UNAVAILABLE: skip its node, read the map again. */
+  async #nodeFailed(channel: NodeChannel, error: QueratorError): Promise<void> {
+    const node = channel.node || this.#map.nodeAt(channel.address);
+    if (node) this.#map.markDown(node, performance.now(), error.rawMessage);
+    await this.#refreshIfOlder(DOWN_FIRST_MS);
   }
 
   // -- calling ----------------------------------------------------------------------------
 
-  /** One call, with the deadline, the signals, and retries after UNAVAILABLE when `retry`. */
+  /**
+   * One call, with the deadline, the signals, and retries after UNAVAILABLE when `retry`.
+   * In a cluster it goes to the node for `target`; a node that fails UNAVAILABLE is
+   * skipped from then on and the call goes once, at once, to another node when that is
+   * safe (`retry`, or it never reached the node).
+   */
   async #call<T>(
-    invoke: (options: { signal: AbortSignal; timeoutMs: number }) => Promise<T>,
+    invoke: (channel: NodeChannel, options: { signal: AbortSignal; timeoutMs: number }) => Promise<T>,
     options: CallOptions | undefined,
     retry: boolean,
     kind: CallKind = {},
     timeoutMs?: number,
+    target: Target = ANY,
   ): Promise<T> {
     if (this.#closing.signal.aborted) throw new QueratorError("the client is closed");
     const signal = options?.signal ? AbortSignal.any([options.signal, this.#closing.signal]) : this.#closing.signal;
     const deadline = timeoutMs ?? options?.timeoutMs ?? this.#settings.timeoutMs;
+    let failedOver = false;
     for (let attempt = 1; ; attempt++) {
+      let channel: NodeChannel | undefined;
       try {
-        return await invoke({ signal, timeoutMs: deadline });
+        channel = this.#map.clustered === false ? this.#default : await this.#channelFor(target);
+        const result = await invoke(channel, { signal, timeoutMs: deadline });
+        if (channel.node) this.#map.markUp(channel.node);
+        return result;
       } catch (error) {
         let mapped = fromConnectError(error, kind);
         if (mapped instanceof Cancelled && !signal.aborted) {
           // Cancelled without being asked to: the connection or the stream was cut.
           mapped = new Unavailable(mapped.rawMessage, Code.Unavailable, { cause: error });
+        }
+        if (this.#map.clustered && channel && !signal.aborted) {
+          if (mapped instanceof Unavailable && !closedHere(mapped)) {
+            await this.#nodeFailed(channel, mapped);
+            if (!failedOver && (retry || neverSent(mapped)) && target.to !== "home" && target.to !== "key") {
+              failedOver = true;
+              attempt--;
+              continue;
+            }
+          } else if ("queue" in target && (mapped instanceof QueueNotFound || (mapped instanceof InvalidRequest && /partition/.test(mapped.rawMessage)))) {
+            void this.#refreshIfOlder(DOWN_FIRST_MS); // the map may be stale: the queue or its partitions changed
+          }
         }
         if (!(retry && mapped instanceof Unavailable && attempt <= this.#settings.retries && !signal.aborted)) throw mapped;
       }
@@ -239,12 +474,16 @@ export class Client {
       enqueueAt?: Date;
       batchSize?: number;
       maxInFlight?: number;
+      /** Retry after UNAVAILABLE even when a batch may have been stored (default: the
+       * client's retryProduce). */
+      retry?: boolean;
     } & CallOptions = {},
   ): Promise<ProduceResult> {
     const list: Iterable<ProduceInput> =
       typeof items === "string" || items instanceof Uint8Array || !(Symbol.iterator in items) ? [items as ProduceInput] : items;
     const batchSize = Math.max(1, Math.min(options.batchSize ?? MAX_BATCH, MAX_BATCH));
     const window = options.maxInFlight ?? this.#settings.maxInFlight;
+    const retryProduce = options.retry ?? this.#retryProduce;
     const shared = Boolean(options.encoding || options.kind || options.reference || options.enqueueAt);
     const ids: string[][] = [];
     const partitions: number[][] = [];
@@ -264,7 +503,7 @@ export class Client {
         : create(ProduceRequestSchema, { queueName, requestTimeout, items: batch.map((e) => (e instanceof Uint8Array ? { payload: e } : e)) });
       const keyed = !compact && batch.every((e) => !(e instanceof Uint8Array) && Boolean(e.idempotencyKey));
       ids[index] = new Array<string>(batch.length).fill("");
-      return this.#produceCall(queueName, request, options, keyed).then(
+      return this.#produceCall(queueName, request, options, keyed || retryProduce).then(
         (response) => {
           ids[index] = response.ids;
           partitions[index] = new Array<number>(batch.length).fill(response.partition);
@@ -319,21 +558,31 @@ export class Client {
   }
 
   /** One Produce: over the queue's ProduceStream, else (streams off, or a server
-   * without it) a unary call. */
+   * without it) a unary call. In a cluster: to a node homing partitions of the queue
+   * (the home of the first idempotency key's partition when the items carry keys). */
   #produceCall(queueName: string, request: ProduceRequest, options: CallOptions, retry: boolean): Promise<ProduceResponse> {
-    const unary = (): Promise<ProduceResponse> => this.#call((o) => this.#queue.produce(request, o), options, retry);
+    const key = request.items.find((item) => item.idempotencyKey)?.idempotencyKey;
+    const target: Target = key ? { to: "key", queue: queueName, key } : { to: "produce", queue: queueName };
+    const count = request.payloads.length + request.items.length;
+    const produced = (channel: NodeChannel, response: ProduceResponse): ProduceResponse => {
+      if (channel.node) this.#map.produced(queueName, channel.node, count - response.duplicates);
+      return response;
+    };
+    const unary = (): Promise<ProduceResponse> =>
+      this.#call(async (c, o) => produced(c, await c.queue.produce(request, o)), options, retry, {}, undefined, target);
     const timeoutMs = options.timeoutMs ?? this.#settings.timeoutMs;
     const message: ProduceStreamRequest = { $typeName: "querator.v1.ProduceStreamRequest", request };
-    const open = (requests: AsyncIterable<ProduceStreamRequest>, signal: AbortSignal): AsyncIterable<ProduceStreamResponse> =>
-      this.#queue.produceStream(requests, { signal });
-    return this.#streamCall(`produce\0${queueName}`, open, message, timeoutMs, options, retry, {}, false, unary);
+    const open = (c: NodeChannel, requests: AsyncIterable<ProduceStreamRequest>, signal: AbortSignal): AsyncIterable<ProduceStreamResponse> =>
+      c.queue.produceStream(requests, { signal });
+    return this.#streamCall(`produce\0${queueName}`, open, message, timeoutMs, options, retry, {}, false, unary, target, produced);
   }
 
-  /** One request on the stream of `key` (opened when missing or broken), with the
-   * unary call's errors and retries; `unary` for a server without the streams. */
+  /** One request on the stream of `key` on the target's node (opened when missing or
+   * broken), with the unary call's errors, retries and routing; `unary` for a server
+   * without the streams. */
   async #streamCall<Req, V>(
     key: string,
-    open: (requests: AsyncIterable<Req>, signal: AbortSignal) => AsyncIterable<StreamAnswer<V>>,
+    open: (channel: NodeChannel, requests: AsyncIterable<Req>, signal: AbortSignal) => AsyncIterable<StreamAnswer<V>>,
     message: Req,
     timeoutMs: number,
     options: CallOptions,
@@ -341,38 +590,44 @@ export class Client {
     kind: CallKind,
     cancelAbandoned: boolean,
     unary: () => Promise<V>,
+    target: Target,
+    answered: (channel: NodeChannel, value: V) => V,
   ): Promise<V> {
     if (!this.#streams) return unary();
-    for (let attempt = 1; ; attempt++) {
-      if (this.#closing.signal.aborted) throw new QueratorError("the client is closed");
-      let stream = this.#openStreams.get(key) as RequestStream<Req, StreamAnswer<V>> | undefined;
+    let missing = false;
+    const ask = async (channel: NodeChannel): Promise<V> => {
+      let stream = channel.streams.get(key) as RequestStream<Req, StreamAnswer<V>> | undefined;
       if (!stream || stream.broken) {
         const opened: RequestStream<Req, StreamAnswer<V>> = new RequestStream(
-          open,
+          (requests, signal) => open(channel, requests, signal),
           () => {
-            if (this.#openStreams.get(key) === opened) this.#openStreams.delete(key);
+            if (channel.streams.get(key) === opened) channel.streams.delete(key);
           },
           cancelAbandoned,
         );
-        this.#openStreams.set(key, opened as RequestStream<unknown, unknown>);
+        channel.streams.set(key, opened as RequestStream<unknown, unknown>);
         stream = opened;
       }
-      let error: QueratorError;
+      let answer: StreamAnswer<V>;
       try {
-        const answer = await stream.ask(message, timeoutMs, options.signal);
-        if (answer.result.case === "response") return answer.result.value;
-        const e = answer.result.value ?? { code: Code.Unknown, message: "an empty answer", fields: [] };
-        error = fromStatus(e.code as Code, e.message, e.fields.map((field) => ({ field, description: "" })), kind);
-        if (error instanceof Unauthenticated) stream.close(); // the next one opens with fresh credentials
+        answer = await stream.ask(message, timeoutMs, options.signal);
       } catch (e) {
-        error = e instanceof QueratorError ? e : fromConnectError(e, kind);
-        if (error.code === Code.Unimplemented) {
-          this.#streams = false; // a server from before the streams
-          return unary();
-        }
+        const error = e instanceof QueratorError ? e : fromConnectError(e, kind);
+        if (error.code === Code.Unimplemented) missing = true; // a server from before the streams
+        throw error;
       }
-      if (!(retry && error instanceof Unavailable && attempt <= this.#settings.retries && !options.signal?.aborted)) throw error;
-      await sleep(backoffMs(attempt), options.signal);
+      if (answer.result.case === "response") return answered(channel, answer.result.value);
+      const e = answer.result.value ?? { code: Code.Unknown, message: "an empty answer", fields: [] };
+      const error = fromStatus(e.code as Code, e.message, e.fields.map((field) => ({ field, description: "" })), kind);
+      if (error instanceof Unauthenticated) stream.close(); // the next one opens with fresh credentials
+      throw error;
+    };
+    try {
+      return await this.#call(ask, options.signal ? { signal: options.signal } : undefined, retry, kind, timeoutMs, target);
+    } catch (error) {
+      if (!missing) throw error;
+      this.#streams = false;
+      return unary();
     }
   }
 
@@ -414,13 +669,25 @@ export class Client {
     };
     const retry = completing.length === 0;
     const kind = { itemCall: completing.length > 0 };
-    const unary = (): Promise<LeaseResponse> => this.#call((o) => this.#queue.lease(request, o), options, retry, kind, timeoutMs);
-    const open = (requests: AsyncIterable<LeaseStreamRequestInit>, signal: AbortSignal): AsyncIterable<LeaseStreamResponse> =>
-      this.#queue.leaseStream(requests, { signal });
+    // Completing items: at their home, which leases from its own partitions (or, empty,
+    // from the others'), so the completion takes no hop.
+    const target: Target = completing.length
+      ? home(queueName, completing[0]!.partition)
+      : request.leaseKey
+        ? { to: "key", queue: queueName, key: request.leaseKey }
+        : { to: "lease", queue: queueName };
+    const leased = (channel: NodeChannel, response: LeaseResponse): LeaseResponse => {
+      if (channel.node) this.#map.leased(queueName, channel.node, response.columns?.ids.length ?? response.items.length);
+      return response;
+    };
+    const unary = (): Promise<LeaseResponse> =>
+      this.#call(async (c, o) => leased(c, await c.queue.lease(request, o)), options, retry, kind, timeoutMs, target);
+    const open = (c: NodeChannel, requests: AsyncIterable<LeaseStreamRequestInit>, signal: AbortSignal): AsyncIterable<LeaseStreamResponse> =>
+      c.queue.leaseStream(requests, { signal });
     // A Lease that waits holds back the answers behind it on its stream: one stream per
     // client_id and queue, so only that consumer's own requests wait behind it.
     const key = `lease\0${queueName}\0${request.clientId}`;
-    const response = await this.#streamCall(key, open, { request }, timeoutMs, options, retry, kind, true, unary);
+    const response = await this.#streamCall(key, open, { request }, timeoutMs, options, retry, kind, true, unary, target, leased);
     markAll(completing, "completed");
     return this.#leased(response);
   }
@@ -506,12 +773,12 @@ export class Client {
   ): Promise<void> {
     for (const [queueName, partition, members] of groupRefs(items)) {
       const request = { queueName, partition, ids: members.map((m) => m.id) };
-      await this.#call((o) => this.#queue.complete(request, o), options, false, { itemCall: true });
+      await this.#call((c, o) => c.queue.complete(request, o), options, false, { itemCall: true }, undefined, home(queueName, partition));
       markAll(members, "completed");
     }
     for (const keys of leaseKeyChunks(options.leaseKeys, options.queueName)) {
       const request = { queueName: options.queueName!, leaseKeys: keys };
-      await this.#call((o) => this.#queue.complete(request, o), options, true, { itemCall: true });
+      await this.#call((c, o) => c.queue.complete(request, o), options, true, { itemCall: true }, undefined, byKey(request.queueName, keys));
     }
   }
 
@@ -529,7 +796,7 @@ export class Client {
         partition,
         items: members.map((m) => ({ id: m.id, dead, ...(at ? { retryAt: toTimestamp(at) } : {}) })),
       };
-      await this.#call((o) => this.#queue.retry(request, o), options, false, { itemCall: true });
+      await this.#call((c, o) => c.queue.retry(request, o), options, false, { itemCall: true }, undefined, home(queueName, partition));
       markAll(members, dead ? "dead" : "retried");
     }
   }
@@ -545,7 +812,7 @@ export class Client {
     let keyItemsExtended = 0;
     for (const [queueName, partition, members] of groupRefs(items)) {
       const request = { queueName, partition, ids: members.map((m) => m.id), ...leaseTimeout };
-      const response = await this.#call((o) => this.#queue.extend(request, o), options, true, { itemCall: true });
+      const response = await this.#call((c, o) => c.queue.extend(request, o), options, true, { itemCall: true }, undefined, home(queueName, partition));
       response.leaseDeadlines.forEach((ts, i) => {
         const date = fromTimestamp(ts)!;
         deadlines.push(date);
@@ -555,7 +822,7 @@ export class Client {
     }
     for (const keys of leaseKeyChunks(options.leaseKeys, options.queueName)) {
       const request = { queueName: options.queueName!, leaseKeys: keys, ...leaseTimeout };
-      const response = await this.#call((o) => this.#queue.extend(request, o), options, true, { itemCall: true });
+      const response = await this.#call((c, o) => c.queue.extend(request, o), options, true, { itemCall: true }, undefined, byKey(request.queueName, keys));
       keyItemsExtended += response.keyItemsExtended;
     }
     return { deadlines, keyItemsExtended };
@@ -566,12 +833,12 @@ export class Client {
   /** Create a queue; QueueExists when the name is taken. */
   async createQueue(name: string, settings: QueueSettings = {}, options?: CallOptions): Promise<QueueInfo> {
     const [queue] = queueInfoMessage(name, settings);
-    const response = await this.#call((o) => this.#queues.createQueue({ queue }, o), options, false);
+    const response = await this.#call((c, o) => c.queues.createQueue({ queue }, o), options, false);
     return queueInfo(response.queue);
   }
 
   async getQueue(name: string, options?: CallOptions): Promise<QueueInfo> {
-    const response = await this.#call((o) => this.#queues.getQueue({ queueName: name }, o), options, true);
+    const response = await this.#call((c, o) => c.queues.getQueue({ queueName: name }, o), options, true);
     return queueInfo(response.queue);
   }
 
@@ -579,7 +846,7 @@ export class Client {
   listQueues(options: { pageSize?: number; pageToken?: string } & CallOptions = {}): Pager<QueueInfo> {
     return new Pager(async (pageToken): Promise<Page<QueueInfo>> => {
       const request = { pageSize: options.pageSize ?? 0, pageToken };
-      const response = await this.#call((o) => this.#queues.listQueues(request, o), options, true);
+      const response = await this.#call((c, o) => c.queues.listQueues(request, o), options, true);
       return { items: response.queues.map(queueInfo), nextPageToken: response.nextPageToken };
     }, options.pageToken);
   }
@@ -589,14 +856,14 @@ export class Client {
     const [queue, paths] = queueInfoMessage(name, settings);
     if (!paths.length) throw new RangeError("updateQueue needs at least one setting to change");
     const request = { queue, updateMask: create(FieldMaskSchema, { paths }) };
-    const response = await this.#call((o) => this.#queues.updateQueue(request, o), options, true);
+    const response = await this.#call((c, o) => c.queues.updateQueue(request, o), options, true);
     return queueInfo(response.queue);
   }
 
   /** Delete a queue and its items (`force` when it still holds items). */
   async deleteQueue(name: string, options: { force?: boolean } & CallOptions = {}): Promise<void> {
     const request = { queueName: name, force: options.force ?? false };
-    await this.#call((o) => this.#queues.deleteQueue(request, o), options, false);
+    await this.#call((c, o) => c.queues.deleteQueue(request, o), options, false);
   }
 
   /** Remove items without deleting the queue: ready ones (default), scheduled ones,
@@ -611,11 +878,11 @@ export class Client {
       scheduled: options.scheduled ?? false,
       destructive: options.destructive ?? false,
     };
-    await this.#call((o) => this.#queues.clearQueue(request, o), options, true);
+    await this.#call((c, o) => c.queues.clearQueue(request, o), options, true);
   }
 
   async queueStats(name: string, options?: CallOptions): Promise<QueueStats> {
-    const r = await this.#call((o) => this.#queues.getQueueStats({ queueName: name }, o), options, true);
+    const r = await this.#call((c, o) => c.queues.getQueueStats({ queueName: name }, o), options, true);
     const partitions: PartitionStats[] = r.partitions.map((p) => ({
       partition: p.partition,
       total: Number(p.total),
@@ -649,7 +916,7 @@ export class Client {
     const partition = options.partition ?? 0;
     return new Pager(async (pageToken) => {
       const request = { queueName, partition, pageSize: options.pageSize ?? 0, pageToken };
-      const r = await this.#call((o) => this.#storage.listItems(request, o), options, true);
+      const r = await this.#call((c, o) => c.storage.listItems(request, o), options, true, {}, undefined, { to: "home", queue: queueName, partition });
       return { items: r.items.map((i) => storedItem(i, partition)), nextPageToken: r.nextPageToken };
     }, options.pageToken);
   }
@@ -662,7 +929,7 @@ export class Client {
     const partition = options.partition ?? 0;
     return new Pager(async (pageToken) => {
       const request = { queueName, partition, pageSize: options.pageSize ?? 0, pageToken };
-      const r = await this.#call((o) => this.#storage.listScheduledItems(request, o), options, true);
+      const r = await this.#call((c, o) => c.storage.listScheduledItems(request, o), options, true, {}, undefined, { to: "home", queue: queueName, partition });
       return { items: r.items.map((i) => storedItem(i, partition)), nextPageToken: r.nextPageToken };
     }, options.pageToken);
   }
@@ -677,7 +944,7 @@ export class Client {
     const ids: string[] = [];
     for (let start = 0; start < all.length; start += MAX_BATCH) {
       const request = { queueName, partition: options.partition ?? 0, items: all.slice(start, start + MAX_BATCH) };
-      const r = await this.#call((o) => this.#storage.importItems(request, o), options, false);
+      const r = await this.#call((c, o) => c.storage.importItems(request, o), options, false, {}, undefined, home(queueName, request.partition));
       ids.push(...r.ids);
     }
     return ids;
@@ -688,7 +955,7 @@ export class Client {
     const all = [...ids];
     for (let start = 0; start < all.length; start += MAX_BATCH) {
       const request = { queueName, partition: options.partition ?? 0, ids: all.slice(start, start + MAX_BATCH) };
-      await this.#call((o) => this.#storage.deleteItems(request, o), options, true);
+      await this.#call((c, o) => c.storage.deleteItems(request, o), options, true, {}, undefined, home(queueName, request.partition));
     }
   }
 
@@ -699,20 +966,29 @@ export class Client {
     const value = ROLE_VALUES[role];
     if (value === undefined) throw new RangeError(`role must be one of ${Object.keys(ROLE_VALUES).join(", ")}`);
     const request = { role: value, queues: typeof queues === "string" ? [queues] : [...queues], description: options.description ?? "" };
-    const r = await this.#call((o) => this.#keys.createKey(request, o), options, false, { keyCall: true });
+    const r = await this.#call((c, o) => c.keys.createKey(request, o), options, false, { keyCall: true });
     return { key: apiKey(r.key), token: r.token };
   }
 
   /** Every key, sorted by id (never the tokens). */
   async listKeys(options?: CallOptions): Promise<ApiKey[]> {
-    const r = await this.#call((o) => this.#keys.listKeys({}, o), options, true, { keyCall: true });
+    const r = await this.#call((c, o) => c.keys.listKeys({}, o), options, true, { keyCall: true });
     return r.keys.map((k) => apiKey(k));
   }
 
   /** Delete a key; calls with its token fail with Unauthenticated from then on. */
   async revokeKey(keyId: string, options?: CallOptions): Promise<void> {
-    await this.#call((o) => this.#keys.revokeKey({ keyId }, o), options, false, { keyCall: true });
+    await this.#call((c, o) => c.keys.revokeKey({ keyId }, o), options, false, { keyCall: true });
   }
+}
+
+function home(queue: string, partition: number): Target {
+  return { to: "home", queue, partition };
+}
+
+/** The node of the first key's partition: where the server sends a keys-only call. */
+function byKey(queue: string, keys: readonly string[]): Target {
+  return { to: "key", queue, key: keys[0] ?? "" };
 }
 
 // -- conversions ---------------------------------------------------------------------------

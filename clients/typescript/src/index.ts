@@ -51,4 +51,5 @@ export type {
   StoredItem,
 } from "./models.js";
 export { Pager } from "./paging.js";
+export type { Logger } from "./routing.js";
 export { Worker, backoff, type Handler, type WorkerHooks, type WorkerOptions, type WorkerStats } from "./worker.js";

@@ -57,6 +57,20 @@ class Outbox<T> implements AsyncIterable<T> {
   }
 }
 
+/** Errors of streams this client closed itself (not a node failing). */
+const closedByUs = new WeakSet<QueratorError>();
+
+/** Whether the stream failed because this client closed it (an abandoned Lease, fresh
+ * credentials), not because its node failed. */
+export function closedHere(error: QueratorError): boolean {
+  return closedByUs.has(error);
+}
+
+function local(error: QueratorError): QueratorError {
+  closedByUs.add(error);
+  return error;
+}
+
 /** How long a stream with nothing in flight stays open. */
 export const IDLE_MS = 1000;
 
@@ -106,7 +120,7 @@ export class RequestStream<Req, Res> {
       const abandon = (error: QueratorError): void => {
         const sent = !waiter.gone;
         stop(error);
-        if (sent && this.#cancelAbandoned) this.close(new Unavailable("the stream was cancelled for a request its caller gave up on", Code.Unavailable));
+        if (sent && this.#cancelAbandoned) this.close(local(new Unavailable("the stream was cancelled for a request its caller gave up on", Code.Unavailable)));
       };
       const onAbort = (): void => abandon(new Cancelled("the call was cancelled", Code.Canceled));
       const waiter: Waiter<Res> = {
@@ -130,7 +144,7 @@ export class RequestStream<Req, Res> {
   }
 
   /** Close the stream: the requests in flight on it fail with `error`. */
-  close(error: QueratorError = new Unavailable("the stream was closed", Code.Unavailable)): void {
+  close(error: QueratorError = local(new Unavailable("the stream was closed", Code.Unavailable))): void {
     clearTimeout(this.#idle);
     if (this.#broken) return;
     this.#broken = error;
