@@ -17,7 +17,7 @@ import {
   fromConnectError,
   fromStatus,
 } from "./errors.js";
-import { ClusterMap, DOWN_FIRST_MS, type Logger } from "./routing.js";
+import { ClusterMap, DOWN_CAP_MS, DOWN_FIRST_MS, type Logger } from "./routing.js";
 import { RequestStream, closedHere } from "./streams.js";
 import { LeasedItem, type LeaseState } from "./items.js";
 import type {
@@ -337,12 +337,16 @@ export class Client {
   /** The channel a call for `target` goes to. */
   async #channelFor(target: Target): Promise<NodeChannel> {
     if (this.#map.clustered === undefined) {
-      if (performance.now() < this.#discoverAfter) return this.#default;
+      // Calls any node answers need no map, unless the first address may be down.
+      if (performance.now() < this.#discoverAfter || (target.to === "any" && this.addresses.length === 1)) return this.#default;
       await this.#refresh("queue" in target ? target.queue : undefined);
       if (!this.#map.clustered) return this.#default;
     }
     const now = performance.now();
-    if (now - this.#refreshedAt >= this.#refreshMs) void this.#refresh();
+    // While a member is down the map is read more often, so calls go back to it soon
+    // after it returns.
+    const period = this.#map.allLive() ? this.#refreshMs : Math.min(this.#refreshMs, DOWN_CAP_MS / 2);
+    if (now - this.#refreshedAt >= period) void this.#refresh();
     if (target.to === "any") return this.#anyChannel(now);
     for (let i = 0; i < 2 && this.#map.needsLookup(target.queue, now); i++) await this.#refresh(target.queue);
     if (target.to === "home" || target.to === "key") {
@@ -363,7 +367,12 @@ export class Client {
       }
       return this.#channel(address, node);
     }
-    if (this.#map.statsDue(target.queue, now)) void this.#count(target.queue, now);
+    if (this.#map.statsDue(target.queue, now)) {
+      // The first count is awaited (once per queue), so the first calls already go where
+      // the items are; later ones refresh it in the background.
+      const counting = this.#count(target.queue, now);
+      if (!this.#map.counted(target.queue)) await counting;
+    }
     const node = target.to === "produce" ? this.#map.produceNode(target.queue, now) : this.#map.leaseNode(target.queue, now);
     if (node === undefined) return this.#anyChannel(now); // every home down as far as we know: a node says so
     return this.#channel(this.#map.address(node), node);
@@ -382,8 +391,12 @@ export class Client {
   }
 
   /** Count what waits on each node's partitions of `queue` (GetQueueStats), for routing. */
-  async #count(queue: string, now: number): Promise<void> {
+  #count(queue: string, now: number): Promise<void> {
     this.#map.statsAsked(queue, now);
+    return this.#counting(queue, now);
+  }
+
+  async #counting(queue: string, now: number): Promise<void> {
     try {
       const r = await this.#anyChannel(now).queues.getQueueStats({ queueName: queue }, { timeoutMs: 2_000, signal: this.#closing.signal });
       this.#map.applyStats(

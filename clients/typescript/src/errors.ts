@@ -189,11 +189,12 @@ export function fromConnectError(error: unknown, kind: CallKind = {}): QueratorE
       violations.push(...decodeBadRequest(detail.value));
     }
   }
-  // A failure of the connection itself (a TLS handshake the client refused, say) is
-  // reported by Connect as INTERNAL or UNKNOWN with the socket's error as its cause: no
-  // server answered, so it is Unavailable, as gRPC's own clients report it.
+  // A failure of the connection itself (a TLS handshake the client refused, say, or a
+  // connection reset by a server that died) is reported by Connect as INTERNAL, UNKNOWN
+  // or ABORTED with the socket's error as its cause: no server answered, so it is
+  // Unavailable, as gRPC's own clients report it.
   const cause: unknown = connect.cause;
-  if ((connect.code === Code.Internal || connect.code === Code.Unknown) && cause instanceof Error && typeof (cause as NodeJS.ErrnoException).code === "string") {
+  if ((connect.code === Code.Internal || connect.code === Code.Unknown || connect.code === Code.Aborted) && cause instanceof Error && typeof (cause as NodeJS.ErrnoException).code === "string") {
     return fromStatus(Code.Unavailable, `connection failed: ${connect.rawMessage}`, [], kind, error);
   }
   return fromStatus(connect.code, connect.rawMessage, violations, kind, error);

@@ -166,6 +166,12 @@ export class ClusterMap {
     return [...up, ...down];
   }
 
+  /** Whether every member is live by the map. */
+  allLive(): boolean {
+    for (const m of this.#members.values()) if (!m.live) return false;
+    return true;
+  }
+
   nodeAt(address: string): string | undefined {
     for (const [node, m] of this.#members) if (m.address === address) return node;
     return undefined;
@@ -268,6 +274,11 @@ export class ClusterMap {
     if (!homes || new Set(homes).size < 2) return false;
     const load = this.#loads.get(queue);
     return load === undefined || now - load.countedAt >= STATS_EVERY_MS;
+  }
+
+  /** Whether the queue's partitions were counted at least once. */
+  counted(queue: string): boolean {
+    return (this.#loads.get(queue)?.nodes.size ?? 0) > 0;
   }
 
   /** Mark a count in flight, so concurrent callers do not ask again. */

@@ -15,7 +15,7 @@ export const ROOT = resolve(dirname(fileURLToPath(import.meta.url)), "../../../.
 export const VENV = process.env["QUERATOR_VENV"] ?? join(ROOT, ".venv");
 export const PYTHON = join(VENV, "bin", "python");
 
-async function freePort(): Promise<number> {
+export async function freePort(): Promise<number> {
   return new Promise((resolvePort, reject) => {
     const probe = createServer();
     probe.once("error", reject);
@@ -89,6 +89,11 @@ export class ServerProcess {
     } finally {
       client.close();
     }
+  }
+
+  /** Send the server process a signal (e.g. SIGSTOP, SIGCONT). */
+  signal(signal: NodeJS.Signals): void {
+    this.#proc.kill(signal);
   }
 
   /** kill -9 the server, keeping its data directory. */

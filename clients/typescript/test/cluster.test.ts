@@ -1,0 +1,276 @@
+/** The client against a real cluster: etcd and three `querator serve --cluster` nodes
+ * (one cluster for this file). Where calls went is read from each node's own metrics
+ * (querator_rpc_requests counts every call a node answers, a forwarded one on both the
+ * node that forwarded it and the one that served it), or proved by pausing every node
+ * but the one a call must reach. */
+import assert from "node:assert/strict";
+import { after, before, test } from "node:test";
+
+import { createClient } from "@connectrpc/connect";
+import { createGrpcTransport } from "@connectrpc/connect-node";
+
+import { Client, type LeasedItem, type Logger, Unavailable } from "../src/index.js";
+import { ClusterService } from "../src/v1.js";
+import { TestCluster, etcdMissing } from "./cluster.js";
+import { queueName, waitUntil } from "./server.js";
+
+const skip = etcdMissing();
+let cluster: TestCluster;
+
+before(async () => {
+  if (!skip) cluster = await TestCluster.start(3);
+});
+
+after(async () => {
+  await cluster?.stop();
+});
+
+/** A plain Connect client of one node: no routing (for the tests' own look at things). */
+function direct(address: string): ReturnType<typeof createClient<typeof ClusterService>> {
+  return createClient(ClusterService, createGrpcTransport({ baseUrl: `http://${address}` }));
+}
+
+async function homes(queue: string): Promise<string[]> {
+  const info = await direct(cluster.addresses[0]!).clusterInfo({ queueNames: [queue] });
+  return info.queues[0]!.homes;
+}
+
+function routed(extra: ConstructorParameters<typeof Client>[0] = {}): Client {
+  return new Client({ addresses: cluster.addresses, timeoutMs: 10_000, ...extra });
+}
+
+async function total(method: string, queue: string): Promise<Map<string, number>> {
+  const out = new Map<string, number>();
+  for (const node of cluster.nodes) out.set(node.id, await cluster.rpcCount(node.id, method, queue));
+  return out;
+}
+
+async function drain(client: Client, queue: string, expected: number): Promise<LeasedItem[]> {
+  const items: LeasedItem[] = [];
+  await waitUntil(
+    async () => {
+      items.push(...(await client.lease(queue, { batchSize: 100, waitMs: 0 })));
+      return items.length >= expected;
+    },
+    30_000,
+    `${expected} items of ${queue}`,
+  );
+  return items;
+}
+
+test("Complete, Retry and Extend go straight to the item's home: no node forwards one", { skip }, async () => {
+  const q = queueName("home");
+  const client = routed();
+  try {
+    await client.createQueue(q, { partitions: 6 });
+    const placed = await homes(q);
+    assert.equal(new Set(placed).size, 3, `partitions on every node: ${placed.join(",")}`);
+    await client.produce(q, Array.from({ length: 60 }, (_, i) => `item ${i}`), { batchSize: 5 });
+    const items = await drain(client, q, 60);
+    assert.equal(new Set(items.map((i) => i.partition)).size, 6, "items from every partition");
+
+    const byNode = new Map<string, number>();
+    for (const item of items) byNode.set(placed[item.partition]!, (byNode.get(placed[item.partition]!) ?? 0) + 1);
+    for (const item of items) await item.extend({ leaseTimeoutMs: 60_000 });
+    const retried = items.slice(0, 12);
+    for (const item of retried) await item.retry();
+    for (const item of items.slice(12)) await item.complete();
+    const again = await drain(client, q, 12);
+    for (const item of again) await item.complete();
+
+    // One call per item, each counted once and only by its home: a call sent elsewhere
+    // would be counted twice (by the node it reached and by the home it was forwarded to).
+    const extends_ = await total("Extend", q);
+    const completes = await total("Complete", q);
+    const retries = await total("Retry", q);
+    for (const [node, count] of byNode) assert.equal(extends_.get(node), count, `Extend calls answered by ${node}`);
+    assert.equal([...completes.values()].reduce((a, b) => a + b, 0), 60);
+    assert.equal([...retries.values()].reduce((a, b) => a + b, 0), 12);
+    const againByNode = new Map<string, number>();
+    for (const item of [...items.slice(12), ...again]) againByNode.set(placed[item.partition]!, (againByNode.get(placed[item.partition]!) ?? 0) + 1);
+    for (const [node, count] of againByNode) assert.equal(completes.get(node), count, `Complete calls answered by ${node}`);
+
+    // And structurally: with every other node paused, items of one node's partitions
+    // still complete at once (a call through a paused node would hang to its deadline).
+    const target = placed[0]!;
+    await client.produce(q, Array.from({ length: 30 }, (_, i) => `more ${i}`), { batchSize: 5 });
+    const held = (await drain(client, q, 30)).filter((i) => placed[i.partition] === target);
+    assert.ok(held.length > 0, "some items on the chosen node");
+    const others = cluster.nodes.filter((n) => n.id !== target);
+    for (const n of others) n.server.signal("SIGSTOP");
+    try {
+      for (const item of held) await item.complete({ timeoutMs: 3_000 });
+    } finally {
+      for (const n of others) n.server.signal("SIGCONT");
+    }
+    assert.ok(held.every((i) => i.state === "completed"));
+  } finally {
+    client.close();
+  }
+});
+
+test("Produce spreads over the nodes; Lease goes to the node whose partitions hold the items", { skip }, async () => {
+  const q = queueName("spread");
+  const client = routed();
+  try {
+    await client.createQueue(q, { partitions: 6 });
+    const placed = await homes(q);
+    await client.produce(q, Array.from({ length: 6000 }, (_, i) => `item ${i}`), { batchSize: 100 });
+    const stats = await client.queueStats(q);
+    const perNode = new Map<string, number>();
+    for (const p of stats.partitions) perNode.set(placed[p.partition]!, (perNode.get(placed[p.partition]!) ?? 0) + p.total);
+    const mean = 6000 / 3;
+    for (const [node, count] of perNode) assert.ok(count <= 1.5 * mean, `${node} holds ${count} of 6000 items (mean ${mean})`);
+    assert.equal(perNode.size, 3);
+    await client.clearQueue(q);
+
+    // Items only on one node (produced there by a client that does not route): a
+    // routing consumer's Leases go straight to that node, none through another.
+    const lone = placed[0]!;
+    const there = new Client({ transport: createGrpcTransport({ baseUrl: `http://${cluster.node(lone).server.address}` }) });
+    try {
+      await there.produce(q, Array.from({ length: 30 }, (_, i) => `lone ${i}`));
+    } finally {
+      there.close();
+    }
+    const before = await total("LeaseStream", q);
+    const forwardedBefore = await cluster.rpcCount(lone, "Lease", q);
+    const consumer = routed();
+    try {
+      const got: LeasedItem[] = [];
+      for (let i = 0; i < 3; i++) got.push(...(await consumer.lease(q, { batchSize: 10, waitMs: 0 })));
+      assert.equal(got.length, 30);
+      assert.ok(got.every((item) => placed[item.partition] === lone));
+      const after = await total("LeaseStream", q);
+      for (const node of cluster.nodes) {
+        const leases = after.get(node.id)! - before.get(node.id)!;
+        assert.equal(leases, node.id === lone ? 3 : 0, `Leases answered by ${node.id}`);
+      }
+      assert.equal(await cluster.rpcCount(lone, "Lease", q), forwardedBefore, "no Lease forwarded to the node with the items");
+      await consumer.complete(got);
+    } finally {
+      consumer.close();
+    }
+  } finally {
+    client.close();
+  }
+});
+
+test("no consumer idles while another node has ready items", { skip }, async () => {
+  const q = queueName("idle");
+  const admin = routed();
+  await admin.createQueue(q, { partitions: 3 });
+  const placed = await homes(q);
+  const consumers = [routed(), routed(), routed()];
+  try {
+    // Three consumers waiting (30 s) before anything is there, on whichever nodes their
+    // turn gives them; then items arrive on one node only.
+    const started = Date.now();
+    const waiting = consumers.map((c, i) => c.lease(q, { batchSize: 100, waitMs: 30_000, clientId: `c${i}` }));
+    await new Promise((r) => setTimeout(r, 300));
+    const lone = placed[2]!;
+    const there = new Client({ transport: createGrpcTransport({ baseUrl: `http://${cluster.node(lone).server.address}` }) });
+    try {
+      await there.produce(q, Array.from({ length: 20 }, (_, i) => `x ${i}`));
+    } finally {
+      there.close();
+    }
+    // The first consumer to see them takes all 20 (batchSize 100), whichever node it waits on.
+    const first = await Promise.race(waiting.map((p, i) => p.then((items) => ({ i, items }))));
+    assert.equal(first.items.length, 20);
+    assert.ok(Date.now() - started < 25_000, "the items reached a waiting consumer before its wait ran out");
+    await admin.complete(first.items);
+    // The others keep waiting; more items reach them the same way.
+    const rest = waiting.filter((_, i) => i !== first.i);
+    const other = new Client({ transport: createGrpcTransport({ baseUrl: `http://${cluster.node(placed[0]!).server.address}` }) });
+    try {
+      await other.produce(q, ["late"]);
+    } finally {
+      other.close();
+    }
+    const second = await Promise.race(rest);
+    assert.deepEqual(second.map((i) => i.text), ["late"]);
+    await admin.complete(second);
+  } finally {
+    for (const c of consumers) c.close();
+    admin.close();
+  }
+});
+
+test("a node killed -9 costs no error to Produce or Lease, and nothing acknowledged is lost", { skip }, async () => {
+  const q = queueName("kill");
+  const logged: string[] = [];
+  const logger: Logger = { warn: (m) => logged.push(m), info: (m) => logged.push(m) };
+  const admin = routed();
+  await admin.createQueue(q, { partitions: 6, leaseTimeoutMs: 3_000 });
+  const placed = await homes(q);
+  const victim = "n3";
+  const producer = routed({ retryProduce: true, logger });
+  const consumer = routed({ logger: {} });
+  const acknowledged = new Set<string>();
+  const leasedIds = new Set<string>();
+  const completeFailures: { partition: number; error: unknown }[] = [];
+  const failures: unknown[] = [];
+  let produced = 0;
+  let stop = false;
+  const going = (what: string) => (): boolean => {
+    if (failures.length) throw new Error(`an error reached the user (${what}): ${failures.map(String).join("; ")}`);
+    return true;
+  };
+  try {
+    const produce = (async () => {
+      for (let batch = 0; !stop; batch++) {
+        const result = await producer.produce(q, Array.from({ length: 20 }, (_, i) => `b${batch}-${i}`), { batchSize: 10 });
+        for (const id of result.ids) acknowledged.add(id);
+        produced += 20;
+        await new Promise((r) => setTimeout(r, 10));
+      }
+    })().catch((error: unknown) => void failures.push(error));
+    const consume = (async () => {
+      while (!stop) {
+        const items = await consumer.lease(q, { batchSize: 20, waitMs: 200 });
+        for (const item of items) {
+          leasedIds.add(item.id);
+          try {
+            await item.complete();
+          } catch (error) {
+            completeFailures.push({ partition: item.partition, error });
+          }
+        }
+      }
+    })().catch((error: unknown) => void failures.push(error));
+    await waitUntil(() => going("before")() && produced >= 200 && leasedIds.size >= 100, 30_000, "traffic before the kill");
+    await cluster.node(victim).server.kill();
+    const killedAt = produced;
+    await waitUntil(() => going("after the kill")() && produced >= killedAt + 400, 60_000, "produce going on after the kill");
+    stop = true;
+    await Promise.all([produce, consume]);
+    going("at the end")();
+
+    assert.ok(logged.some((m) => m.includes(`node ${victim} is down`)), `logged: ${logged.join(" | ")}`);
+    for (const { partition, error } of completeFailures) {
+      assert.ok(error instanceof Unavailable, String(error));
+      assert.equal(placed[partition], victim, "only items homed on the dead node fail to complete");
+    }
+
+    // Back: every acknowledged item is there, on the node that took it.
+    await cluster.restart(victim);
+    await waitUntil(
+      async () => {
+        const items = await consumer.lease(q, { batchSize: 100, waitMs: 500 });
+        for (const item of items) {
+          leasedIds.add(item.id);
+          await item.complete();
+        }
+        return [...acknowledged].every((id) => leasedIds.has(id)) && (await admin.queueStats(q)).total === 0;
+      },
+      60_000,
+      "every acknowledged item leased after the restart",
+    );
+  } finally {
+    stop = true;
+    producer.close();
+    consumer.close();
+    admin.close();
+  }
+});
