@@ -132,12 +132,17 @@ export class TestCluster {
   }
 
   /** querator_rpc_requests_total of a node for `method` and `queue`, all status codes. */
-  async rpcCount(id: string, method: string, queue: string): Promise<number> {
+  rpcCount(id: string, method: string, queue: string): Promise<number> {
+    return this.metric(id, "querator_rpc_requests_total", { method, queue });
+  }
+
+  /** The sum of a node's series of `name` whose labels include `labels`. */
+  async metric(id: string, name: string, labels: Record<string, string>): Promise<number> {
     const text = await (await fetch(`http://${this.node(id).metrics}/metrics`)).text();
+    const wanted = Object.entries(labels).map(([k, v]) => `${k}="${v}"`);
     let total = 0;
     for (const line of text.split("\n")) {
-      if (!line.startsWith("querator_rpc_requests_total{")) continue;
-      if (!line.includes(`method="${method}"`) || !line.includes(`queue="${queue}"`)) continue;
+      if (!line.startsWith(`${name}{`) || !wanted.every((w) => line.includes(w))) continue;
       total += Number(line.slice(line.lastIndexOf(" ") + 1));
     }
     return total;
