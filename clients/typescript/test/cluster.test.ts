@@ -243,6 +243,22 @@ test("a node killed -9 costs no error to Produce or Lease, and nothing acknowled
     await waitUntil(() => going("before")() && produced >= 200 && leasedIds.size >= 100, 30_000, "traffic before the kill");
     await cluster.node(victim).server.kill();
     const killedAt = produced;
+    // A client that still sees the dead node as live (its membership lasts a TTL more):
+    // a Produce it sends there never arrives, so it goes to another node, even without
+    // retryProduce.
+    const lateLog: string[] = [];
+    const late = routed({ logger: { warn: (m) => lateLog.push(m) } });
+    try {
+      for (let i = 0; i < 20; i++) {
+        const result = await late.produce(q, [`late ${i}`, `late ${i}b`], { maxInFlight: 1 });
+        for (const id of result.ids) acknowledged.add(id);
+      }
+    } finally {
+      late.close();
+    }
+    // 20 batches, each sent to the dead node with a chance of a third or more until
+    // the client knew: it did find out, from a refused connection.
+    assert.ok(lateLog.some((m) => m.includes(`node ${victim} is down`)), `logged: ${lateLog.join(" | ")}`);
     await waitUntil(() => going("after the kill")() && produced >= killedAt + 400, 60_000, "produce going on after the kill");
     stop = true;
     await Promise.all([produce, consume]);
