@@ -1,7 +1,7 @@
 import { type MessageInitShape } from "@bufbuild/protobuf";
 import { FieldMaskSchema } from "@bufbuild/protobuf/wkt";
 import { create } from "@bufbuild/protobuf";
-import { Code, type Interceptor, type Transport } from "@connectrpc/connect";
+import { Code, ConnectError, type Interceptor, type Transport } from "@connectrpc/connect";
 import { Http2SessionManager, createGrpcTransport } from "@connectrpc/connect-node";
 
 import { fromDuration, fromMicros, fromTimestamp, payloadBytes, toDuration, toTimestamp } from "./convert.js";
@@ -127,6 +127,25 @@ const ANY: Target = { to: "any" };
 
 /** Connection errors that mean the request never left this process. */
 const NOT_CONNECTED = new Set(["ECONNREFUSED", "EHOSTUNREACH", "ENETUNREACH", "ENOTFOUND", "EAI_AGAIN", "EADDRNOTAVAIL"]);
+
+/** Errors a server answered on a stream (a status, not a broken connection). */
+const answeredOnStream = new WeakSet<QueratorError>();
+
+/**
+ * Whether an UNAVAILABLE says the node itself is gone (no connection, a connection cut,
+ * a stream broken, or the server shutting down) rather than something the node answered
+ * about one queue or partition (storage failing, a faulty partition, etcd down): only the
+ * first makes the client skip the node.
+ */
+function nodeGone(raw: unknown, error: QueratorError): boolean {
+  if (closedHere(error)) return false;
+  if (/shutting down/.test(error.rawMessage)) return true;
+  if (answeredOnStream.has(error)) return false;
+  // A status sent by a server comes as a ConnectError of its own, without a cause;
+  // Connect's own errors for a failed connection or a reset stream carry the socket's
+  // error or name the HTTP/2 reset.
+  return !(raw instanceof ConnectError && raw.cause === undefined && !raw.rawMessage.startsWith("http/2"));
+}
 
 /** Whether `error` says the request was never sent: no connection to the node. */
 function neverSent(error: unknown): boolean {
@@ -450,7 +469,7 @@ export class Client {
           mapped = new Unavailable(mapped.rawMessage, Code.Unavailable, { cause: error });
         }
         if (this.#map.clustered && channel && !signal.aborted) {
-          if (mapped instanceof Unavailable && !closedHere(mapped)) {
+          if (mapped instanceof Unavailable && nodeGone(error, mapped)) {
             await this.#nodeFailed(channel, mapped);
             if (!failedOver && (retry || neverSent(mapped)) && target.to !== "home" && target.to !== "key") {
               failedOver = true;
@@ -633,6 +652,7 @@ export class Client {
       const e = answer.result.value ?? { code: Code.Unknown, message: "an empty answer", fields: [] };
       const error = fromStatus(e.code as Code, e.message, e.fields.map((field) => ({ field, description: "" })), kind);
       if (error instanceof Unauthenticated) stream.close(); // the next one opens with fresh credentials
+      answeredOnStream.add(error);
       throw error;
     };
     try {
