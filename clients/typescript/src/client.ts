@@ -476,6 +476,8 @@ export class Client {
               attempt--;
               continue;
             }
+          } else if (mapped instanceof Unavailable && (target.to === "produce" || target.to === "lease") && channel.node) {
+            this.#map.markQueueDown(target.queue, channel.node, performance.now()); // retried (if at all) on another node
           } else if ("queue" in target && (mapped instanceof QueueNotFound || (mapped instanceof InvalidRequest && /partition/.test(mapped.rawMessage)))) {
             void this.#refreshIfOlder(DOWN_FIRST_MS); // the map may be stale: the queue or its partitions changed
           }

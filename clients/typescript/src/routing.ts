@@ -90,6 +90,7 @@ export class ClusterMap {
   readonly #placements = new Map<string, Placement>();
   readonly #absent = new Map<string, number>();
   readonly #down = new Map<string, Down>();
+  readonly #queueDown = new Map<string, Down>();
   readonly #loads = new Map<string, QueueLoad>();
   readonly #logger: Logger | undefined;
 
@@ -197,6 +198,16 @@ export class ClusterMap {
     }
   }
 
+  /** `node` answered UNAVAILABLE about `queue` (its storage failing, its partitions
+   * faulty): leave it out of that queue's Produce and Lease for a while, not logged as
+   * the node going down. */
+  markQueueDown(queue: string, node: string, now: number): void {
+    const key = `${queue}\0${node}`;
+    const d = this.#queueDown.get(key);
+    const delayMs = d === undefined ? DOWN_FIRST_MS : now >= d.until ? Math.min(d.delayMs * 2, DOWN_CAP_MS) : d.delayMs;
+    this.#queueDown.set(key, { until: Math.max(d?.until ?? 0, now + delayMs), delayMs });
+  }
+
   /** A call to `node` succeeded. */
   markUp(node: string): void {
     if (this.#down.delete(node)) this.#logger?.info?.(`querator: node ${node} answers again`);
@@ -225,6 +236,12 @@ export class ClusterMap {
     const out = new Map<string, number>();
     for (const node of this.homes(queue) ?? []) {
       if (this.#usable(node, now)) out.set(node, (out.get(node) ?? 0) + 1);
+    }
+    if (this.#queueDown.size && out.size > 1) {
+      for (const node of [...out.keys()]) {
+        const d = this.#queueDown.get(`${queue}\0${node}`);
+        if (d && now < d.until && out.size > 1) out.delete(node);
+      }
     }
     return out;
   }

@@ -4,6 +4,7 @@
  * node that forwarded it and the one that served it), or proved by pausing every node
  * but the one a call must reach. */
 import assert from "node:assert/strict";
+import { rmSync, writeFileSync } from "node:fs";
 import { after, before, test } from "node:test";
 
 import { createClient } from "@connectrpc/connect";
@@ -360,5 +361,48 @@ test("a single server: one ClusterInfo on the first data call, then nothing but 
   } finally {
     client.close();
     await server.stop();
+  }
+});
+
+test("a node whose storage fails stays in use: its UNAVAILABLE is about its items, not the node", { skip }, async () => {
+  const q = queueName("faulty");
+  const logged: string[] = [];
+  const client = routed({ logger: { warn: (m) => logged.push(m), info: (m) => logged.push(m) } });
+  try {
+    await client.createQueue(q, { partitions: 3 });
+    const placed = await homes(q);
+    await client.produce(q, Array.from({ length: 30 }, (_, i) => `f ${i}`), { batchSize: 5 });
+    const items = await drain(client, q, 30);
+    const sick = placed[items[0]!.partition]!;
+    const there = items.filter((i) => placed[i.partition] === sick);
+    writeFileSync(cluster.node(sick).faultFile, "io-error\n");
+    try {
+      await assert.rejects(client.complete(there), (e: unknown) => e instanceof Unavailable && /storage|faulty/.test(e.message));
+      // The node answered: it is not taken for gone. Produces keep going (retried, as
+      // the server answered that a batch was not stored; its partitions, once marked
+      // faulty, are passed over by the node itself).
+      await client.produce(q, Array.from({ length: 20 }, (_, i) => `g ${i}`), { batchSize: 2, retry: true });
+      assert.deepEqual(logged, []);
+    } finally {
+      rmSync(cluster.node(sick).faultFile, { force: true });
+    }
+    await waitUntil(
+      async () => {
+        try {
+          await client.complete(there.filter((i) => i.state === "leased"));
+          return true;
+        } catch (error) {
+          if (error instanceof Unavailable) return false;
+          throw error;
+        }
+      },
+      30_000,
+      "the items complete once the storage works again",
+    );
+    await client.complete(items.filter((i) => placed[i.partition] !== sick));
+    await drain(client, q, 20).then((rest) => client.complete(rest));
+    assert.deepEqual(logged, []);
+  } finally {
+    client.close();
   }
 });

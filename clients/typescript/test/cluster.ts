@@ -73,11 +73,13 @@ export class Etcd {
   }
 }
 
-/** One node: its server process, id and metrics address (kept across restarts). */
+/** One node: its server process, id, metrics address and fault file (kept across
+ * restarts; write the file to make the node's storage fail, see server faults.py). */
 export interface ClusterNode {
   id: string;
   server: ServerProcess;
   metrics: string;
+  faultFile: string;
 }
 
 export class TestCluster {
@@ -85,6 +87,7 @@ export class TestCluster {
   readonly url: string;
   readonly nodes: ClusterNode[] = [];
   readonly ttl: number;
+  readonly #faults = mkdtempSync(join(tmpdir(), "querator-ts-faults-"));
 
   private constructor(etcd: Etcd, ttl: number) {
     this.etcd = etcd;
@@ -100,7 +103,8 @@ export class TestCluster {
         Array.from({ length: size }, async (_, i) => {
           const metrics = `127.0.0.1:${await freePort()}`;
           const id = `n${i + 1}`;
-          return { id, metrics, server: await ServerProcess.start({ args: cluster.#args(id, metrics) }) };
+          const faultFile = join(cluster.#faults, id);
+          return { id, metrics, faultFile, server: await ServerProcess.start({ args: cluster.#args(id, metrics), env: { QUERATOR_FAULT_FILE: faultFile } }) };
         }),
       );
       cluster.nodes.push(...nodes);
@@ -128,7 +132,12 @@ export class TestCluster {
   /** Start a node again on its address and data directory (after kill()). */
   async restart(id: string): Promise<void> {
     const node = this.node(id);
-    node.server = await ServerProcess.start({ address: node.server.address, dataDir: node.server.dataDir, args: this.#args(id, node.metrics) });
+    node.server = await ServerProcess.start({
+      address: node.server.address,
+      dataDir: node.server.dataDir,
+      args: this.#args(id, node.metrics),
+      env: { QUERATOR_FAULT_FILE: node.faultFile },
+    });
   }
 
   /** querator_rpc_requests_total of a node for `method` and `queue`, all status codes. */
@@ -154,5 +163,6 @@ export class TestCluster {
       await node.server.stop();
     }
     await this.etcd.stop();
+    rmSync(this.#faults, { recursive: true, force: true });
   }
 }

@@ -83,3 +83,16 @@ test("a key's partition is the server's: crc32 of its UTF-8 bytes", async () => 
   const expected = JSON.parse(await python("import json, sys, zlib; print(json.dumps([zlib.crc32(k.encode()) % 7 for k in json.loads(sys.argv[1])]))", [JSON.stringify(keys)]));
   assert.deepEqual(keys.map((k) => keyPartition(k, 7)), expected);
 });
+
+test("a node that answered UNAVAILABLE about a queue is left out of that queue alone, never its last node", () => {
+  const logged: string[] = [];
+  const map = new ClusterMap({ warn: (m) => logged.push(m) });
+  map.apply({ ...answer(1, ["a", "b"]), queues: [{ queueName: "q", homes: ["a", "b"] }, { queueName: "r", homes: ["a", "b"] }] }, ["q", "r"], 0);
+  map.markQueueDown("q", "a", 0);
+  for (let i = 0; i < 10; i++) assert.equal(map.produceNode("q", 1, i / 10), "b");
+  assert.equal(map.produceNode("r", 1, 0), "a", "other queues still use the node");
+  map.markQueueDown("q", "b", 0);
+  assert.ok(map.produceNode("q", 1, 0) !== undefined, "with every node left out, one is still tried");
+  assert.equal(map.produceNode("q", DOWN_FIRST_MS + 1, 0), "a", "back after the backoff");
+  assert.deepEqual(logged, []);
+});
