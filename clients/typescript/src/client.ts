@@ -397,10 +397,11 @@ export class Client {
     return this.#channel(this.#map.address(node), node);
   }
 
-  /** A node for a call any node answers: the first address while it is up, else a live one. */
+  /** A node for a call any node answers: the first address while it is a member and
+   * up, else a live member. */
   #anyChannel(now: number): NodeChannel {
     const node = this.#map.nodeAt(this.address);
-    if (node === undefined || (this.#map.address(node) !== "" && !this.#map.isDown(node, now))) return this.#default;
+    if (node !== undefined && this.#map.address(node) !== "" && !this.#map.isDown(node, now)) return this.#default;
     const address = this.#map.liveAddresses(now)[0];
     return address === undefined ? this.#default : this.#channel(address, this.#map.nodeAt(address) ?? "");
   }

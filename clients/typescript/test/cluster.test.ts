@@ -406,3 +406,21 @@ test("a node whose storage fails stays in use: its UNAVAILABLE is about its item
     client.close();
   }
 });
+
+test("bootstrap addresses: the first that answers tells the client the rest", { skip }, async () => {
+  const dead = `127.0.0.1:${await freePort()}`; // nothing listens there
+  const client = new Client({ addresses: [dead, cluster.addresses[1]!], timeoutMs: 10_000, retries: 0 });
+  try {
+    const q = queueName("boot");
+    await client.createQueue(q, { partitions: 3 });
+    assert.equal(client.clustered, true);
+    await client.produce(q, Array.from({ length: 30 }, (_, i) => `b ${i}`), { batchSize: 1 });
+    const items = await drain(client, q, 30);
+    await client.complete(items);
+    // Every node took part, the one never named among them.
+    const placed = await homes(q);
+    assert.deepEqual(new Set(items.map((i) => placed[i.partition])), new Set(["n1", "n2", "n3"]));
+  } finally {
+    client.close();
+  }
+});
