@@ -311,7 +311,10 @@ export class Client {
    * comes while one runs waits for it. */
   #refresh(queue?: string): Promise<void> {
     if (queue !== undefined) this.#wanted.add(queue);
-    this.#refreshing ??= this.#askCluster().finally(() => (this.#refreshing = undefined));
+    // A refresh that fails leaves the map as it was: callers go on with it.
+    this.#refreshing ??= this.#askCluster()
+      .catch(() => undefined)
+      .finally(() => (this.#refreshing = undefined));
     return this.#refreshing;
   }
 
