@@ -2,8 +2,7 @@
  * Where each call goes in a cluster: the map read from ClusterInfo (members, each
  * queue's partition homes, at a catalog revision), which nodes are down, and what is
  * waiting on each node. No I/O here: the Client asks ClusterInfo and GetQueueStats and
- * feeds the answers in; this decides. Given the same answers, the Python SDK decides the
- * same way (docs/typescript.md § Clusters).
+ * feeds the answers in; this decides. The rules are those of docs/typescript.md § Clusters.
  *
  * - Produce goes to a live node homing partitions of the queue, weighted by how many it
  *   homes and against the items waiting there per partition (the node then spreads the
@@ -15,7 +14,11 @@
  *   them without a hop.
  * - A node that fails is skipped for backoff (0.5 s doubling to 10 s), then tried again.
  */
-import { crc32 } from "node:zlib";
+import * as zlib from "node:zlib";
+
+// zlib.crc32 came with Node 20.15; before it, keyed calls go to any node, which forwards
+// them to the key's home (one hop).
+const crc32 = (zlib as { crc32?: (data: Uint8Array) => number }).crc32;
 
 /** What the client logs through: `console` fits. Every method optional. */
 export interface Logger {
@@ -65,9 +68,10 @@ interface QueueLoad {
   leaseTurn: number;
 }
 
-/** The partition a key (idempotency or lease key) belongs to: as the server computes it. */
-export function keyPartition(key: string, partitions: number): number {
-  return crc32(Buffer.from(key, "utf8")) % partitions;
+/** The partition a key (idempotency or lease key) belongs to, as the server computes it
+ * (undefined on a Node without zlib.crc32). */
+export function keyPartition(key: string, partitions: number): number | undefined {
+  return crc32 ? crc32(Buffer.from(key, "utf8")) % partitions : undefined;
 }
 
 function weightedPick<T>(entries: readonly [T, number][], random: number): T | undefined {
@@ -228,7 +232,8 @@ export class ClusterMap {
   /** The node homing a key's partition. */
   keyHome(queue: string, key: string): string | undefined {
     const homes = this.homes(queue);
-    return homes && homes.length ? homes[keyPartition(key, homes.length)] : undefined;
+    const partition = homes && homes.length ? keyPartition(key, homes.length) : undefined;
+    return partition === undefined ? undefined : homes![partition];
   }
 
   /** The usable nodes homing partitions of `queue`, with how many each homes. */
