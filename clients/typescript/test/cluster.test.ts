@@ -424,3 +424,25 @@ test("bootstrap addresses: the first that answers tells the client the rest", { 
     client.close();
   }
 });
+
+test("the map is read once for many concurrent first calls (one ClusterInfo at a time)", { skip }, async () => {
+  const q = queueName("flight");
+  const admin = routed();
+  await admin.createQueue(q, { partitions: 3 });
+  admin.close();
+  const infos = async (): Promise<number> => {
+    let n = 0;
+    for (const node of cluster.nodes) n += await cluster.metric(node.id, "querator_rpc_requests_total", { method: "ClusterInfo" });
+    return n;
+  };
+  const before = await infos();
+  const client = routed();
+  try {
+    await Promise.all(Array.from({ length: 20 }, (_, i) => client.produce(q, [`c ${i}`])));
+    assert.equal(client.clustered, true);
+    assert.equal(await infos(), before + 1);
+    assert.equal((await client.queueStats(q)).total, 20);
+  } finally {
+    client.close();
+  }
+});
