@@ -31,6 +31,25 @@ function direct(address: string): ReturnType<typeof createClient<typeof ClusterS
   return createClient(ClusterService, createGrpcTransport({ baseUrl: `http://${address}` }));
 }
 
+/** Until every node sees every member live (after a pause or a restart). */
+async function allLive(): Promise<void> {
+  await waitUntil(
+    async () => {
+      for (const node of cluster.nodes) {
+        try {
+          const info = await direct(node.server.address).clusterInfo({ queueNames: ["-"] }, { timeoutMs: 2_000 });
+          if (info.members.length !== cluster.nodes.length || !info.members.every((m) => m.live) || !info.adminWritable) return false;
+        } catch {
+          return false;
+        }
+      }
+      return true;
+    },
+    30_000,
+    "every member live",
+  );
+}
+
 async function homes(queue: string): Promise<string[]> {
   const info = await direct(cluster.addresses[0]!).clusterInfo({ queueNames: [queue] });
   return info.queues[0]!.homes;
@@ -103,6 +122,7 @@ test("Complete, Retry and Extend go straight to the item's home: no node forward
       for (const item of held) await item.complete({ timeoutMs: 3_000 });
     } finally {
       for (const n of others) n.server.signal("SIGCONT");
+      await allLive(); // a pause past the membership TTL: registered again before the next test
     }
     assert.ok(held.every((i) => i.state === "completed"));
     await client.complete(more.filter((i) => placed[i.partition] !== target));
@@ -274,6 +294,7 @@ test("a node killed -9 costs no error to Produce or Lease, and nothing acknowled
 
     // Back: every acknowledged item is there, on the node that took it.
     await cluster.restart(victim);
+    await allLive();
     await waitUntil(
       async () => {
         const items = await consumer.lease(q, { batchSize: 100, waitMs: 500 });
