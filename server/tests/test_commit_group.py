@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -90,6 +91,33 @@ def test_cycles_of_several_queues_share_one_durable_commit(tmp_path: Any, lane: 
 
     assert _run(main()) == 1
     assert _read_back(path, names) == {n: {b"k": b"v%d" % i} for i, n in enumerate(names)}
+
+
+def test_a_cycle_joining_while_nothing_else_is_ready_is_committed_without_waiting_for_the_loop(
+    tmp_path: Any, lane: StorageLane
+) -> None:
+    # A plain call to a quiet queue of a group with other members: no other member can
+    # join before the loop next turns, so the commit must not wait for those turns.
+    path = str(tmp_path / "g")
+    names = [b"q1.p0", b"q2.p0"]
+
+    async def main() -> None:
+        group = _group(path, lane, members=3)
+        dbs = await _open_dbs(group, names)
+        for _ in range(3):
+            await asyncio.sleep(0)  # whatever the job left ready has run
+        before = group.commits
+        _, committed = await group.run(_put(dbs[0], b"k", b"alone"))
+        # The loop does not turn while this polls: the lane must have the commit already.
+        deadline = time.monotonic() + 30
+        while group.commits == before:
+            assert time.monotonic() < deadline, "the commit waited for the loop to turn"
+            time.sleep(0.005)
+        await committed
+        await group.close()
+
+    _run(main())
+    assert _read_back(path, names) == {names[0]: {b"k": b"alone"}, names[1]: {}}
 
 
 def test_a_failing_cycle_aborts_only_its_own_writes(tmp_path: Any, lane: StorageLane) -> None:

@@ -15,7 +15,10 @@ for the group goes through ``_hand``, which first commits what joined.
 A commit is handed to the lane after two turns of the loop: the first turn runs the
 callbacks that were ready when the first cycle joined, among them the actors woken
 by the last commit, and the second lets their cycles run, so they join this commit
-instead of each paying one of their own. A group with one queue commits at once.
+instead of each paying one of their own. A group with one queue commits at once, and
+so does any group when nothing else is ready to run on the loop as the first cycle
+joins: no member's actor is about to run then, and the two turns would only delay the
+commit (a plain call to a quiet queue of a busy group).
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ T = TypeVar("T")
 # commit, and with both cores busy it otherwise waits 300-400 µs for it. A commit of
 # one request is usually one of a quiet queue, which would pay the hand-over alone.
 HAND_OVER_AT = 2
+
+
+def _nothing_ready(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether no callback waits to run on ``loop`` (known of asyncio's own loops only)."""
+    ready = getattr(loop, "_ready", None)
+    return ready is not None and not ready
 
 
 @dataclass(slots=True)
@@ -114,7 +123,7 @@ class CommitGroup:
         done: asyncio.Future[None] = loop.create_future()
         self._joined.append((done, on_commit, None if on_durable is None else partial(on_durable, result)))
         self._requests += requests
-        if self.members <= 1:
+        if self.members <= 1 or _nothing_ready(loop):
             self._flush()
         elif not self._flush_scheduled:
             self._flush_scheduled = True
