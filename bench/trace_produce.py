@@ -1,18 +1,22 @@
-"""Where one plain Produce(1) call's time goes: a timestamp at every step from send to reply.
+"""Where one plain call's time goes: a timestamp at every step from send to reply.
 
-    .venv/bin/python bench/trace_produce.py [--calls 2000] [--items 1] [--at-commit REV]
+    .venv/bin/python bench/trace_produce.py [--call produce|lease|complete] [--calls 2000]
+                                            [--items 1] [--at-commit REV]
 
-Starts a server process whose functions on the Produce path are wrapped to take a
+Starts a server process whose functions on the call's path are wrapped to take a
 ``time.perf_counter_ns()`` stamp (CLOCK_MONOTONIC: one clock for every process), then
-sends ``--calls`` blocking Produce calls from a generated stub in another process, one
-at a time. Prints, for each step, the median time since the previous step and its share
-of the whole call. The wrappers add about a microsecond per stamp; the figures are for
-finding where the time goes, not for the latency table (bench/run.py --only W5).
+sends ``--calls`` blocking calls from a generated stub in another process, one at a
+time: Produce of ``--items`` items, or Lease of a batch of ``--items`` (from items
+produced beforehand), or Complete of the ``--items`` ids of one such Lease. Prints, for
+each step, the median time since the previous step and its share of the whole call.
+The wrappers add about a microsecond per stamp; the figures are for finding where the
+time goes, not for the latency table (bench/run.py --only W5).
 
 Steps, in order: the client sends; the handler starts (after gRPC read and parsed the
-request); the request is in the queue's inbox; the actor's cycle starts; the puts are
-done; the lane begins the commit; the fsync returns; the loop takes the lane's result;
-the request's future is resolved; the handler returns the reply; the client has it.
+request); the request is in the queue's inbox; the actor's cycle starts; the cycle has
+applied the request (Produce: the puts); the lane begins the commit; the fsync returns;
+the loop takes the lane's result; the request's future is resolved; the handler returns
+the reply; the client has it.
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ from typing import Any
 
 from common import HOST, free_port, median, stop_pid, wait_for_port
 
-STEPS = ["sent", "handler", "inbox", "cycle", "puts", "commit", "fsync", "delivered", "answered", "replied", "received"]
+STEPS = ["sent", "handler", "inbox", "cycle", "applied", "commit", "fsync", "delivered", "answered", "replied", "received"]
 
 
 def _install(stamps: list[tuple[str, int]]) -> None:
-    """Wrap the functions on the Produce path with stamps (in the server process)."""
+    """Wrap the functions on the paths of Produce, Lease and Complete with stamps (in the server process)."""
     import functools
 
     from querator_server.actor import commit_group, cycle, lane, logical_queue
@@ -71,10 +75,11 @@ def _install(stamps: list[tuple[str, int]]) -> None:
 
         setattr(owner, name, wrapped)
 
-    around(queue_service.QueueService, "produce", "handler", "replied")
+    for call in ("produce", "lease", "complete"):
+        around(queue_service.QueueService, call, "handler", "replied")
+        around(cycle.Cycle, call, None, "applied")
     around(logical_queue.LogicalQueue, "submit", "inbox", None)
     around(logical_queue.LogicalQueue, "_cycle", "cycle", None)
-    around(cycle.Cycle, "produce", None, "puts")
     around(commit_group.CommitGroup, "_commit", "commit", "fsync")
     around(queue_store.QueueStore, "_commit", "commit", "fsync")
     around(lane._Mailbox, "_deliver", "delivered", None)
@@ -103,7 +108,7 @@ def _server(port: int, data_dir: str, out_path: str, source_dir: str | None) -> 
     serve_main(["--address", f"{HOST}:{port}", "--data-dir", data_dir, "--log-level", "warning"])
 
 
-def _client(address: str, calls: int, items: int, out: Any) -> None:
+def _client(address: str, call: str, calls: int, items: int, out: Any) -> None:
     from plain_stub import PlainQueratorClient
 
     client = PlainQueratorClient(address)
@@ -113,14 +118,29 @@ def _client(address: str, calls: int, items: int, out: Any) -> None:
     asyncio.run(client.create_queue("trace", 1))
     payload = os.urandom(256)
     batch = [payload] * items
+    # Warm-up (its stamps are dropped), and what the timed calls need: items to lease,
+    # leases to complete.
     for _ in range(200):
         client.produce_sync("trace", batch)
+    for _ in range(100):
+        client.complete_sync("trace", client.lease_sync("trace", "trace", items, 0.01)[0])
+    tokens: list[object] = []
+    if call != "produce":
+        for _ in range(calls):
+            client.produce_sync("trace", batch)
+    if call == "complete":
+        tokens = [client.lease_sync("trace", "trace", items, 0.01)[0] for _ in range(calls)]
+    one = {
+        "produce": lambda: client.produce_sync("trace", batch),
+        "lease": lambda: client.lease_sync("trace", "trace", items, 0.01),
+        "complete": lambda: client.complete_sync("trace", tokens.pop()),
+    }[call]
     out.put("warm")
     assert out_ack.get() == "go"
     times: list[tuple[int, int]] = []
     for _ in range(calls):
         t = time.perf_counter_ns()
-        client.produce_sync("trace", batch)
+        one()
         times.append((t, time.perf_counter_ns()))
     out.put(times)
 
@@ -128,10 +148,10 @@ def _client(address: str, calls: int, items: int, out: Any) -> None:
 out_ack: Any = None
 
 
-def _client_main(address: str, calls: int, items: int, out: Any, ack: Any) -> None:
+def _client_main(address: str, call: str, calls: int, items: int, out: Any, ack: Any) -> None:
     global out_ack
     out_ack = ack
-    _client(address, calls, items, out)
+    _client(address, call, calls, items, out)
 
 
 def breakdown(stamps: list[tuple[str, int]], client_times: list[tuple[int, int]]) -> list[tuple[str, float, float]]:
@@ -162,10 +182,13 @@ def breakdown(stamps: list[tuple[str, int]], client_times: list[tuple[int, int]]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--call", choices=("produce", "lease", "complete"), default="produce")
     p.add_argument("--calls", type=int, default=2000)
-    p.add_argument("--items", type=int, default=1)
+    p.add_argument("--items", type=int, default=None, help="items per call (default: 1 for produce, else 100)")
     p.add_argument("--at-commit", metavar="REV")
     args = p.parse_args(argv)
+    if args.items is None:
+        args.items = 1 if args.call == "produce" else 100
     workdir = tempfile.mkdtemp(prefix="querator-trace-")
     source_dir = None
     if args.at_commit:
@@ -181,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_for_port(port, 60)
         out, ack = ctx.Queue(), ctx.Queue()
-        client = ctx.Process(target=_client_main, args=(f"{HOST}:{port}", args.calls, args.items, out, ack), daemon=True)
+        client = ctx.Process(target=_client_main, args=(f"{HOST}:{port}", args.call, args.calls, args.items, out, ack), daemon=True)
         client.start()
-        assert out.get(timeout=120) == "warm"
+        assert out.get(timeout=args.calls * 0.1 + 120) == "warm"
         os.kill(server.pid, signal.SIGUSR1)  # drop the warm-up's stamps from what counts
         time.sleep(0.5)
         with open(stamps_path) as f:
@@ -201,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_pid(server.pid, 5)
         shutil.rmtree(workdir, ignore_errors=True)
     rows = breakdown(stamps, client_times)
-    print(f"Produce({args.items}) through a blocking stub, {len(client_times)} calls, one in flight; median µs per step:")
+    print(f"{args.call.capitalize()}({args.items}) through a blocking stub, {len(client_times)} calls, one in flight; median µs per step:")
     print()
     print("| step (time since the previous one) | µs | share |")
     print("|---|---:|---:|")
