@@ -78,6 +78,10 @@ def _install(stamps: list[tuple[str, int]]) -> None:
     for call in ("produce", "lease", "complete"):
         around(queue_service.QueueService, call, "handler", "replied")
         around(cycle.Cycle, call, None, "applied")
+    acks = getattr(logical_queue, "_ACK", {})  # the actor calls acks through this table
+    for request_type in list(acks):
+        if request_type.__name__ == "CompleteRequest":
+            acks[request_type] = cycle.Cycle.complete
     around(logical_queue.LogicalQueue, "submit", "inbox", None)
     around(logical_queue.LogicalQueue, "_cycle", "cycle", None)
     around(commit_group.CommitGroup, "_commit", "commit", "fsync")
@@ -157,18 +161,29 @@ def _client_main(address: str, call: str, calls: int, items: int, out: Any, ack:
 def breakdown(stamps: list[tuple[str, int]], client_times: list[tuple[int, int]]) -> list[tuple[str, float, float]]:
     """(step, median µs since the previous step, share of the median call) per step."""
     # Calls are one at a time: the server's stamps between one call's send and its
-    # reply belong to it.
+    # reply belong to it. Each step is the first stamp of its name after the step
+    # before, so a stamp of the same name from elsewhere (another request answered in
+    # the same window) cannot put the steps out of order.
     gaps: dict[str, list[float]] = {s: [] for s in STEPS[1:]}
     totals: list[float] = []
     i = 0
     for sent, received in client_times:
         while i < len(stamps) and stamps[i][1] < sent:
             i += 1
-        mine: dict[str, int] = {}
+        window: list[tuple[str, int]] = []
         while i < len(stamps) and stamps[i][1] <= received:
-            mine.setdefault(stamps[i][0], stamps[i][1])
+            window.append(stamps[i])
             i += 1
-        seq = [("sent", sent), *((s, mine[s]) for s in STEPS[1:-1] if s in mine), ("received", received)]
+        seq = [("sent", sent)]
+        at = 0
+        for step in STEPS[1:-1]:
+            while at < len(window) and window[at][0] != step:
+                at += 1
+            if at == len(window):
+                break
+            seq.append(window[at])
+            at += 1
+        seq.append(("received", received))
         if len(seq) != len(STEPS):
             continue  # a step missing (e.g. a cycle that held two calls): not this call's own path
         for (_, a), (step, b) in zip(seq, seq[1:]):
