@@ -1,15 +1,16 @@
 """Where one plain call's time goes: a timestamp at every step from send to reply.
 
     .venv/bin/python bench/trace_produce.py [--call produce|lease|complete] [--calls 2000]
-                                            [--items 1] [--at-commit REV]
+                                            [--items 1] [--idle-queues 0] [--at-commit REV]
 
 Starts a server process whose functions on the call's path are wrapped to take a
 ``time.perf_counter_ns()`` stamp (CLOCK_MONOTONIC: one clock for every process), then
 sends ``--calls`` blocking calls from a generated stub in another process, one at a
 time: Produce of ``--items`` items, or Lease of a batch of ``--items`` (from items
-produced beforehand), or Complete of the ``--items`` ids of one such Lease. Prints, for
-each step, the median time since the previous step and its share of the whole call.
-The wrappers add about a microsecond per stamp; the figures are for finding where the
+produced beforehand), or Complete of the ``--items`` ids of one such Lease; with
+``--idle-queues N``, N more queues exist and share the traced queue's commit group
+without being called. Prints, for each step, the median time since the previous step
+and its share of the whole call. The wrappers add about a microsecond per stamp; the figures are for finding where the
 time goes, not for the latency table (bench/run.py --only W5).
 
 Steps, in order: the client sends; the handler starts (after gRPC read and parsed the
@@ -112,7 +113,7 @@ def _server(port: int, data_dir: str, out_path: str, source_dir: str | None) -> 
     serve_main(["--address", f"{HOST}:{port}", "--data-dir", data_dir, "--log-level", "warning"])
 
 
-def _client(address: str, call: str, calls: int, items: int, out: Any) -> None:
+def _client(address: str, call: str, calls: int, items: int, idle_queues: int, out: Any) -> None:
     from plain_stub import PlainQueratorClient
 
     client = PlainQueratorClient(address)
@@ -120,6 +121,8 @@ def _client(address: str, call: str, calls: int, items: int, out: Any) -> None:
     import asyncio
 
     asyncio.run(client.create_queue("trace", 1))
+    for n in range(idle_queues):  # members of the same commit group that stay quiet
+        asyncio.run(client.create_queue(f"idle-{n}", 1))
     payload = os.urandom(256)
     batch = [payload] * items
     # Warm-up (its stamps are dropped), and what the timed calls need: items to lease,
@@ -152,10 +155,10 @@ def _client(address: str, call: str, calls: int, items: int, out: Any) -> None:
 out_ack: Any = None
 
 
-def _client_main(address: str, call: str, calls: int, items: int, out: Any, ack: Any) -> None:
+def _client_main(address: str, call: str, calls: int, items: int, idle_queues: int, out: Any, ack: Any) -> None:
     global out_ack
     out_ack = ack
-    _client(address, call, calls, items, out)
+    _client(address, call, calls, items, idle_queues, out)
 
 
 def breakdown(stamps: list[tuple[str, int]], client_times: list[tuple[int, int]]) -> list[tuple[str, float, float]]:
@@ -200,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--call", choices=("produce", "lease", "complete"), default="produce")
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--items", type=int, default=None, help="items per call (default: 1 for produce, else 100)")
+    p.add_argument("--idle-queues", type=int, default=0, help="queues created beside the traced one (its commit group's other members), never called")
     p.add_argument("--at-commit", metavar="REV")
     args = p.parse_args(argv)
     if args.items is None:
@@ -219,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_for_port(port, 60)
         out, ack = ctx.Queue(), ctx.Queue()
-        client = ctx.Process(target=_client_main, args=(f"{HOST}:{port}", args.call, args.calls, args.items, out, ack), daemon=True)
+        client = ctx.Process(target=_client_main, args=(f"{HOST}:{port}", args.call, args.calls, args.items, args.idle_queues, out, ack), daemon=True)
         client.start()
         assert out.get(timeout=args.calls * 0.1 + 120) == "warm"
         os.kill(server.pid, signal.SIGUSR1)  # drop the warm-up's stamps from what counts
