@@ -93,31 +93,65 @@ def test_cycles_of_several_queues_share_one_durable_commit(tmp_path: Any, lane: 
     assert _read_back(path, names) == {n: {b"k": b"v%d" % i} for i, n in enumerate(names)}
 
 
-def test_a_cycle_joining_while_nothing_else_is_ready_is_committed_without_waiting_for_the_loop(
+def test_a_lone_queue_joining_while_nothing_else_is_ready_is_committed_without_waiting_for_the_loop(
     tmp_path: Any, lane: StorageLane
 ) -> None:
-    # A plain call to a quiet queue of a group with other members: no other member can
-    # join before the loop next turns, so the commit must not wait for those turns.
+    # A plain caller of one queue in a group with other (quiet) members: no other member
+    # can join before the loop next turns, so the commit must not wait for those turns.
     path = str(tmp_path / "g")
     names = [b"q1.p0", b"q2.p0"]
 
     async def main() -> None:
         group = _group(path, lane, members=3)
         dbs = await _open_dbs(group, names)
-        for _ in range(3):
-            await asyncio.sleep(0)  # whatever the job left ready has run
-        before = group.commits
-        _, committed = await group.run(_put(dbs[0], b"k", b"alone"))
-        # The loop does not turn while this polls: the lane must have the commit already.
-        deadline = time.monotonic() + 30
-        while group.commits == before:
-            assert time.monotonic() < deadline, "the commit waited for the loop to turn"
-            time.sleep(0.005)
-        await committed
+        for value in (b"first", b"alone"):
+            for _ in range(3):
+                await asyncio.sleep(0)  # whatever the last job or commit left ready has run
+            before = group.commits
+            _, committed = await group.run(_put(dbs[0], b"k", value), member="q1")
+            # The loop does not turn while this polls: the lane must have the commit already.
+            deadline = time.monotonic() + 30
+            while group.commits == before:
+                assert time.monotonic() < deadline, "the commit waited for the loop to turn"
+                time.sleep(0.005)
+            await committed
         await group.close()
 
     _run(main())
     assert _read_back(path, names) == {names[0]: {b"k": b"alone"}, names[1]: {}}
+
+
+def test_after_a_commit_of_several_queues_a_lone_cycle_still_waits_for_the_others(
+    tmp_path: Any, lane: StorageLane
+) -> None:
+    # Busy queues of one group keep sharing commits: after a commit that carried two
+    # queues, a cycle joining with nothing else ready still waits its two turns, and
+    # the other queue's cycle of the next turn joins the same commit.
+    path = str(tmp_path / "g")
+    names = [b"q0.p0", b"q1.p0"]
+
+    async def main() -> int:
+        group = _group(path, lane, members=2)
+        dbs = await _open_dbs(group, names)
+
+        async def queue(i: int, value: bytes) -> None:
+            _, committed = await group.run(_put(dbs[i], b"k", value), member=f"q{i}")
+            await committed
+
+        await asyncio.gather(queue(0, b"a"), queue(1, b"a"))  # the last commit: both queues
+        for _ in range(3):
+            await asyncio.sleep(0)
+        before = group.commits
+        _, first = await group.run(_put(dbs[0], b"k", b"b"), member="q0")  # nothing else ready
+        second = asyncio.ensure_future(queue(1, b"b"))  # q1's cycle, a turn later
+        await first
+        await second
+        commits = group.commits - before
+        await group.close()
+        return commits
+
+    assert _run(main()) == 1
+    assert _read_back(path, names) == {n: {b"k": b"b"} for n in names}
 
 
 def test_a_failing_cycle_aborts_only_its_own_writes(tmp_path: Any, lane: StorageLane) -> None:

@@ -16,9 +16,11 @@ A commit is handed to the lane after two turns of the loop: the first turn runs 
 callbacks that were ready when the first cycle joined, among them the actors woken
 by the last commit, and the second lets their cycles run, so they join this commit
 instead of each paying one of their own. A group with one queue commits at once, and
-so does any group when nothing else is ready to run on the loop as the first cycle
-joins: no member's actor is about to run then, and the two turns would only delay the
-commit (a plain call to a quiet queue of a busy group).
+so does a cycle that joins while nothing else is ready to run on the loop when the
+last commit carried only its own queue's cycles: a lone caller of one queue of a
+group, whose every call the two turns would delay. While other queues share the
+commits, the turns stay as they were, nothing ready or not, so busy queues batch
+exactly as before (bench/RESULTS.md, "The plain generated-stub caller").
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ class CommitGroup:
         self.members = 0
         self._parent: lmdb.Transaction[bytes] | None = None
         self._joined: list[tuple[asyncio.Future[None], Callable[[float], None] | None, Callable[[], None] | None]] = []
+        # The members (their keys) whose cycles joined the pending commit, and the last one.
+        self._joining: set[object] = set()
+        self._last_commit: set[object] = set()
         self._busy: asyncio.Future[None] | None = None
         self._flush_scheduled = False
         self._requests = 0  # in the cycles that joined
@@ -95,6 +100,7 @@ class CommitGroup:
         on_commit: Callable[[float], None] | None = None,
         requests: int = 1,
         on_durable: Callable[[T], None] | None = None,
+        member: object = None,
     ) -> tuple[T, asyncio.Future[None]]:
         """Run ``body`` (a cycle of ``requests`` requests) in a nested transaction and
         join the next commit.
@@ -102,7 +108,8 @@ class CommitGroup:
         Returns the body's result and a future that ends when the commit holding it is
         durable (or fails); ``on_durable`` (given the body's result) and ``on_commit``
         (given the commit's duration) are called as the commit is known durable, a turn
-        of the loop before whoever awaits the future runs.
+        of the loop before whoever awaits the future runs. ``member`` names the queue
+        (any key; None: unknown), for the rule on when to commit at once.
         Raises ``MapFull`` (call ``grow``) or ``StorageError`` with nothing written;
         any exception of the body aborts only its own writes.
         """
@@ -123,7 +130,10 @@ class CommitGroup:
         done: asyncio.Future[None] = loop.create_future()
         self._joined.append((done, on_commit, None if on_durable is None else partial(on_durable, result)))
         self._requests += requests
-        if self.members <= 1 or _nothing_ready(loop):
+        alone = member is not None and self._last_commit <= {member} and not self._joining - {member}
+        if member is not None:
+            self._joining.add(member)
+        if self.members <= 1 or (alone and _nothing_ready(loop)):
             self._flush()
         elif not self._flush_scheduled:
             self._flush_scheduled = True
@@ -197,6 +207,7 @@ class CommitGroup:
         """
         loop = asyncio.get_running_loop()
         joined, self._joined = self._joined, []
+        self._last_commit, self._joining = self._joining, set()
         self._requests = 0
         parent, self._parent = self._parent, None
         busy: asyncio.Future[None] = loop.create_future()

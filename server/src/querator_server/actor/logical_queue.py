@@ -726,7 +726,7 @@ class LogicalQueue:
         transaction on the loop and waits for the group's next commit."""
         for _ in range(MAX_GROWTHS):
             try:
-                cycle, committed = await group.run(body, self.store.on_commit, requests, on_durable=_answer_results)
+                cycle, committed = await group.run(body, self.store.on_commit, requests, on_durable=_answer_results, member=self)
             except MapFull:
                 await group.grow()
                 continue
