@@ -71,3 +71,32 @@ def test_nothing_ready_answers_empty_columns(stubs: Stubs) -> None:
     stubs.create("q")
     reply = stubs.lease("q", batch_size=10, request_timeout=dur(0.05), columnar=True)
     assert not reply.items and not reply.columns.ids
+
+
+def test_leased_items_carry_their_own_attempts_deadline_and_creation_time(stubs: Stubs) -> None:
+    # Items created one by one and in batches, some leased before (more attempts), some
+    # with details: every item of one reply must carry exactly what is stored for it,
+    # however the reply shares the bytes of equal attempts, deadlines and creation times.
+    stubs.create("stamps", lease_timeout=dur(30))
+    for n in range(3):
+        stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name="stamps", items=[queue_pb2.ProduceItem(payload=b"one-%d" % n)]), timeout=10)
+        time.sleep(0.002)  # a creation time of its own
+    for _ in range(2):
+        stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name="stamps", items=_mixed_items()), timeout=10)
+    first = stubs.lease("stamps", batch_size=2, request_timeout=dur(0))
+    retry = [queue_pb2.RetryItem(id=item.id) for item in first.items]
+    stubs.queue.Retry(queue_pb2.RetryRequest(queue_name="stamps", partition=first.partition, items=retry), timeout=10)
+
+    reply = stubs.lease("stamps", batch_size=100, request_timeout=dur(0))
+    stored = {item.id: item for item in stubs.list_items("stamps")}
+    assert len(reply.items) == len(stored) == 11
+    assert sorted(item.attempts for item in reply.items) == [1] * 9 + [2] * 2
+    assert len({item.created_at.ToMicroseconds() for item in reply.items}) >= 4
+    for item in reply.items:
+        want = stored[item.id]
+        assert want.is_leased
+        assert item.attempts == want.attempts
+        assert item.lease_deadline == want.lease_deadline
+        assert item.created_at == want.created_at
+        assert (item.payload, item.kind, item.encoding, item.reference) == (want.payload, want.kind, want.encoding, want.reference)
+        assert dict(item.metadata) == dict(want.metadata)

@@ -287,12 +287,21 @@ def _new_item(index: int, item: pb.ProduceItem) -> NewItem:
 
 def _lease_response(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
     # Filling sub-messages in place costs less than half of building LeaseItem and
-    # Timestamp objects and copying them in; this runs for every leased item.
+    # Timestamp objects and copying them in; this runs for every leased item. The
+    # attempts and both timestamps go in as ready wire bytes, one merge per item: a
+    # lease's items share their deadline and mostly their attempts, and items produced
+    # together their creation time. A creation time becomes bytes from the second item
+    # in a row that has it; until then it is set field by field, so items created one
+    # by one cost what they did. 100 items: 69 µs instead of 111 when created in runs
+    # of 50, 110 instead of 113 when each alone (best of 60 rounds of 20).
     response = pb.LeaseResponse(queue_name=name, partition=result.partition)
     add = response.items.add
     details = result.details
+    shared: dict[tuple[int, int], bytes] = {}  # (attempts, deadline): their bytes
+    whole: dict[tuple[int, int, int], bytes] = {}  # (attempts, deadline, created)
+    last: tuple[int, int, int] | None = None
     for index, item_id in enumerate(result.ids):
-        payload, attempts = result.payloads[index], result.attempts[index]
+        payload = result.payloads[index]
         detail = details.get(index)
         if detail is not None:
             out = add(
@@ -301,7 +310,6 @@ def _lease_response(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
                 kind=detail.kind,
                 reference=detail.reference,
                 payload=payload,
-                attempts=attempts,
                 message_id=detail.message_id or item_id,
                 source_id=detail.source_id,
             )
@@ -313,13 +321,32 @@ def _lease_response(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
                 out.dead_at.seconds, micros = divmod(detail.dead_at, 1_000_000)
                 out.dead_at.nanos = micros * 1000
         else:  # most items: fewer keyword arguments to parse
-            out = add(id=item_id, payload=payload, attempts=attempts, message_id=item_id)
-        deadline, created = out.lease_deadline, out.created_at
-        deadline.seconds, micros = divmod(result.lease_deadlines[index], 1_000_000)
-        deadline.nanos = micros * 1000
-        created.seconds, micros = divmod(result.created_at[index], 1_000_000)
+            out = add(id=item_id, payload=payload, message_id=item_id)
+        key = (result.attempts[index], result.lease_deadlines[index], result.created_at[index])
+        stamps = whole.get(key)
+        if stamps is None and key == last:
+            stamps = whole[key] = _item_stamps(*key)
+        if stamps is not None:
+            out.MergeFromString(stamps)
+            continue
+        last = key
+        attempts, deadline_us, created_us = key
+        stamps = shared.get((attempts, deadline_us))
+        if stamps is None:
+            stamps = shared[(attempts, deadline_us)] = _item_stamps(attempts, deadline_us, None)
+        out.MergeFromString(stamps)
+        created = out.created_at
+        created.seconds, micros = divmod(created_us, 1_000_000)
         created.nanos = micros * 1000
     return response
+
+
+def _item_stamps(attempts: int, deadline_us: int, created_us: int | None) -> bytes:
+    """A LeaseItem's attempts, lease deadline and (if given) creation time, as wire bytes."""
+    item = pb.LeaseItem(attempts=attempts, lease_deadline=c.to_timestamp(deadline_us))
+    if created_us is not None:
+        item.created_at.CopyFrom(c.to_timestamp(created_us))
+    return item.SerializeToString()
 
 
 def _lease_columns(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
