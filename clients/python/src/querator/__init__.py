@@ -51,13 +51,14 @@ from ._models import (
 )
 from ._paging import AsyncPager, Pager
 from ._producer import AsyncProducer, Producer
-from ._worker import AsyncWorker, Worker, WorkerHooks, WorkerOptions, WorkerStats
+from ._worker import AsyncWorker, RetryRule, Worker, WorkerHooks, WorkerOptions, WorkerStats
 from .errors import (
     Cancelled,
     DeadLetter,
     DeadlineExceeded,
     FailedPrecondition,
     FieldViolation,
+    HandlerTimeout,
     InvalidRequest,
     ItemNotFound,
     LeaseLost,
@@ -108,6 +109,7 @@ __all__ = [
     "ExtendResult",
     "FailedPrecondition",
     "FieldViolation",
+    "HandlerTimeout",
     "InvalidRequest",
     "Item",
     "ItemNotFound",
@@ -130,6 +132,7 @@ __all__ = [
     "QueueNotFound",
     "QueueStats",
     "RedriveResult",
+    "RetryRule",
     "ServerError",
     "StoredItem",
     "Unauthenticated",

@@ -57,6 +57,7 @@ __all__ = [
     "DeadlineExceeded",
     "FailedPrecondition",
     "FieldViolation",
+    "HandlerTimeout",
     "InvalidRequest",
     "ItemNotFound",
     "LeaseLost",
@@ -224,6 +225,12 @@ class ServerError(QueratorError):
 
 class DeadLetter(Exception):  # noqa: N818 - it is an instruction, not an error condition
     """Raise from a handler to send the item to the dead-letter queue, without retrying it."""
+
+
+class HandlerTimeout(TimeoutError):
+    """A worker's handler ran past ``handler_timeout``: the worker gave it up and
+    retries the item (a ``TimeoutError``, so ``retry_on``/``dead_on`` rules naming
+    TimeoutError apply to it)."""
 
 
 _BY_CODE: dict[grpc.StatusCode, type[QueratorError]] = {

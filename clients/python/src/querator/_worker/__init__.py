@@ -1,0 +1,16 @@
+"""Workers: lease items, run a handler on each, then complete, retry or dead-letter them.
+
+Split by concern: ``options`` (what a user sets and reads: options, hooks, stats),
+``failures`` (retry rules, rate-limited failure logs), ``dispatch`` (handlers by kind),
+``engine`` (leasing, handling, keep-alive, shutdown), ``threads`` (sync handlers'
+threads), ``settler`` (batched Complete and Retry), ``calls`` (the client calls the
+worker makes), ``metrics`` (Prometheus, optional), ``workers`` (Worker, AsyncWorker)
+and ``runner`` (``querator worker``).
+"""
+
+from .dispatch import Handler
+from .failures import RetryRule
+from .options import WorkerHooks, WorkerOptions, WorkerStats
+from .workers import AsyncWorker, Worker
+
+__all__ = ["AsyncWorker", "Handler", "RetryRule", "Worker", "WorkerHooks", "WorkerOptions", "WorkerStats"]
