@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from datetime import UTC, datetime
 from typing import Any
@@ -105,5 +106,6 @@ def serve(port: int) -> int:
         server, _thread = pc.start_http_server(port)
         bound = int(server.server_port)
         _servers[bound] = (server, _thread)
-        return bound
+    logging.getLogger("querator.worker").info("serving worker metrics on port %d", bound)
+    return bound
 

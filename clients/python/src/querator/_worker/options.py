@@ -165,8 +165,12 @@ class WorkerOptions:
             raise ValueError("max_buffered must not be negative")
         for name in ("handler_timeout", "max_lease_duration"):
             value = getattr(self, name)
-            if value is not None and seconds(value) <= 0:
-                raise ValueError(f"{name} must be positive")
+            try:
+                positive = value is None or seconds(value) > 0
+            except ValueError:
+                positive = False
+            if not positive:
+                raise ValueError(f"{name} must be positive, got {value!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port must be between 0 and 65535")
         self.retry_policy()  # rejects bad rules now, not at the first failure
