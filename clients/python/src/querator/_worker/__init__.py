@@ -2,7 +2,7 @@
 
 Split by concern: ``options`` (what a user sets and reads: options, hooks, stats),
 ``failures`` (retry rules, rate-limited failure logs), ``dispatch`` (handlers by kind),
-``engine`` (leasing, handling, keep-alive, shutdown), ``threads`` (sync handlers'
+``engine`` (leasing, handling, shutdown), ``keepalive`` (Extend), ``threads`` (sync handlers'
 threads), ``settler`` (batched Complete and Retry), ``calls`` (the client calls the
 worker makes), ``metrics`` (Prometheus, optional), ``workers`` (Worker, AsyncWorker)
 and ``runner`` (``querator worker``).

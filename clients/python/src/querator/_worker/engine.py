@@ -39,6 +39,7 @@ from .._items import COMPLETED, DEAD, _LeasedBase
 from ..errors import DeadLetter, HandlerTimeout, LeaseLost, QueratorError, Unavailable
 from .calls import WorkerCalls
 from .dispatch import Dispatch, Route
+from .keepalive import KeepAlive
 from .options import WorkerHooks, WorkerOptions, WorkerStats
 from .settler import Settler
 from .threads import HandlerThreads
@@ -96,9 +97,6 @@ _LINGER_MAX = 0.5
 # Burst mode: the longest a Lease waits, so that the worker notices soon that the
 # queue ran dry (items leased by others or scheduled may still come back).
 _BURST_WAIT = 1.0
-
-# Keep-alive does not bother to extend a lease by less than this (max_lease_duration).
-_MIN_EXTENSION = 1.0
 
 
 class Engine:
@@ -203,7 +201,7 @@ class Engine:
         self.settler = Settler(self)
         installed = self._install_signals()
         lease_loop = asyncio.create_task(self._lease_loop())
-        keep_alive = asyncio.create_task(self._keep_alive()) if self.o.keep_alive else None
+        keep_alive = asyncio.create_task(KeepAlive(self).run()) if self.o.keep_alive else None
         settler = asyncio.create_task(self.settler.run())
         self.started.set()
         try:
@@ -593,95 +591,6 @@ class Engine:
             held.lost = True
             self.stats.lost += 1
             self.hook("on_lease_lost", held.item, error)
-
-    # -- keep-alive -------------------------------------------------------------------------
-
-    async def _keep_alive(self) -> None:
-        while True:
-            now = time.monotonic()
-            due = [h for h in self.held.values() if self._keep(h) and h.extend_at <= now]
-            if due:
-                await self._extend(due)
-            now = time.monotonic()
-            upcoming = [h.extend_at for h in self.held.values() if self._keep(h)]
-            delay = min(upcoming, default=now + 1.0) - now
-            self.new_leases.clear()
-            try:
-                await asyncio.wait_for(self.new_leases.wait(), min(max(delay, 0.02), 1.0))
-            except TimeoutError:
-                pass
-
-    @staticmethod
-    def _keep(held: Held) -> bool:
-        return not (held.lost or held.abandoned or held.settling or held.capped or held.item.settled)
-
-    def _capped(self, due: list[Held]) -> tuple[list[Held], list[tuple[Held, float]]]:
-        """``due`` split by ``max_lease_duration``: those extended by the usual length,
-        and those that may only be extended by less (the room left to the cap)."""
-        assert self.max_lease is not None
-        full = self.extension or self.lease_timeout
-        now = time.monotonic()
-        whole: list[Held] = []
-        short: list[tuple[Held, float]] = []
-        for held in due:
-            left = held.leased_at + self.max_lease - now
-            if left >= full:
-                whole.append(held)
-            elif left >= _MIN_EXTENSION:
-                short.append((held, left))
-            else:
-                held.capped = True
-                self.stats.lease_capped += 1
-                self.hook("on_lease_capped", held.item)
-        return whole, short
-
-    async def _extend(self, due: list[Held]) -> None:
-        if self.max_lease is not None:
-            due, short = self._capped(due)
-            for held, left in short:
-                await self._extend_one(held, left)
-        groups: dict[int, list[Held]] = {}
-        for held in due:
-            groups.setdefault(held.item.partition, []).append(held)
-        for members in groups.values():
-            for start in range(0, len(members), MAX_BATCH):
-                chunk = members[start : start + MAX_BATCH]
-                sent = time.monotonic()
-                try:
-                    await self.calls.extend([h.item for h in chunk], self.extension)
-                except LeaseLost:
-                    for held in chunk:
-                        await self._extend_one(held, self.extension)
-                    continue
-                except QueratorError as error:
-                    self.stats.errors += 1
-                    self.hook("on_error", error)
-                    for held in chunk:  # try again soon, while the lease lasts
-                        held.extend_at = sent + min(1.0, held.length / 10)
-                    continue
-                self._extended(chunk, sent, self.extension or self.lease_timeout)
-
-    async def _extend_one(self, held: Held, length: float | None) -> None:
-        sent = time.monotonic()
-        try:
-            await self.calls.extend(held.item, length)
-        except LeaseLost as error:
-            assert isinstance(error, QueratorError)
-            if self._keep(held):  # else it was completed meanwhile: not lost
-                self.lost(held, error)
-        except QueratorError as error:
-            self.stats.errors += 1
-            self.hook("on_error", error)
-            held.extend_at = sent + min(1.0, held.length / 10)
-        else:
-            self._extended([held], sent, length or self.extension or self.lease_timeout)
-
-    def _extended(self, chunk: list[Held], sent: float, length: float) -> None:
-        for held in chunk:
-            held.length = length
-            held.extend_at = sent + length / 2
-        self.stats.extended += len(chunk)
-        self.hook("on_extend", [h.item for h in chunk])
 
     # -- shutdown ---------------------------------------------------------------------------
 

@@ -70,7 +70,7 @@ def load(path: str) -> Handler:
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name is not None and module_name.startswith(exc.name):
+        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise ValueError(f"cannot import {module_name!r}: no module named {exc.name!r}") from None
         raise  # the module itself failed to import something: show its traceback
     for name in attribute.split("."):

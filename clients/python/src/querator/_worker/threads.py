@@ -118,6 +118,10 @@ class HandlerThreads:
         with self._lock:
             finished, self._finished = self._finished, []
             self._woken = False
+            if self._abandoned:
+                # Given up just as it returned: its thread is free again.
+                for future, _ in finished:
+                    self._abandoned.discard(future)
         for future, error in finished:
             if future.done():
                 continue  # cancelled: the handler was abandoned
