@@ -7,6 +7,8 @@ import asyncio
 import logging
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -416,3 +418,19 @@ def test_prometheus_metrics_on_a_port(client: querator.Client) -> None:
     assert sample("querator_worker_dead_total", kind="job") == 2
     assert sample("querator_worker_handler_seconds_count", kind="job") == 7
     assert sample("querator_worker_lease_lag_seconds_count") == 7
+
+
+def test_without_metrics_prometheus_client_is_not_imported(srv: EmbeddedServer, client: querator.Client) -> None:
+    name = unique()
+    client.create_queue(name)
+    client.produce(name, ["a", "b"])
+    script = (
+        "import sys, querator\n"
+        "with querator.Client(sys.argv[1]) as c:\n"
+        "    w = querator.Worker(c, sys.argv[2], lambda item: None)\n"
+        "    w.run(until_empty=True)\n"
+        "print(w.stats.completed, 'prometheus_client' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, srv.address, name], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2", "False"]

@@ -365,6 +365,10 @@ class Engine:
         if call.completing:
             self.lease_rtt = 0.8 * self.lease_rtt + 0.2 * (time.monotonic() - call.sent)
             _resolve_all(call.completing, True)
+            if self.until_empty:
+                # Let the handlers' tasks forget the items just completed, so that
+                # burst mode sees an empty worker now rather than after another poll.
+                await asyncio.sleep(0)
         self.failures = 0
         self.backlog = len(items) >= call.asked
         if not items:
