@@ -54,10 +54,15 @@ class RetryPolicy:
 
     def __init__(
         self,
-        retry_on: Sequence[type[BaseException] | RetryRule],
-        dead_on: Sequence[type[BaseException]],
+        retry_on: Sequence[type[BaseException] | RetryRule] | type[BaseException] | RetryRule,
+        dead_on: Sequence[type[BaseException]] | type[BaseException],
         default_backoff: Callable[[int], timedelta],
     ) -> None:
+        # One class or rule alone is taken as a sequence of one.
+        if isinstance(retry_on, (type, RetryRule)):
+            retry_on = (retry_on,)
+        if isinstance(dead_on, type):
+            dead_on = (dead_on,)
         self.default = Decision(False, default_backoff)
         self._by_class: dict[type[BaseException], object] = {}
         for entry in retry_on:

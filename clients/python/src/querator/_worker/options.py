@@ -133,9 +133,9 @@ class WorkerOptions:
     retry_backoff: Callable[[int], timedelta] = Backoff(timedelta(seconds=1), timedelta(minutes=5))
     #: Exception classes (or :class:`RetryRule` with a backoff of their own) that are
     #: retried; with ``dead_on``, the most specific class named wins.
-    retry_on: Sequence[type[BaseException] | RetryRule] = ()
+    retry_on: Sequence[type[BaseException] | RetryRule] | type[BaseException] | RetryRule = ()
     #: Exception classes that send the item to the dead-letter queue at once.
-    dead_on: Sequence[type[BaseException]] = ()
+    dead_on: Sequence[type[BaseException]] | type[BaseException] = ()
     #: At stop: how long running handlers may finish before their items are released.
     shutdown_timeout: Seconds = timedelta(seconds=30)
     #: At stop: how long a Lease in flight may still answer before it is cancelled.
