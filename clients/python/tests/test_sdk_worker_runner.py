@@ -33,6 +33,13 @@ TASKS = textwrap.dedent(
 
     def email(item):
         _note(".email", item)
+
+    def stuck_once(item):
+        if item.attempts == 1:
+            time.sleep(6)  # past --handler-timeout: given up, and retried
+            _note(".late", item)
+        else:
+            _note(".finished", item)
     """
 )
 
@@ -120,3 +127,17 @@ def test_a_missing_queue_exits_1(srv: EmbeddedServer, tmp_path: Path) -> None:
     proc = _querator(srv, tmp_path, "mytasks:handle", "--queue", unique("missing"), "--burst")
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "NOT_FOUND" in err, err
+
+
+def test_handler_timeout_retries_the_item_and_the_process_waits_for_the_stuck_thread(
+    srv: EmbeddedServer, client: querator.Client, tmp_path: Path
+) -> None:
+    name = unique()
+    client.create_queue(name)
+    client.produce(name, ["slow"])
+    proc = _querator(srv, tmp_path, "mytasks:stuck_once", "--queue", name, "--handler-timeout", "500ms", "--burst")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert _lines(tmp_path / "record.finished") == ["slow"]  # the retry, handled
+    assert "1 sync handler(s) still running" in err
+    assert _lines(tmp_path / "record.late") == ["slow"]  # the process ended after the given-up call

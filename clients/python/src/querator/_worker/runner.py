@@ -123,4 +123,10 @@ def run(args: argparse.Namespace, client: Client) -> int:
         "worker stopped: %d completed, %d retried, %d dead, %d given back, %d failed",
         stats.completed, stats.retried, stats.dead, stats.released, stats.failed,
     )  # fmt: skip
+    engine = worker._engine
+    stuck = engine.threads.running if engine is not None and engine.threads is not None else 0
+    if stuck:
+        # Given up (handler_timeout, shutdown_timeout) but still running: Python waits
+        # for them before the process ends, and nothing can stop them but a kill.
+        log.warning("%d sync handler(s) still running; the process ends when they return", stuck)
     return 0

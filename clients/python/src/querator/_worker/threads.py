@@ -31,6 +31,7 @@ class HandlerThreads:
         self._count = count
         self._threads: list[threading.Thread] = []
         self._idle = 0  # threads waiting for a call
+        self._running = 0  # calls running now, given up or not
         # Calls given up (handler_timeout) that still run: each holds a thread, so as
         # many threads more may be started to keep ``count`` calls going.
         self._abandoned: set[asyncio.Future[None]] = set()
@@ -47,6 +48,11 @@ class HandlerThreads:
                 self._threads.append(thread)
             thread.start()
         return future
+
+    @property
+    def running(self) -> int:
+        """Handler calls running now, those given up included."""
+        return self._running
 
     def abandon(self, future: asyncio.Future[None]) -> None:
         """Give up the call behind ``future`` (cancelled): its thread no longer counts."""
@@ -89,11 +95,14 @@ class HandlerThreads:
                 return
             future, call = job
             error: BaseException | None = None
+            with self._lock:
+                self._running += 1
             try:
                 call()
             except BaseException as exc:  # the handler's to report, whatever it is
                 error = exc if not isinstance(exc, StopIteration) else RuntimeError(f"the handler raised {exc!r}")
             with self._lock:
+                self._running -= 1
                 retire = False
                 if future in self._abandoned:
                     # Late: another thread was started in this one's place.
