@@ -11,6 +11,7 @@ import textwrap
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 from sdk_helpers import client, srv, unique, wait_until  # noqa: F401 (fixtures)
 
 import querator
@@ -64,8 +65,9 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().split() if path.exists() else []
 
 
-def test_sigterm_finishes_in_flight_items_and_gives_the_rest_back(
-    srv: EmbeddedServer, client: querator.Client, tmp_path: Path
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_finishes_in_flight_items_and_gives_the_rest_back(
+    srv: EmbeddedServer, client: querator.Client, tmp_path: Path, sig: signal.Signals
 ) -> None:
     name = unique()
     client.create_queue(name, lease_timeout=timedelta(minutes=5))  # nothing may come back by expiry
@@ -75,7 +77,7 @@ def test_sigterm_finishes_in_flight_items_and_gives_the_rest_back(
     try:
         wait_until(lambda: len(_lines(tmp_path / "record.started")) >= 4, timeout=30)
         wait_until(lambda: client.queue_stats(name).total_leased >= 5, timeout=10)  # some buffered, too
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
