@@ -103,9 +103,9 @@ def serve(port: int) -> int:
     with _lock:
         if port and port in _servers:
             return port
-        server, _thread = pc.start_http_server(port)
-        bound = int(server.server_port)
-        _servers[bound] = (server, _thread)
+        started = pc.start_http_server(port)
+        bound = int(started[0].server_port)
+        _servers[bound] = started
     logging.getLogger("querator.worker").info("serving worker metrics on port %d", bound)
     return bound
 
