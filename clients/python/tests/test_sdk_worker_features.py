@@ -16,11 +16,12 @@ from collections import Counter
 from datetime import timedelta
 
 import pytest
-from sdk_helpers import client, run, srv, unique, wait_until  # noqa: F401 (fixtures)
 
 import querator
 from querator._worker.failures import LOG_BURST, FailureLog
 from querator.embedded import EmbeddedServer
+
+from sdk_helpers import client, run, srv, unique, wait_until  # noqa: F401 (fixtures)
 
 FAST = querator.Backoff(initial=timedelta(milliseconds=1), maximum=timedelta(milliseconds=1), jitter=0)
 NEVER = querator.Backoff(initial=timedelta(hours=1), maximum=timedelta(hours=1), jitter=0)

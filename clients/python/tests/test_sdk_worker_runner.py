@@ -12,10 +12,11 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from sdk_helpers import client, srv, unique, wait_until  # noqa: F401 (fixtures)
 
 import querator
 from querator.embedded import EmbeddedServer
+
+from sdk_helpers import client, srv, unique, wait_until  # noqa: F401 (fixtures)
 
 TASKS = textwrap.dedent(
     """

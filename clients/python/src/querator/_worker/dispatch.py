@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar, Union
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from .._items import AsyncLeasedItem, LeasedItem
 
-Handler = Union[Callable[["LeasedItem"], object], Callable[["AsyncLeasedItem"], Awaitable[object]]]
+Handler = Callable[["LeasedItem"], object] | Callable[["AsyncLeasedItem"], Awaitable[object]]
 H = TypeVar("H", bound=Handler)
 
 
