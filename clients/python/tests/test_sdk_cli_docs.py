@@ -306,11 +306,27 @@ def _queue(name: str) -> Callable[[Shell], None]:
     return create
 
 
+def _worker_app(shell: Shell) -> None:
+    """The handlers docs/sdk.md's ``querator worker`` lines name, and their queues with items."""
+    app = shell.cwd / "myapp"
+    app.mkdir(exist_ok=True)
+    (app / "__init__.py").write_text("")
+    for module, function in (("tasks", "handle"), ("mail", "send"), ("sms", "send")):
+        (app / f"{module}.py").write_text(f"def {function}(item):\n    print('{module}', item.text)\n")
+    with shell.client() as c:
+        c.create_queue("orders")
+        c.produce("orders", ["o1", "o2"])
+        c.create_queue("notifications")
+        c.produce("notifications", ["e1"], kind="email")
+        c.produce("notifications", ["s1"], kind="sms")
+
+
 # What a block assumes exists (what the reader made earlier on the page); made before
 # the block's first command other than an export, with the block's settings.
 SETUP: dict[str, Callable[[Shell], None]] = {
     "querator items list jobs-dlq": _dead_letters,
     "echo '{\"payload\": \"work\"": _queue("jobs"),
+    "querator worker myapp.tasks:handle": _worker_app,
 }
 
 

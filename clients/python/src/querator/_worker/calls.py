@@ -66,7 +66,7 @@ class WorkerCalls:
     def complete(self, items: Sequence[_LeasedBase]) -> Awaitable[None]:
         return self.aclient.complete(items)
 
-    def retry(self, orders: list[tuple[_LeasedBase, datetime | None, bool]]) -> Awaitable[None]:
+    def retry(self, orders: list[tuple[_LeasedBase, datetime | None, bool]]) -> Awaitable[object]:
         """Retry (at a time, or now with None) or dead-letter (True) each item."""
         return self.aclient._retry_orders(orders)  # type: ignore[arg-type]
 

@@ -42,6 +42,7 @@ from .dispatch import Dispatch, Route
 from .keepalive import KeepAlive
 from .options import WorkerHooks, WorkerOptions, WorkerStats
 from .settler import Settler
+from .state import Held
 from .threads import HandlerThreads
 
 if TYPE_CHECKING:
@@ -49,27 +50,6 @@ if TYPE_CHECKING:
     from .metrics import WorkerMetrics
 
 log = logging.getLogger("querator.worker")
-
-
-@dataclass(eq=False)
-class Held:
-    item: _LeasedBase
-    extend_at: float
-    length: float
-    #: When it was leased (monotonic): ``max_lease_duration`` counts from here.
-    leased_at: float
-    started: bool = False
-    settling: bool = False
-    lost: bool = False
-    abandoned: bool = False
-    #: Keep-alive stopped at ``max_lease_duration``.
-    capped: bool = False
-    #: The handler returned and the item only waits to be completed: it no longer
-    #: takes room from leasing.
-    finished: bool = False
-    #: Leased, not started, not abandoned (counted in Engine.n_waiting).
-    waiting: bool = True
-    task: asyncio.Task[None] | None = None
 
 
 @dataclass(eq=False)

@@ -10,7 +10,7 @@ from .._config import MAX_BATCH
 from ..errors import LeaseLost, QueratorError
 
 if TYPE_CHECKING:
-    from .engine import Engine, Held
+    from .state import EngineState, Held
 
 # Keep-alive does not bother to extend a lease by less than this (max_lease_duration).
 _MIN_EXTENSION = 1.0
@@ -20,7 +20,7 @@ class KeepAlive:
     """Extends each held item's lease when about half of it is gone, in batches per
     partition; never beyond ``max_lease_duration`` from the lease."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineState) -> None:
         self.engine = engine
 
     async def run(self) -> None:

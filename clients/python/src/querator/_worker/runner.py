@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-wait", type=parse_duration, default=timedelta(seconds=30), help="long-poll time (default 30s)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (the metrics extra)")
     parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO"
+        "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default info"
     )
 
 

@@ -10,7 +10,7 @@ from .._config import MAX_BATCH
 from ..errors import LeaseLost, QueratorError, Unavailable
 
 if TYPE_CHECKING:
-    from .engine import Engine, Held
+    from .state import EngineState, Held
 
 _Entry = tuple["Held", str, datetime | None, bool, "asyncio.Future[bool]"]
 
@@ -18,7 +18,7 @@ _Entry = tuple["Held", str, datetime | None, bool, "asyncio.Future[bool]"]
 class Settler:
     """Completes and retries in batches: what queued up while a call ran goes in the next one."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineState) -> None:
         self.engine = engine
         self.queue: list[_Entry] = []
         self.wake = asyncio.Event()
