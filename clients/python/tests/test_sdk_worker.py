@@ -6,10 +6,14 @@ import asyncio
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
+
 import querator
+from querator._worker.calls import WorkerCalls
 from querator.embedded import EmbeddedServer
 from querator.testing import server
 
@@ -240,9 +244,16 @@ def test_stop_releases_buffered_and_unfinished_items(client: querator.Client) ->
     assert worker.stats.released >= 4 and worker.stats.completed == 0
 
 
+@pytest.fixture(autouse=True)
+def _restore_worker_calls() -> Iterator[None]:
+    lease = WorkerCalls.lease
+    yield
+    WorkerCalls.lease = lease  # type: ignore[method-assign]
+
+
 class CallCounter:
-    """Wraps an AsyncClient's lease (as the worker calls it) and complete to count the
-    calls a worker makes."""
+    """Wraps the worker's lease calls on ``client`` (WorkerCalls.lease) and the client's
+    complete to count the calls a worker makes."""
 
     def __init__(self, client: querator.AsyncClient) -> None:
         self.leases = self.leases_completing = self.completes = 0
@@ -251,9 +262,9 @@ class CallCounter:
         self.client_ids: set[str] = set()
         self.in_flight = self.most_in_flight = 0
         self.long_polls = self.long_polls_in_flight = self.sent_behind_long_poll = 0
-        lease, complete = client._lease_as, client.complete
+        lease, complete = WorkerCalls.lease, client.complete
 
-        async def counted_lease(*args: object, **kwargs: object) -> object:
+        async def counted_lease(calls: WorkerCalls, *args: object) -> object:
             # (make, queue_name, batch_size, wait, client_id, complete)
             done = args[5]
             self.client_ids.add(str(args[4]))
@@ -268,7 +279,7 @@ class CallCounter:
             self.long_polls_in_flight += long_poll
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
             try:
-                result = await lease(*args, **kwargs)  # type: ignore[arg-type]
+                result = await lease(calls, *args)  # type: ignore[arg-type]
             except Exception as error:
                 self.lease_errors.append(error)
                 raise
@@ -282,7 +293,12 @@ class CallCounter:
             self.completes += 1
             await complete(*args, **kwargs)  # type: ignore[arg-type]
 
-        client._lease_as = counted_lease  # type: ignore[method-assign,assignment]
+        def lease_of(calls: WorkerCalls, *args: object) -> object:
+            if calls.aclient is not client:
+                return lease(calls, *args)  # type: ignore[arg-type]
+            return counted_lease(calls, *args)
+
+        WorkerCalls.lease = lease_of  # type: ignore[method-assign,assignment]
         client.complete = counted_complete  # type: ignore[method-assign,assignment]
 
 

@@ -128,20 +128,6 @@ class AsyncClient(BaseClient):
         """Lease up to ``batch_size`` ready items, after completing ``complete`` (one
         partition of this queue) in the same call; see :meth:`querator.Client.lease`."""
         make = functools.partial(AsyncLeasedItem, self)
-        return await self._lease_as(make, queue_name, batch_size, wait, client_id, complete, lease_key)
-
-    async def _lease_as(
-        self,
-        make: Callable[..., T],
-        queue_name: str,
-        batch_size: int,
-        wait: Seconds,
-        client_id: str,
-        complete: p.ItemsArg | None,
-        lease_key: str = "",
-    ) -> list[T]:
-        """``lease``, each item made by ``make(**fields)`` (the Worker hands sync handlers
-        LeasedItems, made at once rather than copied from AsyncLeasedItems)."""
         op = ops.lease(self._config, make, queue_name, batch_size, wait, client_id, complete, lease_key)
         return await self._transport.run(op)
 
@@ -305,16 +291,6 @@ class AsyncClient(BaseClient):
     async def revoke_key(self, key_id: str, *, timeout: Seconds | None = None) -> None:
         """Revoke a key; see :meth:`querator.Client.revoke_key`."""
         await self._transport.run(ops.revoke_key(self._config, key_id, timeout))
-
-    # -- the Worker's calls (to move to ``_transport.run(ops....)``) ----------------------------
-
-    async def _retry_orders(self, orders: list[ops.RetryOrder], *, timeout: Seconds | None = None) -> list[str]:
-        """Retry orders (item, when, dead) of several kinds in one go (the Worker's settling)."""
-        return await self._transport.run(ops.retry(self._config, orders, timeout))
-
-    def _backoff(self, attempt: int) -> float:
-        delay = self._transport.retry_policy.backoff(attempt)
-        return delay.total_seconds()
 
 
 __all__ = ["AsyncClient"]

@@ -6,6 +6,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from .. import _operations as ops
 from .._convert import Seconds
 from .._items import AsyncLeasedItem, LeasedItem, _LeasedBase
 from .._models import QueueInfo, QueueStats
@@ -23,12 +24,15 @@ class WorkerCalls:
     def __init__(self, aclient: AsyncClient) -> None:
         self.aclient = aclient
         self.config: ClientConfig = aclient.config
+        # The client's internal interface, as the Producers use it: sans-IO operations
+        # run by its transport.
+        self._transport = aclient._transport
         #: Tries of a settle call on UNAVAILABLE (the client's own policy).
         self.retries: int = self.config.retries
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before try ``attempt + 1`` (the client's backoff)."""
-        return self.aclient._backoff(attempt)
+        return self._transport.retry_policy.backoff(attempt).total_seconds()
 
     def async_item(self, fields: dict[str, Any]) -> _LeasedBase:
         """A leased item for an async handler, bound to this client."""
@@ -61,14 +65,14 @@ class WorkerCalls:
         client_id: str,
         complete: Sequence[_LeasedBase] | None,
     ) -> Coroutine[Any, Any, list[_LeasedBase]]:
-        return self.aclient._lease_as(make, queue_name, batch_size, wait, client_id, complete)
+        return self._transport.run(ops.lease(self.config, make, queue_name, batch_size, wait, client_id, complete, ""))
 
     def complete(self, items: Sequence[_LeasedBase]) -> Awaitable[None]:
         return self.aclient.complete(items)
 
     def retry(self, orders: list[tuple[_LeasedBase, datetime | None, bool]]) -> Awaitable[object]:
         """Retry (at a time, or now with None) or dead-letter (True) each item."""
-        return self.aclient._retry_orders(orders)  # type: ignore[arg-type]
+        return self._transport.run(ops.retry(self.config, orders, None))  # type: ignore[arg-type]
 
     def extend(self, items: Sequence[_LeasedBase] | _LeasedBase, lease_timeout: Seconds | None) -> Awaitable[Any]:
         return self.aclient.extend(items, lease_timeout=lease_timeout)
