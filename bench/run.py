@@ -70,12 +70,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--item-produce", action="store_true", help="ours: one ProduceItem per item instead of the compact form (ProduceRequest.payloads), which the SDK sends for bare payloads")
     p.add_argument("--streams", action="store_true", help="ours: Produce and Lease over a ProduceStream / LeaseStream per queue in each client process (as the SDK does) instead of unary calls")
     p.add_argument("--at-commit", metavar="REV", help="run the server from this commit's sources (git archive into the temp dir) instead of the work tree")
+    p.add_argument("--nodes", type=int, default=0, help="run W1, W2 and W4 against an etcd and this many `querator serve --cluster` nodes beside one server (and the forwarding and node-kill figures); needs the etcd binary")
+    p.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="with --nodes: cores to plan client processes for, max(nodes, cores / 2) per role (default: this machine's)")
+    p.add_argument("--no-forwarding", action="store_true", help="with --nodes: skip the forwarding-hop figures")
+    p.add_argument("--no-kill", action="store_true", help="with --nodes: skip the node killed during W2")
     p.add_argument("--time-limit", type=float, default=d.time_limit_s, help=f"seconds per phase before it is stopped as failed (default {d.time_limit_s:.0f})")
     args = p.parse_args(argv)
     args.only = [w.strip().upper() for w in args.only.split(",") if w.strip()]
     bad = [w for w in args.only if w not in WORKLOADS]
     if bad:
         p.error(f"unknown workload {bad[0]!r}; choose from {', '.join(WORKLOADS)}")
+    if args.nodes < 0 or args.cores < 1:
+        p.error("--nodes must be >= 1 and --cores >= 1")
     args.peers = [] if args.peers.strip().lower() == "none" else [x.strip().lower() for x in args.peers.split(",") if x.strip()]
     bad = [x for x in args.peers if x not in PEERS]
     if bad:
@@ -404,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, os.path.join(source_dir, "clients", "python", "src"))
     print(f"bench: server code from {commit}", flush=True)
 
+    if args.nodes:
+        return run_cluster(args, s, workdir, source_dir, commit, started, load_start, argv)
+
     ceilings: dict[str, Any] = {}
     if not args.no_ceilings:
         measure_ceilings(ceilings, s, workdir, "start", streams=args.streams)
@@ -466,6 +475,24 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     failed = any(isinstance(v, str) for r in all_results.values() for v in r.values())
     return 1 if failed else 0
+
+
+def run_cluster(args: argparse.Namespace, s: Settings, workdir: str, source_dir: str | None, commit: str, started: float, load_start: float, argv: list[str] | None) -> int:
+    """``--nodes N``: W1, W2, W4 on one server and on N nodes, interleaved; see cluster_bench.py."""
+    import cluster_bench
+
+    out, plan = cluster_bench.run(args, s, workdir, source_dir)
+    print()
+    print("----- results (markdown, for bench/RESULTS.md) -----")
+    print()
+    print(f"## A cluster of {args.nodes} nodes beside one server (`bench/run.py --nodes`)")
+    print()
+    print("Command: `.venv/bin/python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`. "
+          f"Run {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit {commit}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+          f"{(time.monotonic() - started) / 60:.1f} min; 1-minute load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")
+    print()
+    print(cluster_bench.report(out, plan, s, args))
+    return 0
 
 
 def measure_ceilings(ceilings: dict[str, Any], s: Settings, workdir: str, when: str, *, streams: bool = False) -> None:

@@ -139,6 +139,7 @@ def _child(client: Any, role: Producer | Consumer, index: int, settings: Setting
             await asyncio.get_running_loop().run_in_executor(None, go.wait)
             t_go = int(go_time.value)
             deadline = time.monotonic() + settings.time_limit_s
+            cpu_at_go = time.process_time()  # every thread of this process, from the start signal on
             if isinstance(role, Producer):
                 result = await _produce(client, role, settings, t_go, deadline)
                 result["kind"] = "produce"
@@ -146,6 +147,10 @@ def _child(client: Any, role: Producer | Consumer, index: int, settings: Setting
                 result = await _consume(client, role, settings, counters, targets, f"c{index}", deadline)
                 result["kind"] = "consume"
             result["timed_out"] = time.monotonic() >= deadline
+            result["cpu_s"] = time.process_time() - cpu_at_go
+            report = getattr(client, "phase_report", None)
+            if report is not None:  # what a routing client saw (cluster runs)
+                result["client"] = report()
             return result
         finally:
             await client.close()
@@ -158,8 +163,21 @@ def _child(client: Any, role: Producer | Consumer, index: int, settings: Setting
         out.put(("error", index, f"{type(exc).__name__}: {exc}"))
 
 
-def run_phase(client: Any, roles: list[Producer | Consumer], settings: Settings, targets: dict[str, int] | None = None) -> Phase:
-    """Start one process per role, start them together, wait for all; kill leftovers by PID."""
+def run_phase(
+    client: Any,
+    roles: list[Producer | Consumer],
+    settings: Settings,
+    targets: dict[str, int] | None = None,
+    *,
+    on_go: Any = None,
+    on_done: Any = None,
+) -> Phase:
+    """Start one process per role, start them together, wait for all; kill leftovers by PID.
+
+    ``client``: one client for every process, or a list with one per role. ``on_go(counters)``
+    runs right after the start signal (the shared completion counters: setting a queue's
+    to its target stops its consumers), ``on_done()`` once every process has reported."""
+    clients = client if isinstance(client, list) else [client] * len(roles)
     ctx = mp.get_context("spawn")
     targets = targets or {}
     counters: dict[str, Any] = {q: ctx.Value("q", 0) for q in targets}
@@ -167,7 +185,7 @@ def run_phase(client: Any, roles: list[Producer | Consumer], settings: Settings,
     go = ctx.Event()
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_child, args=(client, role, i, settings, go, out, counters, targets), daemon=True)
+        ctx.Process(target=_child, args=(clients[i], role, i, settings, go, out, counters, targets), daemon=True)
         for i, role in enumerate(roles)
     ]
     try:
@@ -182,6 +200,8 @@ def run_phase(client: Any, roles: list[Producer | Consumer], settings: Settings,
         t_go = time.monotonic_ns()
         counters["__go__"].value = t_go
         go.set()
+        if on_go is not None:
+            on_go(counters)
         results: list[dict[str, Any]] = []
         while len(results) < len(procs):
             kind, index, payload = _get(out, settings.time_limit_s + 120, procs)
@@ -191,6 +211,8 @@ def run_phase(client: Any, roles: list[Producer | Consumer], settings: Settings,
                 if payload.get("timed_out"):
                     raise PhaseFailed(f"process {index} ({payload['kind']}) ran out of time ({settings.time_limit_s:.0f} s)")
                 results.append(payload)
+        if on_done is not None:
+            on_done()
         for p in procs:
             p.join(30)
     finally:
