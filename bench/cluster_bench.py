@@ -219,10 +219,8 @@ class RoutedClient(QueratorClient):
         st["revision"], st["clustered"] = info.revision, info.clustered
         now = time.monotonic_ns()
         for m in info.members:
-            if not m.live:
+            if not m.live:  # the first time this client's map showed it dead
                 st["seen_dead"].setdefault(m.node_id, now)
-            else:
-                st["seen_dead"].pop(m.node_id, None)
         st["nodes"] = {m.node_id: (m.address if info.clustered else self.address) if m.live else "" for m in info.members}
         st["homes"] = {q.queue_name: list(q.homes) for q in info.queues}
 
@@ -278,6 +276,8 @@ class RoutedClient(QueratorClient):
         st = self._state
         st["errors"] += 1
         st["first_error"].setdefault(node, time.monotonic_ns())
+        if st["down"].get(node, 0.0) > time.monotonic():
+            return  # another call in flight to it failed too: one failure, one backoff step
         backoff = min(st["backoff"].get(node, 0.25) * 2, 10.0)
         st["backoff"][node] = backoff
         st["down"][node] = time.monotonic() + backoff
