@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import grpc
@@ -178,6 +179,24 @@ def test_a_forwarded_lease_keeps_the_callers_deadline(cluster: Cluster) -> None:
     elsewhere.stubs.produce("lonely", [b"x"])
     got = elsewhere.stubs.queue.Lease(queue_pb2.LeaseRequest(queue_name="lonely", batch_size=1), timeout=5)
     assert [i.payload for i in got.items] == [b"x"]
+
+
+def test_queues_of_one_partition_are_spread_over_the_nodes(cluster: Cluster) -> None:
+    n1 = cluster.nodes[0]
+    homes: dict[str, str] = {}
+    for i in range(6):
+        load = Counter(h for q in n1.info().queues for h in q.homes)
+        name = f"single-{i}"
+        n1.stubs.create(name, requested_partitions=1)
+        (home,) = [q.homes[0] for q in n1.info().queues if q.queue_name == name]
+        # The node homing the fewest partitions overall (before: always n1, by node id).
+        assert load[home] == min(load[n.node_id] for n in cluster.nodes), (home, load)
+        homes[name] = home
+    assert set(homes.values()) == {"n1", "n2", "n3"}
+    for name, home in homes.items():  # each one works through a node that does not home it
+        via = next(n for n in cluster.nodes if n.node_id != home)
+        via.stubs.produce(name, [name.encode()])
+        assert [item.payload for _, item in _drain(via, name, 1)] == [name.encode()]
 
 
 def test_update_adding_partitions_places_them_over_the_nodes(cluster: Cluster) -> None:

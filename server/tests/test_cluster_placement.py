@@ -30,6 +30,18 @@ def test_added_partitions_even_out_and_never_renumber_existing_ones() -> None:
     assert {h for h in added if h.node != "n3"} == {Home("n1", 1), Home("n2", 1)}
 
 
+def test_queues_of_one_partition_go_to_the_node_homing_the_fewest_partitions() -> None:
+    load: Counter[str] = Counter()
+    for _ in range(10):
+        (home,) = place(1, ["n1", "n2"], load=load)
+        load[home.node] += 1
+    assert load == {"n1": 5, "n2": 5}
+    # The queue's own spread comes first: a queue of two partitions gets one on each node
+    # even when one node is busier.
+    assert Counter(h.node for h in place(2, ["n1", "n2"], load={"n1": 9})) == {"n1": 1, "n2": 1}
+    assert place(1, ["n1", "n2"], load={"n1": 9}) == [Home("n2", 0)]
+
+
 def test_no_live_node_cannot_place() -> None:
     with pytest.raises(ValueError):
         place(1, [])

@@ -14,6 +14,7 @@ import asyncio
 import builtins
 import json
 import os
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
@@ -233,6 +234,10 @@ class Coordinator:
     def _live(self) -> builtins.list[str]:
         return sorted(self.catalog.members)
 
+    def _load(self) -> Counter[str]:
+        """Partitions homed per node, over every queue: placement's tie-breaker."""
+        return Counter(h.node for e in self.catalog.queues.values() for h in e.homes)
+
     def _fenced_txn(self) -> Txn:
         self.membership.check()
         return Txn().created_at(self.keys.member(self.node), self.membership.create_revision)
@@ -314,7 +319,8 @@ class Coordinator:
             raise Unavailable("no live node to place the queue's partitions on")
         now = now_us()
         entry = QueueEntry(
-            config.replace(created_at_us=now, updated_at_us=now, uid=0, group=-1), tuple(place(config.partitions, live))
+            config.replace(created_at_us=now, updated_at_us=now, uid=0, group=-1),
+            tuple(place(config.partitions, live, load=self._load())),
         )
         key = self.keys.queue(config.name)
         txn.created_at(key, 0).put(key, entry.encode()).delete(self.keys.deleted(config.name))
@@ -359,7 +365,7 @@ class Coordinator:
             self._check_dead_queue(updated, visible)
         homes = entry.homes
         if updated.partitions > current.partitions:
-            homes = homes + tuple(place(updated.partitions - current.partitions, self._live(), homes))
+            homes = homes + tuple(place(updated.partitions - current.partitions, self._live(), homes, self._load()))
         new = QueueEntry(updated, homes)
         key = self.keys.queue(name)
         txn.modified_at(key, entry.mod_revision).put(key, new.encode())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..model import QueueConfig
@@ -84,26 +84,30 @@ class QueueEntry:
         return sorted({h.node for h in self.homes})
 
 
-def place(count: int, live: Sequence[str], existing: Iterable[Home] = ()) -> list[Home]:
+def place(count: int, live: Sequence[str], existing: Iterable[Home] = (), load: Mapping[str, int] | None = None) -> list[Home]:
     """Homes for ``count`` new partitions over the ``live`` nodes.
 
-    Each goes to the live node holding the fewest partitions of the queue so far (ties:
-    node id order), so a queue with at least as many partitions as nodes has some on
-    every node, and partitions added later even it out.
+    Each goes to the live node holding the fewest partitions of the queue so far, so a
+    queue with at least as many partitions as nodes has some on every node, and
+    partitions added later even it out. Ties go to the node homing the fewest partitions
+    of all queues (``load``), then node id order: without that, every queue of one
+    partition landed on the same node and a second node carried none of their work.
     """
     if not live:
         raise ValueError("no live node to place partitions on")
     existing = list(existing)
+    load = Counter(load or {})
     held = Counter(h.node for h in existing)
     next_index: dict[str, int] = {}
     for h in existing:
         next_index[h.node] = max(next_index.get(h.node, 0), h.index + 1)
     out: list[Home] = []
     for _ in range(count):
-        node = min(sorted(live), key=lambda n: held[n])
+        node = min(sorted(live), key=lambda n: (held[n], load[n]))
         index = next_index.get(node, 0)
         out.append(Home(node, index))
         held[node] += 1
+        load[node] += 1
         next_index[node] = index + 1
     return out
 
