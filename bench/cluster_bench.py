@@ -439,16 +439,26 @@ class CpuMeter:
                 out[name] = float("nan")
         return out
 
+    @staticmethod
+    def _machine() -> float:
+        """CPU seconds the whole machine has been busy (every core; /proc/stat minus idle and iowait)."""
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
     def go(self, _counters: Any = None) -> None:
-        self.t0, self.c0 = time.monotonic(), self._read()
+        self.t0, self.c0, self.m0 = time.monotonic(), self._read(), self._machine()
 
     def done(self) -> None:
-        self.t1, self.c1 = time.monotonic(), self._read()
+        self.t1, self.c1, self.m1 = time.monotonic(), self._read(), self._machine()
 
     def cores(self, clients_cpu_s: float) -> dict[str, float]:
+        """Cores per process, ``clients`` (the phase's client processes) and ``machine``
+        (everything this machine ran meanwhile, this benchmark's processes and others')."""
         wall = max(self.t1 - self.t0, 1e-9)
         out = {name: (self.c1[name] - self.c0[name]) / wall for name in self.pids}
         out["clients"] = clients_cpu_s / wall
+        out["machine"] = (self.m1 - self.m0) / wall
         return out
 
 
@@ -897,18 +907,23 @@ def report(out: dict[str, Any], plan: Plan, s: Settings, args: Any) -> str:
         placement = runs["W4"][many][0]["placement"]
         add("W4's queues by home node: " + ", ".join(f"{n}: {c}" for n, c in placement.items()) + ".")
         add("")
-    add("CPU per process, cores (CPU seconds ÷ the phase's wall time from the start signal to the last reply; medians of the runs):")
+    add("CPU per process, cores (CPU seconds ÷ the phase's wall time from the start signal to the last reply; medians of the runs). "
+        "The last column is every process of the machine meanwhile (/proc/stat): what it leaves beside this run's total is other work.")
     add("")
-    add("| phase | system | server processes (etcd, nodes) | clients | total |")
-    add("|---|---|---|---:|---:|")
+    add(f"| phase | system | items/s | server processes (etcd, nodes) | clients | this run's total | server µs of CPU per item | the machine, all processes (of {os.cpu_count()}) |")
+    add("|---|---|---:|---|---:|---:|---:|---:|")
     for w, phases in (("W1", ("produce", "drain")), ("W2", ("total",)), ("W4", ("produce", "drain"))):
         if w not in runs:
             continue
         for phase in phases:
             for system in (one, many):
                 cpu = _cpu_med(runs[w][system], phase)
-                servers = ", ".join(f"{n} {c:.2f}" for n, c in cpu.items() if n != "clients")
-                add(f"| {w} {phase} | {system} | {servers} | {cpu['clients']:.2f} | {sum(cpu.values()):.2f} |")
+                rate = _med(runs[w][system], phase)
+                server = {n: c for n, c in cpu.items() if n not in ("clients", "machine")}
+                servers = ", ".join(f"{n} {c:.2f}" for n, c in server.items())
+                ours = sum(server.values()) + cpu["clients"]
+                add(f"| {w} {phase} | {system} | {rate:,.0f} | {servers} | {cpu['clients']:.2f} | {ours:.2f} | "
+                    f"{sum(server.values()) / rate * 1e6:.1f} | {cpu['machine']:.2f} |")
     add("")
     f = out.get("forwarding")
     if f:
