@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import common
-from common import HOST, free_port, on_exit, process_cpu_s, start_owned, wait_for_port
+from common import HOST, free_port, process_cpu_s, start_owned, wait_for_port
 from querator_target import LEASE_TIMEOUT_S, QueratorClient, QueratorService, _serve_argv
 from workloads import Consumer, PhaseFailed, Producer, Settings, admin, expect_left, run_phase
 
@@ -603,27 +603,8 @@ async def _forwarding(home: str, other: str, queue: str, calls: int, items: int,
             for via in order:
                 lat[f"Lease {via}"] += [(await lease(via))[0] for _ in range(calls)]
         for via in ("direct", "hop", "direct", "hop"):  # items/s, `inflight` calls at once, each path twice
-            batches = items // 100
-            left = [batches]
-            t = time.perf_counter()
-
-            async def pusher() -> None:
-                while left[0] > 0:
-                    left[0] -= 1
-                    await produce(via)  # noqa: B023
-
-            await asyncio.gather(*(pusher() for _ in range(inflight)))
-            rates.setdefault(f"Produce {via}", []).append(batches * 100 / (time.perf_counter() - t))  # type: ignore[attr-defined]
-            got = [0]
-            t = time.perf_counter()
-
-            async def drainer(loop: int) -> None:
-                while got[0] < batches * 100:
-                    _, n = await lease(via, loop)  # noqa: B023
-                    got[0] += n
-
-            await asyncio.gather(*(drainer(i) for i in range(inflight)))
-            rates.setdefault(f"Lease+Complete {via}", []).append(got[0] / (time.perf_counter() - t))  # type: ignore[attr-defined]
+            rates.setdefault(f"Produce {via}", []).append(await _rate_produce(produce, via, items // 100, inflight))  # type: ignore[attr-defined]
+            rates.setdefault(f"Lease+Complete {via}", []).append(await _rate_drain(lease, via, items // 100 * 100, inflight))  # type: ignore[attr-defined]
     finally:
         for c in channels.values():
             await c.close()
@@ -631,6 +612,35 @@ async def _forwarding(home: str, other: str, queue: str, calls: int, items: int,
         "p50_ms": {k: statistics.median(v) for k, v in lat.items()},
         "items_per_s": {k: max(v) for k, v in rates.items()},  # type: ignore[arg-type]
     }
+
+
+async def _rate_produce(produce: Any, via: str, batches: int, inflight: int) -> float:
+    left = [batches]
+    t = time.perf_counter()
+
+    async def pusher() -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            await produce(via)
+
+    await asyncio.gather(*(pusher() for _ in range(inflight)))
+    return batches * 100 / (time.perf_counter() - t)
+
+
+async def _rate_drain(lease: Any, via: str, items: int, inflight: int) -> float:
+    got = [0]
+    t = time.perf_counter()
+    done = [0.0]
+
+    async def drainer(loop: int) -> None:
+        while got[0] < items:
+            _, n = await lease(via, loop)  # awaited first: `got[0] += await ...` would lose updates
+            got[0] += n
+            if got[0] >= items and not done[0]:
+                done[0] = time.perf_counter()  # not the other loops' last empty Lease
+
+    await asyncio.gather(*(drainer(i) for i in range(inflight)))
+    return got[0] / (done[0] - t)
 
 
 def _forwarding_child(args: tuple[Any, ...], out: Any) -> None:
