@@ -106,6 +106,7 @@ class ClusterService:
 
     def live(self, via: int = 0) -> set[str]:
         import grpc
+
         from querator.v1 import cluster_pb2, cluster_pb2_grpc
 
         with grpc.insecure_channel(self.addresses[via]) as channel:
@@ -114,6 +115,7 @@ class ClusterService:
 
     def homes(self, queues: list[str]) -> dict[str, list[str]]:
         import grpc
+
         from querator.v1 import cluster_pb2, cluster_pb2_grpc
 
         with grpc.insecure_channel(self.addresses[0]) as channel:
@@ -333,6 +335,7 @@ class RoutedClient(QueratorClient):
 
     async def lease(self, queue: str, client_id: str, batch: int, wait_s: float) -> tuple[object, list[bytes]]:
         from google.protobuf.duration_pb2 import Duration
+
         from querator_target import _ask
 
         pb = self._state["pb"]
@@ -566,6 +569,7 @@ async def _forwarding(home: str, other: str, queue: str, calls: int, items: int,
     """Produce and Lease sent to the queue's home and through a node that homes none of it."""
     import grpc
     from google.protobuf.duration_pb2 import Duration
+
     from querator.v1 import queue_pb2 as pb
     from querator.v1 import queue_pb2_grpc
 
@@ -746,6 +750,7 @@ def kill_during_w2(cluster: ClusterService, s: Settings, procs: int, partitions:
 
 def _left(address: str, q: str) -> int:
     import grpc
+
     from querator.v1 import queues_pb2, queues_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
