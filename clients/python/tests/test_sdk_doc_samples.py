@@ -30,6 +30,7 @@ import querator
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 ADDRESS = ("127.0.0.1", 2319)  # the address every sample writes
+ADDRESS_TEXT = f"{ADDRESS[0]}:{ADDRESS[1]}"
 MAX_NOT_RUN = 4  # spark.md's two streaming fragments; sdk.md's first two need a TLS server elsewhere
 
 _BLOCK = re.compile(
@@ -79,10 +80,10 @@ def _notifications(client: querator.Client) -> None:
 # What the page has the reader make before a block (keyed by the block's first lines).
 SETUP: dict[str, Callable[[querator.Client], None]] = {
     "import asyncio\nimport querator\n\nasync def main": _queue("jobs"),
-    "import querator\n\nclient = querator.Client(\"127.0.0.1:2319\")\nwith querator.Producer": _queue("events"),
+    'import querator\n\nclient = querator.Client("127.0.0.1:2319")\nwith querator.Producer': _queue("events"),
     "import querator\n\ndef send_email": _queue("emails", '{"to": "a@example.com"}', '{"to": "b@example.com"}'),
-    "import querator\n\ndef handle(item: querator.LeasedItem) -> None:\n    print(\"handled\"": _queue("jobs", "j1", "j2", "j3"),
-    "import querator\n\nclient = querator.Client(\"127.0.0.1:2319\")\nworker = querator.Worker(client, \"notifications\")": _notifications,
+    'import querator\n\ndef handle(item: querator.LeasedItem) -> None:\n    print("handled"': _queue("jobs", "j1", "j2", "j3"),
+    'import querator\n\nclient = querator.Client("127.0.0.1:2319")\nworker = querator.Worker(client, "notifications")': _notifications,
     "from datetime import timedelta": _queue("orders"),
     "import querator\nfrom opentelemetry": _queue("jobs"),
     "import querator\n\ndef do_the_work": _queue("jobs", "traced"),
@@ -93,7 +94,7 @@ EXPECT = {
     "import querator\n\nwith querator.Client": ["handled by hand: job 0 attempt 1", "done: 95 completed by the worker"],
     "import asyncio\nimport querator\n\nasync def main": ["a\nb\nc\n"],
     "import querator\n\ndef send_email": ["email to a@example.com", "email to b@example.com"],
-    "import querator\n\ndef handle(item: querator.LeasedItem) -> None:\n    print(\"handled\"": ["handled j1", "3 completed"],
+    'import querator\n\ndef handle(item: querator.LeasedItem) -> None:\n    print("handled"': ["handled j1", "3 completed"],
     "import querator\n\ndef do_the_work": ["working on traced"],
 }
 
@@ -107,7 +108,7 @@ def _serve(directory: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     assert not _listening(), f"{ADDRESS} is taken: the docs' samples need it free"
     log = open(directory / "serve.log", "wb")  # noqa: SIM115 - the child's
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "querator"), "serve", "--address", "%s:%d" % ADDRESS, "--data-dir", str(directory / "data")],
+        [str(Path(sys.executable).parent / "querator"), "serve", "--address", ADDRESS_TEXT, "--data-dir", str(directory / "data")],
         cwd=directory, env=env, stderr=log,
     )  # fmt: skip
     deadline = time.monotonic() + 60
@@ -157,7 +158,7 @@ def test_every_python_sample_in_the_docs_runs_as_written(sample: Sample, tmp_pat
         return
     server = _serve(tmp_path, env)
     try:
-        with querator.Client("%s:%d" % ADDRESS) as client:
+        with querator.Client(ADDRESS_TEXT) as client:
             setup = next((fn for key, fn in SETUP.items() if sample.text.startswith(key)), None)
             if setup is not None:
                 setup(client)
