@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -18,7 +18,8 @@ from .errors import QueratorError
 
 
 class BaseClient:
-    """Construction shared by Client and AsyncClient: ``address`` plus keyword settings.
+    """Construction shared by Client and AsyncClient: ``address`` (or several: a cluster's
+    bootstrap addresses) plus keyword settings.
 
     Every keyword is a :class:`~querator.ClientConfig` field; ``config`` supplies the
     rest (keywords win).
@@ -26,9 +27,11 @@ class BaseClient:
 
     def __init__(
         self,
-        address: str | None = None,
+        address: str | Sequence[str] | None = None,
         *,
         config: ClientConfig | None = None,
+        addresses: Sequence[str] | None = None,
+        cluster_refresh: Seconds | None = None,
         timeout: Seconds | None = None,
         lease_margin: Seconds | None = None,
         tls: bool | None = None,
@@ -50,6 +53,8 @@ class BaseClient:
         tracing: bool | None = None,
     ) -> None:
         options: dict[str, Any] = {
+            "addresses": tuple(addresses) if addresses is not None else None,
+            "cluster_refresh": cluster_refresh,
             "timeout": timeout,
             "lease_margin": lease_margin,
             "tls": tls,

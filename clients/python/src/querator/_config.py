@@ -58,8 +58,15 @@ class ClientConfig:
     client's ``config`` can be handed to the other kind (``AsyncClient(config=c.config)``).
     """
 
-    #: host:port of the server; default: $QUERATOR_ADDRESS, else 127.0.0.1:2319.
+    #: host:port of the server; default: $QUERATOR_ADDRESS, else 127.0.0.1:2319. With
+    #: several (a list, or ``"a:1,b:2"``) it is the first of ``addresses``.
     address: str = ""
+    #: Bootstrap addresses of a cluster: ClusterInfo is asked of the first that answers,
+    #: then each call goes to the node that serves it (docs/sdk.md, "Clusters").
+    addresses: tuple[str, ...] = ()
+    #: How often the cluster map is read again (it is also read when a node goes away
+    #: or a queue is not in it yet).
+    cluster_refresh: timedelta = timedelta(seconds=30)
     #: Deadline of each call (Lease: its wait plus ``lease_margin``).
     timeout: timedelta = timedelta(seconds=30)
     #: Extra time a Lease call gets over its ``wait`` before the client gives up.
@@ -105,8 +112,15 @@ class ClientConfig:
     tracing: bool = False
 
     def __post_init__(self) -> None:
-        if not self.address:
-            object.__setattr__(self, "address", os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS)
+        given: Any = self.address
+        if isinstance(given, str):
+            given = [a.strip() for a in given.split(",") if a.strip()]
+        addresses = tuple(dict.fromkeys([*given, *self.addresses]))
+        if not addresses:
+            addresses = tuple(a.strip() for a in (os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS).split(",") if a.strip())
+        object.__setattr__(self, "address", addresses[0])
+        object.__setattr__(self, "addresses", addresses)
+        object.__setattr__(self, "cluster_refresh", as_timedelta(self.cluster_refresh))
         object.__setattr__(self, "timeout", as_timedelta(self.timeout))
         object.__setattr__(self, "lease_margin", as_timedelta(self.lease_margin))
         if self.retries < 0:
@@ -167,9 +181,13 @@ class ClientConfig:
         return seconds(self.timeout if timeout is None else timeout)
 
 
-def make_config(address: str | None, config: ClientConfig | None, options: dict[str, Any]) -> ClientConfig:
+def make_config(address: str | Sequence[str] | None, config: ClientConfig | None, options: dict[str, Any]) -> ClientConfig:
     base = config or ClientConfig()
     changes = {k: v for k, v in options.items() if v is not None}
     if address:
-        changes["address"] = address
+        listed = [address] if isinstance(address, str) else list(address)
+        changes["address"] = ",".join(listed)
+        changes.setdefault("addresses", ())
+    elif "addresses" in changes:
+        changes["address"] = ""
     return base.replace(**changes) if changes else base

@@ -1,0 +1,350 @@
+"""Where each call goes in a cluster (sans-IO; the transports ask and do the I/O).
+
+The map is read from ClusterInfo (members, each queue's partition homes, the catalog
+revision); GetQueueStats counts say what waits on each node. The rules (docs/sdk.md,
+"Clusters"):
+
+- Produce goes to a live node homing partitions of the queue, weighted by how many it
+  homes and against the items already waiting there per partition; the node spreads
+  the batch over its own partitions.
+- Lease goes to a node whose partitions have ready items, weighted by them; with none
+  known it stays on one homing node until a Lease comes back empty, then moves on. A
+  long Lease is sent in short slices so no consumer waits on an empty node while
+  another holds ready items.
+- Complete, Retry and Extend go to ``homes[partition]``: no hop.
+- A node that fails for want of the node is skipped for a backoff (0.5 s doubling to
+  10 s), logged once when it goes down and once when it answers again.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from ._operations import QUEUE, QUEUES, Call
+
+log = logging.getLogger("querator.cluster")
+
+DOWN_FIRST = 0.5
+DOWN_CAP = 10.0
+#: A queue's counts are asked at most this often while it is used.
+STATS_EVERY = 1.0
+#: A queue the cluster did not know is asked about again after this long.
+ABSENT_RECHECK = 1.0
+#: A ClusterInfo that failed (no node reachable) is asked again after this long.
+INFO_RETRY = 1.0
+#: The longest one slice of a Lease waits on one node when other nodes home the queue.
+LEASE_SLICE = 1.0
+
+# The routed calls: to a partition's home, or spread by the counts.
+_HOME = {"Complete", "Retry", "Extend"}
+_SPREAD = {"Produce", "Lease"}
+
+# What a connection-level failure of gRPC says (the node went away or never answered),
+# as opposed to UNAVAILABLE a server sent about a queue or partition.
+_GONE = (
+    "failed to connect",
+    "connection refused",
+    "connections to all backends failing",
+    "socket closed",
+    "connection reset",
+    "broken pipe",
+    "goaway",
+    "stream removed",
+    "keepalive",
+    "shutting down",
+    "connection attempt timed out",
+    "dns resolution failed",
+)
+_NEVER_SENT = ("failed to connect", "connection refused", "connections to all backends failing")
+
+
+def node_gone(error: BaseException) -> bool:
+    """Whether an UNAVAILABLE says the node itself is gone, not something it answered."""
+    text = _details(error)
+    return any(marker in text for marker in _GONE)
+
+
+def never_sent(error: BaseException) -> bool:
+    """Whether the request never reached the node (safe to send elsewhere, whatever it is)."""
+    text = _details(error)
+    return any(marker in text for marker in _NEVER_SENT)
+
+
+def _details(error: BaseException) -> str:
+    cause = error.__cause__ if error.__cause__ is not None else error
+    parts = [str(getattr(error, "message", "") or error)]
+    if isinstance(cause, grpc.RpcError):
+        parts.append(str(cause.details() or ""))  # type: ignore[attr-defined]
+        debug = getattr(cause, "debug_error_string", None)
+        if callable(debug):
+            parts.append(str(debug()))
+    return " ".join(parts).lower()
+
+
+def key_partition(key: str, partitions: int) -> int:
+    """The partition of a lease key, as the server computes it."""
+    return zlib.crc32(key.encode()) % partitions
+
+
+@dataclass
+class _Down:
+    until: float
+    delay: float
+
+
+@dataclass
+class _Load:
+    partitions: int = 0
+    ready: int = 0
+
+
+@dataclass
+class _QueueLoad:
+    counted_at: float = -1e18
+    counted: bool = False
+    nodes: dict[str, _Load] = field(default_factory=dict)
+    turn: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a call goes: ``node`` (its ``address``), or the default channel when empty."""
+
+    node: str = ""
+    address: str = ""
+    queue: str = ""
+    kind: str = ""  # "home", "produce", "lease" or "" (any node)
+
+
+class ClusterMap:
+    """The cluster as this client knows it. ``clustered``: None until the first answer."""
+
+    def __init__(self, refresh: float) -> None:
+        self.clustered: bool | None = None
+        self.revision = -1
+        self.refresh_every = refresh
+        self.refreshed_at = -1e18
+        self.info_failed_at = -1e18
+        self._members: dict[str, tuple[str, bool]] = {}
+        self._homes: dict[str, tuple[list[str], int]] = {}
+        self._absent: dict[str, float] = {}
+        self._down: dict[str, _Down] = {}
+        self._loads: dict[str, _QueueLoad] = {}
+
+    # -- the map -----------------------------------------------------------------------
+
+    def needs_info(self, now: float) -> bool:
+        """Whether ClusterInfo should be asked before this call (first call, or the period)."""
+        if self.clustered is False:
+            return False
+        if self.clustered is None:
+            return now - self.info_failed_at >= INFO_RETRY
+        return now - self.refreshed_at >= self.refresh_every
+
+    def single(self) -> None:
+        """The server has no ClusterService, or answered ``clustered=false``."""
+        self.clustered = False
+
+    def apply(self, answer: Any, asked: Sequence[str] | None, now: float) -> list[str]:
+        """Take a ClusterInfoResponse; an older view than the one held is ignored.
+        Returns the addresses no longer members (their channels can close)."""
+        if not answer.clustered:
+            self.single()
+            return []
+        self.clustered = True
+        if asked is None:
+            self.refreshed_at = now
+        gone: list[str] = []
+        if answer.revision >= self.revision:
+            self.revision = answer.revision
+            before = {address for address, _ in self._members.values()}
+            self._members = {m.node_id: (m.address, m.live) for m in answer.members}
+            after = {address for address, _ in self._members.values()}
+            gone = sorted(before - after)
+        seen = set()
+        for placement in answer.queues:
+            seen.add(placement.queue_name)
+            self._absent.pop(placement.queue_name, None)
+            held = self._homes.get(placement.queue_name)
+            if held is None or held[1] <= answer.revision:
+                self._homes[placement.queue_name] = (list(placement.homes), answer.revision)
+        for name in list(asked if asked is not None else self._homes):
+            held = self._homes.get(name)
+            if name in seen or (held is not None and held[1] > answer.revision):
+                continue
+            self._homes.pop(name, None)
+            self._loads.pop(name, None)
+            self._absent[name] = now
+        return gone
+
+    def needs_lookup(self, queue: str, now: float) -> bool:
+        if not self.clustered or not queue or queue in self._homes:
+            return False
+        checked = self._absent.get(queue)
+        return checked is None or now - checked >= ABSENT_RECHECK
+
+    def homes(self, queue: str) -> list[str]:
+        held = self._homes.get(queue)
+        return held[0] if held else []
+
+    def address(self, node: str) -> str:
+        """The address of a live member ('' when unknown or not live)."""
+        address, live = self._members.get(node, ("", False))
+        return address if live else ""
+
+    def node_at(self, address: str) -> str:
+        for node, (at, _) in self._members.items():
+            if at == address:
+                return node
+        return ""
+
+    def live_addresses(self, now: float) -> list[str]:
+        """Live members, those not down first: where ClusterInfo and the like are asked."""
+        up = [a for n, (a, live) in self._members.items() if live and a and not self.is_down(n, now)]
+        down = [a for n, (a, live) in self._members.items() if live and a and self.is_down(n, now)]
+        return up + down
+
+    # -- nodes that fail -------------------------------------------------------------------
+
+    def is_down(self, node: str, now: float) -> bool:
+        down = self._down.get(node)
+        return down is not None and now < down.until
+
+    def mark_down(self, node: str, now: float, reason: str) -> None:
+        down = self._down.get(node)
+        if down is None:
+            self._down[node] = _Down(now + DOWN_FIRST, DOWN_FIRST)
+            log.warning("querator node %s is down (%s); its partitions are skipped until it answers", node, reason)
+        elif now >= down.until:
+            delay = min(down.delay * 2, DOWN_CAP)
+            self._down[node] = _Down(now + delay, delay)
+
+    def mark_up(self, node: str) -> None:
+        if self._down.pop(node, None) is not None:
+            log.warning("querator node %s answers again", node)
+
+    def _usable(self, node: str, now: float) -> bool:
+        return bool(self.address(node)) and not self.is_down(node, now)
+
+    # -- counts -------------------------------------------------------------------------
+
+    def stats_due(self, queue: str, now: float) -> bool:
+        load = self._loads.get(queue)
+        return load is None or now - load.counted_at >= STATS_EVERY
+
+    def stats_asked(self, queue: str, now: float) -> None:
+        self._loads.setdefault(queue, _QueueLoad()).counted_at = now
+
+    def counted(self, queue: str) -> bool:
+        load = self._loads.get(queue)
+        return load is not None and load.counted
+
+    def apply_stats(self, queue: str, partitions: Iterable[tuple[int, int]]) -> None:
+        """Ready items per (cluster-wide) partition, summed per home."""
+        homes = self.homes(queue)
+        load = self._loads.setdefault(queue, _QueueLoad())
+        nodes: dict[str, _Load] = {}
+        for node in homes:
+            nodes.setdefault(node, _Load()).partitions += 1
+        for partition, ready in partitions:
+            if 0 <= partition < len(homes):
+                nodes[homes[partition]].ready += max(0, ready)
+        load.nodes = nodes
+        load.counted = True
+
+    def _homing(self, queue: str, now: float) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for node in self.homes(queue):
+            if self._usable(node, now):
+                out[node] = out.get(node, 0) + 1
+        return out
+
+    # -- choosing nodes ----------------------------------------------------------------------
+
+    def produce_node(self, queue: str, now: float, rnd: float | None = None) -> str:
+        homing = self._homing(queue, now)
+        if not homing:
+            return ""
+        load = self._loads.get(queue)
+        weights = []
+        for node, partitions in homing.items():
+            waiting = load.nodes[node].ready if load is not None and node in load.nodes else 0
+            # Fewer waiting per partition: more weight (squared, so the emptiest fills first).
+            weights.append((node, partitions / (1.0 + waiting / partitions) ** 2))
+        return _pick(weights, random.random() if rnd is None else rnd)
+
+    def produced(self, queue: str, node: str, count: int) -> None:
+        load = self._loads.get(queue)
+        if load is not None and node in load.nodes:
+            load.nodes[node].ready += count
+
+    def lease_node(self, queue: str, now: float, rnd: float | None = None) -> str:
+        homing = self._homing(queue, now)
+        if not homing:
+            return ""
+        load = self._loads.get(queue)
+        ready = [(n, float(load.nodes[n].ready)) for n in homing if load is not None and n in load.nodes]
+        chosen = _pick(ready, random.random() if rnd is None else rnd)
+        if chosen:
+            return chosen
+        nodes = sorted(homing)
+        turn = load.turn if load is not None else 0
+        return nodes[turn % len(nodes)]
+
+    def leased(self, queue: str, node: str, count: int) -> None:
+        """A Lease from ``node`` took ``count`` items (0: none there, move on)."""
+        load = self._loads.setdefault(queue, _QueueLoad())
+        if node in load.nodes:
+            load.nodes[node].ready = max(0, load.nodes[node].ready - count) if count else 0
+        if not count:
+            load.turn += 1
+
+    def spread(self, queue: str, now: float) -> int:
+        """How many usable nodes home partitions of ``queue``."""
+        return len(self._homing(queue, now))
+
+    def route(self, call: Call, now: float) -> Route:
+        """Where ``call`` goes (an empty Route: the default channel)."""
+        if not self.clustered or call.service not in (QUEUE, QUEUES):
+            return Route()
+        request: Any = call.request
+        queue = getattr(request, "queue_name", "")
+        if call.method in _HOME and request.partition >= 0 and not getattr(request, "lease_keys", None):
+            homes = self.homes(queue)
+            if request.partition < len(homes):
+                node = homes[request.partition]
+                return Route(node, self.address(node), queue, "home")
+            return Route()
+        if call.method == "Lease" and request.lease_key:
+            homes = self.homes(queue)
+            if homes:
+                node = homes[key_partition(request.lease_key, len(homes))]
+                return Route(node, self.address(node), queue, "home")
+        if call.method == "Lease" and request.complete_ids:
+            homes = self.homes(queue)
+            if 0 <= request.complete_partition < len(homes):
+                node = homes[request.complete_partition]
+                return Route(node, self.address(node), queue, "home")
+        if call.method in _SPREAD and call.service == QUEUE:
+            node = self.produce_node(queue, now) if call.method == "Produce" else self.lease_node(queue, now)
+            return Route(node, self.address(node), queue, call.method.lower()) if node else Route(queue=queue)
+        return Route()
+
+
+def _pick(entries: list[tuple[str, float]], point: float) -> str:
+    total = sum(weight for _, weight in entries)
+    if total <= 0:
+        return ""
+    point *= total
+    for value, weight in entries:
+        point -= weight
+        if point < 0:
+            return value
+    return entries[-1][0]

@@ -1,0 +1,203 @@
+"""The SDK against a cluster: real etcd and three real node processes on loopback.
+
+One cluster serves the module (starting one costs seconds); each test uses queues of its
+own. The node-kill test is in test_sdk_cluster_faults.py (a cluster of its own).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from cluster_helpers import Cluster
+from sdk_helpers import run, unique
+
+import querator
+from querator.embedded import EmbeddedServer
+from querator.v1 import queue_pb2
+
+from conftest import wait_until
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(str(tmp_path_factory.mktemp("cluster")))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+def _homes(cluster: Cluster, name: str) -> list[str]:
+    for q in cluster.nodes[0].info().queues:
+        if q.queue_name == name:
+            return list(q.homes)
+    raise AssertionError(f"queue {name} not in the map")
+
+
+def _new_queue(cluster: Cluster, partitions: int = 6, **settings: object) -> str:
+    name = unique("cq")
+    with querator.Client(cluster.nodes[0].address) as admin:
+        admin.create_queue(name, partitions=partitions, **settings)  # type: ignore[arg-type]
+    wait_until(lambda: len({*_homes(cluster, name)}) == 3, timeout=20)
+    return name
+
+
+def test_one_bootstrap_address_finds_every_node_and_opens_a_channel_per_node(cluster: Cluster) -> None:
+    name = _new_queue(cluster)
+    with querator.Client(cluster.nodes[1].address) as client:
+        result = client.produce(name, [b"x"] * 10, batch_size=1)
+        assert client._transport.cluster.clustered is True
+        assert set(client._transport.cluster.homes(name)) == {"n1", "n2", "n3"}
+        # Batches went to nodes homing partitions, and each node serves them locally:
+        # the partitions used belong to more than the bootstrap node alone.
+        used = {_homes(cluster, name)[p] for p in result.partitions}
+        assert len(used) >= 2, used
+        opened = set(client._transport._nodes) | {client.config.address}
+        assert opened >= {cluster.nodes[0].address, cluster.nodes[2].address} or len(opened) >= 2
+
+
+def test_a_single_server_asks_cluster_info_once_and_then_routes_nothing(querator_server: EmbeddedServer) -> None:
+    with querator.Client(querator_server.address) as client:
+        name = unique()
+        client.create_queue(name)
+        transport = client._transport
+        assert transport.cluster.clustered is False
+        refreshed = transport.cluster.refreshed_at
+        client.produce(name, [b"a", b"b"])
+        items = client.lease(name, batch_size=2, wait=1)
+        client.complete(items)
+        # Nothing more to ask: no refresh is ever due, no other channel opened.
+        assert not transport.cluster.needs_info(time.monotonic() + 10_000)
+        assert transport.cluster.refreshed_at == refreshed
+        assert transport._nodes == {}
+
+
+def test_a_w2_like_run_spreads_the_items_evenly_over_the_nodes(cluster: Cluster) -> None:
+    """2 producers and 2 consumers through the SDK: no node's partitions get more than
+    1.5x the mean of what was produced, and every item is consumed exactly once."""
+    name = _new_queue(cluster, lease_timeout="30s")
+    addresses = [n.address for n in cluster.nodes]
+    homes = _homes(cluster, name)
+    per_node: collections.Counter[str] = collections.Counter()
+    produced: set[tuple[int, str]] = set()
+    consumed: list[tuple[int, str]] = []
+    lock = threading.Lock()
+    batches, batch = 60, 20
+    done_producing = threading.Event()
+    errors: list[BaseException] = []
+
+    def produce(i: int) -> None:
+        try:
+            with querator.Client(addresses[i:] + addresses[:i]) as client:
+                for b in range(batches):
+                    result = client.produce(name, [f"{i}-{b}-{k}" for k in range(batch)])
+                    with lock:
+                        produced.update(zip(result.partitions, result.ids))
+                        per_node.update(homes[p] for p in result.partitions)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def consume(i: int) -> None:
+        try:
+            with querator.Client(addresses[i + 1 :] + addresses[: i + 1]) as client:
+                while True:
+                    items = client.lease(name, batch_size=50, wait=0.5)
+                    if items:
+                        client.complete(items)
+                        with lock:
+                            consumed.extend((item.partition, item.id) for item in items)
+                    elif done_producing.is_set():
+                        with lock:
+                            if len(consumed) >= len(produced):
+                                return
+        except BaseException as exc:
+            errors.append(exc)
+
+    producers = [threading.Thread(target=produce, args=(i,)) for i in range(2)]
+    consumers = [threading.Thread(target=consume, args=(i,)) for i in range(2)]
+    for t in producers + consumers:
+        t.start()
+    for t in producers:
+        t.join(120)
+    done_producing.set()
+    for t in consumers:
+        t.join(120)
+    assert not errors, errors
+    assert len(produced) == 2 * batches * batch
+    assert sorted(consumed) == sorted(produced)
+    mean = sum(per_node.values()) / 3
+    assert set(per_node) == {"n1", "n2", "n3"}
+    assert max(per_node.values()) <= 1.5 * mean, per_node
+
+
+def test_no_consumer_waits_on_an_empty_node_while_another_has_ready_items(cluster: Cluster) -> None:
+    """A long Lease started before anything is produced: the items then go to one node's
+    partition only, and the Lease finds them well before its wait is over."""
+    name = _new_queue(cluster, partitions=3)
+    homes = _homes(cluster, name)
+    with querator.Client([n.address for n in cluster.nodes]) as client:
+        client.lease(name, wait=0)  # the map and counts known: nothing anywhere
+        # The first Lease goes to n1 (no counts: the homing nodes in turn); the items
+        # go to the partition n3 homes, through n3 itself (served locally).
+        got: list[querator.LeasedItem] = []
+        started = time.monotonic()
+        leasing = threading.Thread(target=lambda: got.extend(client.lease(name, batch_size=5, wait=60)))
+        leasing.start()
+        time.sleep(0.3)
+        target = cluster.nodes[2]
+        partition = homes.index(target.node_id)
+        target.stubs.queue.Produce(
+            queue_pb2.ProduceRequest(queue_name=name, payloads=[b"here"] * 3), timeout=10
+        )
+        leasing.join(70)
+        took = time.monotonic() - started
+        assert [item.partition for item in got] and {item.partition for item in got} == {partition}
+        # Without moving on it would sit on an empty node for the whole 60 s.
+        assert took < 30, took
+        client.complete(got)
+
+
+def test_complete_retry_and_extend_go_straight_to_the_items_home(cluster: Cluster) -> None:
+    """Every node but the items' home stopped: Complete, Retry and Extend still succeed,
+    so none of them went through another node."""
+    name = _new_queue(cluster, partitions=3)
+    with querator.Client(cluster.nodes[0].address) as leaser:
+        leaser.produce(name, [b"a", b"b", b"c", b"d"] * 5)
+        items = leaser.lease(name, batch_size=4, wait=5)
+    assert items
+    home = _homes(cluster, name)[items[0].partition]
+    others = [n for n in cluster.nodes if n.node_id != home]
+    # Bootstrapped through a node that is not the home: it is stopped below.
+    with querator.Client([others[0].address], timeout=3) as client:
+        client.get_queue(name)  # the map read while every node answers
+        client.lease(name, wait=0)
+        for node in others:
+            node.signal(19)  # SIGSTOP: it neither answers nor forwards
+        try:
+            client.extend(items[:1], lease_timeout=60)
+            client.retry(items[1:2])
+            client.complete(items[2:])
+        finally:
+            for node in others:
+                node.signal(18)  # SIGCONT
+    assert [i.state for i in items] == [None, "retried", *["completed"] * (len(items) - 2)]
+
+
+def test_the_async_client_routes_the_same_way(cluster: Cluster) -> None:
+    name = _new_queue(cluster, partitions=3)
+
+    async def main() -> tuple[list[int], list[str]]:
+        async with querator.AsyncClient([n.address for n in cluster.nodes], timeout=3) as client:
+            result = await client.produce(name, [b"x"] * 30, batch_size=1)
+            items = await client.lease(name, batch_size=30, wait=5)
+            await client.complete(items)
+            return result.partitions, list(client._transport._nodes)
+
+    partitions, opened = run(main(), timeout=60)
+    assert len({_homes(cluster, name)[p] for p in partitions}) >= 2
+    assert opened
