@@ -13,13 +13,13 @@ from collections.abc import Iterator
 
 import pytest
 from cluster_helpers import Cluster
-from sdk_helpers import run, unique
 
 import querator
 from querator.embedded import EmbeddedServer
 from querator.v1 import queue_pb2
 
 from conftest import wait_until
+from sdk_helpers import run, unique
 
 
 @pytest.fixture(scope="module")
@@ -151,9 +151,7 @@ def test_no_consumer_waits_on_an_empty_node_while_another_has_ready_items(cluste
         time.sleep(0.3)
         target = cluster.nodes[2]
         partition = homes.index(target.node_id)
-        target.stubs.queue.Produce(
-            queue_pb2.ProduceRequest(queue_name=name, payloads=[b"here"] * 3), timeout=10
-        )
+        target.stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name=name, payloads=[b"here"] * 3), timeout=10)
         leasing.join(70)
         took = time.monotonic() - started
         assert [item.partition for item in got] and {item.partition for item in got} == {partition}

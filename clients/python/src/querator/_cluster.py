@@ -81,7 +81,7 @@ def _details(error: BaseException) -> str:
     cause = error.__cause__ if error.__cause__ is not None else error
     parts = [str(getattr(error, "message", "") or error)]
     if isinstance(cause, grpc.RpcError):
-        parts.append(str(cause.details() or ""))  # type: ignore[attr-defined]
+        parts.append(str(cause.details() or ""))
         debug = getattr(cause, "debug_error_string", None)
         if callable(debug):
             parts.append(str(debug()))

@@ -173,9 +173,10 @@ class _Transport:
             return call
         remaining = lease_end - time.monotonic()
         if remaining <= LEASE_SLICE:
-            return call if remaining > 0 else call
+            return call
+        original: Any = call.request
         request = queue_pb2.LeaseRequest()
-        request.CopyFrom(call.request)
+        request.CopyFrom(original)
         request.request_timeout.CopyFrom(c.to_duration(LEASE_SLICE))
         margin = call.timeout - remaining
         return Call(call.service, call.method, request, LEASE_SLICE + max(margin, 1.0), call.retry, call.item_call, call.key_call)
