@@ -199,3 +199,27 @@ def test_the_async_client_routes_the_same_way(cluster: Cluster) -> None:
     partitions, opened = run(main(), timeout=60)
     assert len({_homes(cluster, name)[p] for p in partitions}) >= 2
     assert opened
+
+
+def test_a_producer_and_a_worker_spread_over_the_nodes_and_handle_every_item_once(cluster: Cluster) -> None:
+    name = _new_queue(cluster)
+    homes = _homes(cluster, name)
+    handled: list[bytes] = []
+    lock = threading.Lock()
+
+    def handle(item: querator.LeasedItem) -> None:
+        with lock:
+            handled.append(item.payload)
+
+    with querator.Client([n.address for n in cluster.nodes]) as client:
+        with querator.Producer(client, name, max_items=10, max_latency=0.005) as producer:
+            futures = [producer.produce(f"p{k}") for k in range(300)]
+        ids = [f.result(30) for f in futures]
+        assert len(ids) == 300
+        stats = client.queue_stats(name)
+        assert len({homes[p.partition] for p in stats.partitions if p.total}) >= 2
+        worker = querator.Worker(client, name, handle, concurrency=4, lease_wait=5, handle_signals=False)
+        with worker:
+            wait_until(lambda: len(handled) >= 300, timeout=60)
+        assert sorted(handled) == sorted(f"p{k}".encode() for k in range(300))
+        wait_until(lambda: sum(p.total for p in client.queue_stats(name).partitions) == 0, timeout=30)

@@ -328,10 +328,12 @@ class ClusterMap:
                 node = homes[key_partition(request.lease_key, len(homes))]
                 return Route(node, self.address(node), queue, "home")
         if call.method == "Lease" and request.complete_ids:
+            # To the completed items' home; a "lease" route still, so a long one is
+            # sliced and moves on (without the completions) when that node is empty.
             homes = self.homes(queue)
             if 0 <= request.complete_partition < len(homes):
                 node = homes[request.complete_partition]
-                return Route(node, self.address(node), queue, "home")
+                return Route(node, self.address(node), queue, "lease")
         if call.method in _SPREAD and call.service == QUEUE:
             node = self.produce_node(queue, now) if call.method == "Produce" else self.lease_node(queue, now)
             return Route(node, self.address(node), queue, call.method.lower()) if node else Route(queue=queue)

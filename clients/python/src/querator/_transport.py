@@ -155,7 +155,8 @@ class _Transport:
                 continue
             self._answered(route, call, reply)
             if sent is not call and not len(reply.columns.ids) and lease_end - time.monotonic() > 0.05:
-                continue  # an empty slice: the next one asks another node
+                call = _only_lease(call)  # an empty slice: the next one asks another node
+                continue
             return reply
 
     @staticmethod
@@ -228,6 +229,18 @@ class _Transport:
     def _info_call(refresh: Refresh) -> Call:
         request = cluster_pb2.ClusterInfoRequest(queue_names=list(refresh.asked or ()))
         return Call(CLUSTER, "ClusterInfo", request, _ROUTING_TIMEOUT, False)
+
+
+def _only_lease(call: Call) -> Call:
+    """A Lease without the completions it carried (done by the slice that answered)."""
+    original: Any = call.request
+    if not original.complete_ids:
+        return call
+    request = queue_pb2.LeaseRequest()
+    request.CopyFrom(original)
+    del request.complete_ids[:]
+    request.complete_partition = 0
+    return Call(call.service, call.method, request, call.timeout, True)
 
 
 class SyncTransport(_Transport):
