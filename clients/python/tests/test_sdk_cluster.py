@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 
 import pytest
@@ -223,3 +224,34 @@ def test_a_producer_and_a_worker_spread_over_the_nodes_and_handle_every_item_onc
             wait_until(lambda: len(handled) >= 300, timeout=60)
         assert sorted(handled) == sorted(f"p{k}".encode() for k in range(300))
         wait_until(lambda: sum(p.total for p in client.queue_stats(name).partitions) == 0, timeout=30)
+
+
+def test_the_spark_connectors_calls_take_a_list_of_addresses_and_are_routed(cluster: Cluster) -> None:
+    pytest.importorskip("pyspark", reason="the Spark connector needs: pip install 'querator-client[spark]'")
+    from querator.spark._options import Connection
+    from querator.spark._rpc import Rpc
+
+    name = _new_queue(cluster, partitions=3)
+    conn = Connection(
+        address=",".join(n.address for n in cluster.nodes),
+        queue=name,
+        token="",
+        tls=False,
+        root_certificates=None,
+        timeout=10.0,
+        retries=3,
+    )
+    rpc = Rpc(conn)
+    try:
+        for k in range(12):
+            rpc.produce([queue_pb2.ProduceItem(payload=f"s{k}".encode())])
+        assert rpc.transport.cluster.clustered is True
+        request = rpc.lease_request("spark-key", 20, 1)
+        route = rpc.transport.cluster.route(rpc._call("queue", "Lease", request, None), time.monotonic())
+        homes = _homes(cluster, name)
+        assert route.node == homes[zlib.crc32(b"spark-key") % len(homes)]
+        leased = rpc.call("queue", "Lease", request)
+        rpc.complete_keys(["spark-key"])
+        assert len(leased.columns.ids) >= 1
+    finally:
+        rpc.close()
