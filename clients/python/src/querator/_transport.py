@@ -27,7 +27,7 @@ from ._convert import Seconds, seconds
 from ._operations import KEYS, QUEUE, QUEUES, STORAGE, Call, Operation
 from ._retry import RetryPolicy
 from ._streams import Streams, StreamsUnsupported, from_stream_error
-from .errors import QueratorError, Unauthenticated, Unavailable, from_rpc_error
+from .errors import InvalidRequest, QueratorError, QueueNotFound, Unauthenticated, Unavailable, from_rpc_error
 from .v1 import (
     cluster_pb2,
     cluster_pb2_grpc,
@@ -185,7 +185,12 @@ class _Transport:
     def _node_failed(self, route: Route, error: QueratorError) -> bool:
         """After ``error`` from ``route``: whether its node is gone (then it is skipped and
         the map is read again before the next call)."""
-        if not self.cluster.clustered or not isinstance(error, Unavailable) or not node_gone(error):
+        if not self.cluster.clustered:
+            return False
+        if isinstance(error, QueueNotFound) or (isinstance(error, InvalidRequest) and "partition" in error.message):
+            self.cluster.refreshed_at = -1e18  # the map may be stale: read it before the next call
+            return False
+        if not isinstance(error, Unavailable) or not node_gone(error):
             return False
         node = route.node or self.cluster.node_at(route.address or self.config.address)
         if node:
