@@ -111,7 +111,7 @@ def test_a_w2_like_run_spreads_the_items_evenly_over_the_nodes(cluster: Cluster)
                     if items:
                         client.complete(items)
                         with lock:
-                            consumed.extend((item.partition, item.id) for item in items)
+                            consumed.extend((item.partition, item.message_id) for item in items)
                     elif done_producing.is_set():
                         with lock:
                             if len(consumed) >= len(produced):

@@ -69,7 +69,7 @@ def test_a_node_killed_mid_run_costs_produce_and_lease_no_error_and_loses_nothin
                     except querator.Unavailable:
                         continue  # their home is dead: they come back once it returns
                     with lock:
-                        completed.update((i.partition, i.id) for i in items)
+                        completed.update((i.partition, i.message_id) for i in items)
         except BaseException as exc:
             errors.append(exc)
 
