@@ -6,6 +6,7 @@ own. The node-kill test is in test_sdk_cluster_faults.py (a cluster of its own).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import threading
 import time
@@ -255,3 +256,27 @@ def test_the_spark_connectors_calls_take_a_list_of_addresses_and_are_routed(clus
         assert len(leased.columns.ids) >= 1
     finally:
         rpc.close()
+
+
+def test_concurrent_first_calls_share_one_cluster_info(cluster: Cluster) -> None:
+    name = _new_queue(cluster, partitions=3)
+
+    async def main() -> list[str]:
+        async with querator.AsyncClient([n.address for n in cluster.nodes]) as client:
+            transport = client._transport
+            asked: list[str] = []
+            once = transport._once
+
+            async def counting(call: object, address: str = "") -> object:
+                if getattr(call, "method", "") == "ClusterInfo":
+                    asked.append(",".join(call.request.queue_names))  # type: ignore[attr-defined]
+                return await once(call, address)  # type: ignore[arg-type]
+
+            transport._once = counting  # type: ignore[method-assign]
+            await asyncio.gather(*(client.produce(name, [b"x"]) for _ in range(20)))
+            await client.produce(name, [b"y"])
+            return asked
+
+    asked = run(main(), timeout=60)
+    # One for the whole map (the queue is in it already): not one per concurrent caller.
+    assert asked == [""], asked
