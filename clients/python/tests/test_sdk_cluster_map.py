@@ -84,3 +84,15 @@ def test_a_dead_member_is_not_routed_to() -> None:
     m = ClusterMap(30)
     m.apply(_info(1, ["n1", "n2"], live=("n2",)), None, 0)
     assert {m.produce_node("q", 0) for _ in range(20)} == {"n2"}
+
+
+def test_a_node_that_answers_unavailable_about_a_queue_is_left_out_of_it_alone() -> None:
+    m = ClusterMap(30)
+    m.apply(_info(1, ["n1", "n2"]), None, 0)
+    m.mark_queue_down("q", "n1", 0)
+    assert {m.produce_node("q", 0.1) for _ in range(20)} == {"n2"}
+    assert not m.is_down("n1", 0.1)  # the node still serves its other queues
+    assert {m.produce_node("q", DOWN_FIRST + 0.1, rnd=k / 10) for k in range(10)} == {"n1", "n2"}
+    m.mark_queue_down("q", "n2", 0)
+    m.mark_queue_down("q", "n1", 0)
+    assert m.produce_node("q", 0.1) in {"n1", "n2"}  # never every node left out

@@ -136,6 +136,7 @@ class ClusterMap:
         self._homes: dict[str, tuple[list[str], int]] = {}
         self._absent: dict[str, float] = {}
         self._down: dict[str, _Down] = {}
+        self._queue_down: dict[tuple[str, str], _Down] = {}
         self._loads: dict[str, _QueueLoad] = {}
 
     # -- the map -----------------------------------------------------------------------
@@ -226,6 +227,14 @@ class ClusterMap:
             delay = min(down.delay * 2, DOWN_CAP)
             self._down[node] = _Down(now + delay, delay)
 
+    def mark_queue_down(self, queue: str, node: str, now: float) -> None:
+        """``node`` answered UNAVAILABLE about ``queue`` (its storage failing, its
+        partitions faulty): leave it out of that queue's Produce and Lease for a backoff,
+        while another node homes the queue; the node itself is not marked down."""
+        down = self._queue_down.get((queue, node))
+        delay = DOWN_FIRST if down is None else min(down.delay * 2, DOWN_CAP) if now >= down.until else down.delay
+        self._queue_down[(queue, node)] = _Down(now + delay, delay)
+
     def mark_up(self, node: str) -> None:
         if self._down.pop(node, None) is not None:
             log.warning("querator node %s answers again", node)
@@ -264,6 +273,10 @@ class ClusterMap:
         for node in self.homes(queue):
             if self._usable(node, now):
                 out[node] = out.get(node, 0) + 1
+        for node in list(out) if self._queue_down else ():
+            down = self._queue_down.get((queue, node))
+            if down is not None and now < down.until and len(out) > 1:
+                del out[node]
         return out
 
     # -- choosing nodes ----------------------------------------------------------------------

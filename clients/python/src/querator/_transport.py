@@ -190,6 +190,9 @@ class _Transport:
         if isinstance(error, QueueNotFound) or (isinstance(error, InvalidRequest) and "partition" in error.message):
             self.cluster.refreshed_at = -1e18  # the map may be stale: read it before the next call
             return False
+        if isinstance(error, Unavailable) and not node_gone(error) and route.kind in ("produce", "lease"):
+            self.cluster.mark_queue_down(route.queue, route.node, time.monotonic())
+            return False
         if not isinstance(error, Unavailable) or not node_gone(error):
             return False
         node = route.node or self.cluster.node_at(route.address or self.config.address)
