@@ -218,8 +218,12 @@ class _Transport:
     def _info_answered(self, asked: tuple[str, ...] | None, answer: Any, error: QueratorError | None) -> list[str]:
         """Take a ClusterInfo answer (or its failure); returns channels to close."""
         if error is not None:
-            if error.code is grpc.StatusCode.UNIMPLEMENTED:
-                self.cluster.single()  # a server without ClusterService
+            if _answered_no(error):
+                # A server without ClusterService (UNIMPLEMENTED), or one that will not
+                # tell this caller (its key): calls go to the address given, as to a
+                # single server, and are not slowed by asking again.
+                if self.cluster.clustered is None:
+                    self.cluster.single()
             elif self.cluster.clustered is None:
                 self.cluster.info_failed_at = time.monotonic()
             return []
@@ -237,6 +241,12 @@ class _Transport:
     def _info_call(refresh: Refresh) -> Call:
         request = cluster_pb2.ClusterInfoRequest(queue_names=list(refresh.asked or ()))
         return Call(CLUSTER, "ClusterInfo", request, _ROUTING_TIMEOUT, False)
+
+
+def _answered_no(error: QueratorError) -> bool:
+    """Whether a ClusterInfo failure is the node's answer (asking the next node would
+    get the same), not a node that could not be reached in time."""
+    return error.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def _only_lease(call: Call) -> Call:
@@ -381,7 +391,7 @@ class SyncTransport(_Transport):
                 try:
                     answer = self._call(Rpc(address, call))
                 except QueratorError as error:
-                    if error.code is grpc.StatusCode.UNIMPLEMENTED or address == addresses[-1]:
+                    if _answered_no(error) or address == addresses[-1]:
                         self._close_gone(self._info_answered(refresh.asked, None, error))
                         return
                     continue
@@ -516,7 +526,7 @@ class AsyncTransport(_Transport):
                 try:
                     answer = await self._once(call, address)
                 except QueratorError as error:
-                    if error.code is grpc.StatusCode.UNIMPLEMENTED or address == addresses[-1]:
+                    if _answered_no(error) or address == addresses[-1]:
                         await self._close_gone(self._info_answered(refresh.asked, None, error))
                         return
                     continue
