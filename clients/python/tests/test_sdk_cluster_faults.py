@@ -14,7 +14,7 @@ from cluster_helpers import Cluster
 import querator
 
 from conftest import wait_until
-from sdk_helpers import unique
+from sdk_helpers import run, unique
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +95,37 @@ def test_a_node_killed_mid_run_costs_produce_and_lease_no_error_and_loses_nothin
     assert any(homes[p] == victim.node_id for p, _ in acknowledged)  # the victim had its share
     assert acknowledged - completed == set()
     assert any("is down" in r.getMessage() and victim.node_id in r.getMessage() for r in caplog.records)
+
+
+def test_the_async_client_rides_over_a_node_killed_mid_run(cluster: Cluster) -> None:
+    name = unique("cq")
+    victim = cluster.nodes[2]
+    with querator.Client(cluster.nodes[0].address) as admin:
+        admin.create_queue(name, partitions=6, lease_timeout="3s")
+    wait_until(lambda: all(m.live for m in cluster.nodes[0].info().members), timeout=60)
+
+    async def main() -> tuple[set[tuple[int, str]], set[tuple[int, str]]]:
+        acknowledged: set[tuple[int, str]] = set()
+        leased: set[tuple[int, str]] = set()
+        addresses = [victim.address, *(n.address for n in cluster.nodes[:2])]
+        async with querator.AsyncClient(addresses, retry_produce=True, timeout=5) as client:
+            for b in range(40):
+                result = await client.produce(name, [f"a{b}-{k}" for k in range(5)])
+                acknowledged.update(zip(result.partitions, result.ids))
+                items = await client.lease(name, batch_size=5, wait=0.2)
+                leased.update((i.partition, i.message_id) for i in items)
+                if b == 15:
+                    victim.kill9()
+        return acknowledged, leased
+
+    acknowledged, leased = run(main(), timeout=120)  # no produce and no lease raised
+    assert len(acknowledged) == 200 and leased
+    victim.start()
+    wait_until(lambda: all(m.live for m in cluster.nodes[0].info().members), timeout=60)
+    with querator.Client([n.address for n in cluster.nodes]) as client:
+        deadline = time.monotonic() + 60
+        while not acknowledged <= leased and time.monotonic() < deadline:
+            items = client.lease(name, batch_size=50, wait=0.5)
+            leased.update((i.partition, i.message_id) for i in items)
+            client.complete(items)
+    assert acknowledged - leased == set()
