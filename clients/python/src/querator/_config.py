@@ -165,6 +165,9 @@ class ClientConfig:
             # The server keeps a reply within 4 MiB, but one item may be up to 5 MB.
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", MAX_REQUEST_BYTES + (1 << 20)),
+            # gRPC's own reconnect backoff grows to 120 s: a node (or server) back after
+            # a restart would be left unused that long. Bounded like a node marked down.
+            ("grpc.max_reconnect_backoff_ms", 10_000),
         ]
         # gRPC reads the first of two equal names: a channel option given replaces ours.
         return [*(option for option in defaults if option[0] not in given), *self.channel_options]
