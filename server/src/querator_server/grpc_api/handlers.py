@@ -307,6 +307,7 @@ def _wrap_stream(
                 else:
                     state.stream.head = task
                     answer = await task
+                    state.stream.head = None  # made: from here on it is the held answer
                     state.sending_now(answer)
                     yield answer
                     state.sent()
@@ -411,7 +412,15 @@ class _Unsent:
 
     def _drop_answers(self) -> None:
         """Made answers are given back (their items were never seen); ones still being made
-        are cancelled (a Lease then leases nothing, or its cycle takes the lease back)."""
+        are cancelled (a Lease then leases nothing, or its cycle takes the lease back).
+
+        The head, taken off the queue by the writer, counts too: a call cancelled while
+        the writer awaited it leaves an answer made (and counted) but never held."""
+        head, self.stream.head = self.stream.head, None
+        if head is not None and head.done() and not head.cancelled() and head.exception() is None:
+            answer = head.result()
+            self.stream.give(len(answer.data))
+            self.sending.give_back_answer(answer, reached=False)
         while not self.answers.empty():
             task = self.answers.get_nowait()
             if task is None:
