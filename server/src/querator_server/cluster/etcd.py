@@ -213,7 +213,8 @@ class Etcd:
             raise await self._failed(exc) from None
 
     async def watch(self, prefix: bytes, start_revision: int) -> AsyncIterator[tuple[int, list[Event]]]:
-        """Changes under ``prefix`` from ``start_revision`` on: (revision, events) per answer.
+        """Changes under ``prefix`` from ``start_revision`` on: (revision, events) per answer,
+        where every change up to ``revision`` has been yielded.
 
         Raises ``Compacted`` when that history is gone, ``EtcdError`` when the stream
         breaks. Silence is not proof that etcd is alive (a paused etcd keeps the stream
@@ -230,7 +231,17 @@ class Etcd:
                 if reply.canceled:
                     raise EtcdError(f"etcd cancelled the watch: {reply.cancel_reason}")
                 events = [Event(e.type == rpc.Event.DELETE, _kv(e.kv)) for e in reply.events]
-                yield int(reply.header.revision), events
+                if events:
+                    # Not the header's revision: a watch catching up from an old
+                    # revision gets its history in chunks that all carry the store's
+                    # current revision, so that one would claim changes not yet seen.
+                    yield max(e.kv.mod_revision for e in events), events
+                elif not reply.created:
+                    # A progress note (etcd sends one only to a watch that has caught
+                    # up): nothing changed up to the header's revision. The created
+                    # answer also has no events and the current revision, but comes
+                    # *before* the history from ``start_revision``: it says nothing.
+                    yield int(reply.header.revision), events
         except grpc.aio.AioRpcError as exc:
             raise await self._failed(exc) from None
         finally:
