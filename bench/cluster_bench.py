@@ -1,12 +1,13 @@
-"""W1, W2 and W4 against an N-node cluster beside one server, same client processes (``run.py --nodes N``).
+"""W1, W2 and W4 against an N-node cluster beside one server and N independent servers (``run.py --nodes N``).
 
 Starts a real etcd and N ``querator serve --cluster`` nodes (each its own data dir, free
-127.0.0.1 ports) next to a single server, and runs the same workloads against both,
-interleaved. The clients are raw generated stubs (``RoutedClient``, as querator_target's
+127.0.0.1 ports) next to a single server and N plain servers (independent.py: the same
+work split over servers that never coordinate), and runs the same workloads against the
+three, interleaved. The clients are raw generated stubs (``RoutedClient``, as querator_target's
 client, so the figures measure the servers, not a client library) that route by
 ``ClusterInfo``: Produce and Lease to the node the process is bound to among the queue's
 homes, Complete to the partition's home (no hop). A single server answers ClusterInfo
-as one node, so both runs use the same client code.
+as one node, so every side runs the same client code.
 
 Also measured: what one forwarding hop costs (Produce and Lease through a node that homes
 nothing of the queue, against its home), and a node killed -9 during W2 (items/s before,
@@ -473,22 +474,52 @@ def _phase(clients: list[Any], roles: list[Any], s: Settings, pids: dict[str, in
 
 @dataclass
 class Target:
-    """One system under test: a single server or a cluster, with its clients' settings."""
+    """One system under test: a single server or a cluster, with its clients' settings.
+
+    ``nodes[i]`` is the node (cluster) or server listening at ``addresses[i]``; a single
+    server is one node named "", as its ClusterInfo names it. Client process *i* is bound to
+    ``addresses[i % len]``. The queue operations go through the first address: a cluster
+    places the partitions itself (independent.IndependentTarget splits them over its servers).
+    """
 
     label: str
     addresses: list[str]
     pids: dict[str, int]
     service: Any
+    nodes: list[str]
     streams: bool = False
     complete_in_lease: bool = False
 
     def client(self, i: int) -> RoutedClient:
-        return RoutedClient(address=self.addresses[i % len(self.addresses)], prefer=i, streams=self.streams, complete_in_lease=self.complete_in_lease)
+        return self.client_at(self.nodes[i % len(self.nodes)], i)
+
+    def client_at(self, node: str, i: int) -> RoutedClient:
+        """Client process ``i``, bound to ``node``."""
+        address = self.addresses[self.nodes.index(node)]
+        return RoutedClient(address=address, prefer=i, streams=self.streams, complete_in_lease=self.complete_in_lease)
+
+    def create(self, queues: list[str], partitions: int) -> None:
+        admin(self.client(0), "create", queues, partitions)
+
+    def expect_empty(self, queues: list[str]) -> None:
+        expect_left(self.client(0), queues, [0] * len(queues))
+
+    def drop(self, queues: list[str]) -> None:
+        admin(self.client(0), "drop", queues)
 
     def homes(self, queues: list[str]) -> dict[str, list[str]]:
+        """Each queue's node per partition (read after ``create``)."""
         if isinstance(self.service, ClusterService):
             return self.service.homes(queues)
         return {q: [""] for q in queues}
+
+    def placement(self, queues: list[str], partitions: int) -> dict[str, list[str]]:
+        """Where ``create`` would put these queues' partitions: created, read and dropped."""
+        self.create(queues, partitions)
+        try:
+            return self.homes(queues)
+        finally:
+            self.drop(queues)
 
 
 def _shares(total: int, parts: int) -> list[int]:
@@ -498,12 +529,12 @@ def _shares(total: int, parts: int) -> list[int]:
 def cw1(t: Target, s: Settings, procs: int, partitions: int) -> dict[str, Any]:
     """W1 spread: one queue with a partition (at least) on every node, ``procs`` producers then ``procs`` consumers."""
     q = "cw1"
-    admin(t.client(0), "create", [q], partitions)
+    t.create([q], partitions)
     clients = [t.client(i) for i in range(procs)]
     produce, p_cpu = _phase(clients, [Producer([q], n, s.produce_inflight) for n in _shares(s.items, procs)], s, t.pids)
     drain, d_cpu = _phase(clients, [Consumer([q] * s.consume_inflight) for _ in range(procs)], s, t.pids, targets={q: s.items})
-    expect_left(t.client(0), [q], [0])
-    admin(t.client(0), "drop", [q])
+    t.expect_empty([q])
+    t.drop([q])
     return {
         "produce": produce.items_of("produce") / produce.elapsed_of("produce"),
         "drain": drain.items_of("consume") / drain.elapsed_of("consume"),
@@ -514,13 +545,13 @@ def cw1(t: Target, s: Settings, procs: int, partitions: int) -> dict[str, Any]:
 def cw2(t: Target, s: Settings, procs: int, partitions: int) -> dict[str, Any]:
     """W2 at full load: ``procs`` producers and ``procs`` consumers at once on one queue."""
     q, n = "cw2", s.w2_items
-    admin(t.client(0), "create", [q], partitions)
+    t.create([q], partitions)
     roles: list[Any] = [Producer([q], k, s.produce_inflight) for k in _shares(n, procs)]
     roles += [Consumer([q] * s.consume_inflight, latency=True) for _ in range(procs)]
     clients = [t.client(i) for i in range(procs)] * 2  # producer i and consumer i on the same node
     phase, cpu = _phase(clients, roles, s, t.pids, targets={q: n})
-    expect_left(t.client(0), [q], [0])
-    admin(t.client(0), "drop", [q])
+    t.expect_empty([q])
+    t.drop([q])
     lat = phase.latencies_ms
     return {
         "total": phase.items_of("consume") / phase.elapsed_of("consume"),
@@ -533,14 +564,12 @@ def cw2(t: Target, s: Settings, procs: int, partitions: int) -> dict[str, Any]:
 def cw4(t: Target, s: Settings, procs: int) -> dict[str, Any]:
     """W4 spread: queues of one partition; each process takes the queues homed on one node."""
     queues = [f"cw4-{i}" for i in range(s.w4_queues)]
-    admin(t.client(0), "create", queues, 1)
+    t.create(queues, 1)
     homes = t.homes(queues)
-    ordered = sorted(queues, key=lambda q: (homes[q][0], queues.index(q)))  # grouped by home node
+    ordered = sorted(queues, key=lambda q: (t.nodes.index(homes[q][0]), queues.index(q)))  # grouped by home node
     groups = [ordered[i * len(ordered) // procs : (i + 1) * len(ordered) // procs] for i in range(procs)]
     groups = [g for g in groups if g]
-    node_order = sorted({homes[q][0] for q in queues})
-    clients = [RoutedClient(address=t.addresses[node_order.index(homes[g[0]][0]) % len(t.addresses)], prefer=i,
-                            streams=t.streams, complete_in_lease=t.complete_in_lease) for i, g in enumerate(groups)]  # fmt: skip
+    clients = [t.client_at(homes[g[0]][0], i) for i, g in enumerate(groups)]
     per_queue = {q: 0 for q in queues}
     producers = []
     share = {id(g): s.w4_items * len(g) // len(queues) for g in groups}
@@ -552,13 +581,13 @@ def cw4(t: Target, s: Settings, procs: int) -> dict[str, Any]:
         producers.append(Producer(g, n, s.w4_per_queue * len(g)))
     produce, p_cpu = _phase(clients, producers, s, t.pids)
     drain, d_cpu = _phase(clients, [Consumer(g * s.w4_per_queue) for g in groups], s, t.pids, targets=per_queue)
-    expect_left(t.client(0), queues, [0] * len(queues))
-    admin(t.client(0), "drop", queues)
+    t.expect_empty(queues)
+    t.drop(queues)
     return {
         "produce": produce.items_of("produce") / produce.elapsed_of("produce"),
         "drain": drain.items_of("consume") / drain.elapsed_of("consume"),
         "cpu": {"produce": p_cpu, "drain": d_cpu},
-        "placement": {node: sum(1 for q in queues if homes[q][0] == node) for node in node_order},
+        "placement": {node: n for node in t.nodes if (n := sum(1 for q in queues if homes[q][0] == node))},
     }
 
 
@@ -814,6 +843,7 @@ TARGETS = {  # on 2 cores with 2 nodes (the issue): N nodes ÷ one server at lea
     ("W1", "produce"): 1.0,
     ("W1", "drain"): 1.0,
 }
+INDEPENDENT_TARGET = 0.9  # any N: N nodes ÷ N independent servers doing the same work (coordination and routing cost at most a tenth)
 
 
 @dataclass
@@ -836,16 +866,24 @@ class Plan:
 
 
 def run(args: Any, s: Settings, workdir: str, source_dir: str | None) -> tuple[dict[str, Any], Plan]:
+    from independent import IndependentServers, IndependentTarget  # builds on this module's Target
+
     plan = Plan(args.nodes, args.cores)
     single_svc = QueratorService(workdir, source_dir)
     single_addr = single_svc.start().address
     cluster = ClusterService(workdir, args.nodes, source_dir)
+    servers = IndependentServers(workdir, args.nodes, source_dir)
     try:
         cluster.start()
-        print(f"bench: one server (pid {single_svc.pid}) and {args.nodes} nodes {cluster.pids} started; "
-              f"{plan.procs} client process(es) per role, cores {plan.cores}", flush=True)  # fmt: skip
-        one = Target("one server", [single_addr], {"server": single_svc.pid}, single_svc, args.streams, args.complete_in_lease)
-        many = Target(f"{args.nodes} nodes", cluster.addresses, dict(cluster.pids), cluster, args.streams, args.complete_in_lease)
+        servers.start()
+        print(f"bench: one server (pid {single_svc.pid}), {args.nodes} nodes {cluster.pids} and {args.nodes} independent servers "
+              f"{servers.pids} started; {plan.procs} client process(es) per role, cores {plan.cores}", flush=True)  # fmt: skip
+        clients = {"streams": args.streams, "complete_in_lease": args.complete_in_lease}
+        one = Target("one server", [single_addr], {"server": single_svc.pid}, single_svc, [""], **clients)
+        many = Target(f"{args.nodes} nodes", cluster.addresses, dict(cluster.pids), cluster, cluster.node_ids, **clients)
+        apart = IndependentTarget(f"{args.nodes} independent servers", servers.addresses, dict(servers.pids), servers, servers.node_ids,
+                                  **clients, mirror=many)  # fmt: skip
+        sides = [one, many, apart]
         out: dict[str, Any] = {"runs": {}, "load": {}}
         jobs = {
             "W1": lambda t: cw1(t, s, plan.procs, plan.w1_partitions),
@@ -855,7 +893,7 @@ def run(args: Any, s: Settings, workdir: str, source_dir: str | None) -> tuple[d
         for w in [w for w in ("W1", "W2", "W4") if w in args.only]:
             out["load"][w] = os.getloadavg()[0]
             for r in range(args.repeat):
-                for t in (one, many) if r % 2 == 0 else (many, one):  # alternate who goes first
+                for t in sides[r % len(sides) :] + sides[: r % len(sides)]:  # rotate who goes first
                     started = time.monotonic()
                     res = jobs[w](t)
                     res["load"] = os.getloadavg()[0]
@@ -873,11 +911,14 @@ def run(args: Any, s: Settings, workdir: str, source_dir: str | None) -> tuple[d
             out["kill"] = kill_during_w2(cluster, s, plan.procs, plan.w2_partitions, hint)
             print(f"bench: kill {out['kill']}", flush=True)
         out["load"]["end"] = os.getloadavg()[0]
-        out["labels"] = (one.label, many.label)
+        out["labels"] = (one.label, many.label, apart.label)
         return out, plan
     finally:
-        cluster.stop()
-        single_svc.stop()
+        try:
+            servers.stop()
+        finally:
+            cluster.stop()
+            single_svc.stop()
 
 
 def _med(runs: list[dict[str, Any]], key: str) -> float:
@@ -889,19 +930,32 @@ def _cpu_med(runs: list[dict[str, Any]], phase: str) -> dict[str, float]:
     return {n: statistics.median([r["cpu"][phase][n] for r in runs]) for n in names}
 
 
+def _ratio(runs: dict[str, list[dict[str, Any]]], top: str, bottom: str, key: str) -> str:
+    """The ratio of the medians, and of each run's pair (runs pair up by repetition)."""
+    each = ", ".join(f"{y[key] / x[key]:.2f}" for x, y in zip(runs[bottom], runs[top], strict=True))
+    return f"{_med(runs[top], key) / _med(runs[bottom], key):.2f}x (runs: {each})"
+
+
+def _met(ratio: float, target: float | None, applies: bool = True) -> str:
+    return "n/a" if not applies or target is None else ("yes" if ratio >= target else "**no**")
+
+
 def report(out: dict[str, Any], plan: Plan, s: Settings, args: Any) -> str:
     lines: list[str] = []
     add = lines.append
-    one, many = out["labels"]
+    one, many, apart = out["labels"]
     runs = out["runs"]
-    add(f"{plan.nodes} nodes (etcd {shutil.which('etcd') and 'on this machine'}, `--cluster-lease-ttl {NODE_TTL_S}`) beside one server, "
-        f"`--cores {plan.cores}`: {plan.procs} client process(es) per role, bound to the nodes in turn; clients are raw generated "
+    add(f"{plan.nodes} nodes (etcd {shutil.which('etcd') and 'on this machine'}, `--cluster-lease-ttl {NODE_TTL_S}`) beside one server "
+        f"and beside {plan.nodes} independent servers (plain servers, no etcd: each with its own client processes and its part of "
+        f"the queues, split as the cluster places them over its nodes), "
+        f"`--cores {plan.cores}`: {plan.procs} client process(es) per role, bound to the nodes (servers) in turn; clients are raw generated "
         f"stubs routing by ClusterInfo (Produce and Lease to the process's node among the queue's homes, Complete to the "
         f"partition's home){'; Produce and Lease on streams' if args.streams else ''}{'; completes ride on the next Lease when its node is the home' if args.complete_in_lease else ''}. "
-        f"Each workload: {args.repeat} runs per system, alternating which goes first; medians, and the ratio of the medians.")  # fmt: skip
+        f"Each workload: {args.repeat} runs per system, rotating which goes first; medians, and the ratio of the medians.")  # fmt: skip
     add("")
-    add(f"| workload | one server items/s | {many} items/s | ratio | target | met | 1-min load avg at its start |")
-    add("|---|---:|---:|---:|---:|---|---:|")
+    add(f"| workload | one server items/s | {many} items/s | {apart} items/s | {many} ÷ one server | target | met "
+        f"| {many} ÷ {plan.nodes} independent | target | met | 1-min load avg at its start |")  # fmt: skip
+    add("|---|---:|---:|---:|---:|---:|---|---:|---:|---|---:|")
     labels = {
         ("W1", "produce"): f"W1 produce, 1 queue of {plan.w1_partitions} partitions, {plan.procs} producer process(es) ({s.items:,})",
         ("W1", "drain"): f"W1 drain, {plan.procs} consumer process(es)",
@@ -912,26 +966,28 @@ def report(out: dict[str, Any], plan: Plan, s: Settings, args: Any) -> str:
     for (w, key), label in labels.items():
         if w not in runs:
             continue
-        a, b = _med(runs[w][one], key), _med(runs[w][many], key)
+        a, b, c = (_med(runs[w][side], key) for side in (one, many, apart))
         target = TARGETS.get((w, key))
-        met = "n/a" if plan.nodes != 2 or target is None else ("yes" if b / a >= target else "**no**")
-        each = ", ".join(f"{y[key] / x[key]:.2f}" for x, y in zip(runs[w][one], runs[w][many], strict=True))
-        add(f"| {label} | {a:,.0f} | {b:,.0f} | {b / a:.2f}x (runs: {each}) | {target:.2f}x | {met} | {out['load'][w]:.1f} |")
+        add(f"| {label} | {a:,.0f} | {b:,.0f} | {c:,.0f} "
+            f"| {_ratio(runs[w], many, one, key)} | {f'{target:.2f}x' if target else ''} | {_met(b / a, target, plan.nodes == 2)} "
+            f"| {_ratio(runs[w], many, apart, key)} | {INDEPENDENT_TARGET:.2f}x | {_met(b / c, INDEPENDENT_TARGET)} "
+            f"| {out['load'][w]:.1f} |")  # fmt: skip
     add("")
     if "W4" in runs:
-        placement = runs["W4"][many][0]["placement"]
-        add("W4's queues by home node: " + ", ".join(f"{n}: {c}" for n, c in placement.items()) + ".")
+        for side, what in ((many, "home node"), (apart, "server")):
+            placement = runs["W4"][side][0]["placement"]
+            add(f"W4's queues by {what} ({side}): " + ", ".join(f"{n}: {c}" for n, c in placement.items()) + ".")
         add("")
     add("CPU per process, cores (CPU seconds ÷ the phase's wall time from the start signal to the last reply; medians of the runs). "
         "The last column is every process of the machine meanwhile (/proc/stat): what it leaves beside this run's total is other work.")
     add("")
-    add(f"| phase | system | items/s | server processes (etcd, nodes) | clients | this run's total | server µs of CPU per item | the machine, all processes (of {os.cpu_count()}) |")
+    add(f"| phase | system | items/s | server processes (etcd, nodes; servers) | clients | this run's total | server µs of CPU per item | the machine, all processes (of {os.cpu_count()}) |")
     add("|---|---|---:|---|---:|---:|---:|---:|")
     for w, phases in (("W1", ("produce", "drain")), ("W2", ("total",)), ("W4", ("produce", "drain"))):
         if w not in runs:
             continue
         for phase in phases:
-            for system in (one, many):
+            for system in (one, many, apart):
                 cpu = _cpu_med(runs[w][system], phase)
                 rate = _med(runs[w][system], phase)
                 server = {n: c for n, c in cpu.items() if n not in ("clients", "machine")}
