@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--item-produce", action="store_true", help="ours: one ProduceItem per item instead of the compact form (ProduceRequest.payloads), which the SDK sends for bare payloads")
     p.add_argument("--streams", action="store_true", help="ours: Produce and Lease over a ProduceStream / LeaseStream per queue in each client process (as the SDK does) instead of unary calls")
     p.add_argument("--at-commit", metavar="REV", help="run the server from this commit's sources (git archive into the temp dir) instead of the work tree")
-    p.add_argument("--nodes", type=int, default=0, help="run W1, W2 and W4 against an etcd and this many `querator serve --cluster` nodes beside one server (and the forwarding and node-kill figures); needs the etcd binary")
+    p.add_argument("--nodes", type=int, default=0, help="run W1, W2 and W4 against an etcd and this many `querator serve --cluster` nodes beside one server and beside this many independent servers doing the same work (and the forwarding and node-kill figures); needs the etcd binary")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="with --nodes: cores to plan client processes for, max(nodes, cores / 2) per role (default: this machine's)")
     p.add_argument("--no-forwarding", action="store_true", help="with --nodes: skip the forwarding-hop figures")
     p.add_argument("--no-kill", action="store_true", help="with --nodes: skip the node killed during W2")
@@ -478,14 +478,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_cluster(args: argparse.Namespace, s: Settings, workdir: str, source_dir: str | None, commit: str, started: float, load_start: float, argv: list[str] | None) -> int:
-    """``--nodes N``: W1, W2, W4 on one server and on N nodes, interleaved; see cluster_bench.py."""
+    """``--nodes N``: W1, W2, W4 on one server, on N nodes and on N independent servers, interleaved; see cluster_bench.py."""
     import cluster_bench
 
     out, plan = cluster_bench.run(args, s, workdir, source_dir)
     print()
     print("----- results (markdown, for bench/RESULTS.md) -----")
     print()
-    print(f"## A cluster of {args.nodes} nodes beside one server (`bench/run.py --nodes`)")
+    print(f"## A cluster of {args.nodes} nodes beside one server and {args.nodes} independent servers (`bench/run.py --nodes`)")
     print()
     print("Command: `.venv/bin/python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`. "
           f"Run {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit {commit}, {os.cpu_count()} cores, Python {platform.python_version()}; "
