@@ -561,14 +561,28 @@ def cw2(t: Target, s: Settings, procs: int, partitions: int) -> dict[str, Any]:
     }
 
 
+def _by_home(queues: list[str], homes: dict[str, list[str]], nodes: list[str], procs: int) -> list[list[str]]:
+    """The queues of one partition split over ``procs`` processes, each taking queues of one home only.
+
+    Processes go to the nodes in proportion to the queues they home (one each at least), so
+    no process needs two nodes: an independent server holds only its own queues.
+    """
+    on = {n: [q for q in queues if homes[q][0] == n] for n in nodes}
+    on = {n: qs for n, qs in on.items() if qs}
+    count = dict.fromkeys(on, 1)
+    for _ in range(procs - len(on)):
+        busiest = max(on, key=lambda n: len(on[n]) / count[n])  # the first such node on a tie
+        count[busiest] += 1
+    groups = [qs[i * len(qs) // count[n] : (i + 1) * len(qs) // count[n]] for n, qs in on.items() for i in range(count[n])]
+    return [g for g in groups if g]
+
+
 def cw4(t: Target, s: Settings, procs: int) -> dict[str, Any]:
     """W4 spread: queues of one partition; each process takes the queues homed on one node."""
     queues = [f"cw4-{i}" for i in range(s.w4_queues)]
     t.create(queues, 1)
     homes = t.homes(queues)
-    ordered = sorted(queues, key=lambda q: (t.nodes.index(homes[q][0]), queues.index(q)))  # grouped by home node
-    groups = [ordered[i * len(ordered) // procs : (i + 1) * len(ordered) // procs] for i in range(procs)]
-    groups = [g for g in groups if g]
+    groups = _by_home(queues, homes, t.nodes, procs)
     clients = [t.client_at(homes[g[0]][0], i) for i, g in enumerate(groups)]
     per_queue = {q: 0 for q in queues}
     producers = []
