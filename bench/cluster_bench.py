@@ -34,6 +34,7 @@ from typing import Any
 import common
 from common import HOST, free_port, process_cpu_s, start_owned, wait_for_port
 from querator_target import LEASE_TIMEOUT_S, QueratorClient, QueratorService, _serve_argv
+from sdk_cluster_client import SdkClusterClient
 from workloads import Consumer, PhaseFailed, Producer, Settings, admin, expect_left, run_phase
 
 NODE_TTL_S = 3  # membership TTL of the bench's nodes: a killed node is seen dead after this
@@ -489,13 +490,18 @@ class Target:
     nodes: list[str]
     streams: bool = False
     complete_in_lease: bool = False
+    sdk: bool = False  # the clients: the Python SDK (sdk_cluster_client.py), not raw routing stubs
 
-    def client(self, i: int) -> RoutedClient:
+    def client(self, i: int) -> Any:
         return self.client_at(self.nodes[i % len(self.nodes)], i)
 
-    def client_at(self, node: str, i: int) -> RoutedClient:
-        """Client process ``i``, bound to ``node``."""
-        address = self.addresses[self.nodes.index(node)]
+    def client_at(self, node: str, i: int) -> Any:
+        """Client process ``i``, bound to ``node`` (with ``sdk``: a cluster's every node, ``node`` first)."""
+        at = self.nodes.index(node)
+        address = self.addresses[at]
+        if self.sdk:  # the SDK spreads the calls over a cluster itself; a plain server is its one address
+            addresses = self.addresses[at:] + self.addresses[:at] if isinstance(self.service, ClusterService) else [address]
+            return SdkClusterClient(addresses=addresses, streams=self.streams, complete_in_lease=self.complete_in_lease)
         return RoutedClient(address=address, prefer=i, streams=self.streams, complete_in_lease=self.complete_in_lease)
 
     def create(self, queues: list[str], partitions: int) -> None:
@@ -892,7 +898,7 @@ def run(args: Any, s: Settings, workdir: str, source_dir: str | None) -> tuple[d
         servers.start()
         print(f"bench: one server (pid {single_svc.pid}), {args.nodes} nodes {cluster.pids} and {args.nodes} independent servers "
               f"{servers.pids} started; {plan.procs} client process(es) per role, cores {plan.cores}", flush=True)  # fmt: skip
-        clients = {"streams": args.streams, "complete_in_lease": args.complete_in_lease}
+        clients = {"streams": args.streams, "complete_in_lease": args.complete_in_lease, "sdk": args.sdk}
         one = Target("one server", [single_addr], {"server": single_svc.pid}, single_svc, [""], **clients)
         many = Target(f"{args.nodes} nodes", cluster.addresses, dict(cluster.pids), cluster, cluster.node_ids, **clients)
         apart = IndependentTarget(f"{args.nodes} independent servers", servers.addresses, dict(servers.pids), servers, servers.node_ids,
@@ -954,6 +960,21 @@ def _met(ratio: float, target: float | None, applies: bool = True) -> str:
     return "n/a" if not applies or target is None else ("yes" if ratio >= target else "**no**")
 
 
+def clients_text(args: Any) -> str:
+    """The report's words for the W1/W2/W4 clients."""
+    if getattr(args, "sdk", False):
+        return (f"bound to the nodes (servers) in turn; clients are the Python SDK's `AsyncClient`, given every node's address on the "
+                f"cluster (its own node's first) and its server's on the others, routing by ClusterInfo itself: Produce to a node "
+                f"homing the queue weighted by its partitions and against what already waits there, Lease to a node whose partitions "
+                f"hold ready items weighted by them (from GetQueueStats, at most once a second per queue), Complete to the partition's "
+                f"home; unary calls in the cluster{' (streams on the plain servers)' if args.streams else ''}"
+                f"{'; completes ride on the next Lease, which the SDK sends to their home' if args.complete_in_lease else ''}; "
+                f"the forwarding and node-kill figures use the raw stubs")  # fmt: skip
+    return (f"bound to the nodes (servers) in turn; clients are raw generated stubs routing by ClusterInfo (Produce and Lease to the "
+            f"process's node among the queue's homes, Complete to the partition's home){'; Produce and Lease on streams' if args.streams else ''}"
+            f"{'; completes ride on the next Lease when its node is the home' if args.complete_in_lease else ''}")  # fmt: skip
+
+
 def report(out: dict[str, Any], plan: Plan, s: Settings, args: Any) -> str:
     lines: list[str] = []
     add = lines.append
@@ -962,9 +983,7 @@ def report(out: dict[str, Any], plan: Plan, s: Settings, args: Any) -> str:
     add(f"{plan.nodes} nodes (etcd {shutil.which('etcd') and 'on this machine'}, `--cluster-lease-ttl {NODE_TTL_S}`) beside one server "
         f"and beside {plan.nodes} independent servers (plain servers, no etcd: each with its own client processes and its part of "
         f"the queues, split as the cluster places them over its nodes), "
-        f"`--cores {plan.cores}`: {plan.procs} client process(es) per role, bound to the nodes (servers) in turn; clients are raw generated "
-        f"stubs routing by ClusterInfo (Produce and Lease to the process's node among the queue's homes, Complete to the "
-        f"partition's home){'; Produce and Lease on streams' if args.streams else ''}{'; completes ride on the next Lease when its node is the home' if args.complete_in_lease else ''}. "
+        f"`--cores {plan.cores}`: {plan.procs} client process(es) per role, {clients_text(args)}. "
         f"Each workload: {args.repeat} runs per system, rotating which goes first; medians, and the ratio of the medians.")  # fmt: skip
     add("")
     add(f"| workload | one server items/s | {many} items/s | {apart} items/s | {many} ÷ one server | target | met "

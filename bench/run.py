@@ -74,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="with --nodes: cores to plan client processes for, max(nodes, cores / 2) per role (default: this machine's)")
     p.add_argument("--no-forwarding", action="store_true", help="with --nodes: skip the forwarding-hop figures")
     p.add_argument("--no-kill", action="store_true", help="with --nodes: skip the node killed during W2")
+    p.add_argument("--sdk", action="store_true", help="with --nodes: W1, W2 and W4's client processes use the Python SDK (AsyncClient given every node's address, routing itself) instead of raw routing stubs, on both systems")
     p.add_argument("--time-limit", type=float, default=d.time_limit_s, help=f"seconds per phase before it is stopped as failed (default {d.time_limit_s:.0f})")
     args = p.parse_args(argv)
     args.only = [w.strip().upper() for w in args.only.split(",") if w.strip()]
@@ -82,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown workload {bad[0]!r}; choose from {', '.join(WORKLOADS)}")
     if args.nodes < 0 or args.cores < 1:
         p.error("--nodes must be >= 1 and --cores >= 1")
+    if args.sdk and not args.nodes:
+        p.error("--sdk applies to the cluster benchmark: give --nodes N")
     args.peers = [] if args.peers.strip().lower() == "none" else [x.strip().lower() for x in args.peers.split(",") if x.strip()]
     bad = [x for x in args.peers if x not in PEERS]
     if bad:
