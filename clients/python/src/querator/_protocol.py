@@ -46,6 +46,8 @@ ProduceArg: TypeAlias = "Item | Payload"
 
 
 def refs(items: ItemsArg) -> list[Ref]:
+    if type(items) in (list, tuple):  # the usual case (a runtime Protocol check is slow)
+        return list(items)
     if isinstance(items, Ref):
         return [items]
     return list(items)
@@ -224,6 +226,17 @@ def leased_fields(response: queue_pb2.LeaseResponse) -> Iterator[dict[str, Any]]
     reasons = [dead_reason(r) for r in columns.dead_reasons] or [None] * n
     dead_at = [c.from_micros(us) if us else None for us in columns.dead_at_us] or [None] * n
     dead_attempts = list(columns.dead_attempts) or [0] * n
+    # The items of one reply share their lease deadline, and those produced together
+    # their creation time: each distinct time is converted once (a datetime built from
+    # microseconds was most of the SDK's CPU per leased item).
+    times: dict[int, datetime] = {}
+
+    def at(us: int) -> datetime:
+        value = times.get(us)
+        if value is None:
+            value = times[us] = c.from_micros(us)
+        return value
+
     for i, (item_id, payload, attempts, deadline_us, created_us) in enumerate(
         zip(columns.ids, columns.payloads, columns.attempts, columns.lease_deadlines_us, columns.created_at_us)
     ):
@@ -241,8 +254,8 @@ def leased_fields(response: queue_pb2.LeaseResponse) -> Iterator[dict[str, Any]]
             "kind": kinds[i],
             "reference": references[i],
             "attempts": attempts,
-            "lease_deadline": c.from_micros(deadline_us),
-            "created_at": c.from_micros(created_us),
+            "lease_deadline": at(deadline_us),
+            "created_at": at(created_us),
             "metadata": metadata[i],
         }
 
