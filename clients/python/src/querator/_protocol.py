@@ -46,7 +46,9 @@ ProduceArg: TypeAlias = "Item | Payload"
 
 
 def refs(items: ItemsArg) -> list[Ref]:
-    if type(items) in (list, tuple):  # the usual case (a runtime Protocol check is slow)
+    # The usual case first: a runtime Protocol check is slow. Exact types only: a
+    # caller's NamedTuple with the three fields is a Ref.
+    if type(items) is list or type(items) is tuple:
         return list(items)
     if isinstance(items, Ref):
         return [items]
