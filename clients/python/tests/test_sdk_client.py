@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import time
 from datetime import UTC, datetime, timedelta
+from typing import NamedTuple
 
 import grpc
 import pytest
@@ -94,6 +95,24 @@ def test_produce_lease_complete_values(client: querator.Client, queue: str) -> N
     with pytest.raises(querator.ItemNotFound) as lost:
         client.complete(first)
     assert isinstance(lost.value, querator.LeaseLost)
+
+
+class _OwnRef(NamedTuple):
+    """A caller's own reference type: a tuple that is also a Ref (the three fields)."""
+
+    queue_name: str
+    partition: int
+    id: str
+
+
+def test_settle_calls_take_one_ref_a_list_or_a_tuple_of_them(client: querator.Client, queue: str) -> None:
+    client.produce(queue, [b"a", b"b", b"c", b"d"])
+    a, b, c, d = client.lease(queue, batch_size=4, wait=0)
+    client.complete(_OwnRef(a.queue_name, a.partition, a.id))  # one ref, though a tuple
+    client.complete((b, c))
+    client.complete([ItemRef(d.queue_name, d.partition, d.id)])
+    assert (b.state, c.state) == ("completed", "completed")
+    assert client.queue_stats(queue).total == 0
 
 
 def test_retry_now_later_and_dead(client: querator.Client) -> None:

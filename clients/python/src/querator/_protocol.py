@@ -223,7 +223,8 @@ def leased_fields(response: queue_pb2.LeaseResponse) -> Iterator[dict[str, Any]]
     kinds = list(columns.kinds) or blank
     references = list(columns.references) or blank
     metadata = [dict(m.entries) for m in columns.metadata] or [{} for _ in range(n)]
-    message_ids = list(columns.message_ids) or columns.ids
+    ids = list(columns.ids)
+    message_ids = list(columns.message_ids) or ids
     source_ids = list(columns.source_ids) or blank
     reasons = [dead_reason(r) for r in columns.dead_reasons] or [None] * n
     dead_at = [c.from_micros(us) if us else None for us in columns.dead_at_us] or [None] * n
@@ -240,7 +241,7 @@ def leased_fields(response: queue_pb2.LeaseResponse) -> Iterator[dict[str, Any]]
         return value
 
     for i, (item_id, payload, attempts, deadline_us, created_us) in enumerate(
-        zip(columns.ids, columns.payloads, columns.attempts, columns.lease_deadlines_us, columns.created_at_us)
+        zip(ids, columns.payloads, columns.attempts, columns.lease_deadlines_us, columns.created_at_us)
     ):
         yield {
             "message_id": message_ids[i],
