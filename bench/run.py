@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="with --nodes: cores to plan client processes for, max(nodes, cores / 2) per role (default: this machine's)")
     p.add_argument("--no-forwarding", action="store_true", help="with --nodes: skip the forwarding-hop figures")
     p.add_argument("--no-kill", action="store_true", help="with --nodes: skip the node killed during W2")
-    p.add_argument("--sdk", action="store_true", help="with --nodes: W1, W2 and W4's client processes use the Python SDK (AsyncClient given every node's address, routing itself) instead of raw routing stubs, on both systems")
+    p.add_argument("--sdk", action="store_true", help="with --nodes: W1, W2 and W4's client processes use the Python SDK (AsyncClient given every node's address, routing itself) instead of raw routing stubs, on every side; the forwarding and node-kill figures keep the raw stubs")
     p.add_argument("--time-limit", type=float, default=d.time_limit_s, help=f"seconds per phase before it is stopped as failed (default {d.time_limit_s:.0f})")
     args = p.parse_args(argv)
     args.only = [w.strip().upper() for w in args.only.split(",") if w.strip()]
