@@ -24,11 +24,13 @@ from grpc_status import rpc_status
 
 from querator.v1 import queue_pb2 as pb
 from querator.v1 import queues_pb2 as qpb
+from querator.v1 import storage_pb2 as spb
 
 from ..errors import FailedPrecondition, InvalidArgument, NoHealthyPartition, Relayed, Unavailable
 from ..model import DEFAULT_WAIT_US, MAX_WAIT_US
 from .catalog import CatalogCache
 from .placement import QueueEntry, key_partition
+from .redrive import RedriveWalk, check_target, walk
 
 FORWARDED = "x-querator-forwarded"
 # Headers gRPC itself sets; everything else the caller sent travels with a forwarded call.
@@ -359,6 +361,42 @@ class Router:
             if any(p.total for p in found.partitions):
                 raise FailedPrecondition(f"queue {request.queue_name!r} is not empty; delete with force to drop its items")
         return await local(request, context)  # type: ignore[no-any-return]
+
+    async def redrive(
+        self,
+        request: spb.RedriveItemsRequest,
+        limit: int,
+        token: bytes | None,
+        context: grpc.aio.ServicerContext[Any, Any],
+        local: Local,
+    ) -> tuple[spb.RedriveItemsResponse, bytes | None]:
+        """RedriveItems on every node homing the queue (cluster/redrive.py); ``token``:
+        the payload of the caller's page token. Answers the response and the payload of
+        its next page token (None: done). A forwarded call is the local part alone."""
+        entry = await self._lookup(request.queue_name)
+        forwarded = self.is_forwarded(context)
+        if request.target_queue:
+            target = await self._lookup(request.target_queue)
+            check_target(entry, target, [self.node] if forwarded else entry.nodes())
+        if forwarded:
+            return await local(request, context), None
+        start = None if token is None else RedriveWalk.decode(token, entry)
+        remaining = context.time_remaining()
+        # A node that does not answer in time: answer what the others moved before the
+        # caller's deadline, rather than nothing after it.
+        timeout = None if remaining is None else remaining - min(_ANSWER_MARGIN_S, remaining / 5)
+
+        async def step(node: str, part: spb.RedriveItemsRequest) -> spb.RedriveItemsResponse:
+            if node == self.node:
+                return await local(part, context)  # type: ignore[no-any-return]
+            return await self._forward(
+                node, "/querator.v1.StorageService/RedriveItems", part, spb.RedriveItemsResponse, context, timeout
+            )
+
+        response, rest = await walk(
+            entry, request, limit, start, lambda n: n == self.node or self.live(n), step, Unreachable
+        )
+        return response, None if rest is None else rest.encode()
 
     def route(self, service: str, methods: dict[str, Any]) -> dict[str, Any]:
         """``methods`` (name -> (behavior, request type, response type, action), as for

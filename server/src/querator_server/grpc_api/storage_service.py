@@ -14,7 +14,7 @@ from querator.v1 import storage_pb2 as pb
 from .. import actor as a
 from ..auth import Action
 from ..clock import now_us
-from ..errors import FailedPrecondition, InvalidArgument
+from ..errors import InvalidArgument
 from ..manager import QueuesManager
 from ..model import (
     MAX_BATCH,
@@ -185,21 +185,34 @@ class StorageService:
     async def redrive_items(
         self, request: pb.RedriveItemsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RedriveItemsResponse:
-        if self.router is not None:
-            # A cluster keeps a queue's partitions on several nodes and a redrive
-            # hands items between the actors of one process (actor/redrive.py).
-            raise FailedPrecondition(
-                "RedriveItems is not available on a cluster yet: move dead letters with "
-                "ListItems, ImportItems and DeleteItems at each partition's home"
-            )
         name = c.queue_name(request.queue_name)
-        config = self.manager.get(name)
         limit = request.max_items or MAX_BATCH
         if not 1 <= limit <= MAX_BATCH:
             raise InvalidArgument("max_items", f"must be between 1 and {MAX_BATCH}, got {request.max_items}")
         if request.dead_reason not in queue_pb2.DeadReason.values():
             raise InvalidArgument("dead_reason", f"is not a known DeadReason: {request.dead_reason}")
         c.text(request.kind, "kind", MAX_LABEL_BYTES)
+        if request.target_queue and c.queue_name(request.target_queue, "target_queue") == name:
+            raise InvalidArgument("target_queue", "must not be the queue the items come from")
+        if self.router is None:
+            return await self._redrive_here(request, context)
+        # A cluster: the redrive runs on each node homing the queue; its page token
+        # says which node goes on (a forwarded call's is that node's own).
+        token = None
+        if request.page_token and not self.router.is_forwarded(context):
+            token = c.decode_token(self.manager.token_secret, request.page_token, b"N")
+        response, rest = await self.router.redrive(request, limit, token, context, self._redrive_here)
+        if rest is not None:
+            response.next_page_token = c.encode_token(self.manager.token_secret, b"N", rest)
+        return response
+
+    async def _redrive_here(
+        self, request: pb.RedriveItemsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RedriveItemsResponse:
+        """The redrive of this server's queue (on a cluster: this node's part of it)."""
+        name = c.queue_name(request.queue_name)
+        config = self.manager.get(name)
+        limit = request.max_items or MAX_BATCH
         after = (0, 0)
         if request.page_token:
             raw = c.decode_token(self.manager.token_secret, request.page_token, b"R")
@@ -214,8 +227,6 @@ class StorageService:
         target_uid = 0
         if request.target_queue:
             target = c.queue_name(request.target_queue, "target_queue")
-            if target == name:
-                raise InvalidArgument("target_queue", "must not be the queue the items come from")
             target_uid = self.manager.get(target).uid
             targets = {target_uid: target}
         else:

@@ -1,0 +1,251 @@
+"""RedriveItems on a cluster, through real etcd and real node processes on loopback.
+
+The module's cluster starts with n1..n3; the dead-letter queue of the paged test is
+made there (a partition on each of the three), then n4 joins, homing none of it, and
+the redrive is sent to n4. The last test kills a node and starts it again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from cluster_helpers import Cluster, Node
+from google.protobuf import field_mask_pb2
+
+from querator.v1 import queue_pb2, queues_pb2, storage_pb2
+
+from conftest import dur, wait_until
+
+RETRY_DEAD = queue_pb2.DEAD_REASON_RETRY_DEAD
+MAX_ATTEMPTS = queue_pb2.DEAD_REASON_MAX_ATTEMPTS
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(str(tmp_path_factory.mktemp("redrive")))
+    try:
+        c.start()
+        n1 = c.nodes[0]
+        # Made before n4 joins: these two have partitions on n1..n3 only.
+        n1.stubs.create("dlq", requested_partitions=1)
+        n1.stubs.create("sick", requested_partitions=3, dead_queue="dlq", max_attempts=1)
+        n4 = Node("n4", os.path.join(c.root, "n4"), c.url, c.ttl)
+        c.nodes.append(n4)
+        n4.start()
+        wait_until(lambda: c.live(n1) == {"n1", "n2", "n3", "n4"}, timeout=20)
+        yield c
+    finally:
+        c.stop()
+
+
+def homes(node: Node, name: str) -> list[str]:
+    return list(next(q for q in node.info().queues if q.queue_name == name).homes)
+
+
+def per_node(node: Node, name: str) -> Counter[str]:
+    """Items of queue ``name`` on each node (every partition's home is live)."""
+    where = homes(node, name)
+    stats = node.stubs.stats(name)
+    assert len(stats.partitions) == len(where)
+    counts: Counter[str] = Counter()
+    for s in stats.partitions:
+        counts[where[s.partition]] += s.total
+    return counts
+
+
+def kill(node: Node, name: str, count: int, *, dead: bool = True) -> None:
+    """Lease ``count`` items of ``name`` and give each up (Retry, dead or not: with
+    max_attempts=1 either way it is a dead letter, for a different reason)."""
+    done = 0
+    deadline = time.monotonic() + 60
+    while done < count:
+        assert time.monotonic() < deadline, f"only {done} of {count} items died"
+        leased = node.stubs.lease(name, batch_size=count - done, request_timeout=dur(0.5))
+        if leased.items:
+            retry = [queue_pb2.RetryItem(id=i.id, dead=dead) for i in leased.items]
+            node.stubs.queue.Retry(queue_pb2.RetryRequest(queue_name=name, partition=leased.partition, items=retry), timeout=10)
+            done += len(leased.items)
+
+
+def produce_on_every_home(cluster: Cluster, name: str, count: int, kind: str = "") -> dict[bytes, str]:
+    """``count`` items into each home's partitions of ``name`` (produced through that
+    node, which keeps them on its own partitions); message ids by payload."""
+    made: dict[bytes, str] = {}
+    owners = set(homes(cluster.nodes[0], name))
+    for node in cluster.nodes:
+        if node.node_id not in owners:
+            continue
+        items = [queue_pb2.ProduceItem(payload=f"{name}-{node.node_id}-{kind}-{i}".encode(), kind=kind) for i in range(count)]
+        reply = node.stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name=name, items=items), timeout=10)
+        assert homes(node, name)[reply.partition] == node.node_id
+        made.update(zip((i.payload for i in items), reply.ids, strict=True))
+    return made
+
+
+def redrive(node: Node, name: str, **kw: object) -> storage_pb2.RedriveItemsResponse:
+    request = storage_pb2.RedriveItemsRequest(queue_name=name, **kw)  # type: ignore[arg-type]
+    return node.stubs.storage.RedriveItems(request, timeout=30)
+
+
+def drain(node: Node, name: str, expect: int) -> list[queue_pb2.LeaseItem]:
+    got: list[queue_pb2.LeaseItem] = []
+    deadline = time.monotonic() + 60
+    while len(got) < expect and time.monotonic() < deadline:
+        got.extend(node.stubs.lease(name, 100, timeout=10, request_timeout=dur(1)).items)
+    return got
+
+
+def test_a_dead_letter_queue_on_three_nodes_is_redriven_in_pages_from_a_node_homing_none_of_it(cluster: Cluster) -> None:
+    n1, n2, n3, n4 = cluster.nodes
+    assert sorted(homes(n4, "dlq")) == sorted(homes(n4, "sick")) == ["n1", "n2", "n3"]
+    made = produce_on_every_home(cluster, "sick", 20)
+    kill(n2, "sick", 60)
+    wait_until(lambda: per_node(n4, "dlq") == {"n1": 20, "n2": 20, "n3": 20}, timeout=30)
+
+    moved: list[str] = []
+    pages = 0
+    token = ""
+    # 7 a page: pages end within a node and across nodes; each page goes to another node.
+    while True:
+        via = cluster.nodes[(3 + pages) % 4]  # n4 first, then n1, n2, ...
+        answer = redrive(via, "dlq", max_items=7, page_token=token)
+        assert answer.moved == len(answer.message_ids) <= 7 and answer.skipped == 0
+        moved += answer.message_ids
+        pages += 1
+        token = answer.next_page_token
+        if not token:
+            break
+        assert answer.moved == 7
+    assert pages == 9  # 60 items, 7 a page
+    assert sorted(moved) == sorted(made.values())  # every item once, none twice
+    assert sum(per_node(n4, "dlq").values()) == 0
+    # Each back in its source queue's partition on the node it died on, leasable again.
+    assert per_node(n4, "sick") == {"n1": 20, "n2": 20, "n3": 20}
+    leased = drain(n4, "sick", 60)
+    assert sorted(i.message_id for i in leased) == sorted(made.values())
+    assert all(i.attempts == 1 and not i.dead_reason for i in leased)
+    assert redrive(n3, "dlq").moved == 0
+
+
+def test_filters_and_an_explicit_target_work_across_nodes(cluster: Cluster) -> None:
+    n1, n2, n3, n4 = cluster.nodes
+    n1.stubs.create("dlq-f")
+    n1.stubs.create("sick-f", requested_partitions=4, dead_queue="dlq-f", max_attempts=1)
+    nodes = sorted(homes(n1, "dlq-f"))
+    assert nodes == ["n1", "n2", "n3", "n4"]
+    # Each node's "a" items die retried dead, its "b" ones by max_attempts.
+    kinds = {"a": produce_on_every_home(cluster, "sick-f", 3, "a")}
+    kill(n1, "sick-f", 12, dead=True)
+    kinds["b"] = produce_on_every_home(cluster, "sick-f", 3, "b")
+    kill(n1, "sick-f", 12, dead=False)
+    wait_until(lambda: sum(per_node(n1, "dlq-f").values()) == 24, timeout=30)
+
+    none = redrive(n2, "dlq-f", kind="c")
+    assert (none.moved, none.skipped, none.next_page_token) == (0, 0, "")
+    a_only = redrive(n2, "dlq-f", kind="a", dead_reason=RETRY_DEAD)
+    assert sorted(a_only.message_ids) == sorted(kinds["a"].values())
+    assert redrive(n3, "dlq-f", kind="a", dead_reason=MAX_ATTEMPTS).moved == 0
+    assert Counter(per_node(n1, "sick-f")) == Counter({n: 3 for n in nodes})
+
+    # An explicit target: "dest" has one partition, so three nodes of dlq-f lack one.
+    n1.stubs.create("dest")
+    (dest_home,) = homes(n1, "dest")
+    with pytest.raises(grpc.RpcError) as refused:
+        redrive(n4, "dlq-f", target_queue="dest")
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = refused.value.details() or ""
+    assert all(n in details for n in nodes if n != dest_home) and "Add partitions to 'dest'" in details
+    assert sum(per_node(n1, "dlq-f").values()) == 12  # nothing moved
+    # The fix the error names: partitions added to dest until every node has one.
+    info = queues_pb2.QueueInfo(queue_name="dest", requested_partitions=4)
+    n2.stubs.queues.UpdateQueue(
+        queues_pb2.UpdateQueueRequest(queue=info, update_mask=field_mask_pb2.FieldMask(paths=["requested_partitions"])),
+        timeout=15,
+    )
+    wait_until(lambda: sorted(homes(n4, "dest")) == nodes, timeout=10)
+    moved = redrive(n4, "dlq-f", target_queue="dest", max_items=5)
+    rest = redrive(n3, "dlq-f", target_queue="dest", page_token=moved.next_page_token)
+    assert sorted([*moved.message_ids, *rest.message_ids]) == sorted(kinds["b"].values())
+    assert per_node(n1, "dest") == Counter({n: 3 for n in nodes})  # each stayed on its node
+    assert sorted(i.message_id for i in drain(n2, "dest", 12)) == sorted(kinds["b"].values())
+
+
+def test_a_bad_redrive_page_token_or_argument_is_refused_whichever_node_gets_it(cluster: Cluster) -> None:
+    n1, n2, _, n4 = cluster.nodes
+    n1.stubs.create("dlq-x", requested_partitions=2)
+    for fields, field in [
+        ({"queue_name": "dlq-x", "page_token": "bm90LWEtdG9rZW4"}, "page_token"),
+        ({"queue_name": "dlq-x", "max_items": 1001}, "max_items"),
+        ({"queue_name": "dlq-x", "target_queue": "dlq-x"}, "target_queue"),
+        ({"queue_name": "dlq-x", "dead_reason": 99}, "dead_reason"),
+    ]:
+        for node in (n2, n4):
+            with pytest.raises(grpc.RpcError) as error:
+                node.stubs.storage.RedriveItems(storage_pb2.RedriveItemsRequest(**fields), timeout=10)  # type: ignore[arg-type]
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in (error.value.details() or "")
+    with pytest.raises(grpc.RpcError) as missing:
+        redrive(n2, "no-such-queue")
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_cli_redrives_a_cluster_queue(cluster: Cluster) -> None:
+    n1, _, _, n4 = cluster.nodes
+    n1.stubs.create("dlq-cli")
+    n1.stubs.create("sick-cli", requested_partitions=4, dead_queue="dlq-cli", max_attempts=1)
+    made = produce_on_every_home(cluster, "sick-cli", 5)
+    kill(n1, "sick-cli", 20)
+    wait_until(lambda: sum(per_node(n1, "dlq-cli").values()) == 20, timeout=30)
+    env = dict(os.environ, QUERATOR_ADDRESS=n4.address)
+    run = subprocess.run(
+        [sys.executable, "-m", "querator.cli", "dlq", "redrive", "dlq-cli", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    answer = json.loads(run.stdout)
+    assert (answer["moved"], answer["skipped"]) == (20, 0)
+    assert sorted(answer["message_ids"]) == sorted(made.values())
+    assert per_node(n1, "sick-cli") == Counter({n: 5 for n in ("n1", "n2", "n3", "n4")})
+
+
+def test_a_node_down_is_passed_over_then_named_and_its_items_move_once_it_is_back(cluster: Cluster) -> None:
+    n1, n2, n3, n4 = cluster.nodes
+    n1.stubs.create("dlq-d")
+    n1.stubs.create("sick-d", requested_partitions=4, dead_queue="dlq-d", max_attempts=1)
+    made = produce_on_every_home(cluster, "sick-d", 4)
+    kill(n1, "sick-d", 16)
+    wait_until(lambda: per_node(n1, "dlq-d") == Counter({n: 4 for n in ("n1", "n2", "n3", "n4")}), timeout=30)
+    # Lists, not sets: an item id names a node's local queue, so two nodes may issue the same.
+    on_n2 = sorted(m for p, m in made.items() if b"-n2-" in p)
+    elsewhere = sorted(m for p, m in made.items() if b"-n2-" not in p)
+
+    n2.kill9()
+    try:
+        wait_until(lambda: "n2" not in cluster.live(n1), timeout=20)
+        # The live nodes' items move and are reported; n2's wait.
+        first = redrive(n4, "dlq-d")
+        assert sorted(first.message_ids) == elsewhere
+        assert first.next_page_token
+        # Nothing else to move: the call that meets only the down node names it.
+        with pytest.raises(grpc.RpcError) as down:
+            redrive(n3, "dlq-d", page_token=first.next_page_token)
+        assert down.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "n2" in (down.value.details() or "") and "send the same request again" in (down.value.details() or "")
+    finally:
+        n2.start()
+    wait_until(lambda: "n2" in cluster.live(n1), timeout=30)
+    rest = redrive(n1, "dlq-d", page_token=first.next_page_token)
+    assert (sorted(rest.message_ids), rest.next_page_token) == (on_n2, "")
+    assert sum(per_node(n1, "dlq-d").values()) == 0
+    assert sorted(i.message_id for i in drain(n4, "sick-d", 16)) == sorted(made.values())
