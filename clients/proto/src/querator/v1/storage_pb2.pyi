@@ -465,12 +465,15 @@ class RedriveItemsResponse(_message.Message):
     """Items that matched but stayed: their source queue is gone or not visible."""
     next_page_token: _builtins.str
     """Non-empty when items remain that this call did not look at (it stopped at
-    max_items or after looking at 10,000 items): pass it as page_token to go
-    on. Empty once every item was looked at.
+    max_items or after looking at 10,000 items, on a cluster those of one
+    node): pass it as page_token to go on. Empty once every item was looked
+    at.
     """
     @_builtins.property
     def message_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """The message_id of each moved item, oldest first per partition."""
+        """The message_id of each moved item, oldest first per partition (on a
+        cluster: the nodes in id order, each node's oldest first per partition).
+        """
 
     def __init__(
         self,

@@ -49,6 +49,22 @@ class StorageServiceStub:
     once, also across a crash of the server at any point of the move: it is
     found afterwards in one of the two queues, never in both and never in
     neither (see docs/architecture.md, "Redrive").
+
+    On a cluster any node takes the call and runs the redrive on each node
+    homing partitions of queue_name, in node id order, until max_items moved:
+    items move within their node (a dead letter's source partition is on the
+    node of its dead-letter partition), so a target_queue must have a
+    partition on every node homing queue_name, else FAILED_PRECONDITION names
+    the nodes that lack one and nothing moves. The next_page_token goes on
+    where the call stopped, on whichever node gets it. A node that is down is
+    passed over and visited last; while it still is, the call answers what the
+    live nodes moved (with a next_page_token), and a call that then moves
+    nothing answers UNAVAILABLE naming it: send the same request again once it
+    is back. Every moved item is in some answer's message_ids: a node that
+    fails after others moved items ends the call with what moved and a token
+    that starts at that node. Only a node that fails mid-call without an answer
+    (its deadline passed) may have moved items no answer names; they are in
+    their targets, never lost or doubled.
     """
 
 @_typing.type_check_only
@@ -72,6 +88,22 @@ class StorageServiceAsyncStub(StorageServiceStub):
     once, also across a crash of the server at any point of the move: it is
     found afterwards in one of the two queues, never in both and never in
     neither (see docs/architecture.md, "Redrive").
+
+    On a cluster any node takes the call and runs the redrive on each node
+    homing partitions of queue_name, in node id order, until max_items moved:
+    items move within their node (a dead letter's source partition is on the
+    node of its dead-letter partition), so a target_queue must have a
+    partition on every node homing queue_name, else FAILED_PRECONDITION names
+    the nodes that lack one and nothing moves. The next_page_token goes on
+    where the call stopped, on whichever node gets it. A node that is down is
+    passed over and visited last; while it still is, the call answers what the
+    live nodes moved (with a next_page_token), and a call that then moves
+    nothing answers UNAVAILABLE naming it: send the same request again once it
+    is back. Every moved item is in some answer's message_ids: a node that
+    fails after others moved items ends the call with what moved and a token
+    that starts at that node. Only a node that fails mid-call without an answer
+    (its deadline passed) may have moved items no answer names; they are in
+    their targets, never lost or doubled.
     """
 
 class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -122,6 +154,22 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         once, also across a crash of the server at any point of the move: it is
         found afterwards in one of the two queues, never in both and never in
         neither (see docs/architecture.md, "Redrive").
+
+        On a cluster any node takes the call and runs the redrive on each node
+        homing partitions of queue_name, in node id order, until max_items moved:
+        items move within their node (a dead letter's source partition is on the
+        node of its dead-letter partition), so a target_queue must have a
+        partition on every node homing queue_name, else FAILED_PRECONDITION names
+        the nodes that lack one and nothing moves. The next_page_token goes on
+        where the call stopped, on whichever node gets it. A node that is down is
+        passed over and visited last; while it still is, the call answers what the
+        live nodes moved (with a next_page_token), and a call that then moves
+        nothing answers UNAVAILABLE naming it: send the same request again once it
+        is back. Every moved item is in some answer's message_ids: a node that
+        fails after others moved items ends the call with what moved and a token
+        that starts at that node. Only a node that fails mid-call without an answer
+        (its deadline passed) may have moved items no answer names; they are in
+        their targets, never lost or doubled.
         """
 
 def add_StorageServiceServicer_to_server(servicer: StorageServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
