@@ -381,14 +381,14 @@ class Router:
         if forwarded:
             return await local(request, context), None
         start = None if token is None else RedriveWalk.decode(token, entry)
-        remaining = context.time_remaining()
-        # A node that does not answer in time: answer what the others moved before the
-        # caller's deadline, rather than nothing after it.
-        timeout = None if remaining is None else remaining - min(_ANSWER_MARGIN_S, remaining / 5)
 
         async def step(node: str, part: spb.RedriveItemsRequest) -> spb.RedriveItemsResponse:
             if node == self.node:
                 return await local(part, context)  # type: ignore[no-any-return]
+            # A node that does not answer in time (paused, say): answer what the others
+            # moved before the caller's deadline, rather than nothing after it.
+            remaining = context.time_remaining()
+            timeout = None if remaining is None else remaining - min(_ANSWER_MARGIN_S, remaining / 5)
             return await self._forward(
                 node, "/querator.v1.StorageService/RedriveItems", part, spb.RedriveItemsResponse, context, timeout
             )
