@@ -289,3 +289,69 @@ def test_a_paused_node_ends_the_call_in_time_with_what_the_others_moved(cluster:
     for m in reported:
         unreported.remove(m)  # fails if an id was reported more often than it exists
     assert unreported in ([], by_node["n2"])
+
+
+def test_a_redrive_on_every_node_keeps_to_what_the_callers_key_may_see(tmp_path) -> None:
+    from querator.v1 import keys_pb2, keys_pb2_grpc
+
+    token = "cluster-admin-token-for-the-redrive-test-" + "y" * 20
+    admin = [("authorization", f"Bearer {token}")]
+    auth = Cluster(str(tmp_path / "auth"), size=2, env={"QUERATOR_AUTH": "true", "QUERATOR_ADMIN_TOKEN": token})
+    try:
+        auth.start()
+        n1, n2 = auth.nodes
+
+        def create(name: str, **settings: object) -> None:
+            info = queues_pb2.QueueInfo(queue_name=name, **settings)  # type: ignore[arg-type]
+            n1.stubs.queues.CreateQueue(queues_pb2.CreateQueueRequest(queue=info), timeout=15, metadata=admin)
+
+        create("dlq-auth")
+        create("open", requested_partitions=2, dead_queue="dlq-auth", max_attempts=1)
+        create("hidden", requested_partitions=2, dead_queue="dlq-auth", max_attempts=1)
+        made: dict[str, list[str]] = {"open": [], "hidden": []}
+        for name in made:
+            for node in auth.nodes:  # each node stores on its own partition of the queue
+                request = queue_pb2.ProduceRequest(queue_name=name, payloads=[b"x", b"y"])
+                made[name] += node.stubs.queue.Produce(request, timeout=10, metadata=admin).ids
+            dead = 0
+            deadline = time.monotonic() + 30
+            while dead < 4 and time.monotonic() < deadline:
+                lease = queue_pb2.LeaseRequest(queue_name=name, batch_size=4, request_timeout=dur(0.5))
+                leased = n1.stubs.queue.Lease(lease, timeout=10, metadata=admin)
+                retry = queue_pb2.RetryRequest(
+                    queue_name=name, partition=leased.partition, items=[queue_pb2.RetryItem(id=i.id, dead=True) for i in leased.items]
+                )
+                if leased.items:
+                    n1.stubs.queue.Retry(retry, timeout=10, metadata=admin)
+                dead += len(leased.items)
+            assert dead == 4
+        made_key = keys_pb2_grpc.KeysServiceStub(n1.channel).CreateKey(
+            keys_pb2.CreateKeyRequest(role=keys_pb2.ROLE_ADMIN, queues=["dlq-auth", "open"]), timeout=15, metadata=admin
+        )
+        limited = [("authorization", f"Bearer {made_key.token}")]
+        ask = storage_pb2.RedriveItemsRequest(queue_name="dlq-auth")
+
+        def redrives_with_the_key() -> bool:  # once both nodes know the key
+            try:
+                n2.stubs.storage.RedriveItems(storage_pb2.RedriveItemsRequest(queue_name="dlq-auth", kind="none"), timeout=10, metadata=limited)
+                return True
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, exc
+                return False
+
+        wait_until(redrives_with_the_key, timeout=15)
+        with pytest.raises(grpc.RpcError) as no_key:
+            n2.stubs.storage.RedriveItems(ask, timeout=10)
+        assert no_key.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as denied:
+            n2.stubs.storage.RedriveItems(
+                storage_pb2.RedriveItemsRequest(queue_name="dlq-auth", target_queue="hidden"), timeout=10, metadata=limited
+            )
+        assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # Each node moves back the items of the queue the key may see; the others stay.
+        answer = n2.stubs.storage.RedriveItems(ask, timeout=10, metadata=limited)
+        assert sorted(answer.message_ids) == sorted(made["open"]) and answer.skipped == 4
+        everything = n1.stubs.storage.RedriveItems(ask, timeout=10, metadata=admin)
+        assert sorted(everything.message_ids) == sorted(made["hidden"]) and everything.skipped == 0
+    finally:
+        auth.stop()
