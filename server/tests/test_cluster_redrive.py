@@ -96,6 +96,13 @@ def redrive(node: Node, name: str, **kw: object) -> storage_pb2.RedriveItemsResp
     return node.stubs.storage.RedriveItems(request, timeout=30)
 
 
+def cli(node: Node, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, QUERATOR_ADDRESS=node.address)
+    return subprocess.run(
+        [sys.executable, "-m", "querator.cli", *args], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
 def drain(node: Node, name: str, expect: int) -> list[queue_pb2.LeaseItem]:
     got: list[queue_pb2.LeaseItem] = []
     deadline = time.monotonic() + 60
@@ -205,14 +212,7 @@ def test_the_cli_redrives_a_cluster_queue(cluster: Cluster) -> None:
     made = produce_on_every_home(cluster, "sick-cli", 5)
     kill(n1, "sick-cli", 20)
     wait_until(lambda: sum(per_node(n1, "dlq-cli").values()) == 20, timeout=30)
-    env = dict(os.environ, QUERATOR_ADDRESS=n4.address)
-    run = subprocess.run(
-        [sys.executable, "-m", "querator.cli", "dlq", "redrive", "dlq-cli", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = cli(n4, "dlq", "redrive", "dlq-cli", "--json")
     assert run.returncode == 0, run.stderr
     answer = json.loads(run.stdout)
     assert (answer["moved"], answer["skipped"]) == (20, 0)
@@ -224,6 +224,7 @@ def test_a_node_down_is_passed_over_then_named_and_its_items_move_once_it_is_bac
     n1, n2, n3, n4 = cluster.nodes
     n1.stubs.create("dlq-d")
     n1.stubs.create("sick-d", requested_partitions=4, dead_queue="dlq-d", max_attempts=1)
+    n1.stubs.create("sick-d2", requested_partitions=4, dead_queue="dlq-d", max_attempts=1)
     made = produce_on_every_home(cluster, "sick-d", 4)
     kill(n1, "sick-d", 16)
     wait_until(lambda: per_node(n1, "dlq-d") == Counter({n: 4 for n in ("n1", "n2", "n3", "n4")}), timeout=30)
@@ -243,6 +244,15 @@ def test_a_node_down_is_passed_over_then_named_and_its_items_move_once_it_is_bac
             redrive(n3, "dlq-d", page_token=first.next_page_token)
         assert down.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "n2" in (down.value.details() or "") and "send the same request again" in (down.value.details() or "")
+        # The CLI pages through: it reports what its calls moved, then the error.
+        more: list[str] = []
+        for node in (n1, n3, n4):
+            more += node.stubs.produce("sick-d2", [f"more-{node.node_id}-{i}".encode() for i in range(2)]).ids
+        kill(n1, "sick-d2", 6)
+        wait_until(lambda: sum(s.total for s in n1.stubs.stats("dlq-d").partitions) == 6, timeout=30)
+        run = cli(n4, "dlq", "redrive", "dlq-d", "--json")
+        assert run.returncode == 1 and "UNAVAILABLE" in run.stderr and "n2" in run.stderr
+        assert sorted(json.loads(run.stdout)["message_ids"]) == sorted(more)
     finally:
         n2.start()
     wait_until(lambda: "n2" in cluster.live(n1), timeout=30)
@@ -250,6 +260,7 @@ def test_a_node_down_is_passed_over_then_named_and_its_items_move_once_it_is_bac
     assert (sorted(rest.message_ids), rest.next_page_token) == (on_n2, "")
     assert sum(per_node(n1, "dlq-d").values()) == 0
     assert sorted(i.message_id for i in drain(n4, "sick-d", 16)) == sorted(made.values())
+    assert sorted(i.message_id for i in drain(n4, "sick-d2", 6)) == sorted(more)
 
 
 def test_a_paused_node_ends_the_call_in_time_with_what_the_others_moved(cluster: Cluster) -> None:

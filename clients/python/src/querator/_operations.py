@@ -34,6 +34,7 @@ from ._models import (
     RedriveResult,
     StoredItem,
 )
+from .errors import QueratorError
 from .v1 import keys_pb2, queue_pb2, queues_pb2, storage_pb2
 
 T = TypeVar("T")
@@ -251,14 +252,19 @@ def redrive_items(
     timeout: Seconds | None,
 ) -> Operation[RedriveResult]:
     """RedriveItems page by page until nothing matches or ``limit`` items moved; not
-    repeated after a failure (a repeat would move further items)."""
+    repeated after a failure (a repeat would move further items). A failure after
+    earlier calls moved items carries them as ``.redriven``."""
     call_timeout = config.call_timeout(timeout)
     done, token = RedriveResult(), ""
     while True:
         request = p.redrive_request(queue_name, done, token, to=to, kind=kind, dead_reason=dead_reason, limit=limit)
         if request is None:
             return done
-        response = yield Call(STORAGE, "RedriveItems", request, call_timeout, False)
+        try:
+            response = yield Call(STORAGE, "RedriveItems", request, call_timeout, False)
+        except QueratorError as exc:
+            exc.redriven = done if done.moved else None
+            raise
         done, token = p.redrive_progress(done, response), response.next_page_token
         if not token:
             return done

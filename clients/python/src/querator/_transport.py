@@ -308,7 +308,12 @@ class SyncTransport(_Transport):
         try:
             call = next(op)
             while True:
-                call = op.send(self.invoke(call))
+                try:
+                    reply = self.invoke(call)
+                except QueratorError as exc:  # the operation may note what it did, then re-raise
+                    call = op.throw(exc)
+                else:
+                    call = op.send(reply)
         except StopIteration as done:
             result: T = done.value
             return result
@@ -463,7 +468,12 @@ class AsyncTransport(_Transport):
         try:
             call = next(op)
             while True:
-                call = op.send(await self.invoke(call))
+                try:
+                    reply = await self.invoke(call)
+                except QueratorError as exc:  # the operation may note what it did, then re-raise
+                    call = op.throw(exc)
+                else:
+                    call = op.send(reply)
         except StopIteration as done:
             result: T = done.value
             return result

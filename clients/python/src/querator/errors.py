@@ -38,7 +38,9 @@ status code and, where the same code means different things, from the call::
 
 A multi-request :meth:`~querator.Client.produce` that fails part way sets ``.produced`` on
 the error: a :class:`~querator.ProduceResult` whose ``ids`` are ``""`` for the items that
-were not stored (None when nothing was stored).
+were not stored (None when nothing was stored). A :meth:`~querator.Client.redrive_items`
+that fails after its earlier calls moved items sets ``.redriven``: a
+:class:`~querator.RedriveResult` of those (None when none moved).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 if TYPE_CHECKING:
-    from ._models import ProduceResult
+    from ._models import ProduceResult, RedriveResult
 
 __all__ = [
     "Cancelled",
@@ -96,6 +98,8 @@ class QueratorError(Exception):
             self.code = code
         #: For a produce that stored some batches before failing: what was stored.
         self.produced: ProduceResult | None = None
+        #: For a redrive whose earlier calls moved items before one failed: what they moved.
+        self.redriven: RedriveResult | None = None
 
     @property
     def status(self) -> str:
