@@ -45,7 +45,7 @@ class RedriveWalk:
 
     generation: int  # of the queue's catalog entry: a token is for this queue only
     # The node to go on with (with its own page token ``local``), then every node after
-    # it in id order; None once every node was visited.
+    # it in id order; "" to start with the first node, None once every node was visited.
     at: str | None = ""
     local: str = ""
     # Nodes passed over while down, with their page tokens: visited after the others.
