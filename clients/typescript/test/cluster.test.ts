@@ -10,7 +10,7 @@ import { after, before, test } from "node:test";
 import { createClient } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 
-import { Client, type LeasedItem, type Logger, Unavailable, Worker } from "../src/index.js";
+import { Client, ItemNotFound, type LeasedItem, type Logger, Unavailable, Worker } from "../src/index.js";
 import { ClusterService } from "../src/v1.js";
 import { TestCluster, etcdMissing } from "./cluster.js";
 import { ServerProcess, freePort, queueName, waitUntil } from "./server.js";
@@ -236,6 +236,17 @@ test("a node killed -9 costs no error to Produce or Lease, and nothing acknowled
   const failures: unknown[] = [];
   let produced = 0;
   let stop = false;
+  // A lease's items complete in one call. Their 3 s lease may still run out first on a
+  // loaded machine: they then come back under new ids (leased again below), and the
+  // Complete of the old ids is NOT_FOUND, rightly; any other NOT_FOUND is a failure.
+  const settle = async (items: LeasedItem[]): Promise<void> => {
+    try {
+      await consumer.complete(items);
+    } catch (error) {
+      const expired = items.length > 0 && items.every((i) => i.leaseDeadline.getTime() <= Date.now());
+      if (!(error instanceof ItemNotFound && expired)) throw error;
+    }
+  };
   const going = (what: string) => (): boolean => {
     if (failures.length) throw new Error(`an error reached the user (${what}): ${failures.map(String).join("; ")}`);
     return true;
@@ -252,13 +263,11 @@ test("a node killed -9 costs no error to Produce or Lease, and nothing acknowled
     const consume = (async () => {
       while (!stop) {
         const items = await consumer.lease(q, { batchSize: 20, waitMs: 200 });
-        for (const item of items) {
-          leasedIds.add(item.id);
-          try {
-            await item.complete();
-          } catch (error) {
-            completeFailures.push({ partition: item.partition, error });
-          }
+        for (const item of items) leasedIds.add(item.id);
+        try {
+          await settle(items);
+        } catch (error) {
+          completeFailures.push({ partition: items[0]!.partition, error });
         }
       }
     })().catch((error: unknown) => void failures.push(error));
@@ -298,10 +307,8 @@ test("a node killed -9 costs no error to Produce or Lease, and nothing acknowled
     await waitUntil(
       async () => {
         const items = await consumer.lease(q, { batchSize: 100, waitMs: 500 });
-        for (const item of items) {
-          leasedIds.add(item.id);
-          await item.complete();
-        }
+        for (const item of items) leasedIds.add(item.id);
+        await settle(items);
         return [...acknowledged].every((id) => leasedIds.has(id)) && (await admin.queueStats(q)).total === 0;
       },
       60_000,
