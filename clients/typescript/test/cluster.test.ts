@@ -68,9 +68,10 @@ async function total(method: string, queue: string): Promise<Map<string, number>
 /** `texts` produced on each node in turn by a client of that node alone (no routing),
  * `batchSize` a request, one at a time: each node puts a request in its own partition
  * with the fewest ready items, so every partition gets some, whatever routing would
- * have picked. (A routing client picks nodes at random, weighted: 12 batches left a node
- * with one batch in about one run of fifty quiet, and up to one in six under load, where
- * the counts it weighs by were stale.) */
+ * have picked. (A routing client picks nodes at random, weighted by counts of what
+ * waits there: 12 batches over three nodes left one node a single batch in about one
+ * run of fifty, and in one of six when the counts are missing, as when GetQueueStats
+ * does not answer in time on a loaded machine.) */
 async function produceOnEach(queue: string, texts: (node: number, i: number) => string, perNode: number, batchSize: number): Promise<void> {
   for (const [n, node] of cluster.nodes.entries()) {
     const there = new Client({ transport: createGrpcTransport({ baseUrl: `http://${node.server.address}` }) });
