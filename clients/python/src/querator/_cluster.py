@@ -23,7 +23,7 @@ import random
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -65,14 +65,44 @@ _GONE = (
 _NEVER_SENT = ("failed to connect", "connection refused", "connections to all backends failing")
 
 
+# What a failure on a stream was, where no text of gRPC says it: set on the error by
+# the streams (an attribute: exceptions take no weak references). A status a node
+# answered on a stream has none: its text is read as a unary call's would be.
+_ORIGIN = "_querator_origin"
+#: A stream this process closed to take back an abandoned request: the node is there.
+ABANDONED = "abandoned"
+#: A stream closed because its node left the cluster: the node is gone.
+LEFT = "left"
+#: A stream that ended before the request was written: it never left this process.
+UNSENT = "unsent"
+
+E = TypeVar("E", bound=BaseException)
+
+
+def tagged(error: E, origin: str) -> E:
+    setattr(error, _ORIGIN, origin)
+    return error
+
+
+def origin(error: BaseException) -> str:
+    """ABANDONED, LEFT, UNSENT, or "" (a status: its text says)."""
+    return str(getattr(error, _ORIGIN, ""))
+
+
 def node_gone(error: BaseException) -> bool:
     """Whether an UNAVAILABLE says the node itself is gone, not something it answered."""
+    kind = origin(error)
+    if kind in (LEFT, ABANDONED):
+        return kind == LEFT
     text = _details(error)
     return any(marker in text for marker in _GONE)
 
 
 def never_sent(error: BaseException) -> bool:
     """Whether the request never reached the node (safe to send elsewhere, whatever it is)."""
+    kind = origin(error)
+    if kind:
+        return kind == UNSENT
     text = _details(error)
     return any(marker in text for marker in _NEVER_SENT)
 

@@ -1,16 +1,18 @@
 """Produce and Lease over ``ProduceStream`` / ``LeaseStream``: one call, many requests.
 
 An :class:`~querator.AsyncClient` (``ClientConfig.streams``, on by default) sends the
-Produce and Lease requests of each queue over one stream per queue and kind: the
-server spends about half the CPU per request of a unary call. The server answers each
-request once, in the order sent; a request that fails is answered with its error and
-the stream goes on. One stream per queue, so a Lease waiting on an empty queue holds
-back only the answers of that queue.
+Produce and Lease requests of each queue over one stream per queue and kind, and in a
+cluster per node too (to the node routing chose for each request): the server spends
+about half the CPU per request of a unary call. The server answers each request once,
+in the order sent; a request that fails is answered with its error and the stream
+goes on. One stream per queue, so a Lease waiting on an empty queue holds back only
+the answers of that queue.
 
 A stream opens on first use and again after it breaks; the requests in flight when it
 breaks fail with its error (UNAVAILABLE when the server went away, which a caller may
-retry as after a unary call). A server without the streams (UNIMPLEMENTED) gets unary
-calls from then on.
+retry as after a unary call, and which the routing reads as it reads a unary call's).
+A request that could not be written (the stream could not open) never left this
+process. A server without the streams (UNIMPLEMENTED) gets unary calls from then on.
 
 A caller that stops waiting (its timeout, or cancelled) cannot take its request back
 alone. A Produce is left to run, as a unary call past its deadline may still be stored.
@@ -25,11 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
+from ._cluster import ABANDONED, UNSENT, tagged
 from .errors import (
     Cancelled,
     DeadlineExceeded,
@@ -53,7 +58,7 @@ def from_stream_error(error: Any, *, item_call: bool = False) -> QueratorError:
     """The exception for a ``StreamError`` answer (the status the unary call would have had)."""
     code = _CODES.get(error.code, grpc.StatusCode.UNKNOWN)
     if code is grpc.StatusCode.INVALID_ARGUMENT:
-        violations = [FieldViolation(field, "") for field in error.fields]
+        violations = [FieldViolation(name, "") for name in error.fields]
         return InvalidRequest(error.message, code=code, field_violations=violations)
     return from_status(code, error.message, item_call=item_call)
 
@@ -63,43 +68,82 @@ def _forget(future: asyncio.Future[Any]) -> None:
         future.exception()  # retrieved, so an answer nobody waits for is not reported
 
 
-class RequestStream:
-    """One open stream: writes one request at a time, resolves answers in order."""
+@dataclass(eq=False)
+class _Opened:
+    """One call of a stream: the waiters of its answers, in order, and why this process
+    ended it (None: it ended on its own)."""
 
-    def __init__(self, open_call: Callable[[], Any], *, cancel_abandoned: bool) -> None:
+    call: Any
+    waiting: collections.deque[asyncio.Future[Any]] = field(default_factory=collections.deque)
+    ended: QueratorError | None = None
+
+
+def _abandoned() -> QueratorError:
+    message = "the stream was closed to take back an abandoned request; safe to retry"
+    return tagged(Unavailable(message, code=grpc.StatusCode.UNAVAILABLE), ABANDONED)
+
+
+class RequestStream:
+    """One stream: writes one request at a time, resolves answers in order.
+
+    ``connected``: whether the channel still has its connection. A request is never
+    written on a call whose connection is gone (gRPC may not have told the call yet):
+    a new call is opened instead, so a node that died between two requests makes the
+    second fail as never sent (the connection refused), not as lost in flight.
+    """
+
+    def __init__(
+        self, open_call: Callable[[], Any], *, cancel_abandoned: bool, connected: Callable[[], bool] | None = None
+    ) -> None:
         self._open_call = open_call
         self._cancel_abandoned = cancel_abandoned
-        self._call: Any = None
-        self._waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self._connected = connected
+        self._current: _Opened | None = None
         self._write = asyncio.Lock()
-        self._readers: set[asyncio.Task[None]] = set()
-        self._closed = False
+        self._readers: dict[_Opened, asyncio.Task[None]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self._closed: QueratorError | None = None
 
     async def ask(self, message: Any, timeout: float) -> Any:
         """Send ``message``; its answer (a ``...StreamResponse``), or the stream's error."""
         answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         async with self._write:
-            if self._call is None:
-                opened = await asyncio.wait_for(self._open(), timeout)
-                # Each call has its own waiters: a cancelled call's reader fails only its own.
-                self._call, self._waiting = opened, collections.deque()
-                reader = asyncio.create_task(self._read(self._call, self._waiting))
-                self._readers.add(reader)
-                reader.add_done_callback(self._readers.discard)
-            self._waiting.append(answer)
-            call = self._call
+            if self._closed is not None:
+                raise copy.copy(self._closed)
+            opened = self._current
+            if opened is None or opened.call.done() or (self._connected is not None and not self._connected()):
+                self.retire()
+                try:
+                    opened = self._current = await asyncio.wait_for(self._opened(), timeout)
+                except TimeoutError:
+                    raise DeadlineExceeded(
+                        f"the stream did not open within {timeout:g}s", code=grpc.StatusCode.DEADLINE_EXCEEDED
+                    ) from None
+            opened.waiting.append(answer)
             try:
-                await call.write(message)
+                await opened.call.write(message)
+            except asyncio.InvalidStateError:  # it ended as it opened: nothing was written
+                opened.waiting.remove(answer)
+                error = Unavailable("the stream ended before the request was written", code=grpc.StatusCode.UNAVAILABLE)
+                raise tagged(error, UNSENT) from None
             except Exception:  # the stream is done; its reader fails every waiter
                 pass
         try:
             return await asyncio.wait_for(asyncio.shield(answer), timeout)
         except TimeoutError:
-            self._abandon(call, answer)
+            self._abandon(opened, answer)
             raise DeadlineExceeded(f"no answer within {timeout:g}s", code=grpc.StatusCode.DEADLINE_EXCEEDED) from None
         except asyncio.CancelledError:
-            self._abandon(call, answer)
+            self._abandon(opened, answer)
             raise
+
+    async def _opened(self) -> _Opened:
+        opened = _Opened(await self._open())
+        # Each call has its own waiters: a cancelled call's reader fails only its own.
+        reader = asyncio.create_task(self._read(opened))
+        self._readers[opened] = reader
+        reader.add_done_callback(lambda _: self._readers.pop(opened, None))
+        return opened
 
     async def _open(self) -> Any:
         """A new call, once the server has accepted it: it sends its headers at once. A
@@ -121,35 +165,42 @@ class RequestStream:
             raise
         return call
 
-    def _abandon(self, call: Any, answer: asyncio.Future[Any]) -> None:
+    def _abandon(self, opened: _Opened, answer: asyncio.Future[Any]) -> None:
         answer.add_done_callback(_forget)
         if self._cancel_abandoned and not answer.done():
-            if self._call is call:
-                self._call = None
-            call.cancel()
+            self._end(opened, _abandoned())
 
-    async def _read(self, call: Any, waiting: collections.deque[asyncio.Future[Any]]) -> None:
+    def _end(self, opened: _Opened, reason: QueratorError) -> None:
+        """Cancel ``opened``: its waiters fail with ``reason``."""
+        if self._current is opened:
+            self._current = None
+        if opened.ended is None:
+            opened.ended = reason
+        opened.call.cancel()
+
+    async def _read(self, opened: _Opened) -> None:
+        call, waiting = opened.call, opened.waiting
         error: BaseException
         try:
             while (answer := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
                 waiter = waiting.popleft()
                 if not waiter.done():
                     waiter.set_result(answer)
-            error = Unavailable("the server ended the stream", code=grpc.StatusCode.UNAVAILABLE)
+            # The server ends its streams itself only when it stops (once it answered
+            # what it read).
+            error = Unavailable("the server ended the stream: shutting down", code=grpc.StatusCode.UNAVAILABLE)
         except grpc.aio.AioRpcError as exc:
-            error = StreamsUnsupported() if exc.code() is grpc.StatusCode.UNIMPLEMENTED else from_rpc_error(exc)
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                error = StreamsUnsupported()
+            else:
+                error = from_rpc_error(exc)
+                error.__cause__ = exc  # the connection's own words, read by the routing
         except asyncio.CancelledError:
-            if self._closed:
-                error = Cancelled("the client was closed", code=grpc.StatusCode.CANCELLED)
-            else:  # cancelled under this request: another one on it was abandoned
-                error = Unavailable(
-                    "the stream was closed to take back an abandoned request; safe to retry",
-                    code=grpc.StatusCode.UNAVAILABLE,
-                )
+            error = opened.ended or _abandoned()
         except Exception as exc:  # a bug must not leave callers waiting forever
             error = ServerError(f"the stream failed: {exc!r}", code=grpc.StatusCode.UNKNOWN)
-        if self._call is call:
-            self._call = None
+        if self._current is opened:
+            self._current = None
         while waiting:
             waiter = waiting.popleft()
             if not waiter.done():
@@ -158,48 +209,80 @@ class RequestStream:
     @property
     def idle(self) -> bool:
         """No request is waiting for its answer."""
-        return not any(not waiter.done() for waiter in self._waiting)
+        return all(waiter.done() for opened in self._readers for waiter in opened.waiting)
 
     def reopen(self) -> None:
         """Open a new stream for the next request (e.g. to send fresh credentials)."""
-        call, self._call = self._call, None
-        if call is not None:
-            call.cancel()
+        if self._current is not None:
+            self._end(self._current, _abandoned())
 
-    async def close(self) -> None:
-        self._closed = True
-        self.reopen()
-        await asyncio.gather(*self._readers, return_exceptions=True)
+    def retire(self) -> None:
+        """Open a new call for the next request; the current one ends once it answered
+        what it was sent (its requests are not cut short: the connection may be fine)."""
+        opened, self._current = self._current, None
+        if opened is not None and not opened.call.done():
+            task = asyncio.create_task(self._half_close(opened))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def _half_close(self, opened: _Opened) -> None:
+        async with self._write:  # not while a request is being written on it
+            try:
+                await opened.call.done_writing()
+            except Exception:
+                pass  # ended already: its reader has told its waiters
+
+    async def close(self, reason: QueratorError | None = None) -> None:
+        """End every call of the stream; the requests in flight fail with ``reason``
+        (default: Cancelled, the client was closed)."""
+        self._closed = reason or Cancelled("the client was closed", code=grpc.StatusCode.CANCELLED)
+        for opened in list(self._readers):
+            self._end(opened, self._closed)
+        await asyncio.gather(*self._readers.values(), *self._closing, return_exceptions=True)
 
 
-# Streams a client keeps open; past it the least recently used idle ones are closed
-# (a client that touches thousands of queues must not hold a stream on each).
+# Streams a client keeps open per node; past it the least recently used idle ones are
+# closed (a client that touches thousands of queues must not hold a stream on each).
 MAX_STREAMS = 32
 
 
 class Streams:
-    """The open streams of one client, by (method, queue), least recently used first."""
+    """The open streams of one client, by (node address, method, queue), least recently
+    used first. A single server's are all at its one address."""
 
     def __init__(self) -> None:
-        self._streams: dict[tuple[str, str], RequestStream] = {}
+        self._streams: dict[tuple[str, str, str], RequestStream] = {}
         self.unsupported = False
 
-    def get(self, method: str, queue: str, open_call: Callable[[], Any]) -> RequestStream:
-        key = (method, queue)
+    def get(
+        self, address: str, method: str, queue: str, open_call: Callable[[], Any], connected: Callable[[], bool] | None = None
+    ) -> RequestStream:
+        key = (address, method, queue)
         stream = self._streams.pop(key, None)
         if stream is None:
-            stream = RequestStream(open_call, cancel_abandoned=method == "Lease")
+            stream = RequestStream(open_call, cancel_abandoned=method == "Lease", connected=connected)
+            self._evict(address)
         self._streams[key] = stream
-        if len(self._streams) > MAX_STREAMS:
-            for old_key, old in list(self._streams.items())[: len(self._streams) - MAX_STREAMS]:
-                if old.idle:
-                    del self._streams[old_key]
-                    old.reopen()  # cancels the call; its reader ends on its own
         return stream
+
+    def _evict(self, address: str) -> None:
+        held = [key for key in self._streams if key[0] == address]
+        for key in held[: max(0, len(held) + 1 - MAX_STREAMS)]:
+            if self._streams[key].idle:
+                self._streams.pop(key).reopen()  # cancels the call; its reader ends on its own
+
+    def retire(self, address: str) -> None:
+        """The node at ``address`` went away: its streams are not written on again (a
+        new call is opened for the next request, when the node is back)."""
+        for key, stream in self._streams.items():
+            if key[0] == address:
+                stream.retire()
 
     def all(self) -> Iterable[RequestStream]:
         return list(self._streams.values())
 
-    async def close(self) -> None:
-        streams, self._streams = list(self._streams.values()), {}
-        await asyncio.gather(*(stream.close() for stream in streams), return_exceptions=True)
+    async def close(self, address: str | None = None, reason: QueratorError | None = None) -> None:
+        """Close every stream (or those to ``address``); see :meth:`RequestStream.close`."""
+        keys = [key for key in self._streams if address is None or key[0] == address]
+        streams = [self._streams.pop(key) for key in keys]
+        await asyncio.gather(*(stream.close(reason) for stream in streams), return_exceptions=True)

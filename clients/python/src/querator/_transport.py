@@ -21,7 +21,7 @@ import grpc
 import grpc.aio
 
 from . import _convert as c
-from ._cluster import LEASE_SLICE, ClusterMap, Route, never_sent, node_gone
+from ._cluster import ABANDONED, LEASE_SLICE, LEFT, ClusterMap, Route, never_sent, node_gone, origin, tagged
 from ._config import ClientConfig
 from ._convert import Seconds, seconds
 from ._operations import KEYS, QUEUE, QUEUES, STORAGE, Call, Operation
@@ -74,7 +74,14 @@ class Refresh:
     asked: tuple[str, ...] | None
 
 
-Step: TypeAlias = "Rpc | Sleep | Refresh"
+@dataclass(frozen=True, slots=True)
+class Forget:
+    """The node at ``address`` went away: what stays open to it is not reused."""
+
+    address: str
+
+
+Step: TypeAlias = "Rpc | Sleep | Refresh | Forget"
 
 
 def _not_ready(config: ClientConfig, timeout: Seconds) -> Unavailable:
@@ -139,7 +146,10 @@ class _Transport:
         while True:
             if error is not None:
                 assert route is not None
-                if self._node_failed(route, error) and not failed_over and (call.retry or never_sent(error)):
+                gone = self._node_failed(route, error)
+                if gone:
+                    yield Forget(route.address or self.config.address)
+                if gone and not failed_over and (call.retry or never_sent(error)):
                     failed_over = True
                 else:
                     attempt += 1
@@ -185,8 +195,8 @@ class _Transport:
     def _node_failed(self, route: Route, error: QueratorError) -> bool:
         """After ``error`` from ``route``: whether its node is gone (then it is skipped and
         the map is read again before the next call)."""
-        if not self.cluster.clustered:
-            return False
+        if not self.cluster.clustered or origin(error) == ABANDONED:
+            return False  # ABANDONED: a stream this process closed, not the node's doing
         if isinstance(error, QueueNotFound) or (isinstance(error, InvalidRequest) and "partition" in error.message):
             self.cluster.refreshed_at = -1e18  # the map may be stale: read it before the next call
             return False
@@ -369,6 +379,8 @@ class SyncTransport(_Transport):
                 time.sleep(step.seconds)
             elif isinstance(step, Refresh):
                 self._refresh(step)
+            elif isinstance(step, Forget):
+                pass  # a grpc channel reconnects by itself; nothing else stays open to a node
             else:
                 try:
                     reply = self._call(step)
@@ -433,17 +445,21 @@ class AsyncTransport(_Transport):
         return grpc.aio.secure_channel(address, creds, options=self._options)
 
     def stub(self, service: str, address: str = "") -> Any:
+        return self._node(address)[1][service]
+
+    def _node(self, address: str) -> tuple[grpc.aio.Channel, dict[str, Any]]:
+        """The channel to ``address`` ("": the default one) and its stubs."""
         if self._closed:
             raise RuntimeError("the client is closed")
         if self.channel is None:
             self.channel = self._open(self.config.address)
             self._stubs = _stubs(self.channel)
         if not address or address == self.config.address:
-            return self._stubs[service]
+            return self.channel, self._stubs
         node = self._nodes.get(address)
         if node is None:
             node = self._nodes.setdefault(address, (channel := self._open(address), _stubs(channel)))
-        return node[1][service]
+        return node
 
     async def close(self) -> None:
         self._closed = True
@@ -493,6 +509,8 @@ class AsyncTransport(_Transport):
                 await asyncio.sleep(step.seconds)
             elif isinstance(step, Refresh):
                 await self._refresh(step)
+            elif isinstance(step, Forget):
+                self.streams.retire(step.address)
             else:
                 try:
                     reply = await self._once(step.call, step.address)
@@ -500,23 +518,30 @@ class AsyncTransport(_Transport):
                     failure = error
 
     async def _once(self, call: Call, address: str = "") -> Any:
-        stub = self.stub(call.service, address)
+        channel, stubs = self._node(address)
+        stub = stubs[call.service]
         wrap = _STREAMED.get(call.method) if call.service == QUEUE else None
-        # In a cluster the calls go unary to the node routing chose (the streams are the
-        # default node's).
-        if wrap is None or not self.config.streams or self.streams.unsupported or self.cluster.clustered:
+        if wrap is None or not self.config.streams or self.streams.unsupported:
             try:
                 return await getattr(stub, call.method)(call.request, timeout=call.timeout, **self._call_options())
             except grpc.aio.AioRpcError as exc:
                 raise from_rpc_error(exc, item_call=call.item_call, key_call=call.key_call) from exc
+        # One stream per (node, kind, queue): in a cluster each request goes to the node
+        # routing chose, as a unary call would.
         open_call = getattr(stub, f"{call.method}Stream")
         request: Any = call.request
-        stream = self.streams.get(call.method, request.queue_name, lambda: open_call(**self._call_options()))
+        stream = self.streams.get(
+            address or self.config.address,
+            call.method,
+            request.queue_name,
+            lambda: open_call(**self._call_options()),
+            lambda: channel.get_state() is grpc.ChannelConnectivity.READY,
+        )
         try:
             answer = await stream.ask(wrap(request=request), call.timeout)
         except StreamsUnsupported:
             self.streams.unsupported = True
-            return await self._once(call)
+            return await self._once(call, address)
         if answer.WhichOneof("result") == "response":
             return answer.response
         error = from_stream_error(answer.error, item_call=call.item_call)
@@ -545,6 +570,8 @@ class AsyncTransport(_Transport):
 
     async def _close_gone(self, addresses: list[str]) -> None:
         for address in addresses:
+            left = Unavailable(f"the node at {address} left the cluster", code=grpc.StatusCode.UNAVAILABLE)
+            await self.streams.close(address, tagged(left, LEFT))
             node = self._nodes.pop(address, None)
             if node is not None:
                 await node[0].close(None)
