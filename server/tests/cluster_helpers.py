@@ -131,10 +131,13 @@ class Node:
         env: dict[str, str] | None = None,
         args: list[str] | None = None,
         channel_credentials: grpc.ChannelCredentials | None = None,
+        metrics: bool = False,
     ) -> None:
         self.env = env or {}
         self.args = args or []
         self.credentials = channel_credentials
+        #: Where the node serves its Prometheus metrics ("" when it does not).
+        self.metrics_address = f"127.0.0.1:{free_port()}" if metrics else ""
         self.node_id = node_id
         self.data_dir = data_dir
         self.cluster_url = cluster_url
@@ -159,6 +162,7 @@ class Node:
                 "--cluster", self.cluster_url,
                 "--node-id", self.node_id,
                 "--cluster-lease-ttl", str(self.ttl),
+                *(["--metrics-address", self.metrics_address] if self.metrics_address else []),
                 *self.args,
             ],
             env=env,
@@ -239,10 +243,12 @@ class Cluster:
         env: dict[str, str] | None = None,
         args: list[str] | None = None,
         channel_credentials: grpc.ChannelCredentials | None = None,
+        metrics: bool = False,
     ) -> None:
         self.env = env
         self.args = args
         self.credentials = channel_credentials
+        self.metrics = metrics
         self.root = root
         self.etcd = Etcd(os.path.join(root, "etcd"))
         self.prefix = f"test-{uuid.uuid4().hex[:8]}"
@@ -257,7 +263,9 @@ class Cluster:
     def start(self) -> Cluster:
         self.etcd.start()
         for i in range(1, self.size + 1):
-            node = Node(f"n{i}", os.path.join(self.root, f"n{i}"), self.url, self.ttl, self.env, self.args, self.credentials)
+            node = Node(
+                f"n{i}", os.path.join(self.root, f"n{i}"), self.url, self.ttl, self.env, self.args, self.credentials, self.metrics
+            )
             self.nodes.append(node)
             node.start()
         return self
