@@ -967,7 +967,7 @@ def clients_text(args: Any) -> str:
                 f"cluster (its own node's first) and its server's on the others, routing by ClusterInfo itself: Produce to a node "
                 f"homing the queue weighted by its partitions and against what already waits there, Lease to a node whose partitions "
                 f"hold ready items weighted by them (from GetQueueStats, at most once a second per queue), Complete to the partition's "
-                f"home; unary calls in the cluster{' (streams on the plain servers)' if args.streams else ''}"
+                f"home; {'Produce and Lease on streams (per node and queue in the cluster)' if args.streams else 'unary calls'}"
                 f"{'; completes ride on the next Lease, which the SDK sends to their home' if args.complete_in_lease else ''}; "
                 f"the forwarding and node-kill figures use the raw stubs")  # fmt: skip
     return (f"bound to the nodes (servers) in turn; clients are raw generated stubs routing by ClusterInfo (Produce and Lease to the "

@@ -33,7 +33,7 @@ class SdkClusterClient:
 
     addresses: list[str]
     complete_in_lease: bool = False
-    streams: bool = False  # AsyncClient(streams=...): used against a single server (a cluster gets unary calls)
+    streams: bool = False  # AsyncClient(streams=...): a stream per queue (in a cluster, per node and queue)
     lease_timeout_s: int = LEASE_TIMEOUT_S
     _state: dict[str, Any] = field(default_factory=dict, repr=False)
 

@@ -100,8 +100,9 @@ class ClientConfig:
     max_in_flight: int = 4
     #: Wait for the channel to connect instead of failing at once when the server is down.
     wait_for_ready: bool = False
-    #: AsyncClient: send Produce and Lease over one ProduceStream / LeaseStream per queue
-    #: (about half the server CPU per request; unary calls with servers that lack them).
+    #: AsyncClient: send Produce and Lease over one ProduceStream / LeaseStream per queue,
+    #: in a cluster per node and queue (about half the server CPU per request; unary
+    #: calls with servers that lack them).
     #: The sync Client always uses unary calls.
     streams: bool = True
     #: Extra grpc channel options, e.g. ``(("grpc.keepalive_time_ms", 30000),)``.
