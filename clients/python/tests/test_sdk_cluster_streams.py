@@ -126,7 +126,7 @@ def test_a_node_killed_between_requests_costs_an_unretried_produce_no_error_and_
 
     async def main() -> list[tuple[int, str]]:
         acknowledged: list[tuple[int, str]] = []
-        async with querator.AsyncClient([n.address for n in cluster.nodes[:2]], timeout=5) as client:
+        async with querator.AsyncClient([n.address for n in cluster.nodes[:2]], timeout=5, cluster_refresh=1) as client:
             b = 0
             while victim.address not in _stream_addresses(client) or b < 10:
                 result = await client.produce(name, [f"{b}-{k}" for k in range(5)])
@@ -140,9 +140,18 @@ def test_a_node_killed_between_requests_costs_an_unretried_produce_no_error_and_
             deadline = time.monotonic() + 10
             while channel.get_state() is grpc.ChannelConnectivity.READY and time.monotonic() < deadline:
                 time.sleep(0.01)
-            for b in range(b, b + 40):
-                result = await client.produce(name, [f"{b}-{k}" for k in range(5)])
+            for after in range(40):
+                result = await client.produce(name, [f"after-{after}-{k}" for k in range(5)])
                 acknowledged.extend(zip(result.partitions, result.ids))
+            # Once the cluster no longer lists its address (its membership ran out), the
+            # node's streams and channel are closed.
+            deadline = time.monotonic() + 30
+            while victim.address in _stream_addresses(client) and time.monotonic() < deadline:
+                result = await client.produce(name, ["late"])
+                acknowledged.extend(zip(result.partitions, result.ids))
+                await asyncio.sleep(0.1)
+            assert victim.address not in _stream_addresses(client)
+            assert victim.address not in client._transport._nodes
         return acknowledged
 
     acknowledged = run(main(), timeout=120)  # no produce raised
