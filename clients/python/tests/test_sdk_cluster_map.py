@@ -7,11 +7,16 @@ against real nodes); here each rule is pinned on its own with ClusterInfo messag
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
-from querator._cluster import DOWN_CAP, DOWN_FIRST, ClusterMap
-from querator.v1 import cluster_pb2
+from querator._cluster import ABANDONED, DOWN_CAP, DOWN_FIRST, LEFT, UNSENT, ClusterMap, Route, never_sent, node_gone, tagged
+from querator._config import ClientConfig
+from querator._streams import from_stream_error
+from querator._transport import AsyncTransport
+from querator.errors import Unavailable
+from querator.v1 import cluster_pb2, queue_pb2
 
 
 def _info(revision: int, homes: list[str], live: tuple[str, ...] = ("n1", "n2", "n3")) -> cluster_pb2.ClusterInfoResponse:
@@ -96,3 +101,33 @@ def test_a_node_that_answers_unavailable_about_a_queue_is_left_out_of_it_alone()
     m.mark_queue_down("q", "n2", 0)
     m.mark_queue_down("q", "n1", 0)
     assert m.produce_node("q", 0.1) in {"n1", "n2"}  # never every node left out
+
+
+def test_what_a_stream_failure_says_about_its_node_and_its_request() -> None:
+    """The streams tag the failures no gRPC text describes; the others are read as text."""
+
+    def unavailable(message: str, origin: str = "") -> Unavailable:
+        error = Unavailable(message)
+        return tagged(error, origin) if origin else error
+
+    refused = unavailable("failed to connect to all addresses; last error: Connection refused")
+    cut = unavailable("Stream removed (Socket closed)")
+    assert (node_gone(refused), never_sent(refused)) == (True, True)
+    assert (node_gone(cut), never_sent(cut)) == (True, False)  # in flight: outcome unknown
+    assert (node_gone(unavailable("x", UNSENT)), never_sent(unavailable("x", UNSENT))) == (True, True)
+    assert (node_gone(unavailable("x", LEFT)), never_sent(unavailable("x", LEFT))) == (True, False)
+    abandoned = unavailable("closed to take back an abandoned request; socket closed", ABANDONED)
+    assert (node_gone(abandoned), never_sent(abandoned)) == (False, False)
+    # A status a node answered on a stream reads as the same status of a unary call.
+    answered = from_stream_error(queue_pb2.StreamError(code=14, message="the server is shutting down"))
+    assert node_gone(answered) and not never_sent(answered)
+
+    # A stream this process closed marks neither the node nor the queue down.
+    transport = AsyncTransport(ClientConfig())
+    transport.cluster.apply(_info(1, ["n1", "n2"]), None, 0)
+    route = Route("n1", "h1:1", "q", "lease")
+    assert not transport._node_failed(route, abandoned)
+    now = time.monotonic()
+    assert {transport.cluster.produce_node("q", now, rnd=k / 10) for k in range(10)} == {"n1", "n2"}
+    assert not transport.cluster.is_down("n1", now)
+    assert transport._node_failed(route, cut) and transport.cluster.is_down("n1", time.monotonic())

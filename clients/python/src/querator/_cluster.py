@@ -73,7 +73,8 @@ _ORIGIN = "_querator_origin"
 ABANDONED = "abandoned"
 #: A stream closed because its node left the cluster: the node is gone.
 LEFT = "left"
-#: A stream that ended before the request was written: it never left this process.
+#: A stream that ended as it opened, before the request was written: it never left
+#: this process, and the node is going away.
 UNSENT = "unsent"
 
 E = TypeVar("E", bound=BaseException)
@@ -92,8 +93,8 @@ def origin(error: BaseException) -> str:
 def node_gone(error: BaseException) -> bool:
     """Whether an UNAVAILABLE says the node itself is gone, not something it answered."""
     kind = origin(error)
-    if kind in (LEFT, ABANDONED):
-        return kind == LEFT
+    if kind:
+        return kind != ABANDONED
     text = _details(error)
     return any(marker in text for marker in _GONE)
 
