@@ -258,20 +258,21 @@ class Router:
             wait_s = min(wait_s, remaining - min(_ANSWER_MARGIN_S, remaining / 5))
         give_up = loop.time() + max(0.0, wait_s)
         here = self._homes_here(entry)
-        probe = pb.LeaseRequest()
+        # The request is this call's own (deserialized for it): it is changed in place
+        # for each look rather than copied, as a copy of its complete_ids cost more
+        # than the rest of the routing.
         while True:
-            probe.CopyFrom(request)
-            probe.request_timeout.FromSeconds(0)
+            request.request_timeout.FromSeconds(0)
             if here:
-                response = await self._lease_here(entry, probe, context, local)
+                response = await self._lease_here(entry, request, context, local)
                 if _has_items(response):
                     return response
-                del request.complete_ids[:]  # completed by the first probe
-                del probe.complete_ids[:]
+                if request.complete_ids:
+                    del request.complete_ids[:]  # completed by the first look
             others = self._other_homes(entry)
             for node in others:
                 try:
-                    response = await self._forward(node, "/querator.v1.QueueService/Lease", probe, pb.LeaseResponse, context)
+                    response = await self._forward(node, "/querator.v1.QueueService/Lease", request, pb.LeaseResponse, context)
                 except Unavailable:
                     continue  # a home that died meanwhile: its partitions are skipped
                 if _has_items(response):
@@ -279,14 +280,13 @@ class Router:
             left = give_up - loop.time()
             if left <= 0.05:
                 return pb.LeaseResponse(queue_name=entry.config.name)
-            probe.CopyFrom(request)
-            probe.request_timeout.FromNanoseconds(int(min(left, _LEASE_SLICE_S) * 1e9))
+            request.request_timeout.FromNanoseconds(int(min(left, _LEASE_SLICE_S) * 1e9))
             if here:
-                response = await self._lease_here(entry, probe, context, local)
+                response = await self._lease_here(entry, request, context, local)
             elif others:
                 try:
                     response = await self._forward(
-                        others[0], "/querator.v1.QueueService/Lease", probe, pb.LeaseResponse, context
+                        others[0], "/querator.v1.QueueService/Lease", request, pb.LeaseResponse, context
                     )
                 except Unavailable:
                     await asyncio.sleep(min(left, _LEASE_SLICE_S))
