@@ -258,9 +258,8 @@ class Router:
             wait_s = min(wait_s, remaining - min(_ANSWER_MARGIN_S, remaining / 5))
         give_up = loop.time() + max(0.0, wait_s)
         here = self._homes_here(entry)
-        # The request is this call's own (deserialized for it): it is changed in place
-        # for each look rather than copied, as a copy of its complete_ids cost more
-        # than the rest of the routing.
+        # The request is this call's own (deserialized for it), so each look changes it
+        # in place: no copy of it, complete_ids and all, per look on the hot path.
         while True:
             request.request_timeout.FromSeconds(0)
             if here:
