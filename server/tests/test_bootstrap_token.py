@@ -41,6 +41,8 @@ def _serve_refused(data_dir: str, token: str) -> tuple[int, str]:
         ("ab" * 30, "different characters"),
         (STRONG[:20] + " " + STRONG[20:], "whitespace"),
     ],
+    # Fixed ids: STRONG is random, and parallel test workers must collect the same names.
+    ids=["short", "short-random", "repeated", "whitespace"],
 )
 def test_a_weak_bootstrap_token_is_refused_at_start(data_dir: str, token: str, reason: str) -> None:
     code, stderr = _serve_refused(data_dir, token)
