@@ -5,6 +5,8 @@ for a server without the streams."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -14,9 +16,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import querator
+from querator._cluster import never_sent, node_gone
 from querator.testing import server
 from querator.v1 import queue_pb2
 
+from conftest import ProcessServer
 from sdk_helpers import run, unique
 
 
@@ -221,3 +225,53 @@ def test_a_client_keeps_a_bounded_number_of_streams_open(tmp_path: Path) -> None
                 assert len(open_streams) <= MAX_STREAMS
 
         run(main())
+
+
+def test_a_write_on_a_stream_whose_server_was_killed_is_a_lost_node_not_a_server_error(tmp_path: Path) -> None:
+    """kill -9 with one Produce in flight on the stream, then a Produce written on the
+    same stream before this process learnt of the kill: gRPC fails that write and ends
+    the call INTERNAL "Internal error from Core" (its own status, not the server's).
+    Both are the node going away: the one in flight has an unknown outcome, the one
+    whose write failed never reached the server (safe to send to another node)."""
+    srv = ProcessServer(str(tmp_path / "data"))
+    srv.start()
+    try:
+
+        async def main() -> list[BaseException]:
+            async with querator.AsyncClient(srv.address, timeout=20) as client:
+                name = unique()
+                await client.create_queue(name)
+                await client.produce(name, ["opens the stream"])
+                assert srv.proc is not None
+                srv.proc.send_signal(signal.SIGSTOP)  # the next one is written, never answered
+                in_flight = asyncio.create_task(client.produce(name, ["in flight"]))
+                await asyncio.sleep(0.5)
+                channel = client._transport._node("")[0]
+                srv.kill9()
+                # Blocking, so this loop does not run: the stream's call does not learn of
+                # the kill, while the channel connects again to the restarted server and
+                # so looks fit to write on.
+                srv.start()
+                deadline = time.monotonic() + 30
+                while channel.get_state(try_to_connect=True) is not grpc.ChannelConnectivity.READY:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                unwritten = asyncio.create_task(client.produce(name, ["unwritten"]))
+                outcomes = await asyncio.gather(in_flight, unwritten, return_exceptions=True)
+                errors = [o for o in outcomes if isinstance(o, BaseException)]
+                assert len(errors) == 2, outcomes
+                # The server is back: the next request opens a new stream and is stored.
+                await client.produce(name, ["after"])
+                assert [i.payload for i in await client.lease(name, batch_size=10, wait=0)] == [b"opens the stream", b"after"]
+                return errors
+
+        in_flight, unwritten = run(main(), timeout=90)
+    finally:
+        srv.stop()
+    for error in (in_flight, unwritten):
+        assert isinstance(error, querator.Unavailable), repr(error)  # not ServerError INTERNAL
+        assert node_gone(error)
+    assert not never_sent(in_flight)  # written: its outcome is unknown
+    assert never_sent(unwritten)
+    assert isinstance(unwritten.__cause__, grpc.aio.AioRpcError)
+    assert unwritten.__cause__.code() is grpc.StatusCode.INTERNAL  # what gRPC said of the write

@@ -76,6 +76,10 @@ LEFT = "left"
 #: A stream that ended as it opened, before the request was written: it never left
 #: this process, and the node is going away.
 UNSENT = "unsent"
+#: A stream whose connection broke under a write (gRPC then ends the call INTERNAL,
+#: "Internal error from Core", its own status, not the node's): the node is gone, and
+#: the requests written on it before have an unknown outcome.
+BROKEN = "broken"
 
 E = TypeVar("E", bound=BaseException)
 
@@ -86,7 +90,7 @@ def tagged(error: E, origin: str) -> E:
 
 
 def origin(error: BaseException) -> str:
-    """ABANDONED, LEFT, UNSENT, or "" (a status: its text says)."""
+    """ABANDONED, LEFT, UNSENT, BROKEN, or "" (a status: its text says)."""
     return str(getattr(error, _ORIGIN, ""))
 
 

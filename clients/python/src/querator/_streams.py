@@ -28,13 +28,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from ._cluster import ABANDONED, UNSENT, tagged
+from ._cluster import ABANDONED, BROKEN, UNSENT, tagged
 from .errors import (
     Cancelled,
     DeadlineExceeded,
@@ -76,6 +76,31 @@ class _Opened:
     call: Any
     waiting: collections.deque[asyncio.Future[Any]] = field(default_factory=collections.deque)
     ended: QueratorError | None = None
+    # A write (or half-close) under way, and whether one failed. gRPC ends a call whose
+    # write fails (its connection broke) with a status of its own, INTERNAL "Internal
+    # error from Core", which the reader may see before the writer does: it waits for
+    # the write to finish to know whose status it is.
+    writing: asyncio.Future[None] | None = None
+    broke: bool = False
+
+    async def send(self, write: Awaitable[None]) -> None:
+        """Await ``write`` (of this call); an ``AioRpcError`` from it: the call broke."""
+        self.writing = asyncio.get_running_loop().create_future()
+        try:
+            await write
+        except grpc.aio.AioRpcError:
+            self.broke = True
+            raise
+        finally:
+            self.writing.set_result(None)
+            self.writing = None
+
+
+def _broken(exc: grpc.aio.AioRpcError) -> QueratorError:
+    message = "the connection to the node broke with requests in flight on its stream"
+    error = tagged(Unavailable(message, code=grpc.StatusCode.UNAVAILABLE), BROKEN)
+    error.__cause__ = exc
+    return error
 
 
 def _abandoned() -> QueratorError:
@@ -121,11 +146,21 @@ class RequestStream:
                     ) from None
             opened.waiting.append(answer)
             try:
-                await opened.call.write(message)
+                await opened.send(opened.call.write(message))
             except asyncio.InvalidStateError:  # it ended as it opened: nothing was written
                 opened.waiting.remove(answer)
                 error = Unavailable("the stream ended before the request was written", code=grpc.StatusCode.UNAVAILABLE)
                 raise tagged(error, UNSENT) from None
+            except grpc.aio.AioRpcError as exc:
+                # The write failed (its send never completed): the request did not reach
+                # the node, whatever the reader may have told its waiter meanwhile.
+                if answer in opened.waiting:
+                    opened.waiting.remove(answer)
+                answer.add_done_callback(_forget)
+                error = Unavailable(
+                    "the connection to the node broke before the request was written", code=grpc.StatusCode.UNAVAILABLE
+                )
+                raise tagged(error, UNSENT) from exc
             except Exception:  # the stream is done; its reader fails every waiter
                 pass
         try:
@@ -190,7 +225,11 @@ class RequestStream:
             # what it read).
             error = Unavailable("the server ended the stream: shutting down", code=grpc.StatusCode.UNAVAILABLE)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+            if opened.writing is not None:  # ends soon: the call is over
+                await asyncio.wait([opened.writing])
+            if opened.broke:
+                error = _broken(exc)
+            elif exc.code() is grpc.StatusCode.UNIMPLEMENTED:
                 error = StreamsUnsupported()
             else:
                 error = from_rpc_error(exc)
@@ -228,7 +267,7 @@ class RequestStream:
     async def _half_close(self, opened: _Opened) -> None:
         async with self._write:  # not while a request is being written on it
             try:
-                await opened.call.done_writing()
+                await opened.send(opened.call.done_writing())
             except Exception:
                 pass  # ended already: its reader has told its waiters
 
