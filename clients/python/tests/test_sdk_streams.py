@@ -275,3 +275,30 @@ def test_a_write_on_a_stream_whose_server_was_killed_is_a_lost_node_not_a_server
     assert never_sent(unwritten)
     assert isinstance(unwritten.__cause__, grpc.aio.AioRpcError)
     assert unwritten.__cause__.code() is grpc.StatusCode.INTERNAL  # what gRPC said of the write
+
+
+def test_an_internal_answer_on_a_stream_still_reaches_the_caller_as_a_server_error(tmp_path: Path) -> None:
+    """A request the server answers INTERNAL on the stream (its step raised: an injected
+    fault, faults.py) is the server's answer, not a broken connection: ServerError, and
+    the stream goes on."""
+    srv = ProcessServer(str(tmp_path / "data"), env={"QUERATOR_REQUEST_FAULTS": "1"})
+    srv.start()
+    try:
+
+        async def main() -> None:
+            async with querator.AsyncClient(srv.address, timeout=20) as healthy:
+                name = unique()
+                await healthy.create_queue(name)
+            faulty = querator.AsyncClient(srv.address, timeout=20, metadata=(("querator-fault", "apply"),))
+            async with faulty:
+                for _ in range(2):
+                    with pytest.raises(querator.ServerError) as raised:
+                        await faulty.produce(name, ["x"])
+                    assert raised.value.code is grpc.StatusCode.INTERNAL
+                    assert not node_gone(raised.value) and not never_sent(raised.value)
+                (stream,) = faulty._transport.streams.all()
+                assert stream._current is not None and not stream._current.call.done()  # it went on
+
+        run(main(), timeout=60)
+    finally:
+        srv.stop()
