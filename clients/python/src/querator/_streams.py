@@ -11,8 +11,11 @@ the answers of that queue.
 A stream opens on first use and again after it breaks; the requests in flight when it
 breaks fail with its error (UNAVAILABLE when the server went away, which a caller may
 retry as after a unary call, and which the routing reads as it reads a unary call's).
-A request that could not be written (the stream could not open) never left this
-process. A server without the streams (UNIMPLEMENTED) gets unary calls from then on.
+A request that could not be written (the stream could not open, or its write failed:
+the connection broke under it) never left this process. A write that fails makes gRPC
+end the call INTERNAL "Internal error from Core", a status of its own: the requests
+written before it fail UNAVAILABLE as when the node went away, while an INTERNAL the
+server answers (for one request, or for the stream) stays a ServerError. A server without the streams (UNIMPLEMENTED) gets unary calls from then on.
 
 A caller that stops waiting (its timeout, or cancelled) cannot take its request back
 alone. A Produce is left to run, as a unary call past its deadline may still be stored.
