@@ -162,6 +162,45 @@ def test_the_server_wide_bound_holds_across_streams(crowded: ThreadServer) -> No
         channel.close()
 
 
+@pytest.fixture
+def roomy(data_dir: str) -> Iterator[ThreadServer]:
+    """Room for every answer the window of a stream holds: its Leases all complete."""
+    srv = _server(data_dir, unsent=64 * MIB, stream=64 * MIB, stall_s=60)
+    yield srv
+    srv.stop()
+
+
+def test_an_answer_made_beyond_the_window_is_given_back_when_the_call_is_cancelled(roomy: ThreadServer) -> None:
+    # The client reads nothing, so the transport soon holds an answer it cannot send,
+    # the window of answers waiting behind it fills, and the message read after them
+    # waits for a place in the window while its Lease is already answered (and its
+    # bytes counted). A cancel then must uncount that answer too, or the server-wide
+    # room loses it for good.
+    channel = grpc.insecure_channel(roomy.address, options=[("grpc.max_receive_message_length", 64 * MIB)])
+    stubs = Stubs(channel)
+    try:
+        _fill(stubs)
+        message = queue_pb2.LeaseStreamRequest(request=queue_pb2.LeaseRequest(queue_name="q", batch_size=100))
+        call = stubs.queue.LeaseStream(iter([message] * 30), timeout=60)  # type: ignore[misc]
+        last, steady_since = -1, time.monotonic()
+        deadline = time.monotonic() + 30
+        while time.monotonic() - steady_since < 1.0:
+            assert time.monotonic() < deadline, "leasing never stopped"
+            leased = stubs.stats("q").partitions[0].total_leased
+            if leased != last:
+                last, steady_since = leased, time.monotonic()
+            time.sleep(0.02)
+        # More answers than the window holds were made: the reader waits with one.
+        assert last > 100 * 17
+        assert roomy.server.unsent_stream_bytes > 0
+        call.cancel()
+        wait_until(lambda: roomy.server.unsent_stream_bytes == 0, timeout=30)
+        # The items of the answers never sent are given back (those sent stay leased).
+        wait_until(lambda: stubs.stats("q").partitions[0].total_leased < last, timeout=30)
+    finally:
+        channel.close()
+
+
 def test_a_slow_reader_is_not_ended_and_gets_every_item(bounded: ThreadServer) -> None:
     # Reading an answer every quarter of a second: never stuck for the 2 s stall timeout.
     channel = grpc.insecure_channel(bounded.address, options=[("grpc.max_receive_message_length", 64 * MIB)])

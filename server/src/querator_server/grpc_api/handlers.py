@@ -277,12 +277,16 @@ def _wrap_stream(
             try:
                 async for message in messages:
                     task = asyncio.create_task(one(message, context, revoked, stream))
-                    if state is not None and state.ended:
-                        task.cancel()
-                        break
+                    if state is not None:
+                        state.made(task)
+                        if state.ended:
+                            task.cancel()
+                            break
                     try:
                         await answers.put(task)
                     except BaseException:  # stopped with the window full: nobody will answer it
+                        # It ran while the window was full, and may be answered already:
+                        # then the stream's end settles it (``_Unsent.made``).
                         task.cancel()
                         raise
                     if revoked:  # messages read meanwhile fail their own check too
@@ -294,8 +298,9 @@ def _wrap_stream(
 
         reader = asyncio.create_task(read())
         readers.add(reader)
+        reader.add_done_callback(readers.discard)
         if stream is not None and sending is not None:
-            state = _Unsent(context, answers, reader, stream, sending)
+            state = _Unsent(context, reader, stream, sending)
         try:
             while not (answers.empty() and reader.done()):
                 task = await answers.get()
@@ -308,7 +313,7 @@ def _wrap_stream(
                     state.stream.head = task
                     answer = await task
                     state.stream.head = None  # made: from here on it is the held answer
-                    state.sending_now(answer)
+                    state.sending_now(task, answer)
                     yield answer
                     state.sent()
                     if state.ended:
@@ -363,13 +368,11 @@ class _Unsent:
     def __init__(
         self,
         context: grpc.aio.ServicerContext[Any, Any],
-        answers: asyncio.Queue[asyncio.Task[StreamAnswer] | None],
         reader: asyncio.Task[None],
         stream: StreamRoom,
         sending: Sending,
     ) -> None:
         self.context = context
-        self.answers = answers
         self.reader = reader
         self.stream = stream
         self.sending = sending
@@ -377,11 +380,25 @@ class _Unsent:
         self.stalled = False
         # The answer handed to gRPC, which holds it until the client has read enough.
         self.held: StreamAnswer | None = None
+        # Each message's task, oldest first, from its creation until its answer is held:
+        # in the window, awaited by the writer, or waiting for a place in the window.
+        self._making: dict[asyncio.Task[StreamAnswer], None] = {}
         self._timer: asyncio.TimerHandle | None = None
         # The task gRPC runs the call in (it sends what the stream yields).
         self.call = asyncio.current_task()
+        if self.call is not None:
+            # gRPC stops iterating a stream whose call is cancelled while it sends, and
+            # leaves it suspended (closed only once collected): the call's end is the
+            # stream's end, whatever the stream itself still runs.
+            self.call.add_done_callback(lambda _call: self.end())
 
-    def sending_now(self, answer: StreamAnswer) -> None:
+    def made(self, task: asyncio.Task[StreamAnswer]) -> None:
+        """A message's task: its answer counts from when it is made until it is sent,
+        or is settled at the stream's end."""
+        self._making[task] = None
+
+    def sending_now(self, task: asyncio.Task[StreamAnswer], answer: StreamAnswer) -> None:
+        self._making.pop(task, None)
         self.held = answer
         self._timer = asyncio.get_running_loop().call_later(self.sending.stall_s, self._stall)
 
@@ -394,8 +411,8 @@ class _Unsent:
             self.held = None
 
     def end(self) -> None:
-        """The stream is over (once): answers it will not send are given back; the one
-        gRPC held stops counting (gone with the call)."""
+        """The stream is over: answers it will not send are given back; the one gRPC
+        held stops counting (gone with the call). Called again, it does nothing more."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -414,17 +431,14 @@ class _Unsent:
         """Made answers are given back (their items were never seen); ones still being made
         are cancelled (a Lease then leases nothing, or its cycle takes the lease back).
 
-        The head, taken off the queue by the writer, counts too: a call cancelled while
-        the writer awaited it leaves an answer made (and counted) but never held."""
-        head, self.stream.head = self.stream.head, None
-        if head is not None and head.done() and not head.cancelled() and head.exception() is None:
-            answer = head.result()
-            self.stream.give(len(answer.data))
-            self.sending.give_back_answer(answer, reached=False)
-        while not self.answers.empty():
-            task = self.answers.get_nowait()
-            if task is None:
-                continue
+        Every message's task counts, wherever it is: in the window, awaited by the writer
+        (a call cancelled meanwhile), or made by the reader while it waited for a place in
+        the window. The stream is ended first, so a task answered before counted its
+        bytes (settled here) and one answered after gives its answer back itself (``one``)."""
+        assert self.stream.ended
+        self.stream.head = None
+        making, self._making = self._making, {}
+        for task in making:
             if not task.done():
                 task.cancel()
             elif not task.cancelled() and task.exception() is None:
