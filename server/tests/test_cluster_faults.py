@@ -441,3 +441,34 @@ def test_a_node_cut_off_while_history_is_compacted_lists_the_catalog_again(tmp_p
         if proxy is not None:
             proxy.close()
         small.stop()
+
+
+def test_stats_list_a_down_homes_partitions_as_faulty_and_delete_without_force_names_it(cluster: Cluster) -> None:
+    """A queue whose items wait on a node that is away never reads as empty."""
+    n1, n2, _ = cluster.nodes
+    n1.stubs.create("away", requested_partitions=3)
+    wait_until(lambda: all("away" in [q.queue_name for q in n.info().queues] for n in cluster.nodes), timeout=10)
+    homes = list([q for q in n1.info().queues if q.queue_name == "away"][0].homes)
+    for node in cluster.nodes:
+        node.stubs.produce("away", [f"on-{node.node_id}".encode()])
+    on_n2 = [p for p, home in enumerate(homes) if home == "n2"]
+    assert on_n2 and all(n1.stubs.stats("away").partitions[p].total == 1 for p in on_n2)
+    n2.kill9()
+    try:
+        wait_until(lambda: "n2" not in _live(n1), timeout=20, interval=0.2)
+        stats = n1.stubs.stats("away")
+        assert [s.partition for s in stats.partitions] == list(range(len(homes)))
+        for s in stats.partitions:
+            if s.partition in on_n2:
+                assert s.faulty and "'n2'" in s.failure and s.total == 0
+            else:
+                assert not s.faulty and s.total == 1
+        with pytest.raises(grpc.RpcError) as refused:
+            n1.stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="away"), timeout=15)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "n2" in (refused.value.details() or "")
+    finally:
+        n2.start()
+    wait_until(lambda: _live(n1) == {"n1", "n2", "n3"}, timeout=20, interval=0.2)
+    wait_until(lambda: not any(s.faulty for s in n1.stubs.stats("away").partitions), timeout=15, interval=0.2)
+    assert sum(s.total for s in n1.stubs.stats("away").partitions) == 3

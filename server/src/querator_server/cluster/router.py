@@ -353,10 +353,12 @@ class Router:
         self, request: qpb.DeleteQueueRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local, stats: Local
     ) -> qpb.DeleteQueueResponse:
         if not request.force:
-            entry = await self._lookup(request.queue_name)
-            found = await self.stats(qpb.GetQueueStatsRequest(queue_name=request.queue_name), context, stats)
-            if len(found.partitions) < len(entry.homes):
-                raise Unavailable(f"queue {request.queue_name!r}: a node homing part of it is down; cannot tell it is empty")
+            found, away = await self._stats_of_homes(qpb.GetQueueStatsRequest(queue_name=request.queue_name), context, stats)
+            if away:
+                raise Unavailable(
+                    f"queue {request.queue_name!r}: part of it is on {', '.join(away)}, down or not answering; "
+                    "cannot tell it is empty"
+                )
             if any(p.total for p in found.partitions):
                 raise FailedPrecondition(f"queue {request.queue_name!r} is not empty; delete with force to drop its items")
         return await local(request, context)  # type: ignore[no-any-return]
@@ -437,12 +439,22 @@ class Router:
     async def stats(
         self, request: qpb.GetQueueStatsRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local
     ) -> qpb.GetQueueStatsResponse:
-        """Every home's partitions, in cluster numbers; a down home's are left out."""
+        """Every home's partitions, in cluster numbers; those of a home that is down or
+        does not answer are listed as faulty, with counts of 0, so a queue whose items sit
+        on a node that is away never reads as empty."""
+        return (await self._stats_of_homes(request, context, local))[0]
+
+    async def _stats_of_homes(
+        self, request: qpb.GetQueueStatsRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local
+    ) -> tuple[qpb.GetQueueStatsResponse, list[str]]:
+        """The merged stats, and the homes that could not say."""
         entry = await self._lookup(request.queue_name)
         if self.is_forwarded(context):
-            return await self._stats_here(entry, request, context, local)
+            return await self._stats_here(entry, request, context, local), []
         out = qpb.GetQueueStatsResponse(queue_name=entry.config.name)
+        away: list[str] = []
         for node in entry.nodes():
+            part: qpb.GetQueueStatsResponse | None = None
             if node == self.node:
                 part = await self._stats_here(entry, request, context, local)
             elif self.live(node):
@@ -451,15 +463,21 @@ class Router:
                         node, "/querator.v1.QueuesService/GetQueueStats", request, qpb.GetQueueStatsResponse, context
                     )
                 except Unavailable:
-                    continue
-            else:
+                    pass
+            if part is None:
+                away.append(node)
+                failure = f"its home, node {node!r}, is down or did not answer: its counts are unknown until it is back"
+                out.partitions.extend(
+                    qpb.PartitionStats(partition=partition, faulty=True, failure=failure)
+                    for partition in entry.local_partitions(node).values()
+                )
                 continue
             out.partitions.extend(part.partitions)
             out.lease_waiting += part.lease_waiting
             out.produce_waiting += part.produce_waiting
             out.in_flight += part.in_flight
         out.partitions.sort(key=lambda s: s.partition)
-        return out
+        return out, away
 
     async def _stats_here(
         self, entry: QueueEntry, request: qpb.GetQueueStatsRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local

@@ -521,6 +521,9 @@ class PartitionStats(_message.Message):
     least every 30 s) and puts it back as soon as its storage works again; the
     counts above are the last ones known until then. A failure of the whole
     storage (a commit that fails) is the queue's instead: see QueueInfo.state.
+    In a cluster, a partition whose home node is down or does not answer is
+    also listed as faulty, with counts of 0 (unknown) and a failure naming the
+    node.
     """
     failure: _builtins.str
     """Why the partition is faulty; empty while it serves."""
