@@ -536,6 +536,7 @@ def test_a_queue_that_cannot_load_fails_alone(template: str, tmp_path: Path, dam
         stubs.produce(healthy, [b"more"])
         assert stats_total(stubs, healthy) == (301, 10)
         assert _metric(metrics, "querator_queues_failed") == 1
+        assert _metric(metrics, "querator_queues") == 2  # the failed queue is still one of the server's
         assert "queue_failed" in proc.stderr_text()
         # Deleting it needs force (what it holds is unknown); then the name is free again.
         code, _ = status_of(lambda: stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name=failed), timeout=10))
@@ -547,6 +548,7 @@ def test_a_queue_that_cannot_load_fails_alone(template: str, tmp_path: Path, dam
         stubs.produce(failed, [b"new"])
         assert stats_total(stubs, failed) == (1, 0)
         assert _metric(metrics, "querator_queues_failed") == 0
+        assert _metric(metrics, "querator_queues") == 2
         assert proc.terminate() == 0
     finally:
         stubs.channel.close()

@@ -268,6 +268,11 @@ class QueuesManager:
     def failed_queues(self) -> int:
         return len(self._failed)
 
+    def queue_count(self) -> int:
+        """Queues the server has, serving or not: one that failed to load has no actor,
+        so counting actors would hide it from the queue count."""
+        return len(self._configs)
+
     def faulty_partitions(self) -> int:
         """Partitions of all queues left out because their storage failed."""
         return sum(self._faulty.values())

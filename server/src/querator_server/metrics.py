@@ -267,8 +267,8 @@ class QueueCollector(Collector):
             if isinstance(probe, QueueProbe) and probe.map_size:
                 map_used.add_metric([name], probe.map_used)
                 map_size.add_metric([name], probe.map_size)
-        queues = GaugeMetricFamily("querator_queues", "Queues on this server.")
-        queues.add_metric([], len(actors))
+        queues = GaugeMetricFamily("querator_queues", "Queues on this server, including failed ones.")
+        queues.add_metric([], self._manager.queue_count())
         failed = GaugeMetricFamily(
             "querator_queues_failed", "Queues not served because their storage failed (GetQueue says why)."
         )
