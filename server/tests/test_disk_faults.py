@@ -13,6 +13,7 @@ fail and then recover. One test fills a real, small tmpfs; it needs permission t
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -31,6 +32,7 @@ from google.protobuf import field_mask_pb2
 import querator
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 from querator_server.faults import FAULT_FILE_ENV
+from querator_server.logging import RepeatedFailure
 
 from conftest import ProcessServer, Stubs, ThreadServer, free_port
 
@@ -667,3 +669,69 @@ def test_a_queue_whose_storage_keeps_failing_is_marked_failed_and_the_rest_serve
     finally:
         stubs.channel.close()
         proc.stop()
+
+
+# -- a dead-letter queue that stays broken ----------------------------------------------
+
+
+def _events(text: str, event: str) -> list[dict[str, object]]:
+    lines = (json.loads(line) for line in text.splitlines() if line.startswith("{"))
+    return [line for line in lines if line.get("event") == event]
+
+
+def test_a_broken_dead_letter_queue_is_retried_every_second_but_logged_once_with_a_count(tmp_path: Path) -> None:
+    """Dead letters aimed at a DLQ whose writes fail are retried on their cadence; the
+    first failure is logged, the retries after it within the minute are not (each line
+    says how many failed since the last), and the success after them is logged once
+    with how many retries failed."""
+    data = str(tmp_path / "data")
+    fault = tmp_path / "fault"
+    proc = ProcessServer(data, extra_args=["--log-level", "info", "--log-json"], env={FAULT_FILE_ENV: str(fault)})
+    proc.start()
+    stubs = connect(proc.address)
+    try:
+        stubs.create("dlq", requested_partitions=40)  # uid 1, queues/1: an environment of its own
+        stubs.create("q", dead_queue="dlq", lease_timeout=LONG_LEASE)
+        stubs.produce("q", [b"doomed"])
+        lease = stubs.lease("q", batch_size=1)
+        fault.write_text(f"no-space {os.path.join('queues', '1')}")
+        stubs.queue.Retry(
+            queue_pb2.RetryRequest(queue_name="q", partition=lease.partition, items=[queue_pb2.RetryItem(id=lease.items[0].id, dead=True)]),
+            timeout=10,
+        )
+        give_up = time.monotonic() + 30
+        while not _events(proc.stderr_text(), "dead_letter_failed") and time.monotonic() < give_up:
+            time.sleep(0.1)
+        first = _events(proc.stderr_text(), "dead_letter_failed")
+        assert len(first) == 1, proc.stderr_text()[-2000:]
+        assert first[0]["queue"] == "q" and first[0]["dead_queue"] == "dlq" and first[0]["failures"] == 1, first
+        time.sleep(5)  # about five more retries, one a second
+        assert len(_events(proc.stderr_text(), "dead_letter_failed")) == 1, proc.stderr_text()[-2000:]
+        assert stats_total(stubs, "dlq") == (0, 0)
+
+        fault.unlink()
+        give_up = time.monotonic() + 30
+        while not _events(proc.stderr_text(), "dead_letter_recovered") and time.monotonic() < give_up:
+            time.sleep(0.1)
+        recovered = _events(proc.stderr_text(), "dead_letter_recovered")
+        assert len(recovered) == 1, proc.stderr_text()[-2000:]
+        assert recovered[0]["queue"] == "q" and recovered[0]["dead_queue"] == "dlq", recovered
+        failures = recovered[0]["failures"]
+        assert isinstance(failures, int) and failures >= 4, recovered  # retries that failed, one line for them
+        assert stats_total(stubs, "dlq") == (1, 0) and stats_total(stubs, "q") == (0, 0)
+        assert proc.terminate() == 0
+    finally:
+        stubs.channel.close()
+        proc.stop()
+
+
+def test_repeated_failure_reports_the_first_then_once_per_interval_with_the_count() -> None:
+    now = [0.0]
+    failure = RepeatedFailure(60.0, clock=lambda: now[0])
+    reported = []
+    for _ in range(150):  # one failure a second for 150 s
+        reported.append(failure.failed())
+        now[0] += 1.0
+    lines = [(second, n) for second, n in enumerate(reported) if n]
+    assert lines == [(0, 1), (60, 60), (120, 60)]
+    assert failure.failures == 150

@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import MutableMapping
+import time
+from collections.abc import Callable, MutableMapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -116,3 +117,31 @@ def configure(level: str = "info", *, json: bool | None = None, process: bool = 
     else:
         server.addHandler(handler)
         server.propagate = False
+
+
+class RepeatedFailure:
+    """How often to log a failure that is retried on a cadence: the first time, then at
+    most once per ``every_s`` with how many failures there were since the last line.
+
+    A step retried every second that stays broken for an hour would otherwise write
+    3,600 identical lines, which drown the rest of the log and tell nothing more than
+    one line a minute with a count.
+    """
+
+    def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s = every_s
+        self._clock = clock
+        self._logged_at: float | None = None
+        self._unlogged = 0
+        self.failures = 0  # since the first failure of this run
+
+    def failed(self) -> int:
+        """Count one failure; how many to report now (0: no line is due)."""
+        self.failures += 1
+        self._unlogged += 1
+        now = self._clock()
+        if self._logged_at is not None and now - self._logged_at < self.every_s:
+            return 0
+        self._logged_at = now
+        reported, self._unlogged = self._unlogged, 0
+        return reported

@@ -42,7 +42,7 @@ from ..faults import (
     faulty_call,
     partition_faults,
 )
-from ..logging import get_logger
+from ..logging import RepeatedFailure, get_logger
 from ..model import PartitionStats, QueueConfig, QueueStats, QueueTotals
 from ..storage import MAX_GROWTHS, Item, MapFull, QueueStore, StorageError, StorageFull
 from ..storage.keyed import KeyedIndex
@@ -83,6 +83,8 @@ log = get_logger("queue")
 DEFAULT_MAX_INBOX = 10_000
 # How long to wait before handing the dead-letter outbox over again after a failure.
 OUTBOX_RETRY_S = 1.0
+# A dead-letter queue that keeps failing is logged at most this often (with a count).
+DEAD_LETTER_LOG_EVERY_S = 60.0
 # A faulty partition is probed this long after it failed, then ever less often: each
 # probe that fails doubles the wait, up to PROBE_MAX_S. A probe reads the whole
 # partition (as a start does), so a damaged one that stays damaged costs one read of it
@@ -173,6 +175,9 @@ class LogicalQueue:
         # Dead letters committed to the outbox but not yet stored by the DLQ.
         self._outbox: dict[tuple[int, int], Item] = {}
         self._outbox_task: asyncio.Task[None] | None = None
+        # Dead-letter queue name -> its failures since the last success: a broken one is
+        # retried every OUTBOX_RETRY_S but logged once a minute, with the count.
+        self._dead_letter_failures: dict[str, RepeatedFailure] = {}
         # Items redriven out of this queue, committed to the redrive outbox but not yet
         # stored by their target: (partition, seq) -> (target uid, item as it was here).
         self._redrive: dict[tuple[int, int], tuple[int, Item]] = {}
@@ -875,9 +880,22 @@ class LogicalQueue:
                         log.warning("item_dropped", queue=self.name, item_id=item.source_id, reason="no dead_queue")
                 await self.submit(OutboxDoneRequest([key for key, _ in entries]))
             except QueratorError as exc:
-                log.warning("dead_letter_failed", queue=self.name, dead_queue=dead_queue, error=exc.message)
+                failures = self._dead_letter_failures.setdefault(dead_queue, RepeatedFailure(DEAD_LETTER_LOG_EVERY_S))
+                reported = failures.failed()
+                if reported:
+                    log.warning(
+                        "dead_letter_failed",
+                        queue=self.name,
+                        dead_queue=dead_queue,
+                        error=exc.message,
+                        failures=reported,
+                        retry_every_s=OUTBOX_RETRY_S,
+                    )
                 await asyncio.sleep(OUTBOX_RETRY_S)
                 continue
+            recovered = self._dead_letter_failures.pop(dead_queue, None)
+            if recovered is not None:
+                log.info("dead_letter_recovered", queue=self.name, dead_queue=dead_queue, failures=recovered.failures)
             for key, _ in entries:
                 self._outbox.pop(key, None)
 
