@@ -178,6 +178,7 @@ class LogicalQueue:
         # Dead-letter queue name -> its failures since the last success: a broken one is
         # retried every OUTBOX_RETRY_S but logged once a minute, with the count.
         self._dead_letter_failures: dict[str, RepeatedFailure] = {}
+        self._redrive_failures: RepeatedFailure | None = None  # the redrive outbox's hand-over
         # Items redriven out of this queue, committed to the redrive outbox but not yet
         # stored by their target: (partition, seq) -> (target uid, item as it was here).
         self._redrive: dict[tuple[int, int], tuple[int, Item]] = {}
@@ -944,8 +945,18 @@ class LogicalQueue:
                         self._redrive.pop(key, None)
                     self._settle_redrive_waiters()
             except QueratorError as exc:
-                log.warning("redrive_failed", queue=self.name, error=exc.message)
+                if self._redrive_failures is None:
+                    self._redrive_failures = RepeatedFailure(DEAD_LETTER_LOG_EVERY_S)
+                reported = self._redrive_failures.failed()
+                if reported:
+                    log.warning(
+                        "redrive_failed", queue=self.name, error=exc.message, failures=reported, retry_every_s=OUTBOX_RETRY_S
+                    )
                 await asyncio.sleep(OUTBOX_RETRY_S)
+                continue
+            if self._redrive_failures is not None:
+                log.info("redrive_recovered", queue=self.name, failures=self._redrive_failures.failures)
+                self._redrive_failures = None
 
     def _apply_delete(self, request: _Delete) -> None:
         if not request.force and self.holds_items():
