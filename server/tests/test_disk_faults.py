@@ -725,6 +725,59 @@ def test_a_broken_dead_letter_queue_is_retried_every_second_but_logged_once_with
         proc.stop()
 
 
+def test_a_redrive_into_a_broken_queue_is_retried_but_logged_once_with_a_count(tmp_path: Path) -> None:
+    """Items a redrive took out of a dead-letter queue wait in its outbox while their
+    target cannot store them: retried every second, logged on the first failure and on
+    the success after them, and delivered once the target works again."""
+    data = str(tmp_path / "data")
+    fault = tmp_path / "fault"
+    proc = ProcessServer(data, extra_args=["--log-level", "info", "--log-json"], env={FAULT_FILE_ENV: str(fault)})
+    proc.start()
+    stubs = connect(proc.address)
+    try:
+        stubs.create("q", requested_partitions=40, lease_timeout=LONG_LEASE)  # uid 1, queues/1: its own environment
+        stubs.create("dlq")
+        stubs.queues.UpdateQueue(
+            queues_pb2.UpdateQueueRequest(
+                queue=queues_pb2.QueueInfo(queue_name="q", dead_queue="dlq"),
+                update_mask=field_mask_pb2.FieldMask(paths=["dead_queue"]),
+            ),
+            timeout=10,
+        )
+        stubs.produce("q", [b"revived"])
+        lease = stubs.lease("q", batch_size=1)
+        stubs.queue.Retry(
+            queue_pb2.RetryRequest(queue_name="q", partition=lease.partition, items=[queue_pb2.RetryItem(id=lease.items[0].id, dead=True)]),
+            timeout=10,
+        )
+        give_up = time.monotonic() + 30
+        while stats_total(stubs, "dlq") != (1, 0) and time.monotonic() < give_up:
+            time.sleep(0.1)
+        assert stats_total(stubs, "dlq") == (1, 0)
+        fault.write_text(f"no-space {os.path.join('queues', '1')}")
+        code, _ = status_of(lambda: stubs.storage.RedriveItems(storage_pb2.RedriveItemsRequest(queue_name="dlq"), timeout=2))
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED  # taken out of dlq, not yet stored in q
+        give_up = time.monotonic() + 30
+        while not _events(proc.stderr_text(), "redrive_failed") and time.monotonic() < give_up:
+            time.sleep(0.1)
+        time.sleep(5)  # about five more retries, one a second
+        failed = _events(proc.stderr_text(), "redrive_failed")
+        assert len(failed) == 1 and failed[0]["queue"] == "dlq" and failed[0]["failures"] == 1, proc.stderr_text()[-2000:]
+
+        fault.unlink()
+        give_up = time.monotonic() + 30
+        while not _events(proc.stderr_text(), "redrive_recovered") and time.monotonic() < give_up:
+            time.sleep(0.1)
+        recovered = _events(proc.stderr_text(), "redrive_recovered")
+        assert len(recovered) == 1 and recovered[0]["queue"] == "dlq", proc.stderr_text()[-2000:]
+        assert isinstance(recovered[0]["failures"], int) and recovered[0]["failures"] >= 4, recovered
+        assert stats_total(stubs, "q") == (1, 0) and stats_total(stubs, "dlq") == (0, 0)
+        assert proc.terminate() == 0
+    finally:
+        stubs.channel.close()
+        proc.stop()
+
+
 def test_repeated_failure_reports_the_first_then_once_per_interval_with_the_count() -> None:
     now = [0.0]
     failure = RepeatedFailure(60.0, clock=lambda: now[0])
