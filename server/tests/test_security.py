@@ -134,10 +134,106 @@ def test_every_message_of_a_stream_is_checked_against_the_key(channel: grpc.Chan
     answers = list(stub.ProduceStream(iter(sent), metadata=[("authorization", f"Bearer {token}")], timeout=10))
     assert [a.WhichOneof("result") for a in answers] == ["response", "error", "response"]
     assert answers[1].error.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
-    lease = queue_pb2.LeaseStreamRequest(request=queue_pb2.LeaseRequest(queue_name="orders-eu", batch_size=1))
-    refused = list(stub.LeaseStream(iter([lease]), metadata=[("authorization", f"Bearer {token}")], timeout=10))
-    assert refused[0].error.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+    assert "may not touch this queue" in answers[1].error.message
     assert admin.stats("orders-eu").partitions[0].total == 2 and admin.stats("billing").partitions[0].total == 0
+
+
+def test_a_key_refused_a_queue_keeps_its_stream_for_the_queues_it_may_touch(channel: grpc.Channel) -> None:
+    admin = Authed(channel, BOOTSTRAP)
+    admin.create("orders-eu")
+    admin.create("billing")
+    admin.produce("orders-eu", [b"a"])
+    admin.produce("billing", [b"b"])
+    token = _key(admin, keys_pb2.ROLE_CONSUMER, "orders*")
+    stub = queue_pb2_grpc.QueueServiceStub(channel)
+
+    def lease(queue: str) -> queue_pb2.LeaseStreamRequest:
+        return queue_pb2.LeaseStreamRequest(request=queue_pb2.LeaseRequest(queue_name=queue, batch_size=1))
+
+    messages = _Messages()
+    try:
+        call = stub.LeaseStream(iter(messages), metadata=[("authorization", f"Bearer {token}")], timeout=30)
+        messages.send(lease("billing"))
+        refused = next(call)
+        assert refused.error.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+        messages.send(lease("orders-eu"))  # the same stream, still open
+        served = next(call)
+        assert [item.payload for item in served.response.items] == [b"a"]
+    finally:
+        messages.close()
+    assert list(call) == []  # ended OK once the client stopped sending
+    assert admin.stats("billing").partitions[0].total == 1
+
+
+@pytest.mark.parametrize(
+    ("method", "role", "words"),
+    [
+        ("LeaseStream", keys_pb2.ROLE_PRODUCER, "(producer) may not consume"),
+        ("ProduceStream", keys_pb2.ROLE_CONSUMER, "(consumer) may not produce"),
+    ],
+)
+def test_a_stream_whose_keys_role_may_never_do_its_action_ends_at_once(
+    channel: grpc.Channel, method: str, role: int, words: str
+) -> None:
+    admin = Authed(channel, BOOTSTRAP)
+    admin.create("orders")
+    token = _key(admin, role, "orders")
+    key_id = token.split("_")[1]
+    stub = queue_pb2_grpc.QueueServiceStub(channel)
+    auth = [("authorization", f"Bearer {token}")]
+    lease = queue_pb2.LeaseRequest(queue_name="orders", batch_size=1)
+    produce = queue_pb2.ProduceRequest(queue_name="orders", items=[queue_pb2.ProduceItem(payload=b"x")])
+    if method == "LeaseStream":
+        first: object = queue_pb2.LeaseStreamRequest(request=lease)
+        unary = lambda: stub.Lease(lease, metadata=auth, timeout=5)  # noqa: E731
+    else:
+        first = queue_pb2.ProduceStreamRequest(request=produce)
+        unary = lambda: stub.Produce(produce, metadata=auth, timeout=5)  # noqa: E731
+    messages = _Messages()
+    started = time.monotonic()
+    try:
+        call = getattr(stub, method)(iter(messages), metadata=auth, timeout=30)
+        messages.send(first)  # one message, and the stream is never half-closed
+        with pytest.raises(grpc.RpcError) as err:
+            next(call)  # the call's end, not an answer to the message
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert time.monotonic() - started < 20  # ended by the server, not by the 30 s deadline
+    finally:
+        messages.close()
+    # The unary call's code and words.
+    assert err.value.details() == f"key {key_id} {words}"
+    assert _refusal(unary) == (grpc.StatusCode.PERMISSION_DENIED, err.value.details())
+    assert admin.stats("orders").partitions[0].total == 0
+
+
+@pytest.mark.parametrize("method", ["ProduceStream", "LeaseStream"])
+def test_a_stream_refused_for_its_role_ends_before_any_message(channel: grpc.Channel, method: str) -> None:
+    admin = Authed(channel, BOOTSTRAP)
+    role = keys_pb2.ROLE_PRODUCER if method == "LeaseStream" else keys_pb2.ROLE_CONSUMER
+    token = _key(admin, role, "*")
+    stub = queue_pb2_grpc.QueueServiceStub(channel)
+    messages = _Messages()  # sends nothing and never ends by itself
+    try:
+        call = getattr(stub, method)(iter(messages), metadata=[("authorization", f"Bearer {token}")], timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            next(call)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        messages.close()
+
+
+def test_admin_keys_and_the_bootstrap_token_open_both_streams(channel: grpc.Channel) -> None:
+    admin = Authed(channel, BOOTSTRAP)
+    admin.create("orders")
+    stub = queue_pb2_grpc.QueueServiceStub(channel)
+    produce = queue_pb2.ProduceRequest(queue_name="orders", items=[queue_pb2.ProduceItem(payload=b"x")])
+    lease = queue_pb2.LeaseRequest(queue_name="orders", batch_size=1)
+    for token in (BOOTSTRAP, _key(admin, keys_pb2.ROLE_ADMIN, "orders")):
+        auth = [("authorization", f"Bearer {token}")]
+        produced = list(stub.ProduceStream(iter([queue_pb2.ProduceStreamRequest(request=produce)]), metadata=auth, timeout=10))
+        assert produced[0].WhichOneof("result") == "response"
+        leased = list(stub.LeaseStream(iter([queue_pb2.LeaseStreamRequest(request=lease)]), metadata=auth, timeout=10))
+        assert [item.payload for item in leased[0].response.items] == [b"x"]
 
 
 def _refusal(call: object) -> tuple[grpc.StatusCode, str]:

@@ -188,8 +188,9 @@ def _wrap_stream(
     once the messages already read are answered (the server does so when it stops).
 
     With a ``guard``, the call is authenticated once at its start and ended
-    UNAUTHENTICATED without a valid key, so a stream without one never stays open.
-    Each message is still checked (its action and queue; a key revoked meanwhile): a
+    UNAUTHENTICATED without a valid key, or PERMISSION_DENIED when the key's role may
+    never do the stream's action, so neither stream stays open. Each message is still
+    checked (its action and queue; a key revoked meanwhile): a
     message refused for its queue is answered PERMISSION_DENIED and the stream goes on;
     one whose key no longer authenticates is answered UNAUTHENTICATED, nothing more is
     read, and the stream ends UNAUTHENTICATED once the messages before it are answered.
@@ -254,7 +255,11 @@ def _wrap_stream(
         if guard is not None:
             denied: QueratorError | None = None
             try:
-                guard.authenticate(context)
+                # A key whose role can never do this action (a producer key opening a
+                # LeaseStream) is refused for the call, as the unary call is: answering
+                # each message PERMISSION_DENIED would keep a misconfigured client
+                # spinning on an open stream. Queue patterns are checked per message.
+                guard.check(action, None, context)
             except QueratorError as exc:
                 denied = exc
             if denied is not None:

@@ -74,8 +74,11 @@ class QueueServiceStub:
     the CPU per request of a unary call.
 
     With API keys, both streams are authenticated when they open: without a
-    valid key the call ends UNAUTHENTICATED at once. Each request is then
-    checked for its queue (PERMISSION_DENIED answers that request alone); a
+    valid key the call ends UNAUTHENTICATED at once, and with a key whose
+    role may never do the stream's action (a producer key opening a
+    LeaseStream, a consumer key a ProduceStream) it ends PERMISSION_DENIED at
+    once, as the unary call would answer. Each request is then checked for
+    its queue (PERMISSION_DENIED answers that request alone); a
     key revoked while the stream is open answers the next request
     UNAUTHENTICATED and ends the stream so, after the requests before it.
     """
@@ -138,8 +141,11 @@ class QueueServiceAsyncStub(QueueServiceStub):
     the CPU per request of a unary call.
 
     With API keys, both streams are authenticated when they open: without a
-    valid key the call ends UNAUTHENTICATED at once. Each request is then
-    checked for its queue (PERMISSION_DENIED answers that request alone); a
+    valid key the call ends UNAUTHENTICATED at once, and with a key whose
+    role may never do the stream's action (a producer key opening a
+    LeaseStream, a consumer key a ProduceStream) it ends PERMISSION_DENIED at
+    once, as the unary call would answer. Each request is then checked for
+    its queue (PERMISSION_DENIED answers that request alone); a
     key revoked while the stream is open answers the next request
     UNAUTHENTICATED and ends the stream so, after the requests before it.
     """
@@ -235,8 +241,11 @@ class QueueServiceServicer(metaclass=_abc_1.ABCMeta):
         the CPU per request of a unary call.
 
         With API keys, both streams are authenticated when they open: without a
-        valid key the call ends UNAUTHENTICATED at once. Each request is then
-        checked for its queue (PERMISSION_DENIED answers that request alone); a
+        valid key the call ends UNAUTHENTICATED at once, and with a key whose
+        role may never do the stream's action (a producer key opening a
+        LeaseStream, a consumer key a ProduceStream) it ends PERMISSION_DENIED at
+        once, as the unary call would answer. Each request is then checked for
+        its queue (PERMISSION_DENIED answers that request alone); a
         key revoked while the stream is open answers the next request
         UNAUTHENTICATED and ends the stream so, after the requests before it.
         """

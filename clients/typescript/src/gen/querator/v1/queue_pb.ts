@@ -1108,8 +1108,11 @@ export const QueueService: GenService<{
    * the CPU per request of a unary call.
    *
    * With API keys, both streams are authenticated when they open: without a
-   * valid key the call ends UNAUTHENTICATED at once. Each request is then
-   * checked for its queue (PERMISSION_DENIED answers that request alone); a
+   * valid key the call ends UNAUTHENTICATED at once, and with a key whose
+   * role may never do the stream's action (a producer key opening a
+   * LeaseStream, a consumer key a ProduceStream) it ends PERMISSION_DENIED at
+   * once, as the unary call would answer. Each request is then checked for
+   * its queue (PERMISSION_DENIED answers that request alone); a
    * key revoked while the stream is open answers the next request
    * UNAUTHENTICATED and ends the stream so, after the requests before it.
    *
