@@ -302,3 +302,36 @@ def test_an_internal_answer_on_a_stream_still_reaches_the_caller_as_a_server_err
         run(main(), timeout=60)
     finally:
         srv.stop()
+
+
+def test_a_key_whose_role_may_not_use_a_stream_fails_its_request_at_once(tmp_path: Path) -> None:
+    # The server ends such a stream PERMISSION_DENIED as it opens: the request fails with
+    # the unary call's PermissionDenied, neither retried nor sent again as a unary call.
+    admin_token = "bootstrap-admin-token-for-stream-tests-0123456789"
+    with server(tmp_path / "data", admin_token=admin_token, metrics_address="127.0.0.1:0") as srv:
+        with srv.client() as admin:
+            admin.create_queue("orders")
+            producer = admin.create_key("producer", ["orders"])
+            consumer = admin.create_key("consumer", ["orders"])
+
+        async def main() -> None:
+            async with srv.async_client(bearer_token=producer.token, timeout=20) as c:
+                assert (await c.produce("orders", ["a"])).ids
+                for _ in range(2):  # the next request opens a stream again, and is refused again
+                    started = time.monotonic()
+                    with pytest.raises(querator.PermissionDenied) as denied:
+                        await c.lease("orders", wait=5)
+                    assert time.monotonic() - started < 4  # not the wait, nor the 20 s timeout
+                    assert str(denied.value).endswith(f"key {producer.key_id} (producer) may not consume")
+            async with srv.async_client(bearer_token=consumer.token, timeout=20) as c:
+                with pytest.raises(querator.PermissionDenied) as denied:
+                    await c.produce("orders", ["b"])
+                assert str(denied.value).endswith(f"key {consumer.key_id} (consumer) may not produce")
+                assert [item.payload for item in await c.lease("orders", wait=0)] == [b"a"]
+
+        run(main())
+        calls = _calls(srv)
+    assert not [key for key in calls if key[1] in ("Produce", "Lease")]  # no unary fallback
+    assert calls[("orders", "ProduceStream", "OK")] == 1 and calls[("orders", "LeaseStream", "OK")] == 1
+    # Refused as the streams opened, not message by message on an open stream.
+    assert not [key for key in calls if key[2] == "PERMISSION_DENIED"]
