@@ -68,6 +68,37 @@ test("keys: the admin token creates a producer key, which may produce but not le
   }
 });
 
+test("a key whose role may never use a stream gets PermissionDenied at once, again on the next request", async () => {
+  const admin = new Client({ address: server.address, tls: { ca }, bearerToken: ADMIN });
+  const q = queueName("roles");
+  await admin.createQueue(q);
+  const producerKey = await admin.createKey("producer", [q]);
+  const consumerKey = await admin.createKey("consumer", [q]);
+  // The server ends such a stream as it opens: the request fails, neither retried nor hung.
+  const producer = new Client({ address: server.address, tls: { ca }, bearerToken: producerKey.token, timeoutMs: 20_000 });
+  const consumer = new Client({ address: server.address, tls: { ca }, bearerToken: consumerKey.token, timeoutMs: 20_000 });
+  try {
+    assert.equal((await producer.produce(q, ["a"])).ids.length, 1);
+    for (let i = 0; i < 2; i++) {
+      const started = performance.now();
+      await assert.rejects(
+        producer.lease(q, { waitMs: 5_000 }),
+        (e: unknown) => e instanceof PermissionDenied && e.rawMessage === `key ${producerKey.key.keyId} (producer) may not consume`,
+      );
+      assert.ok(performance.now() - started < 4_000, "refused at once, not after the wait or the timeout");
+    }
+    await assert.rejects(
+      consumer.produce(q, ["b"]),
+      (e: unknown) => e instanceof PermissionDenied && e.rawMessage === `key ${consumerKey.key.keyId} (consumer) may not produce`,
+    );
+    assert.deepEqual((await consumer.lease(q, { waitMs: 0 })).map((item) => new TextDecoder().decode(item.payload)), ["a"]);
+  } finally {
+    producer.close();
+    consumer.close();
+    admin.close();
+  }
+});
+
 test("TLS: a client that does not trust the server's CA cannot connect", async () => {
   const untrusting = new Client({ address: server.address, tls: true, bearerToken: ADMIN, retries: 0 });
   const plaintext = new Client({ address: server.address, bearerToken: ADMIN, retries: 0, timeoutMs: 3000 });
