@@ -328,6 +328,18 @@ def test_forwarded_calls_carry_the_callers_api_key_and_keys_reach_every_node(tmp
         # (that learnt of the key through the catalog) accepts.
         wait_until(lambda: _produces(nodes[home], request, producer), timeout=10)
         assert other.stubs.queue.Produce(request, timeout=10, metadata=producer).partition == 0
+        # A stream is checked once, as it opens, by the node it reaches: the producer key's
+        # LeaseStream ends PERMISSION_DENIED on either node, with no answer to its message;
+        # its ProduceStream is served (forwarded message by message from the other node).
+        lease = queue_pb2.LeaseStreamRequest(request=queue_pb2.LeaseRequest(queue_name="secure", batch_size=1))
+        for node in auth.nodes:
+            with pytest.raises(grpc.RpcError) as refused:
+                list(node.stubs.queue.LeaseStream(iter([lease]), timeout=10, metadata=producer))
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert refused.value.details() == f"key {made.key.key_id} (producer) may not consume"
+            streamed = queue_pb2.ProduceStreamRequest(request=request)
+            answers = list(node.stubs.queue.ProduceStream(iter([streamed]), timeout=10, metadata=producer))
+            assert [a.WhichOneof("result") for a in answers] == ["response"]
         with pytest.raises(grpc.RpcError) as denied:
             other.stubs.queue.Produce(request, timeout=10)
         assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
