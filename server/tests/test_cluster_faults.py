@@ -445,14 +445,17 @@ def test_a_node_cut_off_while_history_is_compacted_lists_the_catalog_again(tmp_p
 
 def test_stats_list_a_down_homes_partitions_as_faulty_and_delete_without_force_names_it(cluster: Cluster) -> None:
     """A queue whose items wait on a node that is away never reads as empty."""
-    n1, n2, _ = cluster.nodes
+    n1, n2 = cluster.nodes[:2]
+    live = [n for n in cluster.nodes if n.node_id in _live(n1)]  # an earlier test may have retired n3
     n1.stubs.create("away", requested_partitions=3)
-    wait_until(lambda: all("away" in [q.queue_name for q in n.info().queues] for n in cluster.nodes), timeout=10)
+    wait_until(lambda: all("away" in [q.queue_name for q in n.info().queues] for n in live), timeout=10)
     homes = list([q for q in n1.info().queues if q.queue_name == "away"][0].homes)
-    for node in cluster.nodes:
-        node.stubs.produce("away", [f"on-{node.node_id}".encode()])
     on_n2 = [p for p, home in enumerate(homes) if home == "n2"]
-    assert on_n2 and all(n1.stubs.stats("away").partitions[p].total == 1 for p in on_n2)
+    assert on_n2, homes
+    for node in live:
+        node.stubs.produce("away", [f"on-{node.node_id}".encode()])
+    before = {s.partition: s.total for s in n1.stubs.stats("away").partitions}
+    assert sum(before.values()) == len(live) and sum(before[p] for p in on_n2) >= 1, before
     n2.kill9()
     try:
         wait_until(lambda: "n2" not in _live(n1), timeout=20, interval=0.2)
@@ -462,13 +465,13 @@ def test_stats_list_a_down_homes_partitions_as_faulty_and_delete_without_force_n
             if s.partition in on_n2:
                 assert s.faulty and "'n2'" in s.failure and s.total == 0
             else:
-                assert not s.faulty and s.total == 1
+                assert not s.faulty and s.total == before[s.partition]
         with pytest.raises(grpc.RpcError) as refused:
             n1.stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="away"), timeout=15)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "n2" in (refused.value.details() or "")
     finally:
         n2.start()
-    wait_until(lambda: _live(n1) == {"n1", "n2", "n3"}, timeout=20, interval=0.2)
+    wait_until(lambda: "n2" in _live(n1), timeout=20, interval=0.2)
     wait_until(lambda: not any(s.faulty for s in n1.stubs.stats("away").partitions), timeout=15, interval=0.2)
-    assert sum(s.total for s in n1.stubs.stats("away").partitions) == 3
+    assert sum(s.total for s in n1.stubs.stats("away").partitions) == len(live)
