@@ -216,4 +216,12 @@ def test_a_node_killed_with_requests_in_flight_on_its_streams_costs_no_error_and
             items = client.lease(name, batch_size=50, wait=0.5)
             leased.update((i.partition, i.id) for i in items)
             client.complete(items)
-    assert acknowledged - leased == set()
+        missing = acknowledged - leased
+        # Where the missing items are, to tell lost from held (leased, or on a node away).
+        where = {
+            p: [(i.id, i.is_leased, i.lease_deadline, i.attempts) for i in client.list_items(name, partition=p)]
+            for p in sorted({p for p, _ in missing})
+        }
+        homes = _homes(cluster, name)
+        live = cluster.live(cluster.nodes[0])
+    assert missing == set(), (sorted(missing), where, homes, live)
