@@ -270,6 +270,16 @@ class Cluster:
             node.start()
         return self
 
+    def __enter__(self) -> Cluster:
+        try:
+            return self.start()
+        except BaseException:  # a node that did not come up: stop what did
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()

@@ -24,12 +24,8 @@ from conftest import ThreadServer, wait_until
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(str(tmp_path_factory.mktemp("cluster")))
-    try:
-        c.start()
+    with Cluster(str(tmp_path_factory.mktemp("cluster"))) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _drain(node, name: str, expect: int, timeout: float = 60) -> list[tuple[int, queue_pb2.LeaseItem]]:

@@ -27,12 +27,8 @@ from conftest import dur, wait_until
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(str(tmp_path_factory.mktemp("faults")), ttl=3)
-    try:
-        c.start()
+    with Cluster(str(tmp_path_factory.mktemp("faults")), ttl=3) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _etcd_get(cluster: Cluster, key: str) -> rpc.KeyValue | None:

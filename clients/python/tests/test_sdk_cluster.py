@@ -26,12 +26,8 @@ from sdk_helpers import run, unique
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(str(tmp_path_factory.mktemp("cluster")))
-    try:
-        c.start()
+    with Cluster(str(tmp_path_factory.mktemp("cluster"))) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _homes(cluster: Cluster, name: str) -> list[str]:

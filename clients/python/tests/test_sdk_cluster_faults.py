@@ -19,12 +19,8 @@ from sdk_helpers import run, unique
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(str(tmp_path_factory.mktemp("cluster")))
-    try:
-        c.start()
+    with Cluster(str(tmp_path_factory.mktemp("cluster"))) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def test_a_node_killed_mid_run_costs_produce_and_lease_no_error_and_loses_nothing_acknowledged(

@@ -28,12 +28,8 @@ from sdk_helpers import run, unique
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(str(tmp_path_factory.mktemp("cluster")), metrics=True)
-    try:
-        c.start()
+    with Cluster(str(tmp_path_factory.mktemp("cluster")), metrics=True) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _requests(node: Node, queue: str) -> dict[str, float]:
