@@ -290,7 +290,9 @@ def _consumer(
                         complete.append(item_id)
                 else:
                     ledger.counts["abandoned"] += 1  # its lease runs out: the lifecycle takes it
-            down = killed if home_down is None or not home_down.is_set() else home_down
+            # Looked at when a call fails, not before it is sent: a node killed while a
+            # forwarded Complete or Retry is on its way fails that call too.
+            down = killed if home_down is None else home_down
             if complete and not _settle(stubs, ledger, lease.partition, complete, by_payload, "Complete", down):
                 return
             if retry and not _settle(stubs, ledger, lease.partition, retry, by_payload, "Retry", down):
