@@ -199,7 +199,7 @@ class QueratorServer:
 
     async def _join_cluster(self) -> None:
         from .cluster import ClusterSettings, Coordinator
-        from .cluster.router import PeerTls
+        from .cluster.forwarding import PeerTls
 
         config = self.config
         advertise = config.advertise or config.address

@@ -26,9 +26,10 @@ from ..manager import QueuesManager
 from ..model import QueueConfig
 from .catalog import CatalogCache, Keys
 from .etcd import Endpoint, Etcd, EtcdError, Txn
+from .forwarding import PeerTls
 from .membership import Membership
 from .placement import GENERATION_MARK, SHARED_FIELDS, Home, QueueEntry, place
-from .router import PeerTls, Router
+from .router import Router
 
 log = get_logger("cluster")
 

@@ -1,12 +1,9 @@
 """Data calls in a cluster: served here when this node homes the partition, else
-forwarded one hop to the node that does.
+forwarded one hop (forwarding.py) to the node that does.
 
 Partition numbers on the wire are the queue's cluster-wide numbers; each node keeps
 its partitions of a queue as a local queue with its own indexes (placement.py), so a
-call served here is translated on the way in and out. A forwarded call carries the
-``x-querator-forwarded`` header, and a node never forwards a call that has it: at most
-one hop, loops impossible by construction. It keeps the caller's deadline and
-metadata (API key, trace context).
+call served here is translated on the way in and out.
 """
 
 from __future__ import annotations
@@ -14,53 +11,32 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from querator.v1 import queue_pb2 as pb
 from querator.v1 import queues_pb2 as qpb
 from querator.v1 import storage_pb2 as spb
 
-from ..errors import FailedPrecondition, InvalidArgument, NoHealthyPartition, Relayed, Unavailable
+from ..errors import FailedPrecondition, InvalidArgument, NoHealthyPartition, Unavailable
 from ..model import DEFAULT_WAIT_US, MAX_WAIT_US
 from .catalog import CatalogCache
+from .forwarding import Peers, PeerTls, Unreachable, is_forwarded
 from .placement import QueueEntry, key_partition
 from .redrive import RedriveWalk, check_target, walk
 
-FORWARDED = "x-querator-forwarded"
-# Headers gRPC itself sets; everything else the caller sent travels with a forwarded call.
-_TRANSPORT_HEADERS = frozenset({"user-agent", "grpc-accept-encoding", "grpc-timeout", "te", "content-type"})
 # A Lease that finds nothing anywhere waits on one node for at most this long before it
 # looks at the others again, so items produced elsewhere reach a waiting consumer.
 _LEASE_SLICE_S = 1.0
-# The longest a forwarded call waits when its caller set no deadline: the longest Lease
-# wait (15 min) and then some.
-_NO_DEADLINE_CAP_S = MAX_WAIT_US / 1e6 + 60
 # As queue_service's answer margin: a waiting Lease answers this long before the deadline.
 _ANSWER_MARGIN_S = 0.5
 
 M = TypeVar("M", bound=Message)
 
 
-class Unreachable(Unavailable):
-    """A forwarded call that never reached its node (no connection): safe to send elsewhere."""
-
 Local = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
-
-
-@dataclass(frozen=True, slots=True)
-class PeerTls:
-    """How a node reaches the others over TLS: the roots it trusts (None: the system's)
-    and its own certificate chain and key, which mutual-TLS nodes ask for."""
-
-    roots: bytes | None
-    chain: bytes
-    key: bytes
 
 
 class Router:
@@ -72,20 +48,18 @@ class Router:
         tls: PeerTls | None = None,
     ) -> None:
         self.node = node
-        self._credentials = (
-            None
-            if tls is None
-            else grpc.ssl_channel_credentials(root_certificates=tls.roots, private_key=tls.key, certificate_chain=tls.chain)
-        )
         self._catalog = catalog
         self._lookup = lookup
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.peers = Peers(node, lambda: catalog.members, tls)
+        self._forward = self.peers.forward
         self._turn = itertools.count()
-        self.forwarded = 0
+
+    @property
+    def forwarded(self) -> int:
+        return self.peers.forwarded
 
     async def close(self) -> None:
-        channels, self._channels = self._channels, {}
-        await asyncio.gather(*(c.close(None) for c in channels.values()), return_exceptions=True)
+        await self.peers.close()
 
     # -- where things are ----------------------------------------------------------
 
@@ -115,66 +89,13 @@ class Router:
             nodes = nodes[turn:] + nodes[:turn]
         return nodes
 
-    # -- forwarding ----------------------------------------------------------------
-
-    def _channel(self, node: str) -> grpc.aio.Channel:
-        member = self._catalog.members.get(node)
-        if member is None:
-            raise Unavailable(f"node {node!r} is not live; its partitions are unavailable until it returns")
-        channel = self._channels.get(member.address)
-        if channel is None:
-            channel = self._channels[member.address] = (
-                grpc.aio.insecure_channel(member.address)
-                if self._credentials is None
-                else grpc.aio.secure_channel(member.address, self._credentials)
-            )
-        return channel
-
-    async def _forward(
-        self,
-        node: str,
-        method: str,
-        request: Message,
-        response_type: type[M],
-        context: grpc.aio.ServicerContext[Any, Any],
-        timeout: float | None = None,
-    ) -> M:
-        metadata = [
-            (k, v)
-            for k, v in (context.invocation_metadata() or ())
-            if k not in _TRANSPORT_HEADERS and k != FORWARDED and not k.startswith("grpc-")
-        ]
-        metadata.append((FORWARDED, self.node))
-        remaining = context.time_remaining()
-        if timeout is None or (remaining is not None and remaining < timeout):
-            timeout = remaining
-        if timeout is None:  # a caller without a deadline: still never wait forever on a paused node
-            timeout = _NO_DEADLINE_CAP_S
-        call = self._channel(node).unary_unary(
-            method, request_serializer=type(request).SerializeToString, response_deserializer=response_type.FromString
-        )
-        self.forwarded += 1
-        try:
-            return await call(request, timeout=timeout, metadata=metadata)  # type: ignore[no-any-return]
-        except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            if code == grpc.StatusCode.UNAVAILABLE:
-                if "failed to connect" in (exc.details() or ""):
-                    raise Unreachable(f"node {node!r} (forwarded to) is unreachable: {exc.details()}") from None
-                raise Unavailable(f"node {node!r} (forwarded to) is unavailable: {exc.details()}") from None
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                violations = _violations(exc)
-                if violations:  # the same error, fields and all, as if raised here
-                    raise InvalidArgument(violations) from None
-            raise Relayed(code.value[0], exc.details() or code.name) from None
-
-    @staticmethod
-    def is_forwarded(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
-        return any(k == FORWARDED for k, _ in (context.invocation_metadata() or ()))
+    is_forwarded = staticmethod(is_forwarded)
 
     # -- Produce ---------------------------------------------------------------------
 
-    async def produce(self, request: pb.ProduceRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local) -> pb.ProduceResponse:
+    async def produce(
+        self, request: pb.ProduceRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local
+    ) -> pb.ProduceResponse:
         entry = await self._lookup(request.queue_name)
         forwarded = self.is_forwarded(context)
         key = next((item.idempotency_key for item in request.items if item.idempotency_key), "")
@@ -207,7 +128,9 @@ class Router:
 
     # -- Lease -----------------------------------------------------------------------
 
-    async def lease(self, request: pb.LeaseRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local) -> pb.LeaseResponse:
+    async def lease(
+        self, request: pb.LeaseRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local
+    ) -> pb.LeaseResponse:
         entry = await self._lookup(request.queue_name)
         forwarded = self.is_forwarded(context)
         if request.complete_ids:
@@ -394,9 +317,7 @@ class Router:
                 node, "/querator.v1.StorageService/RedriveItems", part, spb.RedriveItemsResponse, context, timeout
             )
 
-        response, rest = await walk(
-            entry, request, limit, start, lambda n: n == self.node or self.live(n), step, Unreachable
-        )
+        response, rest = await walk(entry, request, limit, start, lambda n: n == self.node or self.live(n), step, Unreachable)
         return response, None if rest is None else rest.encode()
 
     def route(self, service: str, methods: dict[str, Any]) -> dict[str, Any]:
@@ -492,20 +413,5 @@ class Router:
         return response
 
 
-def _violations(exc: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
-    """The (field, description) pairs of an INVALID_ARGUMENT's google.rpc.BadRequest."""
-    status = rpc_status.from_call(exc)  # type: ignore[arg-type]
-    out: list[tuple[str, str]] = []
-    for detail in status.details if status is not None else ():
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            out.extend((v.field, v.description) for v in bad.field_violations)
-    return out
-
-
 def _has_items(response: pb.LeaseResponse) -> bool:
     return bool(response.items) or (response.HasField("columns") and bool(response.columns.ids))
-
-
-

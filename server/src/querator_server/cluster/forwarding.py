@@ -1,0 +1,143 @@
+"""Forwarding: the channels to the other nodes and the one-hop call over them.
+
+Where a call should go is router.py's business; this module only carries a
+call to a named node and brings its answer (or its error, as if raised here) back. A
+forwarded call carries the ``x-querator-forwarded`` header, and a node never forwards
+a call that has it: at most one hop, loops impossible by construction. It keeps the
+caller's deadline and metadata (API key, trace context).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from ..errors import InvalidArgument, Relayed, Unavailable
+from ..model import MAX_WAIT_US
+
+FORWARDED = "x-querator-forwarded"
+# Headers gRPC itself sets; everything else the caller sent travels with a forwarded call.
+_TRANSPORT_HEADERS = frozenset({"user-agent", "grpc-accept-encoding", "grpc-timeout", "te", "content-type"})
+# The longest a forwarded call waits when its caller set no deadline: the longest Lease
+# wait (15 min) and then some.
+_NO_DEADLINE_CAP_S = MAX_WAIT_US / 1e6 + 60
+
+M = TypeVar("M", bound=Message)
+
+
+class Unreachable(Unavailable):
+    """A forwarded call that never reached its node (no connection): safe to send elsewhere."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerTls:
+    """How a node reaches the others over TLS: the roots it trusts (None: the system's)
+    and its own certificate chain and key, which mutual-TLS nodes ask for."""
+
+    roots: bytes | None
+    chain: bytes
+    key: bytes
+
+
+class _Member(Protocol):
+    @property
+    def address(self) -> str: ...
+
+
+def is_forwarded(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
+    """Whether the call came from another node (then it is served here, never sent on)."""
+    return any(k == FORWARDED for k, _ in (context.invocation_metadata() or ()))
+
+
+class Peers:
+    """One channel per other node's address, and the forwarded call over it.
+
+    ``members`` gives the live membership (node id -> its record with ``address``), read
+    at each call, so a node that left is refused before anything is sent."""
+
+    def __init__(self, node: str, members: Callable[[], Mapping[str, _Member]], tls: PeerTls | None = None) -> None:
+        self.node = node
+        self._members = members
+        self._credentials = (
+            None
+            if tls is None
+            else grpc.ssl_channel_credentials(root_certificates=tls.roots, private_key=tls.key, certificate_chain=tls.chain)
+        )
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.forwarded = 0  # calls sent to another node, for the metrics
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        await asyncio.gather(*(c.close(None) for c in channels.values()), return_exceptions=True)
+
+    def channel(self, node: str) -> grpc.aio.Channel:
+        member = self._members().get(node)
+        if member is None:
+            raise Unavailable(f"node {node!r} is not live; its partitions are unavailable until it returns")
+        channel = self._channels.get(member.address)
+        if channel is None:
+            channel = self._channels[member.address] = (
+                grpc.aio.insecure_channel(member.address)
+                if self._credentials is None
+                else grpc.aio.secure_channel(member.address, self._credentials)
+            )
+        return channel
+
+    async def forward(
+        self,
+        node: str,
+        method: str,
+        request: Message,
+        response_type: type[M],
+        context: grpc.aio.ServicerContext[Any, Any],
+        timeout: float | None = None,
+    ) -> M:
+        """``request`` sent to ``node`` as the caller's own call; its answer, or its error
+        raised here (Unreachable when it never left, so another node may be tried)."""
+        metadata = [
+            (k, v)
+            for k, v in (context.invocation_metadata() or ())
+            if k not in _TRANSPORT_HEADERS and k != FORWARDED and not k.startswith("grpc-")
+        ]
+        metadata.append((FORWARDED, self.node))
+        remaining = context.time_remaining()
+        if timeout is None or (remaining is not None and remaining < timeout):
+            timeout = remaining
+        if timeout is None:  # a caller without a deadline: still never wait forever on a paused node
+            timeout = _NO_DEADLINE_CAP_S
+        call = self.channel(node).unary_unary(
+            method, request_serializer=type(request).SerializeToString, response_deserializer=response_type.FromString
+        )
+        self.forwarded += 1
+        try:
+            return await call(request, timeout=timeout, metadata=metadata)  # type: ignore[no-any-return]
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.UNAVAILABLE:
+                if "failed to connect" in (exc.details() or ""):
+                    raise Unreachable(f"node {node!r} (forwarded to) is unreachable: {exc.details()}") from None
+                raise Unavailable(f"node {node!r} (forwarded to) is unavailable: {exc.details()}") from None
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                violations = _violations(exc)
+                if violations:  # the same error, fields and all, as if raised here
+                    raise InvalidArgument(violations) from None
+            raise Relayed(code.value[0], exc.details() or code.name) from None
+
+
+def _violations(exc: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
+    """The (field, description) pairs of an INVALID_ARGUMENT's google.rpc.BadRequest."""
+    status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    out: list[tuple[str, str]] = []
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            out.extend((v.field, v.description) for v in bad.field_violations)
+    return out
