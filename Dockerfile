@@ -15,7 +15,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 COPY clients/proto /tmp/src/clients/proto
 COPY clients/python /tmp/src/clients/python
 COPY server /tmp/src/server
-RUN pip install /tmp/src/clients/proto /tmp/src/clients/python /tmp/src/server && rm -rf /tmp/src
+RUN pip install /tmp/src/clients/proto /tmp/src/clients/python '/tmp/src/server[cluster]' && rm -rf /tmp/src
 
 RUN useradd --system --uid 10001 --user-group --home-dir /data --no-create-home querator \
     && mkdir -p /data \

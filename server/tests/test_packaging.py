@@ -70,3 +70,51 @@ def test_the_server_runs_without_the_sdk(tmp_path: Path) -> None:
             proc.send_signal(signal.SIGTERM)
             code = proc.wait(60)
         assert code == 0, text()
+
+
+# A Python in which the etcd client is not installed (the ``cluster`` extra left out).
+_WITHOUT_ETCD_CLIENT = """
+import sys
+sys.modules["aetcd"] = None  # find_spec answers None, import raises: as if never installed
+from querator_server.cli import main
+import querator_server.server
+assert "querator_server.cluster" not in sys.modules
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_single_server_runs_without_the_cluster_extra(tmp_path: Path) -> None:
+    """aetcd is the ``cluster`` extra: a single server never imports the cluster package."""
+    address = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUERATOR_")}
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WITHOUT_ETCD_CLIENT, "--address", address, "--data-dir", str(tmp_path / "d"),
+             "--log-level", "warning"],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
+
+        def text() -> str:
+            log.seek(0)
+            return log.read().decode(errors="replace")
+
+        try:
+            wait_for_server(address, proc, 60, text)
+            with grpc.insecure_channel(address) as channel:
+                Stubs(channel).create("q")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(60)
+        assert code == 0, text()
+
+
+def test_serve_cluster_without_the_cluster_extra_says_how_to_install_it(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUERATOR_")}
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_ETCD_CLIENT, "--address", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"),
+         "--cluster", "etcd://127.0.0.1:1/querator", "--node-id", "n1", "--advertise", "127.0.0.1:1"],
+        env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "pip install 'querator-server[cluster]'" in done.stderr.decode(), done.stderr
+    assert not (tmp_path / "d").exists()  # refused before anything was opened

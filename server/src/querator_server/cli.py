@@ -18,7 +18,7 @@ qlogging.quiet_grpc_core()
 
 from .auth import check_bootstrap_token  # noqa: E402
 from .config import DEFAULT_ADDRESS, DEFAULT_DATA_DIR, ServerConfig  # noqa: E402
-from .server import serve  # noqa: E402
+from .server import cluster_support_missing, serve  # noqa: E402
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -131,6 +131,9 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
         return 2
     if config.cluster and not config.node_id:
         print("querator: --cluster needs --node-id (env QUERATOR_NODE_ID)", file=sys.stderr)
+        return 2
+    if config.cluster and (missing := cluster_support_missing()):
+        print(f"querator: {missing}", file=sys.stderr)
         return 2
     if config.cluster and config.cluster_lease_ttl_s < 2:
         print("querator: --cluster-lease-ttl (QUERATOR_CLUSTER_LEASE_TTL) must be a whole number of seconds, at least 2", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import os
 import resource
 import signal
@@ -198,6 +199,9 @@ class QueratorServer:
             raise OSError(f"cannot read the metrics token file {config.metrics_token_file!r}: {reason}") from exc
 
     async def _join_cluster(self) -> None:
+        if missing := cluster_support_missing():
+            await self.manager.stop()
+            raise OSError(missing)
         from .cluster import ClusterSettings, Coordinator
         from .cluster.forwarding import PeerTls
 
@@ -314,6 +318,17 @@ class QueratorServer:
 
     async def wait(self) -> None:
         await self._stopped.wait()
+
+
+def cluster_support_missing() -> str:
+    """Why cluster mode cannot run here ("" when it can): its etcd client is the
+    ``cluster`` extra, which a single server does not need."""
+    if importlib.util.find_spec("aetcd") is not None:
+        return ""
+    return (
+        "--cluster needs the etcd client, which is not installed: "
+        "pip install 'querator-server[cluster]' (or install the aetcd package)"
+    )
 
 
 def _read(path: str, what: str) -> bytes:
