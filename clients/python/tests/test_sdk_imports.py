@@ -23,10 +23,12 @@ def _imports() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level:
                 base = package[: len(package) - (node.level - 1)]
-                if node.module:
-                    deps.add(".".join([*base, node.module]))
-                else:
-                    deps.update(".".join([*base, alias.name]) for alias in node.names)
+                target = ".".join([*base, node.module]) if node.module else ".".join(base)
+                if node.module:  # ``from . import x``: the package is this module's parent, loaded first
+                    deps.add(target)
+                # ``from .pkg import module`` imports the module itself, not only the package
+                # (names that are not modules are dropped: they are not in the graph).
+                deps.update(f"{target}.{alias.name}" for alias in node.names)
         graph[module] = {d for d in deps if not d.startswith("querator.v1")}
     return graph
 
@@ -59,6 +61,12 @@ def test_the_sdk_has_no_import_cycle() -> None:
     graph = _imports()
     assert "querator._items" in graph and "querator.cli._app" in graph  # the walk saw the modules
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_a_module_imported_from_its_package_is_an_edge() -> None:
+    """``from .._worker import runner`` hid a circle (runner -> cli -> cli.worker -> runner)
+    while only the package was counted as the import."""
+    assert "querator.cli.worker" in _imports()["querator.cli._app"]  # from . import ..., worker
 
 
 def test_a_cycle_would_be_found() -> None:

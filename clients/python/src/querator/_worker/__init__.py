@@ -4,8 +4,8 @@ Split by concern: ``options`` (what a user sets and reads: options, hooks, stats
 ``failures`` (retry rules, rate-limited failure logs), ``dispatch`` (handlers by kind),
 ``engine`` (leasing, handling, shutdown), ``keepalive`` (Extend), ``threads`` (sync handlers'
 threads), ``settler`` (batched Complete and Retry), ``calls`` (the client calls the
-worker makes), ``metrics`` (Prometheus, optional), ``workers`` (Worker, AsyncWorker)
-and ``runner`` (``querator worker``).
+worker makes), ``metrics`` (Prometheus, optional) and ``workers`` (Worker, AsyncWorker). The
+``querator worker`` command is the CLI's (``querator.cli.worker``).
 """
 
 from .dispatch import Handler

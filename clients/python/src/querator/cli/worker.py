@@ -1,14 +1,136 @@
-"""``querator worker MODULE:FUNCTION --queue Q``: run a handler as a worker process.
+"""``querator worker MODULE:FUNCTION --queue NAME``: run a handler of your code as a worker.
 
-The runner itself (options, import by path, burst mode, signals) lives with the
-Worker, in ``querator._worker.runner``; this module only registers the command.
+The handler is imported by path (the current directory first on ``sys.path``, as
+``python -m`` does), then a :class:`~querator.Worker` runs it until SIGTERM or SIGINT
+(graceful: running handlers finish within ``--shutdown-timeout``, the rest is given
+back), or with ``--burst`` until the queue is empty. Logs go to standard error.
+The runner lives with the other commands: the Worker knows nothing of the CLI.
 """
 
 from __future__ import annotations
 
-from .._worker import runner
-from ._common import Commands
+import argparse
+import importlib
+import json
+import logging
+import sys
+from dataclasses import asdict
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from .._worker.dispatch import Handler
+from .._worker.workers import Worker
+from ._common import Commands, parse_duration
+
+if TYPE_CHECKING:
+    from .._client import Client
+
+HELP = "run a handler (MODULE:FUNCTION) on a queue's items until SIGTERM/SIGINT, or until empty with --burst"
+
+log = logging.getLogger("querator.worker")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``querator worker`` options, added to ``parser``."""
+    parser.add_argument(
+        "handler", nargs="?", metavar="MODULE:FUNCTION", help="the handler of every item (of kinds without --kind)"
+    )
+    parser.add_argument("-Q", "--queue", required=True, help="the queue to work on")
+    parser.add_argument(
+        "--kind",
+        action="append",
+        default=[],
+        metavar="KIND=MODULE:FUNCTION",
+        help="the handler of items of KIND (repeatable); items of other kinds go to HANDLER, "
+        "or to the dead-letter queue without one",
+    )
+    parser.add_argument("-c", "--concurrency", type=int, default=10, help="handlers at once (default 10)")
+    parser.add_argument("--batch-size", type=int, help="items per Lease call (default: --concurrency, at most 1000)")
+    parser.add_argument("--burst", action="store_true", help="exit 0 once the queue has nothing ready, leased or scheduled")
+    parser.add_argument("--handler-timeout", type=parse_duration, help="give up a handler after this long; its item is retried")
+    parser.add_argument("--max-lease-duration", type=parse_duration, help="stop extending a lease this long after leasing")
+    parser.add_argument(
+        "--shutdown-timeout", type=parse_duration, default=timedelta(seconds=30),
+        help="at SIGTERM/SIGINT, how long running handlers may finish (default 30s)",
+    )  # fmt: skip
+    parser.add_argument("--lease-wait", type=parse_duration, default=timedelta(seconds=30), help="long-poll time (default 30s)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (the metrics extra)")
+    parser.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default info"
+    )
+
+
+def load(path: str) -> Handler:
+    """The object named by ``module:attribute`` (the attribute may be dotted)."""
+    module_name, sep, attribute = path.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"not MODULE:FUNCTION: {path!r} (e.g. myapp.tasks:handle)")
+    if "" not in sys.path:
+        sys.path.insert(0, "")  # the current directory, as `python -m` has it
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise ValueError(f"cannot import {module_name!r}: no module named {exc.name!r}") from None
+        raise  # the module itself failed to import something: show its traceback
+    for name in attribute.split("."):
+        try:
+            obj = getattr(obj, name)
+        except AttributeError:
+            raise ValueError(f"{module_name!r} has no attribute {attribute!r}") from None
+    if not callable(obj):
+        raise ValueError(f"{path} is not callable")
+    return obj  # type: ignore[no-any-return]
+
+
+def run(args: argparse.Namespace, client: Client) -> int:
+    """Run the worker the parsed ``args`` describe; 0 once it stopped gracefully."""
+    if args.handler is None and not args.kind:
+        raise ValueError("give a handler (MODULE:FUNCTION), --kind KIND=MODULE:FUNCTION, or both")
+    default = load(args.handler) if args.handler else None
+    kinds: dict[str, Handler] = {}
+    for spec in args.kind:
+        kind, sep, path = spec.partition("=")
+        if not sep:
+            raise ValueError(f"--kind takes KIND=MODULE:FUNCTION, not {spec!r}")
+        kinds[kind] = load(path)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    worker = Worker(
+        client,
+        args.queue,
+        default,
+        concurrency=args.concurrency,
+        batch_size=args.batch_size,
+        lease_wait=args.lease_wait,
+        handler_timeout=args.handler_timeout,
+        max_lease_duration=args.max_lease_duration,
+        shutdown_timeout=args.shutdown_timeout,
+        metrics_port=args.metrics_port,
+    )
+    for kind, handler in kinds.items():
+        worker.handler(kind)(handler)
+    handlers = [*args.kind, *([args.handler] if args.handler else [])]
+    until = ", until empty" if args.burst else ""
+    log.info("worker on queue %s: %s, concurrency %d%s", args.queue, " ".join(handlers), args.concurrency, until)
+    worker.run(until_empty=args.burst)
+    stats = worker.stats
+    if args.json:
+        print(json.dumps(asdict(stats)), flush=True)
+    log.info(
+        "worker stopped: %d completed, %d retried, %d dead, %d given back, %d failed",
+        stats.completed, stats.retried, stats.dead, stats.released, stats.failed,
+    )  # fmt: skip
+    engine = worker._engine
+    stuck = engine.threads.running if engine is not None and engine.threads is not None else 0
+    if stuck:
+        # Given up (handler_timeout, shutdown_timeout) but still running: Python waits
+        # for them before the process ends, and nothing can stop them but a kill.
+        log.warning("%d sync handler(s) still running; the process ends when they return", stuck)
+    return 0
 
 
 def register(commands: Commands) -> None:
-    runner.add_arguments(commands.leaf("worker", runner.run, runner.HELP))
+    add_arguments(commands.leaf("worker", run, HELP))
