@@ -33,8 +33,9 @@ from ..model import (
 from ..storage import StorageError
 from . import convert as c
 from .authz import Guard
-from .handlers import Sending, generic_handler
+from .handlers import generic_handler
 from .send_room import LeaseRoom, SendRoom, StreamRoom, current_stream
+from .stream_call import Sending
 
 log = get_logger("rpc")
 
