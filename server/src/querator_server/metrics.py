@@ -50,7 +50,6 @@ from prometheus_client.registry import Collector
 
 from .errors import NotFound
 from .logging import get_logger
-from .storage.record import TAG_ITEM, item_key, read_state
 
 if TYPE_CHECKING:
     from .actor import LogicalQueue
@@ -71,9 +70,6 @@ STORAGE_BUCKETS = (
     0.5, 1.0, 2.5,
 )  # fmt: skip
 BATCH_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
-# How far the head-of-partition lookup walks past leased items before giving up
-# (the value then stays as it was; the lease scan moves the hint on soon after).
-_HEAD_SCAN_LIMIT = 1000
 
 
 # Scrapes served at once (one renders, the others wait for its answer); past it, 503.
@@ -159,44 +155,17 @@ class QueueProbe:
         """Re-read the head item of changed (or never read) partitions, and map usage.
 
         Runs on the event loop while the actor is between transactions, so the
-        environment is neither being resized nor closed.
+        environment is neither being resized nor closed. Faulty partitions are not
+        read: their heads stay as last known.
         """
-        store = actor.store
-        views = actor._views
-        faulty = actor.faulty_partitions  # not read: their heads stay as last known
-        todo = [
-            p for p in range(len(views)) if (p in changed or p not in self.heads) and p not in faulty  # type: ignore[operator]
-        ]
+        todo = [p for p in range(actor.partition_count) if p in changed or p not in self.heads]  # type: ignore[operator]
         try:
             if todo:
-                with store.env.begin() as txn:
-                    for p in todo:
-                        view = views[p]
-                        if not view.ready:
-                            self.heads[p] = 0
-                            continue
-                        head = _head_created_at(txn, store, p, view.ready_hint)
-                        if head is not None:
-                            self.heads[p] = head
-            self.map_used, self.map_size = store.map_usage()
+                # None: the head is past a long run of leased items; keep what was known.
+                self.heads.update((p, head) for p, head in actor.ready_heads(todo).items() if head is not None)
+            self.map_used, self.map_size = actor.map_usage()
         except Exception as exc:  # noqa: BLE001 -- metrics never break the actor
             log.debug("metrics_refresh_failed", queue=self._queue, error=repr(exc))
-
-
-def _head_created_at(txn: Any, store: Any, p: int, from_seq: int) -> int | None:
-    """created_at of the first ready item at or after ``from_seq`` (0: none), or None
-    when more than _HEAD_SCAN_LIMIT leased items come first."""
-    cursor = txn.cursor(db=store.db(p))
-    if not cursor.set_range(item_key(from_seq)):
-        return 0
-    for n, (key, raw) in enumerate(cursor):
-        if key[:1] != TAG_ITEM:
-            return 0
-        if not raw[0] & 1:  # not leased
-            return int(read_state(raw).created_at)
-        if n >= _HEAD_SCAN_LIMIT:
-            return None
-    return 0
 
 
 class QueueCollector(Collector):

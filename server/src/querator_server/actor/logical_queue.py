@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -198,6 +198,10 @@ class LogicalQueue:
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def partition_count(self) -> int:
+        return len(self._views)
 
     @property
     def faulty_partitions(self) -> dict[int, str]:
@@ -392,6 +396,22 @@ class LogicalQueue:
             created += v.created_sum
         waiting, producing = self._waiting_calls()
         return QueueTotals(len(views), ready, leased, scheduled, created, waiting, producing, faulty=len(self._faulty))
+
+    def ready_heads(self, partitions: Iterable[int]) -> dict[int, int | None]:
+        """created_at (us) of the first ready item of each of ``partitions`` (0: none
+        ready; None: not found within a bounded look past leased items). Reads storage:
+        call it on the loop, between cycles, as the metrics hook is called."""
+        views = self._views
+        asked = [p for p in partitions if p not in self._faulty]
+        out: dict[int, int | None] = {p: 0 for p in asked if not views[p].ready}
+        starts = [(p, views[p].ready_hint) for p in asked if views[p].ready]
+        if starts:
+            out.update(self.store.ready_heads(starts))
+        return out
+
+    def map_usage(self) -> tuple[int, int]:
+        """Bytes of the LMDB map in use, and its size (a commit group's, for a queue in one)."""
+        return self.store.map_usage()
 
     def _waiting_calls(self) -> tuple[int, int]:
         """Lease calls waiting for items, Produce calls waiting for a cycle."""

@@ -410,6 +410,16 @@ class QueueStore:
         except lmdb.Error as exc:
             raise StorageFull(f"storage is full and cannot grow past {size} bytes: {exc}") from exc
 
+    def ready_heads(self, starts: Iterable[tuple[int, int]]) -> dict[int, int | None]:
+        """For each (partition, seq): created_at (us) of its first ready item at or after
+        that seq (0: none), or None when more than ``HEAD_SCAN_LIMIT`` leased items come
+        first. One read transaction; for the metrics' oldest-ready age."""
+        out: dict[int, int | None] = {}
+        with self.env.begin() as txn:
+            for p, from_seq in starts:
+                out[p] = _ready_head(txn.cursor(db=self.db(p)), from_seq)
+        return out
+
     def map_usage(self) -> tuple[int, int]:
         info = self.env.info()
         used = (info["last_pgno"] + 1) * self.env.stat()["psize"]
@@ -947,3 +957,21 @@ class QueueStore:
         result.first_due = self.first_due(txn, p)
         result.first_expiry = self.first_expiry(txn, p)
         return result
+
+
+# How far the head-of-partition lookup walks past leased items before giving up (the
+# caller keeps what it knew; the lease scan moves the ready hint on soon after).
+HEAD_SCAN_LIMIT = 1000
+
+
+def _ready_head(cursor: Any, from_seq: int) -> int | None:
+    if not cursor.set_range(item_key(from_seq)):
+        return 0
+    for n, (key, raw) in enumerate(cursor):
+        if key[:1] != TAG_ITEM:
+            return 0
+        if not raw[0] & _FLAG_LEASED:
+            return int(read_state(raw).created_at)
+        if n >= HEAD_SCAN_LIMIT:
+            return None
+    return 0
