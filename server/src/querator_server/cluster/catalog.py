@@ -25,6 +25,9 @@ log = get_logger("cluster")
 # back; capped, so a long outage costs a call a second at most.
 _RETRY_FIRST_S = 0.1
 _RETRY_MAX_S = 1.0
+# How long an admin call, or a data call that found a queue not applied here yet, waits
+# for this node's local storage to catch up with the catalog.
+APPLY_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)

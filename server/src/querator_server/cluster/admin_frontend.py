@@ -1,0 +1,280 @@
+"""Admin writes to the catalog (the admin frontend of the coordinator).
+
+Every admin change is one etcd transaction that compares revisions: the queue key's
+(no lost update between two admins on two nodes) and this node's member key's (no
+write from a node whose membership lapsed: fenced). An admin call returns once this
+node has applied its own change (reconcile_backend.py).
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from ..auth import ApiKey, Role, new_key
+from ..clock import now_us
+from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, QueratorError, Unavailable
+from ..logging import get_logger
+from ..model import QueueConfig
+from .catalog import APPLY_TIMEOUT_S as _APPLY_TIMEOUT_S
+from .catalog import CatalogCache, Keys
+from .etcd import Etcd, EtcdError, Txn
+from .membership import Membership
+from .placement import Home, QueueEntry, place
+
+log = get_logger("cluster")
+
+# etcd 3.4 refuses a transaction of more than 128 operations (--max-txn-ops).
+_TXN_OPS = 100
+
+
+class AdminFrontend:
+    """Part of Coordinator (coordinator.py holds the state and the wiring)."""
+
+    node: str
+    etcd: Etcd
+    keys: Keys
+    catalog: CatalogCache
+    membership: Membership
+
+    def _live(self) -> builtins.list[str]:
+        return sorted(self.catalog.members)
+
+    def _load(self) -> Counter[str]:
+        """Partitions homed per node, over every queue: placement's tie-breaker."""
+        return Counter(h.node for e in self.catalog.queues.values() for h in e.homes)
+
+    def _fenced_txn(self) -> Txn:
+        self.membership.check()
+        return Txn().created_at(self.keys.member(self.node), self.membership.create_revision)
+
+    async def _commit(self, txn: Txn, conflict: Callable[[], QueratorError]) -> int:
+        try:
+            ok, revision = await self.etcd.txn(txn)
+        except EtcdError as exc:
+            raise Unavailable(f"the cluster catalog (etcd) did not answer; nothing was changed: {exc}") from None
+        if not ok:
+            try:
+                _, member = await self.etcd.get(self.keys.member(self.node))
+            except EtcdError as exc:
+                raise Unavailable(f"the cluster catalog (etcd) did not answer: {exc}") from None
+            if member is None or member.create_revision != self.membership.create_revision:
+                self.membership.lost()
+                raise Unavailable(f"node {self.node!r} lost its cluster membership; nothing was changed, retry")
+            raise conflict()
+        await self.catalog.wait_applied(revision, _APPLY_TIMEOUT_S)
+        return revision
+
+    def _users_text(self, name: str, visible: Callable[[str], bool] | None) -> str:
+        """The queues using ``name`` as their dead_queue, as an error text names them to a
+        caller who may see only ``visible`` ones (as manager._users_text)."""
+        users = sorted(e.config.name for e in self.catalog.queues.values() if e.config.dead_queue == name)
+        users = [u for u in users if u != name]
+        shown = users if visible is None else [u for u in users if visible(u)]
+        hidden = len(users) - len(shown)
+        named = ", ".join(map(repr, shown[:5])) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
+        if not hidden:
+            return named
+        others = f"{hidden} queue{'s' if hidden > 1 else ''} your key may not see"
+        return f"{named} and {others}" if named else others
+
+    def _check_dead_queue(self, config: QueueConfig, visible: Callable[[str], bool] | None = None) -> None:
+        """The single server's rules (manager._check_dead_queue), against the catalog."""
+        queues = self.catalog.queues
+        users = self._users_text(config.name, visible)
+        dead = config.dead_queue
+        if not dead:
+            return
+        if dead == config.name:
+            raise InvalidArgument("queue.dead_queue", "a queue cannot be its own dead_queue")
+        target = queues.get(dead)
+        if target is None:
+            raise InvalidArgument("queue.dead_queue", f"queue {dead!r} does not exist; create it first")
+        if target.config.dead_queue:
+            raise InvalidArgument(
+                "queue.dead_queue", f"queue {dead!r} has a dead_queue of its own; a dead-letter queue may not"
+            )
+        if users:
+            raise FailedPrecondition(
+                f"queue {config.name!r} is the dead_queue of {users} and so cannot have a dead_queue of its own"
+            )
+
+    def _with_dead_queue(self, txn: Txn, config: QueueConfig, homes: Iterable[Home]) -> None:
+        """Give the dead-letter queue a partition on every node that homes one of the
+        queue's: dead letters go from a partition to the dead-letter queue's part on the
+        same node. Added to ``txn``, which also compares the dead-letter queue's revision."""
+        if not config.dead_queue:
+            return
+        target = self.catalog.queues[config.dead_queue]
+        have = {h.node for h in target.homes}
+        added = list(target.homes)
+        for node in sorted({h.node for h in homes} - have):
+            added += place(1, [node], added)
+        key = self.keys.queue(config.dead_queue)
+        txn.modified_at(key, target.mod_revision)
+        if len(added) > len(target.homes):
+            grown = target.config.replace(partitions=len(added), updated_at_us=now_us())
+            txn.put(key, QueueEntry(grown, tuple(added)).encode())
+
+    async def create(self, config: QueueConfig, visible: Callable[[str], bool] | None = None) -> QueueConfig:
+        """As QueuesManager.create, in the catalog; ``visible``: what error texts may name."""
+        self._check_dead_queue(config, visible)
+        txn = self._fenced_txn()
+        live = self._live()
+        if not live:
+            raise Unavailable("no live node to place the queue's partitions on")
+        now = now_us()
+        entry = QueueEntry(
+            config.replace(created_at_us=now, updated_at_us=now, uid=0, group=-1),
+            tuple(place(config.partitions, live, load=self._load())),
+        )
+        key = self.keys.queue(config.name)
+        txn.created_at(key, 0).put(key, entry.encode()).delete(self.keys.deleted(config.name))
+        self._with_dead_queue(txn, entry.config, entry.homes)
+        await self._commit(
+            txn,
+            lambda: AlreadyExists(f"queue {config.name!r} already exists")
+            if config.name in self.catalog.queues or not config.dead_queue
+            else FailedPrecondition(f"queue {config.dead_queue!r} was changed meanwhile; retry"),
+        )
+        log.info("cluster_queue_created", queue=config.name, homes=[h.node for h in entry.homes])
+        return self.get(config.name)
+
+    def get(self, name: str) -> QueueConfig:
+        entry = self.catalog.queues.get(name)
+        if entry is None:
+            raise NotFound(f"queue {name!r} does not exist")
+        return entry.config
+
+    def list(
+        self, after: str, limit: int, visible: Callable[[str], bool] | None = None
+    ) -> tuple[builtins.list[QueueConfig], bool]:
+        names = sorted(n for n in self.catalog.queues if n > after and (visible is None or visible(n)))
+        return [self.catalog.queues[n].config for n in names[:limit]], len(names) > limit
+
+    async def update(
+        self, name: str, changes: dict[str, object], visible: Callable[[str], bool] | None = None
+    ) -> QueueConfig:
+        txn = self._fenced_txn()
+        entry = self.catalog.queues.get(name)
+        if entry is None:
+            raise NotFound(f"queue {name!r} does not exist")
+        current = entry.config
+        updated = current.replace(**changes, updated_at_us=now_us())
+        if updated.lease_timeout_us > updated.expire_timeout_us:
+            raise InvalidArgument("queue.lease_timeout", "must not be longer than expire_timeout")
+        if updated.partitions < current.partitions:
+            raise FailedPrecondition(
+                f"requested_partitions cannot be lowered from {current.partitions} to {updated.partitions}"
+            )
+        if "dead_queue" in changes:
+            self._check_dead_queue(updated, visible)
+        homes = entry.homes
+        if updated.partitions > current.partitions:
+            homes = homes + tuple(place(updated.partitions - current.partitions, self._live(), homes, self._load()))
+        new = QueueEntry(updated, homes)
+        key = self.keys.queue(name)
+        txn.modified_at(key, entry.mod_revision).put(key, new.encode())
+        self._with_dead_queue(txn, updated, homes)
+        await self._commit(
+            txn,
+            lambda: FailedPrecondition(
+                f"queue {name!r} was changed by another admin meanwhile; read it again and retry"
+            ),
+        )
+        return self.get(name)
+
+    async def delete(self, name: str, force: bool, visible: Callable[[str], bool] | None = None) -> None:
+        """Delete the queue everywhere (Router.delete checked first that it is empty,
+        unless forced: the homes' storage goes when they apply the change)."""
+        txn = self._fenced_txn()
+        entry = self.catalog.queues.get(name)
+        if entry is None:
+            raise NotFound(f"queue {name!r} does not exist")
+        if users := self._users_text(name, visible):
+            raise FailedPrecondition(f"queue {name!r} is the dead_queue of {users}")
+        key = self.keys.queue(name)
+        txn.modified_at(key, entry.mod_revision).delete(key).put(self.keys.deleted(name), b"{}")
+        await self._commit(
+            txn, lambda: FailedPrecondition(f"queue {name!r} was changed by another admin meanwhile; retry")
+        )
+        log.info("cluster_queue_deleted", queue=name)
+
+    async def create_key(self, role: Role, queues: builtins.list[str], description: str) -> tuple[ApiKey, str]:
+        key, token = new_key(role, queues, description, now_us())
+        record = {
+            "key_id": key.key_id,
+            "role": int(key.role),
+            "queues": list(key.queues),
+            "description": key.description,
+            "created_at_us": key.created_at_us,
+            "secret_sha256": key.secret_hash,
+        }
+        name = self.keys.api_key(key.key_id)
+        txn = self._fenced_txn().created_at(name, 0).put(name, json.dumps(record).encode())
+        await self._commit(txn, lambda: AlreadyExists(f"key {key.key_id} exists"))
+        return key, token
+
+    async def revoke_key(self, key_id: str) -> None:
+        if key_id not in self.catalog.api_keys:
+            raise NotFound(f"key {key_id!r} does not exist")
+        name = self.keys.api_key(key_id)
+        txn = self._fenced_txn().delete(name)
+        await self._commit(txn, lambda: NotFound(f"key {key_id!r} does not exist"))
+
+    async def retire(self, node: str) -> int:
+        """Recreate ``node``'s partitions, empty, on the live nodes; its items are lost."""
+        if not node:
+            raise InvalidArgument("node_id", "is required")
+        if node == self.node or node in self.catalog.members:
+            raise FailedPrecondition(f"node {node!r} is live; only a dead node can be retired")
+        owned = [e for e in self.catalog.queues.values() if any(h.node == node for h in e.homes)]
+        if not owned and node in self.catalog.retired:
+            return 0
+        live = self._live()
+        if not live:
+            raise Unavailable("no live node to recreate the partitions on")
+        queues = self.catalog.queues
+        work: dict[str, builtins.list[Home]] = {}
+        moved = 0
+        for entry in owned:
+            kept = [h for h in entry.homes if h.node != node]
+            homes: builtins.list[Home] = []
+            for h in entry.homes:
+                if h.node == node:
+                    (new,) = place(1, live, kept + homes)
+                    homes.append(new)
+                    moved += 1
+                else:
+                    homes.append(h)
+            work[entry.config.name] = homes
+        # Dead-letter queues follow their users onto the nodes their partitions moved to.
+        for entry in list(queues.values()):
+            target = entry.config.dead_queue
+            if not target or target not in queues:
+                continue
+            users_nodes = {h.node for h in work.get(entry.config.name, entry.homes)}
+            dead_homes = list(work.get(target, queues[target].homes))
+            for missing in sorted(users_nodes - {h.node for h in dead_homes}):
+                dead_homes += place(1, [missing], dead_homes)
+            if target in work or len(dead_homes) > len(queues[target].homes):
+                work[target] = dead_homes
+        # The first transaction marks the node retired (it can never come back) while it
+        # is still not registered; later ones, if the queues do not fit in one, move the rest.
+        txn = self._fenced_txn().created_at(self.keys.member(node), 0).put(self.keys.retired(node), b"{}")
+        ops = 1
+        for name, homes in work.items():
+            entry = queues[name]
+            key = self.keys.queue(name)
+            config = entry.config.replace(partitions=len(homes))
+            txn.modified_at(key, entry.mod_revision).put(key, QueueEntry(config, tuple(homes)).encode())
+            ops += 1
+            if ops >= _TXN_OPS:
+                await self._commit(txn, lambda: FailedPrecondition("the catalog changed meanwhile; retry"))
+                txn, ops = self._fenced_txn().created_at(self.keys.member(node), 0), 0
+        if ops:
+            await self._commit(txn, lambda: FailedPrecondition("the catalog changed meanwhile (or the node came back); retry"))
+        log.warning("cluster_node_retired_by_admin", node=node, partitions_recreated=moved)
+        return moved

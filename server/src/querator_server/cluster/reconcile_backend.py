@@ -1,0 +1,134 @@
+"""The local storage follows the catalog (the reconcile backend of the coordinator).
+
+``reconcile`` runs after every catalog change and at start: it creates, grows,
+updates and removes this node's local copies of the cluster's queues and keeps the
+key ring equal to the catalog's keys, so a crash between an etcd write and the local
+change is repaired by the next run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+from ..auth import ApiKey, Role
+from ..errors import NotFound, QueratorError
+from ..logging import get_logger
+from ..manager import QueuesManager
+from .catalog import CatalogCache
+from .membership import Membership
+from .placement import GENERATION_MARK, SHARED_FIELDS, QueueEntry
+
+log = get_logger("cluster")
+
+
+class ReconcileBackend:
+    """Part of Coordinator (coordinator.py holds the state and the wiring)."""
+
+    manager: QueuesManager
+    node: str
+    catalog: CatalogCache
+    membership: Membership
+    retired: bool
+    _reconcile_lock: asyncio.Lock
+    _foreign: set[str]
+    _blocked: set[str]
+
+    async def reconcile(self) -> None:
+        async with self._reconcile_lock:
+            catalog = self.catalog
+            if self.node in catalog.retired and not self.retired:
+                self.retired = True
+                log.error("cluster_node_retired", node=self.node, detail="this node no longer serves its partitions")
+            member = catalog.members.get(self.node)
+            registered = self.membership.create_revision
+            # Judged only on a cache at least as new as the registration: an older event
+            # (the deletion of the previous key, say) says nothing about the current one.
+            if registered and catalog.revision >= registered and (
+                member is None or member.create_revision != registered
+            ):
+                self.membership.lost()
+            for entry in _dead_queues_first(catalog.queues.values()):
+                await self._apply(entry)
+            for config in [actor.config for actor in self.manager.queues()]:
+                if config.name in catalog.queues:
+                    continue
+                if config.name not in catalog.deleted:  # never in this cluster: kept, not served
+                    if config.name not in self._foreign:
+                        self._foreign.add(config.name)
+                        log.warning("cluster_unknown_local_queue", queue=config.name, detail="not in the catalog; kept")
+                else:
+                    try:
+                        await self.manager.delete(config.name, force=True)
+                        log.info("cluster_queue_removed", queue=config.name)
+                    except QueratorError as exc:
+                        log.warning("cluster_queue_remove_failed", queue=config.name, error=exc.message)
+            self._sync_keys()
+
+    def _sync_keys(self) -> None:
+        """The manager's key ring holds the catalog's keys (changed in place: the ring
+        keeps its bootstrap-token settings and what it has already logged)."""
+        ring = self.manager.keyring
+        wanted = {key_id: _key(record) for key_id, record in self.catalog.api_keys.items()}
+        for key in ring.keys():
+            if wanted.get(key.key_id) != key:
+                ring.remove(key.key_id)
+        held = {key.key_id for key in ring.keys()}
+        for key_id, key in wanted.items():
+            if key_id not in held:
+                ring.add(key)
+
+    async def _apply(self, entry: QueueEntry) -> None:
+        count = entry.local_count(self.node)
+        name = entry.config.name
+        try:
+            local = self.manager.get(name)
+        except NotFound:
+            local = None
+        if local is not None and not local.reference.startswith(GENERATION_MARK):
+            # The data directory held this queue before it joined the cluster: never
+            # dropped, never served in place of the cluster's queue.
+            if name not in self._blocked:
+                self._blocked.add(name)
+                log.error("cluster_queue_name_taken_here", queue=name, detail="a local queue of this name predates the cluster")
+            return
+        try:
+            if local is not None and local.reference != entry.local_reference:
+                # A queue of this name that was deleted while this node was away: its
+                # items must not show up in the new queue.
+                await self.manager.delete(name, force=True)
+                log.info("cluster_stale_queue_removed", queue=name)
+                local = None
+            if count == 0:
+                return
+            config = entry.config.replace(partitions=count, reference=entry.local_reference)
+            if local is None:
+                await self.manager.create(config)
+                log.info("cluster_queue_created_here", queue=name, partitions=count)
+                return
+            changes: dict[str, object] = {
+                f: getattr(config, f) for f in SHARED_FIELDS if f not in ("created_at_us", "updated_at_us")
+                and getattr(config, f) != getattr(local, f)
+            }
+            if local.partitions < count:
+                changes["partitions"] = count
+            if changes:
+                await self.manager.update(name, changes)
+        except QueratorError as exc:
+            log.error("cluster_reconcile_failed", queue=name, error=exc.message)
+
+
+
+def _dead_queues_first(entries: Iterable[QueueEntry]) -> list[QueueEntry]:
+    return sorted(entries, key=lambda e: (bool(e.config.dead_queue), e.config.name))
+
+
+def _key(record: dict[str, object]) -> ApiKey:
+    return ApiKey(
+        key_id=str(record["key_id"]),
+        role=Role(int(record["role"])),  # type: ignore[call-overload]
+        queues=tuple(str(q) for q in record["queues"]),  # type: ignore[attr-defined]
+        description=str(record["description"]),
+        created_at_us=int(record["created_at_us"]),  # type: ignore[call-overload]
+        secret_hash=str(record["secret_sha256"]),
+    )
