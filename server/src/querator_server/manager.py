@@ -26,9 +26,10 @@ from .actor.lane import StorageLane
 from .auth import ApiKey, KeyRing, Role, new_key
 from .clock import now_us
 from .commit_groups import GROUP_MAX_PARTITIONS, CommitGroups, queue_prefix
-from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from .errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from .logging import get_logger
 from .model import QueueConfig
+from .queue_admin import check_dead_queue, check_deletable, check_update, key_from_record, key_record
 from .storage import Catalog, QueueStore, StorageError
 from .storage.groups import copy_out
 from .storage.queue_store import DEFAULT_MAP_SIZE
@@ -213,7 +214,7 @@ class QueuesManager:
         failures.update((c.name, by_uid[c.uid]) for c in configs if c.uid in by_uid)
         records = await loop.run_in_executor(self._executor, self._catalog.load_keys)
         self.keyring = KeyRing(
-            (_key_from_record(r) for r in records),
+            (key_from_record(r) for r in records),
             bootstrap_token=self._bootstrap_token,
             bootstrap_until_key=self._bootstrap_until_key,
         )
@@ -423,21 +424,6 @@ class QueuesManager:
         """The name of every queue (that is ``visible``), by storage uid."""
         return {c.uid: c.name for c in self._configs.values() if visible is None or visible(c.name)}
 
-    def dead_letter_users(self, name: str) -> builtins.list[str]:
-        return sorted(c.name for c in self._configs.values() if c.dead_queue == name)
-
-    def _users_text(self, name: str, visible: Callable[[str], bool] | None) -> str:
-        """The queues whose dead_queue is ``name``, for an error text, naming only those
-        the caller may see (``visible``): the others are counted, never named."""
-        users = [u for u in self.dead_letter_users(name) if u != name]
-        shown = users if visible is None else [u for u in users if visible(u)]
-        hidden = len(users) - len(shown)
-        named = ", ".join(map(repr, shown[:5])) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
-        if not hidden:
-            return named
-        others = f"{hidden} queue{'s' if hidden > 1 else ''} your key may not see"
-        return f"{named} and {others}" if named else others
-
     # -- admin --------------------------------------------------------------------------
 
     async def create(self, config: QueueConfig, visible: Callable[[str], bool] | None = None) -> QueueConfig:
@@ -446,7 +432,7 @@ class QueuesManager:
             self._check_open()
             if config.name in self._configs:
                 raise AlreadyExists(f"queue {config.name!r} already exists")
-            self._check_dead_queue(config, visible)
+            check_dead_queue(config, self._configs, visible)
             loop = asyncio.get_running_loop()
             catalog = self._require_catalog()
             try:
@@ -489,16 +475,9 @@ class QueuesManager:
             if name in self._failed:
                 raise self._failed_error(name)
             updated = current.replace(**changes, updated_at_us=now_us())
-            if updated.lease_timeout_us > updated.expire_timeout_us:
-                raise InvalidArgument(
-                    "queue.lease_timeout", "must not be longer than expire_timeout"
-                )
-            if updated.partitions < current.partitions:
-                raise FailedPrecondition(
-                    f"requested_partitions cannot be lowered from {current.partitions} to {updated.partitions}"
-                )
+            check_update(current, updated)
             if "dead_queue" in changes:
-                self._check_dead_queue(updated, visible)
+                check_dead_queue(updated, self._configs, visible)
             loop = asyncio.get_running_loop()
             actor = self._actors[name]
             if actor.group is not None and updated.partitions > GROUP_MAX_PARTITIONS:
@@ -535,8 +514,7 @@ class QueuesManager:
         async with self._lock:
             self._check_open()
             self.get(name)
-            if users := self._users_text(name, visible):
-                raise FailedPrecondition(f"queue {name!r} is the dead_queue of {users}")
+            check_deletable(name, self._configs.values(), visible)
             if name in self._failed:
                 await self._delete_failed(name, force)
                 return
@@ -596,24 +574,6 @@ class QueuesManager:
             self.observer.detach(name)
         log.info("queue_deleted", queue=name, failed=True)
 
-    def _check_dead_queue(self, config: QueueConfig, visible: Callable[[str], bool] | None = None) -> None:
-        dead = config.dead_queue
-        if not dead:
-            return
-        if dead == config.name:
-            raise InvalidArgument("queue.dead_queue", "a queue cannot be its own dead_queue")
-        target = self._configs.get(dead)
-        if target is None:
-            raise InvalidArgument("queue.dead_queue", f"queue {dead!r} does not exist; create it first")
-        if target.dead_queue:
-            raise InvalidArgument(
-                "queue.dead_queue", f"queue {dead!r} has a dead_queue of its own; a dead-letter queue may not"
-            )
-        if users := self._users_text(config.name, visible):
-            raise FailedPrecondition(
-                f"queue {config.name!r} is the dead_queue of {users} and so cannot have a dead_queue of its own"
-            )
-
     def _check_open(self) -> None:
         if self._closing:
             raise self._shutting_down()
@@ -634,14 +594,7 @@ class QueuesManager:
 
     async def create_key(self, role: Role, queues: builtins.list[str], description: str) -> tuple[ApiKey, str]:
         key, token = new_key(role, queues, description, now_us())
-        record = {
-            "key_id": key.key_id,
-            "role": int(key.role),
-            "queues": list(key.queues),
-            "description": key.description,
-            "created_at_us": key.created_at_us,
-            "secret_sha256": key.secret_hash,
-        }
+        record = key_record(key)
         async with self._lock:
             self._check_open()
             loop = asyncio.get_running_loop()
@@ -664,14 +617,3 @@ class QueuesManager:
                 raise _storage_failed(exc) from exc
             self.keyring.remove(key_id)
         log.info("key_revoked", key_id=key_id)
-
-
-def _key_from_record(record: dict[str, object]) -> ApiKey:
-    return ApiKey(
-        key_id=str(record["key_id"]),
-        role=Role(int(record["role"])),  # type: ignore[call-overload]
-        queues=tuple(str(q) for q in record["queues"]),  # type: ignore[attr-defined]
-        description=str(record["description"]),
-        created_at_us=int(record["created_at_us"]),  # type: ignore[call-overload]
-        secret_hash=str(record["secret_sha256"]),
-    )

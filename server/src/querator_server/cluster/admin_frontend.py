@@ -18,6 +18,7 @@ from ..clock import now_us
 from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, QueratorError, Unavailable
 from ..logging import get_logger
 from ..model import QueueConfig
+from ..queue_admin import check_dead_queue, check_deletable, check_update, key_record
 from .catalog import APPLY_TIMEOUT_S as _APPLY_TIMEOUT_S
 from .catalog import CatalogCache, Keys
 from .etcd import Etcd, EtcdError, Txn
@@ -67,39 +68,9 @@ class AdminFrontend:
         await self.catalog.wait_applied(revision, _APPLY_TIMEOUT_S)
         return revision
 
-    def _users_text(self, name: str, visible: Callable[[str], bool] | None) -> str:
-        """The queues using ``name`` as their dead_queue, as an error text names them to a
-        caller who may see only ``visible`` ones (as manager._users_text)."""
-        users = sorted(e.config.name for e in self.catalog.queues.values() if e.config.dead_queue == name)
-        users = [u for u in users if u != name]
-        shown = users if visible is None else [u for u in users if visible(u)]
-        hidden = len(users) - len(shown)
-        named = ", ".join(map(repr, shown[:5])) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
-        if not hidden:
-            return named
-        others = f"{hidden} queue{'s' if hidden > 1 else ''} your key may not see"
-        return f"{named} and {others}" if named else others
-
-    def _check_dead_queue(self, config: QueueConfig, visible: Callable[[str], bool] | None = None) -> None:
-        """The single server's rules (manager._check_dead_queue), against the catalog."""
-        queues = self.catalog.queues
-        users = self._users_text(config.name, visible)
-        dead = config.dead_queue
-        if not dead:
-            return
-        if dead == config.name:
-            raise InvalidArgument("queue.dead_queue", "a queue cannot be its own dead_queue")
-        target = queues.get(dead)
-        if target is None:
-            raise InvalidArgument("queue.dead_queue", f"queue {dead!r} does not exist; create it first")
-        if target.config.dead_queue:
-            raise InvalidArgument(
-                "queue.dead_queue", f"queue {dead!r} has a dead_queue of its own; a dead-letter queue may not"
-            )
-        if users:
-            raise FailedPrecondition(
-                f"queue {config.name!r} is the dead_queue of {users} and so cannot have a dead_queue of its own"
-            )
+    def _configs(self) -> dict[str, QueueConfig]:
+        """Every queue's settings, by name: what the admin rules (queue_admin.py) read."""
+        return {name: entry.config for name, entry in self.catalog.queues.items()}
 
     def _with_dead_queue(self, txn: Txn, config: QueueConfig, homes: Iterable[Home]) -> None:
         """Give the dead-letter queue a partition on every node that homes one of the
@@ -120,7 +91,7 @@ class AdminFrontend:
 
     async def create(self, config: QueueConfig, visible: Callable[[str], bool] | None = None) -> QueueConfig:
         """As QueuesManager.create, in the catalog; ``visible``: what error texts may name."""
-        self._check_dead_queue(config, visible)
+        check_dead_queue(config, self._configs(), visible)
         txn = self._fenced_txn()
         live = self._live()
         if not live:
@@ -163,14 +134,9 @@ class AdminFrontend:
             raise NotFound(f"queue {name!r} does not exist")
         current = entry.config
         updated = current.replace(**changes, updated_at_us=now_us())
-        if updated.lease_timeout_us > updated.expire_timeout_us:
-            raise InvalidArgument("queue.lease_timeout", "must not be longer than expire_timeout")
-        if updated.partitions < current.partitions:
-            raise FailedPrecondition(
-                f"requested_partitions cannot be lowered from {current.partitions} to {updated.partitions}"
-            )
+        check_update(current, updated)
         if "dead_queue" in changes:
-            self._check_dead_queue(updated, visible)
+            check_dead_queue(updated, self._configs(), visible)
         homes = entry.homes
         if updated.partitions > current.partitions:
             homes = homes + tuple(place(updated.partitions - current.partitions, self._live(), homes, self._load()))
@@ -193,8 +159,7 @@ class AdminFrontend:
         entry = self.catalog.queues.get(name)
         if entry is None:
             raise NotFound(f"queue {name!r} does not exist")
-        if users := self._users_text(name, visible):
-            raise FailedPrecondition(f"queue {name!r} is the dead_queue of {users}")
+        check_deletable(name, self._configs().values(), visible)
         key = self.keys.queue(name)
         txn.modified_at(key, entry.mod_revision).delete(key).put(self.keys.deleted(name), b"{}")
         await self._commit(
@@ -204,14 +169,7 @@ class AdminFrontend:
 
     async def create_key(self, role: Role, queues: builtins.list[str], description: str) -> tuple[ApiKey, str]:
         key, token = new_key(role, queues, description, now_us())
-        record = {
-            "key_id": key.key_id,
-            "role": int(key.role),
-            "queues": list(key.queues),
-            "description": key.description,
-            "created_at_us": key.created_at_us,
-            "secret_sha256": key.secret_hash,
-        }
+        record = key_record(key)
         name = self.keys.api_key(key.key_id)
         txn = self._fenced_txn().created_at(name, 0).put(name, json.dumps(record).encode())
         await self._commit(txn, lambda: AlreadyExists(f"key {key.key_id} exists"))

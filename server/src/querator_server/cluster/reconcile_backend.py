@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from ..auth import ApiKey, Role
 from ..errors import NotFound, QueratorError
 from ..logging import get_logger
 from ..manager import QueuesManager
+from ..queue_admin import key_from_record
 from .catalog import CatalogCache
 from .membership import Membership
 from .placement import GENERATION_MARK, SHARED_FIELDS, QueueEntry
@@ -69,7 +69,7 @@ class ReconcileBackend:
         """The manager's key ring holds the catalog's keys (changed in place: the ring
         keeps its bootstrap-token settings and what it has already logged)."""
         ring = self.manager.keyring
-        wanted = {key_id: _key(record) for key_id, record in self.catalog.api_keys.items()}
+        wanted = {key_id: key_from_record(record) for key_id, record in self.catalog.api_keys.items()}
         for key in ring.keys():
             if wanted.get(key.key_id) != key:
                 ring.remove(key.key_id)
@@ -121,14 +121,3 @@ class ReconcileBackend:
 
 def _dead_queues_first(entries: Iterable[QueueEntry]) -> list[QueueEntry]:
     return sorted(entries, key=lambda e: (bool(e.config.dead_queue), e.config.name))
-
-
-def _key(record: dict[str, object]) -> ApiKey:
-    return ApiKey(
-        key_id=str(record["key_id"]),
-        role=Role(int(record["role"])),  # type: ignore[call-overload]
-        queues=tuple(str(q) for q in record["queues"]),  # type: ignore[attr-defined]
-        description=str(record["description"]),
-        created_at_us=int(record["created_at_us"]),  # type: ignore[call-overload]
-        secret_hash=str(record["secret_sha256"]),
-    )

@@ -11,6 +11,7 @@ from querator.v1 import keys_pb2 as pb
 from ..auth import Action, ApiKey, Role
 from ..errors import InvalidArgument
 from ..manager import QueuesManager
+from ..queue_admin import QueueAdmin
 from . import convert as c
 from .authz import Guard
 from .handlers import generic_handler
@@ -36,7 +37,7 @@ class KeysService:
         self.manager = manager
         self.guard = guard
         # Where keys are created and revoked: the cluster catalog in cluster mode.
-        self.admin: QueuesManager | Coordinator = manager if cluster is None else cluster
+        self.admin: QueueAdmin = manager if cluster is None else cluster
 
     async def create_key(self, request: pb.CreateKeyRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CreateKeyResponse:
         try:

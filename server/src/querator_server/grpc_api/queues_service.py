@@ -26,6 +26,7 @@ from ..model import (
     REPLY_ITEMS_BYTES,
     QueueConfig,
 )
+from ..queue_admin import QueueAdmin, check_settings
 from . import convert as c
 from .authz import Guard, visible_queues
 from .handlers import generic_handler
@@ -111,7 +112,7 @@ class QueuesService:
         self.guard = guard
         # Where queues are created, read and changed: the cluster catalog in cluster mode.
         self.cluster = cluster
-        self.admin: QueuesManager | Coordinator = manager if cluster is None else cluster
+        self.admin: QueueAdmin = manager if cluster is None else cluster
 
     async def create_queue(
         self, request: pb.CreateQueueRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -126,8 +127,7 @@ class QueuesService:
             # A short-lived queue without a lease timeout of its own: the default lease
             # (1 min) shrinks to the item lifetime rather than refusing the queue.
             config = config.replace(lease_timeout_us=config.expire_timeout_us)
-        if config.lease_timeout_us > config.expire_timeout_us:
-            raise InvalidArgument("queue.lease_timeout", "must not be longer than expire_timeout")
+        check_settings(config)
         visible = visible_queues()
         created = await self.admin.create(config, visible)
         return pb.CreateQueueResponse(queue=queue_info(created, visible))
