@@ -42,7 +42,7 @@ from ..faults import (
     faulty_call,
     partition_faults,
 )
-from ..logging import RepeatedFailure, get_logger
+from ..logging import get_logger
 from ..model import PartitionStats, QueueConfig, QueueStats, QueueTotals
 from ..storage import MAX_GROWTHS, Item, MapFull, QueueStore, StorageError, StorageFull
 from ..storage.keyed import KeyedIndex
@@ -50,6 +50,8 @@ from ..storage.queue_store import disk_full
 from .commit_group import HAND_OVER_AT, CommitGroup
 from .cycle import Cycle
 from .cycle_base import StepFailed
+from .handover import RETRY_S as HANDOVER_RETRY_S
+from .handover import HandOver
 from .lane import StorageLane
 from .leases import LeaseDeadlines
 from .lifecycle import LIFECYCLE_BATCH
@@ -81,10 +83,8 @@ T = TypeVar("T")
 log = get_logger("queue")
 
 DEFAULT_MAX_INBOX = 10_000
-# How long to wait before handing the dead-letter outbox over again after a failure.
-OUTBOX_RETRY_S = 1.0
-# A dead-letter queue that keeps failing is logged at most this often (with a count).
-DEAD_LETTER_LOG_EVERY_S = 60.0
+# After a failed lifecycle step, the next try waits this long (as a failed hand-over does).
+OUTBOX_RETRY_S = HANDOVER_RETRY_S
 # A faulty partition is probed this long after it failed, then ever less often: each
 # probe that fails doubles the wait, up to PROBE_MAX_S. A probe reads the whole
 # partition (as a start does), so a damaged one that stays damaged costs one read of it
@@ -173,16 +173,20 @@ class LogicalQueue:
         self._closed: QueratorError | None = None
         self._in_flight = 0
         # Dead letters committed to the outbox but not yet stored by the DLQ.
-        self._outbox: dict[tuple[int, int], Item] = {}
-        self._outbox_task: asyncio.Task[None] | None = None
-        # Dead-letter queue name -> its failures since the last success: a broken one is
-        # retried every OUTBOX_RETRY_S but logged once a minute, with the count.
-        self._dead_letter_failures: dict[str, RepeatedFailure] = {}
-        self._redrive_failures: RepeatedFailure | None = None  # the redrive outbox's hand-over
+        self._outbox: HandOver[Item] = HandOver(
+            config.name,
+            "dead_letter",
+            self._send_dead_letters,
+            closed=self._stopped,
+            faulty=self._faulty_now,
+            receiver=lambda: self.config.dead_queue,
+            receiver_field="dead_queue",
+        )
         # Items redriven out of this queue, committed to the redrive outbox but not yet
         # stored by their target: (partition, seq) -> (target uid, item as it was here).
-        self._redrive: dict[tuple[int, int], tuple[int, Item]] = {}
-        self._redrive_task: asyncio.Task[None] | None = None
+        self._redrive: HandOver[tuple[int, Item]] = HandOver(
+            config.name, "redrive", self._send_redriven, closed=self._stopped, faulty=self._faulty_now
+        )
         # RedriveItems calls waiting for their entries to leave the outbox.
         self._redrive_waiters: list[tuple[list[tuple[int, int]], asyncio.Future[None]]] = []
         self._lifecycle_pending = False
@@ -217,7 +221,7 @@ class LogicalQueue:
     async def start(self, keyed: KeyedIndex | None = None) -> None:
         """Load the queue's state and start the actor; ``keyed`` reuses the handles of
         an earlier actor on the same (still open) storage, so no write is needed."""
-        self._views, leases, self._outbox, self._redrive, faulty = await self._storage_job(self._load)
+        self._views, leases, self._outbox.entries, self._redrive.entries, faulty = await self._storage_job(self._load)
         if faulty:
             self._partitions_changed(faulty, {}, now_us())
         self._leases = LeaseDeadlines(leases)
@@ -239,11 +243,10 @@ class LogicalQueue:
         accepts calls: the dead-letter queue deduplicates by source_id only while it
         still holds the first copy, so nobody may consume that copy before the resend.
         """
-        self._kick_outbox()
-        self._kick_redrive()
-        for task in (self._outbox_task, self._redrive_task):
-            if task is not None:
-                await asyncio.shield(task)
+        for outbox in (self._outbox, self._redrive):
+            outbox.kick()
+        for outbox in (self._outbox, self._redrive):
+            await outbox.wait()
 
     def _load(
         self,
@@ -311,15 +314,8 @@ class LogicalQueue:
             if not waiter.done():
                 waiter.set_exception(Unavailable(f"queue {self.name!r} stopped; the moved items are handed over at start"))
         self._redrive_waiters = []
-        tasks = (self._outbox_task, self._redrive_task)
-        self._outbox_task = self._redrive_task = None
-        for task in tasks:
-            if task is not None and not task.done():
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+        await self._outbox.cancel()
+        await self._redrive.cancel()
 
     async def delete(self, force: bool) -> None:
         """Stop the actor for good if the queue is empty (or ``force``); storage stays open."""
@@ -428,7 +424,7 @@ class LogicalQueue:
     def holds_items(self) -> bool:
         # What a faulty partition holds is not known for sure (nothing, if it failed at
         # start): deleting the queue then takes force.
-        return bool(self._faulty or self._redrive) or any(v.ready or v.leased or v.scheduled for v in self._views)
+        return bool(self._faulty or self._redrive.entries) or any(v.ready or v.leased or v.scheduled for v in self._views)
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -583,14 +579,14 @@ class LogicalQueue:
     def _adopt_partitions(self, cycle: Cycle) -> None:
         for p, (scan, outbox, moving) in cycle.recovered.items():
             self._leases.add_all((deadline, p, seq) for deadline, seq in scan.leases)
-            self._outbox.update(((p, seq), item) for seq, item in outbox)
-            self._redrive.update(((p, seq), (uid, item)) for seq, uid, item in moving)
+            self._outbox.entries.update(((p, seq), item) for seq, item in outbox)
+            self._redrive.entries.update(((p, seq), (uid, item)) for seq, uid, item in moving)
             since = self._faulty_since.get(p, 0)
             log.warning("partition_recovered", queue=self.name, partition=p, faulty_s=round((cycle.now - since) / 1e6, 1))
         self._partitions_changed({**cycle.still_faulty, **cycle.newly_faulty}, dict(cycle.recovered), cycle.now)
         if cycle.recovered:
-            self._kick_outbox()
-            self._kick_redrive()
+            self._outbox.kick()
+            self._redrive.kick()
 
     async def _apply(self, batch: _Batch, now: int, lifecycle: bool) -> None:
         self._in_flight = len(batch)
@@ -657,16 +653,16 @@ class LogicalQueue:
             log.warning("item_dropped", queue=self.name, item_id=item_id, reason=reason, dead_queue=None)
         if cycle.outbox_added:
             for p, seq, item in cycle.outbox_added:
-                self._outbox[(p, seq)] = item
-            self._kick_outbox()
+                self._outbox.entries[(p, seq)] = item
+            self._outbox.kick()
         if cycle.redrive_added:
             crash_point(REDRIVE_TAKEN)
             for p, seq, target, item in cycle.redrive_added:
-                self._redrive[(p, seq)] = (target, item)
+                self._redrive.entries[(p, seq)] = (target, item)
             for _request, result in cycle.results:
                 if isinstance(result, RedriveResult) and result.delivered is not None:
                     self._redrive_waiters.append((result.entries, result.delivered))
-            self._kick_redrive()
+            self._redrive.kick()
         for request, result in cycle.results:
             _answer(request, result)
         later = now_us()
@@ -868,115 +864,62 @@ class LogicalQueue:
             log.warning("group_storage_left", queue=self.name, error=str(exc))
         return True
 
-    # -- dead letters ----------------------------------------------------------------
+    # -- hand-overs (handover.py) ----------------------------------------------------
 
-    def _kick_outbox(self) -> None:
-        if self._outbox and (self._outbox_task is None or self._outbox_task.done()):
-            self._outbox_task = asyncio.create_task(self._send_outbox(), name=f"dead-letters:{self.name}")
+    def _stopped(self) -> bool:
+        return self._closed is not None
 
-    async def _send_outbox(self) -> None:
-        """Hand the outbox to the dead-letter queue, then drop what it stored.
+    def _faulty_now(self) -> dict[int, str]:
+        return self._faulty
 
-        The DLQ deduplicates by source_id, so resending after a crash or a failure
-        between its commit and ours stores nothing twice.
-        """
-        while self._outbox and self._closed is None:
-            entries = list(self._outbox.items())
-            if self._faulty:  # theirs wait until the partition works again
-                entries = [entry for entry in entries if entry[0][0] not in self._faulty]
-                if not entries:
-                    return
-            entries = entries[:1000]
-            dead_queue = self.config.dead_queue
-            try:
-                if dead_queue:
-                    if self._resolve is None:
-                        raise Unavailable("no way to reach other queues")
-                    target = self._resolve(dead_queue)
-                    items = [Item.decode(item.encode()) for _, item in entries]
-                    await target.submit(DeadLetterRequest(items))
-                    crash_point(DEAD_LETTER_STORED)
-                else:
-                    for (_p, _seq), item in entries:
-                        log.warning("item_dropped", queue=self.name, item_id=item.source_id, reason="no dead_queue")
-                await self.submit(OutboxDoneRequest([key for key, _ in entries]))
-            except QueratorError as exc:
-                failures = self._dead_letter_failures.setdefault(dead_queue, RepeatedFailure(DEAD_LETTER_LOG_EVERY_S))
-                reported = failures.failed()
-                if reported:
-                    log.warning(
-                        "dead_letter_failed",
-                        queue=self.name,
-                        dead_queue=dead_queue,
-                        error=exc.message,
-                        failures=reported,
-                        retry_every_s=OUTBOX_RETRY_S,
-                    )
-                await asyncio.sleep(OUTBOX_RETRY_S)
-                continue
-            recovered = self._dead_letter_failures.pop(dead_queue, None)
-            if recovered is not None:
-                log.info("dead_letter_recovered", queue=self.name, dead_queue=dead_queue, failures=recovered.failures)
-            for key, _ in entries:
-                self._outbox.pop(key, None)
+    async def _send_dead_letters(self, entries: list[tuple[tuple[int, int], Item]], done: Callable[[list[tuple[int, int]]], None]) -> None:
+        """Dead letters to the dead-letter queue (dropped, logged, without one), then
+        out of the outbox."""
+        dead_queue = self.config.dead_queue
+        if dead_queue:
+            if self._resolve is None:
+                raise Unavailable("no way to reach other queues")
+            target = self._resolve(dead_queue)
+            await target.submit(DeadLetterRequest([Item.decode(item.encode()) for _, item in entries]))
+            crash_point(DEAD_LETTER_STORED)
+        else:
+            for _key, item in entries:
+                log.warning("item_dropped", queue=self.name, item_id=item.source_id, reason="no dead_queue")
+        keys = [key for key, _ in entries]
+        await self.submit(OutboxDoneRequest(keys))
+        done(keys)
 
-    # -- redrive ---------------------------------------------------------------------
-
-    def _kick_redrive(self) -> None:
-        if self._redrive and (self._redrive_task is None or self._redrive_task.done()):
-            self._redrive_task = asyncio.create_task(self._send_redrive(), name=f"redrive:{self.name}")
+    async def _send_redriven(
+        self, entries: list[tuple[tuple[int, int], tuple[int, Item]]], done: Callable[[list[tuple[int, int]]], None]
+    ) -> None:
+        """Redriven items to their targets (redrive.py), then out of the outbox; those
+        whose target queue is gone go back into this queue."""
+        by_target: dict[int, list[tuple[tuple[int, int], Item]]] = {}
+        for key, (target_uid, item) in entries:
+            by_target.setdefault(target_uid, []).append((key, item))
+        for target_uid, moved in by_target.items():
+            target = self._resolve_uid(target_uid) if self._resolve_uid is not None else None
+            keys = [key for key, _ in moved]
+            if target is None:
+                log.warning("redrive_target_gone", queue=self.name, items=len(keys), target_uid=target_uid)
+                await self.submit(RedriveDoneRequest(keys, restore=True))
+            else:
+                await target.submit(RedriveInRequest([handed_over(self.config.uid, p, seq, item) for (p, seq), item in moved]))
+                crash_point(REDRIVE_STORED)
+                await self.submit(RedriveDoneRequest(keys))
+            done(keys)
+            self._settle_redrive_waiters()
 
     def _settle_redrive_waiters(self) -> None:
         still: list[tuple[list[tuple[int, int]], asyncio.Future[None]]] = []
         for entries, waiter in self._redrive_waiters:
             if waiter.done():
                 continue
-            if any(key in self._redrive for key in entries):
+            if any(key in self._redrive.entries for key in entries):
                 still.append((entries, waiter))
             else:
                 waiter.set_result(None)
         self._redrive_waiters = still
-
-    async def _send_redrive(self) -> None:
-        """Hand the redrive outbox to its targets (see redrive.py), then drop what they
-        stored. Items whose target queue is gone go back into this queue."""
-        while self._redrive and self._closed is None:
-            by_target: dict[int, list[tuple[tuple[int, int], Item]]] = {}
-            pending = list(self._redrive.items())
-            if self._faulty:  # theirs wait until the partition works again
-                pending = [entry for entry in pending if entry[0][0] not in self._faulty]
-                if not pending:
-                    return
-            for key, (target_uid, item) in pending[:1000]:
-                by_target.setdefault(target_uid, []).append((key, item))
-            try:
-                for target_uid, entries in by_target.items():
-                    target = self._resolve_uid(target_uid) if self._resolve_uid is not None else None
-                    keys = [key for key, _ in entries]
-                    if target is None:
-                        log.warning("redrive_target_gone", queue=self.name, items=len(keys), target_uid=target_uid)
-                        await self.submit(RedriveDoneRequest(keys, restore=True))
-                    else:
-                        items = [handed_over(self.config.uid, p, seq, item) for (p, seq), item in entries]
-                        await target.submit(RedriveInRequest(items))
-                        crash_point(REDRIVE_STORED)
-                        await self.submit(RedriveDoneRequest(keys))
-                    for key in keys:
-                        self._redrive.pop(key, None)
-                    self._settle_redrive_waiters()
-            except QueratorError as exc:
-                if self._redrive_failures is None:
-                    self._redrive_failures = RepeatedFailure(DEAD_LETTER_LOG_EVERY_S)
-                reported = self._redrive_failures.failed()
-                if reported:
-                    log.warning(
-                        "redrive_failed", queue=self.name, error=exc.message, failures=reported, retry_every_s=OUTBOX_RETRY_S
-                    )
-                await asyncio.sleep(OUTBOX_RETRY_S)
-                continue
-            if self._redrive_failures is not None:
-                log.info("redrive_recovered", queue=self.name, failures=self._redrive_failures.failures)
-                self._redrive_failures = None
 
     def _apply_delete(self, request: _Delete) -> None:
         if not request.force and self.holds_items():
