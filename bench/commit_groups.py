@@ -3,13 +3,13 @@
 Q queues each keep one 100-item produce in flight (W4's shape). Each queue writes
 its items into a database of its own inside one of G LMDB environments (durable:
 ``sync``, ``metasync``), and every environment commits on one storage lane
-(``querator_server.actor.lane``), as the server does:
+(``querator_server.storage.lane``), as the server does:
 
 - G = Q is what the server does with ``--no-commit-groups`` (and did before commit
   groups): an environment per queue, a commit per request, the lanes committing side
   by side.
 - G < Q shares an environment between queues, as the server's commit groups now do
-  (``querator_server.actor.commit_group``): a queue's write runs in a nested
+  (``querator_server.storage.commit_group``): a queue's write runs in a nested
   transaction of the environment's held one (so that a failing queue would abort
   only its own part), and one commit makes every queue that wrote since the last
   one durable.
@@ -37,7 +37,7 @@ from typing import Any
 
 import lmdb
 
-from querator_server.actor.lane import StorageLane
+from querator_server.storage.lane import StorageLane
 
 BATCH = 100
 PAYLOAD = 256

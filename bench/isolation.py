@@ -28,7 +28,7 @@ from querator_server.actor.requests import ProduceRequest
 from querator_server.actor.view import PartitionView
 from querator_server.model import NewItem, QueueConfig
 from querator_server.storage import QueueStore
-from querator_server.storage.groups import open_group_env, queue_prefix
+from querator_server.storage.group_layout import open_group_env, queue_prefix
 
 T0 = 1_800_000_000 * 1_000_000
 

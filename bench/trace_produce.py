@@ -41,9 +41,9 @@ def _install(stamps: list[tuple[str, int]]) -> None:
     """Wrap the functions on the paths of Produce, Lease and Complete with stamps (in the server process)."""
     import functools
 
-    from querator_server.actor import commit_group, cycle, lane, logical_queue
+    from querator_server.actor import cycle, logical_queue
     from querator_server.grpc_api import queue_service
-    from querator_server.storage import queue_store
+    from querator_server.storage import commit_group, lane, queue_store
 
     clock = time.perf_counter_ns
 

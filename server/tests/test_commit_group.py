@@ -12,11 +12,11 @@ from typing import Any
 import lmdb
 import pytest
 
-from querator_server.actor.commit_group import CommitGroup
-from querator_server.actor.lane import StorageLane
 from querator_server.faults import FAULT_FILE_ENV
 from querator_server.storage import MapFull, StorageError
-from querator_server.storage.groups import open_group_env
+from querator_server.storage.commit_group import CommitGroup
+from querator_server.storage.group_layout import open_group_env
+from querator_server.storage.lane import StorageLane
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from grpc import StatusCode as Code
 from querator.v1 import queue_pb2, queues_pb2
 from querator_server.actor import LogicalQueue
 from querator_server.storage import StorageError
-from querator_server.storage.groups import GROUP_MAX_PARTITIONS, GROUP_QUEUES
+from querator_server.storage.group_layout import GROUP_MAX_PARTITIONS, GROUP_QUEUES
 
 from conftest import ProcessServer, Stubs, ThreadServer
 

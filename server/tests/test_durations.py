@@ -11,7 +11,7 @@ import pytest
 from google.protobuf import field_mask_pb2, timestamp_pb2
 
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
-from querator_server.storage.catalog import Catalog
+from querator_server.storage.local_catalog import Catalog
 
 from conftest import Stubs, ThreadServer, bad_request_fields, dur
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from querator_server.actor.lane import StorageLane
+from querator_server.storage.lane import StorageLane
 
 
 def test_jobs_run_in_order_on_one_thread_and_return_their_results() -> None:

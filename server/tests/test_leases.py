@@ -6,7 +6,6 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from querator_server.actor.lane import StorageLane
 from querator_server.actor.leases import STALE_SLACK, LeaseDeadlines
 from querator_server.actor.logical_queue import LogicalQueue
 from querator_server.actor.requests import (
@@ -20,6 +19,7 @@ from querator_server.actor.requests import (
 )
 from querator_server.model import NewItem, QueueConfig, RetryOrder
 from querator_server.storage import QueueStore
+from querator_server.storage.lane import StorageLane
 
 
 def test_only_live_leases_fall_due_with_their_latest_deadline() -> None:

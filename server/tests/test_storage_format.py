@@ -12,7 +12,7 @@ import pytest
 
 from querator.v1 import queue_pb2
 from querator_server.storage import Item, QueueStore
-from querator_server.storage.catalog import Catalog, CatalogError
+from querator_server.storage.local_catalog import Catalog, CatalogError
 from querator_server.storage.record import expiry_key, item_key
 
 from conftest import Stubs, ThreadServer

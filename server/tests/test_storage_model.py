@@ -29,7 +29,7 @@ from querator_server.actor.view import PartitionView
 from querator_server.errors import QueratorError
 from querator_server.model import NewItem, QueueConfig, RetryOrder
 from querator_server.storage import Item, QueueStore
-from querator_server.storage.groups import open_group_env, queue_prefix
+from querator_server.storage.group_layout import open_group_env, queue_prefix
 from querator_server.storage.record import item_key
 
 from cycle_helpers import SECOND, T0, request, run_cycle, seq_of, stored_keys

@@ -22,16 +22,16 @@ from functools import partial
 from typing import Any
 
 from .actor import LogicalQueue
-from .actor.lane import StorageLane
 from .auth import ApiKey, KeyRing, Role, new_key
 from .clock import now_us
-from .commit_groups import GROUP_MAX_PARTITIONS, CommitGroups, queue_prefix
 from .errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from .logging import get_logger
 from .model import QueueConfig
 from .queue_admin import check_dead_queue, check_deletable, check_update, key_from_record, key_record
 from .storage import Catalog, QueueStore, StorageError
-from .storage.groups import copy_out
+from .storage.group_layout import copy_out
+from .storage.group_placement import GROUP_MAX_PARTITIONS, CommitGroups, queue_prefix
+from .storage.lane import StorageLane
 from .storage.queue_store import DEFAULT_MAP_SIZE
 
 log = get_logger("manager")

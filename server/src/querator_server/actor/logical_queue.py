@@ -45,14 +45,14 @@ from ..faults import (
 from ..logging import get_logger
 from ..model import PartitionStats, QueueConfig, QueueStats, QueueTotals
 from ..storage import MAX_GROWTHS, Item, MapFull, QueueStore, StorageError, StorageFull
+from ..storage.commit_group import HAND_OVER_AT, CommitGroup
 from ..storage.keyed import KeyedIndex
+from ..storage.lane import StorageLane
 from ..storage.queue_store import disk_full
-from .commit_group import HAND_OVER_AT, CommitGroup
 from .cycle import Cycle
 from .cycle_base import StepFailed
 from .handover import RETRY_S as HANDOVER_RETRY_S
 from .handover import HandOver
-from .lane import StorageLane
 from .leases import LeaseDeadlines
 from .lifecycle import LIFECYCLE_BATCH
 from .redrive import handed_over

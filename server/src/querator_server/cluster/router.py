@@ -25,7 +25,7 @@ from ..model import DEFAULT_WAIT_US, MAX_WAIT_US
 from .catalog import CatalogCache
 from .forwarding import Peers, PeerTls, Unreachable, is_forwarded
 from .placement import QueueEntry, key_partition
-from .redrive import RedriveWalk, check_target, walk
+from .redrive_walk import RedriveWalk, check_target, walk
 
 # A Lease that finds nothing anywhere waits on one node for at most this long before it
 # looks at the others again, so items produced elsewhere reach a waiting consumer.
@@ -294,7 +294,7 @@ class Router:
         context: grpc.aio.ServicerContext[Any, Any],
         local: Local,
     ) -> tuple[spb.RedriveItemsResponse, bytes | None]:
-        """RedriveItems on every node homing the queue (cluster/redrive.py); ``token``:
+        """RedriveItems on every node homing the queue (cluster/redrive_walk.py); ``token``:
         the payload of the caller's page token. Answers the response and the payload of
         its next page token (None: done). A forwarded call is the local part alone."""
         entry = await self._lookup(request.queue_name)

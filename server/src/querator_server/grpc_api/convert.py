@@ -181,7 +181,7 @@ def page_size(value: int, field: str = "page_size") -> int:
 
 # -- page tokens: opaque, signed, bound to what they page over ------------------------
 
-# 2: signed with HMAC-SHA256 under the data directory's secret (storage/catalog.py),
+# 2: signed with HMAC-SHA256 under the data directory's secret (storage/local_catalog.py),
 # cut to 16 bytes. Format 1 carried a CRC, which anyone can compute: a made-up cursor
 # reached storage (a seq of 2**64 - 1 overflowed in the middle of the queue's cycle).
 _TOKEN_FORMAT = 2

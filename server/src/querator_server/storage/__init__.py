@@ -4,7 +4,7 @@ environments of queues that have one of their own.
 Nothing in this package knows about gRPC; it stores and finds items by key.
 """
 
-from .catalog import Catalog, CatalogError
+from .local_catalog import Catalog, CatalogError
 from .queue_store import MAX_GROWTHS, MapFull, PartitionScan, QueueStore, StorageError, StorageFull
 from .record import Item
 

@@ -4,7 +4,7 @@ queue's own, or under the queue's prefix in a commit group's shared one (groups.
 A queue's actor is the only writer of its own environment, so LMDB's single-writer
 lock is never contended and such a queue commits (and fsyncs) independently of the
 others. A grouped queue's cycles run in nested transactions that its commit group
-holds and commits (actor/commit_group.py); ``hold``, ``run_held`` and ``commit_held``
+holds and commits (storage/commit_group.py); ``hold``, ``run_held`` and ``commit_held``
 below serve queues of their own.
 
 The actor's cycles use a *held* write transaction (``hold`` / ``run_held`` /
@@ -334,7 +334,7 @@ class QueueStore:
                 return result
             except MapFull:
                 if self.shared:
-                    raise  # the group grows the map on the loop (actor/commit_group.py)
+                    raise  # the group grows the map on the loop (storage/commit_group.py)
                 self._grow()
         raise StorageFull("storage is full: the LMDB map could not grow enough")
 

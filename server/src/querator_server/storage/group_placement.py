@@ -2,7 +2,7 @@
 
 A new queue with at most ``GROUP_MAX_PARTITIONS`` partitions joins the first commit
 group with room (``groups/<n>``, ``GROUP_QUEUES`` queues each), so that busy queues
-share durable commits (actor/commit_group.py); a bigger queue gets ``queues/<uid>``.
+share durable commits (storage/commit_group.py); a bigger queue gets ``queues/<uid>``.
 A grouped queue that grows past ``GROUP_MAX_PARTITIONS`` moves to a directory of its
 own. The catalog records each queue's group, which is the truth at start-up: storage
 it does not account for (a crash during a create, a delete or a move) is removed.
@@ -18,11 +18,11 @@ from collections.abc import Iterable
 
 import lmdb
 
-from .actor.commit_group import CommitGroup
-from .actor.lane import StorageLane
-from .model import QueueConfig
-from .storage import StorageError
-from .storage.groups import GROUP_MAX_PARTITIONS, GROUP_QUEUES, drop_queues, open_group_env, queue_prefix, queue_uids
+from ..model import QueueConfig
+from . import StorageError
+from .commit_group import CommitGroup
+from .group_layout import GROUP_MAX_PARTITIONS, GROUP_QUEUES, drop_queues, open_group_env, queue_prefix, queue_uids
+from .lane import StorageLane
 
 
 class CommitGroups:

@@ -34,7 +34,8 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ..storage.queue_store import (
+from .lane import StorageLane
+from .queue_store import (
     MAX_GROWTHS,
     MapFull,
     StorageError,
@@ -43,7 +44,6 @@ from ..storage.queue_store import (
     inject_write_fault,
     write_failure,
 )
-from .lane import StorageLane
 
 T = TypeVar("T")
 

@@ -2,7 +2,7 @@
 
 Each queue in a group keeps its databases (one per partition, four for the keyed
 indexes) in the group's environment under its own prefix, ``q<uid>.``, so that one
-durable commit can carry the cycles of all of them (actor/commit_group.py).
+durable commit can carry the cycles of all of them (storage/commit_group.py).
 
 LMDB sizes every transaction by the environment's ``max_dbs`` (a nested transaction
 allocates and clears an array of that many entries), so a group holds a bounded
