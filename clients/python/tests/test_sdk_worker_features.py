@@ -320,7 +320,7 @@ def test_retry_rules_are_checked_when_made() -> None:
     with pytest.raises(TypeError, match="dead_on takes exception classes"):
         querator.WorkerOptions(dead_on=("ValueError",))  # type: ignore[arg-type]
     # One class or rule alone stands for a sequence of one.
-    policy = querator.WorkerOptions(retry_on=KeyError, dead_on=LookupError).retry_policy()
+    policy = querator.WorkerOptions(retry_on=KeyError, dead_on=LookupError).failure_rules()
     assert policy.decide(KeyError()).dead is False and policy.decide(IndexError()).dead is True
 
 

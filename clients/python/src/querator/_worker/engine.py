@@ -96,7 +96,7 @@ class Engine:
         self.o = options
         self.hooks = options.hooks or WorkerHooks()
         self.stats = WorkerStats()
-        self.policy = options.retry_policy()
+        self.policy = options.failure_rules()
         self.tracing = calls.config.tracing
         self._make_sync_client = make_sync_client
         self._sync_client: Client | None = None

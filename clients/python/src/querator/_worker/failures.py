@@ -46,7 +46,7 @@ class Decision:
 _DEAD = object()
 
 
-class RetryPolicy:
+class FailureRules:
     """``retry_on`` / ``dead_on`` looked up by the error's class hierarchy: the most
     specific class named wins (``retry_on=(TimeoutError,)`` with ``dead_on=(OSError,)``
     retries timeouts and dead-letters other OS errors); unnamed errors are retried with

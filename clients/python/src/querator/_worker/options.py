@@ -12,7 +12,7 @@ from .._config import MAX_BATCH, Backoff
 from .._convert import Seconds, seconds
 from .._items import AnyLeasedItem
 from ..errors import QueratorError
-from .failures import FailureLog, RetryPolicy, RetryRule
+from .failures import FailureLog, FailureRules, RetryRule
 
 log = logging.getLogger("querator.worker")
 
@@ -173,7 +173,7 @@ class WorkerOptions:
                 raise ValueError(f"{name} must be positive, got {value!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port must be between 0 and 65535")
-        self.retry_policy()  # rejects bad rules now, not at the first failure
+        self.failure_rules()  # rejects bad rules now, not at the first failure
 
-    def retry_policy(self) -> RetryPolicy:
-        return RetryPolicy(self.retry_on, self.dead_on, self.retry_backoff)
+    def failure_rules(self) -> FailureRules:
+        return FailureRules(self.retry_on, self.dead_on, self.retry_backoff)
