@@ -36,6 +36,8 @@ from ._config import Backoff, ClientConfig
 from ._items import AnyLeasedItem, AsyncLeasedItem, LeasedItem
 from ._models import (
     ApiKey,
+    ClusterMember,
+    ClusterView,
     CreatedKey,
     DeadReason,
     ExtendResult,
@@ -102,6 +104,8 @@ __all__ = [
     "Cancelled",
     "Client",
     "ClientConfig",
+    "ClusterMember",
+    "ClusterView",
     "CreatedKey",
     "DeadLetter",
     "DeadReason",

@@ -16,6 +16,7 @@ from ._convert import Seconds
 from ._items import AsyncLeasedItem
 from ._models import (
     ApiKey,
+    ClusterView,
     CreatedKey,
     DeadReason,
     ExtendResult,
@@ -291,6 +292,16 @@ class AsyncClient(BaseClient):
     async def revoke_key(self, key_id: str, *, timeout: Seconds | None = None) -> None:
         """Revoke a key; see :meth:`querator.Client.revoke_key`."""
         await self._transport.run(ops.revoke_key(self._config, key_id, timeout))
+
+    # -- ClusterService ---------------------------------------------------------------------
+
+    async def cluster_info(self, *, check_members: bool = False, timeout: Seconds | None = None) -> ClusterView:
+        """The answering node's view of its cluster; see :meth:`querator.Client.cluster_info`."""
+        return await self._transport.run(ops.cluster_info(self._config, check_members, timeout))
+
+    async def retire_node_discarding_data(self, node_id: str, *, timeout: Seconds | None = None) -> int:
+        """Retire a dead node, losing its items; see :meth:`querator.Client.retire_node_discarding_data`."""
+        return await self._transport.run(ops.retire_node_discarding_data(self._config, node_id, timeout))
 
 
 __all__ = ["AsyncClient"]

@@ -18,6 +18,7 @@ from ._convert import Seconds
 from ._items import LeasedItem
 from ._models import (
     ApiKey,
+    ClusterView,
     CreatedKey,
     DeadReason,
     ExtendResult,
@@ -329,6 +330,22 @@ class Client(BaseClient):
     def revoke_key(self, key_id: str, *, timeout: Seconds | None = None) -> None:
         """Delete a key; calls with its token fail with Unauthenticated from then on."""
         self._transport.run(ops.revoke_key(self._config, key_id, timeout))
+
+    # -- ClusterService -----------------------------------------------------------------------
+
+    def cluster_info(self, *, check_members: bool = False, timeout: Seconds | None = None) -> ClusterView:
+        """The answering node's view of its cluster: members (address, live, fenced) and
+        each queue's partition homes, at a catalog revision (a single server answers as
+        one node). With ``check_members`` the node also asks each other live member
+        whether it is fenced (up to 2 s for one that does not answer)."""
+        return self._transport.run(ops.cluster_info(self._config, check_members, timeout))
+
+    def retire_node_discarding_data(self, node_id: str, *, timeout: Seconds | None = None) -> int:
+        """Retire a dead node for good: its partitions are recreated, **empty**, on the
+        live nodes, and the items they held are lost (docs/cluster.md). Needs an admin
+        key for "*"; raises FailedPrecondition while the node is live, NotFound when it
+        homes no partition. Returns how many partitions were recreated. Not retried."""
+        return self._transport.run(ops.retire_node_discarding_data(self._config, node_id, timeout))
 
 
 __all__ = ["Client"]

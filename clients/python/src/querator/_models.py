@@ -276,6 +276,40 @@ class CreatedKey:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterMember:
+    """A node of a cluster as ClusterInfo describes it.
+
+    ``fenced``: the node cannot renew its membership, so it refuses admin changes while it
+    goes on serving data; known for the node that answered, and for the others only when
+    asked with ``check_members`` (``check_error`` then says why a live node could not be
+    asked).
+    """
+
+    node_id: str
+    address: str
+    live: bool
+    fenced: bool = False
+    check_error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """A node's view of its cluster at catalog ``revision`` (a single server: one member,
+    ``clustered`` false). ``homes[queue][p]`` is the node id homing partition ``p``."""
+
+    clustered: bool
+    node_id: str
+    revision: int
+    members: list[ClusterMember] = field(default_factory=list)
+    homes: dict[str, list[str]] = field(default_factory=dict)
+    admin_writable: bool = True
+
+    def partitions_of(self, node_id: str) -> int:
+        """How many partitions, over the queues in the view, ``node_id`` homes."""
+        return sum(homes.count(node_id) for homes in self.homes.values())
+
+
+@dataclass(frozen=True, slots=True)
 class Page(Generic[T]):
     """One page of a listing; ``next_page_token`` is empty on the last page."""
 

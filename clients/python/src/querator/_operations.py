@@ -23,6 +23,7 @@ from ._convert import Seconds
 from ._items import COMPLETED, DEAD, RETRIED
 from ._models import (
     ApiKey,
+    ClusterView,
     CreatedKey,
     DeadReason,
     ExtendResult,
@@ -35,12 +36,12 @@ from ._models import (
     StoredItem,
 )
 from .errors import QueratorError
-from .v1 import keys_pb2, queue_pb2, queues_pb2, storage_pb2
+from .v1 import cluster_pb2, keys_pb2, queue_pb2, queues_pb2, storage_pb2
 
 T = TypeVar("T")
 
 # The gRPC services, by the name a Call gives them.
-QUEUE, QUEUES, STORAGE, KEYS = "queue", "queues", "storage", "keys"
+QUEUE, QUEUES, STORAGE, KEYS, CLUSTER = "queue", "queues", "storage", "keys", "cluster"
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,3 +299,18 @@ def list_keys(config: ClientConfig, timeout: Seconds | None) -> Operation[list[A
 def revoke_key(config: ClientConfig, key_id: str, timeout: Seconds | None) -> Operation[None]:
     request = keys_pb2.RevokeKeyRequest(key_id=key_id)
     yield Call(KEYS, "RevokeKey", request, config.call_timeout(timeout), False, key_call=True)
+
+
+# -- ClusterService ------------------------------------------------------------------------
+
+
+def cluster_info(config: ClientConfig, check_members: bool, timeout: Seconds | None) -> Operation[ClusterView]:
+    request = cluster_pb2.ClusterInfoRequest(check_members=check_members)
+    response = yield Call(CLUSTER, "ClusterInfo", request, config.call_timeout(timeout), True)
+    return p.cluster_view(response)
+
+
+def retire_node_discarding_data(config: ClientConfig, node_id: str, timeout: Seconds | None) -> Operation[int]:
+    request = cluster_pb2.RetireNodeDiscardingDataRequest(node_id=node_id)
+    response = yield Call(CLUSTER, "RetireNodeDiscardingData", request, config.call_timeout(timeout), False)
+    return int(response.partitions_recreated)

@@ -14,6 +14,8 @@ from ._models import (
     QUEUE_SETTINGS,
     ROLES,
     ApiKey,
+    ClusterMember,
+    ClusterView,
     CreatedKey,
     DeadReason,
     ExtendResult,
@@ -26,7 +28,7 @@ from ._models import (
     StoredItem,
 )
 from .tracing import _merge_trace as merge_trace
-from .v1 import keys_pb2, queue_pb2, queues_pb2, storage_pb2
+from .v1 import cluster_pb2, keys_pb2, queue_pb2, queues_pb2, storage_pb2
 
 
 @runtime_checkable
@@ -563,3 +565,16 @@ def create_key_request(role: str, queues: Iterable[str] | str, description: str)
 
 def created_key(response: keys_pb2.CreateKeyResponse) -> CreatedKey:
     return CreatedKey(api_key(response.key), response.token)
+
+
+def cluster_view(response: cluster_pb2.ClusterInfoResponse) -> ClusterView:
+    return ClusterView(
+        clustered=response.clustered,
+        node_id=response.node_id,
+        revision=response.revision,
+        members=[
+            ClusterMember(m.node_id, m.address, m.live, m.fenced, m.check_error) for m in response.members
+        ],
+        homes={q.queue_name: list(q.homes) for q in response.queues},
+        admin_writable=response.admin_writable,
+    )

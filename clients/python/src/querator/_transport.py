@@ -24,7 +24,7 @@ from . import _convert as c
 from ._cluster import ABANDONED, LEASE_SLICE, LEFT, ClusterMap, Route, never_sent, node_gone, origin, tagged
 from ._config import ClientConfig
 from ._convert import Seconds, seconds
-from ._operations import KEYS, QUEUE, QUEUES, STORAGE, Call, Operation
+from ._operations import CLUSTER, KEYS, QUEUE, QUEUES, STORAGE, Call, Operation
 from ._retry import RetryPolicy
 from ._streams import Streams, StreamsUnsupported, from_stream_error
 from .errors import InvalidRequest, QueratorError, QueueNotFound, Unauthenticated, Unavailable, from_rpc_error
@@ -52,7 +52,6 @@ def _stubs(channel: Any) -> dict[str, Any]:
     }
 
 
-CLUSTER = "cluster"
 #: Deadline of the calls routing makes for itself (ClusterInfo, GetQueueStats).
 _ROUTING_TIMEOUT = 5.0
 

@@ -191,6 +191,13 @@ class AdminFrontend:
         owned = [e for e in self.catalog.queues.values() if any(h.node == node for h in e.homes)]
         if not owned and node in self.catalog.retired:
             return 0
+        if not owned:
+            # Retiring bans the id for ever: an id the catalog does not know (a typo) must
+            # not be banned, and a node that homes nothing has nothing to give up.
+            raise NotFound(
+                f"node_id: node {node!r} homes no partition and is not a member of the cluster "
+                "(ClusterInfo lists the nodes); nothing to retire"
+            )
         live = self._live()
         if not live:
             raise Unavailable("no live node to recreate the partitions on")

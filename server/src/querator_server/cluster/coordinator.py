@@ -20,12 +20,13 @@ from ..manager import QueuesManager
 from .admin_frontend import AdminFrontend
 from .catalog import APPLY_TIMEOUT_S as _APPLY_TIMEOUT_S
 from .catalog import CatalogCache, Keys
-from .etcd import Endpoint, Etcd, EtcdError, Txn
+from .etcd import Access, Endpoint, Etcd, EtcdError, Txn
 from .forwarding import PeerTls
 from .membership import Membership
 from .placement import QueueEntry
 from .reconcile_backend import ReconcileBackend
 from .router import Router
+from .standing import Standing, check_members
 
 log = get_logger("cluster")
 
@@ -40,6 +41,8 @@ class ClusterSettings:
     # (None: the system's roots) and this node's own chain and key, presented as a
     # client certificate; None: plaintext.
     peer_tls: PeerTls | None = None
+    # TLS and authentication towards etcd; None: plaintext, no authentication.
+    etcd_access: Access | None = None
 
 
 class Coordinator(AdminFrontend, ReconcileBackend):
@@ -53,7 +56,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         self.settings = settings
         self.node = settings.node_id
         endpoint = Endpoint.parse(settings.url)
-        self.etcd = Etcd(endpoint.targets)
+        self.etcd = Etcd(endpoint.targets, settings.etcd_access)
         self.keys = Keys(endpoint.prefix)
         self.catalog = CatalogCache(self.etcd, self.keys, self.reconcile)
         self._on_standing = on_standing
@@ -135,3 +138,9 @@ class Coordinator(AdminFrontend, ReconcileBackend):
             raise NotFound(f"queue {name!r} does not exist")
         await self.catalog.wait_applied(kv.mod_revision, _APPLY_TIMEOUT_S)
         return self.catalog.queues.get(name) or QueueEntry.decode(name, kv.value, kv.mod_revision, kv.create_revision)
+
+    # -- the operator's view --------------------------------------------------------
+
+    async def check_members(self) -> dict[str, Standing]:
+        """Whether each other live member is fenced, as it says itself."""
+        return await check_members(self.router.peers, [n for n in self._live() if n != self.node])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -122,70 +122,134 @@ class Txn:
         return self
 
 
+@dataclass(frozen=True, slots=True)
+class Access:
+    """How a node proves itself to etcd and checks etcd's identity.
+
+    TLS is on once a CA bundle or a client certificate is given: ``ca`` (PEM) is what
+    etcd's certificate must chain to (None: the system's roots), ``cert`` and ``key`` the
+    node's client certificate (etcd's ``--client-cert-auth``; with etcd's auth on, its
+    common name is the etcd user). ``user`` and ``password``: etcd's own authentication
+    (a token per connection, asked for again when etcd forgets it, after a restart say).
+    """
+
+    ca: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+    user: str = ""
+    password: str = field(default="", repr=False)
+
+    @property
+    def tls(self) -> bool:
+        return self.ca is not None or self.cert is not None
+
+
+def _stale_token(exc: grpc.aio.AioRpcError) -> bool:
+    """etcd no longer accepts the token (it restarted, or its auth store changed since):
+    authenticate again."""
+    details = exc.details() or ""
+    return exc.code() == grpc.StatusCode.UNAUTHENTICATED or "auth store is old" in details
+
+
 class Etcd:
     """One gRPC channel to etcd; tries the given endpoints in turn on failure."""
 
-    def __init__(self, targets: Sequence[str]) -> None:
+    def __init__(self, targets: Sequence[str], access: Access | None = None) -> None:
         self._targets = list(targets)
         self._index = 0
+        self._access = access or Access()
+        self._token: str | None = None
         self._open()
 
     def _open(self) -> None:
         target = self._targets[self._index % len(self._targets)]
-        self.channel = grpc.aio.insecure_channel(
-            target,
-            options=[
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
-        )
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+        access = self._access
+        if access.tls:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=access.ca, private_key=access.key, certificate_chain=access.cert
+            )
+            self.channel = grpc.aio.secure_channel(target, credentials, options=options)
+        else:
+            self.channel = grpc.aio.insecure_channel(target, options=options)
         self._kv = rpc.KVStub(self.channel)
         self._lease = rpc.LeaseStub(self.channel)
         self._watch = rpc.WatchStub(self.channel)
+        self._auth = rpc.AuthStub(self.channel)
+        self._token = None  # a token belongs to the etcd member that issued it
+
+    async def _metadata(self) -> tuple[tuple[str, str], ...]:
+        """The token every call carries when etcd authentication is used."""
+        access = self._access
+        if not access.user:
+            return ()
+        if self._token is None:
+            try:
+                reply = await self._auth.Authenticate(
+                    rpc.AuthenticateRequest(name=access.user, password=access.password), timeout=CALL_TIMEOUT_S
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise await self._failed(exc) from None
+            self._token = str(reply.token)
+        return (("token", self._token),)
 
     async def _failed(self, exc: grpc.aio.AioRpcError) -> EtcdError:
+        if _stale_token(exc):
+            self._token = None
         if len(self._targets) > 1:  # the next endpoint, for the next call
             old = self.channel
             self._index += 1
             self._open()
             await old.close(None)
-        return EtcdError(f"etcd: {exc.code().name}: {exc.details()}")
+        return EtcdError(f"etcd: {exc.code().name}: {exc.details()}{self._hint(exc)}")
+
+    def _hint(self, exc: grpc.aio.AioRpcError) -> str:
+        details = (exc.details() or "").lower()
+        code = exc.code()
+        if code == grpc.StatusCode.PERMISSION_DENIED:
+            who = f"user {self._access.user!r}" if self._access.user else "this node's etcd identity"
+            return f" ({who} needs read and write permission on the cluster's prefix)"
+        if "authentication failed" in details:
+            return f" (etcd user {self._access.user!r}: check the user and its password file)"
+        if "user name is empty" in details or "user name not found" in details:
+            return " (etcd has authentication on: give --etcd-user and a password, or a client certificate)"
+        if code == grpc.StatusCode.UNAVAILABLE and ("ssl" in details or "handshake" in details or "certificate" in details):
+            return " (TLS to etcd failed: check --etcd-ca against etcd's certificate, and --etcd-cert/--etcd-key)"
+        if code == grpc.StatusCode.UNAVAILABLE and not self._access.tls and "socket closed" in details:
+            return " (does etcd expect TLS? give --etcd-ca)"
+        return ""
+
+    async def _unary(self, method: Any, request: Any) -> Any:
+        """One call with a deadline; a token etcd no longer accepts is renewed once."""
+        for attempt in (1, 2):
+            try:
+                return await method(request, timeout=CALL_TIMEOUT_S, metadata=await self._metadata())
+            except grpc.aio.AioRpcError as exc:
+                if attempt == 1 and self._access.user and _stale_token(exc):
+                    self._token = None
+                    continue
+                raise await self._failed(exc) from None
+        raise AssertionError("unreachable")
 
     async def close(self) -> None:
         await self.channel.close(None)
 
     async def range_prefix(self, prefix: bytes) -> tuple[int, list[KeyValue]]:
         """Every key under ``prefix`` and the revision they were read at (linearizable)."""
-        try:
-            reply = await self._kv.Range(
-                rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix)), timeout=CALL_TIMEOUT_S
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise await self._failed(exc) from None
+        reply = await self._unary(self._kv.Range, rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix)))
         return reply.header.revision, [_kv(kv) for kv in reply.kvs]
 
     async def get(self, key: bytes) -> tuple[int, KeyValue | None]:
-        try:
-            reply = await self._kv.Range(rpc.RangeRequest(key=key), timeout=CALL_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            raise await self._failed(exc) from None
+        reply = await self._unary(self._kv.Range, rpc.RangeRequest(key=key))
         return reply.header.revision, (_kv(reply.kvs[0]) if reply.kvs else None)
 
     async def txn(self, txn: Txn) -> tuple[bool, int]:
         """Send ``txn``: whether every comparison held (and so it was written), and the revision."""
-        try:
-            reply = await self._kv.Txn(
-                rpc.TxnRequest(compare=txn.compare, success=txn.success), timeout=CALL_TIMEOUT_S
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise await self._failed(exc) from None
+        reply = await self._unary(self._kv.Txn, rpc.TxnRequest(compare=txn.compare, success=txn.success))
         return bool(reply.succeeded), int(reply.header.revision)
 
     async def grant(self, ttl_s: int) -> int:
-        try:
-            reply = await self._lease.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl_s), timeout=CALL_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            raise await self._failed(exc) from None
+        reply = await self._unary(self._lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl_s))
         if reply.error:
             raise EtcdError(f"etcd refused a lease: {reply.error}")
         return int(reply.ID)
@@ -196,7 +260,9 @@ class Etcd:
         etcd answers an expired lease with TTL 0 and no error, so the caller must
         look at the TTL.
         """
-        call = self._lease.LeaseKeepAlive(_hold_open(rpc.LeaseKeepAliveRequest(ID=lease)), timeout=timeout)
+        call = self._lease.LeaseKeepAlive(
+            _hold_open(rpc.LeaseKeepAliveRequest(ID=lease)), timeout=timeout, metadata=await self._metadata()
+        )
         try:
             async for reply in call:
                 return int(reply.TTL)
@@ -207,10 +273,7 @@ class Etcd:
         raise EtcdError("etcd closed the keepalive without an answer")
 
     async def revoke(self, lease: int) -> None:
-        try:
-            await self._lease.LeaseRevoke(rpc.LeaseRevokeRequest(ID=lease), timeout=CALL_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            raise await self._failed(exc) from None
+        await self._unary(self._lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease))
 
     async def watch(self, prefix: bytes, start_revision: int) -> AsyncIterator[tuple[int, list[Event]]]:
         """Changes under ``prefix`` from ``start_revision`` on: (revision, events) per answer,
@@ -223,12 +286,14 @@ class Etcd:
         create = rpc.WatchCreateRequest(
             key=prefix, range_end=prefix_end(prefix), start_revision=start_revision, progress_notify=True
         )
-        call = self._watch.Watch(_hold_open(rpc.WatchRequest(create_request=create)))
+        call = self._watch.Watch(_hold_open(rpc.WatchRequest(create_request=create)), metadata=await self._metadata())
         try:
             async for reply in call:
                 if reply.compact_revision:
                     raise Compacted(int(reply.compact_revision))
                 if reply.canceled:
+                    if "auth" in reply.cancel_reason:  # a token etcd forgot: a new one next time
+                        self._token = None
                     raise EtcdError(f"etcd cancelled the watch: {reply.cancel_reason}")
                 events = [Event(e.type == rpc.Event.DELETE, _kv(e.kv)) for e in reply.events]
                 if events:

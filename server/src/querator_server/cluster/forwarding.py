@@ -56,6 +56,10 @@ def is_forwarded(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
     return any(k == FORWARDED for k, _ in (context.invocation_metadata() or ()))
 
 
+# Where an error about a node that is down sends an operator.
+NODE_GONE_HELP = 'if it is gone for good, see docs/cluster.md, "A node that died for good"'
+
+
 class Peers:
     """One channel per other node's address, and the forwarded call over it.
 
@@ -80,7 +84,9 @@ class Peers:
     def channel(self, node: str) -> grpc.aio.Channel:
         member = self._members().get(node)
         if member is None:
-            raise Unavailable(f"node {node!r} is not live; its partitions are unavailable until it returns")
+            raise Unavailable(
+                f"node {node!r} is not live; its partitions are unavailable until it returns ({NODE_GONE_HELP})"
+            )
         channel = self._channels.get(member.address)
         if channel is None:
             channel = self._channels[member.address] = (

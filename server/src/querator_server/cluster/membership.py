@@ -131,5 +131,9 @@ class Membership:
         standing = not self.fenced
         if standing != self._standing:
             self._standing = standing
-            log.warning("cluster_standing", node=self.node, fenced=not standing)
+            # Losing standing is news for an operator; holding it (at start, or again) is not.
+            if standing:
+                log.info("cluster_standing", node=self.node, fenced=False)
+            else:
+                log.warning("cluster_standing", node=self.node, fenced=True)
             await self._on_standing(standing)

@@ -23,7 +23,7 @@ from querator.v1 import storage_pb2 as spb
 from ..errors import FailedPrecondition, InvalidArgument, NoHealthyPartition, Unavailable
 from ..model import DEFAULT_WAIT_US, MAX_WAIT_US
 from .catalog import CatalogCache
-from .forwarding import Peers, PeerTls, Unreachable, is_forwarded
+from .forwarding import NODE_GONE_HELP, Peers, PeerTls, Unreachable, is_forwarded
 from .placement import QueueEntry, key_partition
 from .redrive_walk import RedriveWalk, check_target, walk
 
@@ -387,7 +387,10 @@ class Router:
                     pass
             if part is None:
                 away.append(node)
-                failure = f"its home, node {node!r}, is down or did not answer: its counts are unknown until it is back"
+                failure = (
+                    f"its home, node {node!r}, is down or did not answer: its counts are unknown until it is back "
+                    f"({NODE_GONE_HELP})"
+                )
                 out.partitions.extend(
                     qpb.PartitionStats(partition=partition, faulty=True, failure=failure)
                     for partition in entry.local_partitions(node).values()

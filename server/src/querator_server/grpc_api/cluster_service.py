@@ -57,11 +57,14 @@ class ClusterService:
         catalog = cluster.catalog
         nodes = {h.node for e in catalog.queues.values() for h in e.homes} | set(catalog.members)
         nodes -= catalog.retired
+        standing = await cluster.check_members() if request.check_members else {}
         members = [
             pb.ClusterMember(
                 node_id=n,
                 address=catalog.members[n].address if n in catalog.members else "",
                 live=n in catalog.members,
+                fenced=cluster.membership.fenced if n == cluster.node else n in standing and standing[n].fenced,
+                check_error=standing[n].error if n in standing else "",
             )
             for n in sorted(nodes)
         ]

@@ -25,6 +25,14 @@ class ClusterInfoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     QUEUE_NAMES_FIELD_NUMBER: _builtins.int
+    CHECK_MEMBERS_FIELD_NUMBER: _builtins.int
+    check_members: _builtins.bool
+    """Also ask each other live member whether it is fenced: one gRPC health
+    check of querator.v1.ClusterService per member, all at once, each given
+    at most 2 s. Fills ClusterMember.fenced and ClusterMember.check_error for
+    them. Off by default: a client that routes does not need it, and a paused
+    member would hold up its answer.
+    """
     @_builtins.property
     def queue_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Only these queues' placement (empty: every queue the caller may see)."""
@@ -33,10 +41,11 @@ class ClusterInfoRequest(_message.Message):
         self,
         *,
         queue_names: _abc.Iterable[_builtins.str] | None = ...,
+        check_members: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue_names", b"queue_names"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["check_members", b"check_members", "queue_names", b"queue_names"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -101,6 +110,8 @@ class ClusterMember(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     LIVE_FIELD_NUMBER: _builtins.int
+    FENCED_FIELD_NUMBER: _builtins.int
+    CHECK_ERROR_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node's id (`--node-id`)."""
     address: _builtins.str
@@ -111,16 +122,30 @@ class ClusterMember(_message.Message):
     """Whether the node holds its membership now. A node that is not live
     keeps its partitions; they are unavailable until it returns.
     """
+    fenced: _builtins.bool
+    """Whether the node is fenced: it cannot renew its membership in the
+    catalog, so it refuses admin changes (and its health for
+    querator.v1.ClusterService is NOT_SERVING) while it goes on serving data.
+    Known for the answering node always, for the other live nodes only with
+    ClusterInfoRequest.check_members; false otherwise.
+    """
+    check_error: _builtins.str
+    """With ClusterInfoRequest.check_members: why this live node could not be
+    asked whether it is fenced (no answer in time: paused, overloaded or cut
+    off from the answering node). Empty when it answered or was not asked.
+    """
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
         address: _builtins.str = ...,
         live: _builtins.bool = ...,
+        fenced: _builtins.bool = ...,
+        check_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "live", b"live", "node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "check_error", b"check_error", "fenced", b"fenced", "live", b"live", "node_id", b"node_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

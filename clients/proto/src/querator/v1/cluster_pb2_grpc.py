@@ -72,7 +72,9 @@ class ClusterServiceServicer:
         every partition it homed is recreated, empty, on the live nodes. The
         items those partitions held are lost (they stay in the retired node's
         data directory, which no server will serve again). Refused with
-        FAILED_PRECONDITION while the node is live. Needs an admin key for "*".
+        FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
+        homes no partition (an id the cluster does not know is never banned);
+        retiring a node already retired answers 0. Needs an admin key for "*".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -48,7 +48,9 @@ class ClusterServiceStub:
     every partition it homed is recreated, empty, on the live nodes. The
     items those partitions held are lost (they stay in the retired node's
     data directory, which no server will serve again). Refused with
-    FAILED_PRECONDITION while the node is live. Needs an admin key for "*".
+    FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
+    homes no partition (an id the cluster does not know is never banned);
+    retiring a node already retired answers 0. Needs an admin key for "*".
     """
 
 @_typing.type_check_only
@@ -71,7 +73,9 @@ class ClusterServiceAsyncStub(ClusterServiceStub):
     every partition it homed is recreated, empty, on the live nodes. The
     items those partitions held are lost (they stay in the retired node's
     data directory, which no server will serve again). Refused with
-    FAILED_PRECONDITION while the node is live. Needs an admin key for "*".
+    FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
+    homes no partition (an id the cluster does not know is never banned);
+    retiring a node already retired answers 0. Needs an admin key for "*".
     """
 
 class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -103,7 +107,9 @@ class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
         every partition it homed is recreated, empty, on the live nodes. The
         items those partitions held are lost (they stay in the retired node's
         data directory, which no server will serve again). Refused with
-        FAILED_PRECONDITION while the node is live. Needs an admin key for "*".
+        FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
+        homes no partition (an id the cluster does not know is never banned);
+        retiring a node already retired answers 0. Needs an admin key for "*".
         """
 
 def add_ClusterServiceServicer_to_server(servicer: ClusterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -10,7 +10,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file querator/v1/cluster.proto.
  */
 export const file_querator_v1_cluster: GenFile = /*@__PURE__*/
-  fileDesc("ChlxdWVyYXRvci92MS9jbHVzdGVyLnByb3RvEgtxdWVyYXRvci52MSIpChJDbHVzdGVySW5mb1JlcXVlc3QSEwoLcXVldWVfbmFtZXMYASADKAkivQEKE0NsdXN0ZXJJbmZvUmVzcG9uc2USEQoJY2x1c3RlcmVkGAEgASgIEg8KB25vZGVfaWQYAiABKAkSEAoIcmV2aXNpb24YAyABKAMSKwoHbWVtYmVycxgEIAMoCzIaLnF1ZXJhdG9yLnYxLkNsdXN0ZXJNZW1iZXISKwoGcXVldWVzGAUgAygLMhsucXVlcmF0b3IudjEuUXVldWVQbGFjZW1lbnQSFgoOYWRtaW5fd3JpdGFibGUYBiABKAgiPwoNQ2x1c3Rlck1lbWJlchIPCgdub2RlX2lkGAEgASgJEg8KB2FkZHJlc3MYAiABKAkSDAoEbGl2ZRgDIAEoCCIzCg5RdWV1ZVBsYWNlbWVudBISCgpxdWV1ZV9uYW1lGAEgASgJEg0KBWhvbWVzGAIgAygJIjIKH1JldGlyZU5vZGVEaXNjYXJkaW5nRGF0YVJlcXVlc3QSDwoHbm9kZV9pZBgBIAEoCSJACiBSZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXNwb25zZRIcChRwYXJ0aXRpb25zX3JlY3JlYXRlZBgBIAEoBTLbAQoOQ2x1c3RlclNlcnZpY2USUAoLQ2x1c3RlckluZm8SHy5xdWVyYXRvci52MS5DbHVzdGVySW5mb1JlcXVlc3QaIC5xdWVyYXRvci52MS5DbHVzdGVySW5mb1Jlc3BvbnNlEncKGFJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YRIsLnF1ZXJhdG9yLnYxLlJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YVJlcXVlc3QaLS5xdWVyYXRvci52MS5SZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXNwb25zZUKnAQoOaW8ucXVlcmF0b3IudjFCDENsdXN0ZXJQcm90b1ABWjpnaXRodWIuY29tL3F1ZXJhdG9yL3F1ZXJhdG9yL2dlbi9nby9xdWVyYXRvci92MTtxdWVyYXRvcnYxogIDUVhYqgILUXVlcmF0b3IuVjHKAgtRdWVyYXRvclxWMeICF1F1ZXJhdG9yXFYxXEdQQk1ldGFkYXRh6gIMUXVlcmF0b3I6OlYxYgZwcm90bzM");
+  fileDesc("ChlxdWVyYXRvci92MS9jbHVzdGVyLnByb3RvEgtxdWVyYXRvci52MSJAChJDbHVzdGVySW5mb1JlcXVlc3QSEwoLcXVldWVfbmFtZXMYASADKAkSFQoNY2hlY2tfbWVtYmVycxgCIAEoCCK9AQoTQ2x1c3RlckluZm9SZXNwb25zZRIRCgljbHVzdGVyZWQYASABKAgSDwoHbm9kZV9pZBgCIAEoCRIQCghyZXZpc2lvbhgDIAEoAxIrCgdtZW1iZXJzGAQgAygLMhoucXVlcmF0b3IudjEuQ2x1c3Rlck1lbWJlchIrCgZxdWV1ZXMYBSADKAsyGy5xdWVyYXRvci52MS5RdWV1ZVBsYWNlbWVudBIWCg5hZG1pbl93cml0YWJsZRgGIAEoCCJkCg1DbHVzdGVyTWVtYmVyEg8KB25vZGVfaWQYASABKAkSDwoHYWRkcmVzcxgCIAEoCRIMCgRsaXZlGAMgASgIEg4KBmZlbmNlZBgEIAEoCBITCgtjaGVja19lcnJvchgFIAEoCSIzCg5RdWV1ZVBsYWNlbWVudBISCgpxdWV1ZV9uYW1lGAEgASgJEg0KBWhvbWVzGAIgAygJIjIKH1JldGlyZU5vZGVEaXNjYXJkaW5nRGF0YVJlcXVlc3QSDwoHbm9kZV9pZBgBIAEoCSJACiBSZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXNwb25zZRIcChRwYXJ0aXRpb25zX3JlY3JlYXRlZBgBIAEoBTLbAQoOQ2x1c3RlclNlcnZpY2USUAoLQ2x1c3RlckluZm8SHy5xdWVyYXRvci52MS5DbHVzdGVySW5mb1JlcXVlc3QaIC5xdWVyYXRvci52MS5DbHVzdGVySW5mb1Jlc3BvbnNlEncKGFJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YRIsLnF1ZXJhdG9yLnYxLlJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YVJlcXVlc3QaLS5xdWVyYXRvci52MS5SZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXNwb25zZUKnAQoOaW8ucXVlcmF0b3IudjFCDENsdXN0ZXJQcm90b1ABWjpnaXRodWIuY29tL3F1ZXJhdG9yL3F1ZXJhdG9yL2dlbi9nby9xdWVyYXRvci92MTtxdWVyYXRvcnYxogIDUVhYqgILUXVlcmF0b3IuVjHKAgtRdWVyYXRvclxWMeICF1F1ZXJhdG9yXFYxXEdQQk1ldGFkYXRh6gIMUXVlcmF0b3I6OlYxYgZwcm90bzM");
 
 /**
  * ClusterInfoRequest asks for the cluster's members and placement.
@@ -24,6 +24,17 @@ export type ClusterInfoRequest = Message<"querator.v1.ClusterInfoRequest"> & {
    * @generated from field: repeated string queue_names = 1;
    */
   queueNames: string[];
+
+  /**
+   * Also ask each other live member whether it is fenced: one gRPC health
+   * check of querator.v1.ClusterService per member, all at once, each given
+   * at most 2 s. Fills ClusterMember.fenced and ClusterMember.check_error for
+   * them. Off by default: a client that routes does not need it, and a paused
+   * member would hold up its answer.
+   *
+   * @generated from field: bool check_members = 2;
+   */
+  checkMembers: boolean;
 };
 
 /**
@@ -119,6 +130,26 @@ export type ClusterMember = Message<"querator.v1.ClusterMember"> & {
    * @generated from field: bool live = 3;
    */
   live: boolean;
+
+  /**
+   * Whether the node is fenced: it cannot renew its membership in the
+   * catalog, so it refuses admin changes (and its health for
+   * querator.v1.ClusterService is NOT_SERVING) while it goes on serving data.
+   * Known for the answering node always, for the other live nodes only with
+   * ClusterInfoRequest.check_members; false otherwise.
+   *
+   * @generated from field: bool fenced = 4;
+   */
+  fenced: boolean;
+
+  /**
+   * With ClusterInfoRequest.check_members: why this live node could not be
+   * asked whether it is fenced (no answer in time: paused, overloaded or cut
+   * off from the answering node). Empty when it answered or was not asked.
+   *
+   * @generated from field: string check_error = 5;
+   */
+  checkError: string;
 };
 
 /**
@@ -225,7 +256,9 @@ export const ClusterService: GenService<{
    * every partition it homed is recreated, empty, on the live nodes. The
    * items those partitions held are lost (they stay in the retired node's
    * data directory, which no server will serve again). Refused with
-   * FAILED_PRECONDITION while the node is live. Needs an admin key for "*".
+   * FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
+   * homes no partition (an id the cluster does not know is never banned);
+   * retiring a node already retired answers 0. Needs an admin key for "*".
    *
    * @generated from rpc querator.v1.ClusterService.RetireNodeDiscardingData
    */

@@ -1,0 +1,173 @@
+"""``querator cluster ...``: an operator's view of a cluster, and retiring a dead node."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from .._client import Client
+from .._models import ClusterView
+from ..errors import NotFound
+from ._common import Commands, UsageError, done
+from ._output import emit_json, emit_table
+
+#: ``querator cluster status`` exits with this when something needs an operator.
+UNHEALTHY = 3
+
+MEMBER_HEADERS = ["NODE", "ADDRESS", "LIVE", "FENCED", "PARTITIONS", "FAULTY"]
+FAULTY_HEADERS = ["QUEUE", "PARTITION", "NODE", "FAILURE"]
+DIED_FOR_GOOD = "docs/cluster.md, \"A node that died for good\""
+
+
+@dataclass(frozen=True, slots=True)
+class Faulty:
+    queue: str
+    partition: int
+    node: str
+    failure: str
+
+
+def _faulty(client: Client, view: ClusterView) -> list[Faulty]:
+    """Every faulty partition of every queue in the view (one GetQueueStats per queue:
+    in a cluster that call also lists the partitions of a home that is down)."""
+    out: list[Faulty] = []
+    for name, homes in sorted(view.homes.items()):
+        try:
+            stats = client.queue_stats(name)
+        except NotFound:  # deleted since the view was read
+            continue
+        for p in stats.partitions:
+            if p.faulty:
+                node = homes[p.partition] if p.partition < len(homes) else ""
+                out.append(Faulty(name, p.partition, node, p.failure))
+    return out
+
+
+def _fenced_cell(fenced: bool, live: bool, check_error: str) -> str:
+    if not live:
+        return "-"
+    if check_error:
+        return "?"
+    return "yes" if fenced else "no"
+
+
+def cmd_status(args: argparse.Namespace, client: Client) -> int:
+    view = client.cluster_info(check_members=True)
+    faulty = _faulty(client, view)
+    members: list[dict[str, Any]] = [
+        {
+            "node_id": m.node_id,
+            "address": m.address,
+            "live": m.live,
+            "fenced": m.fenced,
+            "check_error": m.check_error,
+            "partitions": view.partitions_of(m.node_id),
+            "faulty": sum(1 for f in faulty if f.node == m.node_id),
+        }
+        for m in view.members
+    ]
+    problems = [f"node {m['node_id']} is not live" for m in members if not m["live"]]
+    problems += [f"node {m['node_id']} is fenced" for m in members if m["live"] and m["fenced"]]
+    problems += [f"node {m['node_id']} did not answer: {m['check_error']}" for m in members if m["check_error"]]
+    if faulty:
+        problems.append(f"{len(faulty)} faulty partition{'s' if len(faulty) > 1 else ''}")
+    if not view.admin_writable:
+        problems.append(f"the answering node {view.node_id} is fenced")
+    if args.json:
+        emit_json(
+            {
+                "clustered": view.clustered,
+                "node_id": view.node_id,
+                "revision": view.revision,
+                "admin_writable": view.admin_writable,
+                "members": members,
+                "faulty": faulty,
+                "healthy": not problems,
+                "problems": problems,
+            },
+            sys.stdout,
+        )
+        return UNHEALTHY if problems else 0
+    if view.clustered:
+        live = sum(1 for m in view.members if m.live)
+        print(f"cluster: {live} of {len(view.members)} nodes live, catalog revision {view.revision}, answered by {view.node_id}")
+    else:
+        print("a single server (not a cluster)")
+    rows = [
+        [
+            m["node_id"] or "-",
+            m["address"] or "-",
+            "yes" if m["live"] else "no",
+            _fenced_cell(m["fenced"], m["live"], m["check_error"]),
+            m["partitions"],
+            m["faulty"],
+        ]
+        for m in members
+    ]
+    emit_table(MEMBER_HEADERS, rows, sys.stdout)
+    if faulty:
+        print()
+        emit_table(FAULTY_HEADERS, [[f.queue, f.partition, f.node or "-", f.failure] for f in faulty], sys.stdout)
+    if problems:
+        print(f"\nunhealthy: {'; '.join(problems)}", file=sys.stderr)
+        if any(not m["live"] for m in members):
+            print(f"a node that is gone for good: see {DIED_FOR_GOOD}", file=sys.stderr)
+        return UNHEALTHY
+    return 0
+
+
+def _warning(view: ClusterView, node: str) -> str:
+    queues = sorted(name for name, homes in view.homes.items() if node in homes)
+    partitions = view.partitions_of(node)
+    shown = ", ".join(queues[:10]) + (f" and {len(queues) - 10} more" if len(queues) > 10 else "")
+    return (
+        f"Retiring node {node} DISCARDS THE ITEMS of the {partitions} partition{'s' if partitions != 1 else ''} it homes"
+        f"{' (queues: ' + shown + ')' if queues else ''}: each is recreated, empty, on a live node, and the items "
+        f"left in {node}'s data directory are never served again. The id {node} can never join the cluster again.\n"
+        f"If {node}'s data directory can be recovered, restore it on a new host under the same --node-id "
+        f"instead: nothing is lost that way ({DIED_FOR_GOOD})."
+    )
+
+
+def cmd_retire(args: argparse.Namespace, client: Client) -> int:
+    node = args.node_id
+    if not args.discard_data:
+        raise UsageError("retiring a node loses the items it holds: say so with --discard-data")
+    view = client.cluster_info()
+    print(_warning(view, node), file=sys.stderr)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise UsageError("not confirmed: add --yes (standard input is not a terminal to ask on)")
+        answer = input(f"Type the node id ({node}) to retire it and discard its items: ").strip()
+        if answer != node:
+            print("not retired", file=sys.stderr)
+            return 1
+    moved = client.retire_node_discarding_data(node)
+    return done(
+        args,
+        f"retired node {node}: {moved} partition{'s' if moved != 1 else ''} recreated, empty, on the live nodes",
+        node_id=node,
+        partitions_recreated=moved,
+    )
+
+
+def register(commands: Commands) -> None:
+    cluster = commands.group("cluster", "a cluster's members and health; retire a dead node (docs/cluster.md)")
+    cluster.leaf(
+        "status",
+        cmd_status,
+        "members (address, live, fenced), partitions per node, faulty partitions and the catalog revision; "
+        f"exits {UNHEALTHY} when a node is down, fenced or unreachable or a partition is faulty",
+    )
+    p = cluster.leaf(
+        "retire",
+        cmd_retire,
+        "retire a dead node for good: its partitions are recreated EMPTY on the live nodes, its items are lost",
+    )
+    p.add_argument("node_id", metavar="NODE", help="the dead node's id")
+    p.add_argument(
+        "--discard-data", action="store_true", help="required: acknowledges that the node's items are lost"
+    )
+    p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
