@@ -42,18 +42,28 @@ def etcd_binary() -> str:
 class Etcd:
     """One etcd member on loopback, its data in a temp dir."""
 
-    def __init__(self, data_dir: str) -> None:
+    def __init__(
+        self, data_dir: str, args: list[str] | None = None, credentials: grpc.ChannelCredentials | None = None
+    ) -> None:
         self.binary = etcd_binary()
         self.data_dir = data_dir
         self.client_port = free_port()
         self.peer_port = free_port()
         self.endpoint = f"127.0.0.1:{self.client_port}"
+        #: Extra etcd flags (TLS: --cert-file ...); with ``credentials`` clients speak TLS.
+        self.args = args or []
+        self.credentials = credentials
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
+    def channel(self) -> grpc.Channel:
+        if self.credentials is None:
+            return grpc.insecure_channel(self.endpoint)
+        return grpc.secure_channel(self.endpoint, self.credentials)
+
     def start(self, timeout: float = 30) -> None:
         self._log = tempfile.TemporaryFile()
-        client = f"http://{self.endpoint}"
+        client = f"{'https' if self.credentials is not None else 'http'}://{self.endpoint}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         self.proc = subprocess.Popen(
             [
@@ -66,13 +76,14 @@ class Etcd:
                 "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"test={peer}",
                 "--log-level", "warn",
+                *self.args,
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=self._log,
         )
         deadline = time.monotonic() + timeout
-        channel = grpc.insecure_channel(self.endpoint)
+        channel = self.channel()
         try:
             from aetcd import rpc  # type: ignore[import-untyped]
 
@@ -83,7 +94,9 @@ class Etcd:
                 try:
                     kv.Range(rpc.RangeRequest(key=b"probe"), timeout=1)
                     return
-                except grpc.RpcError:
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:  # auth on: it answers
+                        return
                     if time.monotonic() > deadline:
                         raise AssertionError(f"etcd did not answer within {timeout}s:\n{self.log()}") from None
                     time.sleep(0.1)

@@ -109,6 +109,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         dest="cluster_lease_ttl",
         help="seconds the node's membership lasts without renewal (env QUERATOR_CLUSTER_LEASE_TTL, default 5)",
     )
+    parser.add_argument(
+        "--etcd-ca",
+        help="PEM CA bundle etcd's certificate must chain to; turns TLS to etcd on (env QUERATOR_ETCD_CA)",
+    )
+    parser.add_argument(
+        "--etcd-cert",
+        help="PEM client certificate chain presented to etcd; turns TLS to etcd on (env QUERATOR_ETCD_CERT)",
+    )
+    parser.add_argument("--etcd-key", help="PEM private key of --etcd-cert (env QUERATOR_ETCD_KEY)")
+    parser.add_argument(
+        "--etcd-user",
+        help="etcd user to authenticate as (env QUERATOR_ETCD_USER); its password from --etcd-password-file "
+        "or env QUERATOR_ETCD_PASSWORD",
+    )
+    parser.add_argument(
+        "--etcd-password-file",
+        help="file holding the password of --etcd-user (env QUERATOR_ETCD_PASSWORD_FILE)",
+    )
 
 
 def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
@@ -138,6 +156,9 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
     if config.cluster and config.cluster_lease_ttl_s < 2:
         print("querator: --cluster-lease-ttl (QUERATOR_CLUSTER_LEASE_TTL) must be a whole number of seconds, at least 2", file=sys.stderr)
         return 2
+    if problem := _etcd_settings_problem(config):
+        print(f"querator: {problem}", file=sys.stderr)
+        return 2
     if config.auth and config.admin_token and (weak := check_bootstrap_token(config.admin_token)):
         print(f"querator: {weak}", file=sys.stderr)
         return 2
@@ -148,6 +169,23 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
         print(f"querator: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _etcd_settings_problem(config: ServerConfig) -> str:
+    """What is wrong with the etcd TLS and authentication settings; empty when nothing."""
+    etcd = (config.etcd_ca, config.etcd_cert, config.etcd_key, config.etcd_user, config.etcd_password, config.etcd_password_file)
+    if any(etcd) and not config.cluster:
+        return "the --etcd-* settings (QUERATOR_ETCD_*) apply to a cluster node: give --cluster too"
+    if bool(config.etcd_cert) != bool(config.etcd_key):
+        return "a client certificate for etcd needs both --etcd-cert and --etcd-key"
+    if config.etcd_password and config.etcd_password_file:
+        return "give the etcd password (QUERATOR_ETCD_PASSWORD) or its file (--etcd-password-file), not both"
+    has_password = bool(config.etcd_password or config.etcd_password_file)
+    if config.etcd_user and not has_password:
+        return "--etcd-user needs its password: --etcd-password-file, or env QUERATOR_ETCD_PASSWORD"
+    if has_password and not config.etcd_user:
+        return "an etcd password needs --etcd-user (env QUERATOR_ETCD_USER)"
+    return ""
 
 
 def _config(args: argparse.Namespace) -> ServerConfig:
@@ -169,6 +207,11 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         advertise=args.advertise,
         cluster_lease_ttl_s=args.cluster_lease_ttl,
         cluster_ca=args.cluster_ca,
+        etcd_ca=args.etcd_ca,
+        etcd_cert=args.etcd_cert,
+        etcd_key=args.etcd_key,
+        etcd_user=args.etcd_user,
+        etcd_password_file=args.etcd_password_file,
     )
 
 

@@ -64,6 +64,15 @@ class ServerConfig:
     # With TLS on: the PEM CA bundle that signed the other nodes' certificates, for the
     # calls a node forwards to another (default: tls_client_ca, else the system's roots).
     cluster_ca: str = ""
+    # The connection to etcd beyond plaintext (docs/cluster.md, "etcd beyond plaintext"):
+    # TLS with a CA bundle and/or a client certificate, and etcd's own user and
+    # password (the password from the environment or a file, never a flag: ps shows flags).
+    etcd_ca: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
+    etcd_user: str = ""
+    etcd_password: str = ""
+    etcd_password_file: str = ""
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig:
@@ -87,6 +96,12 @@ class ServerConfig:
             "advertise": env.get("QUERATOR_ADVERTISE", ""),
             "cluster_ca": env.get("QUERATOR_CLUSTER_CA", ""),
             "cluster_lease_ttl_s": _whole_seconds(env.get("QUERATOR_CLUSTER_LEASE_TTL", "5")),
+            "etcd_ca": env.get("QUERATOR_ETCD_CA", ""),
+            "etcd_cert": env.get("QUERATOR_ETCD_CERT", ""),
+            "etcd_key": env.get("QUERATOR_ETCD_KEY", ""),
+            "etcd_user": env.get("QUERATOR_ETCD_USER", ""),
+            "etcd_password": env.get("QUERATOR_ETCD_PASSWORD", ""),
+            "etcd_password_file": env.get("QUERATOR_ETCD_PASSWORD_FILE", ""),
         }
         if "QUERATOR_FAIL_QUEUE_AFTER" in env:
             values["fail_queue_after_s"] = _seconds(env["QUERATOR_FAIL_QUEUE_AFTER"], "QUERATOR_FAIL_QUEUE_AFTER")

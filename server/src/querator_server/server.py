@@ -8,7 +8,7 @@ import importlib.util
 import os
 import resource
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,6 +29,9 @@ from .grpc_api.storage_service import SERVICE as STORAGE_SERVICE
 from .logging import get_logger
 from .manager import QueuesManager
 from .reflection import ReflectionServicer
+
+if TYPE_CHECKING:
+    from .cluster.etcd import Access
 
 log = get_logger()
 
@@ -222,7 +225,14 @@ class QueratorServer:
             except OSError:
                 await self.manager.stop()
                 raise
-        settings = ClusterSettings(config.cluster, config.node_id, advertise, config.cluster_lease_ttl_s, peer_tls)
+        try:
+            etcd_access = _etcd_access(config)
+        except OSError:
+            await self.manager.stop()
+            raise
+        settings = ClusterSettings(
+            config.cluster, config.node_id, advertise, config.cluster_lease_ttl_s, peer_tls, etcd_access
+        )
         try:
             self.cluster = Coordinator(
                 self.manager,
@@ -337,6 +347,29 @@ def _read(path: str, what: str) -> bytes:
             return f.read()
     except OSError as exc:
         raise OSError(f"cannot read the TLS {what} {path!r}: {exc.strerror}") from exc
+
+
+def _etcd_access(config: ServerConfig) -> Access | None:
+    """TLS and authentication towards etcd, from the settings (files read here)."""
+    from .cluster.etcd import Access
+
+    password = config.etcd_password
+    if config.etcd_password_file:
+        try:
+            with open(config.etcd_password_file, encoding="utf-8") as f:
+                password = f.read().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise OSError(f"cannot read the etcd password file {config.etcd_password_file!r}: {reason}") from exc
+    if not (config.etcd_ca or config.etcd_cert or config.etcd_user):
+        return None
+    return Access(
+        ca=_read(config.etcd_ca, "etcd CA") if config.etcd_ca else None,
+        cert=_read(config.etcd_cert, "etcd client certificate") if config.etcd_cert else None,
+        key=_read(config.etcd_key, "etcd client key") if config.etcd_key else None,
+        user=config.etcd_user,
+        password=password,
+    )
 
 
 def _raise_open_file_limit() -> None:

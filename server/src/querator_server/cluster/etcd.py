@@ -213,7 +213,9 @@ class Etcd:
             return f" (etcd user {self._access.user!r}: check the user and its password file)"
         if "user name is empty" in details or "user name not found" in details:
             return " (etcd has authentication on: give --etcd-user and a password, or a client certificate)"
-        if code == grpc.StatusCode.UNAVAILABLE and ("ssl" in details or "handshake" in details or "certificate" in details):
+        if code == grpc.StatusCode.UNAVAILABLE and self._access.tls and any(
+            word in details for word in ("ssl", "handshake", "certificate", "tsi_")
+        ):
             return " (TLS to etcd failed: check --etcd-ca against etcd's certificate, and --etcd-cert/--etcd-key)"
         if code == grpc.StatusCode.UNAVAILABLE and not self._access.tls and "socket closed" in details:
             return " (does etcd expect TLS? give --etcd-ca)"
