@@ -16,7 +16,7 @@ import grpc
 import pytest
 from cluster_helpers import Cluster, Node
 
-from querator.v1 import cluster_pb2, cluster_pb2_grpc
+from querator.v1 import cluster_pb2, cluster_pb2_grpc, queues_pb2
 
 from conftest import wait_until
 
@@ -159,6 +159,53 @@ def test_a_dead_node_shows_in_status_and_retire_asks_then_recreates_its_partitio
         assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr, unknown.stderr
     finally:
         doomed.stop()
+
+
+def test_a_dead_nodes_data_dir_restored_elsewhere_under_its_id_serves_every_item(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """docs/cluster.md, "A node that died for good", way 1: nothing is lost."""
+    import shutil
+
+    n1 = cluster.nodes[0]
+    lost = Node("n5", str(tmp_path / "old-host"), cluster.url, cluster.ttl)
+    lost.start()
+    try:
+        wait_until(lambda: "n5" in cluster.live(n1), timeout=10)
+        n1.stubs.create("moved-host", requested_partitions=4)
+        homes = list([q for q in n1.info().queues if q.queue_name == "moved-host"][0].homes)
+        here = homes.index("n5")
+        payloads = [f"m-{i}".encode() for i in range(40)]
+        for start in range(0, len(payloads), 10):
+            lost.stubs.produce("moved-host", payloads[start : start + 10])  # n5 keeps them on its partition
+        on_n5 = lost.stubs.stats("moved-host").partitions[here].total
+        assert on_n5 == len(payloads)
+        old_address = lost.address
+        lost.kill9()
+        shutil.copytree(tmp_path / "old-host", tmp_path / "new-host")
+    finally:
+        lost.stop()
+    moved = Node("n5", str(tmp_path / "new-host"), cluster.url, cluster.ttl)  # a new port: a new host
+    try:
+        moved.start()
+        wait_until(
+            lambda: any(m.node_id == "n5" and m.live and m.address == moved.address for m in n1.info().members),
+            timeout=20,
+        )
+        assert moved.address != old_address
+        got: list[bytes] = []
+        for _ in range(40):
+            reply = n1.stubs.lease("moved-host", 50, timeout=10)
+            got += [item.payload for item in reply.items]
+            if reply.items:
+                n1.stubs.complete("moved-host", reply.partition, [item.id for item in reply.items])
+            if len(got) >= len(payloads):
+                break
+        assert sorted(got) == sorted(payloads)
+        # n5 leaves for good with nothing: the module's other tests see three nodes again.
+        n1.stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="moved-host", force=True), timeout=15)
+    finally:
+        moved.stop()
 
 
 def test_status_shows_fenced_nodes_while_etcd_is_paused(cluster: Cluster) -> None:
