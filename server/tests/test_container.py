@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -30,6 +29,9 @@ import grpc
 import pytest
 from ruamel.yaml import YAML
 
+from querator_server.cli import effective_config
+from querator_server.config import ServerConfig
+
 from conftest import Stubs, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,8 +39,6 @@ BIN = Path(sys.executable).parent
 # The addresses the image listens on; tests move them to free loopback ports.
 IMAGE_GRPC = "0.0.0.0:2319"
 IMAGE_METRICS = "127.0.0.1:9090"  # loopback: metrics are reached from outside by choice
-# What the compose stack sets so that its Prometheus can scrape over the stack's network.
-COMPOSE_METRICS = "0.0.0.0:9090"
 # The health checks dial this from inside the container.
 HEALTH_TARGET = "127.0.0.1:2319"
 
@@ -108,6 +108,35 @@ def _service(compose: dict[str, object], name: str) -> dict[str, object]:
     return services[name]  # type: ignore[no-any-return]
 
 
+def _effective(dockerfile: Dockerfile, service: dict[str, object] | None = None) -> ServerConfig:
+    """The settings the server of ``service`` (None: the image alone) runs with: the
+    image's ENV under the service's environment, the service's command (or the image's
+    CMD) parsed by ``querator serve`` itself."""
+    assert dockerfile.exec_form("ENTRYPOINT") == ["querator"]
+    command = list((service or {}).get("command") or dockerfile.exec_form("CMD"))  # type: ignore[call-overload]
+    assert command[0] == "serve", command
+    env = {**dockerfile.env(), **{str(k): str(v) for k, v in dict((service or {}).get("environment") or {}).items()}}  # type: ignore[call-overload]
+    return effective_config(command[1:], env)
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _reachable_by_others(address: str, name: str) -> bool:
+    """Whether another container of the stack reaches ``address`` as ``name``: it listens
+    on every interface (or on the name itself), not on the container's loopback."""
+    return _host_port(address)[0] in ("0.0.0.0", "::", "", name)
+
+
+def _scrape_targets(compose: dict[str, object], service: str) -> set[str]:
+    prometheus = _service(compose, service)
+    config_mount = next(str(v) for v in prometheus["volumes"] if "prometheus" in str(v) and ".yml" in str(v))  # type: ignore[attr-defined]
+    config = YAML(typ="safe").load((ROOT / config_mount.split(":")[0]).read_text())
+    return {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+
+
 def test_compose_file_matches_the_compose_spec() -> None:
     result = subprocess.run(
         [str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec", "docker-compose.yml"],
@@ -130,21 +159,19 @@ def test_compose_file_agrees_with_the_dockerfile(dockerfile: Dockerfile, compose
     assert json.loads(dockerfile.last("VOLUME")) == [data_dir]
     mounts = [str(v).split(":") for v in server["volumes"]]  # type: ignore[attr-defined]
     assert any(src in volumes and dst == data_dir for src, dst, *_ in mounts), "the data dir needs a named volume"
-    grpc_port = IMAGE_GRPC.rsplit(":", 1)[1]
-    assert env["QUERATOR_METRICS_ADDRESS"] == IMAGE_METRICS, "the image keeps metrics on its loopback"
-    assert server["environment"]["QUERATOR_METRICS_ADDRESS"] == COMPOSE_METRICS  # type: ignore[index]
-    metrics_port = COMPOSE_METRICS.rsplit(":", 1)[1]
-    assert metrics_port == IMAGE_METRICS.rsplit(":", 1)[1]
-    published = {str(p).rsplit(":", 1)[-1] for p in server["ports"]}  # type: ignore[attr-defined]
+    image = _effective(dockerfile)
+    assert _host_port(image.metrics_address)[0] == "127.0.0.1", "the image keeps metrics on its loopback"
+    effective = _effective(dockerfile, server)
+    assert _reachable_by_others(effective.metrics_address, "querator"), effective.metrics_address
+    assert effective.data_dir == data_dir
+    grpc_port, metrics_port = _host_port(effective.address)[1], _host_port(effective.metrics_address)[1]
+    published = {int(str(p).rsplit(":", 1)[-1]) for p in server["ports"]}  # type: ignore[attr-defined]
     assert {grpc_port, metrics_port} <= published
-    assert {grpc_port, metrics_port} <= set(dockerfile.last("EXPOSE").split())
+    assert {grpc_port, metrics_port} <= {int(p) for p in dockerfile.last("EXPOSE").split()}
 
     prometheus = _service(compose, "prometheus")
     assert prometheus["depends_on"]["querator"]["condition"] == "service_healthy"  # type: ignore[index]
-    config_mount = next(str(v) for v in prometheus["volumes"] if "prometheus.yml" in str(v))  # type: ignore[attr-defined]
-    config = YAML(typ="safe").load((ROOT / config_mount.split(":")[0]).read_text())
-    targets = [t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
-    assert f"querator:{metrics_port}" in targets
+    assert f"querator:{metrics_port}" in _scrape_targets(compose, "prometheus")
 
 
 def test_dockerfile_basics(dockerfile: Dockerfile) -> None:
@@ -255,34 +282,29 @@ def test_image_command_serves_is_healthy_and_stops_on_sigterm(
 def test_the_cluster_profile_runs_etcd_and_three_nodes_scraped_by_prometheus(
     dockerfile: Dockerfile, compose: dict[str, object]
 ) -> None:
-    from querator_server.cli import add_serve_arguments
-
     services = compose["services"]
     assert isinstance(services, dict)
     profiled = sorted(name for name, s in services.items() if "cluster" in s.get("profiles", []))
     assert profiled == ["etcd", "node1", "node2", "node3", "prometheus-cluster"]
     # The single server's stack stays as it was: none of its services is in a profile.
     assert all(not services[name].get("profiles") for name in ("querator", "prometheus"))
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
     single_health = services["querator"]["healthcheck"]["test"]
-    ids, advertised = set(), set()
+    ids, advertised, scraped = set(), set(), set()
     for name in ("node1", "node2", "node3"):
         node = services[name]
-        command = list(node["command"])
-        assert command[0] == "serve"
-        args = parser.parse_args(command[1:])  # every flag is one `querator serve` knows
-        assert args.cluster == "etcd://etcd:2379/compose"
-        assert args.advertise == f"{name}:{args.address.rsplit(':', 1)[1]}"
-        ids.add(args.node_id)
-        advertised.add(args.advertise)
+        config = _effective(dockerfile, node)  # every flag is one `querator serve` knows
+        assert config.cluster == "etcd://etcd:2379/compose"
+        assert config.advertise == f"{name}:{_host_port(config.address)[1]}"
+        assert _reachable_by_others(config.address, name)
+        ids.add(config.node_id)
+        advertised.add(config.advertise)
+        # Prometheus runs in a container of its own: the node's metrics must not be on
+        # the node container's loopback.
+        assert config.metrics_address, f"{name} serves no metrics"
+        assert _reachable_by_others(config.metrics_address, name), f"{name} metrics on {config.metrics_address}"
+        scraped.add(f"{name}:{_host_port(config.metrics_address)[1]}")
         assert node["depends_on"]["etcd"]["condition"] == "service_healthy"
         assert node["healthcheck"]["test"] == single_health
-        assert any(str(v).endswith(":/data") for v in node["volumes"])
+        assert any(str(v).endswith(f":{config.data_dir}") for v in node["volumes"])
     assert len(ids) == 3 and len(advertised) == 3
-    prometheus = services["prometheus-cluster"]
-    config_mount = next(str(v) for v in prometheus["volumes"] if "prometheus" in str(v) and ".yml" in str(v))
-    config = YAML(typ="safe").load((ROOT / config_mount.split(":")[0]).read_text())
-    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
-    metrics_port = dockerfile.env()["QUERATOR_METRICS_ADDRESS"].rsplit(":", 1)[1]
-    assert targets == {f"{n}:{metrics_port}" for n in ("node1", "node2", "node3")}
+    assert _scrape_targets(compose, "prometheus-cluster") == scraped

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from . import logging as qlogging
 
@@ -188,8 +188,11 @@ def _etcd_settings_problem(config: ServerConfig) -> str:
     return ""
 
 
-def _config(args: argparse.Namespace) -> ServerConfig:
+def _config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """The settings ``querator serve`` runs with: the flags over the environment (``env``,
+    default this process's)."""
     return ServerConfig.from_env(
+        env,
         address=args.address,
         data_dir=args.data_dir,
         log_level=args.log_level,
@@ -213,6 +216,14 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         etcd_user=args.etcd_user,
         etcd_password_file=args.etcd_password_file,
     )
+
+
+def effective_config(argv: Sequence[str], env: Mapping[str, str]) -> ServerConfig:
+    """The settings ``querator serve ARGV`` runs with in environment ``env`` (a container
+    definition can be checked without running it)."""
+    parser = argparse.ArgumentParser(prog="querator serve")
+    add_serve_arguments(parser)
+    return _config(parser.parse_args(list(argv)), env)
 
 
 def main(argv: list[str] | None = None) -> int:

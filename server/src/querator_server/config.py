@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .model import MAX_REQUEST_BYTES, SERVER_UNSENT_BYTES, STALL_SECONDS, STREAM_UNSENT_BYTES
@@ -75,8 +76,9 @@ class ServerConfig:
     etcd_password_file: str = ""
 
     @classmethod
-    def from_env(cls, **overrides: object) -> ServerConfig:
-        env = os.environ
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> ServerConfig:
+        """The settings from ``env`` (default: this process's environment), then ``overrides``."""
+        env = os.environ if env is None else env
         values: dict[str, object] = {
             "address": env.get("QUERATOR_ADDRESS", DEFAULT_ADDRESS),
             "data_dir": env.get("QUERATOR_DATA_DIR", DEFAULT_DATA_DIR),
