@@ -136,8 +136,12 @@ def cmd_retire(args: argparse.Namespace, client: Client) -> int:
     if not args.discard_data:
         raise UsageError("retiring a node loses the items it holds: say so with --discard-data")
     view = client.cluster_info()
-    print(_warning(view, node), file=sys.stderr)
-    if not args.yes:
+    # Nothing to lose (not a cluster, a node that homes nothing, one already retired):
+    # the server's answer says which, without a warning or a question.
+    at_stake = view.clustered and view.partitions_of(node) > 0
+    if at_stake:
+        print(_warning(view, node), file=sys.stderr)
+    if at_stake and not args.yes:
         if not sys.stdin.isatty():
             raise UsageError("not confirmed: add --yes (standard input is not a terminal to ask on)")
         answer = input(f"Type the node id ({node}) to retire it and discard its items: ").strip()
