@@ -208,6 +208,34 @@ def test_a_dead_nodes_data_dir_restored_elsewhere_under_its_id_serves_every_item
         moved.stop()
 
 
+def test_status_says_which_live_node_did_not_answer(cluster: Cluster, tmp_path: Path) -> None:
+    """A node that holds its membership but that the others cannot reach (its advertised
+    address goes through a proxy we cut): live, fenced unknown, and the status says so."""
+    from cluster_helpers import Proxy
+
+    n1 = cluster.nodes[0]
+    node = Node("n6", str(tmp_path / "n6"), cluster.url, cluster.ttl)
+    proxy = Proxy(node.address)
+    node.args = ["--advertise", proxy.address]
+    try:
+        node.start()
+        wait_until(lambda: "n6" in cluster.live(n1), timeout=10)
+        assert querator("--address", n1.address, "cluster", "status").returncode == 0
+        proxy.cut()
+        status = querator("--address", n1.address, "cluster", "status", "--json")
+        assert status.returncode == 3, status.stdout + status.stderr
+        (n6,) = [m for m in json.loads(status.stdout)["members"] if m["node_id"] == "n6"]
+        assert n6["live"] and not n6["fenced"] and n6["check_error"].startswith("UNAVAILABLE"), n6
+        table = querator("--address", n1.address, "cluster", "status")
+        row = next(line.split() for line in table.stdout.splitlines() if line.startswith("n6 "))
+        assert row[1:4] == [proxy.address, "yes", "?"]
+        assert "node n6 did not answer" in table.stderr
+    finally:
+        node.stop()
+        proxy.close()
+    wait_until(lambda: "n6" not in cluster.live(n1), timeout=10)
+
+
 def test_status_shows_fenced_nodes_while_etcd_is_paused(cluster: Cluster) -> None:
     """Last in the module: every node loses its standing while etcd is paused."""
     n1 = cluster.nodes[0]
