@@ -37,6 +37,7 @@ import type {
   StoredItem,
 } from "./models.js";
 import { Pager } from "./paging.js";
+import { RetryPolicy, sleep } from "./retry.js";
 import { type ApiKey as ApiKeyMessage, Role as RoleEnum } from "./gen/querator/v1/keys_pb.js";
 import {
   type LeaseResponse,
@@ -105,6 +106,9 @@ export interface ClientOptions {
   metadata?: Record<string, string>;
   /** How many times a call that is safe to repeat is retried after UNAVAILABLE. Default 3. */
   retries?: number;
+  /** The whole retry rule (tries, backoff, which errors) instead of `retries`; the
+   * client's Worker backs off by it too. Default: `new RetryPolicy({ retries })`. */
+  retryPolicy?: RetryPolicy;
   /** Produce requests one produce() keeps in flight. Default 4. */
   maxInFlight?: number;
   /** Send Produce and Lease requests over a ProduceStream / LeaseStream per queue
@@ -156,27 +160,9 @@ function neverSent(error: unknown): boolean {
   return false;
 }
 
-type Settings = Required<Pick<ClientOptions, "timeoutMs" | "leaseMarginMs" | "retries" | "maxInFlight">>;
+type Settings = Required<Pick<ClientOptions, "timeoutMs" | "leaseMarginMs" | "maxInFlight">>;
 
 const ROLE_VALUES: Record<Role, RoleEnum> = { producer: RoleEnum.PRODUCER, consumer: RoleEnum.CONSUMER, admin: RoleEnum.ADMIN };
-
-function backoffMs(attempt: number): number {
-  // 100 ms doubling to 2 s, minus up to 20 % jitter: clients that failed together
-  // do not come back together.
-  return Math.min(100 * 2 ** (attempt - 1), 2000) * (1 - 0.2 * Math.random());
-}
-
-function sleep(ms: number, signal?: AbortSignal): Promise<void> {
-  return new Promise((resolve) => {
-    const timer = setTimeout(done, ms);
-    function done(): void {
-      clearTimeout(timer);
-      signal?.removeEventListener("abort", done);
-      resolve();
-    }
-    signal?.addEventListener("abort", done, { once: true });
-  });
-}
 
 function isItem(value: ProduceInput): value is Item {
   return typeof value === "object" && !(value instanceof Uint8Array);
@@ -198,6 +184,9 @@ export class Client {
   readonly address: string;
   /** Every bootstrap address. */
   readonly addresses: readonly string[];
+  /** Which failures are retried, how often, after how long: the client's calls and its
+   * Workers' Lease loops back off by it. */
+  readonly retryPolicy: RetryPolicy;
   readonly #settings: Settings;
   readonly #closing = new AbortController();
   /** The channel to the first address (or the caller's transport). */
@@ -226,14 +215,13 @@ export class Client {
     this.#settings = {
       timeoutMs: options.timeoutMs ?? 30_000,
       leaseMarginMs: options.leaseMarginMs ?? 5_000,
-      retries: options.retries ?? 3,
       maxInFlight: options.maxInFlight ?? 4,
     };
     this.#streams = options.streams ?? true;
     this.#refreshMs = options.clusterRefreshMs ?? 30_000;
     this.#retryProduce = options.retryProduce ?? false;
+    this.retryPolicy = options.retryPolicy ?? new RetryPolicy(options.retries !== undefined ? { retries: options.retries } : {});
     this.#map = new ClusterMap(options.logger);
-    if (this.#settings.retries < 0) throw new RangeError("retries must not be negative");
     if (this.#settings.maxInFlight < 1) throw new RangeError("maxInFlight must be at least 1");
     if (!(this.#refreshMs > 0)) throw new RangeError("clusterRefreshMs must be positive");
     const headers: [string, string][] = Object.entries(options.metadata ?? {});
@@ -442,7 +430,7 @@ export class Client {
   // -- calling ----------------------------------------------------------------------------
 
   /**
-   * One call, with the deadline, the signals, and retries after UNAVAILABLE when `retry`.
+   * One call, with the deadline, the signals, and retries under the RetryPolicy when `retry`.
    * In a cluster it goes to the node for `target`; a node that fails UNAVAILABLE is
    * skipped from then on and the call goes once, at once, to another node when that is
    * safe (`retry`, or it never reached the node).
@@ -486,9 +474,10 @@ export class Client {
             void this.#refreshIfOlder(DOWN_FIRST_MS); // the map may be stale: the queue or its partitions changed
           }
         }
-        if (!(retry && mapped instanceof Unavailable && attempt <= this.#settings.retries && !signal.aborted)) throw mapped;
+        const delay = retry && !signal.aborted ? this.retryPolicy.delay(attempt, mapped) : undefined;
+        if (delay === undefined) throw mapped;
+        await sleep(delay, signal);
       }
-      await sleep(backoffMs(attempt), signal);
     }
   }
 
@@ -748,8 +737,9 @@ export class Client {
         failures = 0;
       } catch (error) {
         if (options.signal?.aborted) return;
-        if (!(error instanceof Unavailable) || ++failures > this.#settings.retries) throw error;
-        await sleep(backoffMs(failures), options.signal);
+        const delay = this.retryPolicy.delay(++failures, error);
+        if (delay === undefined) throw error;
+        await sleep(delay, options.signal);
         continue;
       }
       let given = 0;

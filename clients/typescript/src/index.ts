@@ -52,4 +52,5 @@ export type {
 } from "./models.js";
 export { Pager } from "./paging.js";
 export type { Logger } from "./routing.js";
-export { Worker, backoff, type Handler, type WorkerHooks, type WorkerOptions, type WorkerStats } from "./worker.js";
+export { RetryPolicy, backoff, type ErrorClass } from "./retry.js";
+export { Worker, type Handler, type WorkerHooks, type WorkerOptions, type WorkerStats } from "./worker.js";

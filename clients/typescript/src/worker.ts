@@ -14,8 +14,9 @@
  */
 import type { Client } from "./client.js";
 import { MAX_BATCH } from "./client.js";
-import { Cancelled, DeadLetter, QueratorError, Unavailable, isLeaseLost } from "./errors.js";
+import { Cancelled, DeadLetter, type QueratorError, Unavailable, isLeaseLost } from "./errors.js";
 import type { LeasedItem } from "./items.js";
+import { backoff, sleep } from "./retry.js";
 
 /** The handler: may return a promise. `signal` fires when the worker gives up on it at
  * shutdown (after shutdownTimeoutMs). */
@@ -71,17 +72,6 @@ export interface WorkerOptions {
   hooks?: WorkerHooks;
   /** The Lease client_id (default: host, pid and a random suffix). */
   clientId?: string;
-}
-
-/** Exponential backoff with jitter: initialMs * multiplier^(attempt-1), at most
- * maximumMs, minus a random `jitter` fraction (0.2: 80-100 % of it). */
-export function backoff(
-  options: { initialMs?: number; maximumMs?: number; multiplier?: number; jitter?: number } = {},
-): (attempt: number) => number {
-  const { initialMs = 1000, maximumMs = 300_000, multiplier = 2, jitter = 0.2 } = options;
-  if (initialMs < 0 || maximumMs < initialMs) throw new RangeError("backoff needs 0 <= initialMs <= maximumMs");
-  if (multiplier < 1 || jitter < 0 || jitter > 1) throw new RangeError("backoff needs multiplier >= 1 and 0 <= jitter <= 1");
-  return (attempt) => Math.min(initialMs * multiplier ** Math.max(0, attempt - 1), maximumMs) * (1 - jitter * Math.random());
 }
 
 const defaultHooks: WorkerHooks = {
@@ -256,8 +246,10 @@ export class Worker {
         if (error instanceof Cancelled && this.#stopping) return;
         failures++;
         this.#error(error);
-        const delay = error instanceof Unavailable ? Math.min(100 * 2 ** failures, 2000) : Math.min(5000, 200 * 2 ** failures);
-        await this.#sleep(delay);
+        // UNAVAILABLE: the client's own backoff (its RetryPolicy); a server that answers
+        // with an error is asked again less often, up to every 5 s.
+        const delay = error instanceof Unavailable ? this.client.retryPolicy.backoff(failures) : Math.min(5000, 200 * 2 ** failures);
+        await sleep(delay, this.#stop.signal);
         continue;
       } finally {
         done();
@@ -293,19 +285,6 @@ export class Worker {
         this.#stop.signal.removeEventListener("abort", onStop);
       },
     ];
-  }
-
-  /** Sleep, but wake up at once when stopping. */
-  #sleep(ms: number): Promise<void> {
-    return new Promise((resolve) => {
-      const wake = (): void => {
-        clearTimeout(timer);
-        this.#stop.signal.removeEventListener("abort", wake);
-        resolve();
-      };
-      const timer = setTimeout(wake, ms);
-      this.#stop.signal.addEventListener("abort", wake, { once: true });
-    });
   }
 
   #take(items: LeasedItem[]): void {
