@@ -17,9 +17,9 @@ import {
   fromConnectError,
   fromStatus,
 } from "./errors.js";
-import { ClusterMap, DOWN_CAP_MS, DOWN_FIRST_MS, type Logger } from "./routing.js";
+import { ClusterMap, DOWN_CAP_MS, DOWN_FIRST_MS } from "./routing.js";
 import { RequestStream, closedHere } from "./streams.js";
-import { LeasedItem, type LeaseState } from "./items.js";
+import { LeasedItem, type LeaseState, type Settler } from "./items.js";
 import type {
   ApiKey,
   CreatedKey,
@@ -36,6 +36,7 @@ import type {
   Role,
   StoredItem,
 } from "./models.js";
+import { type CallOptions, type ClientOptions, DEFAULT_ADDRESS, type TlsOptions } from "./options.js";
 import { Pager } from "./paging.js";
 import { RetryPolicy, sleep } from "./retry.js";
 import { type ApiKey as ApiKeyMessage, Role as RoleEnum } from "./gen/querator/v1/keys_pb.js";
@@ -54,70 +55,11 @@ import {
 import { type QueueInfo as QueueInfoMessage, QueuesService } from "./gen/querator/v1/queues_pb.js";
 import { type StorageItem, StorageItemSchema } from "./gen/querator/v1/storage_pb.js";
 
-export const DEFAULT_ADDRESS = "127.0.0.1:2319";
 /** The API's limits: items per request, and bytes per request (batches stay under). */
 export const MAX_BATCH = 1000;
 const BATCH_BYTES = 4_000_000;
 
-/** Options every call takes: a deadline through an AbortSignal, and/or a timeout. */
-export interface CallOptions {
-  /** Abort the call (it then fails with Cancelled). `AbortSignal.timeout(ms)` is a deadline. */
-  signal?: AbortSignal;
-  /** The call's gRPC deadline in milliseconds (default: the client's timeoutMs). */
-  timeoutMs?: number;
-}
-
-/** TLS settings: PEM strings or buffers. */
-export interface TlsOptions {
-  /** Root certificates to trust (default: Node's bundled roots). */
-  ca?: string | Buffer;
-  /** Client certificate chain and key, for mutual TLS. */
-  cert?: string | Buffer;
-  key?: string | Buffer;
-  /** The name to check the server's certificate against (default: the host). */
-  serverName?: string;
-}
-
-export interface ClientOptions {
-  /** host:port of the server; default: $QUERATOR_ADDRESS, else 127.0.0.1:2319. */
-  address?: string;
-  /** A cluster's bootstrap addresses (host:port of some of its nodes; the first that
-   * answers tells the client the rest). Instead of `address`. */
-  addresses?: readonly string[];
-  /** In a cluster: how often the client reads the cluster's map again. Default 30 s. */
-  clusterRefreshMs?: number;
-  /** Where the client logs (nodes going down and coming back): `console` fits.
-   * Default: nothing is logged. */
-  logger?: Logger;
-  /** Retry a Produce after UNAVAILABLE even when it may have been stored (a reply lost
-   * with its node): never loses an item, may store a batch twice. Default false: only a
-   * Produce that never reached a server, or whose items all carry idempotency keys, is
-   * retried. */
-  retryProduce?: boolean;
-  /** Deadline of each call in milliseconds (Lease: its wait plus leaseMarginMs). Default 30 s. */
-  timeoutMs?: number;
-  /** Extra time a Lease call gets over its wait before the client gives up. Default 5 s. */
-  leaseMarginMs?: number;
-  /** Use TLS: `true` for Node's default roots, or the certificates to use. */
-  tls?: boolean | TlsOptions;
-  /** Sent as `authorization: Bearer <token>` on every call. */
-  bearerToken?: string;
-  /** Metadata (headers) sent on every call. */
-  metadata?: Record<string, string>;
-  /** How many times a call that is safe to repeat is retried after UNAVAILABLE. Default 3. */
-  retries?: number;
-  /** The whole retry rule (tries, backoff, which errors) instead of `retries`; the
-   * client's Worker backs off by it too. Default: `new RetryPolicy({ retries })`. */
-  retryPolicy?: RetryPolicy;
-  /** Produce requests one produce() keeps in flight. Default 4. */
-  maxInFlight?: number;
-  /** Send Produce and Lease requests over a ProduceStream / LeaseStream per queue
-   * (default true), as the Python SDK does; unary calls with servers that lack them. */
-  streams?: boolean;
-  /** Full control: a Connect transport built by the caller (address and tls then unused;
-   * no cluster routing: every call goes through it). */
-  transport?: Transport;
-}
+export { DEFAULT_ADDRESS, type CallOptions, type ClientOptions, type TlsOptions } from "./options.js";
 
 /** Where a call must or may go in a cluster. */
 type Target =
@@ -179,7 +121,7 @@ function isItem(value: ProduceInput): value is Item {
  *       await item.complete();
  *     }
  */
-export class Client {
+export class Client implements Settler {
   /** The (first) address the client was given. */
   readonly address: string;
   /** Every bootstrap address. */

@@ -1,7 +1,15 @@
-import type { Client, CallOptions } from "./client.js";
 import type { ExtendResult, ItemRef } from "./models.js";
+import type { CallOptions } from "./options.js";
 
 export type LeaseState = "leased" | "completed" | "retried" | "dead";
+
+/** What finishes a lease: the Client's complete, retry and extend. A LeasedItem holds
+ * this rather than the Client, so items.ts does not import the client. */
+export interface Settler {
+  complete(items: ItemRef, options?: CallOptions): Promise<void>;
+  retry(items: ItemRef, options?: { at?: Date; inMs?: number; dead?: boolean } & CallOptions): Promise<void>;
+  extend(items: ItemRef, options?: { leaseTimeoutMs?: number } & CallOptions): Promise<ExtendResult>;
+}
 
 const decoder = new TextDecoder();
 
@@ -21,11 +29,11 @@ export class LeasedItem implements ItemRef {
   readonly createdAt: Date;
   readonly metadata: Readonly<Record<string, string>>;
   #state: LeaseState = "leased";
-  readonly #client: Client;
+  readonly #settler: Settler;
 
   /** @internal built by the client from a Lease reply */
-  constructor(client: Client, fields: Omit<LeasedItem, "text" | "json" | "state" | "settled" | "complete" | "retry" | "extend" | "markSettled">) {
-    this.#client = client;
+  constructor(settler: Settler, fields: Omit<LeasedItem, "text" | "json" | "state" | "settled" | "complete" | "retry" | "extend" | "markSettled">) {
+    this.#settler = settler;
     this.queueName = fields.queueName;
     this.partition = fields.partition;
     this.id = fields.id;
@@ -49,7 +57,7 @@ export class LeasedItem implements ItemRef {
     return JSON.parse(this.text) as T;
   }
 
-  /** "leased" until completed, retried or dead-lettered through this client. */
+  /** "leased" until completed, retried or dead-lettered through its client. */
   get state(): LeaseState {
     return this.#state;
   }
@@ -65,17 +73,17 @@ export class LeasedItem implements ItemRef {
 
   /** Remove the item for good. */
   complete(options?: CallOptions): Promise<void> {
-    return this.#client.complete(this, options);
+    return this.#settler.complete(this, options);
   }
 
   /** Give the item back: now, later (`at` / `inMs`) or to the dead-letter queue (`dead`). */
   retry(options?: { at?: Date; inMs?: number; dead?: boolean } & CallOptions): Promise<void> {
-    return this.#client.retry(this, options);
+    return this.#settler.retry(this, options);
   }
 
   /** Push the lease deadline (default: the queue's lease timeout from now). */
   async extend(options?: { leaseTimeoutMs?: number } & CallOptions): Promise<Date> {
-    const result: ExtendResult = await this.#client.extend(this, options);
+    const result: ExtendResult = await this.#settler.extend(this, options);
     return result.deadlines[0] ?? this.leaseDeadline;
   }
 }
