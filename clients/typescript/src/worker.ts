@@ -13,9 +13,9 @@
  * is gone, until the handler settles them.
  */
 import type { Client } from "./client.js";
-import { MAX_BATCH } from "./client.js";
 import { Cancelled, DeadLetter, type QueratorError, Unavailable, isLeaseLost } from "./errors.js";
 import type { LeasedItem } from "./items.js";
+import { MAX_BATCH } from "./operations.js";
 import { backoff, sleep } from "./retry.js";
 
 /** The handler: may return a promise. `signal` fires when the worker gives up on it at

@@ -1,0 +1,443 @@
+/**
+ * The client's operations without I/O: the request each call sends, where in a cluster
+ * it goes (a Target), and its reply decoded into the client's plain values. The Client
+ * composes these with its Connection, which does the sending; nothing here waits on
+ * the network.
+ */
+import { type MessageInitShape, create } from "@bufbuild/protobuf";
+import type { Duration } from "@bufbuild/protobuf/wkt";
+
+import { fromDuration, fromMicros, fromTimestamp, payloadBytes, toDuration, toTimestamp } from "./convert.js";
+import type { CallKind } from "./errors.js";
+import { LeasedItem, type LeaseState, type Settler } from "./items.js";
+import type {
+  ApiKey,
+  Item,
+  ItemRef,
+  PartitionStats,
+  ProduceInput,
+  QueueInfo,
+  QueueSettings,
+  QueueStats,
+  Role,
+  StoredItem,
+} from "./models.js";
+import { type ApiKey as ApiKeyMessage, Role as RoleEnum } from "./gen/querator/v1/keys_pb.js";
+import {
+  type ExtendResponse,
+  type LeaseRequestSchema,
+  type LeaseResponse,
+  type ProduceItem,
+  type ProduceRequest,
+  ProduceRequestSchema,
+  QueueService,
+} from "./gen/querator/v1/queue_pb.js";
+import { type GetQueueStatsResponse, type QueueInfo as QueueInfoMessage, QueuesService } from "./gen/querator/v1/queues_pb.js";
+import { type StorageItem, StorageItemSchema } from "./gen/querator/v1/storage_pb.js";
+
+/** The API's limits: items per request, and bytes per request (batches stay under). */
+export const MAX_BATCH = 1000;
+export const BATCH_BYTES = 4_000_000;
+
+// -- where a call goes --------------------------------------------------------------------
+
+/** Where a call must or may go in a cluster. */
+export type Target =
+  | { to: "any" }
+  | { to: "produce"; queue: string }
+  | { to: "lease"; queue: string }
+  | { to: "home"; queue: string; partition: number }
+  | { to: "key"; queue: string; key: string };
+
+export const ANY: Target = { to: "any" };
+
+export function home(queue: string, partition: number): Target {
+  return { to: "home", queue, partition };
+}
+
+/** The node of the first key's partition: where the server sends a keys-only call. */
+export function byKey(queue: string, keys: readonly string[]): Target {
+  return { to: "key", queue, key: keys[0] ?? "" };
+}
+
+/** The slices of `all` of at most `size` (MAX_BATCH) each. */
+export function chunks<T>(all: readonly T[], size = MAX_BATCH): T[][] {
+  const out: T[][] = [];
+  for (let start = 0; start < all.length; start += size) out.push(all.slice(start, start + size));
+  return out;
+}
+
+// -- Produce ------------------------------------------------------------------------------
+
+export type ProduceItemInit = MessageInitShape<typeof QueueService.method.produce.input> extends { items?: (infer I)[] } ? I & Partial<ProduceItem> : never;
+/** One item of a Produce batch: a bare payload (the compact form) or a whole item. */
+export type ProduceEntry = Uint8Array | ProduceItemInit;
+
+/** Fields produce() applies to items that do not set their own. */
+export interface ProduceDefaults {
+  encoding?: string;
+  kind?: string;
+  reference?: string;
+  enqueueAt?: Date;
+}
+
+export function isItem(value: ProduceInput): value is Item {
+  return typeof value === "object" && !(value instanceof Uint8Array);
+}
+
+/** What produce() accepts, as an iterable of items. */
+export function produceInputs(items: Iterable<ProduceInput> | ProduceInput): Iterable<ProduceInput> {
+  return typeof items === "string" || items instanceof Uint8Array || !(Symbol.iterator in items) ? [items as ProduceInput] : items;
+}
+
+export function produceItem(item: Item, defaults: ProduceDefaults): ProduceItemInit {
+  const enqueueAt = item.enqueueAt ?? defaults.enqueueAt;
+  return {
+    payload: payloadBytes(item.payload),
+    encoding: item.encoding ?? defaults.encoding ?? "",
+    kind: item.kind ?? defaults.kind ?? "",
+    reference: item.reference ?? defaults.reference ?? "",
+    idempotencyKey: item.idempotencyKey ?? "",
+    metadata: item.metadata ?? {},
+    ...(enqueueAt ? { enqueueAt: toTimestamp(enqueueAt) } : {}),
+  };
+}
+
+/** A bound on an item's encoded size, for batching under the request byte limit. */
+function approxItemBytes(item: ProduceItemInit): number {
+  let n = (item.payload?.length ?? 0) + 3 * ((item.encoding?.length ?? 0) + (item.kind?.length ?? 0) + (item.reference?.length ?? 0)) + 3 * (item.idempotencyKey?.length ?? 0) + 40;
+  for (const [k, v] of Object.entries(item.metadata ?? {})) n += 3 * (k.length + v.length) + 8;
+  return n;
+}
+
+/**
+ * The items in batches of at most `batchSize` and under BATCH_BYTES, read from `inputs`
+ * only as batches are taken. Bare payloads with no shared fields stay bare (the compact
+ * form, ProduceRequest.payloads).
+ */
+export function* produceBatches(inputs: Iterable<ProduceInput>, batchSize: number, defaults: ProduceDefaults): Generator<ProduceEntry[], void, undefined> {
+  const shared = Boolean(defaults.encoding || defaults.kind || defaults.reference || defaults.enqueueAt);
+  let batch: ProduceEntry[] = [];
+  let size = 0;
+  for (const value of inputs) {
+    let entry: ProduceEntry;
+    let cost: number;
+    if (!shared && !isItem(value)) {
+      entry = payloadBytes(value);
+      cost = entry.length + 6;
+    } else {
+      entry = produceItem(isItem(value) ? value : { payload: value }, defaults);
+      cost = approxItemBytes(entry) + 6;
+    }
+    if (batch.length && (batch.length >= batchSize || size + cost > BATCH_BYTES)) {
+      yield batch;
+      batch = [];
+      size = 0;
+    }
+    batch.push(entry);
+    size += cost;
+  }
+  if (batch.length) yield batch;
+}
+
+/** The Produce request of one batch, and whether every item carries an idempotency key
+ * (then it is safe to send again). */
+export function produceRequest(queueName: string, requestTimeout: Duration, batch: ProduceEntry[]): { request: ProduceRequest; keyed: boolean } {
+  const compact = batch.every((e) => e instanceof Uint8Array);
+  // The compact form is built as the message itself (protobuf-es messages are plain
+  // objects): no per-request copy of the payload list by create(), which the profile
+  // of bench/sdk_clients.py showed among the client's largest costs per request.
+  const request: ProduceRequest = compact
+    ? { $typeName: "querator.v1.ProduceRequest", queueName, requestTimeout, items: [], payloads: batch as Uint8Array[] }
+    : create(ProduceRequestSchema, { queueName, requestTimeout, items: batch.map((e) => (e instanceof Uint8Array ? { payload: e } : e)) });
+  const keyed = !compact && batch.every((e) => !(e instanceof Uint8Array) && Boolean(e.idempotencyKey));
+  return { request, keyed };
+}
+
+/** Where a Produce goes: a node homing partitions of the queue, or the home of the first
+ * idempotency key's partition when the items carry keys. */
+export function produceTarget(request: ProduceRequest): Target {
+  const key = request.items.find((item) => item.idempotencyKey)?.idempotencyKey;
+  return key ? { to: "key", queue: request.queueName, key } : { to: "produce", queue: request.queueName };
+}
+
+// -- Lease --------------------------------------------------------------------------------
+
+export interface LeaseOptions {
+  batchSize?: number;
+  waitMs?: number;
+  clientId?: string;
+  complete?: readonly ItemRef[];
+  leaseKey?: string;
+}
+
+/** A Lease as sent: its request, deadline, routing and what it completes. */
+export interface LeaseCall {
+  request: MessageInitShape<typeof LeaseRequestSchema> & { queueName: string; clientId: string; leaseKey: string };
+  timeoutMs: number;
+  retry: boolean;
+  kind: CallKind;
+  target: Target;
+  completing: readonly ItemRef[];
+}
+
+export function leaseCall(queueName: string, options: LeaseOptions & { timeoutMs?: number }, leaseMarginMs: number): LeaseCall {
+  const timeoutMs = options.timeoutMs ?? (options.waitMs ?? 30_000) + leaseMarginMs;
+  // A call deadline shorter than the wait bounds it: the answer (OK, maybe no items)
+  // comes a little before the deadline. The server does this itself for a unary call;
+  // a request on a stream has only its request_timeout.
+  const waitMs = Math.min(options.waitMs ?? 30_000, Math.max(0, timeoutMs - Math.min(leaseMarginMs, timeoutMs / 5)));
+  const completing = options.complete ?? [];
+  if (completing.length > MAX_BATCH) throw new RangeError(`a Lease completes at most ${MAX_BATCH} items`);
+  for (const ref of completing) {
+    if (ref.queueName !== queueName) throw new RangeError(`complete names an item of queue ${ref.queueName}, not ${queueName}`);
+    if (ref.partition !== completing[0]!.partition) throw new RangeError("complete items must all come from one partition");
+  }
+  const request = {
+    queueName,
+    batchSize: options.batchSize ?? 1,
+    clientId: options.clientId ?? "",
+    requestTimeout: toDuration(waitMs),
+    leaseKey: options.leaseKey ?? "",
+    completeIds: completing.map((r) => r.id),
+    completePartition: completing[0]?.partition ?? 0,
+    columnar: true,
+  };
+  // Completing items: at their home, which leases from its own partitions (or, empty,
+  // from the others'), so the completion takes no hop.
+  const target: Target = completing.length
+    ? home(queueName, completing[0]!.partition)
+    : request.leaseKey
+      ? { to: "key", queue: queueName, key: request.leaseKey }
+      : { to: "lease", queue: queueName };
+  return { request, timeoutMs, retry: completing.length === 0, kind: { itemCall: completing.length > 0 }, target, completing };
+}
+
+/** How many items a Lease reply holds. */
+export function leasedCount(response: LeaseResponse): number {
+  return response.columns?.ids.length ?? response.items.length;
+}
+
+/** A Lease reply's items, settled through `settler`. */
+export function leasedItems(settler: Settler, response: LeaseResponse): LeasedItem[] {
+  const { queueName, partition } = response;
+  const columns = response.columns;
+  if (columns && columns.ids.length) {
+    return columns.ids.map(
+      (id, i) =>
+        new LeasedItem(settler, {
+          queueName,
+          partition,
+          id,
+          payload: columns.payloads[i]!,
+          encoding: columns.encodings[i] ?? "",
+          kind: columns.kinds[i] ?? "",
+          reference: columns.references[i] ?? "",
+          attempts: columns.attempts[i]!,
+          leaseDeadline: fromMicros(columns.leaseDeadlinesUs[i]!),
+          createdAt: fromMicros(columns.createdAtUs[i]!),
+          metadata: columns.metadata[i]?.entries ?? {},
+        }),
+    );
+  }
+  return response.items.map(
+    (item) =>
+      new LeasedItem(settler, {
+        queueName,
+        partition,
+        id: item.id,
+        payload: item.payload,
+        encoding: item.encoding,
+        kind: item.kind,
+        reference: item.reference,
+        attempts: item.attempts,
+        leaseDeadline: fromTimestamp(item.leaseDeadline) ?? new Date(0),
+        createdAt: fromTimestamp(item.createdAt) ?? new Date(0),
+        metadata: item.metadata,
+      }),
+  );
+}
+
+// -- Complete, Retry, Extend ----------------------------------------------------------------
+
+export function markAll(items: readonly ItemRef[], state: LeaseState): void {
+  for (const item of items) if (item instanceof LeasedItem) item.markSettled(state);
+}
+
+/** Items grouped by (queue, partition) in first-seen order, in chunks of at most 1,000. */
+export function groupRefs(items: ItemRef | readonly ItemRef[]): [string, number, ItemRef[]][] {
+  const list: readonly ItemRef[] = Array.isArray(items) ? items : [items as ItemRef];
+  const groups = new Map<string, [string, number, ItemRef[]]>();
+  for (const ref of list) {
+    const key = `${ref.partition}\0${ref.queueName}`;
+    let group = groups.get(key);
+    if (!group) groups.set(key, (group = [ref.queueName, ref.partition, []]));
+    group[2].push(ref);
+  }
+  const out: [string, number, ItemRef[]][] = [];
+  for (const [queue, partition, members] of groups.values()) {
+    for (const chunk of chunks(members)) out.push([queue, partition, chunk]);
+  }
+  return out;
+}
+
+export function leaseKeyChunks(keys: readonly string[] | undefined, queueName: string | undefined): string[][] {
+  if (!keys || keys.length === 0) return [];
+  if (!queueName) throw new RangeError("leaseKeys need queueName");
+  return chunks(keys);
+}
+
+/** When retried items come back: `at`, or `inMs` from now, or now (undefined). */
+export function retryAt(options: { at?: Date; inMs?: number }): Date | undefined {
+  return options.at ?? (options.inMs !== undefined ? new Date(Date.now() + options.inMs) : undefined);
+}
+
+export function retryItems(members: readonly ItemRef[], at: Date | undefined, dead: boolean): { id: string; dead: boolean; retryAt?: ReturnType<typeof toTimestamp> }[] {
+  return members.map((m) => ({ id: m.id, dead, ...(at ? { retryAt: toTimestamp(at) } : {}) }));
+}
+
+export function leaseTimeout(ms: number | undefined): { leaseTimeout?: Duration } {
+  return ms !== undefined ? { leaseTimeout: toDuration(ms) } : {};
+}
+
+/** An Extend reply's new deadlines, in order; leased items among `members` take theirs. */
+export function extendedDeadlines(members: readonly ItemRef[], response: ExtendResponse): Date[] {
+  return response.leaseDeadlines.map((ts, i) => {
+    const date = fromTimestamp(ts)!;
+    const member = members[i];
+    if (member instanceof LeasedItem) member.leaseDeadline = date;
+    return date;
+  });
+}
+
+// -- queues ---------------------------------------------------------------------------------
+
+const SETTINGS: Record<keyof QueueSettings, string> = {
+  deadQueue: "dead_queue",
+  reference: "reference",
+  leaseTimeoutMs: "lease_timeout",
+  expireTimeoutMs: "expire_timeout",
+  maxAttempts: "max_attempts",
+  partitions: "requested_partitions",
+  dedupWindowMs: "dedup_window",
+  leaseKeyTtlMs: "lease_key_ttl",
+};
+
+/** The QueueInfo message of `name` with settings `s`, and the field-mask paths of the
+ * settings given. */
+export function queueInfoMessage(name: string, s: QueueSettings): [MessageInitShape<typeof QueuesService.method.createQueue.input>["queue"], string[]] {
+  const paths = (Object.keys(SETTINGS) as (keyof QueueSettings)[]).filter((k) => s[k] !== undefined).map((k) => SETTINGS[k]);
+  const duration = (ms: number | undefined): { seconds: bigint; nanos: number } | undefined => (ms === undefined ? undefined : toDuration(ms));
+  const queue = {
+    queueName: name,
+    deadQueue: s.deadQueue ?? "",
+    reference: s.reference ?? "",
+    maxAttempts: s.maxAttempts ?? 0,
+    requestedPartitions: s.partitions ?? 0,
+    ...(s.leaseTimeoutMs !== undefined ? { leaseTimeout: duration(s.leaseTimeoutMs) } : {}),
+    ...(s.expireTimeoutMs !== undefined ? { expireTimeout: duration(s.expireTimeoutMs) } : {}),
+    ...(s.dedupWindowMs !== undefined ? { dedupWindow: duration(s.dedupWindowMs) } : {}),
+    ...(s.leaseKeyTtlMs !== undefined ? { leaseKeyTtl: duration(s.leaseKeyTtlMs) } : {}),
+  };
+  return [queue, paths];
+}
+
+export function queueInfo(info: QueueInfoMessage | undefined): QueueInfo {
+  return {
+    name: info?.queueName ?? "",
+    deadQueue: info?.deadQueue ?? "",
+    reference: info?.reference ?? "",
+    leaseTimeoutMs: fromDuration(info?.leaseTimeout),
+    expireTimeoutMs: fromDuration(info?.expireTimeout),
+    maxAttempts: info?.maxAttempts ?? 0,
+    partitions: info?.requestedPartitions ?? 0,
+    createdAt: fromTimestamp(info?.createdAt),
+    updatedAt: fromTimestamp(info?.updatedAt),
+    dedupWindowMs: fromDuration(info?.dedupWindow),
+    leaseKeyTtlMs: fromDuration(info?.leaseKeyTtl),
+  };
+}
+
+export function queueStats(r: GetQueueStatsResponse): QueueStats {
+  const partitions: PartitionStats[] = r.partitions.map((p) => ({
+    partition: p.partition,
+    total: Number(p.total),
+    totalLeased: Number(p.totalLeased),
+    ready: Number(p.total - p.totalLeased),
+    scheduled: Number(p.scheduled),
+    averageAgeMs: fromDuration(p.averageAge),
+    averageLeasedAgeMs: fromDuration(p.averageLeasedAge),
+  }));
+  const sum = (f: (p: PartitionStats) => number): number => partitions.reduce((n, p) => n + f(p), 0);
+  return {
+    queueName: r.queueName,
+    partitions,
+    total: sum((p) => p.total),
+    totalLeased: sum((p) => p.totalLeased),
+    ready: sum((p) => p.ready),
+    scheduled: sum((p) => p.scheduled),
+    leaseWaiting: r.leaseWaiting,
+    produceWaiting: r.produceWaiting,
+    inFlight: r.inFlight,
+  };
+}
+
+// -- storage --------------------------------------------------------------------------------
+
+export function storedItem(i: StorageItem, partition: number): StoredItem {
+  return {
+    id: i.id,
+    partition,
+    payload: i.payload,
+    isLeased: i.isLeased,
+    leaseDeadline: fromTimestamp(i.leaseDeadline),
+    expireDeadline: fromTimestamp(i.expireDeadline),
+    enqueueAt: fromTimestamp(i.enqueueAt),
+    createdAt: fromTimestamp(i.createdAt),
+    attempts: i.attempts,
+    reference: i.reference,
+    encoding: i.encoding,
+    kind: i.kind,
+    sourceId: i.sourceId,
+    metadata: i.metadata,
+  };
+}
+
+export function storageItem(i: Partial<StoredItem>): StorageItem {
+  const ts = (d: Date | undefined): { timestamp: ReturnType<typeof toTimestamp> } | undefined => (d ? { timestamp: toTimestamp(d) } : undefined);
+  return create(StorageItemSchema, {
+    payload: i.payload ?? new Uint8Array(),
+    isLeased: i.isLeased ?? false,
+    attempts: i.attempts ?? 0,
+    reference: i.reference ?? "",
+    encoding: i.encoding ?? "",
+    kind: i.kind ?? "",
+    sourceId: i.sourceId ?? "",
+    metadata: i.metadata ?? {},
+    ...(i.leaseDeadline ? { leaseDeadline: ts(i.leaseDeadline)!.timestamp } : {}),
+    ...(i.expireDeadline ? { expireDeadline: ts(i.expireDeadline)!.timestamp } : {}),
+    ...(i.enqueueAt ? { enqueueAt: ts(i.enqueueAt)!.timestamp } : {}),
+    ...(i.createdAt ? { createdAt: ts(i.createdAt)!.timestamp } : {}),
+  });
+}
+
+// -- keys -----------------------------------------------------------------------------------
+
+const ROLE_VALUES: Record<Role, RoleEnum> = { producer: RoleEnum.PRODUCER, consumer: RoleEnum.CONSUMER, admin: RoleEnum.ADMIN };
+
+export function roleValue(role: Role): RoleEnum {
+  const value = ROLE_VALUES[role];
+  if (value === undefined) throw new RangeError(`role must be one of ${Object.keys(ROLE_VALUES).join(", ")}`);
+  return value;
+}
+
+export function apiKey(k: ApiKeyMessage | undefined): ApiKey {
+  const role = (Object.keys(ROLE_VALUES) as Role[]).find((r) => ROLE_VALUES[r] === k?.role) ?? "producer";
+  return {
+    keyId: k?.keyId ?? "",
+    role,
+    queues: k?.queues ?? [],
+    description: k?.description ?? "",
+    createdAt: fromTimestamp(k?.createdAt),
+  };
+}
