@@ -9,7 +9,15 @@
  *     const worker = new Worker(client, "emails", async (item) => console.log(item.text));
  *     await worker.run();   // until worker.stop() or SIGTERM
  *
- * The generated messages and service descriptors are in "@querator/client/v1".
+ * The generated messages and service descriptors are in "@querator/client/v1", not
+ * here. Three of the client's plain-object types share a name with a generated message:
+ * `ApiKey`, `QueueInfo` and `PartitionStats` here are what the client's methods take and
+ * return (milliseconds, Dates, no protobuf); the messages of the same names are in
+ * "@querator/client/v1" (import them under another name when both are needed:
+ * `import { QueueInfo as QueueInfoMessage } from "@querator/client/v1"`). The Python SDK
+ * names them the same way (`querator.QueueInfo` beside `querator.v1.queues_pb2.QueueInfo`).
+ *
+ * Every name exported is listed below; the modules behind them are private.
  */
 export { Client, DEFAULT_ADDRESS, MAX_BATCH, type CallOptions, type ClientOptions, type TlsOptions } from "./client.js";
 export {

@@ -94,3 +94,14 @@ test("a circle would be found", () => {
   assert.deepEqual(findCycle(graph), ["a", "b", "c", "a"]);
   assert.equal(findCycle(new Map([["a", new Set(["b"])], ["b", new Set<string>()]])), undefined);
 });
+
+test("index.ts lists what it exports; the generated code stays in v1", async () => {
+  const index = readFileSync(join(SRC, "index.ts"), "utf8");
+  assert.doesNotMatch(index, /export \*/);
+  assert.doesNotMatch(index, /from "\.\/gen\//);
+  const api: Record<string, unknown> = await import("../src/index.js");
+  const v1: Record<string, unknown> = await import("../src/v1.js");
+  assert.ok("QueueInfoSchema" in v1 && "QueueService" in v1);
+  const generated = Object.keys(api).filter((name) => name in v1);
+  assert.deepEqual(generated, []);
+});
