@@ -3,7 +3,8 @@ import assert from "node:assert/strict";
 import { createServer } from "node:net";
 import { test } from "node:test";
 
-import { Client, ItemNotFound, RetryPolicy, Unavailable, backoff } from "../src/index.js";
+import { Client, ItemNotFound, RetryPolicy, Unavailable, Worker, backoff } from "../src/index.js";
+import { ServerProcess, queueName, waitUntil } from "./server.js";
 
 /** A loopback port nothing listens on: connections to it are refused. */
 async function closedPort(): Promise<number> {
@@ -54,5 +55,31 @@ test("calls and leased() back off by the client's policy, and give up where it s
     assert.deepEqual(asked, [1, 2, 1, 1, 2, 2, 1, 2]);
   } finally {
     client.close();
+  }
+});
+
+test("the Worker's Lease loop backs off by its client's policy after UNAVAILABLE", async () => {
+  const server = await ServerProcess.start();
+  // retries: 0, so the client's own calls never ask the backoff: every ask is the Worker's.
+  const asked: number[] = [];
+  const client = new Client({ address: server.address, retryPolicy: new RetryPolicy({ retries: 0, backoff: (attempt) => (asked.push(attempt), 20) }) });
+  let worker: Worker | undefined;
+  try {
+    const q = queueName();
+    await client.createQueue(q);
+    await client.produce(q, ["one"]);
+    worker = new Worker(client, q, () => undefined, { leaseWaitMs: 200, hooks: {}, handleSignals: false });
+    const running = worker.run();
+    await waitUntil(() => worker!.stats.completed === 1, 20_000, "the item handled");
+    await server.kill();
+    await waitUntil(() => asked.length >= 3, 20_000, "three backoffs");
+    await worker.stop();
+    await running;
+    assert.deepEqual(asked.slice(0, 3), [1, 2, 3]); // by consecutive failures
+    assert.ok(worker.stats.errors >= 3);
+  } finally {
+    await worker?.stop();
+    client.close();
+    await server.stop();
   }
 });
