@@ -49,7 +49,7 @@ def test_no_live_node_cannot_place() -> None:
 
 def test_an_entry_round_trips_and_maps_local_indexes_to_partitions() -> None:
     config = QueueConfig(name="q", reference="r", max_attempts=4, partitions=3, uid=99, group=2)
-    entry = QueueEntry(config, (Home("n1", 0), Home("n2", 0), Home("n1", 1)))
+    entry = QueueEntry(config, (Home("n1", 0), Home("n2", 0), Home("n1", 1)), key_partitions=3)
     back = QueueEntry.decode("q", entry.encode(), mod_revision=7, generation=5)
     assert back.config == config.replace(uid=0, group=-1)  # a node's own uid and group are not shared
     assert back.homes == entry.homes and (back.mod_revision, back.generation) == (7, 5)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .clock import MICROS
+from .errors import InvalidArgument
 
 DEFAULT_LEASE_TIMEOUT_US = 60 * MICROS
 DEFAULT_EXPIRE_TIMEOUT_US = 24 * 3600 * MICROS
@@ -171,3 +173,20 @@ class QueueStats:
     lease_waiting: int
     produce_waiting: int
     in_flight: int
+
+
+def check_key(value: str, field: str) -> str:
+    """An optional idempotency or lease key: at most MAX_KEY_BYTES bytes of UTF-8."""
+    if len(value) > MAX_KEY_BYTES or len(value.encode()) > MAX_KEY_BYTES:
+        raise InvalidArgument(field, f"must be at most {MAX_KEY_BYTES} bytes")
+    return value
+
+
+def check_lease_keys(keys: Sequence[str]) -> list[str]:
+    """The lease_keys of a Complete or Extend: at most MAX_BATCH keys, each a valid key.
+    Checked whole before a cluster splits them over their homes, so a bad key changes
+    nothing anywhere."""
+    checked = [check_key(k, f"lease_keys[{i}]") for i, k in enumerate(keys)]
+    if len(checked) > MAX_BATCH:
+        raise InvalidArgument("lease_keys", f"must hold at most {MAX_BATCH} keys, got {len(checked)}")
+    return checked

@@ -9,6 +9,7 @@ node has applied its own change (reconcile_backend.py).
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import json
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -87,7 +88,7 @@ class AdminFrontend:
         txn.modified_at(key, target.mod_revision)
         if len(added) > len(target.homes):
             grown = target.config.replace(partitions=len(added), updated_at_us=now_us())
-            txn.put(key, QueueEntry(grown, tuple(added)).encode())
+            txn.put(key, dataclasses.replace(target, config=grown, homes=tuple(added)).encode())
 
     async def create(self, config: QueueConfig, visible: Callable[[str], bool] | None = None) -> QueueConfig:
         """As QueuesManager.create, in the catalog; ``visible``: what error texts may name."""
@@ -100,6 +101,7 @@ class AdminFrontend:
         entry = QueueEntry(
             config.replace(created_at_us=now, updated_at_us=now, uid=0, group=-1),
             tuple(place(config.partitions, live, load=self._load())),
+            key_partitions=config.partitions,
         )
         key = self.keys.queue(config.name)
         txn.created_at(key, 0).put(key, entry.encode()).delete(self.keys.deleted(config.name))
@@ -140,7 +142,7 @@ class AdminFrontend:
         homes = entry.homes
         if updated.partitions > current.partitions:
             homes = homes + tuple(place(updated.partitions - current.partitions, self._live(), homes, self._load()))
-        new = QueueEntry(updated, homes)
+        new = dataclasses.replace(entry, config=updated, homes=homes)
         key = self.keys.queue(name)
         txn.modified_at(key, entry.mod_revision).put(key, new.encode())
         self._with_dead_queue(txn, updated, homes)
@@ -234,7 +236,7 @@ class AdminFrontend:
             entry = queues[name]
             key = self.keys.queue(name)
             config = entry.config.replace(partitions=len(homes))
-            txn.modified_at(key, entry.mod_revision).put(key, QueueEntry(config, tuple(homes)).encode())
+            txn.modified_at(key, entry.mod_revision).put(key, dataclasses.replace(entry, config=config, homes=tuple(homes)).encode())
             ops += 1
             if ops >= _TXN_OPS:
                 await self._commit(txn, lambda: FailedPrecondition("the catalog changed meanwhile; retry"))

@@ -5,6 +5,17 @@ A partition's home is the node whose local LMDB holds it, named in the catalog a
 ``local index`` is that global partition. Local indexes of a node only grow (a new
 partition takes the next free one), so the partitions a node already holds never
 change index when partitions are added or a retired node's are recreated.
+
+Where a keyed request goes (an idempotency key, a lease key) is ``home_of_key``: the
+key's partition is ``crc32(key) % key_partitions``, where ``key_partitions`` is the
+partition count the queue was created with, recorded in its entry and never changed.
+Not the current count: dedup is a check-then-store that is exact only in one node's
+LMDB transaction, so a key must reach the same home for as long as the queue keeps
+it; a count that grows with UpdateQueue sent a key produced again after the update to
+another home, which stored it twice. Looking in every home a key could have had
+within the dedup window would need a cross-node check that races with a produce
+still arriving at the old home. The price: keyed requests use the partitions the
+queue was created with (their homes spread them over their own partitions).
 """
 
 from __future__ import annotations
@@ -48,6 +59,9 @@ class QueueEntry:
 
     config: QueueConfig  # partitions == len(homes); uid and group unset
     homes: tuple[Home, ...]
+    # The span of keyed requests' partitions (module docstring): the partition count
+    # at creation. Change homes with dataclasses.replace, which keeps it.
+    key_partitions: int
     mod_revision: int = 0  # of its etcd key; updates compare it
     # The create revision of its etcd key: tells this queue from an earlier one of the
     # same name (deleted while a node was away), whose local copy must not be reused.
@@ -62,7 +76,8 @@ class QueueEntry:
     def encode(self) -> bytes:
         settings = {field: getattr(self.config, field) for field in SHARED_FIELDS}
         return json.dumps(
-            {"settings": settings, "homes": [[h.node, h.index] for h in self.homes]}, sort_keys=True
+            {"settings": settings, "homes": [[h.node, h.index] for h in self.homes], "key_partitions": self.key_partitions},
+            sort_keys=True,
         ).encode()
 
     @classmethod
@@ -70,7 +85,23 @@ class QueueEntry:
         doc = json.loads(data)
         homes = tuple(Home(str(node), int(index)) for node, index in doc["homes"])
         config = QueueConfig(name=name, partitions=len(homes)).replace(**doc["settings"])
-        return cls(config, homes, mod_revision, generation)
+        # An entry written before key_partitions was recorded: its keys went by the count
+        # it had then, the current one.
+        key_partitions = int(doc.get("key_partitions") or len(homes))
+        return cls(config, homes, key_partitions, mod_revision, generation)
+
+    def home_of(self, partition: int) -> Home:
+        """The home of a cluster-wide ``partition`` (InvalidArgument naming ``field``
+        for one the queue does not have is the caller's: see policy.py)."""
+        return self.homes[partition]
+
+    def key_partition(self, key: str) -> int:
+        """The partition a keyed request (idempotency or lease key) belongs to; the
+        same for as long as the queue exists (module docstring)."""
+        return key_partition(key, self.key_partitions)
+
+    def home_of_key(self, key: str) -> Home:
+        return self.homes[self.key_partition(key)]
 
     def local_partitions(self, node: str) -> dict[int, int]:
         """``node``'s local index -> global partition, for the partitions it homes."""
@@ -113,8 +144,8 @@ def place(count: int, live: Sequence[str], existing: Iterable[Home] = (), load: 
 
 
 def key_partition(key: str, partitions: int) -> int:
-    """The partition a keyed request (idempotency or lease key) belongs to.
+    """``key``'s partition among ``partitions`` (QueueEntry.key_partition gives the count).
 
-    crc32, not hash(): every node must pick the same partition for a key.
+    crc32 of the UTF-8 bytes, not hash(): every node and client must pick the same one.
     """
     return zlib.crc32(key.encode()) % partitions

@@ -9,6 +9,7 @@ call served here is translated on the way in and out.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -20,11 +21,12 @@ from querator.v1 import queue_pb2 as pb
 from querator.v1 import queues_pb2 as qpb
 from querator.v1 import storage_pb2 as spb
 
-from ..errors import FailedPrecondition, InvalidArgument, NoHealthyPartition, Unavailable
-from ..model import DEFAULT_WAIT_US, MAX_WAIT_US
+from ..errors import FailedPrecondition, NoHealthyPartition, QueratorError, Unavailable
+from ..model import DEFAULT_WAIT_US, MAX_WAIT_US, check_lease_keys
 from .catalog import CatalogCache
 from .forwarding import NODE_GONE_HELP, Peers, PeerTls, Unreachable, is_forwarded
-from .placement import QueueEntry, key_partition
+from .placement import QueueEntry
+from .policy import Part, Where, where
 from .redrive_walk import RedriveWalk, check_target, walk
 
 # A Lease that finds nothing anywhere waits on one node for at most this long before it
@@ -53,6 +55,9 @@ class Router:
         self.peers = Peers(node, lambda: catalog.members, tls)
         self._forward = self.peers.forward
         self._turn = itertools.count()
+        # The Complete behavior of this node (set by route()): a Lease whose lease goes
+        # elsewhere completes its complete_ids homed here with it first.
+        self._complete_here: Local | None = None
 
     @property
     def forwarded(self) -> int:
@@ -61,13 +66,13 @@ class Router:
     async def close(self) -> None:
         await self.peers.close()
 
-    # -- where things are ----------------------------------------------------------
+    # -- where things are (policy.py decides; this carries it out) ---------------------
 
     def live(self, node: str) -> bool:
         return node in self._catalog.members
 
-    def _homes_here(self, entry: QueueEntry) -> bool:
-        return any(h.node == self.node for h in entry.homes)
+    def where(self, entry: QueueEntry, method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Where:
+        return where(entry, self.node, self._catalog.members, method, request, self.is_forwarded(context))
 
     def _global(self, entry: QueueEntry, local: int) -> int:
         for partition, home in enumerate(entry.homes):
@@ -75,19 +80,14 @@ class Router:
                 return partition
         raise Unavailable(f"queue {entry.config.name!r}: local partition {local} has no home here")
 
-    def _check_partition(self, entry: QueueEntry, partition: int, field: str) -> None:
-        if not 0 <= partition < len(entry.homes):
-            raise InvalidArgument(
-                field, f"must be between 0 and {len(entry.homes) - 1} (the queue has {len(entry.homes)}), got {partition}"
-            )
-
-    def _other_homes(self, entry: QueueEntry) -> list[str]:
-        """Live nodes other than this one that home partitions of the queue, in turn."""
-        nodes = [n for n in entry.nodes() if n != self.node and self.live(n)]
-        if nodes:
-            turn = next(self._turn) % len(nodes)
-            nodes = nodes[turn:] + nodes[:turn]
-        return nodes
+    def _in_turn(self, nodes: tuple[str, ...]) -> list[str]:
+        """``nodes`` other than this one, starting at the next in turn, so that callers
+        of one node do not all ask the same other node first."""
+        others = [n for n in nodes if n != self.node]
+        if others:
+            turn = next(self._turn) % len(others)
+            others = others[turn:] + others[:turn]
+        return others
 
     is_forwarded = staticmethod(is_forwarded)
 
@@ -97,23 +97,18 @@ class Router:
         self, request: pb.ProduceRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local
     ) -> pb.ProduceResponse:
         entry = await self._lookup(request.queue_name)
-        forwarded = self.is_forwarded(context)
-        key = next((item.idempotency_key for item in request.items if item.idempotency_key), "")
-        if key:  # dedup works per home node: a key always goes to the same one
-            targets = [entry.homes[key_partition(key, len(entry.homes))].node]
-        elif self._homes_here(entry) or forwarded:
-            targets = [self.node]
+        route = self.where(entry, "Produce", request, context)
+        if route.parts:  # forwarded here, or keyed: dedup lives at the key's one home
+            targets = [route.parts[0].node]
         else:  # a home that fails is skipped for the next one (ADR 19: try another partition)
-            targets = self._other_homes(entry)
-            if not targets:
-                raise Unavailable(f"queue {entry.config.name!r}: no live node homes any of its partitions")
-        if targets[0] == self.node or forwarded:
+            targets = ([self.node] if route.spread[0] == self.node else []) + self._in_turn(route.spread)
+        if targets[0] == self.node:
             try:
                 response: pb.ProduceResponse = await local(request, context)
             except NoHealthyPartition:
                 # Every partition of the queue here is faulty: the other homes' serve
-                # (ADR 19). Not for a keyed produce, whose dedup lives at its one home.
-                targets = [] if key or forwarded else self._other_homes(entry)
+                # (ADR 19). Not for a keyed or forwarded produce: those belong here.
+                targets = targets[1:]
                 if not targets:
                     raise
             else:
@@ -132,29 +127,30 @@ class Router:
         self, request: pb.LeaseRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local
     ) -> pb.LeaseResponse:
         entry = await self._lookup(request.queue_name)
-        forwarded = self.is_forwarded(context)
+        route = self.where(entry, "Lease", request, context)
         if request.complete_ids:
-            self._check_partition(entry, request.complete_partition, "complete_partition")
-            home = entry.homes[request.complete_partition]
-            if home.node == self.node:
-                request.complete_partition = home.index
-            elif forwarded:
-                raise Unavailable(f"partition {request.complete_partition} is not homed on node {self.node!r}")
-            else:  # complete at the items' home first, then lease without them
+            if route.complete_at:  # complete at the items' home first, then lease without them
                 done = pb.CompleteRequest(
                     queue_name=request.queue_name, partition=request.complete_partition, ids=request.complete_ids
                 )
-                await self._forward(home.node, "/querator.v1.QueueService/Complete", done, pb.CompleteResponse, context)
+                if route.complete_at == self.node:
+                    done.partition = entry.home_of(done.partition).index
+                    assert self._complete_here is not None
+                    await self._complete_here(done, context)
+                else:
+                    await self._forward(
+                        route.complete_at, "/querator.v1.QueueService/Complete", done, pb.CompleteResponse, context
+                    )
                 del request.complete_ids[:]
                 request.complete_partition = 0
-        if request.lease_key:
-            node = entry.homes[key_partition(request.lease_key, len(entry.homes))].node
-            if node == self.node or forwarded:
+            else:  # completed by the lease here
+                request.complete_partition = entry.home_of(request.complete_partition).index
+        if route.parts:
+            node = route.parts[0].node
+            if node == self.node:
                 return await self._lease_here(entry, request, context, local)
             return await self._forward(node, "/querator.v1.QueueService/Lease", request, pb.LeaseResponse, context)
-        if forwarded:
-            return await self._lease_here(entry, request, context, local)
-        return await self._lease_anywhere(entry, request, context, local)
+        return await self._lease_anywhere(entry, route.spread, request, context, local)
 
     async def _lease_here(
         self, entry: QueueEntry, request: pb.LeaseRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local
@@ -167,7 +163,12 @@ class Router:
         return response
 
     async def _lease_anywhere(
-        self, entry: QueueEntry, request: pb.LeaseRequest, context: grpc.aio.ServicerContext[Any, Any], local: Local
+        self,
+        entry: QueueEntry,
+        spread: tuple[str, ...],
+        request: pb.LeaseRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+        local: Local,
     ) -> pb.LeaseResponse:
         """Items from this node's partitions when it has some ready; else from another
         home's; else wait, a slice at a time, looking at every home between slices."""
@@ -180,7 +181,7 @@ class Router:
         if remaining is not None:  # answer (empty) before the caller's deadline, as a single node does
             wait_s = min(wait_s, remaining - min(_ANSWER_MARGIN_S, remaining / 5))
         give_up = loop.time() + max(0.0, wait_s)
-        here = self._homes_here(entry)
+        here = spread[0] == self.node
         # The request is this call's own (deserialized for it), so each look changes it
         # in place: no copy of it, complete_ids and all, per look on the hot path.
         while True:
@@ -191,7 +192,7 @@ class Router:
                     return response
                 if request.complete_ids:
                     del request.complete_ids[:]  # completed by the first look
-            others = self._other_homes(entry)
+            others = self._in_turn(spread)
             for node in others:
                 try:
                     response = await self._forward(node, "/querator.v1.QueueService/Lease", request, pb.LeaseResponse, context)
@@ -229,27 +230,53 @@ class Router:
         local: Local,
     ) -> M:
         """A call about one partition (Complete, Retry, Extend, the storage calls), at
-        that partition's home; by the first lease key's partition when it names keys only."""
+        that partition's home. Lease keys go to each key's home (policy.py): the homes
+        of keys alone first, side by side, then the ids' home with the ids and its own
+        keys, only once the others are done (queue.proto, CompleteRequest.lease_keys)."""
         entry = await self._lookup(request.queue_name)
-        keys = list(getattr(request, "lease_keys", ()))
-        by_key = bool(keys) and not (getattr(request, "ids", None) or getattr(request, "items", None))
-        if by_key:
-            partition = key_partition(keys[0], len(entry.homes))
-        else:
-            self._check_partition(entry, request.partition, "partition")
-            partition = request.partition
-        home = entry.homes[partition]
-        if home.node != self.node:
-            if self.is_forwarded(context):
-                raise Unavailable(f"partition {partition} is not homed on node {self.node!r}")
-            if not self.live(home.node):
-                raise Unavailable(
-                    f"partition {partition} of queue {entry.config.name!r} lives on node {home.node!r}, "
-                    "which is down; its items are served again when it returns"
-                )
-            return await self._forward(home.node, method, request, response_type, context)
-        if not by_key:
-            request.partition = home.index
+        if getattr(request, "lease_keys", None):
+            check_lease_keys(request.lease_keys)  # whole, before any home applies a part
+        route = self.where(entry, method.rsplit("/", 1)[1], request, context)
+        last = route.parts[-1]
+        others = route.parts[:-1] if last.ids else route.parts
+        answers = await asyncio.gather(
+            *(self._part(entry, method, request, response_type, context, local, part) for part in others),
+            return_exceptions=True,
+        )
+        failed = [(part, a) for part, a in zip(others, answers, strict=True) if isinstance(a, BaseException)]
+        if failed:
+            done = [p for p in others if all(p is not f for f, _ in failed)]
+            raise _partial(failed, done, last if last.ids else None)
+        response = response_type()
+        if last.ids:
+            response = await self._part(entry, method, request, response_type, context, local, last)
+        if hasattr(response, "key_items_extended"):
+            response.key_items_extended += sum(a.key_items_extended for a in answers if a is not response)  # type: ignore[union-attr]
+        return response
+
+    async def _part(
+        self,
+        entry: QueueEntry,
+        method: str,
+        request: Any,
+        response_type: type[M],
+        context: grpc.aio.ServicerContext[Any, Any],
+        local: Local,
+        part: Part,
+    ) -> M:
+        if hasattr(request, "lease_keys") and list(request.lease_keys) != list(part.keys):
+            sent = type(request)()
+            sent.CopyFrom(request)
+            del sent.lease_keys[:]
+            sent.lease_keys.extend(part.keys)
+            if not part.ids:
+                del sent.ids[:]
+                sent.partition = 0
+            request = sent
+        if part.node != self.node:
+            return await self._forward(part.node, method, request, response_type, context)
+        if part.ids:
+            request.partition = entry.home_of(request.partition).index
         return await local(request, context)  # type: ignore[no-any-return]
 
     async def everywhere(
@@ -338,6 +365,8 @@ class Router:
             response_type = methods[name][2]
             wrap(name, lambda r, c, local: self.to_home(path, r, response_type, c, local))
 
+        if "Complete" in methods:
+            self._complete_here = methods["Complete"][0]
         for name in methods:
             if name == "Produce":
                 wrap(name, self.produce)
@@ -414,6 +443,25 @@ class Router:
         del response.partitions[:]
         response.partitions.extend(kept)
         return response
+
+
+def _partial(failed: list[tuple[Part, BaseException]], done: list[Part], ids: Part | None) -> BaseException:
+    """The first failure of a call split over several homes, its text naming what was
+    done and what was not, with the failure's own status."""
+    part, error = failed[0]
+    if not isinstance(error, QueratorError):
+        return error
+    not_done = [f"lease_keys {list(p.keys)} on node {p.node!r}" for p, _ in failed]
+    if ids is not None:
+        not_done.append(f"the ids (and lease_keys {list(ids.keys)}) on node {ids.node!r}")
+    text = f"{error.message}; not done: {'; '.join(not_done)}"
+    if done:
+        text += f"; done: {'; '.join(f'lease_keys {list(p.keys)} on node {p.node!r}' for p in done)}"
+    text += "; sending the same request again is safe (a key already done is no error)"
+    out: QueratorError = copy.copy(error)
+    out.message = text
+    out.args = (text,)
+    return out
 
 
 def _has_items(response: pb.LeaseResponse) -> bool:

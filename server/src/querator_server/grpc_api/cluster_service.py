@@ -50,7 +50,7 @@ class ClusterService:
                 node_id="",
                 members=[pb.ClusterMember(node_id="", address=self.address(), live=True)],
                 queues=[
-                    pb.QueuePlacement(queue_name=n, homes=[""] * configs[n]) for n in self._names(request, list(configs))
+                    pb.QueuePlacement(queue_name=n, homes=[""] * configs[n], key_partitions=configs[n]) for n in self._names(request, list(configs))
                 ],
                 admin_writable=True,
             )
@@ -74,7 +74,11 @@ class ClusterService:
             revision=catalog.revision,
             members=members,
             queues=[
-                pb.QueuePlacement(queue_name=n, homes=[h.node for h in catalog.queues[n].homes])
+                pb.QueuePlacement(
+                    queue_name=n,
+                    homes=[h.node for h in catalog.queues[n].homes],
+                    key_partitions=catalog.queues[n].key_partitions,
+                )
                 for n in self._names(request, list(catalog.queues))
             ],
             admin_writable=not cluster.membership.fenced,

@@ -14,7 +14,6 @@ from ..errors import InvalidArgument, quote
 from ..model import (
     DEFAULT_PAGE_SIZE,
     MAX_BATCH,
-    MAX_KEY_BYTES,
     MAX_LABEL_BYTES,
     MAX_METADATA_BYTES,
     MAX_METADATA_PAIRS,
@@ -22,6 +21,7 @@ from ..model import (
     MAX_QUEUE_NAME,
     MAX_REFERENCE_BYTES,
     MAX_SOURCE_ID_BYTES,
+    check_key,
 )
 
 # 0001-01-01 .. 9999-12-31 as protobuf allows; we also refuse times before 1970.
@@ -122,11 +122,7 @@ def ids(values: Sequence[str], field: str = "ids", *, template: str = "{field}[{
     return list(values)
 
 
-def key(value: str, field: str) -> str:
-    """An optional idempotency or lease key: at most MAX_KEY_BYTES bytes of UTF-8."""
-    if len(value) > MAX_KEY_BYTES or len(value.encode()) > MAX_KEY_BYTES:
-        raise InvalidArgument(field, f"must be at most {MAX_KEY_BYTES} bytes")
-    return value
+key = check_key
 
 
 def source_id(value: str, field: str) -> str:

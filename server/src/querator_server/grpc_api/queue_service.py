@@ -29,6 +29,7 @@ from ..model import (
     STREAM_UNSENT_BYTES,
     NewItem,
     RetryOrder,
+    check_lease_keys,
 )
 from ..storage import StorageError
 from . import convert as c
@@ -199,9 +200,7 @@ class QueueService:
         return c.partition(partition, self.manager.get(name).partitions)
 
     def _ids_and_keys(self, name: str, request: pb.CompleteRequest | pb.ExtendRequest) -> tuple[list[str], int, list[str]]:
-        keys = [c.key(k, f"lease_keys[{i}]") for i, k in enumerate(request.lease_keys)]
-        if len(keys) > 1000:
-            raise InvalidArgument("lease_keys", f"must hold at most 1000 keys, got {len(keys)}")
+        keys = check_lease_keys(request.lease_keys)
         if keys and not request.ids:
             return [], 0, keys
         return c.ids(request.ids), self._partition(name, request.partition), keys

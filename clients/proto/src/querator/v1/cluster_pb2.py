@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19querator/v1/cluster.proto\x12\x0bquerator.v1\"@\n\x12\x43lusterInfoRequest\x12\x13\n\x0bqueue_names\x18\x01 \x03(\t\x12\x15\n\rcheck_members\x18\x02 \x01(\x08\"\xbd\x01\n\x13\x43lusterInfoResponse\x12\x11\n\tclustered\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\x03\x12+\n\x07members\x18\x04 \x03(\x0b\x32\x1a.querator.v1.ClusterMember\x12+\n\x06queues\x18\x05 \x03(\x0b\x32\x1b.querator.v1.QueuePlacement\x12\x16\n\x0e\x61\x64min_writable\x18\x06 \x01(\x08\"d\n\rClusterMember\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04live\x18\x03 \x01(\x08\x12\x0e\n\x06\x66\x65nced\x18\x04 \x01(\x08\x12\x13\n\x0b\x63heck_error\x18\x05 \x01(\t\"3\n\x0eQueuePlacement\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\r\n\x05homes\x18\x02 \x03(\t\"2\n\x1fRetireNodeDiscardingDataRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"@\n RetireNodeDiscardingDataResponse\x12\x1c\n\x14partitions_recreated\x18\x01 \x01(\x05\x32\xdb\x01\n\x0e\x43lusterService\x12P\n\x0b\x43lusterInfo\x12\x1f.querator.v1.ClusterInfoRequest\x1a .querator.v1.ClusterInfoResponse\x12w\n\x18RetireNodeDiscardingData\x12,.querator.v1.RetireNodeDiscardingDataRequest\x1a-.querator.v1.RetireNodeDiscardingDataResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19querator/v1/cluster.proto\x12\x0bquerator.v1\"@\n\x12\x43lusterInfoRequest\x12\x13\n\x0bqueue_names\x18\x01 \x03(\t\x12\x15\n\rcheck_members\x18\x02 \x01(\x08\"\xbd\x01\n\x13\x43lusterInfoResponse\x12\x11\n\tclustered\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\x03\x12+\n\x07members\x18\x04 \x03(\x0b\x32\x1a.querator.v1.ClusterMember\x12+\n\x06queues\x18\x05 \x03(\x0b\x32\x1b.querator.v1.QueuePlacement\x12\x16\n\x0e\x61\x64min_writable\x18\x06 \x01(\x08\"d\n\rClusterMember\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04live\x18\x03 \x01(\x08\x12\x0e\n\x06\x66\x65nced\x18\x04 \x01(\x08\x12\x13\n\x0b\x63heck_error\x18\x05 \x01(\t\"K\n\x0eQueuePlacement\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\r\n\x05homes\x18\x02 \x03(\t\x12\x16\n\x0ekey_partitions\x18\x03 \x01(\x05\"2\n\x1fRetireNodeDiscardingDataRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"@\n RetireNodeDiscardingDataResponse\x12\x1c\n\x14partitions_recreated\x18\x01 \x01(\x05\x32\xdb\x01\n\x0e\x43lusterService\x12P\n\x0b\x43lusterInfo\x12\x1f.querator.v1.ClusterInfoRequest\x1a .querator.v1.ClusterInfoResponse\x12w\n\x18RetireNodeDiscardingData\x12,.querator.v1.RetireNodeDiscardingDataRequest\x1a-.querator.v1.RetireNodeDiscardingDataResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,11 +38,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLUSTERMEMBER']._serialized_start=300
   _globals['_CLUSTERMEMBER']._serialized_end=400
   _globals['_QUEUEPLACEMENT']._serialized_start=402
-  _globals['_QUEUEPLACEMENT']._serialized_end=453
-  _globals['_RETIRENODEDISCARDINGDATAREQUEST']._serialized_start=455
-  _globals['_RETIRENODEDISCARDINGDATAREQUEST']._serialized_end=505
-  _globals['_RETIRENODEDISCARDINGDATARESPONSE']._serialized_start=507
-  _globals['_RETIRENODEDISCARDINGDATARESPONSE']._serialized_end=571
-  _globals['_CLUSTERSERVICE']._serialized_start=574
-  _globals['_CLUSTERSERVICE']._serialized_end=793
+  _globals['_QUEUEPLACEMENT']._serialized_end=477
+  _globals['_RETIRENODEDISCARDINGDATAREQUEST']._serialized_start=479
+  _globals['_RETIRENODEDISCARDINGDATAREQUEST']._serialized_end=529
+  _globals['_RETIRENODEDISCARDINGDATARESPONSE']._serialized_start=531
+  _globals['_RETIRENODEDISCARDINGDATARESPONSE']._serialized_end=595
+  _globals['_CLUSTERSERVICE']._serialized_start=598
+  _globals['_CLUSTERSERVICE']._serialized_end=817
 # @@protoc_insertion_point(module_scope)

@@ -159,8 +159,17 @@ class QueuePlacement(_message.Message):
 
     QUEUE_NAME_FIELD_NUMBER: _builtins.int
     HOMES_FIELD_NUMBER: _builtins.int
+    KEY_PARTITIONS_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue."""
+    key_partitions: _builtins.int
+    """How many partitions keyed requests are spread over: the queue's partition
+    count at creation, never changed (UpdateQueue adding partitions does not
+    move a key). A request with an idempotency key (the first item's), a
+    lease key, or lease_keys goes to homes[crc32(key) % key_partitions],
+    crc32 (IEEE) of the key's UTF-8 bytes. 0 from a server before this field:
+    use len(homes).
+    """
     @_builtins.property
     def homes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The node id homing each partition: homes[p] is partition p's node."""
@@ -170,10 +179,11 @@ class QueuePlacement(_message.Message):
         *,
         queue_name: _builtins.str = ...,
         homes: _abc.Iterable[_builtins.str] | None = ...,
+        key_partitions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["homes", b"homes", "queue_name", b"queue_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["homes", b"homes", "key_partitions", b"key_partitions", "queue_name", b"queue_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -762,6 +762,16 @@ export type CompleteRequest = Message<"querator.v1.CompleteRequest"> & {
    * is not an error. At most 1,000 keys of at most 512 bytes each
    * (INVALID_ARGUMENT naming lease_keys[i]).
    *
+   * In a cluster each key's items live at its home (ClusterInfo's
+   * QueuePlacement.key_partitions), and keys of one request may have several:
+   * the node reached sends each home its keys, the ids' home last (with the
+   * ids and its own keys, all-or-nothing there). A home that is down fails the
+   * call UNAVAILABLE, naming it, before any home is asked. A home that fails
+   * once others have applied their part fails the call with that home's
+   * status; its message names the keys and nodes not done and says the rest
+   * was applied. The ids are then not completed (their home goes last), so
+   * the same request can be sent again as is: keys already done are no error.
+   *
    * @generated from field: repeated string lease_keys = 5;
    */
   leaseKeys: string[];
@@ -944,7 +954,9 @@ export type ExtendRequest = Message<"querator.v1.ExtendRequest"> & {
    * Lease keys whose items to extend: every item still leased under each key
    * with an unexpired lease (others are left alone; an unknown key extends
    * nothing). At most 1,000 keys of at most 512 bytes each (INVALID_ARGUMENT
-   * naming lease_keys[i]).
+   * naming lease_keys[i]). In a cluster, keys homed on several nodes are
+   * extended at each home, and a failure is reported as for
+   * CompleteRequest.lease_keys; key_items_extended sums every home's count.
    *
    * @generated from field: repeated string lease_keys = 6;
    */
