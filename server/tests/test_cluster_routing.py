@@ -13,7 +13,7 @@ from google.protobuf import field_mask_pb2
 
 from querator.v1 import queue_pb2, queues_pb2
 
-from conftest import ThreadServer, Stubs, wait_until
+from conftest import Stubs, ThreadServer, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,9 @@ from .placement import QueueEntry
 # Calls about one partition: served at that partition's home.
 HOME_CALLS = frozenset({"Complete", "Retry", "Extend", "ListItems", "ListScheduledItems", "ImportItems", "DeleteItems"})
 # Calls about the whole queue: on every node homing part of it.
-EVERY_CALLS = frozenset({"ClearQueue", "GetQueueStats", "DeleteQueue", "RedriveItems"})
+# (DeleteQueue checks emptiness through GetQueueStats; RedriveItems walks the homes,
+# redrive.py.)
+EVERY_CALLS = frozenset({"ClearQueue", "GetQueueStats"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -284,11 +284,12 @@ class Router:
     ) -> M:
         """A call for the whole queue (ClearQueue): on every node that homes part of it."""
         entry = await self._lookup(request.queue_name)
-        if self.is_forwarded(context):
+        route = self.where(entry, method.rsplit("/", 1)[1], request, context)
+        if route.parts:  # forwarded: this node's part
             return await local(request, context)  # type: ignore[no-any-return]
         down = []
         response = response_type()
-        for node in entry.nodes():
+        for node in route.every:
             if node == self.node:
                 response = await local(request, context)
             elif self.live(node):
@@ -399,11 +400,12 @@ class Router:
     ) -> tuple[qpb.GetQueueStatsResponse, list[str]]:
         """The merged stats, and the homes that could not say."""
         entry = await self._lookup(request.queue_name)
-        if self.is_forwarded(context):
+        route = self.where(entry, "GetQueueStats", request, context)
+        if route.parts:  # forwarded: this node's part
             return await self._stats_here(entry, request, context, local), []
         out = qpb.GetQueueStatsResponse(queue_name=entry.config.name)
         away: list[str] = []
-        for node in entry.nodes():
+        for node in route.every:
             part: qpb.GetQueueStatsResponse | None = None
             if node == self.node:
                 part = await self._stats_here(entry, request, context, local)
