@@ -10,11 +10,9 @@ import {
   type LeaseOptions,
   MAX_BATCH,
   apiKey,
-  byKey,
   chunks,
   extendedDeadlines,
   groupRefs,
-  home,
   leaseCall,
   leaseKeyChunks,
   leaseTimeout,
@@ -34,6 +32,7 @@ import {
 } from "./operations.js";
 import type { CallOptions, ClientOptions } from "./options.js";
 import { Pager } from "./paging.js";
+import { targetOf } from "./routing.js";
 import { type RetryPolicy, sleep } from "./retry.js";
 
 export { DEFAULT_ADDRESS, type CallOptions, type ClientOptions, type TlsOptions } from "./options.js";
@@ -220,12 +219,12 @@ export class Client implements Settler {
     const how = { retry: false, kind: { itemCall: true } };
     for (const [queueName, partition, members] of groupRefs(items)) {
       const request = { queueName, partition, ids: members.map((m) => m.id) };
-      await this.#conn.call((c, o) => c.queue.complete(request, o), options, { ...how, target: home(queueName, partition) });
+      await this.#conn.call((c, o) => c.queue.complete(request, o), options, { ...how, target: targetOf("Complete", request) });
       markAll(members, "completed");
     }
     for (const keys of leaseKeyChunks(options.leaseKeys, options.queueName)) {
       const request = { queueName: options.queueName!, leaseKeys: keys };
-      await this.#conn.call((c, o) => c.queue.complete(request, o), options, { ...how, retry: true, target: byKey(request.queueName, keys) });
+      await this.#conn.call((c, o) => c.queue.complete(request, o), options, { ...how, retry: true, target: targetOf("Complete", request) });
     }
   }
 
@@ -239,7 +238,7 @@ export class Client implements Settler {
     const dead = options.dead ?? false;
     for (const [queueName, partition, members] of groupRefs(items)) {
       const request = { queueName, partition, items: retryItems(members, at, dead) };
-      await this.#conn.call((c, o) => c.queue.retry(request, o), options, { retry: false, kind: { itemCall: true }, target: home(queueName, partition) });
+      await this.#conn.call((c, o) => c.queue.retry(request, o), options, { retry: false, kind: { itemCall: true }, target: targetOf("Retry", request) });
       markAll(members, dead ? "dead" : "retried");
     }
   }
@@ -256,12 +255,12 @@ export class Client implements Settler {
     let keyItemsExtended = 0;
     for (const [queueName, partition, members] of groupRefs(items)) {
       const request = { queueName, partition, ids: members.map((m) => m.id), ...timeout };
-      const response = await this.#conn.call((c, o) => c.queue.extend(request, o), options, { ...how, target: home(queueName, partition) });
+      const response = await this.#conn.call((c, o) => c.queue.extend(request, o), options, { ...how, target: targetOf("Extend", request) });
       deadlines.push(...extendedDeadlines(members, response));
     }
     for (const keys of leaseKeyChunks(options.leaseKeys, options.queueName)) {
       const request = { queueName: options.queueName!, leaseKeys: keys, ...timeout };
-      const response = await this.#conn.call((c, o) => c.queue.extend(request, o), options, { ...how, target: byKey(request.queueName, keys) });
+      const response = await this.#conn.call((c, o) => c.queue.extend(request, o), options, { ...how, target: targetOf("Extend", request) });
       keyItemsExtended += response.keyItemsExtended;
     }
     return { deadlines, keyItemsExtended };
@@ -331,7 +330,7 @@ export class Client implements Settler {
     const partition = options.partition ?? 0;
     return new Pager(async (pageToken) => {
       const request = { queueName, partition, pageSize: options.pageSize ?? 0, pageToken };
-      const r = await this.#conn.call((c, o) => c.storage.listItems(request, o), options, { retry: true, target: home(queueName, partition) });
+      const r = await this.#conn.call((c, o) => c.storage.listItems(request, o), options, { retry: true, target: targetOf("ListItems", request) });
       return { items: r.items.map((i) => storedItem(i, partition)), nextPageToken: r.nextPageToken };
     }, options.pageToken);
   }
@@ -344,7 +343,7 @@ export class Client implements Settler {
     const partition = options.partition ?? 0;
     return new Pager(async (pageToken) => {
       const request = { queueName, partition, pageSize: options.pageSize ?? 0, pageToken };
-      const r = await this.#conn.call((c, o) => c.storage.listScheduledItems(request, o), options, { retry: true, target: home(queueName, partition) });
+      const r = await this.#conn.call((c, o) => c.storage.listScheduledItems(request, o), options, { retry: true, target: targetOf("ListScheduledItems", request) });
       return { items: r.items.map((i) => storedItem(i, partition)), nextPageToken: r.nextPageToken };
     }, options.pageToken);
   }
@@ -355,7 +354,7 @@ export class Client implements Settler {
     const ids: string[] = [];
     for (const chunk of chunks([...items].map(storageItem))) {
       const request = { queueName, partition, items: chunk };
-      const r = await this.#conn.call((c, o) => c.storage.importItems(request, o), options, { retry: false, target: home(queueName, partition) });
+      const r = await this.#conn.call((c, o) => c.storage.importItems(request, o), options, { retry: false, target: targetOf("ImportItems", request) });
       ids.push(...r.ids);
     }
     return ids;
@@ -366,7 +365,7 @@ export class Client implements Settler {
     const partition = options.partition ?? 0;
     for (const chunk of chunks([...ids])) {
       const request = { queueName, partition, ids: chunk };
-      await this.#conn.call((c, o) => c.storage.deleteItems(request, o), options, { retry: true, target: home(queueName, partition) });
+      await this.#conn.call((c, o) => c.storage.deleteItems(request, o), options, { retry: true, target: targetOf("DeleteItems", request) });
     }
   }
 

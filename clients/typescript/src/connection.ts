@@ -21,10 +21,10 @@ import {
   fromStatus,
 } from "./errors.js";
 import type { LeaseResponse, LeaseStreamResponse, ProduceRequest, ProduceResponse, ProduceStreamRequest, ProduceStreamResponse, QueueService, StreamError } from "./gen/querator/v1/queue_pb.js";
-import { ANY, type LeaseCall, type Target, leasedCount, produceTarget } from "./operations.js";
+import { ANY, type LeaseCall, leasedCount, produceTarget } from "./operations.js";
 import { type CallOptions, type ClientOptions, DEFAULT_ADDRESS, type TlsOptions } from "./options.js";
 import { RetryPolicy, sleep } from "./retry.js";
-import { ClusterMap, DOWN_CAP_MS, DOWN_FIRST_MS } from "./routing.js";
+import { ClusterMap, DOWN_CAP_MS, DOWN_FIRST_MS, type Target } from "./routing.js";
 import { RequestStream, closedHere } from "./streams.js";
 
 /** How a call is made: whether it is safe to repeat, how its errors read, its deadline
@@ -248,13 +248,13 @@ export class Connection {
     if (target.to === "any") return this.#anyChannel(now);
     for (let i = 0; i < 2 && this.#map.needsLookup(target.queue, now); i++) await this.#refresh(target.queue);
     if (target.to === "home" || target.to === "key") {
-      let node = target.to === "home" ? this.#map.home(target.queue, target.partition) : this.#map.keyHome(target.queue, target.key);
-      if (node !== undefined && this.#map.address(node) === "") {
+      let node = this.#map.nodeFor(target, now);
+      if (node !== "" && this.#map.address(node) === "") {
         // The map says its home is down: once, in case the map is stale, read it again.
         await this.#refreshIfOlder(DOWN_FIRST_MS);
-        node = target.to === "home" ? this.#map.home(target.queue, target.partition) : this.#map.keyHome(target.queue, target.key);
+        node = this.#map.nodeFor(target, now);
       }
-      if (node === undefined) return this.#anyChannel(now); // a partition the map does not know: let a node answer
+      if (node === "") return this.#anyChannel(now); // a partition the map does not know: let a node answer
       const address = this.#map.address(node);
       if (address === "") {
         const what = target.to === "home" ? `partition ${target.partition}` : `the partition of lease key ${JSON.stringify(target.key)}`;

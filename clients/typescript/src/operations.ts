@@ -10,6 +10,7 @@ import type { Duration } from "@bufbuild/protobuf/wkt";
 import { fromDuration, fromMicros, fromTimestamp, payloadBytes, toDuration, toTimestamp } from "./convert.js";
 import type { CallKind } from "./errors.js";
 import { LeasedItem, type LeaseState, type Settler } from "./items.js";
+import { type Target, targetOf } from "./routing.js";
 import type {
   ApiKey,
   Item,
@@ -42,23 +43,7 @@ export const BATCH_BYTES = 4_000_000;
 // -- where a call goes --------------------------------------------------------------------
 
 /** Where a call must or may go in a cluster. */
-export type Target =
-  | { to: "any" }
-  | { to: "produce"; queue: string }
-  | { to: "lease"; queue: string }
-  | { to: "home"; queue: string; partition: number }
-  | { to: "key"; queue: string; key: string };
-
 export const ANY: Target = { to: "any" };
-
-export function home(queue: string, partition: number): Target {
-  return { to: "home", queue, partition };
-}
-
-/** The node of the first key's partition: where the server sends a keys-only call. */
-export function byKey(queue: string, keys: readonly string[]): Target {
-  return { to: "key", queue, key: keys[0] ?? "" };
-}
 
 /** The slices of `all` of at most `size` (MAX_BATCH) each. */
 export function chunks<T>(all: readonly T[], size = MAX_BATCH): T[][] {
@@ -154,11 +139,10 @@ export function produceRequest(queueName: string, requestTimeout: Duration, batc
   return { request, keyed };
 }
 
-/** Where a Produce goes: a node homing partitions of the queue, or the home of the first
- * idempotency key's partition when the items carry keys. */
+/** Where a Produce goes (routing.ts, targetOf): a node homing partitions of the queue,
+ * or the home of the first idempotency key's partition when the items carry keys. */
 export function produceTarget(request: ProduceRequest): Target {
-  const key = request.items.find((item) => item.idempotencyKey)?.idempotencyKey;
-  return key ? { to: "key", queue: request.queueName, key } : { to: "produce", queue: request.queueName };
+  return targetOf("Produce", request);
 }
 
 // -- Lease --------------------------------------------------------------------------------
@@ -204,12 +188,8 @@ export function leaseCall(queueName: string, options: LeaseOptions & { timeoutMs
     columnar: true,
   };
   // Completing items: at their home, which leases from its own partitions (or, empty,
-  // from the others'), so the completion takes no hop.
-  const target: Target = completing.length
-    ? home(queueName, completing[0]!.partition)
-    : request.leaseKey
-      ? { to: "key", queue: queueName, key: request.leaseKey }
-      : { to: "lease", queue: queueName };
+  // from the others'), so the completion takes no hop; with a lease key, at its home.
+  const target = targetOf("Lease", request);
   return { request, timeoutMs, retry: completing.length === 0, kind: { itemCall: completing.length > 0 }, target, completing };
 }
 

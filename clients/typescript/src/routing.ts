@@ -10,8 +10,16 @@
  * - Lease goes to a node whose partitions have ready items, weighted by them; with none
  *   known, it stays on one node until a Lease comes back empty, then moves on, so no
  *   consumer keeps asking an empty node while another holds ready items.
- * - Complete, Retry and Extend go to `homes[partition]`, the only node that can serve
- *   them without a hop.
+ * - A call with a key goes to the key's home: a Produce by its first item's idempotency
+ *   key, a Lease by its lease key, a Complete or Extend by lease keys alone by its first
+ *   key (that node sends the other keys to their homes). A key's home is
+ *   `homes[crc32(key) % keyPartitions]` (the partition count at creation: adding
+ *   partitions never moves a key).
+ * - Complete, Retry, Extend and the storage calls about one partition go to
+ *   `homes[partition]`, the only node that can serve them without a hop; a Lease
+ *   completing items goes to their home.
+ * - The cases of testdata/routing/cases.json pin these rules for the server and both
+ *   clients alike (test/routing_table.test.ts).
  * - A node that fails is skipped for backoff (0.5 s doubling to 10 s), then tried again.
  */
 import * as zlib from "node:zlib";
@@ -33,7 +41,49 @@ export interface ClusterAnswer {
   clustered: boolean;
   revision: bigint;
   members: readonly { nodeId: string; address: string; live: boolean }[];
-  queues: readonly { queueName: string; homes: readonly string[] }[];
+  queues: readonly { queueName: string; homes: readonly string[]; keyPartitions?: number }[];
+}
+
+/** Where a call goes: any node, by the counts (produce, lease), a partition's home, or a key's home. */
+export type Target =
+  | { to: "any" }
+  | { to: "produce"; queue: string }
+  | { to: "lease"; queue: string }
+  | { to: "home"; queue: string; partition: number }
+  | { to: "key"; queue: string; key: string };
+
+/** The fields of a request that say where it goes. */
+export interface RoutedRequest {
+  queueName?: string;
+  partition?: number;
+  ids?: readonly string[];
+  items?: readonly ({ idempotencyKey?: string } | object)[];
+  leaseKey?: string;
+  leaseKeys?: readonly string[];
+  completeIds?: readonly string[];
+  completePartition?: number;
+}
+
+/** The calls about one partition: to its home. */
+const HOME_CALLS = new Set(["Complete", "Retry", "Extend", "ListItems", "ListScheduledItems", "ImportItems", "DeleteItems"]);
+
+/** Where a `method` call with `request` goes (the rules at the top of this file). */
+export function targetOf(method: string, request: RoutedRequest): Target {
+  const queue = request.queueName ?? "";
+  if (method === "Produce") {
+    const key = request.items?.map((i) => ("idempotencyKey" in i ? i.idempotencyKey : "")).find(Boolean);
+    return key ? { to: "key", queue, key } : { to: "produce", queue };
+  }
+  if (method === "Lease") {
+    if (request.leaseKey) return { to: "key", queue, key: request.leaseKey };
+    if (request.completeIds?.length) return { to: "home", queue, partition: request.completePartition ?? 0 };
+    return { to: "lease", queue };
+  }
+  if (HOME_CALLS.has(method)) {
+    const byKeys = request.leaseKeys?.length && !(request.ids?.length || request.items?.length);
+    return byKeys ? { to: "key", queue, key: request.leaseKeys![0]! } : { to: "home", queue, partition: request.partition ?? 0 };
+  }
+  return { to: "any" };
 }
 
 /** Node backoff after a failure: doubling from the first to the cap. */
@@ -47,6 +97,8 @@ const ABSENT_RECHECK_MS = 1000;
 interface Placement {
   homes: readonly string[];
   revision: bigint;
+  /** The partitions keys are spread over (the count at creation). */
+  keyPartitions: number;
 }
 
 interface Down {
@@ -125,7 +177,8 @@ export class ClusterMap {
       this.#absent.delete(q.queueName);
       const held = this.#placements.get(q.queueName);
       if (held && held.revision > answer.revision) continue;
-      this.#placements.set(q.queueName, { homes: [...q.homes], revision: answer.revision });
+      // 0 from a server before the field: every partition.
+      this.#placements.set(q.queueName, { homes: [...q.homes], revision: answer.revision, keyPartitions: q.keyPartitions || q.homes.length });
     }
     for (const name of asked ?? [...this.#placements.keys()]) {
       if (seen.has(name)) continue;
@@ -231,9 +284,25 @@ export class ClusterMap {
 
   /** The node homing a key's partition. */
   keyHome(queue: string, key: string): string | undefined {
-    const homes = this.homes(queue);
-    const partition = homes && homes.length ? keyPartition(key, homes.length) : undefined;
-    return partition === undefined ? undefined : homes![partition];
+    const placement = this.#placements.get(queue);
+    const partition = placement && placement.homes.length ? keyPartition(key, placement.keyPartitions) : undefined;
+    return partition === undefined ? undefined : placement!.homes[partition];
+  }
+
+  /** The node a call for `target` goes to now ("" for any node; a home whether up or not). */
+  nodeFor(target: Target, now: number, random = Math.random()): string {
+    switch (target.to) {
+      case "any":
+        return "";
+      case "home":
+        return this.home(target.queue, target.partition) ?? "";
+      case "key":
+        return this.keyHome(target.queue, target.key) ?? "";
+      case "produce":
+        return this.produceNode(target.queue, now, random) ?? "";
+      case "lease":
+        return this.leaseNode(target.queue, now, random) ?? "";
+    }
   }
 
   /** The usable nodes homing partitions of `queue`, with how many each homes. */

@@ -11,7 +11,15 @@ revision); GetQueueStats counts say what waits on each node. The rules (docs/sdk
   known it stays on one homing node until a Lease comes back empty, then moves on. A
   long Lease is sent in short slices so no consumer waits on an empty node while
   another holds ready items.
-- Complete, Retry and Extend go to ``homes[partition]``: no hop.
+- A call with a key goes to the key's home: a Produce by its first item's idempotency
+  key, a Lease by its lease key, a Complete or Extend by lease keys alone by its first
+  key (that node sends the other keys to their homes). A key's home is
+  ``homes[crc32(key) % key_partitions]`` (the partition count at creation: adding
+  partitions never moves a key).
+- Complete, Retry, Extend and the storage calls about one partition go to
+  ``homes[partition]``: no hop. A Lease completing items goes to their home.
+- The cases of testdata/routing/cases.json pin these rules, for the server and both
+  clients alike (test_sdk_routing_table.py).
 - A node that fails for want of the node is skipped for a backoff (0.5 s doubling to
   10 s), logged once when it goes down and once when it answers again.
 """
@@ -27,7 +35,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ._operations import QUEUE, QUEUES, Call
+from ._operations import QUEUE, QUEUES, STORAGE, Call
 
 log = logging.getLogger("querator.cluster")
 
@@ -42,9 +50,8 @@ INFO_RETRY = 1.0
 #: The longest one slice of a Lease waits on one node when other nodes home the queue.
 LEASE_SLICE = 1.0
 
-# The routed calls: to a partition's home, or spread by the counts.
-_HOME = {"Complete", "Retry", "Extend"}
-_SPREAD = {"Produce", "Lease"}
+# The calls about one partition: to its home.
+_HOME = {"Complete", "Retry", "Extend", "ListItems", "ListScheduledItems", "ImportItems", "DeleteItems"}
 
 # What a connection-level failure of gRPC says (the node went away or never answered),
 # as opposed to UNAVAILABLE a server sent about a queue or partition.
@@ -124,7 +131,8 @@ def _details(error: BaseException) -> str:
 
 
 def key_partition(key: str, partitions: int) -> int:
-    """The partition of a lease key, as the server computes it."""
+    """A key's partition among ``partitions`` (a queue's key_partitions), as the server
+    computes it: crc32 of the key's UTF-8 bytes."""
     return zlib.crc32(key.encode()) % partitions
 
 
@@ -168,7 +176,8 @@ class ClusterMap:
         self.refreshed_at = -1e18
         self.info_failed_at = -1e18
         self._members: dict[str, tuple[str, bool]] = {}
-        self._homes: dict[str, tuple[list[str], int]] = {}
+        # queue -> (homes, the revision they are of, key_partitions)
+        self._homes: dict[str, tuple[list[str], int, int]] = {}
         self._absent: dict[str, float] = {}
         self._down: dict[str, _Down] = {}
         self._queue_down: dict[tuple[str, str], _Down] = {}
@@ -210,7 +219,8 @@ class ClusterMap:
             self._absent.pop(placement.queue_name, None)
             held = self._homes.get(placement.queue_name)
             if held is None or held[1] <= answer.revision:
-                self._homes[placement.queue_name] = (list(placement.homes), answer.revision)
+                span = placement.key_partitions or len(placement.homes)  # 0: a server before the field
+                self._homes[placement.queue_name] = (list(placement.homes), answer.revision, span)
         for name in list(asked if asked is not None else self._homes):
             held = self._homes.get(name)
             if name in seen or (held is not None and held[1] > answer.revision):
@@ -229,6 +239,18 @@ class ClusterMap:
     def homes(self, queue: str) -> list[str]:
         held = self._homes.get(queue)
         return held[0] if held else []
+
+    def home_of(self, queue: str, partition: int) -> str:
+        """The node homing ``partition`` of ``queue`` ('' when the map does not know it)."""
+        homes = self.homes(queue)
+        return homes[partition] if 0 <= partition < len(homes) else ""
+
+    def home_of_key(self, queue: str, key: str) -> str:
+        """The node homing ``key``'s partition ('' when the map does not know the queue)."""
+        held = self._homes.get(queue)
+        if not held or not held[0]:
+            return ""
+        return held[0][key_partition(key, held[2])]
 
     def address(self, node: str) -> str:
         """The address of a live member ('' when unknown or not live)."""
@@ -359,33 +381,38 @@ class ClusterMap:
         return len(self._homing(queue, now))
 
     def route(self, call: Call, now: float) -> Route:
-        """Where ``call`` goes (an empty Route: the default channel)."""
-        if not self.clustered or call.service not in (QUEUE, QUEUES):
+        """Where ``call`` goes (an empty Route: the default channel, any node)."""
+        if not self.clustered or call.service not in (QUEUE, QUEUES, STORAGE):
             return Route()
         request: Any = call.request
         queue = getattr(request, "queue_name", "")
-        if call.method in _HOME and request.partition >= 0 and not getattr(request, "lease_keys", None):
-            homes = self.homes(queue)
-            if request.partition < len(homes):
-                node = homes[request.partition]
-                return Route(node, self.address(node), queue, "home")
-            return Route()
-        if call.method == "Lease" and request.lease_key:
-            homes = self.homes(queue)
-            if homes:
-                node = homes[key_partition(request.lease_key, len(homes))]
-                return Route(node, self.address(node), queue, "home")
-        if call.method == "Lease" and request.complete_ids:
-            # To the completed items' home; a "lease" route still, so a long one is
-            # sliced and moves on (without the completions) when that node is empty.
-            homes = self.homes(queue)
-            if 0 <= request.complete_partition < len(homes):
-                node = homes[request.complete_partition]
-                return Route(node, self.address(node), queue, "lease")
-        if call.method in _SPREAD and call.service == QUEUE:
-            node = self.produce_node(queue, now) if call.method == "Produce" else self.lease_node(queue, now)
-            return Route(node, self.address(node), queue, call.method.lower()) if node else Route(queue=queue)
+        method = call.method
+        if call.service == QUEUE and method == "Produce":
+            key = next((item.idempotency_key for item in request.items if item.idempotency_key), "")
+            if key:  # dedup is exact at the key's one home
+                return self._to(queue, self.home_of_key(queue, key), "home")
+            node = self.produce_node(queue, now)
+            return Route(node, self.address(node), queue, "produce") if node else Route(queue=queue)
+        if call.service == QUEUE and method == "Lease":
+            if request.lease_key:
+                return self._to(queue, self.home_of_key(queue, request.lease_key), "home")
+            if request.complete_ids:
+                # To the completed items' home; a "lease" route still, so a long one is
+                # sliced and moves on (without the completions) when that node is empty.
+                return self._to(queue, self.home_of(queue, request.complete_partition), "lease")
+            node = self.lease_node(queue, now)
+            return Route(node, self.address(node), queue, "lease") if node else Route(queue=queue)
+        if method in _HOME and call.service != QUEUES:
+            keys = list(getattr(request, "lease_keys", ()))
+            if keys and not (getattr(request, "ids", None) or getattr(request, "items", None)):
+                return self._to(queue, self.home_of_key(queue, keys[0]), "home")
+            return self._to(queue, self.home_of(queue, request.partition), "home")
         return Route()
+
+    def _to(self, queue: str, node: str, kind: str) -> Route:
+        """To ``node`` (its address empty while it is down: the default channel then
+        carries the call and a node answers why); '' (not known): any node."""
+        return Route(node, self.address(node), queue, kind) if node else Route()
 
 
 def _pick(entries: list[tuple[str, float]], point: float) -> str:

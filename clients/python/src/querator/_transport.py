@@ -120,12 +120,12 @@ class _Transport:
         now = time.monotonic()
         if self.cluster.needs_info(now):
             yield Refresh(None)
-        if not self.cluster.clustered or call.service != QUEUE:
+        if not self.cluster.clustered or call.service not in (QUEUE, STORAGE):
             return
         queue: str = getattr(call.request, "queue_name", "")
         if self.cluster.needs_lookup(queue, now):
             yield Refresh((queue,))
-        if call.method in ("Produce", "Lease") and self.cluster.stats_due(queue, now) and self.cluster.spread(queue, now) > 1:
+        if call.service == QUEUE and call.method in ("Produce", "Lease") and self.cluster.stats_due(queue, now) and self.cluster.spread(queue, now) > 1:
             self.cluster.stats_asked(queue, now)
             request = queues_pb2.GetQueueStatsRequest(queue_name=queue)
             try:
