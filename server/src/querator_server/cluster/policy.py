@@ -68,10 +68,6 @@ def where(entry: QueueEntry, here: str, live: Collection[str], method: str, requ
     raise ValueError(f"{method} is not a routed call")
 
 
-def _live(node: str, here: str, live: Collection[str]) -> bool:
-    return node == here or node in live
-
-
 def _spread(entry: QueueEntry, here: str, live: Collection[str]) -> Where:
     others = tuple(n for n in entry.nodes() if n != here and n in live)
     first = (here,) if any(h.node == here for h in entry.homes) else ()
@@ -80,15 +76,19 @@ def _spread(entry: QueueEntry, here: str, live: Collection[str]) -> Where:
     return Where(spread=first + others)
 
 
-def _key_home(entry: QueueEntry, here: str, live: Collection[str], key: str, what: str) -> str:
-    partition = entry.key_partition(key)
-    node = entry.homes[partition].node
-    if not _live(node, here, live):
+def _live_home(entry: QueueEntry, here: str, live: Collection[str], partition: int, why: str = "") -> str:
+    """The node homing ``partition``; Unavailable naming it when it is down."""
+    node = entry.home_of(partition).node
+    if node != here and node not in live:
         raise Unavailable(
-            f"{what} {key!r} of queue {entry.config.name!r} belongs to partition {partition}, on node {node!r}, "
-            "which is down; it is served again when the node returns"
+            f"{why}partition {partition} of queue {entry.config.name!r} lives on node {node!r}, "
+            "which is down; its items are served again when it returns"
         )
     return node
+
+
+def _key_home(entry: QueueEntry, here: str, live: Collection[str], key: str, what: str) -> str:
+    return _live_home(entry, here, live, entry.key_partition(key), f"{what} {key!r}: ")
 
 
 def _produce(entry: QueueEntry, here: str, live: Collection[str], request: Any, forwarded: bool) -> Where:
@@ -108,15 +108,9 @@ def _check_partition(entry: QueueEntry, partition: int, field: str) -> None:
 
 
 def _home(entry: QueueEntry, here: str, live: Collection[str], partition: int, forwarded: bool) -> str:
-    node = entry.home_of(partition).node
-    if node != here and forwarded:
+    if forwarded and entry.home_of(partition).node != here:
         raise Unavailable(f"partition {partition} is not homed on node {here!r}")
-    if not _live(node, here, live):
-        raise Unavailable(
-            f"partition {partition} of queue {entry.config.name!r} lives on node {node!r}, "
-            "which is down; its items are served again when it returns"
-        )
-    return node
+    return _live_home(entry, here, live, partition)
 
 
 def _lease(entry: QueueEntry, here: str, live: Collection[str], request: Any, forwarded: bool) -> Where:
