@@ -147,3 +147,35 @@ def test_a_single_server_dedups_a_key_across_added_partitions(tmp_path) -> None:
         channel.close()
     finally:
         server.stop()
+
+
+def test_a_partial_failure_names_what_was_done_and_what_was_not() -> None:
+    from querator_server.cluster.policy import Part
+    from querator_server.cluster.router import _partial
+    from querator_server.errors import DeadlineExceeded
+
+    error = _partial(
+        [(Part("n3", ("b",)), DeadlineExceeded("the deadline passed"))], [Part("n1", ("a",))], Part("n2", ("g",), ids=True)
+    )
+    assert isinstance(error, DeadlineExceeded)
+    assert error.message == (
+        "the deadline passed; not done: lease_keys ['b'] on node 'n3'; the ids (and lease_keys ['g']) on node 'n2'; "
+        "done: lease_keys ['a'] on node 'n1'; sending the same request again is safe (a key already done is no error)"
+    )
+
+
+# Last in the module: it kills n3.
+def test_lease_keys_with_a_home_down_fail_naming_it_and_change_nothing_elsewhere(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.nodes
+    n1.stubs.create("keys-down", requested_partitions=3)
+    keys = _leased_under_keys(cluster, "keys-down")
+    n3.kill9()
+    wait_until(lambda: "n3" not in cluster.live(n1), timeout=30)
+    request = queue_pb2.CompleteRequest(queue_name="keys-down", lease_keys=keys)
+    with pytest.raises(grpc.RpcError) as raised:
+        n2.stubs.queue.Complete(request, timeout=10)
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "'n3'" in raised.value.details() and repr(keys[2]) in raised.value.details()
+    # Nothing was completed on the live homes: their keys' items are still leased.
+    extended = n1.stubs.queue.Extend(queue_pb2.ExtendRequest(queue_name="keys-down", lease_keys=keys[:2]), timeout=10)
+    assert extended.key_items_extended == 4
