@@ -20,7 +20,7 @@ from .placement import QueueEntry
 HOME_CALLS = frozenset({"Complete", "Retry", "Extend", "ListItems", "ListScheduledItems", "ImportItems", "DeleteItems"})
 # Calls about the whole queue: on every node homing part of it.
 # (DeleteQueue checks emptiness through GetQueueStats; RedriveItems walks the homes,
-# redrive.py.)
+# redrive_walk.py.)
 EVERY_CALLS = frozenset({"ClearQueue", "GetQueueStats"})
 
 
