@@ -91,8 +91,7 @@ class QueueEntry:
         return cls(config, homes, key_partitions, mod_revision, generation)
 
     def home_of(self, partition: int) -> Home:
-        """The home of a cluster-wide ``partition`` (InvalidArgument naming ``field``
-        for one the queue does not have is the caller's: see policy.py)."""
+        """The home of cluster-wide ``partition`` (policy.py checks the range first)."""
         return self.homes[partition]
 
     def key_partition(self, key: str) -> int:

@@ -1,5 +1,6 @@
-"""Data calls in a cluster: served here when this node homes the partition, else
-forwarded one hop (forwarding.py) to the node that does.
+"""Data calls in a cluster, carried out as the routing policy (policy.py) says: served
+here when this node homes the partition, else forwarded one hop (forwarding.py) to
+the node that does, or split over several homes (lease keys) or all of them.
 
 Partition numbers on the wire are the queue's cluster-wide numbers; each node keeps
 its partitions of a queue as a local queue with its own indexes (placement.py), so a
