@@ -304,7 +304,9 @@ class Cluster:
 
 class Proxy:
     """A TCP proxy on loopback in front of ``target``; ``cut()`` drops every connection
-    and refuses new ones until ``restore()`` (a node cut off from etcd)."""
+    and refuses new ones until ``restore()`` (a node cut off from etcd); while
+    ``drop_replies()`` holds, what ``target`` sends is read and thrown away (an answer
+    lost on its way back, the connection still up)."""
 
     def __init__(self, target: str) -> None:
         import socket
@@ -319,6 +321,7 @@ class Proxy:
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.open = threading.Event()
         self.open.set()
+        self.replies_dropped = threading.Event()
         self._lock = threading.Lock()
         self._conns: list[object] = []
         self._closed = False
@@ -342,17 +345,18 @@ class Proxy:
                 continue
             with self._lock:
                 self._conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            for a, b, drop in ((client, upstream, None), (upstream, client, self.replies_dropped)):
+                threading.Thread(target=self._pump, args=(a, b, drop), daemon=True).start()
 
     @staticmethod
-    def _pump(source, sink) -> None:  # type: ignore[no-untyped-def]
+    def _pump(source, sink, drop) -> None:  # type: ignore[no-untyped-def]
         try:
             while True:
                 data = source.recv(65536)
                 if not data:
                     break
-                sink.sendall(data)
+                if drop is None or not drop.is_set():
+                    sink.sendall(data)
         except OSError:
             pass
         finally:
@@ -375,6 +379,12 @@ class Proxy:
 
     def restore(self) -> None:
         self.open.set()
+
+    def drop_replies(self, drop: bool = True) -> None:
+        if drop:
+            self.replies_dropped.set()
+        else:
+            self.replies_dropped.clear()
 
     def close(self) -> None:
         self._closed = True

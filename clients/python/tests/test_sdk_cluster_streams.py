@@ -5,6 +5,10 @@ Where each request went, and as what, is read from the nodes' own metrics:
 ``querator_rpc_requests_total`` counts each message of a stream under ProduceStream /
 LeaseStream and each unary call under its method (a forwarded request on the node that
 forwarded it and, as a unary call, on the node that served it).
+
+Items are counted by ``(partition, message_id)``: a Produce answers the id each item was
+produced with, which every later lease keeps as ``message_id``, while the item's ``id``
+changes when it is delivered again (a lease that ran out, its answer lost with its node).
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from cluster_helpers import Cluster, Node
+from cluster_helpers import Cluster, Node, Proxy
 from prometheus_client.parser import text_string_to_metric_families
 
 import querator
+from querator.v1 import queue_pb2, queue_pb2_grpc, queues_pb2, queues_pb2_grpc
 
 from conftest import wait_until
 from sdk_helpers import run, unique
@@ -80,13 +85,13 @@ def test_produce_lease_and_completes_riding_on_leases_travel_on_a_stream_per_nod
                 items = await client.lease(name, batch_size=10, wait=0)
                 more = await client.lease(name, batch_size=10, wait=0, complete=items)
                 await client.complete(more)
-                leased.extend((i.partition, i.id) for i in [*items, *more])
+                leased.extend((i.partition, i.message_id) for i in [*items, *more])
             counts = {node.node_id: await asyncio.to_thread(_requests, node, name) for node in cluster.nodes}
             # Then the rest, wherever it is.
             deadline = time.monotonic() + 60
             while len(leased) < len(produced) and time.monotonic() < deadline:
                 items = await client.lease(name, batch_size=50, wait=0.5)
-                leased.extend((i.partition, i.id) for i in items)
+                leased.extend((i.partition, i.message_id) for i in items)
                 await client.complete(items)
             streams = {(a, m) for a, m, q in client._transport.streams._streams if q == name}
             return produced, leased, counts, streams
@@ -159,7 +164,7 @@ def test_a_node_killed_between_requests_costs_an_unretried_produce_no_error_and_
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and (len(leased) < len(acknowledged) or client.queue_stats(name).total):
             items = client.lease(name, batch_size=50, wait=0.5)
-            leased.extend((i.partition, i.id) for i in items)
+            leased.extend((i.partition, i.message_id) for i in items)
             client.complete(items)
     assert sorted(leased) == sorted(acknowledged)  # nothing lost, nothing stored twice
 
@@ -188,7 +193,7 @@ def test_a_node_killed_with_requests_in_flight_on_its_streams_costs_no_error_and
             async def consume() -> None:
                 while not produced.is_set() or len(leased) < 100:
                     items = await client.lease(name, batch_size=10, wait=0.2)
-                    leased.update((i.partition, i.id) for i in items)
+                    leased.update((i.partition, i.message_id) for i in items)
                     if items:
                         try:
                             await client.complete(items)
@@ -210,14 +215,76 @@ def test_a_node_killed_with_requests_in_flight_on_its_streams_costs_no_error_and
         deadline = time.monotonic() + 60
         while not acknowledged <= leased and time.monotonic() < deadline:
             items = client.lease(name, batch_size=50, wait=0.5)
-            leased.update((i.partition, i.id) for i in items)
+            leased.update((i.partition, i.message_id) for i in items)
             client.complete(items)
         missing = acknowledged - leased
         # Where the missing items are, to tell lost from held (leased, or on a node away).
         where = {
-            p: [(i.id, i.is_leased, i.lease_deadline, i.attempts) for i in client.list_items(name, partition=p)]
+            p: [(i.id, i.message_id, i.is_leased, i.lease_deadline, i.attempts) for i in client.list_items(name, partition=p)]
             for p in sorted({p for p, _ in missing})
         }
         homes = _homes(cluster, name)
         live = cluster.live(cluster.nodes[0])
     assert missing == set(), (sorted(missing), where, homes, live)
+
+
+def test_items_whose_lease_answer_was_lost_and_whose_home_was_killed_are_all_delivered_again(cluster: Cluster) -> None:
+    """A Lease the home committed and answered, the answer lost on its way (a proxy drops
+    it, the connection stays up); then kill -9 of the home and a restart. Every item comes
+    back once the lost lease runs out: the same (partition, message_id), a new id, its
+    second attempt."""
+    name = unique("cs")
+    wait_until(lambda: len(cluster.live(cluster.nodes[0])) == 3, timeout=60)
+    with querator.Client(cluster.nodes[0].address) as admin:
+        admin.create_queue(name, partitions=3, lease_timeout="3s")  # one per node
+    wait_until(lambda: len({*_homes(cluster, name)}) == 3, timeout=20)
+    home = next(n for n in cluster.nodes if n.node_id == _homes(cluster, name)[0])
+
+    async def produce() -> set[tuple[int, str]]:
+        async with querator.AsyncClient([n.address for n in cluster.nodes], timeout=10) as client:
+            acknowledged: set[tuple[int, str]] = set()
+            for b in range(30):  # one partition per Produce: spread over the nodes
+                result = await client.produce(name, [f"item-{b}-{k}" for k in range(3)])
+                acknowledged.update(zip(result.partitions, result.ids))
+        return acknowledged
+
+    acknowledged = run(produce(), timeout=60)
+    mine = {(p, i) for p, i in acknowledged if _homes(cluster, name)[p] == home.node_id}
+    assert mine  # its one partition's
+
+    proxy = Proxy(home.address)
+    try:
+        with grpc.insecure_channel(proxy.address) as channel:
+            queues_pb2_grpc.QueuesServiceStub(channel).GetQueueStats(
+                queues_pb2.GetQueueStatsRequest(queue_name=name), timeout=10
+            )  # the connection is up before its answers are dropped
+            proxy.drop_replies()
+            request = queue_pb2.LeaseRequest(queue_name=name, batch_size=len(mine), request_timeout={"seconds": 0})
+            with pytest.raises(grpc.RpcError) as lost:
+                queue_pb2_grpc.QueueServiceStub(channel).Lease(request, timeout=2)
+            assert lost.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        proxy.close()
+    with querator.Client(home.address) as client:
+        # The home leased its items (its own partitions only: no call is forwarded).
+        stats = client.queue_stats(name)
+        assert sum(p.total_leased for p in stats.partitions) == len(mine), stats
+    home.kill9()
+    home.start()
+    wait_until(lambda: len(cluster.live(cluster.nodes[0])) == 3, timeout=60)
+
+    async def drain() -> list[querator.AsyncLeasedItem]:
+        got: list[querator.AsyncLeasedItem] = []
+        async with querator.AsyncClient([n.address for n in cluster.nodes], timeout=10) as client:
+            deadline = time.monotonic() + 60
+            while {(i.partition, i.message_id) for i in got} != acknowledged and time.monotonic() < deadline:
+                items = await client.lease(name, batch_size=50, wait=0.5)
+                got.extend(items)
+                await client.complete(items)
+        return got
+
+    delivered = run(drain(), timeout=120)
+    again = [i for i in delivered if (i.partition, i.message_id) in mine]
+    assert sorted((i.partition, i.message_id) for i in delivered) == sorted(acknowledged)  # each once, none lost
+    assert all(i.attempts == 2 and i.id != i.message_id for i in again), [(i.id, i.message_id, i.attempts) for i in again]
+    assert not {(i.partition, i.id) for i in again} & mine  # counted by id, they would read as lost
