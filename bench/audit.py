@@ -483,6 +483,7 @@ class Report:
     seed: int
     verdict: Verdict
     calls: dict[str, Counter[str]]
+    sdk_calls: dict[str, Counter[str]]  # those of the SDK's clients (also in ``calls``)
     faults: Counter[str]
     fault_log: list[str]
     seconds: float
@@ -504,6 +505,10 @@ class Report:
             "calls: "
             + "; ".join(
                 f"{kind} " + ", ".join(f"{o}: {n}" for o, n in sorted(c.items())) for kind, c in sorted(self.calls.items())
+            ),
+            "of which on the SDK: "
+            + "; ".join(
+                f"{kind} " + ", ".join(f"{o}: {n}" for o, n in sorted(c.items())) for kind, c in sorted(self.sdk_calls.items())
             ),
             self.verdict.figures(),
             f"server log lines at error level: {len(self.server_errors)}",
@@ -744,6 +749,7 @@ def run(
         seed=seed,
         verdict=verdict,
         calls=calls_by_outcome(history.calls()),
+        sdk_calls=calls_by_outcome(c for c in history.calls() if c.node == "sdk"),
         faults=fault_counts,
         fault_log=fault_log,
         seconds=time.monotonic() - started,

@@ -35,6 +35,7 @@ def test_under_node_and_etcd_faults_nothing_acknowledged_is_lost_or_delivered_af
     verdict = report.verdict
     assert verdict.acknowledged >= 1000 and verdict.finished >= verdict.acknowledged, verdict.figures()
     assert {PRODUCE, LEASE, COMPLETE} <= report.calls.keys(), report.calls
+    assert report.sdk_calls[PRODUCE]["ok"] > 0 and report.sdk_calls[COMPLETE]["ok"] > 0, report.sdk_calls
     assert sum(report.faults.values()) >= 8, report.faults
     for kind in ("kill node", "pause node past the TTL", "kill etcd", "pause etcd past the TTL"):
         assert report.faults[kind] >= 1, report.faults
