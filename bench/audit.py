@@ -494,8 +494,16 @@ class Report:
     partitions: list[str] = field(default_factory=list)
 
     @property
+    def odd_codes(self) -> dict[str, int]:
+        """Calls that ended INTERNAL or UNKNOWN: never the server's answer to a request
+        (docs/operations.md, "Faults and what they return")."""
+        return {
+            f"{kind} {o}": n for kind, c in self.calls.items() for o, n in c.items() if o.split()[-1] in ("INTERNAL", "UNKNOWN")
+        }
+
+    @property
     def ok(self) -> bool:
-        return self.verdict.ok and self.drained and not self.client_errors
+        return self.verdict.ok and self.drained and not self.client_errors and not self.odd_codes
 
     def text(self) -> str:
         lines = [
@@ -514,6 +522,7 @@ class Report:
             f"server log lines at error level: {len(self.server_errors)}",
         ]
         lines += [f"  client broke: {e}" for e in self.client_errors]
+        lines += [f"  calls that ended {o}: {n}" for o, n in self.odd_codes.items()]
         if not self.ok:
             lines += [f"  {f}" for f in self.verdict.findings[:20]]
             lines += ["fault log:", *(f"  {f}" for f in self.fault_log)]
@@ -728,10 +737,13 @@ def run(
         injector = threading.Thread(target=_inject, args=(cluster, faults, stop_faults, fault_log, fault_counts, load.errors))
         injector.start()
         injector.join(duration_s * 3 + 120)
-        stop_faults.set()
+        stop_faults.set()  # the fault under way ends: every process runs again
+        injector.join(120)
+        if injector.is_alive():
+            raise RuntimeError("the fault injection did not end")
         load.stop.set()
         for t in threads:
-            t.join(RPC_TIMEOUT_S * 4 + LEASE_TIMEOUT_S)
+            t.join(30)  # a call's deadline, the SDK's retries of a Lease, a slow consumer
             if t.is_alive():
                 load.errors.append(f"{t.name} did not stop")
         if progress:
