@@ -277,6 +277,13 @@ def _us(ts: Any) -> int:
     return int(ts.seconds) * 1_000_000 + int(ts.nanos) // 1000
 
 
+def _deliveries(reply: queue_pb2.LeaseResponse) -> list[Delivery]:
+    """A Lease answer's items, by the key in their payload and their copy's (partition, message_id)."""
+    return [
+        Delivery(i.payload.decode(), reply.partition, i.message_id or i.id, i.id, _us(i.lease_deadline)) for i in reply.items
+    ]
+
+
 class Stubs:
     """A channel and the queue stub per node, kept across restarts (addresses are fixed)."""
 
@@ -320,7 +327,7 @@ def stub_producer(load: Load, tag: str, seed: int) -> None:
                 # At least once: the same items again, elsewhere (they may be stored twice).
                 _produce(load.history, stubs, tag, rng.choice([x for x in nodes if x != node]), keys, request)
             time.sleep(rng.uniform(0, 0.02))
-    except Exception as exc:  # noqa: BLE001 - reported as a broken client
+    except Exception as exc:  # reported as a broken client
         load.errors.append(f"{tag}: {exc!r}")
     finally:
         stubs.close()
@@ -351,20 +358,14 @@ def stub_consumer(load: Load, tag: str, seed: int) -> None:
             except grpc.RpcError as exc:
                 load.history.ended(call, _code(exc))
                 continue
-            got = load.history.delivered(
-                call,
-                [
-                    Delivery(i.payload.decode(), reply.partition, i.message_id or i.id, i.id, _us(i.lease_deadline))
-                    for i in reply.items
-                ],
-            )
+            got = load.history.delivered(call, _deliveries(reply))
             load.history.ended(call, None)
             if not got:
                 continue
             complete, retry = _choose(rng, got)
             if rng.random() < 0.03:
                 time.sleep(LEASE_TIMEOUT_S + 0.3)  # too slow: the lease runs out first
-            via = node if rng.random() < 0.5 else rng.choice(nodes)  # the home, or a node that forwards
+            via = node if rng.random() < 0.5 else rng.choice(nodes)  # settled through any node: forwarded to the home
             for kind, chosen in ((COMPLETE, complete), (RETRY, retry)):
                 if not chosen:
                     continue
@@ -384,7 +385,7 @@ def stub_consumer(load: Load, tag: str, seed: int) -> None:
                     load.history.ended(settle, _code(exc))
                     continue
                 load.history.ended(settle, None)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         load.errors.append(f"{tag}: {exc!r}")
     finally:
         stubs.close()
@@ -471,7 +472,7 @@ def sdk_clients(load: Load, seed: int, producers: int, consumers: int) -> None:
 
     try:
         asyncio.run(main())
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         load.errors.append(f"sdk: {exc!r}")
 
 
@@ -563,7 +564,7 @@ def _inject(
 ) -> None:
     try:
         _faults(cluster, faults, stop, log, counts)
-    except Exception as exc:  # noqa: BLE001 - a process that did not come back
+    except Exception as exc:  # a process that did not come back
         errors.append(f"fault injection: {exc!r}")
 
 
@@ -615,13 +616,7 @@ def _drain(load: Load, timeout: float) -> bool:
                 except grpc.RpcError as exc:
                     load.history.ended(call, _code(exc))
                     continue
-                got = load.history.delivered(
-                    call,
-                    [
-                        Delivery(i.payload.decode(), reply.partition, i.message_id or i.id, i.id, _us(i.lease_deadline))
-                        for i in reply.items
-                    ],
-                )
+                got = load.history.delivered(call, _deliveries(reply))
                 load.history.ended(call, None)
                 if got:
                     settle = load.history.invoke(COMPLETE, "drain", node, deliveries=got)
