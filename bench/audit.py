@@ -2,7 +2,8 @@
 
 An etcd and three ``querator serve --cluster`` nodes (2 s membership TTL, 2 s leases, six
 partitions). Producers on plain gRPC stubs (a random node per call; now and then a request
-the server must refuse whole; a batch of unknown outcome is sent again half the time) and
+the server must refuse whole; a batch of unknown outcome is sent again half the time, and
+always when its items carry idempotency keys, as 30% of batches do) and
 on the SDK's AsyncClient (its ProduceStreams, one per node); consumers on plain stubs (a
 random node per call) and on the SDK's LeaseStreams (half their completes riding on the
 next Lease), which complete, retry or abandon what they get, and now and then are too
@@ -314,18 +315,19 @@ def stub_producer(load: Load, tag: str, seed: int) -> None:
             keys = [f"{tag}-{n + i}" for i in range(rng.randint(1, 10))]
             n += len(keys)
             invalid = rng.random() < 0.04  # one item the server must refuse, and with it the request
-            items = [queue_pb2.ProduceItem(payload=k.encode()) for k in keys]
+            keyed = rng.random() < 0.3  # a send again must not store it twice
+            items = [queue_pb2.ProduceItem(payload=k.encode(), idempotency_key=k if keyed else "") for k in keys]
             if invalid:
                 items[-1].kind = "k" * 300
-            if invalid or rng.random() < 0.5:
+            if invalid or keyed or rng.random() < 0.5:
                 request = queue_pb2.ProduceRequest(queue_name=QUEUE, items=items)
             else:
                 request = queue_pb2.ProduceRequest(queue_name=QUEUE, payloads=[k.encode() for k in keys])
             node = rng.choice(nodes)
-            outcome = _produce(load.history, stubs, tag, node, keys, request)
-            if outcome == UNKNOWN and rng.random() < 0.5 and not load.stop.is_set():
-                # At least once: the same items again, elsewhere (they may be stored twice).
-                _produce(load.history, stubs, tag, rng.choice([x for x in nodes if x != node]), keys, request)
+            outcome = _produce(load.history, stubs, tag, node, keys, request, keyed)
+            if outcome == UNKNOWN and (keyed or rng.random() < 0.5) and not load.stop.is_set():
+                # At least once: the same items again, elsewhere (stored twice, unless keyed).
+                _produce(load.history, stubs, tag, rng.choice([x for x in nodes if x != node]), keys, request, keyed)
             time.sleep(rng.uniform(0, 0.02))
     except Exception as exc:  # reported as a broken client
         load.errors.append(f"{tag}: {exc!r}")
@@ -333,8 +335,8 @@ def stub_producer(load: Load, tag: str, seed: int) -> None:
         stubs.close()
 
 
-def _produce(history: History, stubs: Stubs, tag: str, node: str, keys: list[str], request: Any) -> str:
-    call = history.invoke(PRODUCE, tag, node, keys=keys)
+def _produce(history: History, stubs: Stubs, tag: str, node: str, keys: list[str], request: Any, keyed: bool) -> str:
+    call = history.invoke(PRODUCE, tag, node, keys=keys, keyed=keyed)
     try:
         stubs.queue[node].Produce(request, timeout=RPC_TIMEOUT_S)
     except grpc.RpcError as exc:
@@ -412,9 +414,11 @@ def sdk_clients(load: Load, seed: int, producers: int, consumers: int) -> None:
         while not load.stop.is_set():
             keys = [f"{tag}-{n + i}" for i in range(rng.randint(1, 10))]
             n += len(keys)
-            call = load.history.invoke(PRODUCE, tag, "sdk", keys=keys)
+            # Keyed, the SDK sends it again itself after UNAVAILABLE: stored once all the same.
+            keyed = rng.random() < 0.3
+            call = load.history.invoke(PRODUCE, tag, "sdk", keys=keys, keyed=keyed)
             try:
-                await client.produce(QUEUE, [k.encode() for k in keys])
+                await client.produce(QUEUE, [querator.Item(k.encode(), idempotency_key=k if keyed else "") for k in keys])
             except querator.QueratorError as exc:
                 load.history.ended(call, exc.status)
             else:

@@ -20,7 +20,9 @@ complete what they get) and finds:
 - duplicates (every delivery of a key beyond its first), explained by their cause: the
   previous lease ran out before it was completed (abandoned, its Complete refused, or of
   unknown outcome), it was retried, or an unknown Produce was sent again; or unexplained:
-  leased again while an earlier lease still held it, or stored more often than sent.
+  leased again while an earlier lease still held it, stored more often than sent, or
+  stored twice although every send carried the key as its idempotency key (within the
+  queue's dedup window, which the run must not outlast).
 
 Pure: no I/O, no gRPC. The audit run (``audit.py``) feeds it; its tests are
 server/tests/test_history.py.
@@ -73,6 +75,7 @@ SENT_AGAIN = "stored again (a Produce of unknown outcome sent again)"
 # Unexplained ones.
 WHILE_LEASED = "leased again while an earlier lease held it"
 STORED_TWICE = "stored more often than sent"
+NOT_DEDUPLICATED = "stored again although every send carried its idempotency key"
 
 
 def outcome_of(code: str | None) -> str:
@@ -110,11 +113,13 @@ class Call:
     outcome: str = PENDING
     code: str = ""
     ended: float = 0.0
+    keyed: bool = False  # Produce: each item carried its key as its idempotency_key
 
     def describe(self) -> str:
         took = f"{self.ended - self.invoked:.3f}s" if self.ended else "never ended"
         code = f" {self.code}" if self.code else ""
-        return f"#{self.id} {self.kind} by {self.client} via {self.node or '?'} at {self.invoked:.3f}: {self.outcome}{code} ({took})"
+        kind = f"{self.kind} (keyed)" if self.keyed else self.kind
+        return f"#{self.id} {kind} by {self.client} via {self.node or '?'} at {self.invoked:.3f}: {self.outcome}{code} ({took})"
 
 
 class History:
@@ -129,7 +134,14 @@ class History:
         return self._clock()
 
     def invoke(
-        self, kind: str, client: str, node: str = "", *, keys: Iterable[str] = (), deliveries: Iterable[Delivery] = ()
+        self,
+        kind: str,
+        client: str,
+        node: str = "",
+        *,
+        keys: Iterable[str] = (),
+        deliveries: Iterable[Delivery] = (),
+        keyed: bool = False,
     ) -> Call:
         settled = tuple(deliveries)
         with self._lock:
@@ -141,6 +153,7 @@ class History:
                 self._now(),
                 tuple(keys) or tuple(d.key for d in settled),
                 settled,
+                keyed=keyed,
             )
             self._calls.append(call)
         return call
@@ -207,6 +220,8 @@ class Verdict:
     acknowledged: int = 0
     produce_unknown: int = 0  # keys with no OK Produce and one of unknown outcome
     produce_failed: int = 0  # keys whose every Produce failed
+    sent_again: int = 0  # keys sent more than once (after an unknown outcome)
+    sent_again_keyed: int = 0  # of which every send carried the idempotency key
     keys_delivered: int = 0
     deliveries: int = 0
     finished: int = 0  # copies completed with an OK or unknown Complete
@@ -224,7 +239,7 @@ class Verdict:
         dup = ", ".join(f"{cause}: {n}" for cause, n in sorted(self.duplicates.items())) or "none"
         return (
             f"items: sent {self.keys_sent}, acknowledged {self.acknowledged}, unknown {self.produce_unknown}, "
-            f"failed {self.produce_failed}; delivered {self.keys_delivered} in {self.deliveries} deliveries, "
+            f"failed {self.produce_failed}, sent again {self.sent_again} ({self.sent_again_keyed} keyed); delivered {self.keys_delivered} in {self.deliveries} deliveries, "
             f"{self.finished} copies finished; lost {len(self.of(LOST))}, "
             f"delivered after complete {len(self.of(AFTER_COMPLETE))}, unexpected {len(self.of(UNEXPECTED))}, "
             f"unexplained duplicates {len(self.of(UNEXPLAINED))}; explained duplicates: {dup}"
@@ -263,6 +278,9 @@ def check(calls: Sequence[Call], lease_timeout_us: int) -> Verdict:
             verdict.produce_unknown += 1
         elif sent:
             verdict.produce_failed += 1
+        if len(sent) > 1:
+            verdict.sent_again += 1
+            verdict.sent_again_keyed += all(c.keyed for c in sent)
         ds = delivered.get(key, [])
         if not ds:
             if ok:
@@ -280,6 +298,10 @@ def check(calls: Sequence[Call], lease_timeout_us: int) -> Verdict:
         if len(copies) > ok + maybe:
             verdict.findings.append(
                 Finding(UNEXPLAINED, key, f"{STORED_TWICE}: {len(copies)} copies {sorted(copies)}, sent {ok + maybe} times")
+            )
+        elif len(copies) > 1 and all(c.keyed for c in sent):
+            verdict.findings.append(
+                Finding(UNEXPLAINED, key, f"{NOT_DEDUPLICATED}: {len(copies)} copies {sorted(copies)}")
             )
         elif len(copies) > 1:
             verdict.duplicates[SENT_AGAIN] += len(copies) - 1

@@ -40,3 +40,4 @@ def test_under_node_and_etcd_faults_nothing_acknowledged_is_lost_or_delivered_af
     for kind in ("kill node", "pause node past the TTL", "kill etcd", "pause etcd past the TTL"):
         assert report.faults[kind] >= 1, report.faults
     assert sum(verdict.duplicates.values()) > 0, verdict.figures()
+    assert verdict.sent_again_keyed > 0, verdict.figures()  # the dedup was put to the test

@@ -16,6 +16,7 @@ from history import (
     FAILED,
     LEASE,
     LOST,
+    NOT_DEDUPLICATED,
     OK,
     PRODUCE,
     RETRIED,
@@ -47,8 +48,8 @@ class Run:
         self.history = History(clock=lambda: float(next(ticks)))
         self.ids = itertools.count(1)
 
-    def produce(self, *keys: str, outcome: str = OK, code: str = "") -> None:
-        call = self.history.invoke(PRODUCE, "p", "n1", keys=keys)
+    def produce(self, *keys: str, outcome: str = OK, code: str = "", keyed: bool = False) -> None:
+        call = self.history.invoke(PRODUCE, "p", "n1", keys=keys, keyed=keyed)
         self.history.end(call, outcome, code)
 
     def lease(self, key: str, at_us: int, partition: int = 0, message_id: str = "m1") -> Delivery:
@@ -225,6 +226,19 @@ def test_two_copies_need_two_sends_one_of_unknown_outcome() -> None:
     verdict = run.verdict()
     assert verdict.ok, verdict.findings
     assert verdict.duplicates == {SENT_AGAIN: 1} and verdict.finished == 2
+
+
+def test_an_idempotency_key_allows_one_copy_however_often_it_is_sent() -> None:
+    run = Run()
+    run.produce("a", outcome=UNKNOWN, code="UNAVAILABLE", keyed=True)
+    run.produce("a", keyed=True)
+    run.settle(COMPLETE, run.lease("a", T0, partition=0, message_id="m1"))
+    assert run.verdict().ok  # one copy: deduplicated
+    assert (run.verdict().sent_again, run.verdict().sent_again_keyed) == (1, 1)
+    run.settle(COMPLETE, run.lease("a", T0, partition=1, message_id="m7"))
+    verdict = run.verdict()
+    assert rules(verdict) == [UNEXPLAINED] and NOT_DEDUPLICATED in verdict.findings[0].detail
+    assert "(keyed)" in run.history.story("a")[0]
 
 
 def test_each_copy_must_be_finished() -> None:
