@@ -5,8 +5,8 @@ partitions). Producers on plain gRPC stubs (a random node per call; now and then
 the server must refuse whole; a batch of unknown outcome is sent again half the time, and
 always when its items carry idempotency keys, as 30% of batches do) and
 on the SDK's AsyncClient (its ProduceStreams, one per node); consumers on plain stubs (a
-random node per call) and on the SDK's LeaseStreams (half their completes riding on the
-next Lease), which complete, retry or abandon what they get, and now and then are too
+random node per call; some leases keyed, completed two keys at once) and on the SDK's
+LeaseStreams (half their completes riding on the next Lease), which complete, retry or abandon what they get, and now and then are too
 slow for their lease (the stub ones). Meanwhile a seeded random
 schedule of faults, one at a time: kill -9 and restart, SIGSTOP and SIGCONT (some longer
 than the TTL) of a node or of etcd. Every call is recorded with its outcome (ok, failed,
@@ -348,13 +348,19 @@ def stub_consumer(load: Load, tag: str, seed: int) -> None:
     rng = random.Random(seed)
     stubs = Stubs(load.addresses)
     nodes = sorted(load.addresses)
+    by_key: list[tuple[str, list[Delivery]]] = []  # keyed leases, to complete by their keys
+    leases = 0
     try:
         while not load.stop.is_set():
             node = rng.choice(nodes)
-            call = load.history.invoke(LEASE, tag, node)
             request = queue_pb2.LeaseRequest(
                 queue_name=QUEUE, batch_size=rng.randint(1, 10), request_timeout={"nanos": 300_000_000}
             )
+            keyed = rng.random() < 0.15
+            if keyed:  # served at the key's home; completed later by key, two keys at once
+                leases += 1
+                request.lease_key = f"{tag}-lease-{leases}"
+            call = load.history.invoke(LEASE, tag, node, note=f"lease_key {request.lease_key}" if keyed else "")
             try:
                 reply = stubs.queue[node].Lease(request, timeout=RPC_TIMEOUT_S)
             except grpc.RpcError as exc:
@@ -362,6 +368,12 @@ def stub_consumer(load: Load, tag: str, seed: int) -> None:
                 continue
             got = load.history.delivered(call, _deliveries(reply))
             load.history.ended(call, None)
+            if keyed:
+                by_key.append((request.lease_key, got))
+                if len(by_key) == 2:
+                    _complete_by_keys(load.history, stubs, tag, rng.choice(nodes), by_key)
+                    by_key = []
+                continue
             if not got:
                 continue
             complete, retry = _choose(rng, got)
@@ -391,6 +403,28 @@ def stub_consumer(load: Load, tag: str, seed: int) -> None:
         load.errors.append(f"{tag}: {exc!r}")
     finally:
         stubs.close()
+
+
+def _complete_by_keys(
+    history: History, stubs: Stubs, tag: str, node: str, leased: list[tuple[str, list[Delivery]]]
+) -> None:
+    """Complete by lease keys. Its OK covers the items still leased under each key when it
+    was applied: a delivery whose lease ran out before the OK came back may or may not
+    have been completed (unknown)."""
+    held = [d for _, got in leased for d in got]
+    keys = [key for key, _ in leased]
+    call = history.invoke(COMPLETE, tag, node, deliveries=held, note=f"lease_keys {', '.join(keys)}")
+    request = queue_pb2.CompleteRequest(queue_name=QUEUE, lease_keys=keys)
+    try:
+        stubs.queue[node].Complete(request, timeout=RPC_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        history.ended(call, _code(exc))
+        return
+    acknowledged_us = time.time_ns() // 1000
+    if all(acknowledged_us < d.deadline_us for d in held):
+        history.ended(call, None)
+    else:
+        history.end(call, UNKNOWN, "OK after a lease ran out")
 
 
 def _choose(rng: random.Random, got: list[Any]) -> tuple[list[Any], list[Any]]:

@@ -114,12 +114,17 @@ class Call:
     code: str = ""
     ended: float = 0.0
     keyed: bool = False  # Produce: each item carried its key as its idempotency_key
+    note: str = ""  # what else a reader of the history needs (a lease key, ...)
 
     def describe(self) -> str:
         took = f"{self.ended - self.invoked:.3f}s" if self.ended else "never ended"
         code = f" {self.code}" if self.code else ""
         kind = f"{self.kind} (keyed)" if self.keyed else self.kind
-        return f"#{self.id} {kind} by {self.client} via {self.node or '?'} at {self.invoked:.3f}: {self.outcome}{code} ({took})"
+        note = f" [{self.note}]" if self.note else ""
+        return (
+            f"#{self.id} {kind}{note} by {self.client} via {self.node or '?'} at {self.invoked:.3f}: "
+            f"{self.outcome}{code} ({took})"
+        )
 
 
 class History:
@@ -142,6 +147,7 @@ class History:
         keys: Iterable[str] = (),
         deliveries: Iterable[Delivery] = (),
         keyed: bool = False,
+        note: str = "",
     ) -> Call:
         settled = tuple(deliveries)
         with self._lock:
@@ -154,6 +160,7 @@ class History:
                 tuple(keys) or tuple(d.key for d in settled),
                 settled,
                 keyed=keyed,
+                note=note,
             )
             self._calls.append(call)
         return call
