@@ -410,7 +410,8 @@ def _complete_by_keys(
 ) -> None:
     """Complete by lease keys. Its OK covers the items still leased under each key when it
     was applied: a delivery whose lease ran out before the OK came back may or may not
-    have been completed (unknown)."""
+    have been completed (unknown). Its keys may live on several homes, and an error from
+    one may come after others applied their part: any error leaves the outcome unknown."""
     held = [d for _, got in leased for d in got]
     keys = [key for key, _ in leased]
     call = history.invoke(COMPLETE, tag, node, deliveries=held, note=f"lease_keys {', '.join(keys)}")
@@ -418,7 +419,7 @@ def _complete_by_keys(
     try:
         stubs.queue[node].Complete(request, timeout=RPC_TIMEOUT_S)
     except grpc.RpcError as exc:
-        history.ended(call, _code(exc))
+        history.end(call, UNKNOWN, _code(exc))
         return
     acknowledged_us = time.time_ns() // 1000
     if all(acknowledged_us < d.deadline_us for d in held):
