@@ -71,10 +71,27 @@ CHANNEL_OPTIONS = [
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def fixed_port(rng: random.Random, taken: set[int]) -> int:
+    """A free port below the kernel's ephemeral range, for a process restarted on it: no
+    outgoing connection takes it as its source port while the process is down, as one
+    could take a port from the range (and neither does a listener on port 0)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in taken:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            taken.add(port)
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 class Process:
@@ -177,7 +194,8 @@ class Cluster:
         if etcd is None:
             raise RuntimeError("the audit needs the etcd binary (Debian: apt-get install etcd-server)")
         self.log_path = os.path.join(root, "cluster.log")
-        client_port, peer_port = free_port(), free_port()
+        ports, taken = random.Random(), set[int]()  # not the run's seed: two runs at once must not collide
+        client_port, peer_port = fixed_port(ports, taken), fixed_port(ports, taken)
         client, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
         etcd_argv = [
             etcd, "--name", "audit", "--data-dir", os.path.join(root, "etcd"),
@@ -190,7 +208,7 @@ class Cluster:
         self.addresses: dict[str, str] = {}
         self.nodes: dict[str, Process] = {}
         for i in range(1, NODES + 1):
-            node_id, address = f"n{i}", f"127.0.0.1:{free_port()}"
+            node_id, address = f"n{i}", f"127.0.0.1:{fixed_port(ports, taken)}"
             argv = [
                 sys.executable, "-m", "querator_server.cli", "--address", address,
                 "--data-dir", os.path.join(root, node_id), "--cluster", url, "--node-id", node_id,
@@ -750,6 +768,7 @@ def run(
     drained = False
     stories: list[str] = []
     partitions: list[str] = []
+    stop_faults = threading.Event()
     try:
         cluster.start()
         _wait_live(cluster, 60)
@@ -767,7 +786,6 @@ def run(
         )
         for t in threads:
             t.start()
-        stop_faults = threading.Event()
         injector = threading.Thread(target=_inject, args=(cluster, faults, stop_faults, fault_log, fault_counts, load.errors))
         injector.start()
         injector.join(duration_s * 3 + 120)
@@ -790,6 +808,8 @@ def run(
                 stories += [f"history of {finding.key}:", *(f"  {line}" for line in history.story(finding.key))]
             partitions = _partitions(cluster.addresses["n1"])
     finally:
+        stop_faults.set()  # on an error too: nothing the run started goes on after it
+        load.stop.set()
         cluster.stop()
     return Report(
         seed=seed,
