@@ -3,21 +3,21 @@
 An etcd and three ``querator serve --cluster`` nodes (2 s membership TTL, 2 s leases, six
 partitions). Producers on plain gRPC stubs (a random node per call; now and then a request
 the server must refuse whole; a batch of unknown outcome is sent again half the time, and
-always when its items carry idempotency keys, as 30% of batches do) and
-on the SDK's AsyncClient (its ProduceStreams, one per node); consumers on plain stubs (a
-random node per call; some leases keyed, completed two keys at once) and on the SDK's
-LeaseStreams (half their completes riding on the next Lease), which complete, retry or abandon what they get, and now and then are too
-slow for their lease (the stub ones). Meanwhile a seeded random
-schedule of faults, one at a time: kill -9 and restart, SIGSTOP and SIGCONT (some longer
-than the TTL) of a node or of etcd. Every call is recorded with its outcome (ok, failed,
-unknown) and its items (bench/history.py). After the faults every process is running
-again, a drain leases and completes what is left, and the history is checked: nothing
-acknowledged lost, nothing delivered after its Complete was acknowledged, nothing
+always when its items carry idempotency keys, as 30% of batches do) and on the SDK's
+AsyncClient (its ProduceStreams, one per node). Consumers on plain stubs (a random node per
+call; some leases keyed and completed by two keys at once; now and then too slow for their
+lease) and on the SDK's LeaseStreams (half their completes riding on the next Lease), which
+complete, retry or abandon what they get. Meanwhile a seeded random schedule of faults, one
+after another: kill -9 and restart, SIGSTOP and SIGCONT (some longer than the TTL) of a
+node or of etcd, some node faults inside etcd's. Every call is recorded with its outcome
+(ok, failed, unknown) and its items (bench/history.py). After the faults every process is
+running again, a drain leases and completes what is left, and the history is checked:
+nothing acknowledged lost, nothing delivered after its Complete was acknowledged, nothing
 unexpected, every duplicate explained (a lease ran out, a retry, an unknown outcome).
 
     .venv/bin/python bench/audit.py --duration 600 --seed 7
 
-server/tests/test_audit.py runs it for about 90 s in CI. The seed fixes the fault
+server/tests/test_audit.py runs it for about 80 s in CI. The seed fixes the fault
 schedule and the clients' choices, not the threads' timing: a failing seed shows where to
 look, it does not replay the run.
 """
