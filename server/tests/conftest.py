@@ -291,3 +291,19 @@ def bad_request_fields(error: grpc.RpcError) -> list[str]:
             detail.Unpack(bad)
             fields.extend(v.field for v in bad.field_violations)
     return fields
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """A test's ``figures`` (``record_property("figures", text)``), printed after the run
+    even when it passed, and from xdist workers too (user properties travel with reports)."""
+    lines = [
+        f"{report.nodeid}:\n{value}"
+        for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", [])
+        if report.when == "call"
+        for name, value in report.user_properties
+        if name == "figures"
+    ]
+    if lines:
+        terminalreporter.section("figures")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -4,14 +4,16 @@ on the SDK's streams, consumers on random nodes; every call recorded, then a dra
 history checker (bench/history.py): nothing acknowledged lost, nothing delivered after its
 Complete was acknowledged, nothing unexpected, every duplicate explained.
 
-The seed is random per run and printed (set QUERATOR_AUDIT_SEED to choose it); the long
-form is ``bench/audit.py --duration 600 --seed N``.
+The seed is random per run (set QUERATOR_AUDIT_SEED to choose it); it and the figures are
+printed in the run's summary, pass or fail. The long form is
+``bench/audit.py --duration 600 --seed N``.
 """
 
 from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,11 +26,13 @@ DURATION_S = 70
 
 
 @pytest.mark.timeout(360)
-def test_under_node_and_etcd_faults_nothing_acknowledged_is_lost_or_delivered_after_its_complete(tmp_path: Path) -> None:
+def test_under_node_and_etcd_faults_nothing_acknowledged_is_lost_or_delivered_after_its_complete(
+    tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
     etcd_binary()  # skipped (or, in CI, failed) with the reason when etcd is missing
     seed = int(os.environ.get("QUERATOR_AUDIT_SEED") or random.SystemRandom().randrange(1 << 31))
     report = run(str(tmp_path), seed=seed, duration_s=DURATION_S)
-    print(report.text())
+    record_property("figures", report.text())  # printed in the run's summary (conftest.py)
     assert report.ok, report.text()
     # The run did what it is for: load on every path, faults of every kind, and items
     # that went each way through them.
