@@ -18,6 +18,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -171,6 +172,8 @@ class QueuesManager:
         self.refused_while_closing = 0
         self._catalog: Catalog | None = None
         self._configs: dict[str, QueueConfig] = {}
+        # Queues set aside (set_aside): not served, storage kept; by set-aside id.
+        self._aside: dict[str, SetAside] = {}
         self._names: list[str] = []
         self._actors: dict[str, LogicalQueue] = {}
         # Queues that failed to load or whose storage kept failing: name -> why.
@@ -204,11 +207,17 @@ class QueuesManager:
             )
             configs = await loop.run_in_executor(self._executor, self._catalog.load)
             self.token_secret = self._catalog.token_secret
+            aside = await loop.run_in_executor(self._executor, self._catalog.load_aside)
         except StorageError as exc:
             raise DataDirError(f"{exc}; refusing to start") from exc
+        for config, record in aside:
+            entry = SetAside.from_record(config, record)
+            self._aside[entry.aside_id] = entry
         failures = self._check_queue_files(configs)
         try:
-            by_uid = await loop.run_in_executor(self._executor, self._groups.load, configs)
+            # Set-aside queues own their storage as much as served ones: never dropped here.
+            owned = configs + [a.config for a in self._aside.values()]
+            by_uid = await loop.run_in_executor(self._executor, self._groups.load, owned)
         except (StorageError, OSError) as exc:
             raise DataDirError(f"{exc}; refusing to start") from exc
         failures.update((c.name, by_uid[c.uid]) for c in configs if c.uid in by_uid)
@@ -293,10 +302,14 @@ class QueuesManager:
         root = os.path.join(self.data_dir, "queues")
         if not os.path.isdir(root):
             return
-        live = {str(c.uid) for c in self._configs.values() if c.group < 0}
+        live = {str(c.uid) for c in self._stored_configs() if c.group < 0}
         for entry in os.listdir(root):
             if entry.isdigit() and entry not in live:
                 shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+
+    def _stored_configs(self) -> builtins.list[QueueConfig]:
+        """Every queue whose storage the data directory keeps: served or set aside."""
+        return [*self._configs.values(), *(a.config for a in self._aside.values())]
 
     def _lane(self, uid: int) -> StorageLane:
         if uid not in self._lane_of:
@@ -438,7 +451,7 @@ class QueuesManager:
             try:
                 uid = await loop.run_in_executor(self._executor, catalog.next_uid)
                 now = now_us()
-                group = self._groups.place(config, self._configs.values())
+                group = self._groups.place(config, self._stored_configs())
                 config = config.replace(uid=uid, created_at_us=now, updated_at_us=now, group=group)
                 actor = await self._start_actor(config, created=True)
             except (StorageError, OSError) as exc:
@@ -574,6 +587,100 @@ class QueuesManager:
             self.observer.detach(name)
         log.info("queue_deleted", queue=name, failed=True)
 
+    # -- queues set aside ------------------------------------------------------------------
+
+    async def set_aside(self, name: str, reason: str) -> SetAside:
+        """Stop serving queue ``name`` and move it out of the served namespace, its storage
+        kept as it is (a queue whose data must not be served, nor lost: cluster/coordinator.py).
+        A queue of the same name may be created afterwards; ``remove_set_aside`` deletes it."""
+        async with self._lock:
+            self._check_open()
+            config = self.get(name)
+            actor = self._actors.get(name)
+            items = -1  # unknown: a failed queue's storage was not read
+            if actor is not None and name not in self._failed:
+                totals = actor.totals()
+                items = totals.ready + totals.leased + totals.scheduled
+            entry = SetAside(
+                aside_id=f"{name}@{config.uid}", config=config, reason=reason, items=items, at_us=now_us()
+            )
+            loop = asyncio.get_running_loop()
+            if actor is not None and name in self._failed:
+                await actor.stop()
+            elif actor is not None:
+                await actor.delete(force=True)  # stops it for good; nothing is dropped
+            try:
+                await loop.run_in_executor(self._executor, self._require_catalog().set_aside, config, entry.record())
+            except (StorageError, OSError) as exc:
+                if actor is not None:
+                    self._actors[name] = await self._start_actor(config, actor)
+                raise _storage_failed(exc) from exc
+            del self._configs[name]
+            self._names.remove(name)
+            self._failed.pop(name, None)
+            self._partitions_faulty(name, 0)
+            if self.observer is not None:
+                self.observer.detach(name)
+            if actor is not None:
+                if actor.group is not None:
+                    actor.group.members -= 1  # its databases stay in the group
+                else:
+                    await loop.run_in_executor(self._lane(config.uid), actor.store.close)
+            self._lane_of.pop(config.uid, None)
+            self._aside[entry.aside_id] = entry
+            log.error(
+                "queue_set_aside",
+                queue=name,
+                aside_id=entry.aside_id,
+                items=items,
+                reason=reason,
+                detail="not served, kept on disk; list with 'querator cluster set-aside list'",
+            )
+            return entry
+
+    def set_aside_queues(self) -> builtins.list[SetAside]:
+        return sorted(self._aside.values(), key=lambda a: (a.config.name, a.at_us))
+
+    async def remove_set_aside(self, aside_id: str) -> SetAside:
+        """Delete a set-aside queue's storage for good."""
+        async with self._lock:
+            self._check_open()
+            entry = self._aside.get(aside_id)
+            if entry is None:
+                raise NotFound(f"no queue set aside with id {aside_id!r}")
+            config = entry.config
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(self._executor, self._require_catalog().delete_aside, aside_id)
+            except (StorageError, OSError) as exc:
+                raise _storage_failed(exc) from exc
+            del self._aside[aside_id]
+            # A crash before the storage goes leaves what start-up removes: a directory or
+            # group databases no catalog entry owns.
+            if config.group >= 0:
+                group = await loop.run_in_executor(self._executor, self._groups.get, config.group)
+                try:
+                    store = await group.job(
+                        lambda: QueueStore(group.path, config.partitions, shared=group.env, prefix=queue_prefix(config.uid))
+                    )
+                    await group.job(store.destroy)
+                except StorageError as exc:
+                    log.warning("queue_storage_left", queue=config.name, error=str(exc))
+            else:
+                path = self._queue_path(config.uid)
+                await loop.run_in_executor(self._executor, partial(shutil.rmtree, path, ignore_errors=True))
+            log.warning("set_aside_queue_removed", queue=config.name, aside_id=aside_id, items=entry.items)
+            return entry
+
+    # -- the cluster identity (kept for cluster/identity.py, not read here) ----------------
+
+    def cluster_identity(self) -> dict[str, Any] | None:
+        return self._require_catalog().cluster_identity()
+
+    async def put_cluster_identity(self, record: dict[str, Any]) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._require_catalog().put_cluster_identity, record)
+
     def _check_open(self) -> None:
         if self._closing:
             raise self._shutting_down()
@@ -617,3 +724,22 @@ class QueuesManager:
                 raise _storage_failed(exc) from exc
             self.keyring.remove(key_id)
         log.info("key_revoked", key_id=key_id)
+
+
+@dataclass(frozen=True, slots=True)
+class SetAside:
+    """A queue set aside: its settings when it was, how many items it held (-1: unknown)."""
+
+    aside_id: str
+    config: QueueConfig
+    reason: str
+    items: int
+    at_us: int
+
+    def record(self) -> dict[str, Any]:
+        return {"id": self.aside_id, "reason": self.reason, "items": self.items, "at_us": self.at_us}
+
+    @classmethod
+    def from_record(cls, config: QueueConfig, record: dict[str, Any]) -> SetAside:
+        return cls(str(record["id"]), config, str(record["reason"]), int(record["items"]), int(record["at_us"]))
+

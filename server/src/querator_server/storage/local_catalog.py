@@ -29,6 +29,9 @@ _NEXT_UID = b"next_uid"
 _TOKEN_SECRET = b"page_token_secret"
 _TOKEN_SECRET_BYTES = 32
 _FORMAT = b"format"
+# Which cluster, prefix and node id this data directory joined as (cluster/identity.py):
+# a JSON record the storage keeps and never reads.
+_CLUSTER_IDENTITY = b"cluster_identity"
 # 2: a produced batch is indexed for expiry by one entry (an expiry run, queue_store.py),
 # which a server of format 1 would read as an entry of the batch's first item only.
 # 3: a queue may keep its storage in a group environment (groups/<n>, its "group"),
@@ -52,13 +55,15 @@ class Catalog:
         self.path = path
         make_private_dir(path)
         try:
-            self.env = lmdb.open(path, mode=FILE_MODE, map_size=64 << 20, max_dbs=4, sync=sync, metasync=sync)
+            self.env = lmdb.open(path, mode=FILE_MODE, map_size=64 << 20, max_dbs=8, sync=sync, metasync=sync)
             self.env.reader_check()
             check_data_file(self.env, path)
             with self.env.begin(write=True) as txn:
                 self._queues = self.env.open_db(b"queues", txn=txn)
                 self._meta = self.env.open_db(b"meta", txn=txn)
                 self._keys = self.env.open_db(b"keys", txn=txn)
+                # Queues set aside (manager.set_aside): their settings and why, by id.
+                self._aside = self.env.open_db(b"aside", txn=txn)
                 found = txn.get(_FORMAT, db=self._meta)
                 if found is None or found in _UPGRADABLE_FORMATS:
                     txn.put(_FORMAT, _FORMAT_VERSION, db=self._meta)
@@ -100,6 +105,53 @@ class Catalog:
 
     def delete(self, name: str) -> None:
         self._write(lambda txn: txn.delete(_key(name), db=self._queues))
+
+    # -- the cluster identity ------------------------------------------------------
+
+    def cluster_identity(self) -> dict[str, Any] | None:
+        with self.env.begin() as txn:
+            raw = txn.get(_CLUSTER_IDENTITY, db=self._meta)
+        if raw is None:
+            return None
+        try:
+            record = json.loads(raw)
+        except ValueError as exc:
+            raise CatalogError(f"{self.path}: the cluster identity record is unreadable: {exc}") from exc
+        if not isinstance(record, dict):
+            raise CatalogError(f"{self.path}: the cluster identity record is not an object")
+        return record
+
+    def put_cluster_identity(self, record: dict[str, Any]) -> None:
+        raw = json.dumps(record, separators=(",", ":"), sort_keys=True).encode()
+        self._write(lambda txn: txn.put(_CLUSTER_IDENTITY, raw, db=self._meta))
+
+    # -- queues set aside: out of the served namespace, storage kept ------------------
+
+    def load_aside(self) -> list[tuple[QueueConfig, dict[str, Any]]]:
+        """Every queue set aside: its settings (as when it was set aside) and the record."""
+        out: list[tuple[QueueConfig, dict[str, Any]]] = []
+        with self.env.begin() as txn:
+            for key, raw in txn.cursor(db=self._aside):
+                try:
+                    record = json.loads(raw)
+                    out.append((_decode(json.dumps(record["config"]).encode()), record))
+                except (ValueError, TypeError, KeyError) as exc:
+                    raise CatalogError(f"{self.path}: set-aside queue {key!r} is unreadable: {exc}") from exc
+        return out
+
+    def set_aside(self, config: QueueConfig, record: dict[str, Any]) -> None:
+        """Move ``config`` out of the queues into the set-aside table, in one transaction."""
+        full = dict(record, config=json.loads(_encode(config)))
+        raw = json.dumps(full, separators=(",", ":")).encode()
+
+        def move(txn: lmdb.Transaction[bytes]) -> None:
+            txn.put(str(record["id"]).encode(), raw, db=self._aside)
+            txn.delete(_key(config.name), db=self._queues)
+
+        self._write(move)
+
+    def delete_aside(self, aside_id: str) -> None:
+        self._write(lambda txn: txn.delete(aside_id.encode(), db=self._aside))
 
     # -- API keys: JSON records under the key id; only a hash of each secret ----------
 
