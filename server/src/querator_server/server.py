@@ -8,6 +8,7 @@ import importlib.util
 import os
 import resource
 import signal
+import sys
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 
 log = get_logger()
 
+# The exit status of a node whose id another process took over (cluster/membership.py).
+EXIT_SUPERSEDED = 3
 SERVICES = (QUEUE_SERVICE, QUEUES_SERVICE, STORAGE_SERVICE, KEYS_SERVICE, CLUSTER_SERVICE)
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}
 # After its queues stopped, the server answers UNAVAILABLE until no call came for
@@ -86,6 +89,8 @@ class QueratorServer:
         self.port = 0
         self._stopped = asyncio.Event()
         self.cluster: Any = None  # cluster.Coordinator with --cluster (imported only then)
+        # Set by serve(): exit the process when another process takes the node id over.
+        self.exit_when_superseded = False
         self.metrics = None
         if config.metrics_address:  # prometheus_client is imported only when metrics are on
             from .metrics import Metrics
@@ -239,6 +244,7 @@ class QueratorServer:
                 settings,
                 on_standing=self._cluster_standing,
             )
+            self.cluster.membership.on_superseded = self._superseded
             await self.cluster.start()
         except QueratorError as exc:  # a malformed --cluster URL, say
             self.cluster = None
@@ -248,6 +254,20 @@ class QueratorServer:
             self.cluster = None
             await self.manager.stop()
             raise
+
+    def _superseded(self, holder: dict[str, object]) -> None:
+        """Another process holds this node's id: every partition here may now be served by
+        it, so this process must acknowledge nothing more, not even what its queues have
+        in hand: a server process exits at once (as a crash, which storage survives).
+        Started in-process, data calls are refused (cluster lookups) and the server stops."""
+        if self.exit_when_superseded:
+            log.error("server_exiting", code=EXIT_SUPERSEDED, reason="node id taken over by another process")
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(EXIT_SUPERSEDED)
+        task = asyncio.get_running_loop().create_task(self.stop(grace=0))
+        self._health_updates.add(task)
+        task.add_done_callback(self._health_updates.discard)
 
     async def _cluster_standing(self, standing: bool) -> None:
         # The node keeps serving data either way: only ClusterService's health says
@@ -409,6 +429,7 @@ async def serve(config: ServerConfig) -> None:
     """Run until SIGTERM or SIGINT; a second signal exits at once."""
     _raise_open_file_limit()
     server = QueratorServer(config)
+    server.exit_when_superseded = True
     await server.start()
     tune_gc()
     loop = asyncio.get_running_loop()

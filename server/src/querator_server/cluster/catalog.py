@@ -58,6 +58,15 @@ class Keys:
     def retired(self, node: str) -> bytes:
         return self.prefix + b"retired/" + node.encode()
 
+    def binding(self, node: str) -> bytes:
+        """Which data directory node id ``node`` is bound to (cluster/identity.py); no lease."""
+        return self.prefix + b"bindings/" + node.encode()
+
+    @property
+    def cluster_uuid(self) -> bytes:
+        """The cluster's own id, made by its first node: a data directory records it."""
+        return self.prefix + b"cluster-uuid"
+
     @property
     def token_secret(self) -> bytes:
         return self.prefix + b"page-token-secret"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ..errors import FailedPrecondition, NotFound, QueratorError
 from ..logging import get_logger
 from ..manager import QueuesManager
+from . import identity
 from .admin_frontend import AdminFrontend
 from .catalog import APPLY_TIMEOUT_S as _APPLY_TIMEOUT_S
 from .catalog import CatalogCache, Keys
@@ -63,10 +64,11 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         self.membership = Membership(
             self.etcd, self.keys.member(self.node), self.node, settings.advertise, settings.lease_ttl_s, self._standing
         )
-        self.router = Router(self.node, self.catalog, self.lookup, settings.peer_tls)
+        self.router = Router(self.node, self.catalog, self.lookup, settings.peer_tls, self.membership.verify)
         self._reconcile_lock = asyncio.Lock()
         self.retired = False
         self._foreign: set[str] = set()  # local queues the catalog never had (warned once)
+        self.identity: identity.Identity | None = None
         # Cluster queues this node cannot serve: its data directory has an older queue of
         # the same name (from before it joined).
         self._blocked: set[str] = set()
@@ -81,6 +83,8 @@ class Coordinator(AdminFrontend, ReconcileBackend):
                     f"node {self.node!r} was retired from the cluster (its partitions were recreated "
                     "elsewhere); start it with a new node id and an empty data directory"
                 )
+            self.identity = await identity.check(self.manager, self.etcd, self.keys, self.node, self.settings.url)
+            self.membership.data_dir = self.identity.data_dir
             await self.membership.register(timeout=timeout)
             await self._share_token_secret()
             await self.catalog.load()
@@ -118,6 +122,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         just created on another node), so a call right after a create finds it."""
         if self.retired:
             raise FailedPrecondition(f"node {self.node!r} was retired from the cluster; it serves nothing")
+        await self.membership.verify()
         if name in self._blocked:
             raise FailedPrecondition(
                 f"node {self.node!r} holds a queue {name!r} from before it joined the cluster and cannot serve "

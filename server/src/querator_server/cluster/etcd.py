@@ -221,11 +221,11 @@ class Etcd:
             return " (does etcd expect TLS? give --etcd-ca)"
         return ""
 
-    async def _unary(self, method: Any, request: Any) -> Any:
+    async def _unary(self, method: Any, request: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
         """One call with a deadline; a token etcd no longer accepts is renewed once."""
         for attempt in (1, 2):
             try:
-                return await method(request, timeout=CALL_TIMEOUT_S, metadata=await self._metadata())
+                return await method(request, timeout=timeout, metadata=await self._metadata())
             except grpc.aio.AioRpcError as exc:
                 if attempt == 1 and self._access.user and _stale_token(exc):
                     self._token = None
@@ -241,8 +241,14 @@ class Etcd:
         reply = await self._unary(self._kv.Range, rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix)))
         return reply.header.revision, [_kv(kv) for kv in reply.kvs]
 
-    async def get(self, key: bytes) -> tuple[int, KeyValue | None]:
-        reply = await self._unary(self._kv.Range, rpc.RangeRequest(key=key))
+    async def cluster_id(self, key: bytes) -> int:
+        """The etcd cluster's id, from the header of a read of ``key`` (one the caller may
+        read: every answer carries the id). A fresh etcd has a new one."""
+        reply = await self._unary(self._kv.Range, rpc.RangeRequest(key=key, keys_only=True))
+        return int(reply.header.cluster_id)
+
+    async def get(self, key: bytes, timeout: float = CALL_TIMEOUT_S) -> tuple[int, KeyValue | None]:
+        reply = await self._unary(self._kv.Range, rpc.RangeRequest(key=key), timeout)
         return reply.header.revision, (_kv(reply.kvs[0]) if reply.kvs else None)
 
     async def txn(self, txn: Txn) -> tuple[bool, int]:

@@ -15,13 +15,17 @@ import asyncio
 import json
 import os
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 from ..errors import FailedPrecondition, Unavailable
 from ..logging import get_logger
-from .etcd import Etcd, EtcdError, Txn
+from .etcd import CALL_TIMEOUT_S, Etcd, EtcdError, Txn
 
 log = get_logger("cluster")
+
+# How long a data call may wait for etcd to say who holds this node's id (verify).
+_VERIFY_TIMEOUT_S = 1.0
 
 
 class Membership:
@@ -50,6 +54,17 @@ class Membership:
         self._standing = False
         self.registrations = 0
         self._task: asyncio.Task[None] | None = None
+        # What the member key says of the process holding it: this data directory's uuid
+        # (cluster/identity.py) and this process's own, to tell a re-registration of
+        # this process from another process that took the node id over.
+        self.data_dir = ""
+        self.instance = uuid.uuid4().hex
+        # Set once another process holds this node id: this one must serve nothing more.
+        self.superseded: dict[str, object] | None = None
+        self.on_superseded: Callable[[dict[str, object]], None] | None = None
+        self._verifying: asyncio.Task[None] | None = None
+        self._verified_at = 0.0
+        self._unreachable = False  # the last check could not reach etcd
 
     @property
     def fenced(self) -> bool:
@@ -66,7 +81,9 @@ class Membership:
     async def register(self, timeout: float) -> None:
         """Put ``members/<node>`` under a fresh lease; wait out a previous one's TTL."""
         deadline = time.monotonic() + timeout
-        value = json.dumps({"address": self.address, "pid": os.getpid()}).encode()
+        value = json.dumps(
+            {"address": self.address, "pid": os.getpid(), "data_dir": self.data_dir, "instance": self.instance}
+        ).encode()
         if self.lease:
             _, kv = await self._etcd.get(self._key)
             if kv is not None and kv.lease == self.lease:  # still ours: taken for lost too early
@@ -88,6 +105,66 @@ class Membership:
                     "each node needs an id of its own"
                 )
             await asyncio.sleep(0.5)  # the key of an earlier run of this node expires within its TTL
+
+    # -- another process with this node id -------------------------------------------
+
+    async def _check_holder(self, timeout: float = CALL_TIMEOUT_S) -> None:
+        """After this process held the member key and may have lost it: if the key is now
+        another process's, this one is superseded (on_superseded)."""
+        if not self.registrations or self.superseded is not None:
+            return
+        _, kv = await self._etcd.get(self._key, timeout)
+        if kv is None or kv.create_revision == self.create_revision:
+            return
+        try:
+            holder = json.loads(kv.value)
+        except ValueError:
+            holder = {}
+        if not isinstance(holder, dict) or holder.get("instance") == self.instance:
+            return
+        self.superseded = holder
+        log.error(
+            "cluster_node_id_taken_over",
+            node=self.node,
+            holder_pid=holder.get("pid"),
+            holder_address=holder.get("address"),
+            holder_data_dir=holder.get("data_dir"),
+            data_dir=self.data_dir,
+            detail="another process registered this node id while this one's lease had lapsed; "
+            "this process stops serving and exits",
+        )
+        if self.on_superseded is not None:
+            self.on_superseded(holder)
+
+    @property
+    def lapsed(self) -> bool:
+        """Whether etcd may have expired this process's lease (no renewal for a whole TTL)."""
+        return bool(self.registrations) and time.monotonic() > self._renewed_at + self.ttl_s
+
+    async def verify(self) -> None:
+        """Around a data call while the lease may have lapsed (a pause, say): make sure no
+        other process holds this node id now. etcd out of reach proves nothing either way:
+        the call goes on, as data calls do while etcd is away, and while it stays out of
+        reach calls no longer wait for the check, made again in the background an
+        interval on (on_superseded still ends the process if it finds another holder)."""
+        if self.superseded is None and self.lapsed and time.monotonic() > self._verified_at + self._interval:
+            if self._verifying is None or self._verifying.done():
+                self._verifying = asyncio.create_task(self._verify_once())
+            if not self._unreachable:
+                await asyncio.shield(self._verifying)
+        if self.superseded is not None:
+            raise Unavailable(
+                f"node id {self.node!r} is now held by another process; this one serves nothing more, "
+                "send the call to another node"
+            )
+
+    async def _verify_once(self) -> None:
+        try:
+            await self._check_holder(timeout=_VERIFY_TIMEOUT_S)
+            self._unreachable = False
+        except EtcdError:
+            self._unreachable = True
+        self._verified_at = time.monotonic()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="querator-membership")
@@ -112,14 +189,21 @@ class Membership:
             await asyncio.sleep(self._interval)
 
     async def _tick(self) -> None:
+        if self.superseded is not None:
+            return
         try:
             if not self.create_revision:
-                await self.register(timeout=0)
+                await self._check_holder()
+                if self.superseded is None:
+                    await self.register(timeout=0)
             else:
                 sent = time.monotonic()
                 ttl = await self._etcd.keep_alive(self.lease, timeout=self._interval)
                 if ttl <= 0:
                     log.warning("cluster_lease_expired", node=self.node, lease=self.lease)
+                    await self._check_holder()
+                    if self.superseded is not None:
+                        return
                     self.create_revision = 0
                     await self.register(timeout=0)
                 else:

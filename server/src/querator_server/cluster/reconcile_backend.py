@@ -94,10 +94,9 @@ class ReconcileBackend:
             return
         try:
             if local is not None and local.reference != entry.local_reference:
-                # A queue of this name that was deleted while this node was away: its
-                # items must not show up in the new queue.
-                await self.manager.delete(name, force=True)
-                log.info("cluster_stale_queue_removed", queue=name)
+                # Another generation of the queue (deleted and created again while this
+                # node was away): its items must not show up in the new queue.
+                await self._set_aside_or_drop(name, "the catalog's queue of this name is another generation")
                 local = None
             if count == 0:
                 return
@@ -117,6 +116,17 @@ class ReconcileBackend:
         except QueratorError as exc:
             log.error("cluster_reconcile_failed", queue=name, error=exc.message)
 
+    async def _set_aside_or_drop(self, name: str, reason: str) -> None:
+        """A local queue the catalog's entry of that name does not match: never dropped
+        while it holds items (set aside instead, for an operator to look at), dropped when
+        empty."""
+        actor = next((a for a in self.manager.queues() if a.config.name == name), None)
+        totals = actor.totals() if actor is not None else None
+        if totals is not None and not (totals.ready or totals.leased or totals.scheduled):
+            await self.manager.delete(name, force=True)
+            log.info("cluster_stale_queue_removed", queue=name, detail=f"empty; {reason}")
+            return
+        await self.manager.set_aside(name, reason)
 
 
 def _dead_queues_first(entries: Iterable[QueueEntry]) -> list[QueueEntry]:

@@ -49,12 +49,16 @@ class Router:
         catalog: CatalogCache,
         lookup: Callable[[str], Awaitable[QueueEntry]],
         tls: PeerTls | None = None,
+        vouch: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.node = node
         self._catalog = catalog
         self._lookup = lookup
         self.peers = Peers(node, lambda: catalog.members, tls)
         self._forward = self.peers.forward
+        # Called after a call was served here, before it is answered: raises (or ends the
+        # process) when this node's id may now be another process's (membership.verify).
+        self._vouch = vouch
         self._turn = itertools.count()
         # The Complete behavior of this node (set by route()): a Lease whose lease goes
         # elsewhere completes its complete_ids homed here with it first.
@@ -357,8 +361,14 @@ class Router:
         def wrap(name: str, route: Callable[..., Awaitable[Any]]) -> None:
             behavior, request_type, response_type, action = methods[name]
 
+            async def here(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                answer = await behavior(request, context)
+                if self._vouch is not None:  # nothing answered here once another process holds this node's id
+                    await self._vouch()
+                return answer
+
             async def routed(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-                return await route(request, context, behavior)
+                return await route(request, context, here)
 
             out[name] = (routed, request_type, response_type, action)
 
