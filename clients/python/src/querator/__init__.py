@@ -49,6 +49,8 @@ from ._models import (
     QueueInfo,
     QueueStats,
     RedriveResult,
+    SetAsideQueue,
+    SetAsideQueues,
     StoredItem,
 )
 from ._paging import AsyncPager, Pager
@@ -95,6 +97,8 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "AnyLeasedItem",
     "ApiKey",
+    "SetAsideQueue",
+    "SetAsideQueues",
     "AsyncClient",
     "AsyncLeasedItem",
     "AsyncPager",

@@ -27,6 +27,8 @@ from ._models import (
     QueueSettings,
     QueueStats,
     RedriveResult,
+    SetAsideQueue,
+    SetAsideQueues,
     StoredItem,
 )
 from ._paging import AsyncPager
@@ -288,6 +290,18 @@ class AsyncClient(BaseClient):
     async def list_keys(self, *, timeout: Seconds | None = None) -> list[ApiKey]:
         """Every key, sorted by id (never the tokens)."""
         return await self._transport.run(ops.list_keys(self._config, timeout))
+
+    # -- queues set aside by cluster nodes (docs/cluster.md) --------------------------------
+
+    async def list_set_aside_queues(self, node_id: str = "", *, timeout: Seconds | None = None) -> SetAsideQueues:
+        """See :meth:`querator.Client.list_set_aside_queues`."""
+        return await self._transport.run(ops.list_set_aside_queues(self._config, node_id, timeout))
+
+    async def remove_set_aside_queue(
+        self, node_id: str, set_aside_id: str, *, timeout: Seconds | None = None
+    ) -> SetAsideQueue:
+        """See :meth:`querator.Client.remove_set_aside_queue`."""
+        return await self._transport.run(ops.remove_set_aside_queue(self._config, node_id, set_aside_id, timeout))
 
     async def revoke_key(self, key_id: str, *, timeout: Seconds | None = None) -> None:
         """Revoke a key; see :meth:`querator.Client.revoke_key`."""

@@ -29,6 +29,8 @@ from ._models import (
     QueueSettings,
     QueueStats,
     RedriveResult,
+    SetAsideQueue,
+    SetAsideQueues,
     StoredItem,
 )
 from ._paging import Pager
@@ -326,6 +328,19 @@ class Client(BaseClient):
     def list_keys(self, *, timeout: Seconds | None = None) -> list[ApiKey]:
         """Every key, sorted by id (never the tokens)."""
         return self._transport.run(ops.list_keys(self._config, timeout))
+
+    # -- queues set aside by cluster nodes (docs/cluster.md) --------------------------------
+
+    def list_set_aside_queues(self, node_id: str = "", *, timeout: Seconds | None = None) -> SetAsideQueues:
+        """The queues cluster nodes have set aside (``node_id``: only that node's; default
+        every live node's). Needs an admin key for ``"*"``."""
+        return self._transport.run(ops.list_set_aside_queues(self._config, node_id, timeout))
+
+    def remove_set_aside_queue(
+        self, node_id: str, set_aside_id: str, *, timeout: Seconds | None = None
+    ) -> SetAsideQueue:
+        """Delete a set-aside queue and its items from ``node_id``'s disk, for good."""
+        return self._transport.run(ops.remove_set_aside_queue(self._config, node_id, set_aside_id, timeout))
 
     def revoke_key(self, key_id: str, *, timeout: Seconds | None = None) -> None:
         """Delete a key; calls with its token fail with Unauthenticated from then on."""

@@ -264,6 +264,30 @@ class ApiKey:
 
 
 @dataclass(frozen=True, slots=True)
+class SetAsideQueue:
+    """A queue a cluster node set aside: it held items but no longer matched the
+    catalog's queue of its name, so it is not served; its items stay on ``node_id``'s
+    disk until removed (docs/cluster.md, "Queues set aside"). ``items`` is -1 when
+    unknown (its storage had failed)."""
+
+    node_id: str
+    set_aside_id: str
+    queue_name: str
+    items: int
+    reason: str
+    set_aside_at: datetime | None
+    partitions: int
+
+
+@dataclass(frozen=True, slots=True)
+class SetAsideQueues:
+    """Set-aside queues, and the live nodes that did not answer (not listed)."""
+
+    queues: list[SetAsideQueue]
+    unanswered_nodes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
 class CreatedKey:
     """A new key and its token: send the token as ``bearer_token``. Shown only once."""
 

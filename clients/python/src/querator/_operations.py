@@ -33,6 +33,8 @@ from ._models import (
     QueueInfo,
     QueueStats,
     RedriveResult,
+    SetAsideQueue,
+    SetAsideQueues,
     StoredItem,
 )
 from .errors import QueratorError
@@ -294,6 +296,23 @@ def create_key(
 def list_keys(config: ClientConfig, timeout: Seconds | None) -> Operation[list[ApiKey]]:
     response = yield Call(KEYS, "ListKeys", keys_pb2.ListKeysRequest(), config.call_timeout(timeout), True, key_call=True)
     return [p.api_key(k) for k in response.keys]
+
+
+# -- ClusterService: queues set aside -------------------------------------------------------
+
+
+def list_set_aside_queues(config: ClientConfig, node_id: str, timeout: Seconds | None) -> Operation[SetAsideQueues]:
+    request = cluster_pb2.ListSetAsideQueuesRequest(node_id=node_id)
+    response = yield Call(CLUSTER, "ListSetAsideQueues", request, config.call_timeout(timeout), True)
+    return SetAsideQueues([p.set_aside_queue(q) for q in response.queues], list(response.unanswered_nodes))
+
+
+def remove_set_aside_queue(
+    config: ClientConfig, node_id: str, set_aside_id: str, timeout: Seconds | None
+) -> Operation[SetAsideQueue]:
+    request = cluster_pb2.RemoveSetAsideQueueRequest(node_id=node_id, set_aside_id=set_aside_id)
+    response = yield Call(CLUSTER, "RemoveSetAsideQueue", request, config.call_timeout(timeout), False)
+    return p.set_aside_queue(response.removed)
 
 
 def revoke_key(config: ClientConfig, key_id: str, timeout: Seconds | None) -> Operation[None]:

@@ -25,6 +25,7 @@ from ._models import (
     QueueInfo,
     QueueStats,
     RedriveResult,
+    SetAsideQueue,
     StoredItem,
 )
 from .tracing import _merge_trace as merge_trace
@@ -555,6 +556,18 @@ def api_key(key: keys_pb2.ApiKey) -> ApiKey:
         queues=list(key.queues),
         description=key.description,
         created_at=c.optional_timestamp(key, "created_at"),
+    )
+
+
+def set_aside_queue(queue: cluster_pb2.SetAsideQueue) -> SetAsideQueue:
+    return SetAsideQueue(
+        node_id=queue.node_id,
+        set_aside_id=queue.set_aside_id,
+        queue_name=queue.queue_name,
+        items=queue.items,
+        reason=queue.reason,
+        set_aside_at=c.optional_timestamp(queue, "set_aside_at"),
+        partitions=queue.partitions,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -10,7 +11,7 @@ import grpc
 from querator.v1 import cluster_pb2 as pb
 
 from ..auth import Action
-from ..errors import FailedPrecondition
+from ..errors import FailedPrecondition, InvalidArgument, QueratorError, Unavailable
 from ..manager import QueuesManager
 from . import convert as c
 from .authz import Guard, current_principal
@@ -92,6 +93,79 @@ class ClusterService:
         moved = await self.cluster.retire(request.node_id)
         return pb.RetireNodeDiscardingDataResponse(partitions_recreated=moved)
 
+    # -- queues set aside (manager.set_aside) -------------------------------------------
+
+    def _set_aside_here(self) -> list[pb.SetAsideQueue]:
+        node = self.cluster.node if self.cluster is not None else ""
+        return [
+            pb.SetAsideQueue(
+                node_id=node,
+                set_aside_id=a.aside_id,
+                queue_name=a.config.name,
+                items=a.items,
+                reason=a.reason,
+                set_aside_at=c.to_timestamp(a.at_us),
+                partitions=a.config.partitions,
+            )
+            for a in self.manager.set_aside_queues()
+        ]
+
+    def _target(self, node: str, context: grpc.aio.ServicerContext[Any, Any]) -> str:
+        """The node a set-aside call is for: "" for this one."""
+        cluster = self.cluster
+        if cluster is None or not node or node == cluster.node or cluster.router.is_forwarded(context):
+            if node and (cluster is None or node != cluster.node):
+                raise FailedPrecondition(f"this server is not node {node!r}")
+            return ""
+        if node not in cluster.catalog.members:
+            raise Unavailable(f"node {node!r} is not live; its set-aside queues can be seen only while it is")
+        return node
+
+    async def list_set_aside(
+        self, request: pb.ListSetAsideQueuesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ListSetAsideQueuesResponse:
+        cluster = self.cluster
+        target = self._target(request.node_id, context)
+        if target and cluster is not None:
+            return await cluster.router.peers.forward(
+                target, f"/{SERVICE}/ListSetAsideQueues", request, pb.ListSetAsideQueuesResponse, context
+            )
+        if cluster is None or request.node_id or cluster.router.is_forwarded(context):
+            return pb.ListSetAsideQueuesResponse(queues=self._set_aside_here())
+        queues = self._set_aside_here()
+        unanswered: list[str] = []
+        others = sorted(n for n in cluster.catalog.members if n != cluster.node)
+
+        async def ask(node: str) -> pb.ListSetAsideQueuesResponse:
+            one = pb.ListSetAsideQueuesRequest(node_id=node)
+            return await cluster.router.peers.forward(
+                node, f"/{SERVICE}/ListSetAsideQueues", one, pb.ListSetAsideQueuesResponse, context, timeout=10.0
+            )
+
+        for node, answer in zip(others, await asyncio.gather(*(ask(n) for n in others), return_exceptions=True), strict=True):
+            if isinstance(answer, pb.ListSetAsideQueuesResponse):
+                queues.extend(answer.queues)
+            elif isinstance(answer, QueratorError):
+                unanswered.append(node)
+            else:
+                raise answer
+        queues.sort(key=lambda q: (q.node_id, q.queue_name, q.set_aside_id))
+        return pb.ListSetAsideQueuesResponse(queues=queues, unanswered_nodes=unanswered)
+
+    async def remove_set_aside(
+        self, request: pb.RemoveSetAsideQueueRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RemoveSetAsideQueueResponse:
+        if not request.set_aside_id:
+            raise InvalidArgument("set_aside_id", "is required (ListSetAsideQueues gives it)")
+        target = self._target(request.node_id, context)
+        if target and self.cluster is not None:
+            return await self.cluster.router.peers.forward(
+                target, f"/{SERVICE}/RemoveSetAsideQueue", request, pb.RemoveSetAsideQueueResponse, context
+            )
+        before = {q.set_aside_id: q for q in self._set_aside_here()}
+        await self.manager.remove_set_aside(request.set_aside_id)
+        return pb.RemoveSetAsideQueueResponse(removed=before[request.set_aside_id])
+
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         return generic_handler(
             SERVICE,
@@ -102,6 +176,12 @@ class ClusterService:
                     pb.RetireNodeDiscardingDataRequest,
                     pb.RetireNodeDiscardingDataResponse,
                     Action.KEYS,
+                ),
+                "ListSetAsideQueues": (
+                    self.list_set_aside, pb.ListSetAsideQueuesRequest, pb.ListSetAsideQueuesResponse, Action.KEYS
+                ),
+                "RemoveSetAsideQueue": (
+                    self.remove_set_aside, pb.RemoveSetAsideQueueRequest, pb.RemoveSetAsideQueueResponse, Action.KEYS
                 ),
             },
             guard=self.guard,

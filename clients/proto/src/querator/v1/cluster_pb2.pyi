@@ -6,6 +6,7 @@ isort:skip_file
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
@@ -232,3 +233,155 @@ class RetireNodeDiscardingDataResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RetireNodeDiscardingDataResponse: _TypeAlias = RetireNodeDiscardingDataResponse  # noqa: Y015
+
+@_typing.final
+class ListSetAsideQueuesRequest(_message.Message):
+    """ListSetAsideQueuesRequest names the node to ask."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """Only this node's set-aside queues (empty: every live node's)."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSetAsideQueuesRequest: _TypeAlias = ListSetAsideQueuesRequest  # noqa: Y015
+
+@_typing.final
+class SetAsideQueue(_message.Message):
+    """SetAsideQueue is one queue a node set aside."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    SET_ASIDE_ID_FIELD_NUMBER: _builtins.int
+    QUEUE_NAME_FIELD_NUMBER: _builtins.int
+    ITEMS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    SET_ASIDE_AT_FIELD_NUMBER: _builtins.int
+    PARTITIONS_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The node whose data directory holds it (empty on a single server)."""
+    set_aside_id: _builtins.str
+    """Its id on that node, for RemoveSetAsideQueue."""
+    queue_name: _builtins.str
+    """The name it was served under."""
+    items: _builtins.int
+    """How many items it held when it was set aside (-1: unknown, its storage
+    had failed).
+    """
+    reason: _builtins.str
+    """Why it was set aside."""
+    partitions: _builtins.int
+    """Its partitions on that node."""
+    @_builtins.property
+    def set_aside_at(self) -> _timestamp_pb2.Timestamp:
+        """When it was set aside."""
+
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        set_aside_id: _builtins.str = ...,
+        queue_name: _builtins.str = ...,
+        items: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        set_aside_at: _timestamp_pb2.Timestamp | None = ...,
+        partitions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["set_aside_at", b"set_aside_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "node_id", b"node_id", "partitions", b"partitions", "queue_name", b"queue_name", "reason", b"reason", "set_aside_at", b"set_aside_at", "set_aside_id", b"set_aside_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetAsideQueue: _TypeAlias = SetAsideQueue  # noqa: Y015
+
+@_typing.final
+class ListSetAsideQueuesResponse(_message.Message):
+    """ListSetAsideQueuesResponse lists set-aside queues, sorted by node and name."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUES_FIELD_NUMBER: _builtins.int
+    UNANSWERED_NODES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def queues(self) -> _containers.RepeatedCompositeFieldContainer[Global___SetAsideQueue]:
+        """The queues."""
+
+    @_builtins.property
+    def unanswered_nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Live nodes that did not answer (their queues are not listed), sorted."""
+
+    def __init__(
+        self,
+        *,
+        queues: _abc.Iterable[Global___SetAsideQueue] | None = ...,
+        unanswered_nodes: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queues", b"queues", "unanswered_nodes", b"unanswered_nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSetAsideQueuesResponse: _TypeAlias = ListSetAsideQueuesResponse  # noqa: Y015
+
+@_typing.final
+class RemoveSetAsideQueueRequest(_message.Message):
+    """RemoveSetAsideQueueRequest names the set-aside queue to delete."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    SET_ASIDE_ID_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The node holding it (empty: the node answering)."""
+    set_aside_id: _builtins.str
+    """Its id, as ListSetAsideQueues gives it."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        set_aside_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "set_aside_id", b"set_aside_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveSetAsideQueueRequest: _TypeAlias = RemoveSetAsideQueueRequest  # noqa: Y015
+
+@_typing.final
+class RemoveSetAsideQueueResponse(_message.Message):
+    """RemoveSetAsideQueueResponse says what was deleted."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REMOVED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def removed(self) -> Global___SetAsideQueue:
+        """The queue deleted, as it was listed."""
+
+    def __init__(
+        self,
+        *,
+        removed: Global___SetAsideQueue | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["removed", b"removed"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["removed", b"removed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveSetAsideQueueResponse: _TypeAlias = RemoveSetAsideQueueResponse  # noqa: Y015

@@ -48,6 +48,16 @@ class ClusterServiceStub:
                 request_serializer=querator_dot_v1_dot_cluster__pb2.RetireNodeDiscardingDataRequest.SerializeToString,
                 response_deserializer=querator_dot_v1_dot_cluster__pb2.RetireNodeDiscardingDataResponse.FromString,
                 _registered_method=True)
+        self.ListSetAsideQueues = channel.unary_unary(
+                '/querator.v1.ClusterService/ListSetAsideQueues',
+                request_serializer=querator_dot_v1_dot_cluster__pb2.ListSetAsideQueuesRequest.SerializeToString,
+                response_deserializer=querator_dot_v1_dot_cluster__pb2.ListSetAsideQueuesResponse.FromString,
+                _registered_method=True)
+        self.RemoveSetAsideQueue = channel.unary_unary(
+                '/querator.v1.ClusterService/RemoveSetAsideQueue',
+                request_serializer=querator_dot_v1_dot_cluster__pb2.RemoveSetAsideQueueRequest.SerializeToString,
+                response_deserializer=querator_dot_v1_dot_cluster__pb2.RemoveSetAsideQueueResponse.FromString,
+                _registered_method=True)
 
 
 class ClusterServiceServicer:
@@ -80,6 +90,25 @@ class ClusterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSetAsideQueues(self, request, context):
+        """ListSetAsideQueues lists the queues nodes have set aside: local queues that
+        held items but no longer matched the catalog's queue of their name (another
+        generation of it: deleted and created again while the node was away). A
+        queue set aside is not served and keeps its items on the node's disk until
+        RemoveSetAsideQueue. Needs an admin key for "*".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveSetAsideQueue(self, request, context):
+        """RemoveSetAsideQueue deletes a set-aside queue and its items from its node's
+        disk, for good. Needs an admin key for "*".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +121,16 @@ def add_ClusterServiceServicer_to_server(servicer, server):
                     servicer.RetireNodeDiscardingData,
                     request_deserializer=querator_dot_v1_dot_cluster__pb2.RetireNodeDiscardingDataRequest.FromString,
                     response_serializer=querator_dot_v1_dot_cluster__pb2.RetireNodeDiscardingDataResponse.SerializeToString,
+            ),
+            'ListSetAsideQueues': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSetAsideQueues,
+                    request_deserializer=querator_dot_v1_dot_cluster__pb2.ListSetAsideQueuesRequest.FromString,
+                    response_serializer=querator_dot_v1_dot_cluster__pb2.ListSetAsideQueuesResponse.SerializeToString,
+            ),
+            'RemoveSetAsideQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveSetAsideQueue,
+                    request_deserializer=querator_dot_v1_dot_cluster__pb2.RemoveSetAsideQueueRequest.FromString,
+                    response_serializer=querator_dot_v1_dot_cluster__pb2.RemoveSetAsideQueueResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -152,6 +191,60 @@ class ClusterService:
             '/querator.v1.ClusterService/RetireNodeDiscardingData',
             querator_dot_v1_dot_cluster__pb2.RetireNodeDiscardingDataRequest.SerializeToString,
             querator_dot_v1_dot_cluster__pb2.RetireNodeDiscardingDataResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSetAsideQueues(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/querator.v1.ClusterService/ListSetAsideQueues',
+            querator_dot_v1_dot_cluster__pb2.ListSetAsideQueuesRequest.SerializeToString,
+            querator_dot_v1_dot_cluster__pb2.ListSetAsideQueuesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveSetAsideQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/querator.v1.ClusterService/RemoveSetAsideQueue',
+            querator_dot_v1_dot_cluster__pb2.RemoveSetAsideQueueRequest.SerializeToString,
+            querator_dot_v1_dot_cluster__pb2.RemoveSetAsideQueueResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,6 +52,17 @@ class ClusterServiceStub:
     homes no partition (an id the cluster does not know is never banned);
     retiring a node already retired answers 0. Needs an admin key for "*".
     """
+    ListSetAsideQueues: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.ListSetAsideQueuesRequest, _cluster_pb2.ListSetAsideQueuesResponse]
+    """ListSetAsideQueues lists the queues nodes have set aside: local queues that
+    held items but no longer matched the catalog's queue of their name (another
+    generation of it: deleted and created again while the node was away). A
+    queue set aside is not served and keeps its items on the node's disk until
+    RemoveSetAsideQueue. Needs an admin key for "*".
+    """
+    RemoveSetAsideQueue: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.RemoveSetAsideQueueRequest, _cluster_pb2.RemoveSetAsideQueueResponse]
+    """RemoveSetAsideQueue deletes a set-aside queue and its items from its node's
+    disk, for good. Needs an admin key for "*".
+    """
 
 @_typing.type_check_only
 class ClusterServiceAsyncStub(ClusterServiceStub):
@@ -76,6 +87,17 @@ class ClusterServiceAsyncStub(ClusterServiceStub):
     FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
     homes no partition (an id the cluster does not know is never banned);
     retiring a node already retired answers 0. Needs an admin key for "*".
+    """
+    ListSetAsideQueues: _aio.UnaryUnaryMultiCallable[_cluster_pb2.ListSetAsideQueuesRequest, _cluster_pb2.ListSetAsideQueuesResponse]  # type: ignore[assignment]
+    """ListSetAsideQueues lists the queues nodes have set aside: local queues that
+    held items but no longer matched the catalog's queue of their name (another
+    generation of it: deleted and created again while the node was away). A
+    queue set aside is not served and keeps its items on the node's disk until
+    RemoveSetAsideQueue. Needs an admin key for "*".
+    """
+    RemoveSetAsideQueue: _aio.UnaryUnaryMultiCallable[_cluster_pb2.RemoveSetAsideQueueRequest, _cluster_pb2.RemoveSetAsideQueueResponse]  # type: ignore[assignment]
+    """RemoveSetAsideQueue deletes a set-aside queue and its items from its node's
+    disk, for good. Needs an admin key for "*".
     """
 
 class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -110,6 +132,29 @@ class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
         FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
         homes no partition (an id the cluster does not know is never banned);
         retiring a node already retired answers 0. Needs an admin key for "*".
+        """
+
+    @_abc_1.abstractmethod
+    def ListSetAsideQueues(
+        self,
+        request: _cluster_pb2.ListSetAsideQueuesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cluster_pb2.ListSetAsideQueuesResponse, _abc.Awaitable[_cluster_pb2.ListSetAsideQueuesResponse]]:
+        """ListSetAsideQueues lists the queues nodes have set aside: local queues that
+        held items but no longer matched the catalog's queue of their name (another
+        generation of it: deleted and created again while the node was away). A
+        queue set aside is not served and keeps its items on the node's disk until
+        RemoveSetAsideQueue. Needs an admin key for "*".
+        """
+
+    @_abc_1.abstractmethod
+    def RemoveSetAsideQueue(
+        self,
+        request: _cluster_pb2.RemoveSetAsideQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cluster_pb2.RemoveSetAsideQueueResponse, _abc.Awaitable[_cluster_pb2.RemoveSetAsideQueueResponse]]:
+        """RemoveSetAsideQueue deletes a set-aside queue and its items from its node's
+        disk, for good. Needs an admin key for "*".
         """
 
 def add_ClusterServiceServicer_to_server(servicer: ClusterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._client import Client
-from .._models import ClusterView
+from .._models import ClusterView, SetAsideQueue
 from ..errors import NotFound
 from ._common import Commands, UsageError, done
 from ._output import emit_json, emit_table
@@ -157,6 +157,49 @@ def cmd_retire(args: argparse.Namespace, client: Client) -> int:
     )
 
 
+# -- queues set aside ---------------------------------------------------------------------------
+
+SET_ASIDE_HEADERS = ["NODE", "SET_ASIDE_ID", "QUEUE", "ITEMS", "PARTITIONS", "SET_ASIDE_AT", "REASON"]
+
+
+def set_aside_row(queue: SetAsideQueue) -> list[Any]:
+    items = "unknown" if queue.items < 0 else queue.items
+    return [queue.node_id, queue.set_aside_id, queue.queue_name, items, queue.partitions, queue.set_aside_at, queue.reason]
+
+
+def cmd_set_aside_list(args: argparse.Namespace, client: Client) -> int:
+    listed = client.list_set_aside_queues(args.node or "")
+    if args.json:
+        emit_json(listed, sys.stdout)
+    else:
+        emit_table(SET_ASIDE_HEADERS, [set_aside_row(q) for q in listed.queues], sys.stdout)
+    if listed.unanswered_nodes:
+        print(f"querator: not listed (did not answer): {', '.join(listed.unanswered_nodes)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_set_aside_remove(args: argparse.Namespace, client: Client) -> int:
+    removed = client.remove_set_aside_queue(args.node, args.set_aside_id)
+    items = "an unknown number of" if removed.items < 0 else str(removed.items)
+    return done(
+        args,
+        f"removed set-aside queue {removed.set_aside_id} ({removed.queue_name!r}, {items} items) from node {removed.node_id}",
+        removed=removed,
+    )
+
+
+def register_set_aside(cluster: Commands) -> None:
+    set_aside = cluster.group(
+        "set-aside", "queues a node set aside (held items, no longer matched the catalog); needs an admin key for '*'"
+    )
+    p = set_aside.leaf("list", cmd_set_aside_list, "list set-aside queues (every live node's, or one node's)")
+    p.add_argument("--node", help="only this node's")
+    p = set_aside.leaf("remove", cmd_set_aside_remove, "delete a set-aside queue and its items from its node, for good")
+    p.add_argument("node", help="the node holding it (NODE in the list)")
+    p.add_argument("set_aside_id", help="its id (SET_ASIDE_ID in the list)")
+
+
 def register(commands: Commands) -> None:
     cluster = commands.group("cluster", "a cluster's members and health; retire a dead node (docs/cluster.md)")
     cluster.leaf(
@@ -175,3 +218,4 @@ def register(commands: Commands) -> None:
         "--discard-data", action="store_true", help="required: acknowledges that the node's items are lost"
     )
     p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    register_set_aside(cluster)

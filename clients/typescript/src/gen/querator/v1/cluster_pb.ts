@@ -4,13 +4,15 @@
 
 import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
 import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
+import type { Timestamp } from "@bufbuild/protobuf/wkt";
+import { file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
 import type { Message } from "@bufbuild/protobuf";
 
 /**
  * Describes the file querator/v1/cluster.proto.
  */
 export const file_querator_v1_cluster: GenFile = /*@__PURE__*/
-  fileDesc("ChlxdWVyYXRvci92MS9jbHVzdGVyLnByb3RvEgtxdWVyYXRvci52MSJAChJDbHVzdGVySW5mb1JlcXVlc3QSEwoLcXVldWVfbmFtZXMYASADKAkSFQoNY2hlY2tfbWVtYmVycxgCIAEoCCK9AQoTQ2x1c3RlckluZm9SZXNwb25zZRIRCgljbHVzdGVyZWQYASABKAgSDwoHbm9kZV9pZBgCIAEoCRIQCghyZXZpc2lvbhgDIAEoAxIrCgdtZW1iZXJzGAQgAygLMhoucXVlcmF0b3IudjEuQ2x1c3Rlck1lbWJlchIrCgZxdWV1ZXMYBSADKAsyGy5xdWVyYXRvci52MS5RdWV1ZVBsYWNlbWVudBIWCg5hZG1pbl93cml0YWJsZRgGIAEoCCJkCg1DbHVzdGVyTWVtYmVyEg8KB25vZGVfaWQYASABKAkSDwoHYWRkcmVzcxgCIAEoCRIMCgRsaXZlGAMgASgIEg4KBmZlbmNlZBgEIAEoCBITCgtjaGVja19lcnJvchgFIAEoCSJLCg5RdWV1ZVBsYWNlbWVudBISCgpxdWV1ZV9uYW1lGAEgASgJEg0KBWhvbWVzGAIgAygJEhYKDmtleV9wYXJ0aXRpb25zGAMgASgFIjIKH1JldGlyZU5vZGVEaXNjYXJkaW5nRGF0YVJlcXVlc3QSDwoHbm9kZV9pZBgBIAEoCSJACiBSZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXNwb25zZRIcChRwYXJ0aXRpb25zX3JlY3JlYXRlZBgBIAEoBTLbAQoOQ2x1c3RlclNlcnZpY2USUAoLQ2x1c3RlckluZm8SHy5xdWVyYXRvci52MS5DbHVzdGVySW5mb1JlcXVlc3QaIC5xdWVyYXRvci52MS5DbHVzdGVySW5mb1Jlc3BvbnNlEncKGFJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YRIsLnF1ZXJhdG9yLnYxLlJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YVJlcXVlc3QaLS5xdWVyYXRvci52MS5SZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXNwb25zZUKnAQoOaW8ucXVlcmF0b3IudjFCDENsdXN0ZXJQcm90b1ABWjpnaXRodWIuY29tL3F1ZXJhdG9yL3F1ZXJhdG9yL2dlbi9nby9xdWVyYXRvci92MTtxdWVyYXRvcnYxogIDUVhYqgILUXVlcmF0b3IuVjHKAgtRdWVyYXRvclxWMeICF1F1ZXJhdG9yXFYxXEdQQk1ldGFkYXRh6gIMUXVlcmF0b3I6OlYxYgZwcm90bzM");
+  fileDesc("ChlxdWVyYXRvci92MS9jbHVzdGVyLnByb3RvEgtxdWVyYXRvci52MSJAChJDbHVzdGVySW5mb1JlcXVlc3QSEwoLcXVldWVfbmFtZXMYASADKAkSFQoNY2hlY2tfbWVtYmVycxgCIAEoCCK9AQoTQ2x1c3RlckluZm9SZXNwb25zZRIRCgljbHVzdGVyZWQYASABKAgSDwoHbm9kZV9pZBgCIAEoCRIQCghyZXZpc2lvbhgDIAEoAxIrCgdtZW1iZXJzGAQgAygLMhoucXVlcmF0b3IudjEuQ2x1c3Rlck1lbWJlchIrCgZxdWV1ZXMYBSADKAsyGy5xdWVyYXRvci52MS5RdWV1ZVBsYWNlbWVudBIWCg5hZG1pbl93cml0YWJsZRgGIAEoCCJkCg1DbHVzdGVyTWVtYmVyEg8KB25vZGVfaWQYASABKAkSDwoHYWRkcmVzcxgCIAEoCRIMCgRsaXZlGAMgASgIEg4KBmZlbmNlZBgEIAEoCBITCgtjaGVja19lcnJvchgFIAEoCSJLCg5RdWV1ZVBsYWNlbWVudBISCgpxdWV1ZV9uYW1lGAEgASgJEg0KBWhvbWVzGAIgAygJEhYKDmtleV9wYXJ0aXRpb25zGAMgASgFIjIKH1JldGlyZU5vZGVEaXNjYXJkaW5nRGF0YVJlcXVlc3QSDwoHbm9kZV9pZBgBIAEoCSJACiBSZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXNwb25zZRIcChRwYXJ0aXRpb25zX3JlY3JlYXRlZBgBIAEoBSIsChlMaXN0U2V0QXNpZGVRdWV1ZXNSZXF1ZXN0Eg8KB25vZGVfaWQYASABKAkirwEKDVNldEFzaWRlUXVldWUSDwoHbm9kZV9pZBgBIAEoCRIUCgxzZXRfYXNpZGVfaWQYAiABKAkSEgoKcXVldWVfbmFtZRgDIAEoCRINCgVpdGVtcxgEIAEoAxIOCgZyZWFzb24YBSABKAkSMAoMc2V0X2FzaWRlX2F0GAYgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBISCgpwYXJ0aXRpb25zGAcgASgFImIKGkxpc3RTZXRBc2lkZVF1ZXVlc1Jlc3BvbnNlEioKBnF1ZXVlcxgBIAMoCzIaLnF1ZXJhdG9yLnYxLlNldEFzaWRlUXVldWUSGAoQdW5hbnN3ZXJlZF9ub2RlcxgCIAMoCSJDChpSZW1vdmVTZXRBc2lkZVF1ZXVlUmVxdWVzdBIPCgdub2RlX2lkGAEgASgJEhQKDHNldF9hc2lkZV9pZBgCIAEoCSJKChtSZW1vdmVTZXRBc2lkZVF1ZXVlUmVzcG9uc2USKwoHcmVtb3ZlZBgBIAEoCzIaLnF1ZXJhdG9yLnYxLlNldEFzaWRlUXVldWUyrAMKDkNsdXN0ZXJTZXJ2aWNlElAKC0NsdXN0ZXJJbmZvEh8ucXVlcmF0b3IudjEuQ2x1c3RlckluZm9SZXF1ZXN0GiAucXVlcmF0b3IudjEuQ2x1c3RlckluZm9SZXNwb25zZRJ3ChhSZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGESLC5xdWVyYXRvci52MS5SZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXF1ZXN0Gi0ucXVlcmF0b3IudjEuUmV0aXJlTm9kZURpc2NhcmRpbmdEYXRhUmVzcG9uc2USZQoSTGlzdFNldEFzaWRlUXVldWVzEiYucXVlcmF0b3IudjEuTGlzdFNldEFzaWRlUXVldWVzUmVxdWVzdBonLnF1ZXJhdG9yLnYxLkxpc3RTZXRBc2lkZVF1ZXVlc1Jlc3BvbnNlEmgKE1JlbW92ZVNldEFzaWRlUXVldWUSJy5xdWVyYXRvci52MS5SZW1vdmVTZXRBc2lkZVF1ZXVlUmVxdWVzdBooLnF1ZXJhdG9yLnYxLlJlbW92ZVNldEFzaWRlUXVldWVSZXNwb25zZUKnAQoOaW8ucXVlcmF0b3IudjFCDENsdXN0ZXJQcm90b1ABWjpnaXRodWIuY29tL3F1ZXJhdG9yL3F1ZXJhdG9yL2dlbi9nby9xdWVyYXRvci92MTtxdWVyYXRvcnYxogIDUVhYqgILUXVlcmF0b3IuVjHKAgtRdWVyYXRvclxWMeICF1F1ZXJhdG9yXFYxXEdQQk1ldGFkYXRh6gIMUXVlcmF0b3I6OlYxYgZwcm90bzM", [file_google_protobuf_timestamp]);
 
 /**
  * ClusterInfoRequest asks for the cluster's members and placement.
@@ -242,6 +244,168 @@ export const RetireNodeDiscardingDataResponseSchema: GenMessage<RetireNodeDiscar
   messageDesc(file_querator_v1_cluster, 5);
 
 /**
+ * ListSetAsideQueuesRequest names the node to ask.
+ *
+ * @generated from message querator.v1.ListSetAsideQueuesRequest
+ */
+export type ListSetAsideQueuesRequest = Message<"querator.v1.ListSetAsideQueuesRequest"> & {
+  /**
+   * Only this node's set-aside queues (empty: every live node's).
+   *
+   * @generated from field: string node_id = 1;
+   */
+  nodeId: string;
+};
+
+/**
+ * Describes the message querator.v1.ListSetAsideQueuesRequest.
+ * Use `create(ListSetAsideQueuesRequestSchema)` to create a new message.
+ */
+export const ListSetAsideQueuesRequestSchema: GenMessage<ListSetAsideQueuesRequest> = /*@__PURE__*/
+  messageDesc(file_querator_v1_cluster, 6);
+
+/**
+ * SetAsideQueue is one queue a node set aside.
+ *
+ * @generated from message querator.v1.SetAsideQueue
+ */
+export type SetAsideQueue = Message<"querator.v1.SetAsideQueue"> & {
+  /**
+   * The node whose data directory holds it (empty on a single server).
+   *
+   * @generated from field: string node_id = 1;
+   */
+  nodeId: string;
+
+  /**
+   * Its id on that node, for RemoveSetAsideQueue.
+   *
+   * @generated from field: string set_aside_id = 2;
+   */
+  setAsideId: string;
+
+  /**
+   * The name it was served under.
+   *
+   * @generated from field: string queue_name = 3;
+   */
+  queueName: string;
+
+  /**
+   * How many items it held when it was set aside (-1: unknown, its storage
+   * had failed).
+   *
+   * @generated from field: int64 items = 4;
+   */
+  items: bigint;
+
+  /**
+   * Why it was set aside.
+   *
+   * @generated from field: string reason = 5;
+   */
+  reason: string;
+
+  /**
+   * When it was set aside.
+   *
+   * @generated from field: google.protobuf.Timestamp set_aside_at = 6;
+   */
+  setAsideAt?: Timestamp | undefined;
+
+  /**
+   * Its partitions on that node.
+   *
+   * @generated from field: int32 partitions = 7;
+   */
+  partitions: number;
+};
+
+/**
+ * Describes the message querator.v1.SetAsideQueue.
+ * Use `create(SetAsideQueueSchema)` to create a new message.
+ */
+export const SetAsideQueueSchema: GenMessage<SetAsideQueue> = /*@__PURE__*/
+  messageDesc(file_querator_v1_cluster, 7);
+
+/**
+ * ListSetAsideQueuesResponse lists set-aside queues, sorted by node and name.
+ *
+ * @generated from message querator.v1.ListSetAsideQueuesResponse
+ */
+export type ListSetAsideQueuesResponse = Message<"querator.v1.ListSetAsideQueuesResponse"> & {
+  /**
+   * The queues.
+   *
+   * @generated from field: repeated querator.v1.SetAsideQueue queues = 1;
+   */
+  queues: SetAsideQueue[];
+
+  /**
+   * Live nodes that did not answer (their queues are not listed), sorted.
+   *
+   * @generated from field: repeated string unanswered_nodes = 2;
+   */
+  unansweredNodes: string[];
+};
+
+/**
+ * Describes the message querator.v1.ListSetAsideQueuesResponse.
+ * Use `create(ListSetAsideQueuesResponseSchema)` to create a new message.
+ */
+export const ListSetAsideQueuesResponseSchema: GenMessage<ListSetAsideQueuesResponse> = /*@__PURE__*/
+  messageDesc(file_querator_v1_cluster, 8);
+
+/**
+ * RemoveSetAsideQueueRequest names the set-aside queue to delete.
+ *
+ * @generated from message querator.v1.RemoveSetAsideQueueRequest
+ */
+export type RemoveSetAsideQueueRequest = Message<"querator.v1.RemoveSetAsideQueueRequest"> & {
+  /**
+   * The node holding it (empty: the node answering).
+   *
+   * @generated from field: string node_id = 1;
+   */
+  nodeId: string;
+
+  /**
+   * Its id, as ListSetAsideQueues gives it.
+   *
+   * @generated from field: string set_aside_id = 2;
+   */
+  setAsideId: string;
+};
+
+/**
+ * Describes the message querator.v1.RemoveSetAsideQueueRequest.
+ * Use `create(RemoveSetAsideQueueRequestSchema)` to create a new message.
+ */
+export const RemoveSetAsideQueueRequestSchema: GenMessage<RemoveSetAsideQueueRequest> = /*@__PURE__*/
+  messageDesc(file_querator_v1_cluster, 9);
+
+/**
+ * RemoveSetAsideQueueResponse says what was deleted.
+ *
+ * @generated from message querator.v1.RemoveSetAsideQueueResponse
+ */
+export type RemoveSetAsideQueueResponse = Message<"querator.v1.RemoveSetAsideQueueResponse"> & {
+  /**
+   * The queue deleted, as it was listed.
+   *
+   * @generated from field: querator.v1.SetAsideQueue removed = 1;
+   */
+  removed?: SetAsideQueue | undefined;
+};
+
+/**
+ * Describes the message querator.v1.RemoveSetAsideQueueResponse.
+ * Use `create(RemoveSetAsideQueueResponseSchema)` to create a new message.
+ */
+export const RemoveSetAsideQueueResponseSchema: GenMessage<RemoveSetAsideQueueResponse> = /*@__PURE__*/
+  messageDesc(file_querator_v1_cluster, 10);
+
+/**
  * ClusterService describes the cluster a server belongs to, so a client can
  * send each call straight to the node that homes the partition it concerns
  * (any node also forwards it there, one hop). A server started without
@@ -278,6 +442,31 @@ export const ClusterService: GenService<{
     methodKind: "unary";
     input: typeof RetireNodeDiscardingDataRequestSchema;
     output: typeof RetireNodeDiscardingDataResponseSchema;
+  },
+  /**
+   * ListSetAsideQueues lists the queues nodes have set aside: local queues that
+   * held items but no longer matched the catalog's queue of their name (another
+   * generation of it: deleted and created again while the node was away). A
+   * queue set aside is not served and keeps its items on the node's disk until
+   * RemoveSetAsideQueue. Needs an admin key for "*".
+   *
+   * @generated from rpc querator.v1.ClusterService.ListSetAsideQueues
+   */
+  listSetAsideQueues: {
+    methodKind: "unary";
+    input: typeof ListSetAsideQueuesRequestSchema;
+    output: typeof ListSetAsideQueuesResponseSchema;
+  },
+  /**
+   * RemoveSetAsideQueue deletes a set-aside queue and its items from its node's
+   * disk, for good. Needs an admin key for "*".
+   *
+   * @generated from rpc querator.v1.ClusterService.RemoveSetAsideQueue
+   */
+  removeSetAsideQueue: {
+    methodKind: "unary";
+    input: typeof RemoveSetAsideQueueRequestSchema;
+    output: typeof RemoveSetAsideQueueResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_querator_v1_cluster, 0);
