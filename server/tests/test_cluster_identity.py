@@ -355,6 +355,21 @@ def test_set_aside_calls_need_an_admin_key_for_every_queue_and_a_single_server_a
                 cluster_pb2.RemoveSetAsideQueueRequest(set_aside_id="jobs@1"), metadata=as_admin, timeout=10
             )
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        # The SDK's clients, sync and async.
+        import asyncio
+
+        import querator
+
+        with querator.Client(srv.address, bearer_token=bootstrap) as client:
+            assert client.list_set_aside_queues() == querator.SetAsideQueues([], [])
+            with pytest.raises(querator.errors.NotFound):
+                client.remove_set_aside_queue("", "jobs@1")
+
+        async def listed_async() -> querator.SetAsideQueues:
+            async with querator.AsyncClient(srv.address, bearer_token=bootstrap) as client:
+                return await client.list_set_aside_queues()
+
+        assert asyncio.run(listed_async()) == querator.SetAsideQueues([], [])
     finally:
         channel.close()
         srv.stop()
