@@ -252,7 +252,7 @@ def test_a_database_damaged_on_disk_is_faulty_until_its_pages_are_restored(env: 
     assert len(stubs.lease("q", batch_size=200).items) == 90
 
 
-def test_every_partition_faulty_refuses_produce_and_a_failed_commit_marks_none(env: Env) -> None:
+def test_every_partition_faulty_refuses_produce_and_a_failed_commit_marks_all_while_it_lasts(env: Env) -> None:
     stubs = env.stubs
     stubs.create("q", requested_partitions=2)
     uid = _uid_of(stubs.produce("q", [b"a"]).ids[0])
@@ -268,15 +268,18 @@ def test_every_partition_faulty_refuses_produce_and_a_failed_commit_marks_none(e
     wait_until(lambda: not _faulty(stubs), timeout=30)
     assert stubs.produce("q", [b"c"]).ids
 
-    # A commit that fails is the whole environment's: no partition is blamed.
+    # A commit that fails is the whole environment's: every partition is reported
+    # faulty while it lasts, and none is left out (each call tries the storage again).
     env.fault.write_text("io-error\n")
     with pytest.raises(grpc.RpcError) as failed:
         stubs.produce("q", [b"d"])
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "storage failed" in (failed.value.details() or "")
-    assert not _faulty(stubs)
+    faulty = _faulty(stubs)
+    assert sorted(faulty) == [0, 1] and all("Input/output error" in p.failure for p in faulty.values()), faulty
     env.fault.unlink()
     assert stubs.produce("q", [b"e"]).ids
+    assert not _faulty(stubs)
     assert [i.payload for p in range(2) for i in stubs.list_items("q", p)].count(b"d") == 0
 
 

@@ -157,6 +157,8 @@ class CycleBase:
         self.lease_keys_added = False
         # Leases that ran out in this cycle's lifecycle (for metrics).
         self.lease_expirations = 0
+        # Whether ``touch`` wrote.
+        self.touched = False
 
     # -- views ---------------------------------------------------------------------
 
@@ -246,6 +248,17 @@ class CycleBase:
         child.commit()
         self.views[p] = PartitionView.from_scan(scan)
         self.recovered[p] = (scan, outbox, moving)
+
+    def touch(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Write a serving partition's next seq again, so that the commit of a cycle that
+        changed nothing else proves the storage takes writes (while it is failing; LMDB
+        commits an empty transaction without writing). Only then: on a nearly full disk
+        the pages it takes may be the ones a lease needed."""
+        for p in self.healthy() if self.faulty else range(len(self._base)):
+            if p not in self.broken:
+                self.store.write_next_seq(txn, p, self._peek(p).next_seq)
+                self.touched = True
+                return
 
     # -- results -------------------------------------------------------------------
 

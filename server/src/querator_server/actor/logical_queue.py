@@ -24,6 +24,7 @@ from ..clock import now_us
 from ..errors import (
     DeadlineExceeded,
     FailedPrecondition,
+    NoHealthyPartition,
     NotFound,
     QueratorError,
     ResourceExhausted,
@@ -42,13 +43,13 @@ from ..faults import (
     faulty_call,
     partition_faults,
 )
-from ..logging import get_logger
+from ..logging import RepeatedFailure, get_logger
 from ..model import PartitionStats, QueueConfig, QueueStats, QueueTotals
 from ..storage import MAX_GROWTHS, Item, MapFull, QueueStore, StorageError, StorageFull
 from ..storage.commit_group import HAND_OVER_AT, CommitGroup
 from ..storage.keyed import KeyedIndex
 from ..storage.lane import StorageLane
-from ..storage.queue_store import disk_full
+from ..storage.queue_store import disk_full, low_on_space
 from .cycle import Cycle
 from .cycle_base import StepFailed
 from .handover import RETRY_S as HANDOVER_RETRY_S
@@ -91,6 +92,13 @@ OUTBOX_RETRY_S = HANDOVER_RETRY_S
 # every half minute.
 PROBE_FIRST_S = 0.5
 PROBE_MAX_S = 30.0
+# While the storage is failing (a commit failed), a cycle tries it again this long
+# after the last failure, then ever less often, up to STORAGE_PROBE_MAX_S, so it is
+# found working again (and reported so) with no call to wait for. A cycle that fails
+# on a full disk costs next to nothing.
+STORAGE_PROBE_MAX_S = 5.0
+# A storage failure that goes on is logged again at most this often (with a count).
+STORAGE_LOG_EVERY_S = 60.0
 
 
 @dataclass(eq=False, slots=True)
@@ -152,6 +160,16 @@ class LogicalQueue:
         self._failing_since = 0  # wall µs of the first failed cycle in a row; 0: none
         self._failed_cycles = 0
         self.failed = False
+        # The storage is failing: a commit failed (a full disk or map, an I/O error), why,
+        # and since when (wall µs). That concerns the whole environment, not one
+        # partition: every partition is reported faulty with it, but none is left out,
+        # and every cycle tries the storage again until a commit proves it takes writes.
+        self._storage_failure = ""
+        self._storage_failing_since = 0
+        self._storage_full = False  # the failure was a full file system or map
+        self._storage_probe_at = 0  # when to try it again with no call waiting (wall µs)
+        self._storage_probe_delay_s = PROBE_FIRST_S
+        self._storage_failures: RepeatedFailure | None = None
         # Finds another queue's actor by name (for dead letters).
         self._resolve = resolve
         # Finds another queue's actor by storage uid (for redrives; None: no such queue).
@@ -372,8 +390,8 @@ class LogicalQueue:
                     scheduled=v.scheduled,
                     average_age_us=max(0, now - v.created_sum // total) if total else 0,
                     average_leased_age_us=max(0, now - v.leased_at_sum // v.leased) if v.leased else 0,
-                    failure=self._faulty.get(p, ""),
-                    faulty_since_us=self._faulty_since.get(p, 0),
+                    failure=self._faulty.get(p) or self._storage_failure,
+                    faulty_since_us=self._faulty_since.get(p) or self._storage_failing_since,
                 )
             )
         waiting, producing = self._waiting_calls()
@@ -391,7 +409,11 @@ class LogicalQueue:
             scheduled += v.scheduled
             created += v.created_sum
         waiting, producing = self._waiting_calls()
-        return QueueTotals(len(views), ready, leased, scheduled, created, waiting, producing, faulty=len(self._faulty))
+        return QueueTotals(len(views), ready, leased, scheduled, created, waiting, producing, faulty=self._faulty_count())
+
+    def _faulty_count(self) -> int:
+        """The partitions reported faulty: all of them while the storage is failing."""
+        return len(self._views) if self._storage_failure else len(self._faulty)
 
     def ready_heads(self, partitions: Iterable[int]) -> dict[int, int | None]:
         """created_at (us) of the first ready item of each of ``partitions`` (0: none
@@ -431,7 +453,7 @@ class LogicalQueue:
     async def _run(self) -> None:
         try:
             while True:
-                if not self._inbox and not self._lifecycle_due() and not self._probe_due():
+                if not self._inbox and not self._lifecycle_due() and not self._probe_due() and not self._storage_probe_due():
                     if self._closed is not None:
                         break
                     self._arm_timer()
@@ -494,6 +516,8 @@ class LogicalQueue:
             times.append(lifecycle)
         if self._faulty:
             times.append(self._probe_at)
+        if self._storage_failure:
+            times.append(self._storage_probe_at)
         wake_at = min(times, default=0)
         if self._timer is not None:
             if wake_at == self._timer_at:
@@ -542,7 +566,7 @@ class LogicalQueue:
                 await self._apply_config(request)
         lifecycle = self._lifecycle_due()
         self._probing = self._take_probes(now)
-        if len(batch) or lifecycle or self._probing:
+        if len(batch) or lifecycle or self._probing or self._take_storage_probe(now):
             await self._apply(batch, now, lifecycle)
         for request in control:
             if isinstance(request, _Delete):
@@ -550,6 +574,60 @@ class LogicalQueue:
 
     def _probe_due(self) -> bool:
         return bool(self._faulty) and now_us() >= self._probe_at
+
+    def _storage_probe_due(self) -> bool:
+        return bool(self._storage_failure) and now_us() >= self._storage_probe_at
+
+    def _take_storage_probe(self, now: int) -> bool:
+        """Whether this cycle is to try the failing storage with no call waiting. Not on
+        a file system still full: a small write may succeed there (LMDB reuses freed
+        pages) while it proves nothing."""
+        if not self._storage_failure or now < self._storage_probe_at:
+            return False
+        self._storage_probe_at = now + int(self._storage_probe_delay_s * 1_000_000)
+        self._storage_probe_delay_s = min(self._storage_probe_delay_s * 2, STORAGE_PROBE_MAX_S)
+        return not (self._storage_full and low_on_space(self.store.path))
+
+    def _storage_failed(self, exc: StorageError) -> None:
+        """A commit failed: every partition is reported faulty with why until a commit
+        works again (``_storage_works``)."""
+        now = now_us()
+        first = not self._storage_failure
+        self._storage_failure = f"its storage failed: {exc}"
+        self._storage_full = disk_full(exc)
+        self._storage_probe_at = now + int(PROBE_FIRST_S * 1_000_000)
+        self._storage_probe_delay_s = PROBE_FIRST_S * 2
+        if first:
+            self._storage_failing_since = now
+            self._storage_failures = RepeatedFailure(STORAGE_LOG_EVERY_S)
+            if self._on_partitions is not None:
+                self._on_partitions(self.name, self._faulty_count())
+        assert self._storage_failures is not None
+        reported = self._storage_failures.failed()
+        if reported:
+            log.error("storage_failed", queue=self.name, error=str(exc), failures=reported)
+
+    def _storage_works(self, cycle: Cycle) -> None:
+        """A cycle that wrote (changed a partition, or ``touch``) committed while the
+        storage was failing: it works again,
+        unless the disk is still full (a write LMDB fitted into freed pages proves
+        nothing then: the next Produce would fail again)."""
+        if not (cycle.views or cycle.touched) or (self._storage_full and low_on_space(self.store.path)):
+            return
+        failures = self._storage_failures.failures if self._storage_failures is not None else 0
+        log.warning(
+            "storage_recovered",
+            queue=self.name,
+            failing_s=round((cycle.now - self._storage_failing_since) / 1e6, 1),
+            failures=failures,
+        )
+        self._storage_failure = ""
+        self._storage_failing_since = 0
+        self._storage_full = False
+        self._storage_failures = None
+        self._storage_probe_delay_s = PROBE_FIRST_S
+        if self._on_partitions is not None:
+            self._on_partitions(self.name, self._faulty_count())
 
     def _take_probes(self, now: int) -> list[int]:
         """The faulty partitions this cycle probes (all of them, when a probe is due)."""
@@ -574,7 +652,7 @@ class LogicalQueue:
         if not self._faulty:
             self._probe_delay_s = PROBE_FIRST_S
         if (newly or recovered) and self._on_partitions is not None:
-            self._on_partitions(self.name, len(self._faulty))
+            self._on_partitions(self.name, self._faulty_count())
 
     def _adopt_partitions(self, cycle: Cycle) -> None:
         for p, (scan, outbox, moving) in cycle.recovered.items():
@@ -595,23 +673,32 @@ class LogicalQueue:
             self._lifecycle_pending = False
             expired = self._leases.pop_due(now, LIFECYCLE_BATCH)
         started = time.perf_counter()
+        failed_first = False
         try:
             try:
-                cycle = await self._transaction(batch, now, lifecycle, expired)
-            except StepFailed as failed:
-                # One step failed half-way: run the cycle again with every step in a
-                # nested transaction of its own, so that one fails alone (cycle_base.py).
-                log.warning("cycle_isolated", queue=self.name, step=str(failed), requests=len(batch))
-                cycle = await self._transaction(batch, now, lifecycle, expired, isolated=True)
+                cycle = await self._attempt(batch, now, lifecycle, expired)
+            except StorageError as exc:
+                if not disk_full(exc) or not _adds_items(batch):
+                    raise
+                # A full disk or map: what adds items cannot be stored and fails, while
+                # leases, completions and the rest mostly rewrite or free pages LMDB
+                # already has: they are tried again alone rather than fail with the
+                # adds, so consumers still drain the queue (and free its space).
+                failed_first = True
+                self._storage_failed(exc)
+                adding, batch = _split_adding(batch)
+                for request in adding:
+                    _answer(request, self._storage_error(exc, request))
+                if not (len(batch) or lifecycle or self._probing):
+                    return
+                cycle = await self._attempt(batch, now, lifecycle, expired)
         except Exception as exc:
             self._leases.restore(expired)
             if lifecycle:
                 self._lifecycle_pending = True
-            if isinstance(exc, StorageFull):
-                self._fail_batch(batch, ResourceExhausted(str(exc)))
-            elif isinstance(exc, StorageError):
-                log.error("storage_failed", queue=self.name, error=str(exc))
-                self._fail_batch(batch, Unavailable(f"storage failed, retry later: {exc}"))
+            if isinstance(exc, StorageError):
+                self._storage_failed(exc)
+                self._fail_batch(batch, self._storage_error(exc))
                 if not disk_full(exc):
                     self._storage_failing(str(exc))
             else:  # a bug must not kill the actor; the cycle was rolled back
@@ -622,6 +709,8 @@ class LogicalQueue:
             return
         finally:
             self._in_flight = 0
+        if self._storage_failure and not failed_first:
+            self._storage_works(cycle)
         for p, view in cycle.views.items():
             self._views[p] = view
         if cycle.newly_faulty or self._probing:
@@ -674,6 +763,25 @@ class LogicalQueue:
             else:
                 _answer(lease, LeaseResult(0))
 
+    async def _attempt(self, batch: _Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]]) -> Cycle:
+        try:
+            return await self._transaction(batch, now, lifecycle, expired)
+        except StepFailed as failed:
+            # One step failed half-way: run the cycle again with every step in a
+            # nested transaction of its own, so that one fails alone (cycle_base.py).
+            log.warning("cycle_isolated", queue=self.name, step=str(failed), requests=len(batch))
+            return await self._transaction(batch, now, lifecycle, expired, isolated=True)
+
+    def _storage_error(self, exc: StorageError, request: Request | None = None) -> QueratorError:
+        """What a request that a failed commit did not apply answers."""
+        if isinstance(exc, StorageFull):
+            return ResourceExhausted(str(exc))
+        if isinstance(request, ProduceRequest) and disk_full(exc):
+            # Nothing of a commit that ran out of space was stored: in a cluster another
+            # home may take the items (the router tries one for an unkeyed Produce).
+            return NoHealthyPartition(f"storage failed, retry later: {exc}")
+        return Unavailable(f"storage failed, retry later: {exc}")
+
     def _report_step_failures(self, cycle: Cycle, batch: _Batch, expired: list[tuple[int, int, int]]) -> None:
         """Log the steps that failed alone; a failed lifecycle is tried again in a second."""
         for request, error in cycle.step_failures:
@@ -718,7 +826,7 @@ class LogicalQueue:
         """Apply the cycle on the loop in the store's held transaction; commit it on the
         queue's storage thread (see queue_store.py for why the work stays on the loop)."""
         body = self._body(batch, now, lifecycle, expired, isolated=isolated)
-        if _only_listings(batch, lifecycle or bool(self._probing)):
+        if _only_listings(batch, lifecycle or bool(self._probing) or bool(self._storage_failure)):
             # Only listings: a read transaction, no commit and no fsync.
             return self.store.read(body)
         if self.group is not None:
@@ -764,7 +872,8 @@ class LogicalQueue:
             or (self._lease_keys_at and self._lease_keys_at + self.config.lease_key_ttl_us <= now)
         )
         probes = self._probing
-        writable = not _only_listings(batch, lifecycle or bool(probes))
+        touch = bool(self._storage_failure)
+        writable = not _only_listings(batch, lifecycle or bool(probes) or touch)
         broken = self._broken()
 
         def body(txn: lmdb.Transaction[bytes]) -> Cycle:
@@ -802,26 +911,19 @@ class LogicalQueue:
                 waiting, cycle.unserved = cycle.unserved, []
                 cycle.lease(txn, waiting)
             cycle.fence_leases(txn, now_us())
+            if touch and not cycle.views:
+                cycle.touch(txn)
             cycle.finish(txn)
             return cycle
 
         return body
 
     def _fail_batch(self, batch: _Batch, error: QueratorError) -> None:
-        for request in batch.produces + batch.acks + batch.others:
+        # Leases too: one that kept waiting through failing cycles would end with no
+        # items while items are ready, and its caller would take the outage for an
+        # empty queue.
+        for request in batch.produces + batch.leases + batch.acks + batch.others:
             _answer(request, error)
-        # Leases lost nothing: the ones still wanted keep waiting, except those that
-        # carry completions, which must not later answer OK as if they had committed.
-        now = now_us()
-        for lease in batch.leases:
-            if lease.future.done():
-                continue
-            if lease.complete_ids:
-                _answer(lease, error)
-            elif lease.wait_until_us > now and self._closed is None:
-                self._waiting.append(lease)
-            else:
-                _answer(lease, error)
 
     async def _apply_config(self, request: _Reconfigure) -> None:
         config = request.config
@@ -948,6 +1050,23 @@ _OTHER: dict[type, Callable[..., None]] = {
     RedriveInRequest: Cycle.receive_redriven,
     RedriveDoneRequest: Cycle.redrive_done,
 }
+
+
+def _adds_items(batch: _Batch) -> bool:
+    return bool(batch.produces) or any(isinstance(r, _ADDING) for r in batch.others)
+
+
+def _split_adding(batch: _Batch) -> tuple[list[Request], _Batch]:
+    """The requests of ``batch`` that add items, and a batch of the others."""
+    adding: list[Request] = list(batch.produces)
+    others: list[Request] = []
+    for request in batch.others:
+        (adding if isinstance(request, _ADDING) else others).append(request)
+    return adding, _Batch(leases=batch.leases, acks=batch.acks, others=others)
+
+
+# The requests that store new items (the first to fail on a full disk or map).
+_ADDING = (ImportItemsRequest, DeadLetterRequest, RedriveInRequest)
 
 
 def _only_listings(batch: _Batch, lifecycle: bool) -> bool:

@@ -159,15 +159,29 @@ def disk_full(exc: BaseException) -> bool:
 _LOW_SPACE_BYTES = 1 << 20
 
 
+def free_bytes(path: str) -> int | None:
+    """The bytes of the file system holding ``path`` that this process may still use
+    (None: unknown)."""
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        return None
+    return fs.f_bavail * fs.f_frsize
+
+
+def low_on_space(path: str) -> bool:
+    """Whether the file system holding ``path`` counts as full (as a failed write says)."""
+    free = free_bytes(path)
+    return free is not None and free < _LOW_SPACE_BYTES
+
+
 def write_failure(exc: lmdb.Error, path: str) -> str:
     """What a failed commit tells the caller. LMDB reports a short write as EIO, and a
     file system that fills up in the middle of a commit causes exactly that."""
     text = f"storage write failed: {exc}"
-    try:
-        fs = os.statvfs(path)
-    except OSError:
+    free = free_bytes(path)
+    if free is None:
         return text
-    free = fs.f_bavail * fs.f_frsize
     if free < _LOW_SPACE_BYTES and "space" not in text.lower():
         return f"storage write failed: No space left on device ({free} bytes free; LMDB said: {exc})"
     return text
