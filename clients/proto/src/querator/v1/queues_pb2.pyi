@@ -520,8 +520,12 @@ class PartitionStats(_message.Message):
     server probes it in the background (after 0.5 s, then ever less often, at
     least every 30 s) and puts it back as soon as its storage works again; the
     counts above are the last ones known until then. A failure of the whole
-    storage (a commit that fails) is the queue's instead: see QueueInfo.state.
-    In a cluster, a partition whose home node is down or does not answer is
+    storage (a commit that fails: a full file system or LMDB map, an I/O error)
+    lists every partition of the queue as faulty, with the reason, for as long
+    as it lasts; none is left out then: every call still tries the storage, and
+    one that it refuses answers UNAVAILABLE (RESOURCE_EXHAUSTED for a full map)
+    with the reason. If it keeps failing (not a full disk), the queue fails:
+    see QueueInfo.state. In a cluster, a partition whose home node is down or does not answer is
     also listed as faulty, with counts of 0 (unknown) and a failure naming the
     node.
     """
