@@ -125,3 +125,70 @@ def test_the_async_client_rides_over_a_node_killed_mid_run(cluster: Cluster) -> 
             leased.update((i.partition, i.message_id) for i in items)
             client.complete(items)
     assert acknowledged - leased == set()
+
+
+def test_burst_mode_waits_for_the_items_of_a_killed_node_and_drains_them_once_it_is_back(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """run(until_empty=True) with a node down: its partitions read as faulty with counts
+    of 0 while they hold items. The worker neither returns early nor reports done: with
+    faulty_timeout it raises Unavailable naming them; without, it waits, logging what for,
+    and drains them once the node is back."""
+    name = unique("burst")
+    wait_until(lambda: all(m.live for m in cluster.nodes[0].info().members), timeout=60)
+    addresses = [n.address for n in cluster.nodes]
+    with querator.Client(addresses) as client:
+        client.create_queue(name, partitions=6, lease_timeout="30s")
+        produced = {f"item-{n}" for n in range(300)}
+        for b in range(30):  # batches spread over the partitions, and so over the nodes
+            client.produce(name, [f"item-{n}" for n in range(b * 10, b * 10 + 10)])
+        homes = next(list(q.homes) for q in cluster.nodes[0].info().queues if q.queue_name == name)
+        held = {n.node_id: 0 for n in cluster.nodes[1:]}
+        for p in client.queue_stats(name).partitions:
+            if homes[p.partition] in held:
+                held[homes[p.partition]] += p.total
+        victim = next(n for n in cluster.nodes if n.node_id == max(held, key=held.__getitem__))
+        on_victim = held[victim.node_id]
+        assert on_victim > 0
+    victim.kill9()
+    live = [n.address for n in cluster.nodes if n is not victim]
+    handled: list[str] = []
+    lock = threading.Lock()
+
+    def handle(item: querator.LeasedItem) -> None:
+        with lock:
+            handled.append(item.text)
+
+    with querator.Client(live, timeout=5) as client:
+        wait_until(lambda: any(p.faulty for p in client.queue_stats(name).partitions), timeout=30)
+        hasty = querator.Worker(client, name, handle, concurrency=8, lease_wait=1, faulty_timeout=1.5)
+        with pytest.raises(querator.Unavailable, match="stayed faulty") as gave_up:
+            hasty.run(until_empty=True)
+        assert victim.node_id in str(gave_up.value)
+        assert len(handled) == len(produced) - on_victim  # what the live nodes held
+
+    caplog.set_level(logging.WARNING, logger="querator.worker")
+    returned = threading.Event()
+    errors: list[BaseException] = []
+
+    def burst() -> None:
+        try:
+            with querator.Client(addresses, timeout=5) as client:
+                querator.Worker(client, name, handle, concurrency=8, lease_wait=1).run(until_empty=True)
+        except BaseException as exc:
+            errors.append(exc)
+        returned.set()
+
+    thread = threading.Thread(target=burst)
+    thread.start()
+    try:
+        assert not returned.wait(3.0), f"run(until_empty=True) returned with {on_victim} items on a dead node: {errors}"
+        assert any("waiting for" in r.getMessage() and victim.node_id in r.getMessage() for r in caplog.records)
+        victim.start()
+        assert returned.wait(90), "the worker did not return once the node was back and drained"
+    finally:
+        if victim.proc is None or victim.proc.poll() is not None:
+            victim.start()
+        thread.join(30)
+    assert not errors, errors
+    assert len(handled) == len(produced) and set(handled) == produced

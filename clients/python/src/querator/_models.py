@@ -139,9 +139,10 @@ QUEUE_SETTINGS: tuple[str, ...] = tuple(QueueSettings.__annotations__)
 class PartitionStats:
     """One partition's counts. ``total`` is ready plus leased; scheduled items are apart.
 
-    ``failure``: why the partition is faulty (its storage failed; no produce or lease goes
-    to it and calls naming it raise ``Unavailable`` until the server finds it working
-    again), since ``faulty_since``; empty and None while it serves.
+    ``failure``: why the partition is faulty, since ``faulty_since``; empty and None while
+    it serves. Faulty: its storage failed (calls it cannot apply raise ``Unavailable``
+    until the server finds it working again), or, in a cluster, its node is down (its
+    counts are then 0: unknown, not empty). Its items are kept and come back with it.
     """
 
     partition: int

@@ -47,6 +47,7 @@ from .threads import HandlerThreads
 
 if TYPE_CHECKING:
     from .._client import Client
+    from .._models import PartitionStats
     from .metrics import WorkerMetrics
 
 log = logging.getLogger("querator.worker")
@@ -77,6 +78,10 @@ _LINGER_MAX = 0.5
 # Burst mode: the longest a Lease waits, so that the worker notices soon that the
 # queue ran dry (items leased by others or scheduled may still come back).
 _BURST_WAIT = 1.0
+
+# Burst mode, the readable partitions empty but others faulty: how often to log that
+# the worker still waits for them.
+_FAULTY_LOG_EVERY = 60.0
 
 
 class Engine:
@@ -122,6 +127,13 @@ class Engine:
         self.backlog = False
         self.failures = 0  # Lease calls failed in a row
         self.until_empty = False
+        self.faulty_timeout = seconds(options.faulty_timeout) if options.faulty_timeout is not None else None
+        # Burst mode: since when every readable partition is empty while others are
+        # faulty (monotonic; None: not so), when that was last logged, and the error
+        # run() raises once faulty_timeout has passed.
+        self.faulty_since: float | None = None
+        self.faulty_logged = 0.0
+        self.burst_error: QueratorError | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stopping: asyncio.Event | None = None
         self.started = threading.Event()
@@ -201,6 +213,8 @@ class Engine:
                     self.threads.close()
                 if self._owns_sync_client and self._sync_client is not None:
                     self._sync_client.close()
+        if self.burst_error is not None:
+            raise self.burst_error
 
     def _install_signals(self) -> list[signal.Signals]:
         if not self.o.handle_signals or threading.current_thread() is not threading.main_thread():
@@ -259,14 +273,50 @@ class Engine:
     async def _drained(self) -> bool:
         """Burst mode, with nothing held or in flight: whether the queue has nothing
         ready, leased (by anyone) or scheduled. ``total`` counts ready and leased items,
-        not scheduled ones: those are counted apart."""
+        not scheduled ones: those are counted apart. A faulty partition (its node down,
+        its storage failing) may hold items that its counts do not show: the queue is
+        not empty until it is back and empty too."""
         try:
             stats = await self.calls.queue_stats(self.queue_name)
         except QueratorError as error:
             self.stats.errors += 1
             self.hook("on_error", error)
             return False
-        return stats.total == 0 and stats.scheduled == 0
+        if stats.total or stats.scheduled:
+            self.faulty_since = None
+            return False
+        faulty = [p for p in stats.partitions if p.faulty]
+        if not faulty:
+            return True
+        self._wait_for_faulty(faulty)
+        return False
+
+    def _wait_for_faulty(self, faulty: Sequence[PartitionStats]) -> None:
+        """Every readable partition is empty, ``faulty`` are not readable: wait for them
+        (logged at most once a minute), up to ``faulty_timeout``."""
+        now = time.monotonic()
+        if self.faulty_since is None:
+            self.faulty_since = now
+        waited = now - self.faulty_since
+        what = "; ".join(f"partition {p.partition}: {p.failure}" for p in faulty[:5])
+        if len(faulty) > 5:
+            what += f"; and {len(faulty) - 5} more"
+        if self.faulty_timeout is not None and waited >= self.faulty_timeout:
+            assert self.stopping is not None
+            self.burst_error = Unavailable(
+                f"queue {self.queue_name!r} is empty where it can be read, but {len(faulty)} of its partitions "
+                f"stayed faulty for {waited:.0f} s (faulty_timeout), so it may still hold items: {what}"
+            )
+            self.stopping.set()
+            return
+        if self.faulty_logged and now - self.faulty_logged < _FAULTY_LOG_EVERY:
+            return
+        self.faulty_logged = now
+        log.warning(
+            "burst mode: queue %r is empty where it can be read, waiting for %d faulty partitions "
+            "(for %.0f s so far): %s",
+            self.queue_name, len(faulty), waited, what,
+        )  # fmt: skip
 
     def _may_lease(self, calls: list[_LeaseCall]) -> bool:
         """Whether to send another Lease now, ``calls`` being those in flight."""

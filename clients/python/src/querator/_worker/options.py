@@ -129,6 +129,12 @@ class WorkerOptions:
     #: starts another in its place), and the item is retried as if the handler raised
     #: :class:`~querator.HandlerTimeout`.
     handler_timeout: Seconds | None = None
+    #: Burst mode (``run(until_empty=True)``): how long to wait for faulty partitions
+    #: (their node down, their storage failing) once every other partition is empty.
+    #: Their items may still be there, so the run does not end while any is faulty;
+    #: past this, ``run()`` raises :class:`~querator.Unavailable` naming them instead
+    #: of returning. None: wait until they are back (or ``stop()``).
+    faulty_timeout: Seconds | None = None
     #: Delay before a failed item comes back, by its attempt number (1 = first lease).
     retry_backoff: Callable[[int], timedelta] = Backoff(timedelta(seconds=1), timedelta(minutes=5))
     #: Exception classes (or :class:`RetryRule` with a backoff of their own) that are
@@ -163,7 +169,7 @@ class WorkerOptions:
             raise ValueError(f"batch_size must be between 1 and {MAX_BATCH}")
         if self.max_buffered is not None and self.max_buffered < 0:
             raise ValueError("max_buffered must not be negative")
-        for name in ("handler_timeout", "max_lease_duration"):
+        for name in ("handler_timeout", "max_lease_duration", "faulty_timeout"):
             value = getattr(self, name)
             try:
                 positive = value is None or seconds(value) > 0

@@ -46,7 +46,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("-c", "--concurrency", type=int, default=10, help="handlers at once (default 10)")
     parser.add_argument("--batch-size", type=int, help="items per Lease call (default: --concurrency, at most 1000)")
-    parser.add_argument("--burst", action="store_true", help="exit 0 once the queue has nothing ready, leased or scheduled")
+    parser.add_argument(
+        "--burst",
+        action="store_true",
+        help="exit 0 once the queue has nothing ready, leased or scheduled (waiting while any partition is faulty)",
+    )
+    parser.add_argument(
+        "--faulty-timeout",
+        type=parse_duration,
+        help="with --burst: fail (exit non-zero) when partitions stay faulty this long once the rest is empty "
+        "(default: wait until they are back)",
+    )
     parser.add_argument("--handler-timeout", type=parse_duration, help="give up a handler after this long; its item is retried")
     parser.add_argument("--max-lease-duration", type=parse_duration, help="stop extending a lease this long after leasing")
     parser.add_argument(
@@ -109,6 +119,7 @@ def run(args: argparse.Namespace, client: Client) -> int:
         max_lease_duration=args.max_lease_duration,
         shutdown_timeout=args.shutdown_timeout,
         metrics_port=args.metrics_port,
+        faulty_timeout=args.faulty_timeout,
     )
     for kind, handler in kinds.items():
         worker.handler(kind)(handler)
