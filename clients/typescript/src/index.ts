@@ -61,4 +61,4 @@ export type {
 export { Pager } from "./paging.js";
 export type { Logger } from "./routing.js";
 export { RetryPolicy, backoff, type ErrorClass } from "./retry.js";
-export { Worker, type Handler, type WorkerHooks, type WorkerOptions, type WorkerStats } from "./worker.js";
+export { Worker, type Handler, type RunOptions, type WorkerHooks, type WorkerOptions, type WorkerStats } from "./worker.js";

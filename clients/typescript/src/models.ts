@@ -78,6 +78,14 @@ export interface PartitionStats {
   scheduled: number;
   averageAgeMs: number;
   averageLeasedAgeMs: number;
+  /** Its storage failed (calls it cannot apply throw Unavailable until the server finds
+   * it working again), or, in a cluster, its node is down: its counts are then 0,
+   * unknown rather than empty. Its items are kept and come back with it. */
+  faulty: boolean;
+  /** Why it is faulty; "" while it serves. */
+  failure: string;
+  /** Since when it is faulty; undefined while it serves. */
+  faultySince: Date | undefined;
 }
 
 /** A queue's counts now, per partition and summed. */

@@ -347,6 +347,9 @@ export function queueStats(r: GetQueueStatsResponse): QueueStats {
     scheduled: Number(p.scheduled),
     averageAgeMs: fromDuration(p.averageAge),
     averageLeasedAgeMs: fromDuration(p.averageLeasedAge),
+    faulty: p.faulty,
+    failure: p.faulty ? p.failure || "faulty" : "",
+    faultySince: p.faulty ? fromTimestamp(p.faultySince) : undefined,
   }));
   const sum = (f: (p: PartitionStats) => number): number => partitions.reduce((n, p) => n + f(p), 0);
   return {

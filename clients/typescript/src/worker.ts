@@ -17,6 +17,7 @@ import { Cancelled, DeadLetter, type QueratorError, Unavailable, isLeaseLost } f
 import type { LeasedItem } from "./items.js";
 import { MAX_BATCH } from "./operations.js";
 import { backoff, sleep } from "./retry.js";
+import type { PartitionStats } from "./models.js";
 
 /** The handler: may return a promise. `signal` fires when the worker gives up on it at
  * shutdown (after shutdownTimeoutMs). */
@@ -34,6 +35,10 @@ export interface WorkerHooks {
   onLeaseLost?(item: LeasedItem, error: QueratorError): void;
   onRelease?(items: readonly LeasedItem[]): void;
   onError?(error: unknown): void;
+  /** Burst mode: every readable partition is empty, `faulty` are not readable (their node
+   * down, their storage failing) and may hold items, so the worker waits for them;
+   * called when it starts waiting, then at most once a minute. */
+  onWaitFaulty?(faulty: readonly PartitionStats[], waitedMs: number): void;
 }
 
 /** Counters of what a worker did so far. */
@@ -72,7 +77,24 @@ export interface WorkerOptions {
   hooks?: WorkerHooks;
   /** The Lease client_id (default: host, pid and a random suffix). */
   clientId?: string;
+  /** Burst mode (`run({ untilEmpty: true })`): how long to wait for faulty partitions
+   * once every other partition is empty; past it run() throws Unavailable naming them
+   * instead of resolving. Default: wait until they are back (or stop()). */
+  faultyTimeoutMs?: number;
 }
+
+/** Options of one run(). */
+export interface RunOptions {
+  /** Burst mode: resolve once the queue has nothing ready, leased (by anyone) or
+   * scheduled, every partition readable (none faulty), and the worker holds nothing. */
+  untilEmpty?: boolean;
+}
+
+/** Burst mode: the longest a Lease waits, so that the worker notices soon that the queue
+ * ran dry (items leased by others or scheduled may still come back). */
+const BURST_WAIT_MS = 1000;
+/** Burst mode: how often onWaitFaulty is called while faulty partitions keep it waiting. */
+const FAULTY_LOG_EVERY_MS = 60_000;
 
 const defaultHooks: WorkerHooks = {
   onRetry: (item, error, at) =>
@@ -80,7 +102,18 @@ const defaultHooks: WorkerHooks = {
   onDead: (item, error) => console.warn(`querator: item ${item.id} dead-lettered after ${item.attempts} attempts: ${String(error)}`),
   onLeaseLost: (item, error) => console.warn(`querator: lease of item ${item.id} lost: ${error.message}`),
   onError: (error) => console.warn(`querator: worker call failed: ${String(error)}`),
+  onWaitFaulty: (faulty, waitedMs) =>
+    console.warn(
+      `querator: burst mode: the queue is empty where it can be read, waiting for ${faulty.length} faulty partitions ` +
+        `(for ${Math.round(waitedMs / 1000)} s so far): ${describeFaulty(faulty)}`,
+    ),
 };
+
+function describeFaulty(faulty: readonly PartitionStats[]): string {
+  const shown = faulty.slice(0, 5).map((p) => `partition ${p.partition}: ${p.failure}`);
+  if (faulty.length > 5) shown.push(`and ${faulty.length - 5} more`);
+  return shown.join("; ");
+}
 
 interface Held {
   item: LeasedItem;
@@ -116,7 +149,7 @@ export class Worker {
   readonly queueName: string;
   readonly stats: WorkerStats = { leased: 0, completed: 0, retried: 0, dead: 0, extended: 0, lost: 0, released: 0, errors: 0 };
   readonly #handler: Handler;
-  readonly #o: Required<Omit<WorkerOptions, "batchSize" | "leaseExtensionMs" | "hooks" | "clientId">>;
+  readonly #o: Required<Omit<WorkerOptions, "batchSize" | "leaseExtensionMs" | "hooks" | "clientId" | "faultyTimeoutMs">>;
   readonly #batchSize: number;
   readonly #extensionMs: number | undefined;
   readonly #hooks: WorkerHooks;
@@ -136,6 +169,14 @@ export class Worker {
   #done = false;
   #leaseTimeoutMs = 60_000;
   #maxAttempts = 0;
+  #untilEmpty = false;
+  readonly #faultyTimeoutMs: number | undefined;
+  /** Burst mode: since when every readable partition is empty while others are faulty
+   * (performance.now(); undefined: not so), when onWaitFaulty was last called, and what
+   * run() throws once faultyTimeoutMs has passed. */
+  #faultySince: number | undefined;
+  #faultyLogged: number | undefined;
+  #burstError: QueratorError | undefined;
 
   constructor(client: Client, queueName: string, handler: Handler, options: WorkerOptions = {}) {
     this.client = client;
@@ -156,11 +197,21 @@ export class Worker {
     this.#extensionMs = options.leaseExtensionMs;
     this.#hooks = options.hooks ?? defaultHooks;
     this.#clientId = options.clientId ?? `node:${process.pid}:${randomSuffix()}`;
+    if (options.faultyTimeoutMs !== undefined && !(options.faultyTimeoutMs > 0)) {
+      throw new RangeError(`faultyTimeoutMs must be positive, got ${options.faultyTimeoutMs}`);
+    }
+    this.#faultyTimeoutMs = options.faultyTimeoutMs;
   }
 
-  /** Run until stopped. Throws at start-up when the queue cannot be read (e.g. QueueNotFound). */
-  run(): Promise<void> {
-    this.#runPromise ??= this.#run();
+  /** Run until stopped; with `untilEmpty` (burst mode), also resolve once the queue is
+   * empty: nothing ready, leased or scheduled, no partition faulty, nothing held. Throws
+   * at start-up when the queue cannot be read (e.g. QueueNotFound), and in burst mode
+   * Unavailable when partitions stay faulty past faultyTimeoutMs. */
+  run(options: RunOptions = {}): Promise<void> {
+    if (!this.#runPromise) {
+      this.#untilEmpty = options.untilEmpty ?? false;
+      this.#runPromise = this.#run();
+    }
     return this.#runPromise;
   }
 
@@ -216,6 +267,43 @@ export class Worker {
       this.#newLeases?.();
       await keepAlive;
     }
+    if (this.#burstError) throw this.#burstError;
+  }
+
+  /** Burst mode, with nothing held: whether the queue has nothing ready, leased (by
+   * anyone) or scheduled. A faulty partition (its node down, its storage failing) may
+   * hold items that its counts do not show: the queue is not empty until it is back and
+   * empty too. */
+  async #drained(): Promise<boolean> {
+    let stats;
+    try {
+      stats = await this.client.queueStats(this.queueName, { signal: this.#stop.signal });
+    } catch (error) {
+      if (!(error instanceof Cancelled && this.#stopping)) this.#error(error);
+      return false;
+    }
+    if (stats.total || stats.scheduled) {
+      this.#faultySince = undefined;
+      return false;
+    }
+    const faulty = stats.partitions.filter((p) => p.faulty);
+    if (!faulty.length) return true;
+    const now = performance.now();
+    this.#faultySince ??= now;
+    const waited = now - this.#faultySince;
+    if (this.#faultyTimeoutMs !== undefined && waited >= this.#faultyTimeoutMs) {
+      this.#burstError = new Unavailable(
+        `queue '${this.queueName}' is empty where it can be read, but ${faulty.length} of its partitions stayed faulty ` +
+          `for ${Math.round(waited / 1000)} s (faultyTimeoutMs), so it may still hold items: ${describeFaulty(faulty)}`,
+      );
+      this.#stopping = true;
+      return false;
+    }
+    if (this.#faultyLogged === undefined || now - this.#faultyLogged >= FAULTY_LOG_EVERY_MS) {
+      this.#faultyLogged = now;
+      this.#hook("onWaitFaulty", faulty, waited);
+    }
+    return false;
   }
 
   // -- leasing ----------------------------------------------------------------------------
@@ -231,13 +319,15 @@ export class Worker {
         await new Promise<void>((resolve) => (this.#wake = resolve));
         continue;
       }
+      if (this.#untilEmpty && this.#held.size === 0 && (await this.#drained())) return;
+      if (this.#stopping) return;
       const sent = performance.now();
       const [signal, done] = this.#leaseSignal();
       let items: LeasedItem[];
       try {
         items = await this.client.lease(this.queueName, {
           batchSize: Math.min(room, this.#batchSize),
-          waitMs: this.#o.leaseWaitMs,
+          waitMs: this.#untilEmpty ? Math.min(this.#o.leaseWaitMs, BURST_WAIT_MS) : this.#o.leaseWaitMs,
           clientId: this.#clientId,
           signal,
         });

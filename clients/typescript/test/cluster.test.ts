@@ -493,3 +493,51 @@ test("the map is read once for many concurrent first calls (one ClusterInfo at a
     client.close();
   }
 });
+
+test("burst mode waits for the items of a killed node, then drains them once it is back", { skip }, async () => {
+  const q = queueName("burst");
+  const victim = "n3";
+  await allLive();
+  const client = routed();
+  try {
+    await client.createQueue(q, { partitions: 3, leaseTimeoutMs: 30_000 });
+    const placed = await homes(q);
+    await produceOnEach(q, (n, i) => `job ${30 * n + i}`, 30, 10);
+    const onVictim = (await client.queueStats(q)).partitions
+      .filter((p) => placed[p.partition] === victim)
+      .reduce((n, p) => n + p.total, 0);
+    assert.ok(onVictim > 0, `homes ${placed.join(",")}`);
+    await cluster.node(victim).server.kill();
+    await waitUntil(async () => (await client.queueStats(q)).partitions.some((p) => p.faulty), 30_000, "the dead node's partitions faulty");
+    const faulty = (await client.queueStats(q)).partitions.filter((p) => p.faulty);
+    assert.ok(faulty.every((p) => p.total === 0 && p.failure.includes(victim)), JSON.stringify(faulty));
+    const seen = new Set<string>();
+    const options = { concurrency: 4, leaseWaitMs: 500, handleSignals: false };
+
+    // A bound on the wait: run() throws rather than resolve as if the queue were empty.
+    const hasty = new Worker(client, q, (item) => void seen.add(item.text), { ...options, hooks: {}, faultyTimeoutMs: 1_500 });
+    await assert.rejects(hasty.run({ untilEmpty: true }), (error: unknown) => {
+      assert.ok(error instanceof Unavailable && error.message.includes("stayed faulty") && error.message.includes(victim), String(error));
+      return true;
+    });
+    assert.equal(seen.size, 90 - onVictim, "what the live nodes held, handled");
+
+    // No bound: it waits, saying what for, and drains the node's items once it is back.
+    const waits: string[] = [];
+    const onWaitFaulty = (parts: readonly { failure: string }[]): void => void waits.push(parts.map((p) => p.failure).join("; "));
+    const worker = new Worker(client, q, (item) => void seen.add(item.text), { ...options, hooks: { onWaitFaulty } });
+    let returned = false;
+    const running = worker.run({ untilEmpty: true }).then(() => void (returned = true));
+    await new Promise((r) => setTimeout(r, 3_000));
+    assert.equal(returned, false, `run({ untilEmpty: true }) resolved with ${onVictim} items on a dead node`);
+    assert.ok(waits.length >= 1 && waits[0]!.includes(victim), waits.join(" | "));
+    await cluster.restart(victim);
+    await running;
+    assert.equal(seen.size, 90);
+    assert.equal((await client.queueStats(q)).total, 0);
+  } finally {
+    if (!cluster.node(victim).server.running) await cluster.restart(victim);
+    await allLive();
+    client.close();
+  }
+});

@@ -96,6 +96,11 @@ export class ServerProcess {
     this.#proc.kill(signal);
   }
 
+  /** Whether the process still runs. */
+  get running(): boolean {
+    return this.#proc.exitCode === null && this.#proc.signalCode === null;
+  }
+
   /** kill -9 the server, keeping its data directory. */
   async kill(): Promise<void> {
     const proc = this.#proc;
