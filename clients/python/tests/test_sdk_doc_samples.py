@@ -84,7 +84,7 @@ SETUP: dict[str, Callable[[querator.Client], None]] = {
     "import asyncio\nimport querator\n\nasync def main": _queue("jobs"),
     'import querator\n\nclient = querator.Client("127.0.0.1:2319")\nwith querator.Producer': _queue("events"),
     "import querator\n\ndef send_email": _queue("emails", '{"to": "a@example.com"}', '{"to": "b@example.com"}'),
-    'import querator\n\ndef handle(item: querator.LeasedItem) -> None:\n    print("handled"': _queue("jobs", "j1", "j2", "j3"),
+    'import querator\n\ndef handle(item: querator.LeasedItem) -> None:\n    print(f"handled': _queue("jobs", "j1", "j2", "j3"),
     'import querator\n\nclient = querator.Client("127.0.0.1:2319")\nworker = querator.Worker(client, "notifications")': _notifications,
     "from datetime import timedelta": _queue("orders"),
     "import querator\nfrom opentelemetry": _queue("jobs"),
@@ -101,7 +101,7 @@ EXPECT = {
     "import querator\n\nwith querator.Client": ["handled by hand: job 0 attempt 1", "done: 95 completed by the worker"],
     "import asyncio\nimport querator\n\nasync def main": ["a\nb\nc\n"],
     "import querator\n\ndef send_email": ["email to a@example.com", "email to b@example.com"],
-    'import querator\n\ndef handle(item: querator.LeasedItem) -> None:\n    print("handled"': ["handled j1", "3 completed"],
+    'import querator\n\ndef handle(item: querator.LeasedItem) -> None:\n    print(f"handled': ["handled j1", "3 completed"],
     "import querator\n\ndef do_the_work": ["working on traced"],
     SECURE: ["qk_"],
 }
