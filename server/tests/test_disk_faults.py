@@ -412,10 +412,10 @@ class _Load:
     pending: dict[tuple[str, int], dict[str, bytes]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def call(self, rpc: str, queue: str, fn: Callable[[], Any]) -> tuple[_Call, Any]:
+    def call(self, rpc: str, queue: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[_Call, Any]:
         started = time.monotonic()
         try:
-            result, code, message = fn(), OK, ""
+            result, code, message = fn(*args, **kwargs), OK, ""
         except grpc.RpcError as exc:
             result, code, message = None, exc.code(), exc.details() or ""
         record = _Call(rpc, queue, started, time.monotonic(), code, message)
@@ -428,7 +428,7 @@ class _Load:
             if self.stop_producing.is_set():
                 return
             payloads = [f"{queue}:{n}:{i}:".encode() + bytes(1000) for i in range(20)]
-            record, _ = self.call("Produce", queue, lambda: self.stubs.produce(queue, payloads))
+            record, _ = self.call("Produce", queue, self.stubs.produce, queue, payloads)
             record.items = len(payloads)
             if record.code == OK:
                 with self.lock:
@@ -442,7 +442,7 @@ class _Load:
                 return
             self.complete_pending(queue)
             request = queue_pb2.LeaseRequest(queue_name=queue, batch_size=10, request_timeout=SHORT_WAIT)
-            record, reply = self.call("Lease", queue, lambda: self.stubs.queue.Lease(request, timeout=10))
+            record, reply = self.call("Lease", queue, self.stubs.queue.Lease, request, timeout=10)
             if reply is not None and reply.items:
                 record.items = len(reply.items)
                 with self.lock:
@@ -457,7 +457,7 @@ class _Load:
             if name != queue or not held:
                 continue
             ids = list(held)
-            record, _ = self.call("Complete", queue, lambda: self.stubs.complete(queue, partition, ids))
+            record, _ = self.call("Complete", queue, self.stubs.complete, queue, partition, ids)
             if record.code == OK:
                 record.items = len(ids)
                 with self.lock:
@@ -469,7 +469,7 @@ class _Load:
             if self.stop_consuming.is_set():
                 return
             for queue in self.queues:
-                record, reply = self.call("GetQueueStats", queue, lambda: self.stubs.stats(queue))
+                record, reply = self.call("GetQueueStats", queue, self.stubs.stats, queue)
                 if reply is not None:
                     record.faulty = sum(1 for p in reply.partitions if p.faulty)
                     record.ready = sum(p.total - p.total_leased for p in reply.partitions)
