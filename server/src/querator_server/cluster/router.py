@@ -187,14 +187,24 @@ class Router:
             wait_s = min(wait_s, remaining - min(_ANSWER_MARGIN_S, remaining / 5))
         give_up = loop.time() + max(0.0, wait_s)
         here = spread[0] == self.node
+        # This node's storage failing (a full disk): the other homes still serve, and the
+        # call answers that failure rather than "empty" if none of them has items.
+        failing: Unavailable | None = None
         # The request is this call's own (deserialized for it), so each look changes it
         # in place: no copy of it, complete_ids and all, per look on the hot path.
         while True:
             request.request_timeout.FromSeconds(0)
             if here:
-                response = await self._lease_here(entry, request, context, local)
-                if _has_items(response):
-                    return response
+                try:
+                    response = await self._lease_here(entry, request, context, local)
+                    failing = None
+                except Unavailable as exc:
+                    if request.complete_ids:
+                        raise  # its completions were not applied: the caller must know
+                    failing = exc
+                else:
+                    if _has_items(response):
+                        return response
                 if request.complete_ids:
                     del request.complete_ids[:]  # completed by the first look
             others = self._in_turn(spread)
@@ -206,10 +216,12 @@ class Router:
                 if _has_items(response):
                     return response
             left = give_up - loop.time()
-            if left <= 0.05:
+            if left <= 0.05 or (failing is not None and not others):
+                if failing is not None:
+                    raise failing
                 return pb.LeaseResponse(queue_name=entry.config.name)
             request.request_timeout.FromNanoseconds(int(min(left, _LEASE_SLICE_S) * 1e9))
-            if here:
+            if here and failing is None:
                 response = await self._lease_here(entry, request, context, local)
             elif others:
                 try:
