@@ -112,6 +112,46 @@ def test_burst_exits_0_once_the_queue_is_empty(srv: EmbeddedServer, client: quer
     assert (stats.total, stats.scheduled) == (0, 0)
 
 
+def test_burst_waits_for_a_faulty_partition_and_faulty_timeout_exits_1_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partition whose storage failed reads as 0 items while it holds some: --burst
+    does not exit 0 "done" before it is back; --faulty-timeout makes it exit 1 instead."""
+    fault = tmp_path / "fault"
+    monkeypatch.setenv("QUERATOR_FAULT_FILE", str(fault))
+    data = tmp_path / "data"
+    with EmbeddedServer(data, sync=False, commit_groups=False) as server, server.client() as admin:
+        admin.create_queue("q", partitions=2)
+        kept = admin.produce("q", ["kept"])
+        served = admin.produce("q", ["served"])
+        assert kept.partitions != served.partitions
+        bad = kept.partitions[0]
+        uid = int(kept.ids[0].split(".")[0], 16)
+    fault.write_text(f"partition-error queues/{uid} p{bad}\n")  # faulty from the start
+    with EmbeddedServer(data, sync=False, commit_groups=False) as server, server.client() as admin:
+        assert [p.partition for p in admin.queue_stats("q").partitions if p.faulty] == [bad]
+        proc = _querator(server, tmp_path, "mytasks:handle", "--queue", "q", "--burst", "--faulty-timeout", "1s")
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1, err
+        assert "UNAVAILABLE" in err and "stayed faulty" in err and f"partition {bad}:" in err, err
+        assert _lines(tmp_path / "record.finished") == ["served"]
+
+        proc = _querator(server, tmp_path, "mytasks:handle", "--queue", "q", "--burst")
+        try:
+            # Its Lease waits: it looked at the stats first, found the partition faulty,
+            # and did not exit.
+            wait_until(lambda: admin.queue_stats("q").lease_waiting > 0, timeout=30)
+            assert proc.poll() is None
+            fault.unlink()  # the partition works again: the probe puts it back, the worker drains it
+            _, err = proc.communicate(timeout=90)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, err
+        assert "waiting for 1 faulty partitions" in err, err
+        assert _lines(tmp_path / "record.finished") == ["served", "kept"]
+
+
 def test_a_bad_handler_path_is_a_usage_error(srv: EmbeddedServer, client: querator.Client, tmp_path: Path) -> None:
     name = unique()
     client.create_queue(name)
