@@ -142,6 +142,7 @@ def test_a_full_disk_refuses_writes_with_unavailable_loses_nothing_and_recovers(
         assert code == UNAVAILABLE and "no space left on device" in message.lower(), (code, message)
         # Reads that need no commit keep working, and show every partition faulty.
         assert stats_total(stubs, "q") == (20, 5)
+        assert sorted(i.payload for i in stored(stubs, "q")) == sorted(acked)
         assert stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="q"), timeout=10).queue.queue_name == "q"
         parts = stubs.stats("q").partitions
         assert all(p.faulty and "no space left on device" in p.failure.lower() for p in parts), parts

@@ -566,7 +566,10 @@ class LogicalQueue:
                 await self._apply_config(request)
         lifecycle = self._lifecycle_due()
         self._probing = self._take_probes(now)
-        if len(batch) or lifecycle or self._probing or self._take_storage_probe(now):
+        # Taken whatever else the cycle does, so the next probe waits its turn (parked
+        # leases in every cycle would otherwise keep one due).
+        probe_storage = self._take_storage_probe(now)
+        if len(batch) or lifecycle or self._probing or probe_storage:
             await self._apply(batch, now, lifecycle)
         for request in control:
             if isinstance(request, _Delete):
@@ -609,9 +612,8 @@ class LogicalQueue:
 
     def _storage_works(self, cycle: Cycle) -> None:
         """A cycle that wrote (changed a partition, or ``touch``) committed while the
-        storage was failing: it works again,
-        unless the disk is still full (a write LMDB fitted into freed pages proves
-        nothing then: the next Produce would fail again)."""
+        storage was failing: it works again, unless the disk is still full (a write LMDB
+        fitted into freed pages proves nothing then: the next Produce would fail again)."""
         if not (cycle.views or cycle.touched) or (self._storage_full and low_on_space(self.store.path)):
             return
         failures = self._storage_failures.failures if self._storage_failures is not None else 0
@@ -826,7 +828,7 @@ class LogicalQueue:
         """Apply the cycle on the loop in the store's held transaction; commit it on the
         queue's storage thread (see queue_store.py for why the work stays on the loop)."""
         body = self._body(batch, now, lifecycle, expired, isolated=isolated)
-        if _only_listings(batch, lifecycle or bool(self._probing) or bool(self._storage_failure)):
+        if not self._writes(batch, lifecycle):
             # Only listings: a read transaction, no commit and no fsync.
             return self.store.read(body)
         if self.group is not None:
@@ -872,8 +874,8 @@ class LogicalQueue:
             or (self._lease_keys_at and self._lease_keys_at + self.config.lease_key_ttl_us <= now)
         )
         probes = self._probing
-        touch = bool(self._storage_failure)
-        writable = not _only_listings(batch, lifecycle or bool(probes) or touch)
+        writable = self._writes(batch, lifecycle)
+        touch = writable and bool(self._storage_failure)
         broken = self._broken()
 
         def body(txn: lmdb.Transaction[bytes]) -> Cycle:
@@ -917,6 +919,13 @@ class LogicalQueue:
             return cycle
 
         return body
+
+    def _writes(self, batch: _Batch, lifecycle: bool) -> bool:
+        """Whether a cycle runs in a write transaction: unless it only lists items (a
+        read works on a full disk), or it is the probe of a failing storage."""
+        if not _only_listings(batch, lifecycle or bool(self._probing)):
+            return True
+        return bool(self._storage_failure) and not len(batch)
 
     def _fail_batch(self, batch: _Batch, error: QueratorError) -> None:
         # Leases too: one that kept waiting through failing cycles would end with no
