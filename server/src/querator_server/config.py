@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .model import MAX_REQUEST_BYTES, SERVER_UNSENT_BYTES, STALL_SECONDS, STREAM_UNSENT_BYTES
+from .model import MAX_MESSAGE_BYTES, SERVER_UNSENT_BYTES, STALL_SECONDS, STREAM_UNSENT_BYTES
 
 DEFAULT_ADDRESS = "127.0.0.1:2319"
 DEFAULT_DATA_DIR = "./querator-data"
@@ -23,9 +23,8 @@ class ServerConfig:
     # environment or a file (a flag would show the token in ps).
     metrics_token: str = ""
     metrics_token_file: str = ""
-    # Headroom over the 5 MB request limit so an oversized request is answered
-    # RESOURCE_EXHAUSTED by us, with a message, rather than cut off by the transport.
-    max_receive_bytes: int = MAX_REQUEST_BYTES + (4 << 20)
+    # The largest message received or sent (model.MAX_MESSAGE_BYTES says why).
+    max_receive_bytes: int = MAX_MESSAGE_BYTES
     # Commit with fsync. Off only for throw-away data (tests, benchmarks of the CPU path).
     sync: bool = True
     max_inbox: int = 10_000

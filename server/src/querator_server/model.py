@@ -29,6 +29,12 @@ MAX_REFERENCE_BYTES = 1024
 MAX_LABEL_BYTES = 256
 MAX_BATCH = 1000
 MAX_REQUEST_BYTES = 5_000_000
+# The largest message the server receives or sends. Headroom over MAX_REQUEST_BYTES so
+# an oversized request is answered RESOURCE_EXHAUSTED by us, with a message, rather
+# than cut off by the transport; and above the largest reply (one item of nearly
+# MAX_REQUEST_BYTES, see MAX_REPLY_BYTES). Channels between cluster nodes accept it
+# too, so whatever one node may send another arrives.
+MAX_MESSAGE_BYTES = MAX_REQUEST_BYTES + (4 << 20)
 MAX_WAIT_US = 15 * 60 * MICROS
 # The longest durations accepted, so that every time computed from one (a lease's
 # deadline, an item's expiry, a due time) stays far inside what a protobuf Timestamp
@@ -48,7 +54,7 @@ MAX_PAGE_SIZE = 1000
 # so that a client with default settings (grpcurl, another language's stub) can read
 # every reply. A Lease stops before the item that would pass it and a page ends there,
 # but one item is always answered, and Produce keeps an item below MAX_REQUEST_BYTES,
-# which the server's send limit (about 9.2 MB, config.py) is set above.
+# which the server's send limit (MAX_MESSAGE_BYTES, about 9.2 MB) is set above.
 MAX_REPLY_BYTES = 4 << 20
 # Set aside for what a reply holds besides its items: the queue name, the partition,
 # a page token, and the envelope of a stream's answer.

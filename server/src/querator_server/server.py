@@ -103,18 +103,22 @@ class QueratorServer:
         await self.manager.start()
         if self.config.cluster:
             await self._join_cluster()
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", self.config.max_receive_bytes),
+            ("grpc.max_send_message_length", self.config.max_receive_bytes),
+            ("grpc.so_reuseport", 0),
+            # gRPC core cancels calls beyond its pending-request limit before any
+            # handler runs (CANCELLED, not a documented code); admission is the
+            # actors' bounded inboxes' job, so lift it.
+            ("grpc.server.max_pending_requests", 10_000),
+            ("grpc.server.max_pending_requests_hard_limit", 20_000),
+        ]
+        if self.cluster is not None:  # the other nodes' keepalive pings
+            from .cluster.forwarding import SERVER_OPTIONS
+
+            options.extend(SERVER_OPTIONS)
         server = grpc.aio.server(
-            interceptors=self.metrics.interceptors() if self.metrics is not None else None,
-            options=[
-                ("grpc.max_receive_message_length", self.config.max_receive_bytes),
-                ("grpc.max_send_message_length", self.config.max_receive_bytes),
-                ("grpc.so_reuseport", 0),
-                # gRPC core cancels calls beyond its pending-request limit before any
-                # handler runs (CANCELLED, not a documented code); admission is the
-                # actors' bounded inboxes' job, so lift it.
-                ("grpc.server.max_pending_requests", 10_000),
-                ("grpc.server.max_pending_requests_hard_limit", 20_000),
-            ]
+            interceptors=self.metrics.interceptors() if self.metrics is not None else None, options=options
         )
         guard = Guard(lambda: self.manager.keyring) if self.config.auth else None
         cluster = self.cluster

@@ -20,7 +20,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from ..errors import InvalidArgument, Relayed, Unavailable
-from ..model import MAX_WAIT_US
+from ..model import MAX_MESSAGE_BYTES, MAX_WAIT_US
 
 FORWARDED = "x-querator-forwarded"
 # Headers gRPC itself sets; everything else the caller sent travels with a forwarded call.
@@ -28,6 +28,32 @@ _TRANSPORT_HEADERS = frozenset({"user-agent", "grpc-accept-encoding", "grpc-time
 # The longest a forwarded call waits when its caller set no deadline: the longest Lease
 # wait (15 min) and then some.
 _NO_DEADLINE_CAP_S = MAX_WAIT_US / 1e6 + 60
+
+# A ping on an idle connection to a peer every KEEPALIVE_S, and the connection dropped
+# when one is not answered in KEEPALIVE_TIMEOUT_S: a peer that died without a word
+# (power, network) is noticed then, not when a call to it times out.
+KEEPALIVE_S = 10
+KEEPALIVE_TIMEOUT_S = 5
+_CHANNEL_OPTIONS = (
+    # Whatever a node may send (a listing page or a Lease answer of one ~5 MB item),
+    # and a forwarded request as large as a client may send.
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # A restarted peer is reached again within seconds (gRPC's default backoff grows
+    # to two minutes, all the while failing every call sent to that node).
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5000),
+)
+# What a node's server must allow for its peers' keepalive pings (else it answers
+# them with GOAWAY "too many pings" and drops the connection).
+SERVER_OPTIONS = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_S * 1000 // 2),
+)
 
 M = TypeVar("M", bound=Message)
 
@@ -90,9 +116,9 @@ class Peers:
         channel = self._channels.get(member.address)
         if channel is None:
             channel = self._channels[member.address] = (
-                grpc.aio.insecure_channel(member.address)
+                grpc.aio.insecure_channel(member.address, options=_CHANNEL_OPTIONS)
                 if self._credentials is None
-                else grpc.aio.secure_channel(member.address, self._credentials)
+                else grpc.aio.secure_channel(member.address, self._credentials, options=_CHANNEL_OPTIONS)
             )
         return channel
 

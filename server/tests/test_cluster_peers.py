@@ -1,0 +1,91 @@
+"""The calls nodes make to each other (cluster/forwarding.py), through real etcd and
+real node processes on loopback: replies of any size the server may send, the marker
+of a forwarded call honoured only from a peer, bounds on what waits on a paused home,
+and the give-back of a LeaseStream's unsent answers whose items live on another node.
+
+One cluster serves the module; each test uses queues of its own, and a test that
+pauses a node resumes it before it ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from cluster_helpers import Cluster, Node
+
+from querator.v1 import queue_pb2, storage_pb2
+
+from conftest import Stubs, dur
+
+MIB = 1 << 20
+# One item of 4.5 MB: more than gRPC's default 4 MiB receive limit, less than the
+# 5 MB a request may be.
+BIG = 4_500_000
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with Cluster(str(tmp_path_factory.mktemp("peers"))) as c:
+        yield c
+
+
+@pytest.fixture
+def roomy() -> Iterator[list[grpc.Channel]]:
+    """Channels (closed at the end) that read replies of up to 16 MiB."""
+    channels: list[grpc.Channel] = []
+    yield channels
+    for channel in channels:
+        channel.close()
+
+
+def _roomy_stubs(node: Node, channels: list[grpc.Channel]) -> Stubs:
+    options = [("grpc.max_receive_message_length", 16 * MIB), ("grpc.max_send_message_length", 16 * MIB)]
+    channel = grpc.insecure_channel(node.address, options=options)
+    channels.append(channel)
+    return Stubs(channel)
+
+
+def _home_and_other(cluster: Cluster, name: str) -> tuple[Node, Node]:
+    """A one-partition queue's home, and a node that is not its home."""
+    (placement,) = [q for q in cluster.nodes[0].info().queues if q.queue_name == name]
+    (home,) = [n for n in cluster.nodes if n.node_id == placement.homes[0]]
+    other = next(n for n in cluster.nodes if n is not home)
+    return home, other
+
+
+def _big_queue(cluster: Cluster, name: str, channels: list[grpc.Channel]) -> tuple[Stubs, bytes, str]:
+    """A one-partition queue holding one 4.5 MB item: stubs on a node that is not its
+    home, the item's payload and its message id."""
+    cluster.nodes[0].stubs.create(name, requested_partitions=1, lease_timeout=dur(300))
+    home, other = _home_and_other(cluster, name)
+    payload = name.encode().ljust(BIG, b".")
+    message_id = _roomy_stubs(home, channels).produce(name, [payload]).ids[0]
+    return _roomy_stubs(other, channels), payload, message_id
+
+
+def test_a_listing_page_over_4_mib_is_read_from_the_home_by_another_node(cluster: Cluster, roomy: list[grpc.Channel]) -> None:
+    through, payload, message_id = _big_queue(cluster, "big-list", roomy)
+    page = through.storage.ListItems(storage_pb2.ListItemsRequest(queue_name="big-list", page_size=10), timeout=30)
+    assert [(i.payload, i.message_id) for i in page.items] == [(payload, message_id)]
+
+
+def test_a_lease_of_an_item_over_4_mib_through_another_node_delivers_it(cluster: Cluster, roomy: list[grpc.Channel]) -> None:
+    through, payload, message_id = _big_queue(cluster, "big-lease", roomy)
+    leased = through.lease("big-lease", batch_size=1, timeout=30, request_timeout=dur(5))
+    assert [(i.payload, i.message_id) for i in leased.items] == [(payload, message_id)]
+    through.complete("big-lease", leased.partition, [leased.items[0].id])
+    assert sum(s.total for s in through.stats("big-lease").partitions) == 0
+
+
+def test_a_lease_stream_through_another_node_delivers_an_item_over_4_mib(cluster: Cluster, roomy: list[grpc.Channel]) -> None:
+    through, payload, message_id = _big_queue(cluster, "big-stream", roomy)
+    message = queue_pb2.LeaseStreamRequest(
+        request=queue_pb2.LeaseRequest(queue_name="big-stream", batch_size=1, request_timeout=dur(5))
+    )
+    (answer,) = list(through.queue.LeaseStream(iter([message]), timeout=30))
+    assert answer.WhichOneof("result") == "response", answer.error
+    assert [(i.payload, i.message_id) for i in answer.response.items] == [(payload, message_id)]
+    through.complete("big-stream", answer.response.partition, [answer.response.items[0].id])
+    assert sum(s.total for s in through.stats("big-stream").partitions) == 0
