@@ -9,13 +9,14 @@ pauses a node resumes it before it ends.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 from cluster_helpers import Cluster, Node
 
-from querator.v1 import queue_pb2, storage_pb2
+from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 
 from conftest import Stubs, dur
 
@@ -89,3 +90,58 @@ def test_a_lease_stream_through_another_node_delivers_an_item_over_4_mib(cluster
     assert [(i.payload, i.message_id) for i in answer.response.items] == [(payload, message_id)]
     through.complete("big-stream", answer.response.partition, [answer.response.items[0].id])
     assert sum(s.total for s in through.stats("big-stream").partitions) == 0
+
+
+# What a client sent to pass its call off as one forwarded by another node: the bare
+# marker, or the marker with a made-up proof.
+FORGED = (("x-querator-forwarded", "n1"),)
+MADE_UP = (*FORGED, ("x-querator-peer-proof", f"{int(time.time() * 1000)}.0011223344556677.{'ab' * 32}"))
+
+
+def test_a_client_sending_the_forwarded_marker_cannot_delete_a_non_empty_queue(cluster: Cluster) -> None:
+    n1 = cluster.nodes[0]
+    n1.stubs.create("kept", requested_partitions=2)
+    (placement,) = [q for q in n1.info().queues if q.queue_name == "kept"]
+    full, empty = [next(n for n in cluster.nodes if n.node_id == home) for home in placement.homes]
+    assert full is not empty
+    full.stubs.produce("kept", [b"acknowledged"])  # on the receiving node's own partition
+    # ``empty``'s partition is empty: by the marker alone it would look only at itself.
+    request = queues_pb2.DeleteQueueRequest(queue_name="kept")
+    with pytest.raises(grpc.RpcError) as refused:
+        empty.stubs.queues.DeleteQueue(request, timeout=10, metadata=FORGED)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
+    assert "not empty" in (refused.value.details() or "")
+    assert sum(s.total for s in n1.stubs.stats("kept").partitions) == 1
+    assert "forwarded_marker_ignored" in empty.stderr_text()
+
+
+@pytest.mark.parametrize("marker", [FORGED, MADE_UP], ids=["bare", "made-up-proof"])
+def test_a_client_sending_the_forwarded_marker_cannot_bypass_a_keys_dedup(
+    cluster: Cluster, marker: tuple[tuple[str, str], ...]
+) -> None:
+    n1 = cluster.nodes[0]
+    name = f"deduped-{len(marker)}"
+    n1.stubs.create(name, requested_partitions=3)
+    (placement,) = [q for q in n1.info().queues if q.queue_name == name]
+    assert len(set(placement.homes)) == 3
+    for attempt in range(50):  # a key whose home is not the node it is sent to (2 in 3 are)
+        key = f"order-{attempt}"
+        item = queue_pb2.ProduceItem(payload=b"once", idempotency_key=key)
+        first = n1.stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name=name, items=[item]), timeout=10)
+        if placement.homes[first.partition] != "n1":
+            break
+    else:
+        pytest.fail("every key's home was n1")
+    again = n1.stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name=name, items=[item]), timeout=10, metadata=marker)
+    assert (again.partition, list(again.ids), again.duplicates) == (first.partition, list(first.ids), 1)
+    held = [m for m in _payloads_by_node(cluster, name) if m == b"once"]
+    assert len(held) == 1
+
+
+def _payloads_by_node(cluster: Cluster, name: str) -> list[bytes]:
+    """Every item of the queue, read partition by partition from any node."""
+    n1 = cluster.nodes[0]
+    out: list[bytes] = []
+    for partition in range(len(n1.stubs.stats(name).partitions)):
+        out.extend(i.payload for i in n1.stubs.list_items(name, partition))
+    return out

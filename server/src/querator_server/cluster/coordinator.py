@@ -104,6 +104,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         _, kv = await self.etcd.get(key)
         if kv is not None and kv.value:
             self.manager.token_secret = kv.value
+        self.router.peers.set_secret(self.manager.token_secret)  # and proves forwarded calls
 
     async def stop(self) -> None:
         await self.catalog.stop()

@@ -5,11 +5,21 @@ call to a named node and brings its answer (or its error, as if raised here) bac
 forwarded call carries the ``x-querator-forwarded`` header, and a node never forwards
 a call that has it: at most one hop, loops impossible by construction. It keeps the
 caller's deadline and metadata (API key, trace context).
+
+The header is honoured only from a peer: the forwarding node signs it (the
+``x-querator-peer-proof`` header, an HMAC of its node id, the time and a nonce under a
+key derived from the cluster's shared secret in etcd). A client that sends the header
+without a valid proof is routed as any other call: the marker alone would let it skip
+a DeleteQueue's emptiness check on the other homes or an idempotency key's home.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import secrets
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -20,10 +30,20 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from ..errors import InvalidArgument, Relayed, Unavailable
+from ..logging import RepeatedFailure, get_logger
 from ..model import MAX_MESSAGE_BYTES, MAX_WAIT_US
 
+log = get_logger("cluster")
+
 FORWARDED = "x-querator-forwarded"
-# Headers gRPC itself sets; everything else the caller sent travels with a forwarded call.
+PROOF = "x-querator-peer-proof"
+# How far a proof's time may be from the receiving node's clock: the nodes' clock skew
+# plus the time a call takes to arrive. A proof is good this long, so on a network
+# where peer traffic can be read, peers use TLS (then it cannot be).
+PROOF_WINDOW_S = 60
+_PROOF_LABEL = b"querator peer proof v1"
+# Headers gRPC itself sets; everything else the caller sent travels with a forwarded call
+# (not the forwarded marker and its proof: a node sets its own).
 _TRANSPORT_HEADERS = frozenset({"user-agent", "grpc-accept-encoding", "grpc-timeout", "te", "content-type"})
 # The longest a forwarded call waits when its caller set no deadline: the longest Lease
 # wait (15 min) and then some.
@@ -77,11 +97,6 @@ class _Member(Protocol):
     def address(self) -> str: ...
 
 
-def is_forwarded(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
-    """Whether the call came from another node (then it is served here, never sent on)."""
-    return any(k == FORWARDED for k, _ in (context.invocation_metadata() or ()))
-
-
 # Where an error about a node that is down sends an operator.
 NODE_GONE_HELP = 'if it is gone for good, see docs/cluster.md, "A node that died for good"'
 
@@ -102,6 +117,67 @@ class Peers:
         )
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.forwarded = 0  # calls sent to another node, for the metrics
+        self._key: bytes | None = None  # signs and checks the forwarded marker
+        # Calls that carried the marker without a valid proof (counted, logged now and then).
+        self.forged = RepeatedFailure(every_s=60.0)
+
+    def set_secret(self, cluster_secret: bytes) -> None:
+        """The cluster's shared secret (kept in etcd); the marker's key is derived from
+        it, so a proof says nothing about the secret's other uses."""
+        self._key = hmac.new(cluster_secret, _PROOF_LABEL, hashlib.sha256).digest()
+
+    def _proof(self) -> str:
+        if self._key is None:
+            raise Unavailable(f"node {self.node!r} has not joined the cluster yet; retry")
+        stamp = f"{time.time_ns() // 1_000_000}.{secrets.token_hex(8)}"
+        return f"{stamp}.{self._mac(self._key, self.node, stamp)}"
+
+    @staticmethod
+    def _mac(key: bytes, node: str, stamp: str) -> str:
+        return hmac.new(key, f"{node}\n{stamp}".encode(), hashlib.sha256).hexdigest()
+
+    def is_forwarded(self, context: grpc.aio.ServicerContext[Any, Any]) -> bool:
+        """Whether the call came from another node (then it is served here, never sent
+        on): it carries the marker with a valid proof. A marker without one is ignored."""
+        node = proof = None
+        for key, value in context.invocation_metadata() or ():
+            if key == FORWARDED:
+                node = value
+            elif key == PROOF:
+                proof = value
+        if node is None:
+            return False
+        why = self._check(str(node), proof if isinstance(proof, str) else None)
+        if why is None:
+            return True
+        reported = self.forged.failed()
+        if reported:
+            log.warning(
+                "forwarded_marker_ignored",
+                claimed_node=str(node)[:100],
+                peer=context.peer(),
+                reason=why,
+                calls=reported,
+                total=self.forged.failures,
+                detail=f"a call carried {FORWARDED} without a valid proof; routed as a client's call",
+            )
+        return False
+
+    def _check(self, node: str, proof: str | None) -> str | None:
+        """Why ``proof`` does not prove ``node`` sent the call (None: it does)."""
+        if proof is None:
+            return "no proof"
+        if self._key is None:
+            return "this node has not joined yet"
+        stamp, _, mac = proof.rpartition(".")
+        millis = stamp.split(".", 1)[0]
+        if not millis.isdigit():
+            return "malformed proof"
+        if not hmac.compare_digest(mac.encode(), self._mac(self._key, node, stamp).encode()):
+            return "wrong proof"
+        if abs(time.time() - int(millis) / 1000) > PROOF_WINDOW_S:
+            return f"proof older or newer than {PROOF_WINDOW_S} s (clocks apart?)"
+        return None
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
@@ -136,9 +212,9 @@ class Peers:
         metadata = [
             (k, v)
             for k, v in (context.invocation_metadata() or ())
-            if k not in _TRANSPORT_HEADERS and k != FORWARDED and not k.startswith("grpc-")
+            if k not in _TRANSPORT_HEADERS and k not in (FORWARDED, PROOF) and not k.startswith("grpc-")
         ]
-        metadata.append((FORWARDED, self.node))
+        metadata += ((FORWARDED, self.node), (PROOF, self._proof()))
         remaining = context.time_remaining()
         if timeout is None or (remaining is not None and remaining < timeout):
             timeout = remaining

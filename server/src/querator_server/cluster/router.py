@@ -25,7 +25,7 @@ from querator.v1 import storage_pb2 as spb
 from ..errors import FailedPrecondition, NoHealthyPartition, QueratorError, Unavailable
 from ..model import DEFAULT_WAIT_US, MAX_WAIT_US, check_lease_keys
 from .catalog import CatalogCache
-from .forwarding import NODE_GONE_HELP, Peers, PeerTls, Unreachable, is_forwarded
+from .forwarding import NODE_GONE_HELP, Peers, PeerTls, Unreachable
 from .placement import QueueEntry
 from .policy import Part, Where, where
 from .redrive_walk import RedriveWalk, check_target, walk
@@ -94,7 +94,8 @@ class Router:
             others = others[turn:] + others[:turn]
         return others
 
-    is_forwarded = staticmethod(is_forwarded)
+    def is_forwarded(self, context: grpc.aio.ServicerContext[Any, Any]) -> bool:
+        return self.peers.is_forwarded(context)
 
     # -- Produce ---------------------------------------------------------------------
 
