@@ -9,14 +9,16 @@ pauses a node resumes it before it ends.
 
 from __future__ import annotations
 
+import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import grpc
 import pytest
 from cluster_helpers import Cluster, Node
 
-from querator.v1 import queue_pb2, queues_pb2, storage_pb2
+from querator.v1 import queue_pb2, queue_pb2_grpc, queues_pb2, storage_pb2
 
 from conftest import Stubs, dur
 
@@ -145,3 +147,43 @@ def _payloads_by_node(cluster: Cluster, name: str) -> list[bytes]:
     for partition in range(len(n1.stubs.stats(name).partitions)):
         out.extend(i.payload for i in n1.stubs.list_items(name, partition))
     return out
+
+
+def _rss_kib(node: Node, field: str) -> int:
+    """The node process's resident memory (VmRSS) or its peak so far (VmHWM), in KiB."""
+    assert node.proc is not None
+    with open(f"/proc/{node.proc.pid}/status") as status:
+        (line,) = [line for line in status if line.startswith(f"{field}:")]
+    return int(line.split()[1])
+
+
+def test_calls_forwarded_to_a_paused_home_are_bounded_in_memory_and_in_time(cluster: Cluster) -> None:
+    cluster.nodes[0].stubs.create("paused-home", requested_partitions=1)
+    home, other = _home_and_other(cluster, "paused-home")
+    # 40 Completes of 4.9 MB each (980 ids of 5,000 bytes: refused by the home, which
+    # never gets to look), sent without a deadline through the node that is not the home.
+    big = queue_pb2.CompleteRequest(queue_name="paused-home", partition=0, ids=[f"{n:05d}".ljust(5000, "x") for n in range(980)])
+    assert 4_800_000 < big.ByteSize() < 5_000_000
+    options = [("grpc.max_send_message_length", 16 * MIB)]
+    before = _rss_kib(other, "VmRSS")
+    with grpc.insecure_channel(other.address, options=options) as channel:
+        stub = queue_pb2_grpc.QueueServiceStub(channel)
+        home.signal(signal.SIGSTOP)
+        try:
+            calls = [stub.Complete.future(big) for _ in range(40)]
+            ended = time.monotonic() + 120
+            for call in calls:  # bounded: each call ends on its own, whatever the caller's deadline
+                call.exception(timeout=max(0.1, ended - time.monotonic()))
+            peak = _rss_kib(other, "VmHWM")
+        finally:
+            home.signal(signal.SIGCONT)
+        assert all(call.done() for call in calls), "calls to the paused home still waiting after 2 minutes"
+        codes = Counter(call.code() for call in calls)
+    grown_mib = (peak - before) / 1024
+    print(f"the forwarding node: {before / 1024:.0f} MiB before, peak {peak / 1024:.0f} MiB; outcomes {dict(codes)}")
+    # The calls let through hold their request while the home is paused; the others
+    # are refused at once, before any copy of their 4.9 MB is made for the home.
+    assert grown_mib < 400, f"{grown_mib:.0f} MiB more for 40 calls of 4.9 MB"
+    refused = [call for call in calls if call.code() == grpc.StatusCode.UNAVAILABLE and "unanswered" in (call.details() or "")]
+    assert refused and all(home.node_id in (call.details() or "") for call in refused)
+    assert set(codes) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
