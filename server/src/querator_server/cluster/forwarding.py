@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
 
 from querator.v1.queue_pb2 import LeaseRequest
@@ -60,6 +61,10 @@ _WAIT_MARGIN_S = 10.0
 # of its request of up to 5 MB: 40 Completes of 4.9 MB took a node from 48 to 736 MiB.
 PEER_CALLS = 1000
 PEER_BYTES = 4 * MAX_REQUEST_BYTES
+# How long a node has to answer a health check before a call that asks for one
+# (``probe``) is sent to it; at most a quarter of the time the call has.
+PROBE_S = 1.0
+_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 # A ping on an idle connection to a peer every KEEPALIVE_S, and the connection dropped
 # when one is not answered in KEEPALIVE_TIMEOUT_S: a peer that died without a word
@@ -219,6 +224,22 @@ class Peers:
             )
         return channel
 
+    async def _probe(self, node: str, channel: grpc.aio.Channel, timeout: float) -> None:
+        check = channel.unary_unary(
+            _HEALTH_CHECK,
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        try:
+            await check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                raise Unreachable(
+                    f"node {node!r} did not answer a health check within {timeout:.2g} s "
+                    f"(paused, overloaded or down: {exc.code().name}); the call was not sent to it"
+                ) from None
+            # Any other answer (UNIMPLEMENTED, say) is an answer: the node is there.
+
     async def forward(
         self,
         node: str,
@@ -227,9 +248,16 @@ class Peers:
         response_type: type[M],
         context: grpc.aio.ServicerContext[Any, Any],
         timeout: float | None = None,
+        *,
+        probe: bool = False,
     ) -> M:
         """``request`` sent to ``node`` as the caller's own call; its answer, or its error
-        raised here (Unreachable when it never left, so another node may be tried)."""
+        raised here (Unreachable when it never left, so another node may be tried).
+
+        With ``probe``, the node must first answer a health check within PROBE_S, else
+        the call is not sent (Unreachable): a paused node's connection stays open, and a
+        call sent to it waits out its whole deadline, where one that can be passed over
+        (a RedriveItems visiting every node) should move on to the others."""
         metadata = [
             (k, v)
             for k, v in (context.invocation_metadata() or ())
@@ -242,6 +270,8 @@ class Peers:
         if timeout is None:
             timeout = _no_deadline_cap(request)
         channel = self.channel(node)
+        if probe:
+            await self._probe(node, channel, min(PROBE_S, timeout / 4))
         data = request.SerializeToString()
         load = self._load[node]
         if load.calls and (load.calls >= PEER_CALLS or load.bytes + len(data) > PEER_BYTES):

@@ -16,9 +16,9 @@ so any node goes on with a token another issued.
 Nothing moved is ever left unreported: a node that fails after others moved items
 ends the call, answered with what moved and a token that starts at the failed node;
 only a call that moved nothing answers with the error. A node known to be down (not a
-member, or its connection refused: the call never reached it) is passed over and
-tried again at the end of the walk; if it still is, the call answers what moved and
-the next one UNAVAILABLE naming it.
+member, its connection refused, or no answer to a health check: a paused node; the
+call never reached it) is passed over and tried again at the end of the walk; if it
+still is, the call answers what moved and the next one UNAVAILABLE naming it.
 """
 
 from __future__ import annotations
@@ -142,6 +142,6 @@ async def walk(
         return out, RedriveWalk(entry.generation, None, "", down)
     names = ", ".join(sorted({n for n, _ in down}))
     raise Unavailable(
-        f"queue {entry.config.name!r}: node(s) {names} homing part of it are down, so their items were not "
+        f"queue {entry.config.name!r}: node(s) {names} homing part of it are down or not answering, so their items were not "
         "redriven (the live nodes' were, and each moved item was reported); send the same request again once they are back"
     )

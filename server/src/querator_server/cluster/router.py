@@ -355,12 +355,13 @@ class Router:
         async def step(node: str, part: spb.RedriveItemsRequest) -> spb.RedriveItemsResponse:
             if node == self.node:
                 return await local(part, context)  # type: ignore[no-any-return]
-            # A node that does not answer in time (paused, say): answer what the others
+            # A node that does not answer a health check (paused, say) is passed over as
+            # one that is down; one that stops answering mid-call: answer what the others
             # moved before the caller's deadline, rather than nothing after it.
             remaining = context.time_remaining()
             timeout = None if remaining is None else remaining - min(_ANSWER_MARGIN_S, remaining / 5)
             return await self._forward(
-                node, "/querator.v1.StorageService/RedriveItems", part, spb.RedriveItemsResponse, context, timeout
+                node, "/querator.v1.StorageService/RedriveItems", part, spb.RedriveItemsResponse, context, timeout, probe=True
             )
 
         response, rest = await walk(entry, request, limit, start, lambda n: n == self.node or self.live(n), step, Unreachable)
