@@ -20,7 +20,7 @@ from cluster_helpers import Cluster, Node
 
 from querator.v1 import queue_pb2, queue_pb2_grpc, queues_pb2, storage_pb2
 
-from conftest import Stubs, dur
+from conftest import Stubs, dur, wait_until
 
 MIB = 1 << 20
 # One item of 4.5 MB: more than gRPC's default 4 MiB receive limit, less than the
@@ -187,3 +187,62 @@ def test_calls_forwarded_to_a_paused_home_are_bounded_in_memory_and_in_time(clus
     refused = [call for call in calls if call.code() == grpc.StatusCode.UNAVAILABLE and "unanswered" in (call.details() or "")]
     assert refused and all(home.node_id in (call.details() or "") for call in refused)
     assert set(codes) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@pytest.mark.parametrize("via", ["another-node", "the-home"])
+def test_a_lease_stream_in_a_cluster_gives_back_what_it_never_sent(cluster: Cluster, via: str) -> None:
+    name = f"unread-{via}"
+    cluster.nodes[0].stubs.create(name, requested_partitions=1, lease_timeout=dur(300))
+    home, other = _home_and_other(cluster, name)
+    if via == "the-home":  # its answers' partition is in cluster numbers all the same
+        other = home
+    for start in range(0, 3000, 400):
+        home.stubs.produce(name, [f"{n:05d}".encode().ljust(10_000, b".") for n in range(start, min(start + 400, 3000))])
+
+    def leased() -> int:
+        return home.stubs.stats(name).partitions[0].total_leased
+
+    # Leases of 100 items (1 MB answers) from a client that reads nothing: the answers
+    # wait on the stream's node until the stream ends.
+    message = queue_pb2.LeaseStreamRequest(request=queue_pb2.LeaseRequest(queue_name=name, batch_size=100))
+    call = other.stubs.queue.LeaseStream(iter([message] * 30), timeout=60)  # type: ignore[misc]
+    last, steady_since = -1, time.monotonic()
+    deadline = time.monotonic() + 30
+    while time.monotonic() - steady_since < 1.0:
+        assert time.monotonic() < deadline, "leasing never stopped"
+        if (now := leased()) != last:
+            last, steady_since = now, time.monotonic()
+        time.sleep(0.05)
+    assert last >= 1000
+    call.cancel()
+    # What was never sent goes back to ready at once (the lease runs for 300 s), with
+    # the attempt its lease took; what the transport took (a few answers) stays leased.
+    wait_until(lambda: leased() <= last // 2, timeout=30)
+    stats = home.stubs.stats(name).partitions[0]
+    assert stats.total == 3000
+    ready = [i for i in home.stubs.list_items(name) if not i.is_leased]  # the first page's
+    assert ready and all(i.attempts == 0 for i in ready)
+    again = other.stubs.lease(name, batch_size=1000, request_timeout=dur(0))
+    assert again.items and {i.attempts for i in again.items} == {1}
+
+
+def test_the_nodes_own_give_back_call_refuses_a_client(cluster: Cluster) -> None:
+    cluster.nodes[0].stubs.create("held", requested_partitions=1, lease_timeout=dur(300))
+    home, _ = _home_and_other(cluster, "held")
+    home.stubs.produce("held", [b"mine"])
+    lease = home.stubs.lease("held", batch_size=1, request_timeout=dur(5))
+    item = lease.items[0]
+    answer = queue_pb2.LeaseResponse(queue_name="held", partition=lease.partition)
+    answer.columns.ids.append(item.id)
+    answer.columns.lease_deadlines_us.append(item.lease_deadline.ToMicroseconds())
+    assert home.channel is not None
+    for marker in ((), FORGED, MADE_UP):
+        give_back = home.channel.unary_unary(
+            "/querator.internal.Peer/GiveBackUnsent",
+            request_serializer=queue_pb2.LeaseResponse.SerializeToString,
+            response_deserializer=lambda data: data,
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            give_back(answer, timeout=10, metadata=marker)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert home.stubs.stats("held").partitions[0].total_leased == 1

@@ -143,6 +143,10 @@ class QueratorServer:
                 ClusterService(self.manager, lambda: self.address, guard, cluster).handler(),
             )
         )
+        if router is not None:
+            from .grpc_api.peer_service import PeerService
+
+            server.add_generic_rpc_handlers((PeerService(router.give_backs, queue_service.give_back_here).handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         # Serves our files with their proto comments (see reflection.py).
         servicer = self._reflection = ReflectionServicer(

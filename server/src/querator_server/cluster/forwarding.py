@@ -246,13 +246,14 @@ class Peers:
         method: str,
         request: Message,
         response_type: type[M],
-        context: grpc.aio.ServicerContext[Any, Any],
+        context: grpc.aio.ServicerContext[Any, Any] | None,
         timeout: float | None = None,
         *,
         probe: bool = False,
     ) -> M:
-        """``request`` sent to ``node`` as the caller's own call; its answer, or its error
-        raised here (Unreachable when it never left, so another node may be tried).
+        """``request`` sent to ``node`` as the caller's own call (``context``: the
+        caller's; None for a call of this node's own); its answer, or its error raised
+        here (Unreachable when it never left, so another node may be tried).
 
         With ``probe``, the node must first answer a health check within PROBE_S, else
         the call is not sent (Unreachable): a paused node's connection stays open, and a
@@ -260,11 +261,11 @@ class Peers:
         (a RedriveItems visiting every node) should move on to the others."""
         metadata = [
             (k, v)
-            for k, v in (context.invocation_metadata() or ())
+            for k, v in ((context.invocation_metadata() or ()) if context is not None else ())
             if k not in _TRANSPORT_HEADERS and k not in (FORWARDED, PROOF) and not k.startswith("grpc-")
         ]
         metadata += ((FORWARDED, self.node), (PROOF, self._proof()))
-        remaining = context.time_remaining()
+        remaining = context.time_remaining() if context is not None else None
         if timeout is None or (remaining is not None and remaining < timeout):
             timeout = remaining
         if timeout is None:

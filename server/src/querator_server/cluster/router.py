@@ -26,6 +26,7 @@ from ..errors import FailedPrecondition, NoHealthyPartition, QueratorError, Unav
 from ..model import DEFAULT_WAIT_US, MAX_WAIT_US, check_lease_keys
 from .catalog import CatalogCache
 from .forwarding import NODE_GONE_HELP, Peers, PeerTls, Unreachable
+from .give_back import GiveBacks
 from .placement import QueueEntry
 from .policy import Part, Where, where
 from .redrive_walk import RedriveWalk, check_target, walk
@@ -55,6 +56,7 @@ class Router:
         self._catalog = catalog
         self._lookup = lookup
         self.peers = Peers(node, lambda: catalog.members, tls)
+        self.give_backs = GiveBacks(node, lookup, self.peers)
         self._forward = self.peers.forward
         # Called after a call was served here, before it is answered: raises (or ends the
         # process) when this node's id may now be another process's (membership.verify).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -170,12 +171,9 @@ class QueueService:
             lease = dataclasses.replace(lease)
 
     def give_back(self, response: Message, reached: bool) -> None:
-        """Give back the items of a Lease answer its stream will never deliver."""
+        """Give back the items of a Lease answer its stream will never deliver (in a
+        cluster, at the node homing them: the answer's partition is cluster-wide)."""
         assert isinstance(response, pb.LeaseResponse)
-        if self.router is not None:
-            # In a cluster the answer's partition is cluster-wide and its items may live
-            # on another node: they come back when their lease runs out, as before.
-            return
         if response.columns.ids:
             ids, deadline = list(response.columns.ids), response.columns.lease_deadlines_us[0]
         elif response.items:
@@ -183,18 +181,28 @@ class QueueService:
             ids, deadline = [item.id for item in response.items], first.seconds * 1_000_000 + first.nanos // 1000
         else:
             return
-        give = a.GiveBackRequest(response.partition, ids, deadline, reached)
-        task = asyncio.get_running_loop().create_task(self._give_back(response.queue_name, give))
+        name, partition = response.queue_name, response.partition
+        work: Awaitable[object]
+        if self.router is None:
+            work = self.give_back_here(name, partition, ids, deadline, reached)
+        else:
+            work = self.router.give_backs.give_back(name, partition, ids, deadline, reached, self.give_back_here)
+        task = asyncio.get_running_loop().create_task(self._give_back(name, len(ids), work))
         self._giving.add(task)
         task.add_done_callback(self._giving.discard)
 
-    async def _give_back(self, name: str, request: a.GiveBackRequest) -> None:
+    async def give_back_here(self, name: str, partition: int, ids: list[str], deadline: int, reached: bool) -> int:
+        """Give back leased items of this node's ``partition`` (see a.GiveBackRequest)."""
+        given: int = await self.manager.actor(name).submit(a.GiveBackRequest(partition, ids, deadline, reached))
+        log.info("leases_given_back", queue=name[:200], partition=partition, items=given, new_ids=reached)
+        return given
+
+    async def _give_back(self, name: str, items: int, work: Awaitable[object]) -> None:
         try:
-            given = await self.manager.actor(name).submit(request)
+            await work
         except (QueratorError, StorageError) as exc:
-            log.warning("give_back_failed", queue=name[:200], items=len(request.ids), error=str(exc))
-            return
-        log.info("leases_given_back", queue=name[:200], partition=request.partition, items=given, new_ids=request.reached)
+            # Left leased: they come back when their lease runs out.
+            log.warning("give_back_failed", queue=name[:200], items=items, error=str(exc))
 
     def _partition(self, name: str, partition: int) -> int:
         return c.partition(partition, self.manager.get(name).partitions)
