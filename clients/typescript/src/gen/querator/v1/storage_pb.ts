@@ -584,11 +584,11 @@ export const StorageService: GenService<{
    * node of its dead-letter partition), so a target_queue must have a
    * partition on every node homing queue_name, else FAILED_PRECONDITION names
    * the nodes that lack one and nothing moves. The next_page_token goes on
-   * where the call stopped, on whichever node gets it. A node that is down is
-   * passed over and visited last; while it still is, the call answers what the
-   * live nodes moved (with a next_page_token), and a call that then moves
-   * nothing answers UNAVAILABLE naming it: send the same request again once it
-   * is back. Every moved item is in some answer's message_ids: a node that
+   * where the call stopped, on whichever node gets it. A node that is down, or
+   * does not answer a health check within a second (paused), is passed over and
+   * visited last; while it still is, the call answers what the live nodes moved
+   * (with a next_page_token), and a call that then moves nothing answers
+   * UNAVAILABLE naming it: send the same request again once it is back. Every moved item is in some answer's message_ids: a node that
    * fails after others moved items ends the call with what moved and a token
    * that starts at that node. Only a node that fails mid-call without an answer
    * (its deadline passed) may have moved items no answer names; they are in
