@@ -9,6 +9,8 @@ pauses a node resumes it before it ends.
 
 from __future__ import annotations
 
+import os
+import pathlib
 import signal
 import time
 from collections import Counter
@@ -246,3 +248,32 @@ def test_the_nodes_own_give_back_call_refuses_a_client(cluster: Cluster) -> None
             give_back(answer, timeout=10, metadata=marker)
         assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert home.stubs.stats("held").partitions[0].total_leased == 1
+
+
+def test_a_call_forwarded_without_a_deadline_to_a_stuck_home_ends(tmp_path: pathlib.Path) -> None:
+    # A home whose storage stalls (a slow disk: the test's fault file) but which is
+    # alive: keepalive does not end the call, only the forwarded call's own bound does.
+    with Cluster(str(tmp_path), size=0) as c:
+        faults = {f"n{i}": str(tmp_path / f"fault-n{i}") for i in (1, 2)}
+        for node_id, fault in faults.items():
+            node = Node(node_id, str(tmp_path / node_id), c.url, c.ttl, env={"QUERATOR_FAULT_FILE": fault})
+            c.nodes.append(node)
+            node.start()
+        n1 = c.nodes[0]
+        wait_until(lambda: c.live(n1) == {"n1", "n2"}, timeout=20)
+        n1.stubs.create("stuck", requested_partitions=1)
+        home, other = _home_and_other(c, "stuck")
+        home.stubs.produce("stuck", [b"held"])
+        lease = home.stubs.lease("stuck", batch_size=1, request_timeout=dur(5))
+        with open(faults[home.node_id], "w") as f:
+            f.write("stall\n")
+        try:
+            complete = queue_pb2.CompleteRequest(queue_name="stuck", partition=lease.partition, ids=[lease.items[0].id])
+            call = other.stubs.queue.Complete.future(complete)  # no deadline
+            try:
+                call.exception(timeout=90)  # the stall itself gives up after 120 s
+            finally:
+                call.cancel()
+        finally:
+            os.remove(faults[home.node_id])
+        assert call.code() == grpc.StatusCode.DEADLINE_EXCEEDED, call.details()
