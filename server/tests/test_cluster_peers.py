@@ -167,28 +167,33 @@ def test_calls_forwarded_to_a_paused_home_are_bounded_in_memory_and_in_time(clus
     big = queue_pb2.CompleteRequest(queue_name="paused-home", partition=0, ids=[f"{n:05d}".ljust(5000, "x") for n in range(980)])
     assert 4_800_000 < big.ByteSize() < 5_000_000
     options = [("grpc.max_send_message_length", 16 * MIB)]
+    other.stubs.stats("paused-home")  # the other node's connection to the home is up
     before = _rss_kib(other, "VmRSS")
     with grpc.insecure_channel(other.address, options=options) as channel:
         stub = queue_pb2_grpc.QueueServiceStub(channel)
         home.signal(signal.SIGSTOP)
         try:
             calls = [stub.Complete.future(big) for _ in range(40)]
-            ended = time.monotonic() + 120
+            ended = time.monotonic() + 60
             for call in calls:  # bounded: each call ends on its own, whatever the caller's deadline
                 call.exception(timeout=max(0.1, ended - time.monotonic()))
             peak = _rss_kib(other, "VmHWM")
         finally:
             home.signal(signal.SIGCONT)
-        assert all(call.done() for call in calls), "calls to the paused home still waiting after 2 minutes"
+        assert all(call.done() for call in calls), "calls to the paused home still waiting after a minute"
         codes = Counter(call.code() for call in calls)
+    wait_until(lambda: home.node_id in cluster.live(other), timeout=30)  # back, for the next tests
     grown_mib = (peak - before) / 1024
     print(f"the forwarding node: {before / 1024:.0f} MiB before, peak {peak / 1024:.0f} MiB; outcomes {dict(codes)}")
     # The calls let through hold their request while the home is paused; the others
     # are refused at once, before any copy of their 4.9 MB is made for the home.
-    assert grown_mib < 400, f"{grown_mib:.0f} MiB more for 40 calls of 4.9 MB"
+    assert grown_mib < 500, f"{grown_mib:.0f} MiB more for 40 calls of 4.9 MB"
     refused = [call for call in calls if call.code() == grpc.StatusCode.UNAVAILABLE and "unanswered" in (call.details() or "")]
     assert refused and all(home.node_id in (call.details() or "") for call in refused)
-    assert set(codes) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+    # The calls let through end when the keepalive drops the connection to the paused
+    # home (about 15 s). Without it they were still waiting after 80 s, their 30 s
+    # deadline notwithstanding: their requests sat in a full TCP send buffer.
+    assert set(codes) == {grpc.StatusCode.UNAVAILABLE}
 
 
 @pytest.mark.parametrize("via", ["another-node", "the-home"])
