@@ -66,9 +66,11 @@ PEER_BYTES = 4 * MAX_REQUEST_BYTES
 PROBE_S = 1.0
 _HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
-# A ping on an idle connection to a peer every KEEPALIVE_S, and the connection dropped
-# when one is not answered in KEEPALIVE_TIMEOUT_S: a peer that died without a word
-# (power, network) is noticed then, not when a call to it times out.
+# A ping on the connection to a peer every KEEPALIVE_S, and the connection dropped when
+# one is not answered in KEEPALIVE_TIMEOUT_S: a peer that died without a word (power,
+# network) or is paused is noticed then, not when a call to it times out. It also ends
+# calls whose large request sits in a full TCP send buffer to a paused peer: their own
+# deadline did not (still waiting 80 s after a 30 s deadline, without keepalive).
 KEEPALIVE_S = 10
 KEEPALIVE_TIMEOUT_S = 5
 _CHANNEL_OPTIONS = (
@@ -96,7 +98,8 @@ M = TypeVar("M", bound=Message)
 
 
 class Unreachable(Unavailable):
-    """A forwarded call that never reached its node (no connection): safe to send elsewhere."""
+    """A forwarded call that never reached its node (no connection, too many calls
+    unanswered there, no answer to a health check): safe to send elsewhere."""
 
 
 @dataclass(frozen=True, slots=True)
