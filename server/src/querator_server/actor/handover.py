@@ -63,6 +63,8 @@ class HandOver(Generic[V]):
         self._receiver_field = receiver_field
         self._failures: dict[str, RepeatedFailure] = {}
         self._task: asyncio.Task[None] | None = None
+        # Callers waiting for entries to be handed over: (their keys, their future).
+        self._waiters: list[tuple[list[Key], asyncio.Future[None]]] = []
 
     def kick(self) -> None:
         """Start handing over, unless it runs already or there is nothing to hand."""
@@ -74,7 +76,16 @@ class HandOver(Generic[V]):
         if self._task is not None:
             await asyncio.shield(self._task)
 
-    async def cancel(self) -> None:
+    def wait_for(self, keys: list[Key], waiter: asyncio.Future[None]) -> None:
+        """Resolve ``waiter`` once every entry of ``keys`` is handed over."""
+        self._waiters.append((keys, waiter))
+
+    async def cancel(self, why: Exception) -> None:
+        """Stop handing over (what is left stays in the outbox); waiters fail with ``why``."""
+        for _keys, waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_exception(why)
+        self._waiters = []
         task, self._task = self._task, None
         if task is not None and not task.done():
             task.cancel()
@@ -86,6 +97,8 @@ class HandOver(Generic[V]):
     def _done(self, keys: list[Key]) -> None:
         for key in keys:
             self.entries.pop(key, None)
+        if self._waiters:
+            self._waiters = [(ks, w) for ks, w in self._waiters if not _settled(ks, w, self.entries)]
 
     async def _run(self) -> None:
         while self.entries and not self._closed():
@@ -113,3 +126,13 @@ class HandOver(Generic[V]):
             recovered = self._failures.pop(receiver, None)
             if recovered is not None:
                 log.info(f"{self._kind}_recovered", queue=self._queue, **named, failures=recovered.failures)
+
+
+def _settled(keys: list[Key], waiter: asyncio.Future[None], entries: Container[Key]) -> bool:
+    """Whether ``waiter`` is done with: resolved now that none of its keys is left."""
+    if waiter.done():
+        return True
+    if any(key in entries for key in keys):
+        return False
+    waiter.set_result(None)
+    return True

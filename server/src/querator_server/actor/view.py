@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model import NEVER_US
+from ..model import NEVER_US, PartitionStats
 from ..storage import PartitionScan
 
 
@@ -57,6 +57,20 @@ class PartitionView:
             self.seq_dirty,
             self.first_due,
             self.first_expiry,
+        )
+
+    def stats(self, p: int, now: int, failure: str, faulty_since_us: int) -> PartitionStats:
+        """Partition ``p``'s counts and ages at ``now`` (wall µs), and why it is faulty."""
+        total = self.ready + self.leased
+        return PartitionStats(
+            partition=p,
+            total=total,
+            total_leased=self.leased,
+            scheduled=self.scheduled,
+            average_age_us=max(0, now - self.created_sum // total) if total else 0,
+            average_leased_age_us=max(0, now - self.leased_at_sum // self.leased) if self.leased else 0,
+            failure=failure,
+            faulty_since_us=faulty_since_us,
         )
 
     def take_seq(self) -> int:
