@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -40,13 +42,14 @@ def _sdk_path_entry() -> str:
     return entry
 
 
-def test_the_server_runs_without_the_sdk(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _serving(script: str, *args: str, data_dir: Path) -> Iterator[Stubs]:
+    """A server run by ``python -c script ARGS``, and stubs to it; it must exit 0 on SIGTERM."""
     address = f"127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUERATOR_")}
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _WITHOUT_SDK, _sdk_path_entry(), "--address", address, "--data-dir", str(tmp_path / "d"),
-             "--log-level", "warning"],
+            [sys.executable, "-c", script, *args, "--address", address, "--data-dir", str(data_dir), "--log-level", "warning"],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
         )  # fmt: skip
 
@@ -56,20 +59,21 @@ def test_the_server_runs_without_the_sdk(tmp_path: Path) -> None:
 
         try:
             wait_for_server(address, proc, 60, text)
-            channel = grpc.insecure_channel(address)
-            stubs = Stubs(channel)
-            try:
-                stubs.create("q")
-                stubs.produce("q", [b"a"])
-                reply = stubs.queue.Lease(queue_pb2.LeaseRequest(queue_name="q", batch_size=1), timeout=10)
-                assert [i.payload for i in reply.items] == [b"a"]
-                assert stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="q"), timeout=10).queue.queue_name == "q"
-            finally:
-                channel.close()
+            with grpc.insecure_channel(address) as channel:
+                yield Stubs(channel)
         finally:
             proc.send_signal(signal.SIGTERM)
             code = proc.wait(60)
         assert code == 0, text()
+
+
+def test_the_server_runs_without_the_sdk(tmp_path: Path) -> None:
+    with _serving(_WITHOUT_SDK, _sdk_path_entry(), data_dir=tmp_path / "d") as stubs:
+        stubs.create("q")
+        stubs.produce("q", [b"a"])
+        reply = stubs.queue.Lease(queue_pb2.LeaseRequest(queue_name="q", batch_size=1), timeout=10)
+        assert [i.payload for i in reply.items] == [b"a"]
+        assert stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="q"), timeout=10).queue.queue_name == "q"
 
 
 # A Python in which the etcd client is not installed (the ``cluster`` extra left out).
@@ -85,27 +89,8 @@ sys.exit(main(sys.argv[1:]))
 
 def test_the_single_server_runs_without_the_cluster_extra(tmp_path: Path) -> None:
     """aetcd is the ``cluster`` extra: a single server never imports the cluster package."""
-    address = f"127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUERATOR_")}
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _WITHOUT_ETCD_CLIENT, "--address", address, "--data-dir", str(tmp_path / "d"),
-             "--log-level", "warning"],
-            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-        )  # fmt: skip
-
-        def text() -> str:
-            log.seek(0)
-            return log.read().decode(errors="replace")
-
-        try:
-            wait_for_server(address, proc, 60, text)
-            with grpc.insecure_channel(address) as channel:
-                Stubs(channel).create("q")
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(60)
-        assert code == 0, text()
+    with _serving(_WITHOUT_ETCD_CLIENT, data_dir=tmp_path / "d") as stubs:
+        stubs.create("q")
 
 
 def test_serve_cluster_without_the_cluster_extra_says_how_to_install_it(tmp_path: Path) -> None:
