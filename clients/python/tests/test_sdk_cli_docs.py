@@ -313,6 +313,10 @@ def _worker_app(shell: Shell) -> None:
     (app / "__init__.py").write_text("")
     for module, function in (("tasks", "handle"), ("mail", "send"), ("sms", "send")):
         (app / f"{module}.py").write_text(f"def {function}(item):\n    print('{module}', item.text)\n")
+    (app / "worker.py").write_text(
+        "import querator\nfrom myapp.tasks import handle\n\n"
+        "settings = querator.WorkerSettings(queue='orders', handler=handle, options=querator.WorkerOptions(concurrency=8))\n"
+    )
     with shell.client() as c:
         c.create_queue("orders")
         c.produce("orders", ["o1", "o2"])

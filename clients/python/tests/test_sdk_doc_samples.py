@@ -89,6 +89,8 @@ SETUP: dict[str, Callable[[querator.Client], None]] = {
     "from datetime import timedelta": _queue("orders"),
     "import querator\nfrom opentelemetry": _queue("jobs"),
     "import querator\n\ndef do_the_work": _queue("jobs", "traced"),
+    'import querator\n\ntasks = querator.Tasks("mail")': _queue("mail"),
+    "import asyncio\nfrom datetime import UTC": _queue("reports"),
 }
 
 # A block that needs a server with auth and TLS (the quickstart's step 5): the files and
@@ -104,6 +106,9 @@ EXPECT = {
     'import querator\n\ndef handle(item: querator.LeasedItem) -> None:\n    print(f"handled': ["handled j1", "3 completed"],
     "import querator\n\ndef do_the_work": ["working on traced"],
     SECURE: ["qk_"],
+    'import querator\n\ntasks = querator.Tasks("mail")': ["email to a@example.com: hello (attempt 1)", "no task of kind 'emial'"],
+    "import asyncio\nfrom datetime import UTC": ["report daily: 10 bytes", "report later: 0 bytes"],
+    "from datetime import timedelta\n\nimport querator\n\ntasks": ["charged order 1: 1999 cents", "audit: order 1 charged"],
 }
 
 

@@ -55,7 +55,22 @@ from ._models import (
 )
 from ._paging import AsyncPager, Pager
 from ._producer import AsyncProducer, Producer
-from ._worker import AsyncWorker, RetryRule, Worker, WorkerHooks, WorkerOptions, WorkerStats
+from ._worker import (
+    AsyncWorker,
+    Codec,
+    Kind,
+    KindOptions,
+    RetryRule,
+    Task,
+    Tasks,
+    UnknownTask,
+    Worker,
+    WorkerHooks,
+    WorkerOptions,
+    WorkerSettings,
+    WorkerStats,
+    current_item,
+)
 from .errors import (
     Cancelled,
     DeadLetter,
@@ -148,6 +163,14 @@ __all__ = [
     "Worker",
     "WorkerHooks",
     "WorkerOptions",
+    "WorkerSettings",
     "WorkerStats",
+    "Codec",
+    "Kind",
+    "KindOptions",
+    "Task",
+    "Tasks",
+    "UnknownTask",
+    "current_item",
     "__version__",
 ]

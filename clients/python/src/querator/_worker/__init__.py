@@ -2,7 +2,8 @@
 
 Split by concern: ``options`` (what a user sets and reads: options, hooks, stats),
 ``failures`` (retry rules, rate-limited failure logs), ``dispatch`` (handlers by kind),
-``engine`` (leasing, handling, shutdown), ``keepalive`` (Extend), ``threads`` (sync handlers'
+``kinds`` (one kind's options), ``tasks`` (tasks by name and their codecs), ``settings`` (a worker as one value), ``engine``
+(leasing, handling, shutdown), ``keepalive`` (Extend), ``threads`` (sync handlers'
 threads), ``settler`` (batched Complete and Retry), ``calls`` (the client calls the
 worker makes), ``metrics`` (Prometheus, optional) and ``workers`` (Worker, AsyncWorker). The
 ``querator worker`` command is the CLI's (``querator.cli.worker``).
@@ -10,7 +11,26 @@ worker makes), ``metrics`` (Prometheus, optional) and ``workers`` (Worker, Async
 
 from .dispatch import Handler
 from .failures import RetryRule
+from .kinds import Kind, KindOptions
 from .options import WorkerHooks, WorkerOptions, WorkerStats
+from .settings import WorkerSettings
+from .tasks import Codec, Task, Tasks, UnknownTask, current_item
 from .workers import AsyncWorker, Worker
 
-__all__ = ["AsyncWorker", "Handler", "RetryRule", "Worker", "WorkerHooks", "WorkerOptions", "WorkerStats"]
+__all__ = [
+    "AsyncWorker",
+    "Codec",
+    "Handler",
+    "Kind",
+    "KindOptions",
+    "RetryRule",
+    "Task",
+    "Tasks",
+    "UnknownTask",
+    "Worker",
+    "WorkerHooks",
+    "WorkerOptions",
+    "WorkerSettings",
+    "WorkerStats",
+    "current_item",
+]

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .._convert import seconds
+from .kinds import KindOptions, KindRules
+
 if TYPE_CHECKING:
     from .._items import AsyncLeasedItem, LeasedItem
+    from .failures import FailureRules
 
 Handler = Callable[["LeasedItem"], object] | Callable[["AsyncLeasedItem"], Awaitable[object]]
 H = TypeVar("H", bound=Handler)
@@ -19,15 +24,28 @@ def is_async(handler: Callable[..., Any]) -> bool:
 
 
 class Route:
-    """A handler and how it runs (a task for ``async def``, a thread otherwise)."""
+    """A handler and how it runs (a task for ``async def``, a thread otherwise), with its
+    kind's options (``KindOptions``) if it has any."""
 
-    __slots__ = ("handler", "is_async")
+    __slots__ = ("handler", "is_async", "options", "timeout", "slots", "rules")
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, options: KindOptions | None = None) -> None:
         if not callable(handler):
             raise TypeError(f"a handler must be callable, not {handler!r}")
         self.handler = handler
         self.is_async = is_async(handler)
+        self.options = options
+        self.timeout = seconds(options.handler_timeout) if options and options.handler_timeout is not None else None
+        #: Made as the worker starts (on its loop): this kind's own concurrency, and its
+        #: retry rules in front of the worker's.
+        self.slots: asyncio.Semaphore | None = None
+        self.rules: KindRules | None = None
+
+    def start(self, worker_rules: FailureRules) -> None:
+        if self.options is not None:
+            if self.options.concurrency is not None:
+                self.slots = asyncio.Semaphore(self.options.concurrency)
+            self.rules = KindRules(self.options, worker_rules)
 
 
 class Dispatch:
@@ -40,14 +58,14 @@ class Dispatch:
         self.by_kind: dict[str, Route] = {}
         self.frozen = False
 
-    def add(self, kind: str, handler: Handler) -> None:
+    def add(self, kind: str, handler: Handler | Route, options: KindOptions | None = None) -> None:
         if self.frozen:
             raise RuntimeError("handlers are registered before the worker runs")
         if not isinstance(kind, str):
             raise TypeError(f"a kind is a string, not {kind!r}")
         if kind in self.by_kind:
             raise ValueError(f"a handler for kind {kind!r} is registered already")
-        self.by_kind[kind] = Route(handler)
+        self.by_kind[kind] = handler if isinstance(handler, Route) else Route(handler, options)
 
     def route(self, kind: str) -> Route | None:
         return self.by_kind.get(kind, self.default) if self.by_kind else self.default

@@ -185,6 +185,8 @@ class Engine:
             from .metrics import WorkerMetrics
 
             self.metrics = WorkerMetrics(self.queue_name, self.o.metrics_port)
+        for route in self.dispatch.routes():
+            route.start(self.policy)
         self.threads: HandlerThreads | None = None
         if not all(route.is_async for route in self.dispatch.routes()):
             self.threads = HandlerThreads(self.loop, self.o.concurrency)
@@ -499,7 +501,7 @@ class Engine:
                 self._unwait(held)
                 await self._settle(held, DeadLetter(f"no handler for kind {item.kind!r}"), None)
                 return
-            async with self.slots:
+            async with route.slots or contextlib.nullcontext(), self.slots:
                 assert self.stopping is not None
                 if self.stopping.is_set() or held.abandoned:
                     return  # not started: _shutdown releases it
@@ -508,16 +510,17 @@ class Engine:
                 self.hook("on_start", item)
                 began = time.monotonic()
                 error: BaseException | None = None
+                timeout = route.timeout or self.handler_timeout
                 try:
                     with self._span(item):
                         if route.is_async:
                             call = route.handler(item)  # type: ignore[arg-type]
-                            if self.handler_timeout is None:
+                            if timeout is None:
                                 await call  # type: ignore[misc]
                             else:
-                                await self._limited(cast(Awaitable[object], call))
+                                await self._limited(cast(Awaitable[object], call), timeout)
                         else:
-                            await self._run_sync(route, item)
+                            await self._run_sync(route, item, timeout)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
@@ -525,42 +528,39 @@ class Engine:
                 elapsed = time.monotonic() - began
             if held.abandoned:
                 return
-            await self._settle(held, error, elapsed)
+            await self._settle(held, error, elapsed, route)
         finally:
             # An item that never started stays held: _shutdown gives it back (forgotten
             # here, it would stay leased until its lease ran out).
             if held.started and not held.abandoned:
                 self._forget(held)
 
-    async def _limited(self, call: Awaitable[object]) -> None:
+    async def _limited(self, call: Awaitable[object], timeout: float) -> None:
         """An async handler under ``handler_timeout``: cancelled when it runs past it."""
-        assert self.handler_timeout is not None
-        limit = asyncio.timeout(self.handler_timeout)
+        limit = asyncio.timeout(timeout)
         try:
             async with limit:
                 await call
         except TimeoutError:
             if not limit.expired():
                 raise  # the handler's own
-            raise HandlerTimeout(
-                f"the handler ran past handler_timeout ({self.handler_timeout:g}s) and was cancelled"
-            ) from None
+            raise HandlerTimeout(f"the handler ran past handler_timeout ({timeout:g}s) and was cancelled") from None
 
-    async def _run_sync(self, route: Route, item: _LeasedBase) -> None:
+    async def _run_sync(self, route: Route, item: _LeasedBase, timeout: float | None) -> None:
         assert self.threads is not None
         # The handler's thread sees this task's context (the span).
         ctx = contextvars.copy_context()
         sync_handler = cast(Callable[[_LeasedBase], object], route.handler)
         future = self.threads.run(functools.partial(ctx.run, sync_handler, item))
-        if self.handler_timeout is None:
+        if timeout is None:
             await future
             return
-        done, _ = await asyncio.wait([future], timeout=self.handler_timeout)
+        done, _ = await asyncio.wait([future], timeout=timeout)
         if not done:
             # A thread cannot be stopped: the call runs on, ignored, and another
             # thread takes its place.
             self.threads.abandon(future)
-            raise HandlerTimeout(f"the handler ran past handler_timeout ({self.handler_timeout:g}s) and was abandoned")
+            raise HandlerTimeout(f"the handler ran past handler_timeout ({timeout:g}s) and was abandoned")
         future.result()
 
     def _span(self, item: _LeasedBase) -> contextlib.AbstractContextManager[object]:
@@ -578,7 +578,7 @@ class Engine:
         if self.metrics is not None:
             self.metrics.failed(item.kind, error, elapsed)
 
-    async def _settle(self, held: Held, error: BaseException | None, elapsed: float | None) -> None:
+    async def _settle(self, held: Held, error: BaseException | None, elapsed: float | None, route: Route | None = None) -> None:
         item = held.item
         held.settling = True
         if error is not None:
@@ -595,7 +595,7 @@ class Engine:
             if await self._complete(held):
                 self._completed(item, elapsed)
             return
-        decision = self.policy.decide(error)
+        decision = (route.rules if route is not None and route.rules is not None else self.policy).decide(error)
         out_of_attempts = (self.max_attempts and item.attempts >= self.max_attempts) or (
             decision.max_attempts is not None and item.attempts >= decision.max_attempts
         )

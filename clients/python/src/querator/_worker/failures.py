@@ -79,6 +79,10 @@ class FailureRules:
         self._dead = Decision(True, default_backoff)
 
     def decide(self, error: BaseException) -> Decision:
+        return self.named(error) or self.default
+
+    def named(self, error: BaseException) -> Decision | None:
+        """The decision of the most specific class named for ``error``; None if none is."""
         if self._by_class:
             for cls in type(error).__mro__:
                 found = self._by_class.get(cls)
@@ -86,7 +90,7 @@ class FailureRules:
                     return self._dead
                 if isinstance(found, Decision):
                     return found
-        return self.default
+        return None
 
 
 # A traceback per exception type for the first few failures of each minute, then a

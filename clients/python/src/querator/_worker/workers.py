@@ -14,11 +14,13 @@ from .._convert import Seconds, seconds
 from .calls import WorkerCalls
 from .dispatch import Dispatch, H, Handler
 from .engine import Engine
+from .kinds import KindOptions
 from .options import WorkerOptions, WorkerStats
 
 if TYPE_CHECKING:
     from .._async_client import AsyncClient
     from .._client import Client
+    from .tasks import Tasks
 
 
 def _options(options: WorkerOptions | None, overrides: dict[str, Any]) -> WorkerOptions:
@@ -27,25 +29,36 @@ def _options(options: WorkerOptions | None, overrides: dict[str, Any]) -> Worker
 
 
 class _Handlers:
-    """``worker.handler(kind)``: shared by both workers."""
+    """``worker.handler(kind)`` and ``worker.include(tasks)``: shared by both workers."""
 
     _dispatch: Dispatch
+    queue_name: str
 
-    def handler(self, kind: str) -> Callable[[H], H]:
+    def handler(self, kind: str, **options: Any) -> Callable[[H], H]:
         """Register the handler of items of ``kind`` (a decorator), before the worker runs::
 
-            @worker.handler("email")
+            @worker.handler("email", handler_timeout=30, concurrency=4)
             def send_email(item: querator.LeasedItem) -> None: ...
 
         A handler given to the constructor then takes the kinds not registered; without
         one, an item of another kind is dead-lettered ("no handler for kind ...").
+        ``options``: :class:`~querator.KindOptions` fields, this kind's own time limit,
+        concurrency and retry rules.
         """
+        kind_options = KindOptions(**options) if options else None
 
         def register(handler: H) -> H:
-            self._dispatch.add(kind, handler)
+            self._dispatch.add(kind, handler, kind_options)
             return handler
 
         return register
+
+    def include(self, tasks: Tasks) -> None:
+        """Handle the tasks of a registry (:class:`~querator.Tasks`), each by its kind."""
+        if tasks.queue != self.queue_name:
+            raise ValueError(f"the tasks are for queue {tasks.queue!r}, the worker works on {self.queue_name!r}")
+        for task in tasks:
+            self._dispatch.add(task.kind, task.route())
 
 
 class AsyncWorker(_Handlers):

@@ -1,6 +1,8 @@
 """``querator worker MODULE:FUNCTION --queue NAME``: run a handler of your code as a worker.
 
-The handler is imported by path (the current directory first on ``sys.path``, as
+``querator worker MODULE:SETTINGS`` runs a :class:`~querator.WorkerSettings` instead
+(queue, handlers and tasks, options); the flags given override it. The handler or
+settings are imported by path (the current directory first on ``sys.path``, as
 ``python -m`` does), then a :class:`~querator.Worker` runs it until SIGTERM or SIGINT
 (graceful: running handlers finish within ``--shutdown-timeout``, the rest is given
 back), or with ``--burst`` until the queue is empty. Logs go to standard error.
@@ -14,18 +16,33 @@ import importlib
 import json
 import logging
 import sys
-from dataclasses import asdict
-from datetime import timedelta
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from .._worker.dispatch import Handler
-from .._worker.workers import Worker
+from .._worker.options import WorkerOptions
+from .._worker.settings import WorkerSettings
 from ._common import Commands, parse_duration
 
 if TYPE_CHECKING:
     from .._client import Client
 
-HELP = "run a handler (MODULE:FUNCTION) on a queue's items until SIGTERM/SIGINT, or until empty with --burst"
+HELP = (
+    "run a handler (MODULE:FUNCTION) or worker settings (MODULE:SETTINGS) on a queue's items "
+    "until SIGTERM/SIGINT, or until empty with --burst"
+)
+
+# Flags that override a WorkerOptions field of the same name when given.
+_OPTION_FLAGS = (
+    "concurrency",
+    "batch_size",
+    "handler_timeout",
+    "max_lease_duration",
+    "shutdown_timeout",
+    "lease_wait",
+    "metrics_port",
+    "faulty_timeout",
+)
 
 log = logging.getLogger("querator.worker")
 
@@ -33,9 +50,12 @@ log = logging.getLogger("querator.worker")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``querator worker`` options, added to ``parser``."""
     parser.add_argument(
-        "handler", nargs="?", metavar="MODULE:FUNCTION", help="the handler of every item (of kinds without --kind)"
+        "handler",
+        nargs="?",
+        metavar="MODULE:FUNCTION",
+        help="the handler of every item (of kinds without --kind), or a querator.WorkerSettings; flags override it",
     )
-    parser.add_argument("-Q", "--queue", required=True, help="the queue to work on")
+    parser.add_argument("-Q", "--queue", help="the queue to work on (default: the settings')")
     parser.add_argument(
         "--kind",
         action="append",
@@ -44,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the handler of items of KIND (repeatable); items of other kinds go to HANDLER, "
         "or to the dead-letter queue without one",
     )
-    parser.add_argument("-c", "--concurrency", type=int, default=10, help="handlers at once (default 10)")
+    parser.add_argument("-c", "--concurrency", type=int, help="handlers at once (default 10)")
     parser.add_argument("--batch-size", type=int, help="items per Lease call (default: --concurrency, at most 1000)")
     parser.add_argument(
         "--burst",
@@ -60,18 +80,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--handler-timeout", type=parse_duration, help="give up a handler after this long; its item is retried")
     parser.add_argument("--max-lease-duration", type=parse_duration, help="stop extending a lease this long after leasing")
     parser.add_argument(
-        "--shutdown-timeout", type=parse_duration, default=timedelta(seconds=30),
+        "--shutdown-timeout", type=parse_duration,
         help="at SIGTERM/SIGINT, how long running handlers may finish (default 30s)",
     )  # fmt: skip
-    parser.add_argument("--lease-wait", type=parse_duration, default=timedelta(seconds=30), help="long-poll time (default 30s)")
+    parser.add_argument("--lease-wait", type=parse_duration, help="long-poll time (default 30s)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (the metrics extra)")
     parser.add_argument(
         "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default info"
     )
 
 
-def load(path: str) -> Handler:
-    """The object named by ``module:attribute`` (the attribute may be dotted)."""
+def load(path: str) -> Any:
+    """The object named by ``module:attribute`` (the attribute may be dotted): a
+    callable, or worker settings."""
     module_name, sep, attribute = path.partition(":")
     if not sep or not module_name or not attribute:
         raise ValueError(f"not MODULE:FUNCTION: {path!r} (e.g. myapp.tasks:handle)")
@@ -88,48 +109,32 @@ def load(path: str) -> Handler:
             obj = getattr(obj, name)
         except AttributeError:
             raise ValueError(f"{module_name!r} has no attribute {attribute!r}") from None
-    if not callable(obj):
-        raise ValueError(f"{path} is not callable")
-    return obj  # type: ignore[no-any-return]
+    if not callable(obj) and not isinstance(obj, WorkerSettings):
+        raise ValueError(f"{path} is neither callable nor a querator.WorkerSettings")
+    return obj
 
 
 def run(args: argparse.Namespace, client: Client) -> int:
     """Run the worker the parsed ``args`` describe; 0 once it stopped gracefully."""
-    if args.handler is None and not args.kind:
-        raise ValueError("give a handler (MODULE:FUNCTION), --kind KIND=MODULE:FUNCTION, or both")
-    default = load(args.handler) if args.handler else None
-    kinds: dict[str, Handler] = {}
-    for spec in args.kind:
-        kind, sep, path = spec.partition("=")
-        if not sep:
-            raise ValueError(f"--kind takes KIND=MODULE:FUNCTION, not {spec!r}")
-        kinds[kind] = load(path)
+    settings = settings_of(args)
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-    worker = Worker(
-        client,
-        args.queue,
-        default,
-        concurrency=args.concurrency,
-        batch_size=args.batch_size,
-        lease_wait=args.lease_wait,
-        handler_timeout=args.handler_timeout,
-        max_lease_duration=args.max_lease_duration,
-        shutdown_timeout=args.shutdown_timeout,
-        metrics_port=args.metrics_port,
-        faulty_timeout=args.faulty_timeout,
-    )
-    for kind, handler in kinds.items():
-        worker.handler(kind)(handler)
-    handlers = [*args.kind, *([args.handler] if args.handler else [])]
+    worker = settings.worker(client)
+    names = [*settings.handlers, *(t.kind for tasks in settings.registries() for t in tasks)]
+    if settings.handler is not None:
+        names.append(f"(default: {getattr(settings.handler, '__qualname__', settings.handler)!r})")
     until = ", until empty" if args.burst else ""
-    log.info("worker on queue %s: %s, concurrency %d%s", args.queue, " ".join(handlers), args.concurrency, until)
+    log.info(
+        "worker on queue %s: %s, concurrency %d%s", settings.queue, " ".join(names), settings.options.concurrency, until
+    )
     worker.run(until_empty=args.burst)
     stats = worker.stats
     if args.json:
-        print(json.dumps(asdict(stats)), flush=True)
+        # asdict() would rebuild the failures Counter from (name, count) pairs, counting
+        # the pairs: the names are the keys.
+        print(json.dumps({**asdict(stats), "failures": dict(stats.failures)}), flush=True)
     log.info(
         "worker stopped: %d completed, %d retried, %d dead, %d given back, %d failed",
         stats.completed, stats.retried, stats.dead, stats.released, stats.failed,
@@ -141,6 +146,37 @@ def run(args: argparse.Namespace, client: Client) -> int:
         # for them before the process ends, and nothing can stop them but a kill.
         log.warning("%d sync handler(s) still running; the process ends when they return", stuck)
     return 0
+
+
+def settings_of(args: argparse.Namespace) -> WorkerSettings:
+    """The settings the command line describes: MODULE:SETTINGS, or MODULE:FUNCTION and
+    --kind; the flags given override the settings' options."""
+    if args.handler is None and not args.kind:
+        raise ValueError("give a handler (MODULE:FUNCTION), worker settings (MODULE:SETTINGS), --kind, or both")
+    loaded = load(args.handler) if args.handler else None
+    base = loaded if isinstance(loaded, WorkerSettings) else None
+    kinds: dict[str, Handler] = {}
+    for spec in args.kind:
+        kind, sep, path = spec.partition("=")
+        if not sep:
+            raise ValueError(f"--kind takes KIND=MODULE:FUNCTION, not {spec!r}")
+        handler = load(path)
+        if isinstance(handler, WorkerSettings):
+            raise ValueError(f"--kind takes a handler, and {path} is worker settings")
+        kinds[kind] = handler
+    overrides = {name: getattr(args, name) for name in _OPTION_FLAGS if getattr(args, name) is not None}
+    if base is None:
+        if not args.queue:
+            raise ValueError("--queue is needed with a handler (worker settings may name their queue)")
+        return WorkerSettings(queue=args.queue, handler=loaded, handlers=kinds, options=WorkerOptions(**overrides))
+    settings = base.with_options(**overrides)
+    if args.queue and args.queue != settings.queue:
+        if settings.registries():
+            raise ValueError(f"--queue {args.queue}: the settings' tasks are for queue {settings.queue!r}")
+        settings = replace(settings, queue=args.queue)
+    if kinds:
+        settings = replace(settings, handlers={**settings.handlers, **kinds})
+    return settings
 
 
 def register(commands: Commands) -> None:

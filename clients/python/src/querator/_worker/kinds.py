@@ -1,0 +1,86 @@
+"""Options of one kind's handler: its time limits, concurrency and retry rules.
+
+They override the worker's own (``WorkerOptions``) for the items of that kind, as
+Celery's task options and arq's ``func(...)`` do for one task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any
+
+from .._convert import Seconds, seconds
+from .failures import Decision, FailureRules, RetryRule
+
+
+@dataclass(frozen=True, kw_only=True)
+class KindOptions:
+    """What one kind's handler may set for itself; None (or empty) takes the worker's."""
+
+    #: Give up the handler after this long (as ``WorkerOptions.handler_timeout``).
+    handler_timeout: Seconds | None = None
+    #: Handlers of this kind running at once (within the worker's ``concurrency``).
+    concurrency: int | None = None
+    #: Rules for this kind's errors, looked up before the worker's.
+    retry_on: Sequence[type[BaseException] | RetryRule] | type[BaseException] | RetryRule = ()
+    dead_on: Sequence[type[BaseException]] | type[BaseException] = ()
+    #: Delay before a failed item of this kind comes back, by its attempt number.
+    retry_backoff: Callable[[int], timedelta] | None = None
+    #: Dead-letter an item of this kind after this many leases (the queue's
+    #: ``max_attempts`` always holds too).
+    max_attempts: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if self.max_attempts is not None and self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        if self.handler_timeout is not None and seconds(self.handler_timeout) <= 0:
+            raise ValueError(f"handler_timeout must be positive, got {self.handler_timeout!r}")
+        FailureRules(self.retry_on, self.dead_on, _never)  # rejects bad rules now
+
+    def replace(self, **changes: Any) -> KindOptions:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return KindOptions(**values)
+
+
+def _never(attempt: int) -> timedelta:  # pragma: no cover - only checks the rules' shape
+    return timedelta(0)
+
+
+class KindRules:
+    """A kind's rules in front of the worker's: the kind's named classes first, then the
+    worker's, then the kind's backoff (or the worker's) for errors nobody named."""
+
+    def __init__(self, options: KindOptions, worker: FailureRules) -> None:
+        backoff = options.retry_backoff or worker.default.backoff
+        self._own = FailureRules(options.retry_on, options.dead_on, backoff)
+        self._worker = worker
+        self.default = Decision(False, backoff, options.max_attempts)
+        self.max_attempts = options.max_attempts
+
+    def decide(self, error: BaseException) -> Decision:
+        found = self._own.named(error) or self._worker.named(error)
+        if found is None:
+            return self.default
+        if found.max_attempts is None and self.max_attempts is not None:
+            return Decision(found.dead, found.backoff, self.max_attempts)
+        return found
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A handler and its :class:`KindOptions`, as a value (``WorkerSettings.handlers``)::
+
+    handlers = {"email": querator.Kind(send_email, handler_timeout=30, concurrency=4)}
+    """
+
+    handler: Callable[..., Any]
+    options: KindOptions
+
+    def __init__(self, handler: Callable[..., Any], **options: Any) -> None:
+        object.__setattr__(self, "handler", handler)
+        object.__setattr__(self, "options", KindOptions(**options))
