@@ -91,6 +91,7 @@ SETUP: dict[str, Callable[[querator.Client], None]] = {
     "import querator\n\ndef do_the_work": _queue("jobs", "traced"),
     'import querator\n\ntasks = querator.Tasks("mail")': _queue("mail"),
     "import asyncio\nfrom datetime import UTC": _queue("reports"),
+    'import time\n\nimport querator\n\ntasks = querator.Tasks("renders")': _queue("renders"),
 }
 
 # A block that needs a server with auth and TLS (the quickstart's step 5): the files and
@@ -109,6 +110,10 @@ EXPECT = {
     'import querator\n\ntasks = querator.Tasks("mail")': ["email to a@example.com: hello (attempt 1)", "no task of kind 'emial'"],
     "import asyncio\nfrom datetime import UTC": ["report daily: 10 bytes", "report later: 0 bytes"],
     "from datetime import timedelta\n\nimport querator\n\ntasks": ["charged order 1: 1999 cents", "audit: order 1 charged"],
+    'import time\n\nimport querator\n\ntasks = querator.Tasks("renders")': [
+        "rendered 0 frames",
+        "1 completed, 1 killed at the time limit",
+    ],
 }
 
 

@@ -173,6 +173,10 @@ def test_a_task_registry_needs_a_client_to_produce() -> None:
         noop.send()
     with pytest.raises(ValueError, match="codec is 'json', 'msgpack', 'bytes' or a Codec"):
         tasks.task("x", codec="yaml")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="executor='process' runs the sync function of a task"):
+
+        @tasks.task("y", executor="process")
+        async def not_in_a_process() -> None: ...
 
 
 # -- options per kind ---------------------------------------------------------------------
@@ -254,12 +258,20 @@ def test_a_kinds_handler_timeout_applies_to_it_alone(srv: EmbeddedServer) -> Non
 
 
 def test_kind_options_are_checked_when_made() -> None:
+    with pytest.raises(ValueError, match="time_limit needs executor='process'"):
+        querator.KindOptions(time_limit=1)
     with pytest.raises(ValueError, match="concurrency must be at least 1"):
         querator.Kind(print, concurrency=0)
     with pytest.raises(ValueError, match="both retry_on and dead_on"):
         querator.Kind(print, retry_on=[KeyError], dead_on=[KeyError])
     with pytest.raises(ValueError, match="handler_timeout must be positive"):
         querator.KindOptions(handler_timeout=0)
+    with pytest.raises(ValueError, match="time_limit must be positive"):
+        querator.KindOptions(executor="process", time_limit=0)
+    with pytest.raises(ValueError, match="executor is 'thread' or 'process'"):
+        querator.KindOptions(executor="fork")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="executor='process' runs the sync function of a task"):
+        querator.Worker(querator.Client("127.0.0.1:1"), "q").handler("x", executor="process")(print)
     with pytest.raises(ValueError, match="needs a queue"):
         querator.WorkerSettings(handler=print)
     with pytest.raises(ValueError, match="no handler"):

@@ -90,6 +90,7 @@ from .errors import (
     QueueExists,
     QueueNotFound,
     ServerError,
+    TimeLimitExceeded,
     Unauthenticated,
     Unavailable,
 )
@@ -170,6 +171,7 @@ __all__ = [
     "KindOptions",
     "Task",
     "Tasks",
+    "TimeLimitExceeded",
     "UnknownTask",
     "current_item",
     "__version__",

@@ -60,6 +60,7 @@ __all__ = [
     "FailedPrecondition",
     "FieldViolation",
     "HandlerTimeout",
+    "TimeLimitExceeded",
     "InvalidRequest",
     "ItemNotFound",
     "LeaseLost",
@@ -235,6 +236,12 @@ class HandlerTimeout(TimeoutError):
     """A worker's handler ran past ``handler_timeout``: the worker gave it up and
     retries the item (a ``TimeoutError``, so ``retry_on``/``dead_on`` rules naming
     TimeoutError apply to it)."""
+
+
+class TimeLimitExceeded(HandlerTimeout):
+    """A handler run with ``executor="process"`` ran past its ``time_limit``: its process
+    was killed (SIGKILL), so nothing it had not done yet happens, and the item is retried
+    (or dead-lettered on its last attempt) as for any other error."""
 
 
 _BY_CODE: dict[grpc.StatusCode, type[QueratorError]] = {

@@ -3,7 +3,7 @@
 Split by concern: ``options`` (what a user sets and reads: options, hooks, stats),
 ``failures`` (retry rules, rate-limited failure logs), ``dispatch`` (handlers by kind),
 ``kinds`` (one kind's options), ``tasks`` (tasks by name and their codecs), ``settings`` (a worker as one value), ``engine``
-(leasing, handling, shutdown), ``keepalive`` (Extend), ``threads`` (sync handlers'
+(leasing, handling, shutdown), ``processes`` (children under a hard time limit), ``keepalive`` (Extend), ``threads`` (sync handlers'
 threads), ``settler`` (batched Complete and Retry), ``calls`` (the client calls the
 worker makes), ``metrics`` (Prometheus, optional) and ``workers`` (Worker, AsyncWorker). The
 ``querator worker`` command is the CLI's (``querator.cli.worker``).

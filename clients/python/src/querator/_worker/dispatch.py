@@ -11,11 +11,14 @@ from .._convert import seconds
 from .kinds import KindOptions, KindRules
 
 if TYPE_CHECKING:
-    from .._items import AsyncLeasedItem, LeasedItem
+    from .._items import AsyncLeasedItem, LeasedItem, _LeasedBase
     from .failures import FailureRules
 
 Handler = Callable[["LeasedItem"], object] | Callable[["AsyncLeasedItem"], Awaitable[object]]
 H = TypeVar("H", bound=Handler)
+#: For ``executor="process"``: what a child process runs for an item (a picklable
+#: function, its positional and keyword arguments).
+ChildCall = Callable[["_LeasedBase"], tuple[Callable[..., object], tuple[Any, ...], dict[str, Any]]]
 
 
 def is_async(handler: Callable[..., Any]) -> bool:
@@ -24,18 +27,26 @@ def is_async(handler: Callable[..., Any]) -> bool:
 
 
 class Route:
-    """A handler and how it runs (a task for ``async def``, a thread otherwise), with its
-    kind's options (``KindOptions``) if it has any."""
+    """A handler and how it runs (a task for ``async def``, a thread otherwise, or a
+    child process), with its kind's options (``KindOptions``) if it has any."""
 
-    __slots__ = ("handler", "is_async", "options", "timeout", "slots", "rules")
+    __slots__ = ("handler", "is_async", "options", "timeout", "time_limit", "in_process", "slots", "rules")
 
-    def __init__(self, handler: Handler, options: KindOptions | None = None) -> None:
+    def __init__(self, handler: Handler, options: KindOptions | None = None, in_process: ChildCall | None = None) -> None:
         if not callable(handler):
             raise TypeError(f"a handler must be callable, not {handler!r}")
         self.handler = handler
         self.is_async = is_async(handler)
         self.options = options
         self.timeout = seconds(options.handler_timeout) if options and options.handler_timeout is not None else None
+        self.time_limit = seconds(options.time_limit) if options and options.time_limit is not None else None
+        process = options is not None and options.executor == "process"
+        if process and (in_process is None or self.is_async):
+            raise ValueError(
+                "executor='process' runs the sync function of a task (@tasks.task) in a child process: "
+                "its arguments cross to the child, a leased item cannot"
+            )
+        self.in_process = in_process if process else None
         #: Made as the worker starts (on its loop): this kind's own concurrency, and its
         #: retry rules in front of the worker's.
         self.slots: asyncio.Semaphore | None = None

@@ -41,6 +41,7 @@ from .calls import WorkerCalls
 from .dispatch import Dispatch, Route
 from .keepalive import KeepAlive
 from .options import WorkerHooks, WorkerOptions, WorkerStats
+from .processes import HandlerProcesses
 from .settler import Settler
 from .state import Held
 from .threads import HandlerThreads
@@ -187,8 +188,11 @@ class Engine:
             self.metrics = WorkerMetrics(self.queue_name, self.o.metrics_port)
         for route in self.dispatch.routes():
             route.start(self.policy)
+        self.processes: HandlerProcesses | None = None
+        if any(route.in_process is not None for route in self.dispatch.routes()):
+            self.processes = HandlerProcesses(self.o.concurrency)
         self.threads: HandlerThreads | None = None
-        if not all(route.is_async for route in self.dispatch.routes()):
+        if not all(route.is_async or route.in_process is not None for route in self.dispatch.routes()):
             self.threads = HandlerThreads(self.loop, self.o.concurrency)
             if self._make_sync_client is not None:
                 self._sync_client = self._make_sync_client()
@@ -213,6 +217,8 @@ class Engine:
                     self.loop.remove_signal_handler(sig)
                 if self.threads is not None:
                     self.threads.close()
+                if self.processes is not None:
+                    self.processes.close()
                 if self._owns_sync_client and self._sync_client is not None:
                     self._sync_client.close()
         if self.burst_error is not None:
@@ -469,7 +475,7 @@ class Engine:
         """The object the handler gets: an AsyncLeasedItem, or a LeasedItem for a sync
         handler (an item with no handler gets an AsyncLeasedItem: it is only dead-lettered)."""
         route = self.single or self.dispatch.route(fields["kind"])
-        if route is None or route.is_async:
+        if route is None or route.is_async or route.in_process is not None:
             return self.calls.async_item(fields)
         if self._sync_client is None:
             self._sync_client = self.calls.sync_client()
@@ -513,7 +519,10 @@ class Engine:
                 timeout = route.timeout or self.handler_timeout
                 try:
                     with self._span(item):
-                        if route.is_async:
+                        if route.in_process is not None:
+                            assert self.processes is not None
+                            await self.processes.run(route.in_process(item), route.time_limit, timeout)
+                        elif route.is_async:
                             call = route.handler(item)  # type: ignore[arg-type]
                             if timeout is None:
                                 await call  # type: ignore[misc]

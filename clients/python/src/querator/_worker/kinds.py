@@ -9,17 +9,27 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 from .._convert import Seconds, seconds
 from .failures import Decision, FailureRules, RetryRule
 
+Executor = Literal["thread", "process"]
+
 
 @dataclass(frozen=True, kw_only=True)
 class KindOptions:
-    """What one kind's handler may set for itself; None (or empty) takes the worker's."""
+    """What one kind's handler may set for itself; None (or empty) takes the worker's.
 
-    #: Give up the handler after this long (as ``WorkerOptions.handler_timeout``).
+    ``executor="process"`` runs a task's function in a child process (sync functions of
+    :meth:`Tasks.task <querator.Tasks.task>` only: the arguments cross, a leased item
+    cannot), where ``time_limit`` is hard: past it the child is killed (SIGKILL) and the
+    item retried, or dead-lettered on its last attempt, with
+    :class:`~querator.TimeLimitExceeded`. ``handler_timeout`` is soft: a sync handler on
+    a thread is abandoned but runs on to its end.
+    """
+
+    #: Give up the handler after this long (soft: see above).
     handler_timeout: Seconds | None = None
     #: Handlers of this kind running at once (within the worker's ``concurrency``).
     concurrency: int | None = None
@@ -31,14 +41,24 @@ class KindOptions:
     #: Dead-letter an item of this kind after this many leases (the queue's
     #: ``max_attempts`` always holds too).
     max_attempts: int | None = None
+    #: Where a sync handler runs: "thread" (default) or "process" (tasks only).
+    executor: Executor = "thread"
+    #: The hard limit of ``executor="process"``: the child is killed past it.
+    time_limit: Seconds | None = None
 
     def __post_init__(self) -> None:
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         if self.max_attempts is not None and self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
-        if self.handler_timeout is not None and seconds(self.handler_timeout) <= 0:
-            raise ValueError(f"handler_timeout must be positive, got {self.handler_timeout!r}")
+        if self.executor not in ("thread", "process"):
+            raise ValueError(f"executor is 'thread' or 'process', not {self.executor!r}")
+        if self.time_limit is not None and self.executor != "process":
+            raise ValueError("time_limit needs executor='process' (a thread cannot be killed: see handler_timeout)")
+        for name in ("handler_timeout", "time_limit"):
+            value = getattr(self, name)
+            if value is not None and seconds(value) <= 0:
+                raise ValueError(f"{name} must be positive, got {value!r}")
         FailureRules(self.retry_on, self.dead_on, _never)  # rejects bad rules now
 
     def replace(self, **changes: Any) -> KindOptions:

@@ -120,7 +120,8 @@ _current: contextvars.ContextVar[AnyLeasedItem] = contextvars.ContextVar("querat
 
 def current_item() -> AnyLeasedItem:
     """The leased item whose task runs now (in a task's function, on its thread or task):
-    its ``attempts``, ``message_id``, ``partition``. LookupError elsewhere."""
+    its ``attempts``, ``message_id``, ``partition``. LookupError elsewhere, and in a
+    child process (``executor="process"``), which the item cannot reach."""
     try:
         return _current.get()
     except LookupError:
@@ -147,6 +148,11 @@ class Task(Generic[P]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Any:
         return self.function(*args, **kwargs)
+
+    def __reduce__(self) -> str:
+        # Pickled by reference (module and name), for executor="process": the child
+        # imports the module and finds this task there.
+        return self.__qualname__
 
     def __repr__(self) -> str:
         return f"<Task {self.kind!r}: {self.__module__}.{self.__qualname__}>"
@@ -191,8 +197,8 @@ class Task(Generic[P]):
         return args, kwargs
 
     def route(self) -> Route:
-        """How the worker runs this task: decode, then call the function (on the loop or
-        a thread)."""
+        """How the worker runs this task: decode, then call the function (on the loop, a
+        thread, or a child process)."""
         function: Callable[..., Any] = self.function
         if is_async(function):
 
@@ -214,7 +220,11 @@ class Task(Generic[P]):
             finally:
                 _current.reset(token)
 
-        return Route(handle, self.options)
+        def in_process(item: _LeasedBase) -> tuple[Callable[..., object], tuple[Any, ...], dict[str, Any]]:
+            args, kwargs = self._arguments(item)
+            return self, args, kwargs
+
+        return Route(handle, self.options, in_process)
 
 
 def _at(item: Item, when: datetime) -> Item:
@@ -252,7 +262,7 @@ class Tasks:
         JSON object, the default), "msgpack" (the ``msgpack`` extra) or "bytes" (one
         bytes argument). ``options``: :class:`~querator.KindOptions` fields
         (``handler_timeout``, ``concurrency``, ``retry_on``, ``dead_on``, ``max_attempts``,
-        ``retry_backoff``)."""
+        ``executor``, ``time_limit``, ...)."""
         if not isinstance(kind, str) or not kind:
             raise ValueError(f"a task's kind is a non-empty string, not {kind!r}")
         if kind in self._tasks:
@@ -262,6 +272,7 @@ class Tasks:
 
         def register(function: Callable[P, Any]) -> Task[P]:
             task = Task(self, kind, function, chosen, kind_options)
+            task.route()  # rejects an executor the function cannot have, now
             self._tasks[kind] = task
             return task
 

@@ -1,0 +1,90 @@
+"""Hard time limits: a task run with executor="process" is killed at its time_limit, so
+its side effect never happens; on a thread (handler_timeout) the limit is soft and the
+side effect happens anyway. On a real server; the tasks live in sdk_tasks.py, where the
+child processes find them."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import sdk_tasks
+from test_sdk_worker_tasks import _drain
+
+import querator
+
+from sdk_helpers import client, srv, wait_until  # noqa: F401 (fixtures)
+
+given_up: list[float] = []
+
+
+def _dead_reasons(client: querator.Client) -> tuple[querator.Worker, list[str]]:
+    reasons: list[str] = []
+
+    class Hooks(querator.WorkerHooks):
+        def on_dead(self, item: querator.AnyLeasedItem, error: BaseException | None) -> None:
+            reasons.append(f"{item.kind}: {type(error).__name__}: {error}")
+            given_up.append(time.time())
+
+    worker = querator.Worker(client, sdk_tasks.QUEUE, handle_signals=False, hooks=Hooks(), concurrency=4)
+    worker.include(sdk_tasks.tasks)
+    return worker, reasons
+
+
+def test_past_its_time_limit_a_process_task_is_killed_and_its_side_effect_never_happens(
+    client: querator.Client, tmp_path: Path
+) -> None:
+    dlq = "hard-limits-dlq"
+    client.create_queue(dlq)
+    client.create_queue(sdk_tasks.QUEUE, dead_queue=dlq, max_attempts=5)
+    sdk_tasks.tasks.client = client
+    killed, quick = tmp_path / "killed", tmp_path / "quick"
+    sdk_tasks.write_after.send(path=str(killed), seconds=3)  # past time_limit=1
+    sdk_tasks.write_after.send(path=str(quick), seconds=0)  # well within
+    worker, reasons = _dead_reasons(client)
+    began = time.monotonic()
+    _drain(worker)
+    took = time.monotonic() - began
+    assert quick.exists(), (worker.stats, reasons)  # the same function ran to its end in a child process
+    assert int(quick.read_text()) != os.getpid()
+    # Dead-lettered (the kind's max_attempts=1) with the time limit as its reason, and
+    # without waiting for the handler's 3 s.
+    assert reasons == ["killed: TimeLimitExceeded: time limit: the handler ran past 1s and its process was killed"]
+    assert worker.stats.dead == 1 and worker.stats.timed_out == 1 and worker.stats.completed == 1
+    assert [i.kind for i in client.list_items(dlq)] == ["killed"]
+    assert took < 3, took
+    time.sleep(3.5 - took)  # past the moment the handler would have written, had it lived
+    assert not killed.exists()
+
+
+def test_on_a_thread_the_limit_is_soft_and_the_side_effect_happens_anyway(client: querator.Client, tmp_path: Path) -> None:
+    """What executor="process" is for: the same work abandoned at handler_timeout on a
+    thread runs on and writes after its item was given up."""
+    client.create_queue(sdk_tasks.QUEUE, max_attempts=5)
+    sdk_tasks.tasks.client = client
+    late = tmp_path / "late"
+    sdk_tasks.write_after_on_a_thread.send(path=str(late), seconds=2)
+    given_up.clear()
+    worker, reasons = _dead_reasons(client)
+    _drain(worker)
+    assert reasons == ["abandoned: HandlerTimeout: the handler ran past handler_timeout (1s) and was abandoned"]
+    wait_until(late.exists, timeout=10)
+    assert late.stat().st_mtime > given_up[0]  # written after its item was given up
+
+
+def test_a_process_tasks_error_crosses_back_and_children_are_reused(client: querator.Client, tmp_path: Path) -> None:
+    dlq = "hard-limits-dlq"
+    client.create_queue(dlq)
+    client.create_queue(sdk_tasks.QUEUE, dead_queue=dlq, max_attempts=5)
+    sdk_tasks.tasks.client = client
+    sdk_tasks.refuse.send(reason="no funds")
+    pids = tmp_path / "pids"
+    for _ in range(20):
+        sdk_tasks.note_pid.send(path=str(pids))
+    worker, reasons = _dead_reasons(client)
+    _drain(worker)
+    assert reasons == ["refused: Refused: no funds"]  # the kind's dead_on, with the child's exception
+    assert worker.stats.completed == 20
+    children = set(pids.read_text().split())
+    assert 1 <= len(children) <= 4  # at most concurrency children, kept for the next call
