@@ -92,6 +92,7 @@ SETUP: dict[str, Callable[[querator.Client], None]] = {
     'import querator\n\ntasks = querator.Tasks("mail")': _queue("mail"),
     "import asyncio\nfrom datetime import UTC": _queue("reports"),
     'import time\n\nimport querator\n\ntasks = querator.Tasks("renders")': _queue("renders"),
+    'import time\nfrom datetime import timedelta\n\nimport querator\n\ntasks = querator.Tasks("heartbeats")': _queue("heartbeats"),
 }
 
 # A block that needs a server with auth and TLS (the quickstart's step 5): the files and
@@ -114,6 +115,7 @@ EXPECT = {
         "rendered 0 frames",
         "1 completed, 1 killed at the time limit",
     ],
+    'import time\nfrom datetime import timedelta\n\nimport querator\n\ntasks = querator.Tasks("heartbeats")': ["beat of api for "],
 }
 
 

@@ -2,7 +2,8 @@
 
 Split by concern: ``options`` (what a user sets and reads: options, hooks, stats),
 ``failures`` (retry rules, rate-limited failure logs), ``dispatch`` (handlers by kind),
-``kinds`` (one kind's options), ``tasks`` (tasks by name and their codecs), ``settings`` (a worker as one value), ``engine``
+``kinds`` (one kind's options), ``tasks`` (tasks by name and their codecs), ``settings`` (a worker as one value), ``periodic`` (jobs
+produced on a schedule, each tick once), ``engine``
 (leasing, handling, shutdown), ``processes`` (children under a hard time limit), ``keepalive`` (Extend), ``threads`` (sync handlers'
 threads), ``settler`` (batched Complete and Retry), ``calls`` (the client calls the
 worker makes), ``metrics`` (Prometheus, optional) and ``workers`` (Worker, AsyncWorker). The
@@ -13,6 +14,7 @@ from .dispatch import Handler
 from .failures import RetryRule
 from .kinds import Kind, KindOptions
 from .options import WorkerHooks, WorkerOptions, WorkerStats
+from .periodic import Periodic
 from .settings import WorkerSettings
 from .tasks import Codec, Task, Tasks, UnknownTask, current_item
 from .workers import AsyncWorker, Worker
@@ -23,6 +25,7 @@ __all__ = [
     "Handler",
     "Kind",
     "KindOptions",
+    "Periodic",
     "RetryRule",
     "Task",
     "Tasks",

@@ -2,8 +2,8 @@
 
 The equivalent of arq's ``WorkerSettings`` and of Celery's app configuration with task
 options: one object holds the queue, the handlers (by kind, each with its own options),
-the task registries and the worker's options (retry rules, backoff, time limits,
-concurrency, dead-letter rules, hooks). The command line's flags
+the task registries, the worker's options (retry rules, backoff, time limits,
+concurrency, dead-letter rules, hooks) and the periodic jobs. The command line's flags
 override what it sets.
 """
 
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .dispatch import Handler
 from .kinds import Kind
 from .options import WorkerOptions
+from .periodic import Periodic
 from .tasks import Tasks
 from .workers import AsyncWorker, Worker
 
@@ -50,6 +51,9 @@ class WorkerSettings:
     #: The worker's options: concurrency, retry_on/dead_on/retry_backoff, handler_timeout,
     #: shutdown_timeout, hooks, metrics, ...
     options: WorkerOptions = field(default_factory=WorkerOptions)
+    #: Periodic jobs (:class:`~querator.Periodic`), produced by every worker that runs
+    #: these settings, each tick once.
+    periodic: Sequence[Periodic] = ()
 
     def __post_init__(self) -> None:
         registries = self.registries()
@@ -90,3 +94,5 @@ class WorkerSettings:
                 worker._dispatch.add(kind, handler.handler, handler.options)
             else:
                 worker._dispatch.add(kind, handler)
+        if self.periodic:
+            worker.schedule(*self.periodic)

@@ -16,6 +16,7 @@ from .dispatch import Dispatch, H, Handler
 from .engine import Engine
 from .kinds import KindOptions
 from .options import WorkerOptions, WorkerStats
+from .periodic import Periodic, run_with
 
 if TYPE_CHECKING:
     from .._async_client import AsyncClient
@@ -33,6 +34,7 @@ class _Handlers:
 
     _dispatch: Dispatch
     queue_name: str
+    _periodic: tuple[Periodic, ...] = ()
 
     def handler(self, kind: str, **options: Any) -> Callable[[H], H]:
         """Register the handler of items of ``kind`` (a decorator), before the worker runs::
@@ -59,6 +61,16 @@ class _Handlers:
             raise ValueError(f"the tasks are for queue {tasks.queue!r}, the worker works on {self.queue_name!r}")
         for task in tasks:
             self._dispatch.add(task.kind, task.route())
+
+    def schedule(self, *jobs: Periodic) -> None:
+        """Produce these periodic jobs while the worker runs (:class:`~querator.Periodic`):
+        every worker that schedules them produces each tick, the server keeps one."""
+        if self._dispatch.frozen:
+            raise RuntimeError("periodic jobs are scheduled before the worker runs")
+        names = [job.name for job in (*self._periodic, *jobs)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"periodic job names must differ: {names}")
+        self._periodic = (*self._periodic, *jobs)
 
 
 class AsyncWorker(_Handlers):
@@ -107,14 +119,14 @@ class AsyncWorker(_Handlers):
     async def run(self, *, until_empty: bool = False) -> None:
         """Run until stopped; with ``until_empty`` (burst mode), also return once the
         queue has nothing ready, leased or scheduled and this worker holds nothing."""
-        await self._engine.run(until_empty)
+        await run_with(self._engine.run(until_empty), self.client, self.queue_name, self._periodic)
 
     def stop(self) -> None:
         """Ask the worker to stop gracefully (safe from any thread); ``run()`` then returns."""
         self._engine.request_stop()
 
     async def __aenter__(self) -> AsyncWorker:
-        self._task = asyncio.create_task(self._engine.run())
+        self._task = asyncio.create_task(run_with(self._engine.run(), self.client, self.queue_name, self._periodic))
         while not self._engine.started.is_set() and not self._task.done():
             await asyncio.sleep(0.005)
         if self._task.done():
@@ -173,7 +185,7 @@ class Worker(_Handlers):
         try:
             if self._stop_requested:
                 return
-            await self._engine.run(until_empty)
+            await run_with(self._engine.run(until_empty), aclient, self.queue_name, self._periodic)
         finally:
             await aclient.close()
 
