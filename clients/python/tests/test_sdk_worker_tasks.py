@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -363,3 +364,55 @@ def test_the_runner_runs_settings_from_code_and_flags_override_them(
     # Settings hold their queue: --queue cannot move their tasks elsewhere.
     result = _runner(srv, tmp_path, name, "--queue", "elsewhere")
     assert result.returncode != 0 and "the settings' tasks are for queue" in result.stderr
+
+
+TWO_QUEUES = textwrap.dedent(
+    """
+    import os
+    import querator
+
+    RECORD = os.environ["RECORD"]
+
+    def note(item):
+        with open(RECORD, "a") as f:
+            f.write(f"{item.queue_name} {item.text}\\n")
+
+    settings = [
+        querator.WorkerSettings(queue=os.environ["QUEUE_A"], handler=note),
+        querator.WorkerSettings(queue=os.environ["QUEUE_B"], handler=note, options=querator.WorkerOptions(concurrency=2)),
+    ]
+    """
+)
+
+
+def test_the_runner_runs_a_list_of_settings_one_worker_per_queue(
+    srv: EmbeddedServer, client: querator.Client, tmp_path: Path
+) -> None:
+    a, b = unique("a"), unique("b")
+    client.create_queue(a)
+    client.create_queue(b)
+    client.produce(a, ["a1", "a2"])
+    client.produce(b, ["b1"])
+    (tmp_path / "two.py").write_text(TWO_QUEUES)
+    record = tmp_path / "record"
+    env = dict(os.environ, RECORD=str(record), QUEUE_A=a, QUEUE_B=b)
+    command = [QUERATOR, "--address", srv.address, "worker", "two:settings", "--json"]
+    result = subprocess.run([*command, "--burst"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(record.read_text().splitlines()) == [f"{a} a1", f"{a} a2", f"{b} b1"]
+    assert [(s["queue"], s["completed"]) for s in json.loads(result.stdout)] == [(a, 2), (b, 1)]
+
+    # Until SIGTERM: it stops both workers gracefully.
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        client.produce(b, ["b2"])
+        wait_until(lambda: f"{b} b2" in record.read_text(), timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert [(s["queue"], s["completed"]) for s in json.loads(out)] == [(a, 0), (b, 1)]
+    with pytest.raises(subprocess.CalledProcessError):
+        subprocess.run([*command, "--queue", a], cwd=tmp_path, env=env, capture_output=True, check=True, timeout=60)

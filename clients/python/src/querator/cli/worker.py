@@ -15,13 +15,16 @@ import argparse
 import importlib
 import json
 import logging
+import signal
 import sys
+import threading
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from .._worker.dispatch import Handler
 from .._worker.options import WorkerOptions
 from .._worker.settings import WorkerSettings
+from .._worker.workers import Worker
 from ._common import Commands, parse_duration
 
 if TYPE_CHECKING:
@@ -109,38 +112,45 @@ def load(path: str) -> Any:
             obj = getattr(obj, name)
         except AttributeError:
             raise ValueError(f"{module_name!r} has no attribute {attribute!r}") from None
-    if not callable(obj) and not isinstance(obj, WorkerSettings):
-        raise ValueError(f"{path} is neither callable nor a querator.WorkerSettings")
+    several = isinstance(obj, (list, tuple)) and bool(obj) and all(isinstance(s, WorkerSettings) for s in obj)
+    if not callable(obj) and not isinstance(obj, WorkerSettings) and not several:
+        raise ValueError(f"{path} is neither callable nor a querator.WorkerSettings (or a list of them)")
     return obj
 
 
 def run(args: argparse.Namespace, client: Client) -> int:
     """Run the worker the parsed ``args`` describe; 0 once it stopped gracefully."""
-    settings = settings_of(args)
+    several = settings_of(args)
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-    worker = settings.worker(client)
-    names = [*settings.handlers, *(t.kind for tasks in settings.registries() for t in tasks)]
-    if settings.handler is not None:
-        names.append(f"(default: {getattr(settings.handler, '__qualname__', settings.handler)!r})")
+    workers = [settings.worker(client) for settings in several]
     until = ", until empty" if args.burst else ""
-    log.info(
-        "worker on queue %s: %s, concurrency %d%s", settings.queue, " ".join(names), settings.options.concurrency, until
-    )
-    worker.run(until_empty=args.burst)
-    stats = worker.stats
+    for settings in several:
+        names = [*settings.handlers, *(t.kind for tasks in settings.registries() for t in tasks)]
+        if settings.handler is not None:
+            names.append(f"(default: {getattr(settings.handler, '__qualname__', settings.handler)!r})")
+        names += [f"periodic:{job.name}" for job in settings.periodic]
+        log.info(
+            "worker on queue %s: %s, concurrency %d%s", settings.queue, " ".join(names), settings.options.concurrency, until
+        )
+    if len(workers) == 1:
+        workers[0].run(until_empty=args.burst)
+    else:
+        _run_together(workers, args.burst)
+    # asdict() would rebuild the failures Counter from (name, count) pairs, counting
+    # the pairs: the names are the keys.
+    reports = [{**asdict(w.stats), "failures": dict(w.stats.failures)} for w in workers]
     if args.json:
-        # asdict() would rebuild the failures Counter from (name, count) pairs, counting
-        # the pairs: the names are the keys.
-        print(json.dumps({**asdict(stats), "failures": dict(stats.failures)}), flush=True)
-    log.info(
-        "worker stopped: %d completed, %d retried, %d dead, %d given back, %d failed",
-        stats.completed, stats.retried, stats.dead, stats.released, stats.failed,
-    )  # fmt: skip
-    engine = worker._engine
-    stuck = engine.threads.running if engine is not None and engine.threads is not None else 0
+        print(json.dumps(reports[0] if len(workers) == 1 else [{"queue": w.queue_name, **r} for w, r in zip(workers, reports)]), flush=True)
+    for worker in workers:
+        stats = worker.stats
+        log.info(
+            "worker stopped: %d completed, %d retried, %d dead, %d given back, %d failed (queue %s)",
+            stats.completed, stats.retried, stats.dead, stats.released, stats.failed, worker.queue_name,
+        )  # fmt: skip
+    stuck = sum(w._engine.threads.running for w in workers if w._engine is not None and w._engine.threads is not None)
     if stuck:
         # Given up (handler_timeout, shutdown_timeout) but still running: Python waits
         # for them before the process ends, and nothing can stop them but a kill.
@@ -148,12 +158,54 @@ def run(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
-def settings_of(args: argparse.Namespace) -> WorkerSettings:
-    """The settings the command line describes: MODULE:SETTINGS, or MODULE:FUNCTION and
-    --kind; the flags given override the settings' options."""
+def _run_together(workers: list[Worker], burst: bool) -> None:
+    """Several workers (one per queue) in this process, each on its thread with its own
+    event loop; SIGTERM/SIGINT stop them all gracefully (a worker handles signals only
+    on the main thread, which here waits for them)."""
+    errors: list[BaseException] = []
+
+    def work(worker: Worker) -> None:
+        try:
+            worker.run(until_empty=burst)
+        except BaseException as exc:  # raised below, in the main thread
+            errors.append(exc)
+            for other in workers:
+                other.stop(wait=False)
+
+    def stop(signum: int, frame: object) -> None:
+        for worker in workers:
+            worker.stop(wait=False)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    threads = [threading.Thread(target=work, args=(w,), name=f"querator-worker-{w.queue_name}") for w in workers]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.2)  # in slices: the signal handler runs in this thread
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if errors:
+        raise errors[0]
+
+
+def settings_of(args: argparse.Namespace) -> list[WorkerSettings]:
+    """The settings the command line describes: MODULE:SETTINGS (one, or a list of them:
+    one worker per queue), or MODULE:FUNCTION and --kind; the flags given override the
+    settings' options."""
     if args.handler is None and not args.kind:
         raise ValueError("give a handler (MODULE:FUNCTION), worker settings (MODULE:SETTINGS), --kind, or both")
     loaded = load(args.handler) if args.handler else None
+    if isinstance(loaded, (list, tuple)):
+        if args.queue or args.kind:
+            raise ValueError("--queue and --kind take one worker's settings, not a list of them")
+        overrides = {name: getattr(args, name) for name in _OPTION_FLAGS if getattr(args, name) is not None}
+        queues = [s.queue for s in loaded]
+        if len(set(queues)) != len(queues):
+            raise ValueError(f"one worker settings per queue: {queues}")
+        return [s.with_options(**overrides) for s in loaded]
     base = loaded if isinstance(loaded, WorkerSettings) else None
     kinds: dict[str, Handler] = {}
     for spec in args.kind:
@@ -168,7 +220,7 @@ def settings_of(args: argparse.Namespace) -> WorkerSettings:
     if base is None:
         if not args.queue:
             raise ValueError("--queue is needed with a handler (worker settings may name their queue)")
-        return WorkerSettings(queue=args.queue, handler=loaded, handlers=kinds, options=WorkerOptions(**overrides))
+        return [WorkerSettings(queue=args.queue, handler=loaded, handlers=kinds, options=WorkerOptions(**overrides))]
     settings = base.with_options(**overrides)
     if args.queue and args.queue != settings.queue:
         if settings.registries():
@@ -176,7 +228,7 @@ def settings_of(args: argparse.Namespace) -> WorkerSettings:
         settings = replace(settings, queue=args.queue)
     if kinds:
         settings = replace(settings, handlers={**settings.handlers, **kinds})
-    return settings
+    return [settings]
 
 
 def register(commands: Commands) -> None:
