@@ -190,7 +190,7 @@ class Engine:
             route.start(self.policy)
         self.processes: HandlerProcesses | None = None
         if any(route.in_process is not None for route in self.dispatch.routes()):
-            self.processes = HandlerProcesses(self.o.concurrency)
+            self.processes = HandlerProcesses()
         self.threads: HandlerThreads | None = None
         if not all(route.is_async or route.in_process is not None for route in self.dispatch.routes()):
             self.threads = HandlerThreads(self.loop, self.o.concurrency)

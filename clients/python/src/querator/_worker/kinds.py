@@ -7,7 +7,7 @@ Celery's task options and arq's ``func(...)`` do for one task.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -60,11 +60,6 @@ class KindOptions:
             if value is not None and seconds(value) <= 0:
                 raise ValueError(f"{name} must be positive, got {value!r}")
         FailureRules(self.retry_on, self.dead_on, _never)  # rejects bad rules now
-
-    def replace(self, **changes: Any) -> KindOptions:
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values.update(changes)
-        return KindOptions(**values)
 
 
 def _never(attempt: int) -> timedelta:  # pragma: no cover - only checks the rules' shape

@@ -84,12 +84,11 @@ def _context() -> Any:  # a start method's context (typeshed's BaseContext lacks
 
 
 class HandlerProcesses:
-    """The children of one worker; at most as many as it runs handlers at once."""
+    """The children of one worker: as many as it ran handlers at once at most (its
+    ``concurrency`` bounds them), each idle one kept for the next call."""
 
-    def __init__(self, count: int) -> None:
-        self._count = count
+    def __init__(self) -> None:
         self._idle: list[_Child] = []
-        self._busy: set[_Child] = set()
         self._ctx = _context()
 
     def _start(self) -> _Child:
@@ -106,7 +105,6 @@ class HandlerProcesses:
         TimeLimitExceeded once it ran past ``time_limit`` (else ``soft``, the
         handler_timeout: a child is stopped the only way it can be) and was killed."""
         child = self._idle.pop() if self._idle else await asyncio.to_thread(self._start)
-        self._busy.add(child)
         keep = False
         try:
             child.conn.send(call)
@@ -122,7 +120,6 @@ class HandlerProcesses:
             if not ok:
                 raise error
         finally:
-            self._busy.discard(child)
             if keep:
                 self._idle.append(child)
             else:
