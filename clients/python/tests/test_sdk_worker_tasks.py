@@ -416,3 +416,26 @@ def test_the_runner_runs_a_list_of_settings_one_worker_per_queue(
     assert [(s["queue"], s["completed"]) for s in json.loads(out)] == [(a, 0), (b, 1)]
     with pytest.raises(subprocess.CalledProcessError):
         subprocess.run([*command, "--queue", a], cwd=tmp_path, env=env, capture_output=True, check=True, timeout=60)
+
+
+def test_enqueue_with_a_blocking_client_and_settings_for_an_async_worker(srv: EmbeddedServer, client: querator.Client) -> None:
+    name = unique()
+    client.create_queue(name)
+    tasks = querator.Tasks(name, client=client)  # a blocking client: enqueue() runs it off the loop
+    got: list[int] = []
+
+    @tasks.task("add")
+    async def add(a: int, b: int) -> None:
+        got.append(a + b)
+
+    async def main() -> None:
+        await add.enqueue(a=1, b=2)
+        await tasks.enqueue("add", a=3, b=4)
+        async with querator.AsyncClient(srv.address) as aclient:
+            worker = querator.WorkerSettings(tasks=tasks, options=querator.WorkerOptions(handle_signals=False)).async_worker(
+                aclient
+            )
+            await worker.run(until_empty=True)
+
+    run(main(), timeout=30)
+    assert sorted(got) == [3, 7]
