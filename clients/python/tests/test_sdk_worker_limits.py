@@ -5,7 +5,11 @@ child processes find them."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -13,8 +17,9 @@ import sdk_tasks
 from test_sdk_worker_tasks import _drain
 
 import querator
+from querator.embedded import EmbeddedServer
 
-from sdk_helpers import client, srv, wait_until  # noqa: F401 (fixtures)
+from sdk_helpers import client, srv, unique, wait_until  # noqa: F401 (fixtures)
 
 given_up: list[float] = []
 
@@ -88,3 +93,37 @@ def test_a_process_tasks_error_crosses_back_and_children_are_reused(client: quer
     assert worker.stats.completed == 20
     children = set(pids.read_text().split())
     assert 1 <= len(children) <= 4  # at most concurrency children, kept for the next call
+
+
+APP = textwrap.dedent(
+    """
+    import os, time
+    import querator
+
+    tasks = querator.Tasks(os.environ["QUEUE"])
+
+    @tasks.task("slow", executor="process", time_limit=1, max_attempts=1)
+    def slow(seconds: float) -> None:
+        time.sleep(seconds)
+        print(f"slow done after {seconds}s", flush=True)
+
+    settings = querator.WorkerSettings(tasks=tasks)
+    """
+)
+
+
+def test_the_runner_runs_process_tasks_of_a_module_it_imported(srv: EmbeddedServer, client: querator.Client, tmp_path: Path) -> None:
+    """The children find the task in the module the runner imported from the current
+    directory (the fork server has the runner's sys.path)."""
+    name = unique()
+    client.create_queue(name)
+    client.produce(name, ['{"seconds": 0}', '{"seconds": 3}'], kind="slow")
+    (tmp_path / "app.py").write_text(APP)
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("querator")), "--address", srv.address, "worker", "app:settings", "--burst", "--json"],
+        cwd=tmp_path, env=dict(os.environ, QUEUE=name), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stdout.splitlines()[-1])
+    assert (stats["completed"], stats["dead"], stats["failures"]) == (1, 1, {"TimeLimitExceeded": 1}), stats
+    assert "slow done after 0s" in result.stdout and "slow done after 3s" not in result.stdout
