@@ -167,3 +167,28 @@ def test_a_tick_carries_its_key_and_the_schedule_is_checked_when_made() -> None:
     worker.schedule(every)
     with pytest.raises(ValueError, match="names must differ"):
         worker.schedule(every)
+
+
+def test_a_periodic_task_goes_to_its_registrys_queue(srv: EmbeddedServer) -> None:
+    work, reports = unique(), unique("reports")
+    tasks = querator.Tasks(reports)
+
+    @tasks.task("report")
+    def report(day: str) -> None: ...
+
+    async def main() -> list[str]:
+        async with querator.AsyncClient(srv.address) as aclient:
+            await aclient.create_queue(work)
+            await aclient.create_queue(reports)
+            worker = querator.AsyncWorker(aclient, work, handle_signals=False)
+
+            @worker.handler("")
+            async def noop(item: querator.AsyncLeasedItem) -> None: ...
+
+            worker.schedule(querator.Periodic(name="daily", every=1, task=report, kwargs={"day": "today"}))
+            async with worker:
+                await asyncio.sleep(2.2)
+            return [i.kind async for i in aclient.list_items(reports)]
+
+    kinds = run(main(), timeout=30)
+    assert kinds and set(kinds) == {"report"}

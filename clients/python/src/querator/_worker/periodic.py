@@ -46,11 +46,12 @@ class Periodic:
     seconds), read in ``timezone`` (UTC by default); or ``every``: an interval, ticking
     at multiples of it since the Unix epoch, so that every worker finds the same ticks.
     What each tick produces: the ``task`` with ``kwargs``, or an item of ``kind`` and
-    ``payload``; to ``queue`` (default: the worker's). The item carries the idempotency
-    key ``name@<tick, ISO 8601>`` and, in its metadata, ``querator-periodic`` (the
-    name) and ``querator-tick`` (the tick). ``catch_up``: at start, also produce the
-    ticks of this long before now (those produced already are duplicates and store
-    nothing); default none: ticks missed while no worker ran are not produced.
+    ``payload``; to ``queue`` (default: the task's queue, else the worker's). The item
+    carries the idempotency key ``name@<tick, ISO 8601>`` and, in its metadata,
+    ``querator-periodic`` (the name) and ``querator-tick`` (the tick). ``catch_up``: at
+    start, also produce the ticks of this long before now (those produced already are
+    duplicates and store nothing); default none: ticks missed while no worker ran are
+    not produced.
     """
 
     name: str
@@ -147,7 +148,7 @@ class Scheduler:
             await self._produce(job, tick)
 
     async def _produce(self, job: Periodic, tick: datetime) -> None:
-        queue = job.queue or self.queue
+        queue = job.queue or (job.task.tasks.queue if job.task is not None else self.queue)
         try:
             # retry=True: safe with an idempotency key (a repeat stores nothing).
             result = await self.client.produce(queue, job.item(tick), retry=True)
