@@ -82,7 +82,10 @@ class StorageHealth:
         """Why partition ``p`` is reported faulty and since when ("", 0: it is not)."""
         return self.faulty.get(p) or self.failure, self.faulty_since.get(p) or self.failing_since
 
-    def probe_due(self, now: int) -> bool:
+    def probe_due(self) -> bool:
+        if not (self.faulty or self.failure):  # the common case, on every turn of the loop
+            return False
+        now = now_us()
         return bool(self.faulty) and now >= self._probe_at or bool(self.failure) and now >= self._storage_probe_at
 
     def wake_times(self) -> list[int]:

@@ -316,7 +316,7 @@ class LogicalQueue:
     async def _run(self) -> None:
         try:
             while True:
-                if not self._inbox and not self._lifecycle_due() and not self._health.probe_due(now_us()):
+                if not self._inbox and not self._lifecycle_due() and not self._health.probe_due():
                     if self._closed is not None:
                         break
                     self._arm_timer()
