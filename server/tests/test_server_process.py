@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -414,6 +415,37 @@ def test_two_quick_signals_end_the_process_quickly(tmp_path: object, serves: lis
     assert elapsed < GRACE_S / 2, f"the process took {elapsed:.1f}s to end"
     s = serve(serves, tmp_path, address, args)
     assert queue_names(address) == ["q"]  # an OK'd admin call survives even a forced exit
+
+
+def test_sigterm_as_soon_as_the_port_answers_stops_the_server_cleanly(tmp_path: object) -> None:
+    """The port answers before start-up returns (the GC tuning, the signal handlers):
+    a SIGTERM sent at once, as a supervisor or a script may, still ends in a clean exit 0
+    (it killed the process, -15, when the handlers came after the port)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUERATOR_")}
+    for attempt in range(5):
+        port = free_port()
+        data = os.path.join(str(tmp_path), f"data{attempt}")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "querator.cli", "serve", "--address", f"127.0.0.1:{port}", "--data-dir", data,
+             "--log-level", "warning"],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", port)) == 0:
+                        break
+                assert time.monotonic() < deadline, "the server did not listen within 60 s"
+                time.sleep(0.005)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        assert proc.returncode == 0, f"attempt {attempt}: exit {proc.returncode}\n{err.decode(errors='replace')}"
 
 
 # -- logs ----------------------------------------------------------------------------------

@@ -438,21 +438,28 @@ async def serve(config: ServerConfig) -> None:
     _raise_open_file_limit()
     server = QueratorServer(config)
     server.exit_when_superseded = True
-    await server.start()
-    tune_gc()
     loop = asyncio.get_running_loop()
     signals = 0
+    started = False
 
     def on_signal() -> None:
         nonlocal signals
         signals += 1
         if signals == 1:
             log.info("shutdown_requested")
-            asyncio.ensure_future(server.stop())
+            if started:
+                asyncio.ensure_future(server.stop())
         else:
             log.warning("shutdown_forced")
             os._exit(130)
 
+    # Before start: the port answers before start returns, and a SIGTERM sent as soon as
+    # it does (a supervisor, a test) must stop the server cleanly, not kill it.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    await server.start()
+    started = True
+    tune_gc()
+    if signals:  # asked to stop while starting
+        asyncio.ensure_future(server.stop())
     await server.wait()
