@@ -9,6 +9,8 @@ from pathlib import Path
 
 import querator_server
 
+from import_graph import find_cycle
+
 PACKAGE = Path(querator_server.__file__).parent
 NAME = PACKAGE.name
 
@@ -57,28 +59,6 @@ def _floor(module: str) -> int:
     return FLOORS[top] if top else 6
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for dep in sorted(graph[node]):
-            if state.get(dep) == 1:
-                return path[path.index(dep) :] + [dep]
-            if dep not in state and (found := visit(dep)):
-                return found
-        state[node] = 2
-        path.pop()
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (found := visit(node)):
-            return found
-    return None
-
-
 def _without_package_inits(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """Edges into a package's __init__ from its own modules are the import system's
     order (a parent loads first), not a dependency of the module."""
@@ -102,11 +82,11 @@ def test_no_import_runs_back_up_the_floors() -> None:
 
 def test_no_import_circle() -> None:
     graph = _without_package_inits(_imports())
-    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
 def test_the_checks_would_fail() -> None:
-    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _floor(f"{NAME}.grpc_api.handlers") > _floor(f"{NAME}.manager") > _floor(f"{NAME}.storage.lane")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections.abc import Callable, Coroutine
@@ -57,3 +58,25 @@ def queue(client: querator.Client) -> str:
     name = unique()
     client.create_queue(name)
     return name
+
+
+def run_until_empty(worker: querator.Worker, timeout: float = 60) -> float:
+    """worker.run(until_empty=True) on a thread, bounded in time; the seconds it took."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            worker.run(until_empty=True)
+        except BaseException as exc:
+            errors.append(exc)
+
+    began = time.monotonic()
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        worker.stop(wait=False)
+        raise AssertionError("run(until_empty=True) did not return")
+    if errors:
+        raise errors[0]
+    return time.monotonic() - began

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import querator
 
+from import_graph import find_cycle
+
 PACKAGE = Path(querator.__file__).parent
 
 
@@ -33,34 +35,10 @@ def _imports() -> dict[str, set[str]]:
     return graph
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for dep in sorted(graph.get(node, ())):
-            if dep not in graph:
-                continue
-            if state.get(dep) == 1:
-                return path[path.index(dep) :] + [dep]
-            if dep not in state and (found := visit(dep)):
-                return found
-        state[node] = 2
-        path.pop()
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (found := visit(node)):
-            return found
-    return None
-
-
-def test_the_sdk_has_no_import_cycle() -> None:
+def test_the_sdk_has_no_importfind_cycle() -> None:
     graph = _imports()
     assert "querator._items" in graph and "querator.cli._app" in graph  # the walk saw the modules
-    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
 def test_a_module_imported_from_its_package_is_an_edge() -> None:
@@ -70,7 +48,7 @@ def test_a_module_imported_from_its_package_is_an_edge() -> None:
 
 
 def test_a_cycle_would_be_found() -> None:
-    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
 def test_producers_reach_their_client_only_through_its_transport() -> None:

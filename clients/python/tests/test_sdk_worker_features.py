@@ -21,32 +21,10 @@ import querator
 from querator._worker.failures import LOG_BURST, FailureLog
 from querator.embedded import EmbeddedServer
 
-from sdk_helpers import client, run, srv, unique, wait_until  # noqa: F401 (fixtures)
+from sdk_helpers import client, run, run_until_empty, srv, unique, wait_until  # noqa: F401 (fixtures)
 
 FAST = querator.Backoff(initial=timedelta(milliseconds=1), maximum=timedelta(milliseconds=1), jitter=0)
 NEVER = querator.Backoff(initial=timedelta(hours=1), maximum=timedelta(hours=1), jitter=0)
-
-
-def _run_in_thread(worker: querator.Worker, timeout: float = 60) -> float:
-    """worker.run(until_empty=True) on a thread (bounded); returns the seconds it took."""
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            worker.run(until_empty=True)
-        except BaseException as exc:
-            errors.append(exc)
-
-    began = time.monotonic()
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        worker.stop(wait=False)
-        raise AssertionError("run(until_empty=True) did not return")
-    if errors:
-        raise errors[0]
-    return time.monotonic() - began
 
 
 # -- burst mode -------------------------------------------------------------------------
@@ -67,7 +45,7 @@ def test_until_empty_waits_for_scheduled_retries(client: querator.Client) -> Non
         done[item.text] += 1
 
     worker = querator.Worker(client, name, handle, concurrency=4, retry_backoff=retry, handle_signals=False)
-    _run_in_thread(worker)
+    run_until_empty(worker)
     assert set(done) == {f"job-{i}" for i in range(20)} and max(done.values()) == 1
     assert worker.stats.retried == 4 and worker.stats.completed == 20
     stats = client.queue_stats(name)
@@ -82,7 +60,7 @@ def test_until_empty_waits_for_items_leased_elsewhere(client: querator.Client) -
     [taken] = client.lease(name, batch_size=1, wait=5)  # never completed: expires in 2 s
     seen: list[tuple[str, int]] = []
     worker = querator.Worker(client, name, lambda item: seen.append((item.text, item.attempts)), handle_signals=False)
-    elapsed = _run_in_thread(worker)
+    elapsed = run_until_empty(worker)
     assert seen == [("held elsewhere", 2)]
     assert elapsed >= 1.0  # it did not return while the item was leased by the other consumer
     assert client.queue_stats(name).total == 0
@@ -110,7 +88,7 @@ def test_until_empty_on_an_empty_queue_returns_at_once(client: querator.Client) 
     name = unique()
     client.create_queue(name)
     worker = querator.Worker(client, name, lambda item: None, lease_wait=30, handle_signals=False)
-    assert _run_in_thread(worker, timeout=20) < 10  # not one lease_wait of 30 s
+    assert run_until_empty(worker, timeout=20) < 10  # not one lease_wait of 30 s
     assert worker.stats.leased == 0
 
 
@@ -231,7 +209,7 @@ def test_sync_handler_past_its_time_limit_is_abandoned_and_another_thread_takes_
         client, name, handle, concurrency=1, handler_timeout=0.5, retry_backoff=FAST, handle_signals=False
     )
     try:
-        _run_in_thread(worker)
+        run_until_empty(worker)
     finally:
         release.set()
     assert sorted(handled) == [("a", 1), ("b", 1), ("c", 1), ("stuck", 2)]
@@ -353,7 +331,7 @@ def test_dispatch_by_kind_with_sync_and_async_handlers(client: querator.Client) 
 
     with pytest.raises(ValueError, match="registered already"):
         worker.handler("sms")(email)
-    _run_in_thread(worker)
+    run_until_empty(worker)
     assert sorted(got) == [("email", "e1", "LeasedItem"), ("email", "e2", "LeasedItem"), ("sms", "s1", "AsyncLeasedItem")]
     assert [i.payload for i in client.list_items(dlq)] == [b"f1"]
     assert dead == ["no handler for kind 'fax'"]
@@ -371,7 +349,7 @@ def test_a_default_handler_takes_the_kinds_not_registered(client: querator.Clien
     got: list[tuple[str, str]] = []
     worker = querator.Worker(client, name, lambda item: got.append(("default", item.text)), handle_signals=False)
     worker.handler("known")(lambda item: got.append(("known", item.text)))
-    _run_in_thread(worker)
+    run_until_empty(worker)
     assert sorted(got) == [("default", "b"), ("default", "c"), ("known", "a")]
 
 
@@ -405,7 +383,7 @@ def test_prometheus_metrics_on_a_port(client: querator.Client) -> None:
 
     port = _free_port()
     worker = querator.Worker(client, name, handle, metrics_port=port, handle_signals=False)
-    _run_in_thread(worker)
+    run_until_empty(worker)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
 

@@ -14,12 +14,11 @@ import time
 from pathlib import Path
 
 import sdk_tasks
-from test_sdk_worker_tasks import _drain
 
 import querator
 from querator.embedded import EmbeddedServer
 
-from sdk_helpers import client, srv, unique, wait_until  # noqa: F401 (fixtures)
+from sdk_helpers import client, run_until_empty, srv, unique, wait_until  # noqa: F401 (fixtures)
 
 given_up: list[float] = []
 
@@ -49,7 +48,7 @@ def test_past_its_time_limit_a_process_task_is_killed_and_its_side_effect_never_
     sdk_tasks.write_after.send(path=str(quick), seconds=0)  # well within
     worker, reasons = _dead_reasons(client)
     began = time.monotonic()
-    _drain(worker)
+    run_until_empty(worker)
     took = time.monotonic() - began
     assert quick.exists(), (worker.stats, reasons)  # the same function ran to its end in a child process
     assert int(quick.read_text()) != os.getpid()
@@ -72,7 +71,7 @@ def test_on_a_thread_the_limit_is_soft_and_the_side_effect_happens_anyway(client
     sdk_tasks.write_after_on_a_thread.send(path=str(late), seconds=2)
     given_up.clear()
     worker, reasons = _dead_reasons(client)
-    _drain(worker)
+    run_until_empty(worker)
     assert reasons == ["abandoned: HandlerTimeout: the handler ran past handler_timeout (1s) and was abandoned"]
     wait_until(late.exists, timeout=10)
     assert late.stat().st_mtime > given_up[0]  # written after its item was given up
@@ -88,7 +87,7 @@ def test_a_process_tasks_error_crosses_back_and_children_are_reused(client: quer
     for _ in range(20):
         sdk_tasks.note_pid.send(path=str(pids))
     worker, reasons = _dead_reasons(client)
-    _drain(worker)
+    run_until_empty(worker)
     assert reasons == ["refused: Refused: no funds"]  # the kind's dead_on, with the child's exception
     assert worker.stats.completed == 20
     children = set(pids.read_text().split())

@@ -22,29 +22,9 @@ import pytest
 import querator
 from querator.embedded import EmbeddedServer
 
-from sdk_helpers import client, run, srv, unique, wait_until  # noqa: F401 (fixtures)
+from sdk_helpers import client, run, run_until_empty, srv, unique, wait_until  # noqa: F401 (fixtures)
 
 FAST = querator.Backoff(initial=timedelta(milliseconds=1), maximum=timedelta(milliseconds=1), jitter=0)
-
-
-def _drain(worker: querator.Worker, timeout: float = 60) -> None:
-    """worker.run(until_empty=True) on a thread, bounded in time."""
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            worker.run(until_empty=True)
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        worker.stop(wait=False)
-        raise AssertionError("run(until_empty=True) did not return")
-    if errors:
-        raise errors[0]
 
 
 # -- tasks by name ------------------------------------------------------------------------
@@ -71,7 +51,7 @@ def test_a_task_is_produced_by_name_with_json_arguments_and_run_by_the_worker(cl
 
     worker = querator.Worker(client, name, handle_signals=False)
     worker.include(tasks)
-    _drain(worker)
+    run_until_empty(worker)
     assert sorted(got) == [("a@example.com", "hi", 1), ("b@example.com", "yo", 1)]
     assert worker.stats.completed == 2
 
@@ -120,7 +100,7 @@ def test_a_payload_that_does_not_fit_the_task_is_dead_lettered_without_calling_i
 
     worker = querator.Worker(client, name, handle_signals=False, hooks=Hooks())
     worker.include(tasks)
-    _drain(worker)
+    run_until_empty(worker)
     assert called == []
     assert len(list(client.list_items(dlq))) == 3 and worker.stats.dead == 3 and worker.stats.retried == 0
     assert all(reason.startswith("task 'email': bad arguments in the payload") for reason in dead), dead
@@ -220,7 +200,7 @@ def test_options_per_kind_override_the_workers(client: querator.Client) -> None:
         options=querator.WorkerOptions(concurrency=8, retry_backoff=FAST, handle_signals=False),
     )
     worker = settings.worker(client)
-    _drain(worker)
+    run_until_empty(worker)
     assert most[0] == 1  # the kind's concurrency, within the worker's 8
     assert attempts == Counter({"v1": 1, "v2": 2, "t1": 2})
     assert sorted(i.payload for i in client.list_items(dlq)) == [b"t1", b"v1"]
