@@ -5,7 +5,7 @@ import { toDuration } from "./convert.js";
 import { Connection } from "./connection.js";
 import { QueratorError, fromConnectError } from "./errors.js";
 import type { LeasedItem, Settler } from "./items.js";
-import type { ApiKey, CreatedKey, ExtendResult, ItemRef, Page, ProduceInput, ProduceResult, QueueInfo, QueueSettings, QueueStats, Role, StoredItem } from "./models.js";
+import type { ApiKey, CreatedKey, ExtendResult, ItemRef, Page, ProduceInput, ProduceResult, QueueInfo, QueueSettings, QueueStats, RedriveResult, Role, StoredItem } from "./models.js";
 import {
   type LeaseOptions,
   MAX_BATCH,
@@ -24,6 +24,9 @@ import {
   queueInfo,
   queueInfoMessage,
   queueStats,
+  type RedriveOptions,
+  redriveProgress,
+  redriveRequest,
   retryAt,
   retryItems,
   roleValue,
@@ -366,6 +369,35 @@ export class Client implements Settler {
     for (const chunk of chunks([...ids])) {
       const request = { queueName, partition, ids: chunk };
       await this.#conn.call((c, o) => c.storage.deleteItems(request, o), options, { retry: true, target: targetOf("DeleteItems", request) });
+    }
+  }
+
+  /**
+   * Move ready items out of `queueName` (a dead-letter queue): each back to the queue it
+   * died in, or all `to` one queue; only those of `kind`, or that died for `deadReason`,
+   * when given; at most `limit` (default: every matching one). RedriveItems page by page.
+   *
+   * Each item is moved exactly once, also if the server crashes mid-move; the calls are
+   * not retried (a repeat would move further items): an error after earlier calls moved
+   * items carries them as `error.redriven`. Items whose source queue is gone stay,
+   * counted in `skipped`.
+   */
+  async redriveItems(queueName: string, options: RedriveOptions & CallOptions = {}): Promise<RedriveResult> {
+    let done: RedriveResult = { moved: 0, messageIds: [], skipped: 0 };
+    let pageToken = "";
+    for (;;) {
+      const request = redriveRequest(queueName, options, done, pageToken);
+      if (!request) return done;
+      let r;
+      try {
+        r = await this.#conn.call((c, o) => c.storage.redriveItems(request, o), options, { retry: false });
+      } catch (error) {
+        if (error instanceof QueratorError && done.moved) error.redriven = done;
+        throw error;
+      }
+      done = redriveProgress(done, r);
+      pageToken = r.nextPageToken;
+      if (!pageToken) return done;
     }
   }
 

@@ -29,7 +29,7 @@
 import { BinaryReader } from "@bufbuild/protobuf/wire";
 import { Code, ConnectError } from "@connectrpc/connect";
 
-import type { ProduceResult } from "./models.js";
+import type { ProduceResult, RedriveResult } from "./models.js";
 
 /** One bad field of a request, as the server's google.rpc.BadRequest names it. */
 export interface FieldViolation {
@@ -75,6 +75,9 @@ export class QueratorError extends Error {
   /** For a produce() that stored some batches before failing: what was stored (ids ""
    * for the items that were not). */
   produced: ProduceResult | undefined;
+
+  /** For a redriveItems() that moved items before a call failed: what those calls moved. */
+  redriven: RedriveResult | undefined;
 
   /** The status code's gRPC name, e.g. "NOT_FOUND" ("UNKNOWN" when there is none). */
   get status(): string {

@@ -44,8 +44,10 @@ export { LeasedItem, type LeaseState } from "./items.js";
 export type {
   ApiKey,
   CreatedKey,
+  DeadReason,
   ExtendResult,
   Item,
+  ItemHistory,
   ItemRef,
   Page,
   PartitionStats,
@@ -55,9 +57,11 @@ export type {
   QueueInfo,
   QueueSettings,
   QueueStats,
+  RedriveResult,
   Role,
   StoredItem,
 } from "./models.js";
+export type { RedriveOptions } from "./operations.js";
 export { Pager } from "./paging.js";
 export type { Logger } from "./routing.js";
 export { RetryPolicy, backoff, type ErrorClass } from "./retry.js";
