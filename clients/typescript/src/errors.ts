@@ -135,6 +135,17 @@ export class DeadLetter extends Error {
   }
 }
 
+/** A Worker's handler ran past its `handlerTimeoutMs`: the worker aborted its signal,
+ * stopped waiting for it and retries the item (or dead-letters it by the rules, or on
+ * its last attempt). JavaScript cannot stop a running promise: a handler that ignores
+ * its signal runs on to its end (the limit is soft, as the Python worker's thread mode). */
+export class HandlerTimeout extends Error {
+  constructor(message: string, options?: { cause?: unknown }) {
+    super(message, options);
+    this.name = "HandlerTimeout";
+  }
+}
+
 type ErrorClass = new (message: string, code?: Code, options?: { cause?: unknown }) => QueratorError;
 
 const BY_CODE: Partial<Record<Code, ErrorClass>> = {

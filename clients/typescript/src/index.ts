@@ -25,6 +25,7 @@ export {
   DeadLetter,
   DeadlineExceeded,
   FailedPrecondition,
+  HandlerTimeout,
   InvalidRequest,
   ItemNotFound,
   NotFound,
@@ -65,4 +66,16 @@ export type { RedriveOptions } from "./operations.js";
 export { Pager } from "./paging.js";
 export type { Logger } from "./routing.js";
 export { RetryPolicy, backoff, type ErrorClass } from "./retry.js";
-export { Worker, type Handler, type RunOptions, type WorkerHooks, type WorkerOptions, type WorkerStats } from "./worker.js";
+export {
+  Worker,
+  defaultWorkerHooks,
+  type Handler,
+  type KindHandler,
+  type KindOptions,
+  type RunOptions,
+  type WorkerHooks,
+  type WorkerOptions,
+  type WorkerStats,
+} from "./worker.js";
+export { FailureLog, RetryRule, type DeadOn, type ErrorType, type RetryOn } from "./failures.js";
+export type { MetricsRegistry } from "./metrics.js";

@@ -44,3 +44,13 @@ test("docs/quickstart.md: From TypeScript", async () => {
   assert.equal(stdout.match(/^handled by hand: job \d+ attempt 1$/gm)?.length, 5);
   assert.match(stdout, /^done: 95 completed by the worker$/m);
 });
+
+test("docs/typescript.md: Handlers by kind", async () => {
+  const code = snippet("docs/typescript.md", "### Handlers by kind")
+    .replace('"@querator/client"', JSON.stringify(pathToFileURL(INDEX).href))
+    .replaceAll("127.0.0.1:2319", server.address);
+  const file = join(dir, "kinds.mjs");
+  writeFileSync(file, code);
+  const { stdout } = await promisify(execFile)("node", [file], { timeout: 60_000 });
+  assert.equal(stdout, "email to: ada, sms to: +100\n");
+});
