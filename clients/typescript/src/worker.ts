@@ -175,8 +175,9 @@ type Settlement = { held: Held; kind: "complete" } | RetrySettlement;
 /** The options of a worker's Retry call (see Worker.#retryOrder). */
 type RetryOrder = { at?: Date; dead: boolean };
 
+/** Equal orders, equal keys: every field of the order counts (a Date as its ISO time). */
 function retryKey(order: RetryOrder): string {
-  return `${order.at?.getTime() ?? ""}\0${order.dead}`;
+  return JSON.stringify(order);
 }
 
 function randomSuffix(): string {

@@ -241,3 +241,32 @@ test("metrics: the Python worker's names and labels, scraped from a real prom-cl
   assert.match(response.headers.get("content-type") ?? "", /^text\/plain/);
   assert.match(await response.text(), new RegExp(`querator_worker_handled_total\\{queue="${q2}",kind=""\\} 1`));
 });
+
+test("a lost lease among retries settled together costs only its own item", async () => {
+  const q = queueName();
+  await client.createQueue(q, { leaseTimeoutMs: 60_000 });
+  await client.produce(q, ["fails", "doomed"]);
+  let open: () => void = () => undefined;
+  const gate = new Promise<void>((r) => (open = r));
+  let arrived = 0;
+  const lost: string[] = [];
+  const worker = new Worker(
+    client,
+    q,
+    async (item) => {
+      if (item.attempts > 1) return;
+      if (item.text === "doomed") await client.deleteItems(q, [item.id], { partition: item.partition }); // its lease is gone
+      if (++arrived === 2) open();
+      await gate;
+      // Both fail in one turn, "fails" first: their retries are settled together.
+      if (item.text === "doomed") await Promise.resolve();
+      throw new Error(`${item.text} failed`);
+    },
+    { ...quick, concurrency: 2, batchSize: 2, hooks: { onLeaseLost: (item) => void lost.push(item.text) } },
+  );
+  await worker.run({ untilEmpty: true });
+  assert.deepEqual(lost, ["doomed"]);
+  assert.equal(worker.stats.lost, 1);
+  assert.equal(worker.stats.retried, 1, "'fails' was retried, not taken for lost");
+  assert.equal(worker.stats.completed, 1, "'fails' came back and was handled");
+});
