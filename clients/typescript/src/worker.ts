@@ -36,6 +36,9 @@ export interface WorkerHooks {
   onDead?(item: LeasedItem, error: unknown): void;
   onExtend?(items: readonly LeasedItem[]): void;
   onLeaseLost?(item: LeasedItem, error: QueratorError): void;
+  /** The item's handler still runs at maxLeaseDurationMs: its lease is no longer
+   * extended, and the item comes back to the queue when it runs out. */
+  onLeaseCapped?(item: LeasedItem): void;
   onRelease?(items: readonly LeasedItem[]): void;
   onError?(error: unknown): void;
   /** Burst mode: every readable partition is empty, `faulty` are not readable (their node
@@ -61,6 +64,8 @@ export interface WorkerStats {
   failures: Record<string, number>;
   /** Handlers that ran past handlerTimeoutMs (also counted in `failed`). */
   timedOut: number;
+  /** Items whose lease stopped being extended at maxLeaseDurationMs. */
+  leaseCapped: number;
 }
 
 export interface WorkerOptions {
@@ -74,6 +79,9 @@ export interface WorkerOptions {
   keepAlive?: boolean;
   /** Lease length Extend asks for (default: the queue's lease timeout). */
   leaseExtensionMs?: number;
+  /** Keep-alive never holds an item longer than this from its lease (default: no cap);
+   * past it, its lease runs out and the item comes back to the queue. */
+  maxLeaseDurationMs?: number;
   /** Delay before a failed item comes back, by its attempt number (1 = first lease).
    * Default: backoff() (1 s doubling to 5 minutes, jittered). */
   retryBackoff?: (attempt: number) => number;
@@ -123,6 +131,8 @@ export interface RunOptions {
   untilEmpty?: boolean;
 }
 
+/** Keep-alive does not bother to extend a lease by less than this (maxLeaseDurationMs). */
+const MIN_EXTENSION_MS = 1000;
 /** Burst mode: the longest a Lease waits, so that the worker notices soon that the queue
  * ran dry (items leased by others or scheduled may still come back). */
 const BURST_WAIT_MS = 1000;
@@ -141,6 +151,7 @@ export function defaultWorkerHooks(logger: Logger = console): WorkerHooks {
       failures.warn(logger, `querator: handler failed for item ${item.id} (attempt ${item.attempts}), retry at ${at.toISOString()}: ${String(error)}`, error),
     onDead: (item, error) => failures.warn(logger, `querator: item ${item.id} dead-lettered after ${item.attempts} attempts: ${String(error)}`, error),
     onLeaseLost: (item, error) => logger.warn?.(`querator: lease of item ${item.id} lost: ${error.message}`),
+    onLeaseCapped: (item) => logger.warn?.(`querator: item ${item.id} held for maxLeaseDurationMs: its lease is no longer extended`),
     onError: (error) => (logger.error ?? logger.warn)?.call(logger, `querator: worker call failed: ${String(error)}`),
     onWaitFaulty: (faulty, waitedMs) =>
       logger.warn?.(
@@ -162,6 +173,10 @@ interface Held {
   route: Route | undefined;
   /** performance.now() at which to extend the lease. */
   extendAt: number;
+  /** performance.now() when its Lease was sent: maxLeaseDurationMs counts from here. */
+  leasedAt: number;
+  /** Keep-alive stopped at maxLeaseDurationMs. */
+  capped: boolean;
   lengthMs: number;
   started: boolean;
   /** Settling or settled: keep-alive leaves it alone. */
@@ -213,6 +228,7 @@ export class Worker {
     failed: 0,
     failures: {},
     timedOut: 0,
+    leaseCapped: 0,
   };
   readonly #dispatch: Dispatch;
   readonly #o: Required<
@@ -220,6 +236,7 @@ export class Worker {
   >;
   readonly #batchSize: number;
   readonly #extensionMs: number | undefined;
+  readonly #maxLeaseMs: number | undefined;
   readonly #handlerTimeoutMs: number | undefined;
   readonly #rules: FailureRules;
   readonly #hooks: WorkerHooks;
@@ -276,6 +293,10 @@ export class Worker {
     this.#batchSize = Math.min(options.batchSize ?? this.#o.concurrency, MAX_BATCH);
     if (this.#batchSize < 1) throw new RangeError(`batchSize must be between 1 and ${MAX_BATCH}`);
     this.#extensionMs = options.leaseExtensionMs;
+    if (options.maxLeaseDurationMs !== undefined && !(options.maxLeaseDurationMs > 0)) {
+      throw new RangeError(`maxLeaseDurationMs must be positive, got ${options.maxLeaseDurationMs}`);
+    }
+    this.#maxLeaseMs = options.maxLeaseDurationMs;
     checkKindOptions("", { ...(options.handlerTimeoutMs !== undefined ? { handlerTimeoutMs: options.handlerTimeoutMs } : {}) });
     this.#handlerTimeoutMs = options.handlerTimeoutMs;
     this.#rules = new FailureRules(options.retryOn ?? [], options.deadOn ?? [], this.#o.retryBackoff);
@@ -455,6 +476,8 @@ export class Worker {
             item,
             route: this.#dispatch.route(item.kind),
             extendAt: sent + this.#leaseTimeoutMs / 2,
+            leasedAt: sent,
+            capped: false,
             lengthMs: this.#leaseTimeoutMs,
             started: false,
             settling: false,
@@ -738,10 +761,36 @@ export class Worker {
   }
 
   #keep(held: Held): boolean {
-    return !(held.lost || held.settling || held.item.settled);
+    return !(held.lost || held.settling || held.capped || held.item.settled);
+  }
+
+  /** `due` split by maxLeaseDurationMs: those extended by the usual length, those that
+   * may only be extended by less (the room left to the cap), and the rest capped: their
+   * leases run out. */
+  #capped(due: Held[]): [Held[], [Held, number][]] {
+    const full = this.#extensionMs ?? this.#leaseTimeoutMs;
+    const now = performance.now();
+    const whole: Held[] = [];
+    const short: [Held, number][] = [];
+    for (const h of due) {
+      const left = h.leasedAt + this.#maxLeaseMs! - now;
+      if (left >= full) whole.push(h);
+      else if (left >= MIN_EXTENSION_MS) short.push([h, left]);
+      else {
+        h.capped = true;
+        this.stats.leaseCapped++;
+        this.#hook("onLeaseCapped", h.item);
+      }
+    }
+    return [whole, short];
   }
 
   async #extend(due: Held[]): Promise<void> {
+    if (this.#maxLeaseMs !== undefined) {
+      const [whole, short] = this.#capped(due);
+      for (const [h, left] of short) await this.#extendOne(h, Math.floor(left));
+      due = whole;
+    }
     const byPartition = new Map<number, Held[]>();
     for (const h of due) byPartition.set(h.item.partition, [...(byPartition.get(h.item.partition) ?? []), h]);
     const options = this.#extensionMs !== undefined ? { leaseTimeoutMs: this.#extensionMs } : {};
@@ -751,35 +800,38 @@ export class Worker {
         const sent = performance.now();
         try {
           await this.client.extend(chunk.map((h) => h.item), options);
-          this.#extended(chunk, sent);
+          this.#extended(chunk, sent, this.#extensionMs ?? this.#leaseTimeoutMs);
         } catch (error) {
           if (!isLeaseLost(error)) {
             this.#error(error);
             for (const h of chunk) h.extendAt = sent + Math.min(1000, h.lengthMs / 10); // again soon, while it lasts
             continue;
           }
-          for (const h of chunk) {
-            try {
-              await this.client.extend(h.item, options);
-              this.#extended([h], performance.now());
-            } catch (one) {
-              if (isLeaseLost(one)) {
-                if (this.#keep(h)) this.#lost(h, one);
-              } else {
-                this.#error(one);
-                h.extendAt = performance.now() + Math.min(1000, h.lengthMs / 10);
-              }
-            }
-          }
+          for (const h of chunk) await this.#extendOne(h, this.#extensionMs);
         }
       }
     }
   }
 
-  #extended(chunk: Held[], sent: number): void {
+  async #extendOne(h: Held, lengthMs: number | undefined): Promise<void> {
+    const sent = performance.now();
+    try {
+      await this.client.extend(h.item, lengthMs !== undefined ? { leaseTimeoutMs: lengthMs } : {});
+      this.#extended([h], sent, lengthMs ?? this.#leaseTimeoutMs);
+    } catch (error) {
+      if (isLeaseLost(error)) {
+        if (this.#keep(h)) this.#lost(h, error); // else it was settled meanwhile: not lost
+      } else {
+        this.#error(error);
+        h.extendAt = performance.now() + Math.min(1000, h.lengthMs / 10);
+      }
+    }
+  }
+
+  #extended(chunk: Held[], sent: number, lengthMs: number): void {
     for (const h of chunk) {
-      h.lengthMs = this.#extensionMs ?? this.#leaseTimeoutMs;
-      h.extendAt = sent + h.lengthMs / 2;
+      h.lengthMs = lengthMs;
+      h.extendAt = sent + lengthMs / 2;
     }
     this.stats.extended += chunk.length;
     this.#hook("onExtend", chunk.map((h) => h.item));

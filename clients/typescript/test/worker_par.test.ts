@@ -270,3 +270,42 @@ test("a lost lease among retries settled together costs only its own item", asyn
   assert.equal(worker.stats.retried, 1, "'fails' was retried, not taken for lost");
   assert.equal(worker.stats.completed, 1, "'fails' came back and was handled");
 });
+
+test("maxLeaseDurationMs: keep-alive extends up to the cap, then lets the lease run out", async () => {
+  const q = queueName();
+  await client.createQueue(q, { leaseTimeoutMs: 1500 });
+  await client.produce(q, "long");
+  const other = new Client({ address: server.address });
+  const capped: string[] = [];
+  let started = false;
+  const worker = new Worker(
+    client,
+    q,
+    async (item) => {
+      if (item.attempts > 1) return;
+      started = true;
+      await new Promise((r) => setTimeout(r, 4500));
+    },
+    { ...quick, concurrency: 1, maxLeaseDurationMs: 2800, hooks: { onLeaseCapped: (item) => void capped.push(item.text) } },
+  );
+  const running = worker.run();
+  try {
+    while (!started) await new Promise((r) => setTimeout(r, 20));
+    // Extended up to 2.8 s from its lease (a whole extension, then a shorter one), no further.
+    const [again] = await other.lease(q, { waitMs: 5000 });
+    assert.equal(again?.text, "long");
+    assert.equal(again?.attempts, 2);
+    assert.deepEqual(capped, ["long"]);
+    assert.equal(worker.stats.leaseCapped, 1);
+    assert.ok(worker.stats.extended >= 1, `extended ${worker.stats.extended} times`);
+    await again!.complete();
+    await new Promise((r) => setTimeout(r, 2000)); // the first handler ends; its completion finds the lease gone
+  } finally {
+    await worker.stop();
+    await running;
+    other.close();
+  }
+  assert.equal(worker.stats.lost, 1);
+  assert.equal(worker.stats.completed, 0);
+  assert.throws(() => new Worker(client, q, () => undefined, { maxLeaseDurationMs: 0 }), RangeError);
+});
