@@ -96,6 +96,11 @@ class QueueConfig:
     # The commit group whose environment holds the queue's storage; -1: a directory of
     # its own (queues/<uid>). Not part of the API: where the server keeps the items.
     group: int = -1
+    # PauseQueue / ResumeQueue: no items handed out while paused (leases wait); with
+    # produce_paused, Produce is refused too. Stored with the rest, so a pause
+    # outlives a restart and, in a cluster, reaches every node through the catalog.
+    paused: bool = False
+    produce_paused: bool = False
 
     def replace(self, **changes: object) -> QueueConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
