@@ -322,6 +322,24 @@ export class Client implements Settler {
     await this.#conn.call((c, o) => c.queues.clearQueue(request, o), options, { retry: true });
   }
 
+  /** Stop the queue handing out items until resumeQueue: leases wait (and answer
+   * empty at their wait), while produce, completions, retries, lease expiry, scheduled
+   * items and dead-lettering go on. `produce: true` refuses produce too
+   * (FailedPrecondition). Stored with the queue: it outlives restarts and holds on
+   * every node of a cluster. Admin key; retried after UNAVAILABLE (pausing twice is
+   * pausing once). */
+  async pauseQueue(name: string, options: { produce?: boolean } & CallOptions = {}): Promise<QueueInfo> {
+    const request = { queueName: name, produce: options.produce ?? false };
+    const response = await this.#conn.call((c, o) => c.queues.pauseQueue(request, o), options, { retry: true });
+    return queueInfo(response.queue);
+  }
+
+  /** End a pause: waiting leases get items again. A queue not paused is left as is. */
+  async resumeQueue(name: string, options?: CallOptions): Promise<QueueInfo> {
+    const response = await this.#conn.call((c, o) => c.queues.resumeQueue({ queueName: name }, o), options, { retry: true });
+    return queueInfo(response.queue);
+  }
+
   async queueStats(name: string, options?: CallOptions): Promise<QueueStats> {
     return queueStats(await this.#conn.call((c, o) => c.queues.getQueueStats({ queueName: name }, o), options, { retry: true }));
   }

@@ -54,6 +54,10 @@ export interface QueueInfo {
   updatedAt: Date | undefined;
   dedupWindowMs: number;
   leaseKeyTtlMs: number;
+  /** Set by pauseQueue: the queue hands out no items; leases wait until resumeQueue. */
+  paused: boolean;
+  /** pauseQueue with `produce`: produce is refused too (FailedPrecondition). */
+  producePaused: boolean;
 }
 
 /** The settings createQueue and updateQueue take; what is left out defaults (create)

@@ -369,6 +369,8 @@ export function queueInfo(info: QueueInfoMessage | undefined): QueueInfo {
     updatedAt: fromTimestamp(info?.updatedAt),
     dedupWindowMs: fromDuration(info?.dedupWindow),
     leaseKeyTtlMs: fromDuration(info?.leaseKeyTtl),
+    paused: info?.paused ?? false,
+    producePaused: info?.producePaused ?? false,
   };
 }
 
