@@ -252,3 +252,45 @@ def test_the_paused_metric(data_dir: str) -> None:
             }
     finally:
         server.stop()
+
+
+def test_a_lease_that_completes_while_paused_completes_and_then_waits(stubs: Stubs) -> None:
+    stubs.create("q")
+    stubs.produce("q", [b"first", b"second"])
+    leased = stubs.lease("q", batch_size=1, request_timeout=dur(0))
+    pause(stubs, "q")
+    started = time.monotonic()
+    again = stubs.lease(
+        "q", complete_ids=[leased.items[0].id], complete_partition=leased.partition, request_timeout=dur(0.4)
+    )
+    assert again.items == [] and time.monotonic() - started >= 0.35
+    assert stubs.stats("q").partitions[0].total == 1  # "first" is completed for good
+    resume(stubs, "q")
+    assert payloads(stubs.lease("q", request_timeout=dur(0))) == [b"second"]
+
+
+def test_pausing_takes_an_admin_key(data_dir: str) -> None:
+    from test_security import BOOTSTRAP, Authed, _key
+
+    from querator.v1 import keys_pb2
+
+    server = ThreadServer(data_dir, auth=True, admin_token=BOOTSTRAP)
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            admin = Authed(channel, BOOTSTRAP)
+            admin.create("jobs")
+            for role in (keys_pb2.ROLE_PRODUCER, keys_pb2.ROLE_CONSUMER):
+                other = Authed(channel, _key(admin, role, "jobs"))
+                for call in (pause, resume):
+                    with pytest.raises(grpc.RpcError) as err:
+                        call(other, "jobs")
+                    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            scoped = Authed(channel, _key(admin, keys_pb2.ROLE_ADMIN, "jobs*"))
+            assert pause(scoped, "jobs").paused is True
+            admin.create("billing")
+            with pytest.raises(grpc.RpcError) as err:
+                pause(scoped, "billing")
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert resume(scoped, "jobs").paused is False
+    finally:
+        server.stop()
