@@ -51,4 +51,6 @@ rm -rf "$pkg"
 mkdir -p "$pkg" "$out/bin"
 cp "$here/main.go" "$pkg/"
 (cd "$root" && "${buf[@]}" generate proto --template examples/go/buf.gen.yaml -o "$pkg")
+# The build cache defaults to $HOME/.cache/go-build; a run without HOME keeps it here.
+[ -n "${HOME:-}" ] || [ -n "${GOCACHE:-}" ] || export GOCACHE="$out/.gocache"
 GO111MODULE=off GOPATH="$out:$gocode" GOFLAGS= go build -o "$out/bin/queuedemo" example.com/queuedemo
