@@ -15,7 +15,8 @@
 # (GO111MODULE=off) with GOPATH=OUT_DIR:/usr/share/gocode: the program and its
 # generated stubs are laid out under OUT_DIR/src/example.com/queuedemo, and every
 # import resolves in one of the two trees. The stubs are generated here, from
-# proto/, by buf with the local plugins of examples/go/buf.gen.yaml.
+# proto/, by buf with the local plugins of examples/go/buf.gen.yaml; go vet checks the
+# program before it is built.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -53,4 +54,6 @@ cp "$here/main.go" "$pkg/"
 (cd "$root" && "${buf[@]}" generate proto --template examples/go/buf.gen.yaml -o "$pkg")
 # The build cache defaults to $HOME/.cache/go-build; a run without HOME keeps it here.
 [ -n "${HOME:-}" ] || [ -n "${GOCACHE:-}" ] || export GOCACHE="$out/.gocache"
-GO111MODULE=off GOPATH="$out:$gocode" GOFLAGS= go build -o "$out/bin/queuedemo" example.com/queuedemo
+export GO111MODULE=off GOPATH="$out:$gocode" GOFLAGS=
+go vet example.com/queuedemo
+go build -o "$out/bin/queuedemo" example.com/queuedemo
