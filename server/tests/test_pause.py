@@ -294,3 +294,37 @@ def test_pausing_takes_an_admin_key(data_dir: str) -> None:
             assert resume(scoped, "jobs").paused is False
     finally:
         server.stop()
+
+
+def test_under_load_nothing_is_handed_out_while_paused_and_everything_once_after(stubs: Stubs) -> None:
+    """8 consumers long-polling and a producer adding 500 items while the queue is paused:
+    no lease gets an item until the resume, then every item goes out exactly once."""
+    stubs.create("busy", requested_partitions=4)
+    pause(stubs, "busy")
+    stop = threading.Event()
+    got: list[bytes] = []
+    lock = threading.Lock()
+
+    def consume(index: int) -> None:
+        deadline = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < deadline:
+            reply = stubs.lease("busy", 20, f"c{index}", 10, request_timeout=dur(0.3))
+            if reply.items:
+                stubs.complete("busy", reply.partition, [item.id for item in reply.items])
+            with lock:
+                got.extend(item.payload for item in reply.items)
+
+    with ThreadPoolExecutor(8) as consumers:
+        running = [consumers.submit(consume, i) for i in range(8)]
+        for batch in range(50):
+            stubs.produce("busy", [f"{batch}-{i}".encode() for i in range(10)])
+        wait_until(lambda: stubs.stats("busy").lease_waiting >= 4, timeout=10)
+        time.sleep(0.5)
+        with lock:
+            assert got == []  # 500 ready items, 8 consumers, nothing handed out
+        resume(stubs, "busy")
+        wait_until(lambda: len(got) >= 500, timeout=30)
+        stop.set()
+        for future in running:
+            future.result(30)
+    assert sorted(got) == sorted(f"{b}-{i}".encode() for b in range(50) for i in range(10))
