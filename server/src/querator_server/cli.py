@@ -26,7 +26,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address",
-        help=f"host:port to listen on (env QUERATOR_ADDRESS, default {DEFAULT_ADDRESS})",
+        help=f"host:port to listen on (env QUERATOR_LISTEN_ADDRESS, else a single address in QUERATOR_ADDRESS; "
+        f"default {DEFAULT_ADDRESS})",
     )
     parser.add_argument(
         "--data-dir",
@@ -49,8 +50,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--log-json",
+        "--json",
+        dest="log_json",
         action="store_true",
-        help="log JSON lines even on a terminal (default: coloured text on a terminal, JSON lines otherwise)",
+        help="log JSON lines even on a terminal (default: coloured text on a terminal, JSON lines otherwise); "
+        "--json is the same, as for the client commands",
     )
     parser.add_argument(
         "--auth",
