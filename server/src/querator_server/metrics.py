@@ -25,6 +25,7 @@ See docs/operations.md ("Metrics") for the list.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import socket
 import threading
@@ -70,6 +71,10 @@ STORAGE_BUCKETS = (
     0.5, 1.0, 2.5,
 )  # fmt: skip
 BATCH_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# The loop-lag probe's timer: often enough that a stall of a fraction of a second shows,
+# rarely enough to cost nothing (one wake-up of the loop).
+LOOP_LAG_INTERVAL_S = 0.5
 
 
 # Scrapes served at once (one renders, the others wait for its answer); past it, 503.
@@ -250,6 +255,35 @@ class QueueCollector(Collector):
         )
         failed.add_metric([], self._manager.failed_queues())
         yield from (queues, failed, items, partitions, faulty, head_age, avg_age, lease_waiting, produce_waiting, paused, map_used, map_size)
+
+
+class ClusterCollector(Collector):
+    """A cluster node's view of the cluster, read at scrape time.
+
+    ``view`` returns (live members, this node fenced, partitions homed on a node that is
+    not live); it runs on the scrape's thread and reads the node's cached catalog only."""
+
+    def __init__(self, view: Callable[[], tuple[int, bool, int]]) -> None:
+        self._view = view
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        members, fenced, down = self._view()
+        yield GaugeMetricFamily(
+            "querator_cluster_members",
+            "Live members of the cluster (nodes holding their membership in etcd), as this node sees them.",
+            value=members,
+        )
+        yield GaugeMetricFamily(
+            "querator_cluster_fenced",
+            "1 while this node cannot renew its membership: it refuses admin changes and still serves data.",
+            value=1 if fenced else 0,
+        )
+        yield GaugeMetricFamily(
+            "querator_cluster_partitions_down",
+            "Partitions of the cluster's queues whose home node is not a live member, as this node sees "
+            "them: their items wait until the node is back, or retired.",
+            value=down,
+        )
 
 
 def _queue_of(request: Any) -> str:
@@ -447,6 +481,14 @@ class Metrics:
             "LeaseStreams ended because their client read nothing for the stall timeout.",
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "querator_event_loop_lag_seconds",
+            f"How late the event loop ran a timer due every {LOOP_LAG_INTERVAL_S} s: how long calls and cycles "
+            "waited behind other work then.",
+            buckets=LOOP_LAG_BUCKETS,
+            registry=r,
+        )
+        self._loop_probe: asyncio.Task[None] | None = None
         r.register(QueueCollector(manager))
         self._labelled = (
             self.rpc_duration,
@@ -478,6 +520,22 @@ class Metrics:
         """Read the unsent bytes at scrape time; the callable returned counts a stalled stream."""
         self.stream_unsent.set_function(unsent_bytes)
         return self.streams_stalled.inc
+
+    def watch_cluster(self, view: Callable[[], tuple[int, bool, int]]) -> None:
+        """A cluster node's gauges (ClusterCollector), read from ``view`` at scrape time."""
+        self.registry.register(ClusterCollector(view))
+
+    def watch_loop(self) -> None:
+        """Measure the event loop's lag until close(); called on the loop."""
+        self._loop_probe = asyncio.get_running_loop().create_task(self._probe_loop(), name="querator-loop-lag")
+
+    async def _probe_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        observe = self.loop_lag.observe
+        while True:
+            due = loop.time() + LOOP_LAG_INTERVAL_S
+            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+            observe(max(0.0, loop.time() - due))
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor[Any, Any]]:
         return [MetricsInterceptor(self)]
@@ -525,6 +583,9 @@ class Metrics:
             )
 
     def close(self) -> None:
+        probe, self._loop_probe = self._loop_probe, None
+        if probe is not None:
+            probe.cancel()
         server, self._http = self._http, None
         if server is not None:
             server.shutdown()
