@@ -179,6 +179,14 @@ def test_the_server_listens_on_its_own_variable_and_refuses_a_list_meant_for_cli
     assert f"QUERATOR_ADDRESS={targets!r} is a list of servers" in refused.stderr
     assert "set QUERATOR_LISTEN_ADDRESS (or --address)" in refused.stderr and "Traceback" not in refused.stderr
     assert not os.path.exists(data)
+    for given in (["--address", targets, "serve"], ["serve", "--address", targets]):
+        refused = subprocess.run(
+            [sys.executable, "-m", "querator.cli", *given, "--data-dir", data],
+            env=base, check=False, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert refused.returncode == 2, refused.stderr
+        assert f"listens on one host:port, not a list: --address {targets!r}" in refused.stderr
+    assert not os.path.exists(data)
 
     # Its own variable wins; the clients of the same shell still reach it through the list.
     env = {"QUERATOR_LISTEN_ADDRESS": address, "QUERATOR_ADDRESS": targets, "QUERATOR_DATA_DIR": data}

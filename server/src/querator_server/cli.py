@@ -145,6 +145,9 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
     except ValueError as exc:
         print(f"querator: {exc}", file=sys.stderr)
         return 2
+    if "," in config.address:
+        print(f"querator: the server listens on one host:port, not a list: --address {config.address!r}", file=sys.stderr)
+        return 2
     if config.fail_queue_after_s <= 0:
         print("querator: --fail-queue-after must be above 0 seconds", file=sys.stderr)
         return 2
