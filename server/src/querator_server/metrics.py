@@ -267,7 +267,11 @@ class ClusterCollector(Collector):
         self._view = view
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        members, fenced, down = self._view()
+        try:
+            members, fenced, down = self._view()
+        except Exception as exc:  # noqa: BLE001 -- a scrape must not fail for the cluster's view
+            log.debug("metrics_cluster_view_failed", error=repr(exc))
+            return
         yield GaugeMetricFamily(
             "querator_cluster_members",
             "Live members of the cluster (nodes holding their membership in etcd), as this node sees them.",
