@@ -14,6 +14,9 @@ Two kinds of data:
   ``querator.v1`` call (latency, status, items moved), the actor after every cycle
   (duration, batch size, lease expirations, dead letters) and the queue store after
   every commit (commit time). A deleted queue's series are removed with it.
+- The event loop's lag: a timer every LOOP_LAG_INTERVAL_S and how late it ran. On a
+  cluster node, the node's view of the cluster (ClusterCollector), read at scrape
+  time from its cached catalog.
 
 The endpoint renders one scrape at a time (scrapes arriving meanwhile share that
 answer), spaces renderings so that they take a bounded share of the interpreter, and,
