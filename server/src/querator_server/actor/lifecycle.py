@@ -87,7 +87,7 @@ class LifecycleSteps(CycleBase):
             self._untag(txn, item.lease_key, seq)
             item.lease_key = ""
         if not self.config.dead_queue:
-            self.dropped.append((old_id, reason))
+            self.dropped.append((old_id, reason, item.last_error))
             return
         item.message_id = item.message_id or old_id
         item.dead_reason, item.dead_at, item.dead_attempts = code, self.now, item.attempts
