@@ -526,11 +526,12 @@ class LeaseItem(_message.Message):
     last_error: _builtins.str
     """What went wrong the last time the item failed: the error text of the
     last Retry that carried one (RetryItem.error or RetryRequest.error), or
-    the server's "lease expired after N attempts" when a lease ran out with
-    max_attempts reached. At most 2,048 bytes of UTF-8 (see
-    RetryItem.error). Kept across re-queues, dead-lettering and redrive, so a
-    handler sees the previous attempt's error and a dead letter the error
-    that killed it. Empty when the item never failed with a text.
+    the server's "lease expired after N attempts" when a lease ran out (N:
+    the leases so far; the item re-queued, or dead-lettered when that was its
+    last attempt). At most 2,048 bytes of UTF-8 (see RetryItem.error). Kept
+    across re-queues, scheduling, dead-lettering and redrive, so a handler
+    sees the previous attempt's error and a dead letter the error that killed
+    it. Empty when the item never failed with a text.
     """
     @_builtins.property
     def lease_deadline(self) -> _timestamp_pb2.Timestamp:
