@@ -57,7 +57,9 @@ def test_failure_text_puts_type_and_message_first_then_the_last_frames_that_fit(
     assert failure_text(KeyError("k")) == "KeyError: 'k'"  # never raised: no traceback
 
 
-def test_errors_reach_the_next_lease_and_the_dead_letter(client: querator.Client) -> None:
+def test_errors_reach_the_next_lease_and_the_dead_letter(
+    srv: EmbeddedServer, client: querator.Client, capsys: pytest.CaptureFixture[str]
+) -> None:
     dlq, name = unique("dlq"), unique()
     client.create_queue(dlq)
     client.create_queue(name, dead_queue=dlq)
@@ -78,6 +80,12 @@ def test_errors_reach_the_next_lease_and_the_dead_letter(client: querator.Client
     assert block.startswith("ZeroDivisionError: division by zero\nTraceback") and "1 / 0" in block
     listed = {i.payload: i for i in client.list_items(name)}
     assert listed[b"by-hand"].last_error == "smtp: 421 try later" and listed[b"by-hand"].last_error_at == at
+    for item in again.values():
+        item.retry(error="")  # no text: the items keep the error they had
+    assert main(["lease", name, "-n", "2", "--json", "--address", srv.address]) == 0
+    by_cli = {i["payload"]: i for i in json.loads(capsys.readouterr().out)["items"]}
+    assert by_cli["by-hand"]["last_error"] == "smtp: 421 try later"
+    assert by_cli["by-block"]["last_error"] == block and by_cli["by-block"]["last_error_at"]
 
     wait_until(lambda: list(client.list_items(dlq)))
     (letter,) = client.list_items(dlq)

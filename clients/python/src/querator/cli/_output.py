@@ -101,6 +101,9 @@ def leased_json(item: LeasedItem) -> dict[str, Any]:
         "kind": item.kind,
         "reference": item.reference,
         "metadata": dict(item.metadata),
+        "message_id": item.message_id,
+        "last_error": item.last_error,
+        "last_error_at": item.last_error_at.isoformat() if item.last_error_at else None,
         **payload_fields(item.payload),
     }
 
