@@ -62,8 +62,10 @@ def test_past_its_time_limit_a_process_task_is_killed_and_its_side_effect_never_
     assert letter.last_error.splitlines()[0] == (
         "querator.errors.TimeLimitExceeded: time limit: the handler ran past 1s and its process was killed"
     )
-    assert took < 3, took
-    time.sleep(3.5 - took)  # past the moment the handler would have written, had it lived
+    # No bound on `took`: under load the pool's start-up alone can take seconds. What
+    # shows the kill is the side effect: past the moment the handler would have
+    # written (3 s after it began, so before `began + 3.5`), had it lived.
+    time.sleep(max(0.0, 3.5 - took))
     assert not killed.exists()
 
 
