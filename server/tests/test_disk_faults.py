@@ -37,7 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import querator
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
-from querator_server.faults import FAULT_FILE_ENV
+from querator_server.faults import FAULT_FILE_ENV, write_fault
 from querator_server.logging import RepeatedFailure
 
 from conftest import ProcessServer, Stubs, ThreadServer, free_port, wait_until
@@ -1043,3 +1043,24 @@ def test_repeated_failure_reports_the_first_then_once_per_interval_with_the_coun
     lines = [(second, n) for second, n in enumerate(reported) if n]
     assert lines == [(0, 1), (60, 60), (120, 60)]
     assert failure.failures == 150
+
+
+def test_a_fault_file_caught_empty_while_rewritten_names_no_fault(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rewriting the fault file truncates it first. A stalled commit polls the file, and
+    one that read it empty took that for ``no-space``: its calls failed with a full disk
+    nobody had asked for (seen in CI as test_isolation's lifecycle test failing on
+    'No space left on device (injected fault)')."""
+    fault = tmp_path / "fault"
+    monkeypatch.setenv(FAULT_FILE_ENV, str(fault))
+    fault.write_text("")
+    assert write_fault("queues/1") == ""
+    fault.write_text("stall")
+    met: list[str] = []
+    commit = threading.Thread(target=lambda: met.append(write_fault("queues/1")))
+    commit.start()
+    time.sleep(0.1)  # stalled: polling the file every 10 ms
+    fault.write_text("")  # caught between truncating and writing, for many polls
+    time.sleep(0.1)
+    fault.unlink()
+    commit.join(timeout=10)
+    assert met == [""]
