@@ -61,6 +61,11 @@ class ServerConfig:
     node_id: str = ""
     advertise: str = ""
     cluster_lease_ttl_s: int = 5
+    # Replication (docs/cluster.md, "Replication"): the copies a new queue gets when its
+    # CreateQueue names none, and the fewest in-sync copies it writes with (0: by rule,
+    # replicas - 1 and at least 1).
+    replicas: int = 1
+    min_in_sync: int = 0
     # With TLS on: the PEM CA bundle that signed the other nodes' certificates, for the
     # calls a node forwards to another (default: tls_client_ca, else the system's roots).
     cluster_ca: str = ""
@@ -97,6 +102,8 @@ class ServerConfig:
             "advertise": env.get("QUERATOR_ADVERTISE", ""),
             "cluster_ca": env.get("QUERATOR_CLUSTER_CA", ""),
             "cluster_lease_ttl_s": _whole_seconds(env.get("QUERATOR_CLUSTER_LEASE_TTL", "5")),
+            "replicas": _whole_number(env.get("QUERATOR_REPLICAS", "1")),
+            "min_in_sync": _whole_number(env.get("QUERATOR_MIN_IN_SYNC", "0")),
             "etcd_ca": env.get("QUERATOR_ETCD_CA", ""),
             "etcd_cert": env.get("QUERATOR_ETCD_CERT", ""),
             "etcd_key": env.get("QUERATOR_ETCD_KEY", ""),
@@ -126,6 +133,14 @@ def _whole_seconds(text: str) -> int:
         return int(text.strip())
     except ValueError:
         return 0
+
+
+def _whole_number(text: str) -> int:
+    """A whole number from the environment; -1 (refused by the caller) when not one."""
+    try:
+        return int(text.strip())
+    except ValueError:
+        return -1
 
 
 def _flag(text: str) -> bool:

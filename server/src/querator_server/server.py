@@ -244,7 +244,14 @@ class QueratorServer:
             await self.manager.stop()
             raise
         settings = ClusterSettings(
-            config.cluster, config.node_id, advertise, config.cluster_lease_ttl_s, peer_tls, etcd_access
+            config.cluster,
+            config.node_id,
+            advertise,
+            config.cluster_lease_ttl_s,
+            peer_tls,
+            etcd_access,
+            replicas=config.replicas,
+            min_in_sync=config.min_in_sync,
         )
         try:
             self.cluster = Coordinator(

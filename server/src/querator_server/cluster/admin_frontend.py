@@ -24,7 +24,8 @@ from .catalog import APPLY_TIMEOUT_S as _APPLY_TIMEOUT_S
 from .catalog import CatalogCache, Keys
 from .etcd import Etcd, EtcdError, Txn
 from .membership import Membership
-from .placement import Home, QueueEntry, place
+from .placement import Home, QueueEntry, place, place_shard
+from .shard_record import ShardRecord, default_min_in_sync
 
 log = get_logger("cluster")
 
@@ -41,12 +42,48 @@ class AdminFrontend:
     catalog: CatalogCache
     membership: Membership
 
+    # --replicas and --min-in-sync: for a CreateQueue that names none (0).
+    default_replicas: int
+    default_min_in_sync: int
+
     def _live(self) -> builtins.list[str]:
         return sorted(self.catalog.members)
 
     def _load(self) -> Counter[str]:
         """Partitions homed per node, over every queue: placement's tie-breaker."""
-        return Counter(h.node for e in self.catalog.queues.values() for h in e.homes)
+        return Counter(h.node for e in self.catalog.queues.values() for h in self.catalog.routed(e).homes)
+
+    def _shard_load(self) -> tuple[Counter[str], Counter[str]]:
+        """Per node: what it serves as primary (replicated queues, and partitions of one
+        copy, which it serves alone), and the copies of replicated queues it keeps."""
+        primaries: Counter[str] = Counter(h.node for e in self.catalog.queues.values() if not e.shard for h in e.homes)
+        copies: Counter[str] = Counter()
+        for record in self.catalog.shards.records():
+            primaries[record.primary] += 1
+            copies.update(record.replicas)
+        return primaries, copies
+
+    def _replication(self, config: QueueConfig) -> tuple[int, int]:
+        """The queue's copies and minimum in-sync count: asked for, else the defaults."""
+        replicas = config.replicas or self.default_replicas
+        if replicas == 1:
+            if config.min_in_sync > 1:
+                raise InvalidArgument("queue.min_in_sync", f"must be at most replicas (1), got {config.min_in_sync}")
+            return 1, 0
+        if config.min_in_sync > replicas:
+            raise InvalidArgument("queue.min_in_sync", f"must be at most replicas ({replicas}), got {config.min_in_sync}")
+        return replicas, config.min_in_sync or min(self.default_min_in_sync, replicas) or default_min_in_sync(replicas)
+
+    def _check_replicated_dead_queue(self, config: QueueConfig) -> None:
+        """Dead letters go to the dead-letter queue's part on the same node, which a
+        failover would leave behind: not yet for replicated queues, either side."""
+        dead = self.catalog.queues.get(config.dead_queue) if config.dead_queue else None
+        if config.replicas > 1 and config.dead_queue:
+            raise FailedPrecondition("queue.dead_queue: a replicated queue (replicas > 1) cannot have a dead_queue yet")
+        if dead is not None and dead.shard:
+            raise FailedPrecondition(
+                f"queue.dead_queue: queue {config.dead_queue!r} is replicated and cannot be a dead_queue yet"
+            )
 
     def _fenced_txn(self) -> Txn:
         self.membership.check()
@@ -93,17 +130,32 @@ class AdminFrontend:
     async def create(self, config: QueueConfig, visible: Callable[[str], bool] | None = None) -> QueueConfig:
         """As QueuesManager.create, in the catalog; ``visible``: what error texts may name."""
         check_dead_queue(config, self._configs(), visible)
+        replicas, min_in_sync = self._replication(config)
+        config = config.replace(replicas=replicas, min_in_sync=min_in_sync)
+        self._check_replicated_dead_queue(config)
         txn = self._fenced_txn()
         live = self._live()
         if not live:
             raise Unavailable("no live node to place the queue's partitions on")
+        if len(live) < replicas:
+            raise FailedPrecondition(
+                f"queue {config.name!r} needs {replicas} live nodes for its replicas, "
+                f"the cluster has {len(live)} live ({', '.join(live)})"
+            )
         now = now_us()
-        entry = QueueEntry(
-            config.replace(created_at_us=now, updated_at_us=now, uid=0, group=-1),
-            tuple(place(config.partitions, live, load=self._load())),
-            key_partitions=config.partitions,
-        )
+        config = config.replace(created_at_us=now, updated_at_us=now, uid=0, group=-1)
         key = self.keys.queue(config.name)
+        if replicas > 1:
+            copies = place_shard(replicas, live, *self._shard_load())
+            uid = await self.catalog.shards.next_uid()
+            entry = QueueEntry(
+                config, tuple(Home(copies[0], p) for p in range(config.partitions)), config.partitions, shard=uid
+            )
+            shard = self.catalog.shards.key(uid)
+            record = ShardRecord.new(uid, config.name, copies, min_in_sync)
+            txn.created_at(shard, 0).put(shard, record.encode())
+        else:
+            entry = QueueEntry(config, tuple(place(config.partitions, live, load=self._load())), config.partitions)
         txn.created_at(key, 0).put(key, entry.encode()).delete(self.keys.deleted(config.name))
         self._with_dead_queue(txn, entry.config, entry.homes)
         await self._commit(
@@ -112,7 +164,10 @@ class AdminFrontend:
             if config.name in self.catalog.queues or not config.dead_queue
             else FailedPrecondition(f"queue {config.dead_queue!r} was changed meanwhile; retry"),
         )
-        log.info("cluster_queue_created", queue=config.name, homes=[h.node for h in entry.homes])
+        if entry.shard:
+            log.info("cluster_queue_created", queue=config.name, shard=entry.shard, copies=copies)
+        else:
+            log.info("cluster_queue_created", queue=config.name, homes=[h.node for h in entry.homes])
         return self.get(config.name)
 
     def get(self, name: str) -> QueueConfig:
@@ -139,9 +194,13 @@ class AdminFrontend:
         check_update(current, updated)
         if "dead_queue" in changes:
             check_dead_queue(updated, self._configs(), visible)
+            self._check_replicated_dead_queue(updated)
         homes = entry.homes
         if updated.partitions > current.partitions:
-            homes = homes + tuple(place(updated.partitions - current.partitions, self._live(), homes, self._load()))
+            if entry.shard:  # every copy holds every partition, at its own number
+                homes = entry.homes + tuple(Home(entry.homes[0].node, p) for p in range(current.partitions, updated.partitions))
+            else:
+                homes = homes + tuple(place(updated.partitions - current.partitions, self._live(), homes, self._load()))
         new = dataclasses.replace(entry, config=updated, homes=homes)
         key = self.keys.queue(name)
         txn.modified_at(key, entry.mod_revision).put(key, new.encode())
@@ -164,6 +223,8 @@ class AdminFrontend:
         check_deletable(name, self._configs().values(), visible)
         key = self.keys.queue(name)
         txn.modified_at(key, entry.mod_revision).delete(key).put(self.keys.deleted(name), b"{}")
+        if entry.shard:
+            txn.delete(self.catalog.shards.key(entry.shard))
         await self._commit(
             txn, lambda: FailedPrecondition(f"queue {name!r} was changed by another admin meanwhile; retry")
         )
@@ -190,7 +251,8 @@ class AdminFrontend:
             raise InvalidArgument("node_id", "is required")
         if node == self.node or node in self.catalog.members:
             raise FailedPrecondition(f"node {node!r} is live; only a dead node can be retired")
-        owned = [e for e in self.catalog.queues.values() if any(h.node == node for h in e.homes)]
+        # Replicated queues are not recreated here: their copies elsewhere hold them.
+        owned = [e for e in self.catalog.queues.values() if not e.shard and any(h.node == node for h in e.homes)]
         if not owned and node in self.catalog.retired:
             return 0
         if not owned:

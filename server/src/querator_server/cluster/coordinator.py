@@ -44,6 +44,10 @@ class ClusterSettings:
     peer_tls: PeerTls | None = None
     # TLS and authentication towards etcd; None: plaintext, no authentication.
     etcd_access: Access | None = None
+    # Defaults of new queues whose CreateQueue names none (--replicas, --min-in-sync;
+    # 0: replicas - 1, at least 1, capped at the queue's replicas).
+    replicas: int = 1
+    min_in_sync: int = 0
 
 
 class Coordinator(AdminFrontend, ReconcileBackend):
@@ -60,10 +64,13 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         self.etcd = Etcd(endpoint.targets, settings.etcd_access)
         self.keys = Keys(endpoint.prefix)
         self.catalog = CatalogCache(self.etcd, self.keys, self.reconcile)
+        self.default_replicas = settings.replicas
+        self.default_min_in_sync = settings.min_in_sync
         self._on_standing = on_standing
         self.membership = Membership(
             self.etcd, self.keys.member(self.node), self.node, settings.advertise, settings.lease_ttl_s, self._standing
         )
+        self.catalog.shards.writer = self.membership
         self.router = Router(self.node, self.catalog, self.lookup, settings.peer_tls, self.membership.verify)
         self._reconcile_lock = asyncio.Lock()
         self.retired = False
@@ -133,7 +140,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         if entry is not None:
             if entry.mod_revision > self.catalog.applied:  # seen, but not yet applied to local storage
                 await self.catalog.wait_applied(entry.mod_revision, _APPLY_TIMEOUT_S)
-            return entry
+            return self.catalog.routed(entry)
         if self.membership.fenced:  # etcd is likely out of reach: answer now, not after its timeout
             raise NotFound(f"queue {name!r} does not exist (as far as this node knows: it cannot reach the catalog)")
         try:
@@ -143,7 +150,8 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         if kv is None:
             raise NotFound(f"queue {name!r} does not exist")
         await self.catalog.wait_applied(kv.mod_revision, _APPLY_TIMEOUT_S)
-        return self.catalog.queues.get(name) or QueueEntry.decode(name, kv.value, kv.mod_revision, kv.create_revision)
+        entry = self.catalog.queues.get(name) or QueueEntry.decode(name, kv.value, kv.mod_revision, kv.create_revision)
+        return self.catalog.routed(entry)
 
     # -- the operator's view --------------------------------------------------------
 

@@ -78,8 +78,16 @@ class ReconcileBackend:
             if key_id not in held:
                 ring.add(key)
 
+    def _local_count(self, entry: QueueEntry) -> int:
+        """How many partitions this node's local queue of ``entry`` needs: its homes'
+        (one copy), or every partition on each node keeping a copy (replicated)."""
+        if not entry.shard:
+            return entry.local_count(self.node)
+        record = self.catalog.shards.get(entry.shard)
+        return len(entry.homes) if record is not None and self.node in record.replicas else 0
+
     async def _apply(self, entry: QueueEntry) -> None:
-        count = entry.local_count(self.node)
+        count = self._local_count(entry)
         name = entry.config.name
         try:
             local = self.manager.get(name)
@@ -100,10 +108,14 @@ class ReconcileBackend:
                 local = None
             if count == 0:
                 return
-            config = entry.config.replace(partitions=count, reference=entry.local_reference)
+            config = entry.config.replace(partitions=count, reference=entry.local_reference, uid=entry.shard)
             if local is None:
+                if entry.shard and not self._primary_here(entry):
+                    # A passive copy, kept by the replication data path, never served:
+                    # not made here until the manager can open one (open_copy).
+                    return
                 await self.manager.create(config)
-                log.info("cluster_queue_created_here", queue=name, partitions=count)
+                log.info("cluster_queue_created_here", queue=name, partitions=count, shard=entry.shard)
                 return
             changes: dict[str, object] = {
                 f: getattr(config, f) for f in SHARED_FIELDS if f not in ("created_at_us", "updated_at_us")
@@ -115,6 +127,13 @@ class ReconcileBackend:
                 await self.manager.update(name, changes)
         except QueratorError as exc:
             log.error("cluster_reconcile_failed", queue=name, error=exc.message)
+
+    def _primary_here(self, entry: QueueEntry) -> bool:
+        """Whether this node is the primary of replicated ``entry``'s shard: it serves
+        the queue from a local queue under the shard's uid (so ids stay valid on any
+        copy that takes over)."""
+        record = self.catalog.shards.get(entry.shard)
+        return record is not None and record.primary == self.node
 
     async def _set_aside_or_drop(self, name: str, reason: str) -> None:
         """A local queue the catalog's entry of that name does not match: never dropped

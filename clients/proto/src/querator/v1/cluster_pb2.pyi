@@ -161,6 +161,11 @@ class QueuePlacement(_message.Message):
     QUEUE_NAME_FIELD_NUMBER: _builtins.int
     HOMES_FIELD_NUMBER: _builtins.int
     KEY_PARTITIONS_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    IN_SYNC_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    PRIMARY_FIELD_NUMBER: _builtins.int
+    MIN_IN_SYNC_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue."""
     key_partitions: _builtins.int
@@ -171,9 +176,30 @@ class QueuePlacement(_message.Message):
     crc32 (IEEE) of the key's UTF-8 bytes. 0 from a server before this field:
     use len(homes).
     """
+    epoch: _builtins.int
+    """The primary's epoch: it grows by one with each election of a primary. A
+    view with a higher epoch for a queue is newer.
+    """
+    primary: _builtins.str
+    """The node serving the queue now (the same as each homes[p])."""
+    min_in_sync: _builtins.int
+    """The fewest in-sync copies the queue accepts writes with."""
     @_builtins.property
     def homes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The node id homing each partition: homes[p] is partition p's node."""
+
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Replication (a queue with replicas > 1; empty for one copy): the node
+        of every copy, the primary included. homes[p] is then the primary for
+        every partition: it alone serves the queue.
+        """
+
+    @_builtins.property
+    def in_sync(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The copies in the in-sync set (every acknowledged change is durable on
+        each of them), the primary included.
+        """
 
     def __init__(
         self,
@@ -181,10 +207,15 @@ class QueuePlacement(_message.Message):
         queue_name: _builtins.str = ...,
         homes: _abc.Iterable[_builtins.str] | None = ...,
         key_partitions: _builtins.int = ...,
+        replicas: _abc.Iterable[_builtins.str] | None = ...,
+        in_sync: _abc.Iterable[_builtins.str] | None = ...,
+        epoch: _builtins.int = ...,
+        primary: _builtins.str = ...,
+        min_in_sync: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["homes", b"homes", "key_partitions", b"key_partitions", "queue_name", b"queue_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "homes", b"homes", "in_sync", b"in_sync", "key_partitions", b"key_partitions", "min_in_sync", b"min_in_sync", "primary", b"primary", "queue_name", b"queue_name", "replicas", b"replicas"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

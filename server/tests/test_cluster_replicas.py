@@ -1,0 +1,160 @@
+"""Replicated queues' control plane through real etcd and three node processes: the
+--replicas default, QueueInfo.replicas and min_in_sync, the shard record and its
+uid, placement, and the refusals."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from cluster_helpers import Cluster
+from google.protobuf import field_mask_pb2
+
+from querator.v1 import queues_pb2
+from querator_server.cluster.shard_record import SHARD_UID_BASE
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with Cluster(str(tmp_path_factory.mktemp("replicas")), args=["--replicas", "2"]) as c:
+        yield c
+
+
+def _etcd(cluster: Cluster, key: str) -> dict | None:
+    from aetcd import rpc  # type: ignore[import-untyped]
+
+    with cluster.etcd.channel() as channel:
+        reply = rpc.KVStub(channel).Range(rpc.RangeRequest(key=f"/{cluster.prefix}/{key}".encode()), timeout=5)
+    return json.loads(reply.kvs[0].value) if reply.kvs else None
+
+
+def _update(node, name: str, **fields: int) -> queues_pb2.QueueInfo:
+    request = queues_pb2.UpdateQueueRequest(
+        queue=queues_pb2.QueueInfo(queue_name=name, **fields), update_mask=field_mask_pb2.FieldMask(paths=list(fields))
+    )
+    return node.stubs.queues.UpdateQueue(request, timeout=10).queue
+
+
+def test_a_queue_gets_the_servers_replicas_one_shard_record_and_a_cluster_wide_uid(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.nodes
+    info = n1.stubs.create("copied", requested_partitions=3)
+    assert (info.replicas, info.min_in_sync) == (2, 1)  # --replicas 2; the minimum by rule: R - 1
+    entry = _etcd(cluster, "queues/copied")
+    assert entry is not None and (entry["replicas"], entry["min_isr"]) == (2, 1)
+    uid = entry["shard"]
+    assert uid >= SHARD_UID_BASE
+    record = _etcd(cluster, f"shards/{uid}")
+    assert record is not None
+    assert record["queue"] == "copied" and record["epoch"] == 1 and record["min_isr"] == 1
+    assert len(set(record["replicas"])) == 2 and record["primary"] == record["replicas"][0]
+    assert [node for node, _ in record["isr"]] == record["replicas"]
+    # Every partition is served by the primary, under the shard's uid: ids name it.
+    assert {h[0] for h in entry["homes"]} == {record["primary"]}
+    produced = n3.stubs.produce("copied", [b"a", b"b"])
+    assert produced.partition in range(3)
+    leased = n2.stubs.lease("copied", 10)
+    assert sorted(i.payload for i in leased.items) == [b"a", b"b"]
+    assert all(i.id.startswith(f"{uid:x}.") for i in leased.items), [i.id for i in leased.items]
+    assert n2.stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="copied"), timeout=5).queue.replicas == 2
+
+    # Deleting the queue deletes its shard record in the same transaction.
+    n2.stubs.complete("copied", leased.partition, [i.id for i in leased.items])
+    n2.stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="copied"), timeout=10)
+    assert _etcd(cluster, "queues/copied") is None and _etcd(cluster, f"shards/{uid}") is None
+
+
+def test_one_copy_asked_for_is_todays_queue_exactly(cluster: Cluster) -> None:
+    n1 = cluster.nodes[0]
+    info = n1.stubs.create("single-copy", requested_partitions=3, replicas=1)
+    assert (info.replicas, info.min_in_sync) == (0, 0)
+    entry = _etcd(cluster, "queues/single-copy")
+    assert entry is not None and set(entry) == {"settings", "homes", "key_partitions"}
+    assert {h[0] for h in entry["homes"]} == {"n1", "n2", "n3"}
+
+
+def test_three_copies_default_to_two_in_sync_and_a_minimum_can_be_asked_for(cluster: Cluster) -> None:
+    n1 = cluster.nodes[0]
+    assert (lambda i: (i.replicas, i.min_in_sync))(n1.stubs.create("three", replicas=3)) == (3, 2)
+    record = _etcd(cluster, f"shards/{_etcd(cluster, 'queues/three')['shard']}")  # type: ignore[index]
+    assert record is not None and sorted(record["replicas"]) == ["n1", "n2", "n3"] and record["min_isr"] == 2
+    info = n1.stubs.create("three-strict", replicas=3, min_in_sync=3)
+    assert (info.replicas, info.min_in_sync) == (3, 3)
+
+
+def test_primaries_go_to_the_nodes_serving_the_fewest(cluster: Cluster) -> None:
+    n1 = cluster.nodes[0]
+    before = _primaries(cluster)
+    for i in range(3):
+        n1.stubs.create(f"spread-{i}")
+    after = _primaries(cluster)
+    added = {node: after.get(node, 0) - before.get(node, 0) for node in after}
+    assert max(after.values()) - min(after.values()) <= 1, (before, after)
+    assert sum(added.values()) == 3
+
+
+def _primaries(cluster: Cluster) -> dict[str, int]:
+    from aetcd import rpc  # type: ignore[import-untyped]
+
+    prefix = f"/{cluster.prefix}/shards/".encode()
+    with cluster.etcd.channel() as channel:
+        reply = rpc.KVStub(channel).Range(rpc.RangeRequest(key=prefix, range_end=prefix[:-1] + b"0"), timeout=5)
+    out = {"n1": 0, "n2": 0, "n3": 0}
+    for kv in reply.kvs:
+        out[json.loads(kv.value)["primary"]] += 1
+    return out
+
+
+@pytest.mark.parametrize(
+    ("settings", "code", "text"),
+    [
+        ({"replicas": 4}, grpc.StatusCode.FAILED_PRECONDITION, "needs 4 live nodes for its replicas, the cluster has 3 live"),
+        ({"replicas": 2, "min_in_sync": 3}, grpc.StatusCode.INVALID_ARGUMENT, "queue.min_in_sync: must be at most replicas (2)"),
+        ({"replicas": 8}, grpc.StatusCode.INVALID_ARGUMENT, "queue.replicas: must be between 1 and 7"),
+        ({"replicas": -1}, grpc.StatusCode.INVALID_ARGUMENT, "queue.replicas"),
+        ({"replicas": 1, "min_in_sync": 2}, grpc.StatusCode.INVALID_ARGUMENT, "queue.min_in_sync: must be at most replicas (1)"),
+    ],
+)
+def test_replicas_the_cluster_cannot_keep_are_refused_naming_the_field(
+    cluster: Cluster, settings: dict[str, int], code: grpc.StatusCode, text: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        cluster.nodes[1].stubs.create("refused", **settings)
+    assert caught.value.code() == code and text in (caught.value.details() or ""), caught.value.details()
+    assert _etcd(cluster, "queues/refused") is None
+
+
+def test_update_never_lowers_replicas(cluster: Cluster) -> None:
+    n1 = cluster.nodes[0]
+    n1.stubs.create("kept-copies", replicas=2)
+    with pytest.raises(grpc.RpcError) as caught:
+        _update(n1, "kept-copies", replicas=1)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "queue.replicas: cannot be lowered (from 2 to 1)" in (caught.value.details() or "")
+    assert _update(n1, "kept-copies", max_attempts=3).replicas == 2  # other settings change as before
+
+
+def test_a_replicated_queue_grows_partitions_on_its_primary(cluster: Cluster) -> None:
+    n1, n2, _ = cluster.nodes
+    n1.stubs.create("growing", requested_partitions=2)
+    assert _update(n2, "growing", requested_partitions=4).requested_partitions == 4
+    entry = _etcd(cluster, "queues/growing")
+    assert entry is not None and len({h[0] for h in entry["homes"]}) == 1
+    assert [h[1] for h in entry["homes"]] == [0, 1, 2, 3]
+    stats = n1.stubs.stats("growing")
+    assert [s.partition for s in stats.partitions] == [0, 1, 2, 3]
+
+
+def test_cluster_info_reports_the_primary_copies_in_sync_set_and_epoch(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.nodes
+    n2.stubs.create("shown", requested_partitions=2, replicas=3)
+    record = _etcd(cluster, f"shards/{_etcd(cluster, 'queues/shown')['shard']}")  # type: ignore[index]
+    assert record is not None
+    (placement,) = [q for q in n3.info().queues if q.queue_name == "shown"]
+    assert placement.primary == record["primary"] and list(placement.homes) == [record["primary"]] * 2
+    assert list(placement.replicas) == record["replicas"] and list(placement.in_sync) == record["replicas"]
+    assert (placement.epoch, placement.min_in_sync, placement.key_partitions) == (1, 2, 2)
+    n1.stubs.create("shown-single", replicas=1)
+    (single,) = [q for q in n3.info().queues if q.queue_name == "shown-single"]
+    assert (list(single.replicas), list(single.in_sync), single.epoch, single.primary) == ([], [], 0, "")
