@@ -18,6 +18,7 @@ from ..queue_admin import key_from_record
 from .catalog import CatalogCache
 from .membership import Membership
 from .placement import GENERATION_MARK, SHARED_FIELDS, QueueEntry
+from .replica_roles import ShardRoles
 
 log = get_logger("cluster")
 
@@ -29,6 +30,7 @@ class ReconcileBackend:
     node: str
     catalog: CatalogCache
     membership: Membership
+    roles: ShardRoles
     retired: bool
     _reconcile_lock: asyncio.Lock
     _foreign: set[str]
@@ -50,6 +52,9 @@ class ReconcileBackend:
                 self.membership.lost()
             for entry in _dead_queues_first(catalog.queues.values()):
                 await self._apply(entry)
+            shards = {entry.shard for entry in catalog.queues.values() if entry.shard}
+            for uid in self.roles.held() - shards:
+                await self.roles.forget(uid)
             for config in [actor.config for actor in self.manager.queues()]:
                 if config.name in catalog.queues:
                     continue
@@ -87,6 +92,9 @@ class ReconcileBackend:
         return len(entry.homes) if record is not None and self.node in record.replicas else 0
 
     async def _apply(self, entry: QueueEntry) -> None:
+        if entry.shard:
+            await self._follow_shard(entry)
+            return
         count = self._local_count(entry)
         name = entry.config.name
         try:
@@ -127,6 +135,22 @@ class ReconcileBackend:
                 await self.manager.update(name, changes)
         except QueratorError as exc:
             log.error("cluster_reconcile_failed", queue=name, error=exc.message)
+
+    async def _follow_shard(self, entry: QueueEntry) -> None:
+        """A replicated queue: this node's copy follows the shard's record (promoted,
+        kept passive, or taking part in a failover: replica_roles.py)."""
+        record = self.catalog.shards.get(entry.shard)
+        if record is None or self.node not in record.replicas:
+            await self.roles.forget(entry.shard)
+            return
+        config = entry.config.replace(partitions=len(entry.homes), reference=entry.local_reference, uid=entry.shard)
+        try:
+            await self.roles.follow(record, config)
+            if record.primary == self.node and self.manager.actor(config.name).config.partitions < config.partitions:
+                # Partitions added by UpdateQueue: the primary grows; its change sets grow the copies.
+                await self.manager.update(config.name, {"partitions": config.partitions})
+        except QueratorError as exc:
+            log.error("cluster_reconcile_failed", queue=entry.config.name, shard=entry.shard, error=exc.message)
 
     def _primary_here(self, entry: QueueEntry) -> bool:
         """Whether this node is the primary of replicated ``entry``'s shard: it serves
