@@ -166,7 +166,7 @@ class Node:
         if self._stderr is not None:
             self._stderr.close()
         self._stderr = tempfile.TemporaryFile()
-        env = dict(os.environ, QUERATOR_LOG_LEVEL="warning", **self.env)
+        env = {**os.environ, "QUERATOR_LOG_LEVEL": "warning", **self.env}
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "querator_server.cli",
@@ -195,11 +195,12 @@ class Node:
             )
             self.stubs = Stubs(self.channel)
 
-    def stderr_text(self) -> str:
+    def stderr_text(self, limit: int = 6000) -> str:
+        """The end of what the node wrote to stderr (its log), at most ``limit`` characters."""
         if self._stderr is None:
             return ""
         self._stderr.seek(0)
-        return self._stderr.read().decode("utf-8", errors="replace")[-6000:]
+        return self._stderr.read().decode("utf-8", errors="replace")[-limit:]
 
     def info(self, timeout: float = 10) -> cluster_pb2.ClusterInfoResponse:
         stub = cluster_pb2_grpc.ClusterServiceStub(self.channel)

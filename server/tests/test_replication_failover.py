@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from cluster_helpers import Cluster, Node
-from failover_helpers import Run, create_queue, digests, in_sync, wait_in_sync, wait_primary
+from failover_helpers import Run, create_queue, digests, events, in_sync, placement, wait_in_sync, wait_primary
 
 TTL = 2
 # The issue's bound: the shard serves again within the TTL + 3 s of the primary's lapse.
@@ -109,3 +109,78 @@ def test_a_primary_paused_past_its_ttl_acknowledges_nothing_under_its_old_epoch_
         assert elected_at - paused_at <= GAP_BOUND_S + 1
         found = _check_digests(cluster, observer)
         record_property("figures", f"SIGSTOP: failover gap {gap:.2f} s; the old primary back in sync {rejoined:.1f} s after SIGCONT; {verdict.figures()}; in-sync digests {found}")
+
+
+RING = 300  # --replica-ring: small, so a replica away under load needs a snapshot
+LAG_S = 2.0  # --replica-lag's default
+
+
+def _syncs(primary: Node, replica: str) -> list[tuple[str, int]]:
+    """The primary's catch-up decisions for ``replica``: (path, change sets it lacked)."""
+    out = []
+    for e in events(primary, "replica_sync"):
+        if e.get("node") == replica:
+            lacked = int(e["primary_position"][1]) - int(e["position"][1])  # type: ignore[index]
+            out.append((str(e["path"]), lacked))
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_replica_killed_stalls_writes_at_most_the_lag_and_catches_up_by_tail_or_snapshot_then_the_primary_dies_losing_nothing(
+    tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
+    with Cluster(
+        str(tmp_path), size=3, ttl=TTL, env={"QUERATOR_LOG_LEVEL": "info"}, args=["--replica-ring", str(RING)]
+    ) as cluster:
+        create_queue(cluster.nodes[0], 2)
+        primary_id, _ = wait_primary(cluster, cluster.nodes[0])
+        primary = _node(cluster, primary_id)
+        found = placement(primary)
+        assert found is not None
+        replica = _node(cluster, next(n for n in found.replicas if n != primary_id))
+        wait_in_sync(cluster, primary, 2)
+        run = Run(cluster)
+
+        # Tail: the replica killed and restarted at once; a few writes meanwhile.
+        replica.kill9()
+        killed = time.monotonic()
+        for thread in run.produce_to(primary, 40, timeout=20):
+            thread.join(30)
+        replica.start()
+        wait_in_sync(cluster, primary, 2)
+        tail_stall = run.slowest_produce_since(killed)
+
+        # Snapshot: killed under load, away well past the ring.
+        run.start()
+        time.sleep(2)
+        replica.kill9()
+        killed = time.monotonic()
+        time.sleep(6)
+        replica.start()
+        rejoined = wait_in_sync(cluster, primary, 2)
+        load_stall = run.slowest_produce_since(killed)
+
+        syncs = _syncs(primary, replica.node_id)
+        tails = [lacked for path, lacked in syncs if path == "tail"]
+        snapshots = [lacked for path, lacked in syncs if path == "snapshot"]
+        assert tails and snapshots, syncs
+        assert all(lacked <= RING for lacked in tails), syncs
+        assert max(snapshots) > RING, syncs
+
+        # Then the primary dies: the replica, back in sync, takes over with everything.
+        primary.kill9()
+        wait_primary(cluster, replica, not_on=primary_id, timeout=GAP_BOUND_S + 10)
+        time.sleep(2)
+        primary.start()
+        wait_in_sync(cluster, replica, 2)
+        verdict = run.finish()
+        assert verdict.ok, verdict.figures() + "\n" + "\n".join(map(str, verdict.findings[:10]))
+        # Writes waited for the dead replica at most the lag (and the CAS that drops it).
+        assert tail_stall <= LAG_S + 2.5 and load_stall <= LAG_S + 2.5, (tail_stall, load_stall)
+        digests_found = _check_digests(cluster, replica)
+        record_property(
+            "figures",
+            f"replica killed: writes waited {tail_stall:.2f} s (idle, tail) and {load_stall:.2f} s (under load, then "
+            f"snapshot); back in sync {rejoined:.1f} s after restart; catch-ups {syncs}; {verdict.figures()}; "
+            f"digests {digests_found}",
+        )

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from ..logging import get_logger
 from ..model import QueueConfig
 from . import failover
+from .change_ring import RING_CHANGES, ChangeRing
 from .forwarding import Peers
 from .replica_contract import UNCLAIMED, CopyLike, Decode, isr_incarnation
 from .replica_host import CopyHost, Shard
@@ -61,6 +62,7 @@ class ShardRoles:
         errors: tuple[type[Exception], type[Exception], type[Exception]],
         decode: Decode,
         lag_s: float = REPLICA_LAG_S,
+        ring_changes: int = RING_CHANGES,
     ) -> None:
         self.node = node
         self._manager = manager
@@ -69,6 +71,7 @@ class ShardRoles:
         self._live = live
         self._deposed_error, fenced, diverged = errors
         self.lag_s = lag_s
+        self._ring_changes = ring_changes
         self.host = CopyHost(decode, fenced, diverged, self._newer_epoch)
         self._records: dict[int, tuple[ShardRecord, QueueConfig]] = {}
         self._locks: dict[int, asyncio.Lock] = {}
@@ -136,7 +139,7 @@ class ShardRoles:
             shard = self.host.shards.get(uid)
             if shard is None:
                 copy: CopyLike = await self._manager.open_copy(config)
-                shard = self.host.shards[uid] = Shard(uid, record.queue, copy)
+                shard = self.host.shards[uid] = Shard(uid, record.queue, copy, ChangeRing(self._ring_changes))
             await self._step(shard, record)
 
     def _lock(self, uid: int) -> asyncio.Lock:
