@@ -100,7 +100,7 @@ class CatalogCache:
         if not entry.shard:
             return entry
         record = self.shards.get(entry.shard)
-        return entry if record is None else entry.served_by(record.primary)
+        return entry if record is None else entry.served_by(record.primary, record.epoch)
 
     # -- loading ---------------------------------------------------------------------
 

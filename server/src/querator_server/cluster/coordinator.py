@@ -73,6 +73,8 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         self.catalog.shards.writer = self.membership
         self.router = Router(self.node, self.catalog, self.lookup, settings.peer_tls, self.membership.verify)
         self._reconcile_lock = asyncio.Lock()
+        self.roles = None  # the replication data path sets it (reconcile_backend.ShardRoles)
+        self._followed = set()
         self.retired = False
         self._foreign: set[str] = set()  # local queues the catalog never had (warned once)
         self.identity: identity.Identity | None = None
@@ -138,8 +140,12 @@ class Coordinator(AdminFrontend, ReconcileBackend):
             )
         entry = self.catalog.queues.get(name)
         if entry is not None:
-            if entry.mod_revision > self.catalog.applied:  # seen, but not yet applied to local storage
-                await self.catalog.wait_applied(entry.mod_revision, _APPLY_TIMEOUT_S)
+            # A replicated queue's record too: a primary just elected serves once its
+            # copy is in step with the record.
+            record = self.catalog.shards.get(entry.shard) if entry.shard else None
+            revision = max(entry.mod_revision, record.mod_revision if record is not None else 0)
+            if revision > self.catalog.applied:  # seen, but not yet applied to local storage
+                await self.catalog.wait_applied(revision, _APPLY_TIMEOUT_S)
             return self.catalog.routed(entry)
         if self.membership.fenced:  # etcd is likely out of reach: answer now, not after its timeout
             raise NotFound(f"queue {name!r} does not exist (as far as this node knows: it cannot reach the catalog)")

@@ -10,20 +10,40 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from typing import Protocol
 
 from ..errors import NotFound, QueratorError
 from ..logging import get_logger
 from ..manager import QueuesManager
+from ..model import QueueConfig
 from ..queue_admin import key_from_record
 from .catalog import CatalogCache
 from .membership import Membership
 from .placement import GENERATION_MARK, SHARED_FIELDS, QueueEntry
+from .shard_record import ShardRecord
 
 log = get_logger("cluster")
 
 
+class ShardRoles(Protocol):
+    """What this node does for each replicated queue it keeps a copy of (the
+    replication data path): open the copy, serve it as primary or follow as replica."""
+
+    async def follow(self, record: ShardRecord, config: QueueConfig) -> None:
+        """Act on ``record`` (this node is among its replicas); ``config``: the local
+        queue's settings, the shard uid its uid. Called after every catalog change."""
+
+    async def forget(self, uid: int) -> None:
+        """This node no longer keeps a copy of shard ``uid`` (deleted, or moved away)."""
+
+
 class ReconcileBackend:
     """Part of Coordinator (coordinator.py holds the state and the wiring)."""
+
+    # The replication data path, once set; None: a replicated queue's primary serves its
+    # copy as a plain local queue under the shard's uid, and the replicas keep none.
+    roles: ShardRoles | None
+    _followed: set[int]
 
     manager: QueuesManager
     node: str
@@ -48,8 +68,13 @@ class ReconcileBackend:
                 member is None or member.create_revision != registered
             ):
                 self.membership.lost()
+            followed = set(self._followed)
+            self._followed.clear()
             for entry in _dead_queues_first(catalog.queues.values()):
                 await self._apply(entry)
+            if self.roles is not None:
+                for uid in sorted(followed - self._followed):
+                    await self.roles.forget(uid)
             for config in [actor.config for actor in self.manager.queues()]:
                 if config.name in catalog.queues:
                     continue
@@ -109,6 +134,11 @@ class ReconcileBackend:
             if count == 0:
                 return
             config = entry.config.replace(partitions=count, reference=entry.local_reference, uid=entry.shard)
+            record = self.catalog.shards.get(entry.shard) if entry.shard else None
+            if record is not None and self.roles is not None:
+                self._followed.add(record.uid)
+                await self.roles.follow(record, config)
+                return
             if local is None:
                 if entry.shard and not self._primary_here(entry):
                     # A passive copy, kept by the replication data path, never served:

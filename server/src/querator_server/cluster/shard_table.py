@@ -12,8 +12,10 @@ from collections.abc import Sequence
 
 from . import shard_cas
 from .etcd import Etcd, KeyValue
-from .shard_cas import Writer
+from .shard_cas import BelowMinIsr, Deposed, Writer
 from .shard_record import ShardRecord
+
+__all__ = ["BelowMinIsr", "Deposed", "ShardRecord", "ShardTable", "Writer"]
 
 
 class ShardTable:
