@@ -18,7 +18,7 @@ from querator_server.cluster.shard_record import SHARD_UID_BASE
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with Cluster(str(tmp_path_factory.mktemp("replicas")), args=["--replicas", "2"]) as c:
+    with Cluster(str(tmp_path_factory.mktemp("replicas")), args=["--replicas", "2"], metrics=True) as c:
         yield c
 
 
@@ -243,3 +243,72 @@ def test_cluster_status_prints_each_replicated_queues_primary_epoch_and_in_sync_
         "in_sync": record["replicas"],
         "min_in_sync": 2,
     }
+
+
+def _scrape(node, queue: str) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{node.metrics_address}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("querator_replication_") and f'queue="{queue}"' in line:
+            out[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _elect(cluster: Cluster, queue: str, primary: str) -> None:
+    """An election through the shard record's compare-and-swap (as a failover makes
+    it), written under ``primary``'s own membership."""
+    import asyncio
+    from dataclasses import dataclass
+
+    from querator_server.cluster.etcd import Etcd
+    from querator_server.cluster.shard_table import ShardTable
+
+    @dataclass
+    class Writer:
+        node: str
+        create_revision: int
+
+    async def run() -> None:
+        client = Etcd([cluster.etcd.endpoint])
+        try:
+            prefix = f"/{cluster.prefix}/".encode()
+            _, member = await client.get(prefix + b"members/" + primary.encode())
+            assert member is not None
+            table = ShardTable(client, prefix, Writer(primary, member.create_revision))
+            record = await table.fetch(_etcd(cluster, f"queues/{queue}")["shard"])  # type: ignore[index]
+            assert record is not None
+            await table.elect(record, primary, [e for e in record.isr if e[0] == primary])
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_metrics_give_each_copys_epoch_in_sync_size_role_and_the_elections_seen(cluster: Cluster) -> None:
+    from conftest import wait_until
+
+    n1 = cluster.nodes[0]
+    n1.stubs.create("measured", replicas=3, min_in_sync=2)
+    record = _etcd(cluster, f"shards/{_etcd(cluster, 'queues/measured')['shard']}")  # type: ignore[index]
+    assert record is not None
+    old, new = record["primary"], record["replicas"][1]
+    by_id = {n.node_id: n for n in cluster.nodes}
+    wait_until(lambda: all(_scrape(n, "measured") for n in cluster.nodes), 10)
+    for node in cluster.nodes:
+        assert _scrape(node, "measured") == {
+            "querator_replication_epoch": 1,
+            "querator_replication_in_sync": 3,
+            "querator_replication_min_in_sync": 2,
+            "querator_replication_primary": 1 if node.node_id == old else 0,
+            "querator_replication_elections_total": 0,
+        }
+    _elect(cluster, "measured", new)
+    wait_until(lambda: all(_scrape(n, "measured")["querator_replication_epoch"] == 2 for n in cluster.nodes), 10)
+    for node in cluster.nodes:
+        seen = _scrape(node, "measured")
+        assert (seen["querator_replication_in_sync"], seen["querator_replication_elections_total"]) == (1, 1)
+        assert seen["querator_replication_primary"] == (1 if node.node_id == new else 0)
+    assert _scrape(by_id[old], "measured")["querator_replication_primary"] == 0

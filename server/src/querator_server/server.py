@@ -261,6 +261,9 @@ class QueratorServer:
             )
             self.cluster.membership.on_superseded = self._superseded
             await self.cluster.start()
+            if self.metrics is not None:
+                shards, node = self.cluster.catalog.shards, self.cluster.node
+                self.metrics.watch_replication(lambda: shards.gauges(node))
         except QueratorError as exc:  # a malformed --cluster URL, say
             self.cluster = None
             await self.manager.stop()

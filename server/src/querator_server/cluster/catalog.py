@@ -147,6 +147,7 @@ class CatalogCache:
         self.shards.clear()
         for kv in kvs:
             self._apply(kv, False)
+        self.shards.prune()
         self.revision = revision
         await self._changed()
 
