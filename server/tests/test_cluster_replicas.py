@@ -18,7 +18,7 @@ from querator_server.cluster.shard_record import SHARD_UID_BASE
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with Cluster(str(tmp_path_factory.mktemp("replicas")), args=["--replicas", "2"]) as c:
+    with Cluster(str(tmp_path_factory.mktemp("replicas")), args=["--replicas", "2"], metrics=True) as c:
         yield c
 
 
@@ -142,8 +142,11 @@ def test_a_replicated_queue_grows_partitions_on_its_primary(cluster: Cluster) ->
     entry = _etcd(cluster, "queues/growing")
     assert entry is not None and len({h[0] for h in entry["homes"]}) == 1
     assert [h[1] for h in entry["homes"]] == [0, 1, 2, 3]
-    stats = n1.stubs.stats("growing")
-    assert [s.partition for s in stats.partitions] == [0, 1, 2, 3]
+    # The primary applies the change within its watch latency (an admin call waits for
+    # its own node only).
+    from conftest import wait_until
+
+    wait_until(lambda: [s.partition for s in n1.stubs.stats("growing").partitions] == [0, 1, 2, 3], 10)
 
 
 def test_cluster_info_reports_the_primary_copies_in_sync_set_and_epoch(cluster: Cluster) -> None:
@@ -158,3 +161,154 @@ def test_cluster_info_reports_the_primary_copies_in_sync_set_and_epoch(cluster: 
     n1.stubs.create("shown-single", replicas=1)
     (single,) = [q for q in n3.info().queues if q.queue_name == "shown-single"]
     assert (list(single.replicas), list(single.in_sync), single.epoch, single.primary) == ([], [], 0, "")
+
+
+class _Roles:
+    """What the replication data path is told: a record of the calls (a real listener
+    on a real node, not a stand-in for the code under test)."""
+
+    def __init__(self) -> None:
+        self.followed: list[tuple[int, str, int, int]] = []  # uid, primary, epoch, config uid
+        self.forgotten: list[int] = []
+
+    async def follow(self, record, config) -> None:  # type: ignore[no-untyped-def]
+        self.followed.append((record.uid, record.primary, record.epoch, config.uid))
+
+    async def forget(self, uid: int) -> None:
+        self.forgotten.append(uid)
+
+
+def test_each_copy_node_follows_its_shard_record_and_forgets_it_when_the_queue_goes(tmp_path) -> None:
+    from cluster_helpers import Etcd
+
+    from conftest import ThreadServer, free_port, wait_until
+
+    etcd = Etcd(str(tmp_path / "etcd"))
+    etcd.start()
+    servers: list[ThreadServer] = []
+    try:
+        url = f"etcd://{etcd.endpoint}/roles"
+        roles = {}
+        for node in ("a", "b", "c"):
+            # Every call goes to the first node and needs no forwarding: the advertised
+            # address is only what the catalog records.
+            server = ThreadServer(
+                str(tmp_path / node), cluster=url, node_id=node, cluster_lease_ttl_s=3, advertise=f"127.0.0.1:{free_port()}"
+            )
+            servers.append(server)
+            assert server.server.cluster is not None
+            roles[node] = server.server.cluster.roles = _Roles()
+        with grpc.insecure_channel(servers[0].address) as channel:
+            from conftest import Stubs
+
+            stubs = Stubs(channel)
+            stubs.create("followed", replicas=2, requested_partitions=2)
+            wait_until(lambda: sum(bool(r.followed) for r in roles.values()) == 2, 10)
+            copies = sorted(n for n, r in roles.items() if r.followed)
+            (uid, primary, epoch, config_uid) = roles[copies[0]].followed[-1]
+            assert primary in copies and epoch == 1 and config_uid == uid >= SHARD_UID_BASE
+            assert all(r.followed[-1] == (uid, primary, 1, uid) for n, r in roles.items() if n in copies)
+            # Forced: with the data path only listening here, no copy holds the queue to ask.
+            stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="followed", force=True), timeout=10)
+            wait_until(lambda: all(roles[n].forgotten == [uid] for n in copies), 10)
+            assert all(not r.followed and not r.forgotten for n, r in roles.items() if n not in copies)
+    finally:
+        for server in servers:
+            server.stop()
+        etcd.stop()
+
+
+def test_cluster_status_prints_each_replicated_queues_primary_epoch_and_in_sync_set(cluster: Cluster) -> None:
+    from test_cluster_operator import querator
+
+    n1 = cluster.nodes[0]
+    n1.stubs.create("status-shown", replicas=3)
+    record = _etcd(cluster, f"shards/{_etcd(cluster, 'queues/status-shown')['shard']}")  # type: ignore[index]
+    assert record is not None
+    shown = querator("--address", n1.address, "cluster", "status")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("QUEUE ") and "PRIMARY" in line)
+    assert lines[header].split() == ["QUEUE", "PRIMARY", "EPOCH", "REPLICAS", "IN_SYNC", "MIN_IN_SYNC"]
+    row = next(line.split() for line in lines[header + 1 :] if line.startswith("status-shown "))
+    copies = ",".join(record["replicas"])
+    assert row == ["status-shown", record["primary"], "1", copies, copies, "2"]
+    as_json = json.loads(querator("--address", n1.address, "cluster", "status", "--json").stdout)
+    (listed,) = [q for q in as_json["replicated"] if q["queue"] == "status-shown"]
+    assert listed == {
+        "queue": "status-shown",
+        "primary": record["primary"],
+        "epoch": 1,
+        "replicas": record["replicas"],
+        "in_sync": record["replicas"],
+        "min_in_sync": 2,
+    }
+
+
+def _scrape(node, queue: str) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{node.metrics_address}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("querator_replication_") and f'queue="{queue}"' in line:
+            out[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _elect(cluster: Cluster, queue: str, primary: str) -> None:
+    """An election through the shard record's compare-and-swap (as a failover makes
+    it), written under ``primary``'s own membership."""
+    import asyncio
+    from dataclasses import dataclass
+
+    from querator_server.cluster.etcd import Etcd
+    from querator_server.cluster.shard_table import ShardTable
+
+    @dataclass
+    class Writer:
+        node: str
+        create_revision: int
+
+    async def run() -> None:
+        client = Etcd([cluster.etcd.endpoint])
+        try:
+            prefix = f"/{cluster.prefix}/".encode()
+            _, member = await client.get(prefix + b"members/" + primary.encode())
+            assert member is not None
+            table = ShardTable(client, prefix, Writer(primary, member.create_revision))
+            record = await table.fetch(_etcd(cluster, f"queues/{queue}")["shard"])  # type: ignore[index]
+            assert record is not None
+            await table.elect(record, primary, [e for e in record.isr if e[0] == primary])
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_metrics_give_each_copys_epoch_in_sync_size_role_and_the_elections_seen(cluster: Cluster) -> None:
+    from conftest import wait_until
+
+    n1 = cluster.nodes[0]
+    n1.stubs.create("measured", replicas=3, min_in_sync=2)
+    record = _etcd(cluster, f"shards/{_etcd(cluster, 'queues/measured')['shard']}")  # type: ignore[index]
+    assert record is not None
+    old, new = record["primary"], record["replicas"][1]
+    by_id = {n.node_id: n for n in cluster.nodes}
+    wait_until(lambda: all(_scrape(n, "measured") for n in cluster.nodes), 10)
+    for node in cluster.nodes:
+        assert _scrape(node, "measured") == {
+            "querator_replication_epoch": 1,
+            "querator_replication_in_sync": 3,
+            "querator_replication_min_in_sync": 2,
+            "querator_replication_primary": 1 if node.node_id == old else 0,
+            "querator_replication_elections_total": 0,
+        }
+    _elect(cluster, "measured", new)
+    wait_until(lambda: all(_scrape(n, "measured")["querator_replication_epoch"] == 2 for n in cluster.nodes), 10)
+    for node in cluster.nodes:
+        seen = _scrape(node, "measured")
+        assert (seen["querator_replication_in_sync"], seen["querator_replication_elections_total"]) == (1, 1)
+        assert seen["querator_replication_primary"] == (1 if node.node_id == new else 0)
+    assert _scrape(by_id[old], "measured")["querator_replication_primary"] == 0

@@ -147,7 +147,7 @@ class QueratorServer:
             from .grpc_api.peer_service import PeerService
 
             assert cluster is not None
-            peer_service = PeerService(router.give_backs, queue_service.give_back_here, cluster.roles.host)
+            peer_service = PeerService(router.give_backs, queue_service.give_back_here, cluster.replication.host)
             server.add_generic_rpc_handlers((peer_service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         # Serves our files with their proto comments (see reflection.py).
@@ -265,6 +265,9 @@ class QueratorServer:
             )
             self.cluster.membership.on_superseded = self._superseded
             await self.cluster.start()
+            if self.metrics is not None:
+                shards, node = self.cluster.catalog.shards, self.cluster.node
+                self.metrics.watch_replication(lambda: shards.gauges(node))
         except QueratorError as exc:  # a malformed --cluster URL, say
             self.cluster = None
             await self.manager.stop()

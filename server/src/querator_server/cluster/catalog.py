@@ -100,7 +100,7 @@ class CatalogCache:
         if not entry.shard:
             return entry
         record = self.shards.get(entry.shard)
-        return entry if record is None else entry.served_by(record.primary)
+        return entry if record is None else entry.served_by(record.primary, record.epoch)
 
     # -- loading ---------------------------------------------------------------------
 
@@ -147,6 +147,7 @@ class CatalogCache:
         self.shards.clear()
         for kv in kvs:
             self._apply(kv, False)
+        self.shards.prune()
         self.revision = revision
         await self._changed()
 

@@ -83,7 +83,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         self.catalog.shards.writer = self.membership
         self.router = Router(self.node, self.catalog, self.lookup, settings.peer_tls, self.membership.verify)
         # The replicated queues' copies here: promoted, followed, elected (replica_roles.py).
-        self.roles = ShardRoles(
+        self.replication = ShardRoles(
             self.node,
             manager,
             self.catalog.shards,
@@ -95,6 +95,8 @@ class Coordinator(AdminFrontend, ReconcileBackend):
             settings.replica_ring,
         )
         self._reconcile_lock = asyncio.Lock()
+        self.roles = self.replication  # what reconcile hands each shard record to
+        self._followed = set()
         self.retired = False
         self._foreign: set[str] = set()  # local queues the catalog never had (warned once)
         self.identity: identity.Identity | None = None
@@ -123,7 +125,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
             raise OSError(str(exc)) from exc
         self.catalog.start()
         self.membership.start()
-        self.roles.start()
+        self.replication.start()
         log.info("cluster_joined", node=self.node, advertise=self.settings.advertise, revision=self.catalog.revision)
 
     async def _share_token_secret(self) -> None:
@@ -137,7 +139,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         self.router.peers.set_secret(self.manager.token_secret)  # and proves forwarded calls
 
     async def stop(self) -> None:
-        await self.roles.stop()
+        await self.replication.stop()
         await self.catalog.stop()
         await self.membership.stop()
         await self.router.close()
@@ -162,8 +164,12 @@ class Coordinator(AdminFrontend, ReconcileBackend):
             )
         entry = self.catalog.queues.get(name)
         if entry is not None:
-            if entry.mod_revision > self.catalog.applied:  # seen, but not yet applied to local storage
-                await self.catalog.wait_applied(entry.mod_revision, _APPLY_TIMEOUT_S)
+            # A replicated queue's record too: a primary just elected serves once its
+            # copy is in step with the record.
+            record = self.catalog.shards.get(entry.shard) if entry.shard else None
+            revision = max(entry.mod_revision, record.mod_revision if record is not None else 0)
+            if revision > self.catalog.applied:  # seen, but not yet applied to local storage
+                await self.catalog.wait_applied(revision, _APPLY_TIMEOUT_S)
             return self.catalog.routed(entry)
         if self.membership.fenced:  # etcd is likely out of reach: answer now, not after its timeout
             raise NotFound(f"queue {name!r} does not exist (as far as this node knows: it cannot reach the catalog)")

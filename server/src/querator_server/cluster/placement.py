@@ -71,6 +71,9 @@ class QueueEntry:
     # (shard_record.py), whose record names the primary homing every partition (at
     # local index = partition on every copy). 0: one copy, homes as placed.
     shard: int = 0
+    # A replicated queue as routed (served_by): its primary's epoch, which a "not
+    # primary" answer names so that a client can tell a newer map from an older one.
+    epoch: int = 0
 
     @property
     def local_reference(self) -> str:
@@ -104,12 +107,12 @@ class QueueEntry:
         key_partitions = int(doc.get("key_partitions") or len(homes))
         return cls(config, homes, key_partitions, mod_revision, generation, int(doc.get("shard", 0)))
 
-    def served_by(self, primary: str) -> QueueEntry:
-        """A replicated queue's entry with every partition homed at ``primary`` (its
-        shard record's): where its calls go. The catalog keeps the placement-time
-        homes; routing always reads them through the record."""
+    def served_by(self, primary: str, epoch: int) -> QueueEntry:
+        """A replicated queue's entry with every partition homed at ``primary`` under
+        ``epoch`` (its shard record's): where its calls go. The catalog keeps the
+        placement-time homes; routing always reads them through the record."""
         homes = tuple(Home(primary, p) for p in range(len(self.homes)))
-        return self if homes == self.homes else dataclasses.replace(self, homes=homes)
+        return dataclasses.replace(self, homes=homes, epoch=epoch)
 
     def home_of(self, partition: int) -> Home:
         """The home of cluster-wide ``partition`` (policy.py checks the range first)."""

@@ -9,11 +9,25 @@ version written, or raises ``Deposed`` (another writer won) or ``BelowMinIsr``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from . import shard_cas
 from .etcd import Etcd, KeyValue
-from .shard_cas import Writer
+from .shard_cas import BelowMinIsr, Deposed, Writer
 from .shard_record import ShardRecord
+
+__all__ = ["BelowMinIsr", "Deposed", "ShardGauges", "ShardRecord", "ShardTable", "Writer"]
+
+
+class ShardGauges(NamedTuple):
+    """One replicated queue as a node's metrics show it."""
+
+    queue: str
+    epoch: int
+    in_sync: int
+    min_in_sync: int
+    primary: bool  # this node is the primary
+    elections: int  # elections this node has seen since it started
 
 
 class ShardTable:
@@ -24,6 +38,10 @@ class ShardTable:
         self.writer = writer
         self._records: dict[int, ShardRecord] = {}
         self._by_queue: dict[str, int] = {}
+        # Elections this node has seen per shard (each epoch a record moved past the one
+        # held before counts one), and the epoch last seen; kept across a re-list.
+        self.elections: dict[int, int] = {}
+        self._epochs: dict[int, int] = {}
 
     def key(self, uid: int) -> bytes:
         return self._prefix + b"shards/" + str(uid).encode()
@@ -39,14 +57,37 @@ class ShardTable:
         old = self._records.pop(uid, None)
         if old is not None and self._by_queue.get(old.queue) == uid:
             del self._by_queue[old.queue]
-        if not deleted:
-            record = ShardRecord.decode(uid, kv.value, kv.mod_revision, kv.create_revision)
-            self._records[uid] = record
-            self._by_queue[record.queue] = uid
+        if deleted:
+            self.elections.pop(uid, None)
+            self._epochs.pop(uid, None)
+            return
+        record = ShardRecord.decode(uid, kv.value, kv.mod_revision, kv.create_revision)
+        self._records[uid] = record
+        self._by_queue[record.queue] = uid
+        seen = self._epochs.get(uid)
+        if seen is not None and record.epoch > seen:
+            self.elections[uid] = self.elections.get(uid, 0) + record.epoch - seen
+        self._epochs[uid] = max(record.epoch, seen or 0)
 
     def clear(self) -> None:
+        """Before a re-list: the records go (deleted ones must not linger); the epochs
+        seen stay, so an election made meanwhile still counts."""
         self._records.clear()
         self._by_queue.clear()
+
+    def prune(self) -> None:
+        """After a re-list: forget the elections of shards that are gone."""
+        for uid in [u for u in self._epochs if u not in self._records]:
+            self._epochs.pop(uid, None)
+            self.elections.pop(uid, None)
+
+    def gauges(self, node: str) -> list[ShardGauges]:
+        """What ``node``'s metrics say of each shard it keeps a copy of."""
+        return [
+            ShardGauges(r.queue, r.epoch, len(r.isr), r.min_isr, r.primary == node, self.elections.get(r.uid, 0))
+            for r in self._records.values()
+            if node in r.replicas
+        ]
 
     def get(self, uid: int) -> ShardRecord | None:
         return self._records.get(uid)

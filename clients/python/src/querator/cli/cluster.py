@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from .._client import Client
@@ -18,6 +18,7 @@ UNHEALTHY = 3
 
 MEMBER_HEADERS = ["NODE", "ADDRESS", "LIVE", "FENCED", "PARTITIONS", "FAULTY"]
 FAULTY_HEADERS = ["QUEUE", "PARTITION", "NODE", "FAILURE"]
+REPLICATED_HEADERS = ["QUEUE", "PRIMARY", "EPOCH", "REPLICAS", "IN_SYNC", "MIN_IN_SYNC"]
 DIED_FOR_GOOD = "docs/cluster.md, \"A node that died for good\""
 
 
@@ -75,6 +76,14 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
         problems.append(f"{len(faulty)} faulty partition{'s' if len(faulty) > 1 else ''}")
     if not view.admin_writable:
         problems.append(f"the answering node {view.node_id} is fenced")
+    live_nodes = {m.node_id for m in view.members if m.live}
+    for name, copies in sorted(view.replicated.items()):
+        if copies.primary not in live_nodes:
+            problems.append(f"queue {name}: its primary {copies.primary} is not live")
+        if len(copies.in_sync) < copies.min_in_sync:
+            problems.append(
+                f"queue {name}: {len(copies.in_sync)} in-sync copies, below its minimum of {copies.min_in_sync} (writes refused)"
+            )
     if args.json:
         emit_json(
             {
@@ -84,6 +93,7 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
                 "admin_writable": view.admin_writable,
                 "members": members,
                 "faulty": faulty,
+                "replicated": [{"queue": name, **asdict(copies)} for name, copies in sorted(view.replicated.items())],
                 "healthy": not problems,
                 "problems": problems,
             },
@@ -107,6 +117,16 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
         for m in members
     ]
     emit_table(MEMBER_HEADERS, rows, sys.stdout)
+    if view.replicated:
+        print()
+        emit_table(
+            REPLICATED_HEADERS,
+            [
+                [name, c.primary, c.epoch, ",".join(c.replicas), ",".join(c.in_sync), c.min_in_sync]
+                for name, c in sorted(view.replicated.items())
+            ],
+            sys.stdout,
+        )
     if faulty:
         print()
         emit_table(FAULTY_HEADERS, [[f.queue, f.partition, f.node or "-", f.failure] for f in faulty], sys.stdout)

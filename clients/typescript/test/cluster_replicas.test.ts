@@ -1,0 +1,104 @@
+/** The client and a replicated queue whose primary changes (a cluster of its own: a
+ * node is killed). A node that can neither serve nor forward a call answers
+ * "not primary: <node> epoch <e>"; the client reads the map again before its next call
+ * and sends it straight to the new primary. The election is made through the server's
+ * compare-and-swap on the shard record, as its failover makes it. */
+import assert from "node:assert/strict";
+import { after, before, test } from "node:test";
+
+import { createClient } from "@connectrpc/connect";
+import { createGrpcTransport } from "@connectrpc/connect-node";
+
+import { Client, Unavailable } from "../src/index.js";
+import { ClusterService, QueuesService } from "../src/v1.js";
+import { TestCluster, etcdMissing } from "./cluster.js";
+import { python, queueName, waitUntil } from "./server.js";
+
+const skip = etcdMissing();
+let cluster: TestCluster;
+
+before(async () => {
+  if (!skip) cluster = await TestCluster.start(3);
+});
+
+after(async () => {
+  await cluster?.stop();
+});
+
+const ELECT = `
+import asyncio, json, sys
+from dataclasses import dataclass
+from querator_server.cluster.etcd import Etcd
+from querator_server.cluster.shard_table import ShardTable
+
+@dataclass
+class Writer:
+    node: str
+    create_revision: int
+
+async def main(endpoint, prefix, queue, primary):
+    client = Etcd([endpoint])
+    try:
+        _, entry = await client.get(prefix + b"queues/" + queue.encode())
+        _, member = await client.get(prefix + b"members/" + primary.encode())
+        table = ShardTable(client, prefix, Writer(primary, member.create_revision))
+        record = await table.fetch(json.loads(entry.value)["shard"])
+        elected = await table.elect(record, primary, [(n, i) for n, i in record.isr if n == primary])
+        print(elected.epoch)
+    finally:
+        await client.close()
+
+endpoint, prefix, queue, primary = sys.argv[1:]
+asyncio.run(main(endpoint, prefix.encode(), queue, primary))
+`;
+
+function info(address: string, queue: string) {
+  return createClient(ClusterService, createGrpcTransport({ baseUrl: `http://${address}` })).clusterInfo({ queueNames: [queue] });
+}
+
+/** Every call a node answered for `method` (on any queue label: a node holding no copy
+ * of the queue counts it unlabelled). */
+async function answered(id: string): Promise<number> {
+  let total = 0;
+  for (const method of ["Produce", "ProduceStream"]) total += await cluster.metric(id, "querator_rpc_requests_total", { method });
+  return total;
+}
+
+test("a call refused by a node that is not the primary makes the client read the map again and go on", { skip }, async () => {
+  const q = queueName("replicated");
+  const first = cluster.nodes[0]!.server.address;
+  await createClient(QueuesService, createGrpcTransport({ baseUrl: `http://${first}` })).createQueue({
+    queue: { queueName: q, replicas: 2, requestedPartitions: 2 },
+  });
+  const placement = (await info(first, q)).queues[0]!;
+  const [old, fresh] = placement.replicas as [string, string];
+  assert.equal(placement.primary, old);
+  const bystander = cluster.nodes.find((n) => n.id !== old && n.id !== fresh)!;
+  // The primary last: with it gone, calls that name no live node go to the bystander.
+  const addresses = [bystander.server.address, cluster.node(fresh).server.address, cluster.node(old).server.address];
+  const client = new Client({ addresses, timeoutMs: 5_000, clusterRefreshMs: 3_600_000 });
+  try {
+    await client.produce(q, ["before"]);
+    await cluster.node(old).server.kill();
+    await waitUntil(
+      async () => !(await info(bystander.server.address, q)).members.some((m) => m.nodeId === old && m.live),
+      20_000,
+      "the killed primary no longer live",
+    );
+    await assert.rejects(client.produce(q, ["refused"]), (e: unknown) => e instanceof Unavailable && e.rawMessage.includes(`not primary: ${old} epoch 1`));
+
+    assert.equal((await python(ELECT, [cluster.etcd.endpoint, `/${cluster.url.split("/").pop()}/`, q, fresh])).trim(), "2");
+    await waitUntil(async () => (await info(bystander.server.address, q)).queues[0]!.primary === fresh, 10_000, "the election seen");
+    const viaBystander = await answered(bystander.id);
+    await client.produce(q, ["after"]);
+    // Straight to the new primary: the bystander forwarded nothing.
+    assert.equal(await answered(bystander.id), viaBystander);
+    const items = await client.lease(q, { batchSize: 10, waitMs: 1_000 });
+    assert.deepEqual(
+      items.map((i) => new TextDecoder().decode(i.payload)),
+      ["after"],
+    );
+  } finally {
+    client.close();
+  }
+});
