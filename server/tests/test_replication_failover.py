@@ -184,3 +184,123 @@ def test_a_replica_killed_stalls_writes_at_most_the_lag_and_catches_up_by_tail_o
             f"snapshot); back in sync {rejoined:.1f} s after restart; catch-ups {syncs}; {verdict.figures()}; "
             f"digests {digests_found}",
         )
+
+
+@pytest.mark.timeout(180)
+def test_a_rapid_double_failover_loses_nothing_and_leaves_the_copies_equal(
+    tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
+    """KIP-279's case: the first primary killed, the one elected killed right after its
+    election, the first restarted: the third copy takes over with everything."""
+    with Cluster(str(tmp_path), size=3, ttl=TTL) as cluster:
+        create_queue(cluster.nodes[0], 3)
+        first, epoch = wait_primary(cluster, cluster.nodes[0])
+        wait_in_sync(cluster, cluster.nodes[0], 3)
+        run = Run(cluster)
+        run.start()
+        time.sleep(3)
+        _node(cluster, first).kill9()
+        killed = time.monotonic()
+        second, second_epoch = wait_primary(cluster, _other(cluster, first), not_on=first, timeout=GAP_BOUND_S + 10)
+        _node(cluster, second).kill9()
+        third_node = _other(cluster, first, second)
+        third, third_epoch = wait_primary(cluster, third_node, not_on=second, timeout=GAP_BOUND_S + 10)
+        assert third == third_node.node_id and third_epoch == epoch + 2, (first, second, third, third_epoch)
+        _node(cluster, first).start()  # diverged or behind: rebuilt from the third
+        rejoined = wait_in_sync(cluster, third_node, 2)
+        _node(cluster, second).start()
+        wait_in_sync(cluster, third_node, 3)
+        time.sleep(2)
+        verdict = run.finish()
+        assert verdict.ok, verdict.figures() + "\n" + "\n".join(map(str, verdict.findings[:10]))
+        gap = run.gap_after(killed)
+        found = _check_digests(cluster, third_node)
+        assert len(found) == 3
+        record_property(
+            "figures",
+            f"double failover {first} -> {second} -> {third}: first acknowledged Produce {gap:.2f} s after the first kill; "
+            f"{first} back in sync {rejoined:.1f} s after its restart; {verdict.figures()}; digests {found}",
+        )
+
+
+def _damage(node: Node, how: str) -> list[str]:
+    """Truncate every LMDB file of the node's queues to half, or remove them ("wiped"),
+    keeping the node's own catalog and identity."""
+    import glob
+    import os
+    import shutil
+
+    damaged = []
+    for data in glob.glob(os.path.join(node.data_dir, "groups", "*", "data.mdb")) + glob.glob(
+        os.path.join(node.data_dir, "queues", "*", "data.mdb")
+    ):
+        size = os.path.getsize(data)
+        if how == "wiped":
+            shutil.rmtree(os.path.dirname(data))
+            damaged.append(f"{data} removed")
+        else:
+            with open(data, "r+b") as f:
+                f.truncate(size // 2)
+            damaged.append(f"{data} {size} -> {size // 2}")
+    assert damaged, os.listdir(node.data_dir)
+    return damaged
+
+
+def _isr(cluster: Cluster) -> dict[str, str]:
+    """The shard record's in-sync set in etcd: node -> incarnation."""
+    import json
+
+    from aetcd import rpc  # type: ignore[import-untyped]
+
+    prefix = f"/{cluster.prefix}/shards/".encode()
+    with cluster.etcd.channel() as channel:
+        reply = rpc.KVStub(channel).Range(rpc.RangeRequest(key=prefix, range_end=prefix[:-1] + b"0"), timeout=5)
+    (kv,) = reply.kvs
+    return {node: incarnation for node, incarnation in json.loads(kv.value)["isr"]}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["truncated", "wiped"])
+def test_a_replica_whose_storage_was_truncated_or_wiped_is_refused_rebuilt_and_never_in_sync_before(
+    tmp_path: Path, how: str, record_property: Callable[[str, object], None]
+) -> None:
+    """Case 8 (a truncated data file) and case 4 (the copy's storage gone; the node's own
+    catalog kept: a wholly empty data directory is refused by the node's identity check):
+    the copy is dropped and made again empty under a new incarnation, stays out of the
+    in-sync set until the primary rebuilt it, and then the primary dies: nothing lost."""
+    with Cluster(str(tmp_path), size=3, ttl=TTL) as cluster:
+        create_queue(cluster.nodes[0], 2)
+        primary_id, _ = wait_primary(cluster, cluster.nodes[0])
+        primary = _node(cluster, primary_id)
+        found = placement(primary)
+        assert found is not None
+        replica = _node(cluster, next(n for n in found.replicas if n != primary_id))
+        wait_in_sync(cluster, primary, 2)
+        run = Run(cluster)
+        run.start()
+        time.sleep(3)
+        before = _isr(cluster)[replica.node_id]
+        replica.kill9()
+        damaged = _damage(replica, how)
+        replica.start()
+        restarted = time.monotonic()
+        deadline = restarted + 30
+        while _isr(cluster).get(replica.node_id) in (before, None) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _isr(cluster).get(replica.node_id) not in (before, None), f"not rebuilt: {_isr(cluster)}"
+        rejoined = time.monotonic() - restarted
+        assert events(replica, "shard_copy_rebuilt"), replica.stderr_text()
+        # Then the primary dies: the rebuilt copy takes over with everything acknowledged.
+        primary.kill9()
+        wait_primary(cluster, replica, not_on=primary_id, timeout=GAP_BOUND_S + 10)
+        time.sleep(2)
+        primary.start()
+        wait_in_sync(cluster, replica, 2)
+        verdict = run.finish()
+        assert verdict.ok, verdict.figures() + "\n" + "\n".join(map(str, verdict.findings[:10]))
+        digests_found = _check_digests(cluster, replica)
+        record_property(
+            "figures",
+            f"{how} {damaged}: rebuilt under a new incarnation, back in sync {rejoined:.1f} s after restart; "
+            f"{verdict.figures()}; digests {digests_found}",
+        )

@@ -49,6 +49,8 @@ class Copies(Protocol):
     async def open_copy(self, config: QueueConfig) -> Any: ...
     async def promote(self, name: str, epoch: int, replication: Any) -> None: ...
     async def demote(self, name: str) -> None: ...
+    def failure(self, name: str) -> str: ...
+    async def delete(self, name: str, force: bool) -> None: ...
 
 
 class ShardRoles:
@@ -134,9 +136,20 @@ class ShardRoles:
                 self._records[uid] = (record, config)
             shard = self.host.shards.get(uid)
             if shard is None:
-                copy: CopyLike = await self._manager.open_copy(config)
+                copy: CopyLike = await self._open(config)
                 shard = self.host.shards[uid] = Shard(uid, record.queue, copy, ChangeRing(self._ring_changes))
             await self._step(shard, record)
+
+    async def _open(self, config: QueueConfig) -> CopyLike:
+        """This node's copy of the shard; a copy whose storage cannot be loaded (missing,
+        truncated, damaged: refused at start) is dropped and made again, empty, with a
+        new incarnation: out of the in-sync set until the primary rebuilt it."""
+        reason = self._manager.failure(config.name)
+        if reason:
+            log.error("shard_copy_rebuilt", queue=config.name, uid=config.uid, reason=reason)
+            await self._manager.delete(config.name, True)
+        copy: CopyLike = await self._manager.open_copy(config)
+        return copy
 
     def _lock(self, uid: int) -> asyncio.Lock:
         return self._locks.setdefault(uid, asyncio.Lock())
