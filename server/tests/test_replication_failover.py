@@ -304,3 +304,76 @@ def test_a_replica_whose_storage_was_truncated_or_wiped_is_refused_rebuilt_and_n
             f"{how} {damaged}: rebuilt under a new incarnation, back in sync {rejoined:.1f} s after restart; "
             f"{verdict.figures()}; digests {digests_found}",
         )
+
+
+@pytest.mark.timeout(240)
+def test_etcd_paused_or_killed_alone_with_a_primary_kill_and_with_a_replica_kill(
+    tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
+    """Case 5: (a) etcd paused, then killed: writes go on (nothing to change in the
+    in-sync set); (b) etcd killed and the primary killed: the queue waits, loses nothing,
+    and fails over once etcd is back; (c) etcd killed and a replica killed: the primary
+    cannot drop it from the in-sync set, so no write is acknowledged until etcd is back."""
+    with Cluster(str(tmp_path), size=3, ttl=TTL) as cluster:
+        create_queue(cluster.nodes[0], 2)
+        primary_id, epoch = wait_primary(cluster, cluster.nodes[0])
+        wait_in_sync(cluster, cluster.nodes[0], 2)
+        run = Run(cluster)
+        run.start()
+        time.sleep(2)
+        notes = []
+
+        # (a) etcd paused for a second, then killed for a second: writes go on.
+        for fault in ("pause", "kill"):
+            started = time.monotonic()
+            cluster.etcd.pause() if fault == "pause" else cluster.etcd.kill9()
+            time.sleep(1.0)
+            during = run.acknowledged_since(started)
+            cluster.etcd.resume() if fault == "pause" else cluster.etcd.start()
+            assert during > 0, f"no write acknowledged while etcd was {fault}d"
+            notes.append(f"etcd {'paused' if fault == 'pause' else 'killed'} 1 s: {during} Produces acknowledged meanwhile")
+            wait_in_sync(cluster, cluster.nodes[0], 2)
+            primary_id, epoch = wait_primary(cluster, cluster.nodes[0])
+
+        # (b) etcd killed, then the primary: no failover without etcd; once it is back, one.
+        cluster.etcd.kill9()
+        primary = _node(cluster, primary_id)
+        primary.kill9()
+        time.sleep(TTL + 2)
+        cluster.etcd.start()
+        back = time.monotonic()
+        observer = _other(cluster, primary_id)
+        new_primary, new_epoch = wait_primary(cluster, observer, not_on=primary_id, timeout=GAP_BOUND_S + 15)
+        assert new_epoch > epoch
+        notes.append(f"etcd and primary killed: {new_primary} elected {time.monotonic() - back:.1f} s after etcd was back")
+        primary.start()
+        wait_in_sync(cluster, observer, 2)
+
+        # (c) etcd killed, then the replica: nothing acknowledged without it until etcd is back.
+        primary_id, epoch = wait_primary(cluster, observer)
+        primary = _node(cluster, primary_id)
+        found = placement(primary)
+        assert found is not None
+        replica = _node(cluster, next(n for n in found.replicas if n != primary_id))
+        cluster.etcd.kill9()
+        time.sleep(0.3)
+        replica.kill9()
+        killed = time.monotonic()
+        time.sleep(LAG_S + 2)
+        cluster.etcd.start()
+        back = time.monotonic()
+        early = [
+            c
+            for c in run.load.history.calls()
+            if c.kind == "produce" and c.outcome == "ok" and c.invoked >= killed + 0.1 and c.ended < back
+        ]
+        assert not early, f"{len(early)} Produce calls acknowledged without the killed replica, etcd down: {early[:3]}"
+        wait_primary(cluster, primary)
+        time.sleep(LAG_S + 2)  # the shrink goes through now: writes go on without it
+        assert run.acknowledged_since(back) > 0
+        replica.start()
+        wait_in_sync(cluster, primary, 2)
+        verdict = run.finish()
+        assert verdict.ok, verdict.figures() + "\n" + "\n".join(map(str, verdict.findings[:10]))
+        digests_found = _check_digests(cluster, primary)
+        record_property("figures", "; ".join(notes) + f"; {verdict.figures()}; digests {digests_found}")
