@@ -320,3 +320,63 @@ def test_a_change_set_racing_a_promotion_is_either_refused_or_served(tmp_path: A
         await m2.stop()
 
     asyncio.run(main())
+
+
+def test_settings_of_a_copy_change_passive_or_serving_and_a_grouped_copy_keeps_to_its_group(tmp_path: Any) -> None:
+    async def main() -> None:
+        m1, m2 = await _managers(tmp_path, True)
+        await m1.open_copy(_config(2))
+        c2 = await m2.open_copy(_config(2))
+        await m1.promote("q", 1, ToCopy(c2))
+        for manager in (m1, m2):  # serving, then passive
+            updated = await manager.update("q", {"partitions": 4, "max_attempts": 3})
+            assert (updated.partitions, updated.max_attempts, updated.shard_copy) == (4, 3, True)
+            with pytest.raises(QueratorError, match="at most 31"):
+                await manager.update("q", {"partitions": 32})
+        for _ in range(8):  # the new partitions are written, and opened on the copy
+            await m1.actor("q").submit(ProduceRequest(items=[NewItem(payload=b"x")]))
+        assert c2.state.store.partitions == 4 and c2.digest() == m1.copy("q").digest()
+        await m1.stop()
+        await m2.stop()
+
+        # A copy whose settings grew while nothing was written to the new partitions.
+        m3 = QueuesManager(str(tmp_path / "n3"), workers=2)
+        await m3.start()
+        await m3.open_copy(_config(1).replace(name="r", uid=SHARD_UID + 1))
+        await m3.update("r", {"partitions": 3})
+        await m3.promote("r", 1, None)
+        assert m3.actor("r").partition_count == 3
+        await m3.stop()
+
+    asyncio.run(main())
+
+
+def test_a_damaged_copy_is_refused_at_start_then_made_anew_and_filled_from_a_snapshot(tmp_path: Any) -> None:
+    async def main() -> None:
+        m1, m2 = await _managers(tmp_path, False)
+        await m1.open_copy(_config())
+        c2 = await m2.open_copy(_config())
+        await m1.promote("q", 1, ToCopy(c2))
+        ledger = Ledger()
+        await _load(m1, ledger, time.monotonic() + 0.5, 1)
+        old = c2.incarnation
+        await m2.stop()
+        data = tmp_path / "n2" / "queues" / str(SHARD_UID) / "data.mdb"
+        with open(data, "r+b") as f:  # truncated, as a crash of the file system may leave it
+            f.truncate(os.path.getsize(data) // 2)
+
+        m2 = QueuesManager(str(tmp_path / "n2"), workers=2)
+        await m2.start()
+        with pytest.raises(Unavailable, match="failed to load"):
+            m2.copy("q")
+        fresh = await m2.reset_copy("q")
+        assert fresh.incarnation != old and fresh.position() == Position(0, 0)
+        with pytest.raises(QueratorError, match="demote it first"):
+            await m1.reset_copy("q")
+        await m1.demote("q")
+        at = await fresh.install_snapshot(m1.copy("q").snapshot_chunks())
+        assert at == m1.copy("q").position() and fresh.digest() == m1.copy("q").digest()
+        await m1.stop()
+        await m2.stop()
+
+    asyncio.run(main())
