@@ -123,6 +123,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(env QUERATOR_MIN_IN_SYNC; default replicas - 1, at least 1; capped at the queue's replicas)",
     )
     parser.add_argument(
+        "--replica-lag",
+        type=float,
+        dest="replica_lag",
+        help="seconds a replica may stay silent or behind before the primary drops it from the in-sync set "
+        "(env QUERATOR_REPLICA_LAG, default 2)",
+    )
+    parser.add_argument(
         "--etcd-ca",
         help="PEM CA bundle etcd's certificate must chain to; turns TLS to etcd on (env QUERATOR_ETCD_CA)",
     )
@@ -197,6 +204,8 @@ def _replication_problem(config: ServerConfig) -> str:
         return "--min-in-sync (QUERATOR_MIN_IN_SYNC) must be a whole number, at least 1"
     if config.min_in_sync and not config.cluster:
         return "--min-in-sync applies to replicated queues of a cluster: give --cluster too"
+    if not config.replica_lag_s > 0:
+        return "--replica-lag (QUERATOR_REPLICA_LAG) must be a number of seconds above 0"
     return ""
 
 
@@ -240,6 +249,7 @@ def _config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> S
         cluster_lease_ttl_s=args.cluster_lease_ttl,
         replicas=args.replicas,
         min_in_sync=args.min_in_sync,
+        replica_lag_s=args.replica_lag,
         cluster_ca=args.cluster_ca,
         etcd_ca=args.etcd_ca,
         etcd_cert=args.etcd_cert,

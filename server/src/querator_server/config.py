@@ -66,6 +66,9 @@ class ServerConfig:
     # replicas - 1 and at least 1).
     replicas: int = 1
     min_in_sync: int = 0
+    # How long a replica may stay silent or behind before the primary drops it from the
+    # in-sync set (and writes stop waiting for it).
+    replica_lag_s: float = 2.0
     # With TLS on: the PEM CA bundle that signed the other nodes' certificates, for the
     # calls a node forwards to another (default: tls_client_ca, else the system's roots).
     cluster_ca: str = ""
@@ -104,6 +107,7 @@ class ServerConfig:
             "cluster_lease_ttl_s": _whole_seconds(env.get("QUERATOR_CLUSTER_LEASE_TTL", "5")),
             "replicas": _whole_number(env.get("QUERATOR_REPLICAS", "1")),
             "min_in_sync": _whole_number(env.get("QUERATOR_MIN_IN_SYNC", "0")),
+            "replica_lag_s": _seconds(env.get("QUERATOR_REPLICA_LAG", "2"), "QUERATOR_REPLICA_LAG"),
             "etcd_ca": env.get("QUERATOR_ETCD_CA", ""),
             "etcd_cert": env.get("QUERATOR_ETCD_CERT", ""),
             "etcd_key": env.get("QUERATOR_ETCD_KEY", ""),

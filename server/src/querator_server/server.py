@@ -146,7 +146,9 @@ class QueratorServer:
         if router is not None:
             from .grpc_api.peer_service import PeerService
 
-            server.add_generic_rpc_handlers((PeerService(router.give_backs, queue_service.give_back_here).handler(),))
+            assert cluster is not None
+            peer_service = PeerService(router.give_backs, queue_service.give_back_here, cluster.roles.host)
+            server.add_generic_rpc_handlers((peer_service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         # Serves our files with their proto comments (see reflection.py).
         servicer = self._reflection = ReflectionServicer(
@@ -252,6 +254,7 @@ class QueratorServer:
             etcd_access,
             replicas=config.replicas,
             min_in_sync=config.min_in_sync,
+            replica_lag_s=config.replica_lag_s,
         )
         try:
             self.cluster = Coordinator(

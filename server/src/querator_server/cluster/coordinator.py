@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ..errors import FailedPrecondition, NotFound, QueratorError
 from ..logging import get_logger
 from ..manager import QueuesManager
+from ..storage.change_set import ChangeSet, Diverged, Fenced
 from . import identity
 from .admin_frontend import AdminFrontend
 from .catalog import APPLY_TIMEOUT_S as _APPLY_TIMEOUT_S
@@ -26,7 +27,10 @@ from .forwarding import PeerTls
 from .membership import Membership
 from .placement import QueueEntry
 from .reconcile_backend import ReconcileBackend
+from .replica_roles import ShardRoles
 from .router import Router
+from .shard_cas import Deposed
+from .shipper import REPLICA_LAG_S
 from .standing import Standing, check_members
 
 log = get_logger("cluster")
@@ -48,6 +52,9 @@ class ClusterSettings:
     # 0: replicas - 1, at least 1, capped at the queue's replicas).
     replicas: int = 1
     min_in_sync: int = 0
+    # How long a replica may stay silent or behind before its primary drops it from the
+    # in-sync set (--replica-lag).
+    replica_lag_s: float = REPLICA_LAG_S
 
 
 class Coordinator(AdminFrontend, ReconcileBackend):
@@ -72,9 +79,18 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         )
         self.catalog.shards.writer = self.membership
         self.router = Router(self.node, self.catalog, self.lookup, settings.peer_tls, self.membership.verify)
+        # The replicated queues' copies here: promoted, followed, elected (replica_roles.py).
+        self.roles = ShardRoles(
+            self.node,
+            manager,
+            self.catalog.shards,
+            self.router.peers,
+            self.router.live,
+            (Deposed, Fenced, Diverged),
+            ChangeSet.decode,
+            settings.replica_lag_s,
+        )
         self._reconcile_lock = asyncio.Lock()
-        self.roles = None  # the replication data path sets it (reconcile_backend.ShardRoles)
-        self._followed = set()
         self.retired = False
         self._foreign: set[str] = set()  # local queues the catalog never had (warned once)
         self.identity: identity.Identity | None = None
@@ -103,6 +119,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
             raise OSError(str(exc)) from exc
         self.catalog.start()
         self.membership.start()
+        self.roles.start()
         log.info("cluster_joined", node=self.node, advertise=self.settings.advertise, revision=self.catalog.revision)
 
     async def _share_token_secret(self) -> None:
@@ -116,6 +133,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         self.router.peers.set_secret(self.manager.token_secret)  # and proves forwarded calls
 
     async def stop(self) -> None:
+        await self.roles.stop()
         await self.catalog.stop()
         await self.membership.stop()
         await self.router.close()

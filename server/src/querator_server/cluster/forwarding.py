@@ -165,6 +165,11 @@ class Peers:
     def _mac(key: bytes, node: str, stamp: str) -> str:
         return hmac.new(key, f"{node}\n{stamp}".encode(), hashlib.sha256).hexdigest()
 
+    def proof_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The headers that prove a call of this node's own (not a forwarded one) to a peer:
+        for calls ``forward`` does not make (streams)."""
+        return ((FORWARDED, self.node), (PROOF, self._proof()))
+
     def is_forwarded(self, context: grpc.aio.ServicerContext[Any, Any]) -> bool:
         """Whether the call came from another node (then it is served here, never sent
         on): it carries the marker with a valid proof. A marker without one is ignored."""
