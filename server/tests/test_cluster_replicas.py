@@ -274,3 +274,87 @@ def test_metrics_give_each_copys_epoch_in_sync_size_role_and_the_elections_seen(
 
     wait_until(settled, 15)
     assert _scrape(by_id[old], "measured")["querator_replication_primary"] == 0
+
+
+def _claimed(cluster: Cluster, queue: str) -> bool:
+    record = _etcd(cluster, f"shards/{_etcd(cluster, f'queues/{queue}')['shard']}")  # type: ignore[index]
+    return record is not None and all(i for _, i in record["isr"])
+
+
+def test_move_hands_the_primary_over_to_an_in_sync_copy_and_loses_nothing(cluster: Cluster) -> None:
+    from test_cluster_operator import querator
+
+    from conftest import wait_until
+
+    n1 = cluster.nodes[0]
+    n1.stubs.create("handed-over", replicas=3, requested_partitions=2)
+    wait_until(lambda: _claimed(cluster, "handed-over"), 15)
+    payloads = [f"item-{i}".encode() for i in range(6)]
+    n1.stubs.produce("handed-over", payloads)
+    (before,) = [q for q in n1.info().queues if q.queue_name == "handed-over"]
+    target = before.replicas[1]
+    moved = querator("--address", n1.address, "cluster", "move", "handed-over", target)
+    assert moved.returncode == 0, moved.stderr
+    assert moved.stdout.startswith(f"queue handed-over: primary {target}, epoch 2"), moved.stdout
+    for node in cluster.nodes:  # every node routes to the new primary within its watch latency
+        wait_until(lambda node=node: [q for q in node.info().queues if q.queue_name == "handed-over"][0].primary == target, 10)
+    (after,) = [q for q in n1.info().queues if q.queue_name == "handed-over"]
+    assert (after.epoch, list(after.homes)) == (2, [target, target])
+    assert before.primary in after.replicas  # the old primary stays a copy
+    got: list[bytes] = []
+    for _ in range(20):
+        got += [i.payload for i in n1.stubs.lease("handed-over", 10).items]
+        if len(got) >= len(payloads):
+            break
+    assert sorted(got) == sorted(payloads)
+    # Moving to the primary it has changes nothing.
+    again = querator("--address", n1.address, "cluster", "move", "handed-over", target, "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["epoch"] == 2, again.stdout
+
+
+@pytest.mark.parametrize(
+    ("queue", "node", "code", "text"),
+    [
+        ("one-copy-moved", "n1", grpc.StatusCode.FAILED_PRECONDITION, "keeps one copy of each partition"),
+        ("two-copies-moved", "", grpc.StatusCode.INVALID_ARGUMENT, "node_id"),
+        ("two-copies-moved", "elsewhere", grpc.StatusCode.FAILED_PRECONDITION, "holds no copy of queue 'two-copies-moved'"),
+        ("no-such-queue", "n1", grpc.StatusCode.NOT_FOUND, "does not exist"),
+    ],
+)
+def test_a_move_the_cluster_cannot_make_is_refused(
+    cluster: Cluster, queue: str, node: str, code: grpc.StatusCode, text: str
+) -> None:
+    from querator.v1 import cluster_pb2, cluster_pb2_grpc
+
+    n1 = cluster.nodes[0]
+    if queue == "one-copy-moved" and not any(q.queue_name == queue for q in n1.info().queues):
+        n1.stubs.create(queue, replicas=1)
+    if queue == "two-copies-moved" and not any(q.queue_name == queue for q in n1.info().queues):
+        n1.stubs.create(queue, replicas=2)
+    stub = cluster_pb2_grpc.ClusterServiceStub(n1.channel)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.MoveQueue(cluster_pb2.MoveQueueRequest(queue_name=queue, node_id=node), timeout=10)
+    assert caught.value.code() == code and text in (caught.value.details() or ""), caught.value.details()
+
+
+def test_drain_moves_every_primary_off_a_node(cluster: Cluster) -> None:
+    from test_cluster_operator import querator
+
+    from conftest import wait_until
+
+    n1 = cluster.nodes[0]
+    for i in range(3):
+        n1.stubs.create(f"drained-{i}", replicas=2)
+    for i in range(3):
+        wait_until(lambda i=i: _claimed(cluster, f"drained-{i}"), 15)
+    primaries = {q.queue_name: q.primary for q in n1.info().queues if q.queue_name.startswith("drained-")}
+    victim = max(set(primaries.values()), key=list(primaries.values()).count)
+    mine = sorted(name for name, p in primaries.items() if p == victim)
+    shown = querator("--address", n1.address, "cluster", "drain", victim, "--json")
+    report = json.loads(shown.stdout)
+    assert set(mine) <= set(report["moved"]), report
+    assert all(": " in why for why in report["kept"]), report
+    assert shown.returncode == (3 if report["kept"] else 0)
+    wait_until(lambda: all(q.primary != victim for q in n1.info().queues if q.queue_name in report["moved"]), 10)
+    for name in mine:
+        assert n1.stubs.produce(name, [b"after the drain"]).ids
