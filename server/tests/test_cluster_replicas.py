@@ -358,3 +358,23 @@ def test_drain_moves_every_primary_off_a_node(cluster: Cluster) -> None:
     wait_until(lambda: all(q.primary != victim for q in n1.info().queues if q.queue_name in report["moved"]), 10)
     for name in mine:
         assert n1.stubs.produce(name, [b"after the drain"]).ids
+
+
+def test_update_changes_min_in_sync_in_the_entry_and_the_shard_record(cluster: Cluster) -> None:
+    n1, n2, _ = cluster.nodes
+    n1.stubs.create("stricter", replicas=3)
+    n1.stubs.create("single-copy-min", replicas=1)
+    assert _update(n2, "stricter", min_in_sync=3).min_in_sync == 3
+    uid = _etcd(cluster, "queues/stricter")["shard"]  # type: ignore[index]
+    assert _etcd(cluster, "queues/stricter")["min_isr"] == 3  # type: ignore[index]
+    assert _etcd(cluster, f"shards/{uid}")["min_isr"] == 3  # type: ignore[index]
+    (placement,) = [q for q in n2.info().queues if q.queue_name == "stricter"]
+    assert placement.min_in_sync == 3
+    for name, value, text in (
+        ("stricter", 4, "queue.min_in_sync: must be between 1 and replicas (3), got 4"),
+        ("single-copy-min", 1, "queue.min_in_sync: applies to a replicated queue"),
+    ):
+        with pytest.raises(grpc.RpcError) as caught:
+            _update(n1, name, min_in_sync=value)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert text in (caught.value.details() or ""), caught.value.details()

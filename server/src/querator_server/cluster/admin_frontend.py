@@ -205,6 +205,15 @@ class AdminFrontend:
         new = dataclasses.replace(entry, config=updated, homes=homes)
         key = self.keys.queue(name)
         txn.modified_at(key, entry.mod_revision).put(key, new.encode())
+        if entry.shard and updated.min_in_sync != current.min_in_sync:
+            # The record is what the primary's gate reads: changed in the same Txn, from
+            # the version read (a concurrent ISR change makes this one retry).
+            record = self.catalog.shards.get(entry.shard)
+            if record is None:
+                raise Unavailable(f"queue {name!r}: its shard record is not known here yet; retry")
+            shard = self.catalog.shards.key(entry.shard)
+            changed = dataclasses.replace(record, min_isr=updated.min_in_sync)
+            txn.modified_at(shard, record.mod_revision).put(shard, changed.encode())
         self._with_dead_queue(txn, updated, homes)
         await self._commit(
             txn,
