@@ -163,61 +163,6 @@ def test_cluster_info_reports_the_primary_copies_in_sync_set_and_epoch(cluster: 
     assert (list(single.replicas), list(single.in_sync), single.epoch, single.primary) == ([], [], 0, "")
 
 
-class _Roles:
-    """What the replication data path is told: a record of the calls (a real listener
-    on a real node, not a stand-in for the code under test)."""
-
-    def __init__(self) -> None:
-        self.followed: list[tuple[int, str, int, int]] = []  # uid, primary, epoch, config uid
-        self.forgotten: list[int] = []
-
-    async def follow(self, record, config) -> None:  # type: ignore[no-untyped-def]
-        self.followed.append((record.uid, record.primary, record.epoch, config.uid))
-
-    async def forget(self, uid: int) -> None:
-        self.forgotten.append(uid)
-
-
-def test_each_copy_node_follows_its_shard_record_and_forgets_it_when_the_queue_goes(tmp_path) -> None:
-    from cluster_helpers import Etcd
-
-    from conftest import ThreadServer, free_port, wait_until
-
-    etcd = Etcd(str(tmp_path / "etcd"))
-    etcd.start()
-    servers: list[ThreadServer] = []
-    try:
-        url = f"etcd://{etcd.endpoint}/roles"
-        roles = {}
-        for node in ("a", "b", "c"):
-            # Every call goes to the first node and needs no forwarding: the advertised
-            # address is only what the catalog records.
-            server = ThreadServer(
-                str(tmp_path / node), cluster=url, node_id=node, cluster_lease_ttl_s=3, advertise=f"127.0.0.1:{free_port()}"
-            )
-            servers.append(server)
-            assert server.server.cluster is not None
-            roles[node] = server.server.cluster.roles = _Roles()
-        with grpc.insecure_channel(servers[0].address) as channel:
-            from conftest import Stubs
-
-            stubs = Stubs(channel)
-            stubs.create("followed", replicas=2, requested_partitions=2)
-            wait_until(lambda: sum(bool(r.followed) for r in roles.values()) == 2, 10)
-            copies = sorted(n for n, r in roles.items() if r.followed)
-            (uid, primary, epoch, config_uid) = roles[copies[0]].followed[-1]
-            assert primary in copies and epoch == 1 and config_uid == uid >= SHARD_UID_BASE
-            assert all(r.followed[-1] == (uid, primary, 1, uid) for n, r in roles.items() if n in copies)
-            # Forced: with the data path only listening here, no copy holds the queue to ask.
-            stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="followed", force=True), timeout=10)
-            wait_until(lambda: all(roles[n].forgotten == [uid] for n in copies), 10)
-            assert all(not r.followed and not r.forgotten for n, r in roles.items() if n not in copies)
-    finally:
-        for server in servers:
-            server.stop()
-        etcd.stop()
-
-
 def test_cluster_status_prints_each_replicated_queues_primary_epoch_and_in_sync_set(cluster: Cluster) -> None:
     from test_cluster_operator import querator
 
@@ -295,6 +240,7 @@ def test_metrics_give_each_copys_epoch_in_sync_size_role_and_the_elections_seen(
     record = _etcd(cluster, f"shards/{_etcd(cluster, 'queues/measured')['shard']}")  # type: ignore[index]
     assert record is not None
     old, new = record["primary"], record["replicas"][1]
+    record_uid = _etcd(cluster, "queues/measured")["shard"]  # type: ignore[index]
     by_id = {n.node_id: n for n in cluster.nodes}
     wait_until(lambda: all(_scrape(n, "measured") for n in cluster.nodes), 10)
     for node in cluster.nodes:
@@ -305,10 +251,130 @@ def test_metrics_give_each_copys_epoch_in_sync_size_role_and_the_elections_seen(
             "querator_replication_primary": 1 if node.node_id == old else 0,
             "querator_replication_elections_total": 0,
         }
+    # Every copy claimed its entry (its incarnation): the one elected serves at once.
+    wait_until(lambda: all(i for _, i in _etcd(cluster, f"shards/{record_uid}")["isr"]), 15)  # type: ignore[index]
     _elect(cluster, "measured", new)
-    wait_until(lambda: all(_scrape(n, "measured")["querator_replication_epoch"] == 2 for n in cluster.nodes), 10)
-    for node in cluster.nodes:
-        seen = _scrape(node, "measured")
-        assert (seen["querator_replication_in_sync"], seen["querator_replication_elections_total"]) == (1, 1)
-        assert seen["querator_replication_primary"] == (1 if node.node_id == new else 0)
+
+    def settled() -> bool:
+        # The new primary adds the other copies back as they catch up: compare with the
+        # record as it is at each look.
+        now = _etcd(cluster, f"shards/{_etcd(cluster, 'queues/measured')['shard']}")  # type: ignore[index]
+        assert now is not None and now["epoch"] == 2 and now["primary"] == new
+        return all(
+            _scrape(n, "measured")
+            == {
+                "querator_replication_epoch": 2,
+                "querator_replication_in_sync": len(now["isr"]),
+                "querator_replication_min_in_sync": 2,
+                "querator_replication_primary": 1 if n.node_id == new else 0,
+                "querator_replication_elections_total": 1,
+            }
+            for n in cluster.nodes
+        )
+
+    wait_until(settled, 15)
     assert _scrape(by_id[old], "measured")["querator_replication_primary"] == 0
+
+
+def _claimed(cluster: Cluster, queue: str) -> bool:
+    record = _etcd(cluster, f"shards/{_etcd(cluster, f'queues/{queue}')['shard']}")  # type: ignore[index]
+    return record is not None and all(i for _, i in record["isr"])
+
+
+def test_move_hands_the_primary_over_to_an_in_sync_copy_and_loses_nothing(cluster: Cluster) -> None:
+    from test_cluster_operator import querator
+
+    from conftest import wait_until
+
+    n1 = cluster.nodes[0]
+    n1.stubs.create("handed-over", replicas=3, requested_partitions=2)
+    wait_until(lambda: _claimed(cluster, "handed-over"), 15)
+    payloads = [f"item-{i}".encode() for i in range(6)]
+    n1.stubs.produce("handed-over", payloads)
+    (before,) = [q for q in n1.info().queues if q.queue_name == "handed-over"]
+    target = before.replicas[1]
+    moved = querator("--address", n1.address, "cluster", "move", "handed-over", target)
+    assert moved.returncode == 0, moved.stderr
+    assert moved.stdout.startswith(f"queue handed-over: primary {target}, epoch 2"), moved.stdout
+    for node in cluster.nodes:  # every node routes to the new primary within its watch latency
+        wait_until(lambda node=node: [q for q in node.info().queues if q.queue_name == "handed-over"][0].primary == target, 10)
+    (after,) = [q for q in n1.info().queues if q.queue_name == "handed-over"]
+    assert (after.epoch, list(after.homes)) == (2, [target, target])
+    assert before.primary in after.replicas  # the old primary stays a copy
+    got: list[bytes] = []
+    for _ in range(20):
+        got += [i.payload for i in n1.stubs.lease("handed-over", 10).items]
+        if len(got) >= len(payloads):
+            break
+    assert sorted(got) == sorted(payloads)
+    # Moving to the primary it has changes nothing.
+    again = querator("--address", n1.address, "cluster", "move", "handed-over", target, "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["epoch"] == 2, again.stdout
+
+
+@pytest.mark.parametrize(
+    ("queue", "node", "code", "text"),
+    [
+        ("one-copy-moved", "n1", grpc.StatusCode.FAILED_PRECONDITION, "keeps one copy of each partition"),
+        ("two-copies-moved", "", grpc.StatusCode.INVALID_ARGUMENT, "node_id"),
+        ("two-copies-moved", "elsewhere", grpc.StatusCode.FAILED_PRECONDITION, "holds no copy of queue 'two-copies-moved'"),
+        ("no-such-queue", "n1", grpc.StatusCode.NOT_FOUND, "does not exist"),
+    ],
+)
+def test_a_move_the_cluster_cannot_make_is_refused(
+    cluster: Cluster, queue: str, node: str, code: grpc.StatusCode, text: str
+) -> None:
+    from querator.v1 import cluster_pb2, cluster_pb2_grpc
+
+    n1 = cluster.nodes[0]
+    if queue == "one-copy-moved" and not any(q.queue_name == queue for q in n1.info().queues):
+        n1.stubs.create(queue, replicas=1)
+    if queue == "two-copies-moved" and not any(q.queue_name == queue for q in n1.info().queues):
+        n1.stubs.create(queue, replicas=2)
+    stub = cluster_pb2_grpc.ClusterServiceStub(n1.channel)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.MoveQueue(cluster_pb2.MoveQueueRequest(queue_name=queue, node_id=node), timeout=10)
+    assert caught.value.code() == code and text in (caught.value.details() or ""), caught.value.details()
+
+
+def test_drain_moves_every_primary_off_a_node(cluster: Cluster) -> None:
+    from test_cluster_operator import querator
+
+    from conftest import wait_until
+
+    n1 = cluster.nodes[0]
+    for i in range(3):
+        n1.stubs.create(f"drained-{i}", replicas=2)
+    for i in range(3):
+        wait_until(lambda i=i: _claimed(cluster, f"drained-{i}"), 15)
+    primaries = {q.queue_name: q.primary for q in n1.info().queues if q.queue_name.startswith("drained-")}
+    victim = max(set(primaries.values()), key=list(primaries.values()).count)
+    mine = sorted(name for name, p in primaries.items() if p == victim)
+    shown = querator("--address", n1.address, "cluster", "drain", victim, "--json")
+    report = json.loads(shown.stdout)
+    assert set(mine) <= set(report["moved"]), report
+    assert all(": " in why for why in report["kept"]), report
+    assert shown.returncode == (3 if report["kept"] else 0)
+    wait_until(lambda: all(q.primary != victim for q in n1.info().queues if q.queue_name in report["moved"]), 10)
+    for name in mine:
+        assert n1.stubs.produce(name, [b"after the drain"]).ids
+
+
+def test_update_changes_min_in_sync_in_the_entry_and_the_shard_record(cluster: Cluster) -> None:
+    n1, n2, _ = cluster.nodes
+    n1.stubs.create("stricter", replicas=3)
+    n1.stubs.create("single-copy-min", replicas=1)
+    assert _update(n2, "stricter", min_in_sync=3).min_in_sync == 3
+    uid = _etcd(cluster, "queues/stricter")["shard"]  # type: ignore[index]
+    assert _etcd(cluster, "queues/stricter")["min_isr"] == 3  # type: ignore[index]
+    assert _etcd(cluster, f"shards/{uid}")["min_isr"] == 3  # type: ignore[index]
+    (placement,) = [q for q in n2.info().queues if q.queue_name == "stricter"]
+    assert placement.min_in_sync == 3
+    for name, value, text in (
+        ("stricter", 4, "queue.min_in_sync: must be between 1 and replicas (3), got 4"),
+        ("single-copy-min", 1, "queue.min_in_sync: applies to a replicated queue"),
+    ):
+        with pytest.raises(grpc.RpcError) as caught:
+            _update(n1, name, min_in_sync=value)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert text in (caught.value.details() or ""), caught.value.details()

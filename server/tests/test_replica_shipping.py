@@ -194,7 +194,7 @@ def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_
             await _until(lambda: all(r.store.copy and r.store.copy.position() == copy.position() for r in replicas.values()), 10, "replicas in step")
             digest = copy.digest()
             assert all(r.store.copy and r.store.copy.digest() == digest for r in replicas.values())
-            assert {n for n, i in replication.record.isr if i} == {"n1", "n2", "n3"}  # every copy claimed
+            await _until(lambda: {n for n, i in replication.record.isr if i} == {"n1", "n2", "n3"}, 10, "every copy claimed")
 
             # 2. n3 stops answering: writes stall about the replica lag, then go on without it.
             await replicas["n3"].stop()

@@ -487,9 +487,7 @@ class QueuesManager:
             loop = asyncio.get_running_loop()
             catalog = self._require_catalog()
             try:
-                # A cluster's replicated queue comes with its shard's uid (the same on
-                # every copy); any other gets the data directory's next.
-                uid = config.uid or await loop.run_in_executor(self._executor, catalog.next_uid)
+                uid = await loop.run_in_executor(self._executor, catalog.next_uid)
                 now = now_us()
                 group = self._groups.place(config, self._stored_configs())
                 config = config.replace(uid=uid, created_at_us=now, updated_at_us=now, group=group)

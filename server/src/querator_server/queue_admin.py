@@ -57,7 +57,12 @@ def check_update(current: QueueConfig, updated: QueueConfig) -> None:
             "create a queue with the copies it needs",
         )
     if updated.min_in_sync != current.min_in_sync:
-        raise InvalidArgument("queue.min_in_sync", f"is set when the queue is created (it is {current.min_in_sync})")
+        if updated.replicas < 2:
+            raise InvalidArgument("queue.min_in_sync", "applies to a replicated queue (replicas above 1)")
+        if not 1 <= updated.min_in_sync <= updated.replicas:
+            raise InvalidArgument(
+                "queue.min_in_sync", f"must be between 1 and replicas ({updated.replicas}), got {updated.min_in_sync}"
+            )
 
 
 def dead_queue_users(name: str, configs: Iterable[QueueConfig]) -> list[str]:

@@ -25,6 +25,7 @@ from .catalog import CatalogCache, Keys
 from .etcd import Etcd, EtcdError, Txn
 from .membership import Membership
 from .placement import Home, QueueEntry, place, place_shard
+from .shard_cas import Deposed
 from .shard_record import ShardRecord, default_min_in_sync
 
 log = get_logger("cluster")
@@ -204,6 +205,15 @@ class AdminFrontend:
         new = dataclasses.replace(entry, config=updated, homes=homes)
         key = self.keys.queue(name)
         txn.modified_at(key, entry.mod_revision).put(key, new.encode())
+        if entry.shard and updated.min_in_sync != current.min_in_sync:
+            # The record is what the primary's gate reads: changed in the same Txn, from
+            # the version read (a concurrent ISR change makes this one retry).
+            record = self.catalog.shards.get(entry.shard)
+            if record is None:
+                raise Unavailable(f"queue {name!r}: its shard record is not known here yet; retry")
+            shard = self.catalog.shards.key(entry.shard)
+            changed = dataclasses.replace(record, min_isr=updated.min_in_sync)
+            txn.modified_at(shard, record.mod_revision).put(shard, changed.encode())
         self._with_dead_queue(txn, updated, homes)
         await self._commit(
             txn,
@@ -307,3 +317,76 @@ class AdminFrontend:
             await self._commit(txn, lambda: FailedPrecondition("the catalog changed meanwhile (or the node came back); retry"))
         log.warning("cluster_node_retired_by_admin", node=node, partitions_recreated=moved)
         return moved
+
+    # -- replicated queues: hand-overs ------------------------------------------------
+
+    def _in_sync_here(self, record: ShardRecord, node: str) -> bool:
+        """Whether ``node`` is live and holds a copy claimed in the record's in-sync set."""
+        return node in self.catalog.members and any(n == node and i for n, i in record.isr)
+
+    async def move(self, name: str, node: str) -> ShardRecord:
+        """Hand queue ``name``'s primary over to ``node``: an election with the in-sync set
+        unchanged (every member has every acknowledged change), so nothing acknowledged
+        is lost and the old primary stays a copy."""
+        if not node:
+            raise InvalidArgument("node_id", "is required")
+        entry = self.catalog.queues.get(name)
+        if entry is None:
+            raise NotFound(f"queue {name!r} does not exist")
+        record = self.catalog.shards.get(entry.shard) if entry.shard else None
+        if record is None:
+            raise FailedPrecondition(
+                f"queue {name!r} keeps one copy of each partition (replicas 1): its partitions cannot move"
+            )
+        if record.primary == node:
+            return record
+        if node not in record.replicas:
+            raise FailedPrecondition(
+                f"node {node!r} holds no copy of queue {name!r} (copies: {', '.join(record.replicas)}); "
+                "adding a copy on another node is not supported yet"
+            )
+        if not self._in_sync_here(record, node):
+            state = "not live" if node not in self.catalog.members else "not in sync"
+            raise FailedPrecondition(
+                f"the copy of queue {name!r} on node {node!r} is {state} "
+                f"(in sync: {', '.join(n for n, i in record.isr if i) or 'none'}); retry once it is"
+            )
+        return await self._hand_over(record, node)
+
+    async def _hand_over(self, record: ShardRecord, node: str) -> ShardRecord:
+        self.membership.check()
+        try:
+            elected = await self.catalog.shards.elect(record, node, record.isr)
+        except Deposed as exc:
+            raise FailedPrecondition(f"queue {record.queue!r} changed meanwhile ({exc.message}); retry") from None
+        await self.catalog.wait_applied(elected.mod_revision, _APPLY_TIMEOUT_S)
+        log.info("cluster_primary_moved", queue=record.queue, shard=record.uid, old=record.primary, new=node, epoch=elected.epoch)
+        return elected
+
+    async def drain(self, node: str) -> tuple[builtins.list[str], builtins.list[str]]:
+        """Hand every replicated queue whose primary is ``node`` over to another live
+        in-sync copy (the one serving the fewest primaries): (moved, kept with why)."""
+        if not node:
+            raise InvalidArgument("node_id", "is required")
+        if node not in self.catalog.members and not any(node in r.replicas for r in self.catalog.shards.records()):
+            raise NotFound(f"node_id: node {node!r} is not a member of the cluster and holds no copy")
+        moved: builtins.list[str] = []
+        kept: builtins.list[str] = []
+        for record in sorted(self.catalog.shards.records(), key=lambda r: r.queue):
+            if record.primary != node:
+                continue
+            primaries, _ = self._shard_load()
+            others = sorted(
+                (n for n in record.replicas if n != node and self._in_sync_here(record, n)),
+                key=lambda n: (primaries[n], n),
+            )
+            if not others:
+                kept.append(f"{record.queue}: no other live in-sync copy")
+                continue
+            try:
+                await self._hand_over(record, others[0])
+            except FailedPrecondition as exc:
+                kept.append(f"{record.queue}: {exc.message}")
+                continue
+            moved.append(record.queue)
+        return moved, kept

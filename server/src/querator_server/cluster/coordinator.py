@@ -83,7 +83,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         self.catalog.shards.writer = self.membership
         self.router = Router(self.node, self.catalog, self.lookup, settings.peer_tls, self.membership.verify)
         # The replicated queues' copies here: promoted, followed, elected (replica_roles.py).
-        self.replication = ShardRoles(
+        self.roles = ShardRoles(
             self.node,
             manager,
             self.catalog.shards,
@@ -95,8 +95,6 @@ class Coordinator(AdminFrontend, ReconcileBackend):
             settings.replica_ring,
         )
         self._reconcile_lock = asyncio.Lock()
-        self.roles = self.replication  # what reconcile hands each shard record to
-        self._followed = set()
         self.retired = False
         self._foreign: set[str] = set()  # local queues the catalog never had (warned once)
         self.identity: identity.Identity | None = None
@@ -125,7 +123,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
             raise OSError(str(exc)) from exc
         self.catalog.start()
         self.membership.start()
-        self.replication.start()
+        self.roles.start()
         log.info("cluster_joined", node=self.node, advertise=self.settings.advertise, revision=self.catalog.revision)
 
     async def _share_token_secret(self) -> None:
@@ -139,7 +137,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         self.router.peers.set_secret(self.manager.token_secret)  # and proves forwarded calls
 
     async def stop(self) -> None:
-        await self.replication.stop()
+        await self.roles.stop()
         await self.catalog.stop()
         await self.membership.stop()
         await self.router.close()

@@ -10,45 +10,27 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
-from typing import Protocol
 
 from ..errors import NotFound, QueratorError
 from ..logging import get_logger
 from ..manager import QueuesManager
-from ..model import QueueConfig
 from ..queue_admin import key_from_record
 from .catalog import CatalogCache
 from .membership import Membership
 from .placement import GENERATION_MARK, SHARED_FIELDS, QueueEntry
-from .shard_record import ShardRecord
+from .replica_roles import ShardRoles
 
 log = get_logger("cluster")
-
-
-class ShardRoles(Protocol):
-    """What this node does for each replicated queue it keeps a copy of (the
-    replication data path): open the copy, serve it as primary or follow as replica."""
-
-    async def follow(self, record: ShardRecord, config: QueueConfig) -> None:
-        """Act on ``record`` (this node is among its replicas); ``config``: the local
-        queue's settings, the shard uid its uid. Called after every catalog change."""
-
-    async def forget(self, uid: int) -> None:
-        """This node no longer keeps a copy of shard ``uid`` (deleted, or moved away)."""
 
 
 class ReconcileBackend:
     """Part of Coordinator (coordinator.py holds the state and the wiring)."""
 
-    # The replication data path, once set; None: a replicated queue's primary serves its
-    # copy as a plain local queue under the shard's uid, and the replicas keep none.
-    roles: ShardRoles | None
-    _followed: set[int]
-
     manager: QueuesManager
     node: str
     catalog: CatalogCache
     membership: Membership
+    roles: ShardRoles
     retired: bool
     _reconcile_lock: asyncio.Lock
     _foreign: set[str]
@@ -68,13 +50,11 @@ class ReconcileBackend:
                 member is None or member.create_revision != registered
             ):
                 self.membership.lost()
-            followed = set(self._followed)
-            self._followed.clear()
             for entry in _dead_queues_first(catalog.queues.values()):
                 await self._apply(entry)
-            if self.roles is not None:
-                for uid in sorted(followed - self._followed):
-                    await self.roles.forget(uid)
+            shards = {entry.shard for entry in catalog.queues.values() if entry.shard}
+            for uid in self.roles.held() - shards:
+                await self.roles.forget(uid)
             for config in [actor.config for actor in self.manager.queues()]:
                 if config.name in catalog.queues:
                     continue
@@ -103,16 +83,11 @@ class ReconcileBackend:
             if key_id not in held:
                 ring.add(key)
 
-    def _local_count(self, entry: QueueEntry) -> int:
-        """How many partitions this node's local queue of ``entry`` needs: its homes'
-        (one copy), or every partition on each node keeping a copy (replicated)."""
-        if not entry.shard:
-            return entry.local_count(self.node)
-        record = self.catalog.shards.get(entry.shard)
-        return len(entry.homes) if record is not None and self.node in record.replicas else 0
-
     async def _apply(self, entry: QueueEntry) -> None:
-        count = self._local_count(entry)
+        if entry.shard:
+            await self._follow_shard(entry)
+            return
+        count = entry.local_count(self.node)
         name = entry.config.name
         try:
             local = self.manager.get(name)
@@ -133,22 +108,10 @@ class ReconcileBackend:
                 local = None
             if count == 0:
                 return
-            config = entry.config.replace(partitions=count, reference=entry.local_reference, uid=entry.shard)
-            record = self.catalog.shards.get(entry.shard) if entry.shard else None
-            if record is not None and self.roles is not None:
-                self._followed.add(record.uid)
-                await self.roles.follow(record, config)
-                if record.primary == self.node and local is not None and local.partitions < count:
-                    # Partitions added by UpdateQueue: the primary grows; its change sets grow the copies.
-                    await self.manager.update(name, {"partitions": count})
-                return
+            config = entry.config.replace(partitions=count, reference=entry.local_reference)
             if local is None:
-                if entry.shard and not self._primary_here(entry):
-                    # A passive copy, kept by the replication data path, never served:
-                    # not made here until the manager can open one (open_copy).
-                    return
                 await self.manager.create(config)
-                log.info("cluster_queue_created_here", queue=name, partitions=count, shard=entry.shard)
+                log.info("cluster_queue_created_here", queue=name, partitions=count)
                 return
             changes: dict[str, object] = {
                 f: getattr(config, f) for f in SHARED_FIELDS if f not in ("created_at_us", "updated_at_us")
@@ -161,12 +124,21 @@ class ReconcileBackend:
         except QueratorError as exc:
             log.error("cluster_reconcile_failed", queue=name, error=exc.message)
 
-    def _primary_here(self, entry: QueueEntry) -> bool:
-        """Whether this node is the primary of replicated ``entry``'s shard: it serves
-        the queue from a local queue under the shard's uid (so ids stay valid on any
-        copy that takes over)."""
+    async def _follow_shard(self, entry: QueueEntry) -> None:
+        """A replicated queue: this node's copy follows the shard's record (promoted,
+        kept passive, or taking part in a failover: replica_roles.py)."""
         record = self.catalog.shards.get(entry.shard)
-        return record is not None and record.primary == self.node
+        if record is None or self.node not in record.replicas:
+            await self.roles.forget(entry.shard)
+            return
+        config = entry.config.replace(partitions=len(entry.homes), reference=entry.local_reference, uid=entry.shard)
+        try:
+            await self.roles.follow(record, config)
+            if record.primary == self.node and self.manager.actor(config.name).config.partitions < config.partitions:
+                # Partitions added by UpdateQueue: the primary grows; its change sets grow the copies.
+                await self.manager.update(config.name, {"partitions": config.partitions})
+        except QueratorError as exc:
+            log.error("cluster_reconcile_failed", queue=entry.config.name, shard=entry.shard, error=exc.message)
 
     async def _set_aside_or_drop(self, name: str, reason: str) -> None:
         """A local queue the catalog's entry of that name does not match: never dropped

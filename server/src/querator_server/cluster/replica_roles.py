@@ -116,6 +116,10 @@ class ShardRoles:
         self._records[record.uid] = (record, config)
         await self.refollow(record.uid)
 
+    def held(self) -> set[int]:
+        """The shards this node follows."""
+        return set(self._records)
+
     async def forget(self, uid: int) -> None:
         """This node holds no copy of ``uid`` any more (the queue was deleted or moved)."""
         async with self._lock(uid):

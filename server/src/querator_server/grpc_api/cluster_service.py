@@ -89,6 +89,26 @@ class ClusterService:
         moved = await self.cluster.retire(request.node_id)
         return pb.RetireNodeDiscardingDataResponse(partitions_recreated=moved)
 
+    # -- replicated queues: hand-overs -------------------------------------------------
+
+    async def move_queue(
+        self, request: pb.MoveQueueRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.MoveQueueResponse:
+        if self.cluster is None:
+            raise FailedPrecondition("this server is not part of a cluster: a queue has one copy")
+        name = c.queue_name(request.queue_name)
+        await self.cluster.move(name, request.node_id)
+        catalog = self.cluster.catalog
+        return pb.MoveQueueResponse(placement=_placement(catalog, catalog.queues[name]))
+
+    async def drain_node(
+        self, request: pb.DrainNodeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.DrainNodeResponse:
+        if self.cluster is None:
+            raise FailedPrecondition("this server is not part of a cluster")
+        moved, kept = await self.cluster.drain(request.node_id)
+        return pb.DrainNodeResponse(moved=moved, kept=kept)
+
     # -- queues set aside (manager.set_aside) -------------------------------------------
 
     def _set_aside_here(self) -> list[pb.SetAsideQueue]:
@@ -173,6 +193,8 @@ class ClusterService:
                     pb.RetireNodeDiscardingDataResponse,
                     Action.KEYS,
                 ),
+                "MoveQueue": (self.move_queue, pb.MoveQueueRequest, pb.MoveQueueResponse, Action.KEYS),
+                "DrainNode": (self.drain_node, pb.DrainNodeRequest, pb.DrainNodeResponse, Action.KEYS),
                 "ListSetAsideQueues": (
                     self.list_set_aside, pb.ListSetAsideQueuesRequest, pb.ListSetAsideQueuesResponse, Action.KEYS
                 ),

@@ -177,6 +177,29 @@ def cmd_retire(args: argparse.Namespace, client: Client) -> int:
     )
 
 
+def cmd_move(args: argparse.Namespace, client: Client) -> int:
+    copies = client.move_queue(args.queue, args.node_id)
+    return done(
+        args,
+        f"queue {args.queue}: primary {copies.primary}, epoch {copies.epoch}, in sync {','.join(copies.in_sync)}",
+        queue=args.queue,
+        **asdict(copies),
+    )
+
+
+def cmd_drain(args: argparse.Namespace, client: Client) -> int:
+    moved, kept = client.drain_node(args.node_id)
+    if args.json:
+        emit_json({"node_id": args.node_id, "moved": moved, "kept": kept}, sys.stdout)
+    else:
+        print(f"node {args.node_id}: {len(moved)} primar{'y' if len(moved) == 1 else 'ies'} moved off")
+        for name in moved:
+            print(f"moved  {name}")
+        for why in kept:
+            print(f"kept   {why}")
+    return UNHEALTHY if kept else 0
+
+
 # -- queues set aside ---------------------------------------------------------------------------
 
 SET_ASIDE_HEADERS = ["NODE", "SET_ASIDE_ID", "QUEUE", "ITEMS", "PARTITIONS", "SET_ASIDE_AT", "REASON"]
@@ -238,4 +261,17 @@ def register(commands: Commands) -> None:
         "--discard-data", action="store_true", help="required: acknowledges that the node's items are lost"
     )
     p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    p = cluster.leaf(
+        "move",
+        cmd_move,
+        "hand a replicated queue's primary over to NODE, a live node holding an in-sync copy (nothing is lost)",
+    )
+    p.add_argument("queue", metavar="QUEUE", help="the replicated queue")
+    p.add_argument("node_id", metavar="NODE", help="its new primary")
+    p = cluster.leaf(
+        "drain",
+        cmd_drain,
+        "hand every replicated queue whose primary is NODE over to another live in-sync copy (before maintenance)",
+    )
+    p.add_argument("node_id", metavar="NODE", help="the node to drain of primaries")
     register_set_aside(cluster)

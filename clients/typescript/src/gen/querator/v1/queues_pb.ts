@@ -134,7 +134,8 @@ export type QueueInfo = Message<"querator.v1.QueueInfo"> & {
    * queue accepts writes with; below it, writes answer UNAVAILABLE rather
    * than be acknowledged on fewer copies. 0 (the default) takes the server's
    * `--min-in-sync`, else replicas - 1 (at least 1): 1 for R = 2, 2 for
-   * R = 3. At most replicas. Ignored (0) for a queue of one copy.
+   * R = 3. At most replicas; UpdateQueue may change it (1 to replicas). 0 for
+   * a queue of one copy.
    *
    * @generated from field: int32 min_in_sync = 13;
    */
