@@ -93,7 +93,9 @@ def wait_primary(cluster: Cluster, via: Node, not_on: str = "", timeout: float =
         except grpc.RpcError as exc:
             last = exc.code()
         time.sleep(0.1)
-    raise AssertionError(f"no primary other than {not_on!r} after {timeout} s (last seen {last})")
+    raise AssertionError(
+        f"no primary other than {not_on!r} after {timeout} s (last seen {last}); {via.node_id}'s log:\n{via.stderr_text(3000)}"
+    )
 
 
 @dataclass

@@ -377,3 +377,44 @@ def test_etcd_paused_or_killed_alone_with_a_primary_kill_and_with_a_replica_kill
         assert verdict.ok, verdict.figures() + "\n" + "\n".join(map(str, verdict.findings[:10]))
         digests_found = _check_digests(cluster, primary)
         record_property("figures", "; ".join(notes) + f"; {verdict.figures()}; digests {digests_found}")
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_of_the_primary_hands_the_queue_over_to_a_replica_losing_nothing(
+    tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
+    with Cluster(str(tmp_path), size=3, ttl=TTL, env={"QUERATOR_LOG_LEVEL": "info"}) as cluster:
+        create_queue(cluster.nodes[0], 2)
+        primary_id, epoch = wait_primary(cluster, cluster.nodes[0])
+        wait_in_sync(cluster, cluster.nodes[0], 2)
+        run = Run(cluster)
+        run.start()
+        time.sleep(3)
+        primary = _node(cluster, primary_id)
+        observer = _other(cluster, primary_id)
+        primary.signal(signal.SIGTERM)
+        stopped_at = time.monotonic()
+        new_primary, new_epoch = wait_primary(cluster, observer, not_on=primary_id, timeout=GAP_BOUND_S + 10)
+        elected = time.monotonic() - stopped_at
+        assert primary.proc is not None
+        primary.proc.wait(30)
+        time.sleep(2)
+        gap = run.gap_after(stopped_at)
+        # Handed over by the stopping primary itself (not a failover by the replicas
+        # once its lease was revoked): the most advanced copy, without a fencing round.
+        handed = events(primary, "shard_handed_over")
+        assert handed and handed[0]["primary"] == new_primary, primary.stderr_text()
+        primary.start()
+        wait_in_sync(cluster, observer, 2)
+        verdict = run.finish()
+        assert verdict.ok, verdict.figures() + "\n" + "\n".join(map(str, verdict.findings[:10]))
+        assert new_epoch == epoch + 1
+        # Handed over, not failed over: well before the TTL would have run out.
+        assert elected < TTL, f"the new primary was elected {elected:.2f} s after SIGTERM"
+        found = _check_digests(cluster, observer)
+        record_property(
+            "figures",
+            f"SIGTERM: {new_primary} primary {elected:.2f} s after, first acknowledged Produce {gap:.2f} s after, "
+            f"the slowest acknowledged Produce waited {run.slowest_produce_since(stopped_at):.2f} s; "
+            f"{verdict.figures()}; digests {found}",
+        )

@@ -137,6 +137,8 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         self.router.peers.set_secret(self.manager.token_secret)  # and proves forwarded calls
 
     async def stop(self) -> None:
+        if not self.membership.fenced:  # a node that cannot write etcd hands nothing over
+            await self.roles.hand_over()
         await self.roles.stop()
         await self.catalog.stop()
         await self.membership.stop()
