@@ -353,19 +353,26 @@ class AdminFrontend:
             )
         return await self._hand_over(record, node)
 
-    async def _hand_over(self, record: ShardRecord, node: str) -> ShardRecord:
+    async def _hand_over(self, record: ShardRecord, node: str, leaving: str = "") -> ShardRecord:
+        """Elect ``node``; ``leaving``: a node about to stop, left out of the in-sync set
+        when enough copies stay (the new primary then waits for it on no write)."""
         self.membership.check()
+        isr = record.isr
+        rest = tuple(entry for entry in isr if entry[0] != leaving)
+        if leaving and len(rest) >= record.min_isr:
+            isr = rest
         try:
-            elected = await self.catalog.shards.elect(record, node, record.isr)
+            elected = await self.catalog.shards.elect(record, node, isr)
         except Deposed as exc:
             raise FailedPrecondition(f"queue {record.queue!r} changed meanwhile ({exc.message}); retry") from None
         await self.catalog.wait_applied(elected.mod_revision, _APPLY_TIMEOUT_S)
         log.info("cluster_primary_moved", queue=record.queue, shard=record.uid, old=record.primary, new=node, epoch=elected.epoch)
         return elected
 
-    async def drain(self, node: str) -> tuple[builtins.list[str], builtins.list[str]]:
+    async def drain(self, node: str, leaving: bool = False) -> tuple[builtins.list[str], builtins.list[str]]:
         """Hand every replicated queue whose primary is ``node`` over to another live
-        in-sync copy (the one serving the fewest primaries): (moved, kept with why)."""
+        in-sync copy (the one serving the fewest primaries): (moved, kept with why).
+        ``leaving``: ``node`` is stopping, so it also leaves the in-sync sets it can."""
         if not node:
             raise InvalidArgument("node_id", "is required")
         if node not in self.catalog.members and not any(node in r.replicas for r in self.catalog.shards.records()):
@@ -384,7 +391,7 @@ class AdminFrontend:
                 kept.append(f"{record.queue}: no other live in-sync copy")
                 continue
             try:
-                await self._hand_over(record, others[0])
+                await self._hand_over(record, others[0], node if leaving else "")
             except FailedPrecondition as exc:
                 kept.append(f"{record.queue}: {exc.message}")
                 continue
