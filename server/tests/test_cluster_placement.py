@@ -68,3 +68,16 @@ def test_cluster_urls() -> None:
         with pytest.raises(InvalidArgument):
             Endpoint.parse(bad)
     assert prefix_end(b"/prod/") == b"/prod0"
+
+
+def test_a_catalog_entry_holds_the_pause_only_while_set() -> None:
+    """An entry of a queue never paused reads the same to a node from before pausing
+    existed (its settings have no new keys); a paused one carries both flags."""
+    homes = (Home("n1", 0), Home("n2", 0))
+    plain = QueueEntry(QueueConfig(name="q", partitions=2), homes, key_partitions=2)
+    assert b"paused" not in plain.encode()
+    held = QueueEntry(QueueConfig(name="q", partitions=2, paused=True, produce_paused=True), homes, key_partitions=2)
+    config = QueueEntry.decode("q", held.encode(), 1, 1).config
+    assert (config.paused, config.produce_paused) == (True, True)
+    resumed = QueueEntry.decode("q", plain.encode(), 2, 1).config
+    assert (resumed.paused, resumed.produce_paused) == (False, False)
