@@ -5,6 +5,7 @@ uid, placement, and the refusals."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -378,6 +379,21 @@ def test_update_changes_min_in_sync_in_the_entry_and_the_shard_record(cluster: C
             _update(n1, name, min_in_sync=value)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert text in (caught.value.details() or ""), caught.value.details()
+
+
+def test_a_pause_reaches_the_primarys_copy(cluster: Cluster) -> None:
+    from conftest import dur, wait_until
+
+    n1, n2, _ = cluster.nodes
+    n1.stubs.create("paused-copy", replicas=2)
+    wait_until(lambda: _claimed(cluster, "paused-copy"), 15)
+    n1.stubs.produce("paused-copy", [b"a"])
+    n2.stubs.queues.PauseQueue(queues_pb2.PauseQueueRequest(queue_name="paused-copy"), timeout=10)
+    time.sleep(0.5)  # every node's watch has the change by then (a paused queue hands out nothing)
+    for node in cluster.nodes:
+        assert node.stubs.lease("paused-copy", 10, request_timeout=dur(0)).items == []
+    n2.stubs.queues.ResumeQueue(queues_pb2.ResumeQueueRequest(queue_name="paused-copy"), timeout=10)
+    wait_until(lambda: [i.payload for i in n1.stubs.lease("paused-copy", 10, request_timeout=dur(0)).items] == [b"a"], 10)
 
 
 def test_a_primary_stopped_by_sigterm_hands_its_queues_over_first_and_nothing_is_lost(cluster: Cluster) -> None:
