@@ -263,9 +263,10 @@ class AdminFrontend:
             raise FailedPrecondition(f"node {node!r} is live; only a dead node can be retired")
         # Replicated queues are not recreated here: their copies elsewhere hold them.
         owned = [e for e in self.catalog.queues.values() if not e.shard and any(h.node == node for h in e.homes)]
-        if not owned and node in self.catalog.retired:
+        copies = sorted((r for r in self.catalog.shards.records() if node in r.replicas), key=lambda r: r.queue)
+        if not owned and not copies and node in self.catalog.retired:
             return 0
-        if not owned:
+        if not owned and not copies:
             # Retiring bans the id for ever: an id the catalog does not know (a typo) must
             # not be banned, and a node that homes nothing has nothing to give up.
             raise NotFound(
@@ -275,6 +276,14 @@ class AdminFrontend:
         live = self._live()
         if not live:
             raise Unavailable("no live node to recreate the partitions on")
+        await self._drop_copies(node, copies)
+        if not owned:
+            await self._commit(
+                self._fenced_txn().created_at(self.keys.member(node), 0).put(self.keys.retired(node), b"{}"),
+                lambda: FailedPrecondition(f"node {node!r} came back meanwhile; it was not retired"),
+            )
+            log.warning("cluster_node_retired_by_admin", node=node, partitions_recreated=0, copies_dropped=len(copies))
+            return 0
         queues = self.catalog.queues
         work: dict[str, builtins.list[Home]] = {}
         moved = 0
@@ -317,6 +326,25 @@ class AdminFrontend:
             await self._commit(txn, lambda: FailedPrecondition("the catalog changed meanwhile (or the node came back); retry"))
         log.warning("cluster_node_retired_by_admin", node=node, partitions_recreated=moved)
         return moved
+
+    async def _drop_copies(self, node: str, copies: builtins.list[ShardRecord]) -> None:
+        """Take a node being retired out of each replicated queue it keeps a copy of: a
+        queue it is still primary of goes to another live in-sync copy first; one whose
+        only in-sync copy it holds is refused (nothing else has what it acknowledged).
+        The queues keep one copy fewer (their min_in_sync capped at what is left)."""
+        for record in copies:
+            if record.primary == node:
+                others = [n for n, i in record.isr if n != node and i and n in self.catalog.members]
+                if not others:
+                    raise FailedPrecondition(
+                        f"queue {record.queue!r}: node {node!r} holds its only in-sync copy; nothing was retired "
+                        "(bring the node back, or delete the queue)"
+                    )
+                record = await self._hand_over(record, others[0], leaving=node)
+            try:
+                await self.catalog.shards.drop_copy(record, node)
+            except Deposed as exc:
+                raise FailedPrecondition(f"queue {record.queue!r} changed meanwhile ({exc.message}); retry") from None
 
     # -- replicated queues: hand-overs ------------------------------------------------
 
