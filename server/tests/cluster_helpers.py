@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from typing import IO
 
@@ -201,6 +202,17 @@ class Node:
             return ""
         self._stderr.seek(0)
         return self._stderr.read().decode("utf-8", errors="replace")[-limit:]
+
+    def gauge(self, line_start: str) -> float | None:
+        """The value of the metric line that starts with ``line_start`` (name and
+        labels, e.g. ``querator_queue_paused{queue="q"}``) in a scrape of the node's
+        metrics (started with ``metrics=True``); None when there is no such line."""
+        assert self.metrics_address, "the node serves no metrics: start it with metrics=True"
+        text = urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=10).read().decode()
+        for line in text.splitlines():
+            if line.startswith(line_start + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return None
 
     def info(self, timeout: float = 10) -> cluster_pb2.ClusterInfoResponse:
         stub = cluster_pb2_grpc.ClusterServiceStub(self.channel)

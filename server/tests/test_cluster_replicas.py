@@ -5,6 +5,7 @@ uid, placement, and the refusals."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -378,3 +379,61 @@ def test_update_changes_min_in_sync_in_the_entry_and_the_shard_record(cluster: C
             _update(n1, name, min_in_sync=value)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert text in (caught.value.details() or ""), caught.value.details()
+
+
+def test_a_pause_reaches_the_primarys_copy(cluster: Cluster) -> None:
+    from conftest import dur, wait_until
+
+    n1, n2, _ = cluster.nodes
+    n1.stubs.create("paused-copy", replicas=2)
+    wait_until(lambda: _claimed(cluster, "paused-copy"), 15)
+    n1.stubs.produce("paused-copy", [b"a"])
+    n2.stubs.queues.PauseQueue(queues_pb2.PauseQueueRequest(queue_name="paused-copy"), timeout=10)
+    time.sleep(0.5)  # every node's watch has the change by then (a paused queue hands out nothing)
+    for node in cluster.nodes:
+        assert node.stubs.lease("paused-copy", 10, request_timeout=dur(0)).items == []
+    n2.stubs.queues.ResumeQueue(queues_pb2.ResumeQueueRequest(queue_name="paused-copy"), timeout=10)
+    wait_until(lambda: [i.payload for i in n1.stubs.lease("paused-copy", 10, request_timeout=dur(0)).items] == [b"a"], 10)
+
+
+def test_a_primary_stopped_by_sigterm_hands_its_queues_over_first_and_nothing_is_lost(cluster: Cluster) -> None:
+    """Last in this module: it stops a node (started again at the end)."""
+    import signal
+    import time
+
+    from conftest import wait_until
+
+    n1 = cluster.nodes[0]
+    n1.stubs.create("stopping", replicas=2, requested_partitions=2)
+    wait_until(lambda: _claimed(cluster, "stopping"), 15)
+    payloads = [f"kept-{i}".encode() for i in range(5)]
+    n1.stubs.produce("stopping", payloads)
+    (placement,) = [q for q in n1.info().queues if q.queue_name == "stopping"]
+    by_id = {n.node_id: n for n in cluster.nodes}
+    old = by_id[placement.primary]
+    new = next(n for n in placement.replicas if n != old.node_id)
+    watcher = by_id[new]
+    started = time.monotonic()
+    old.signal(signal.SIGTERM)
+    wait_until(lambda: [q for q in watcher.info().queues if q.queue_name == "stopping"][0].primary == new, 10)
+    switched = time.monotonic() - started
+    deadline = time.monotonic() + 10
+    while True:  # the new primary serves once it has taken the queue up
+        try:
+            watcher.stubs.produce("stopping", [b"after"])
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, exc.details()
+            time.sleep(0.05)
+    serving = time.monotonic() - started
+    assert old.proc is not None and old.proc.wait(20) == 0
+    record = _etcd(cluster, f"shards/{_etcd(cluster, 'queues/stopping')['shard']}")  # type: ignore[index]
+    assert record is not None and record["epoch"] == 2 and [n for n, _ in record["isr"]] == [new]
+    got: list[bytes] = []
+    for _ in range(20):
+        got += [i.payload for i in watcher.stubs.lease("stopping", 10).items]
+        if len(got) >= len(payloads) + 1:
+            break
+    assert sorted(got) == sorted([*payloads, b"after"])
+    print(f"hand-over: primary switched {switched:.2f} s, serving {serving:.2f} s after SIGTERM")
+    old.start()

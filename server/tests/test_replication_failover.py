@@ -402,8 +402,8 @@ def test_sigterm_of_the_primary_hands_the_queue_over_to_a_replica_losing_nothing
         gap = run.gap_after(stopped_at)
         # Handed over by the stopping primary itself (not a failover by the replicas
         # once its lease was revoked): the most advanced copy, without a fencing round.
-        handed = events(primary, "shard_handed_over")
-        assert handed and handed[0]["primary"] == new_primary, primary.stderr_text()
+        handed = events(primary, "cluster_primaries_handed_over")
+        assert handed and handed[0]["moved"] == ["audit"], primary.stderr_text()
         primary.start()
         wait_in_sync(cluster, observer, 2)
         verdict = run.finish()

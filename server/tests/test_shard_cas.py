@@ -154,3 +154,21 @@ def test_shard_uids_are_handed_out_once_from_far_above_a_data_directorys_own(etc
 
     uids = asyncio.run(run())
     assert sorted(uids) == list(range(SHARD_UID_BASE, SHARD_UID_BASE + 8))
+
+
+def test_a_retired_nodes_copy_leaves_the_record_never_the_primarys(etcd: Etcd) -> None:
+    async def run() -> None:
+        client = EtcdClient([etcd.endpoint])
+        try:
+            n1 = await _member(client, "n1")
+            table = ShardTable(client, PREFIX, n1)
+            record = await _shard(client, table, ["n1", "n2"], 2)
+            with pytest.raises(ValueError, match="is its primary"):
+                await table.drop_copy(record, "n1")
+            dropped = await table.drop_copy(record, "n2")
+            assert (dropped.replicas, dropped.isr, dropped.min_isr) == (("n1",), (("n1", ""),), 1)
+            assert await table.fetch(record.uid) == dropped
+        finally:
+            await client.close()
+
+    asyncio.run(run())

@@ -26,7 +26,8 @@ from sdk_helpers import run, unique
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with Cluster(str(tmp_path_factory.mktemp("cluster"))) as c:
+    # metrics: each node's querator_queue_paused gauge shows what its actors apply.
+    with Cluster(str(tmp_path_factory.mktemp("cluster")), metrics=True) as c:
         yield c
 
 
@@ -276,3 +277,26 @@ def test_concurrent_first_calls_share_one_cluster_info(cluster: Cluster) -> None
     asked = run(main(), timeout=60)
     # One for the whole map (the queue is in it already): not one per concurrent caller.
     assert asked == [""], asked
+
+
+def test_a_pause_set_through_one_node_holds_for_a_client_of_the_whole_cluster(cluster: Cluster) -> None:
+    name = _new_queue(cluster, partitions=3)
+    with querator.Client(cluster.nodes[2].address) as client, querator.Client(cluster.nodes[0].address) as admin:
+        client.produce(name, [b"a", b"b", b"c"], batch_size=1)
+        assert admin.pause_queue(name).paused is True
+        # Applied by every node homing a partition (the client leases from each in turn).
+        for node in cluster.nodes:
+            wait_until(lambda node=node: node.gauge(f'querator_queue_paused{{queue="{name}"}}') == 1.0, timeout=15)
+        assert client.lease(name, batch_size=10, wait=1) == []
+        assert client.pause_queue(name, produce=True).produce_paused is True
+        for node in cluster.nodes:
+            wait_until(lambda node=node: node.gauge(f'querator_queue_paused{{queue="{name}"}}') == 2.0, timeout=15)
+        for _ in range(3):
+            with pytest.raises(querator.FailedPrecondition, match="paused for produce"):
+                client.produce(name, [b"refused"])
+        admin.resume_queue(name)
+        got: list[bytes] = []
+        deadline = time.monotonic() + 30
+        while len(got) < 3 and time.monotonic() < deadline:
+            got += [item.payload for item in client.lease(name, batch_size=10, wait=1)]
+        assert sorted(got) == [b"a", b"b", b"c"]

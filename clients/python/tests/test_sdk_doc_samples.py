@@ -116,6 +116,10 @@ EXPECT = {
         "1 completed, 1 killed at the time limit",
     ],
     'import time\nfrom datetime import timedelta\n\nimport querator\n\ntasks = querator.Tasks("heartbeats")': ["beat of api for "],
+    'import querator\n\nqueue = "newsletters"': [
+        "paused: True\nwhile paused: []\nresumed: [b'kept for later']\nrefused: ",
+        "paused for produce",
+    ],
 }
 
 

@@ -5,7 +5,7 @@ import { toDuration } from "./convert.js";
 import { Connection } from "./connection.js";
 import { QueratorError, fromConnectError } from "./errors.js";
 import type { LeasedItem, Settler } from "./items.js";
-import type { ApiKey, CreatedKey, ExtendResult, ItemRef, Page, ProduceInput, ProduceResult, QueueInfo, QueueSettings, QueueStats, Role, StoredItem } from "./models.js";
+import type { ApiKey, CreatedKey, ExtendResult, ItemRef, Page, ProduceInput, ProduceResult, QueueInfo, QueueSettings, QueueStats, RedriveResult, Role, StoredItem } from "./models.js";
 import {
   type LeaseOptions,
   MAX_BATCH,
@@ -24,6 +24,9 @@ import {
   queueInfo,
   queueInfoMessage,
   queueStats,
+  type RedriveOptions,
+  redriveProgress,
+  redriveRequest,
   retryAt,
   retryItems,
   roleValue,
@@ -319,6 +322,24 @@ export class Client implements Settler {
     await this.#conn.call((c, o) => c.queues.clearQueue(request, o), options, { retry: true });
   }
 
+  /** Stop the queue handing out items until resumeQueue: leases wait (and answer
+   * empty at their wait), while produce, completions, retries, lease expiry, scheduled
+   * items and dead-lettering go on. `produce: true` refuses produce too
+   * (FailedPrecondition). Stored with the queue: it outlives restarts and holds on
+   * every node of a cluster. Admin key; retried after UNAVAILABLE (pausing twice is
+   * pausing once). */
+  async pauseQueue(name: string, options: { produce?: boolean } & CallOptions = {}): Promise<QueueInfo> {
+    const request = { queueName: name, produce: options.produce ?? false };
+    const response = await this.#conn.call((c, o) => c.queues.pauseQueue(request, o), options, { retry: true });
+    return queueInfo(response.queue);
+  }
+
+  /** End a pause: waiting leases get items again. A queue not paused is left as is. */
+  async resumeQueue(name: string, options?: CallOptions): Promise<QueueInfo> {
+    const response = await this.#conn.call((c, o) => c.queues.resumeQueue({ queueName: name }, o), options, { retry: true });
+    return queueInfo(response.queue);
+  }
+
   async queueStats(name: string, options?: CallOptions): Promise<QueueStats> {
     return queueStats(await this.#conn.call((c, o) => c.queues.getQueueStats({ queueName: name }, o), options, { retry: true }));
   }
@@ -366,6 +387,35 @@ export class Client implements Settler {
     for (const chunk of chunks([...ids])) {
       const request = { queueName, partition, ids: chunk };
       await this.#conn.call((c, o) => c.storage.deleteItems(request, o), options, { retry: true, target: targetOf("DeleteItems", request) });
+    }
+  }
+
+  /**
+   * Move ready items out of `queueName` (a dead-letter queue): each back to the queue it
+   * died in, or all `to` one queue; only those of `kind`, or that died for `deadReason`,
+   * when given; at most `limit` (default: every matching one). RedriveItems page by page.
+   *
+   * Each item is moved exactly once, also if the server crashes mid-move; the calls are
+   * not retried (a repeat would move further items): an error after earlier calls moved
+   * items carries them as `error.redriven`. Items whose source queue is gone stay,
+   * counted in `skipped`.
+   */
+  async redriveItems(queueName: string, options: RedriveOptions & CallOptions = {}): Promise<RedriveResult> {
+    let done: RedriveResult = { moved: 0, messageIds: [], skipped: 0 };
+    let pageToken = "";
+    for (;;) {
+      const request = redriveRequest(queueName, options, done, pageToken);
+      if (!request) return done;
+      let r;
+      try {
+        r = await this.#conn.call((c, o) => c.storage.redriveItems(request, o), options, { retry: false });
+      } catch (error) {
+        if (error instanceof QueratorError && done.moved) error.redriven = done;
+        throw error;
+      }
+      done = redriveProgress(done, r);
+      pageToken = r.nextPageToken;
+      if (!pageToken) return done;
     }
   }
 

@@ -29,7 +29,7 @@
 import { BinaryReader } from "@bufbuild/protobuf/wire";
 import { Code, ConnectError } from "@connectrpc/connect";
 
-import type { ProduceResult } from "./models.js";
+import type { ProduceResult, RedriveResult } from "./models.js";
 
 /** One bad field of a request, as the server's google.rpc.BadRequest names it. */
 export interface FieldViolation {
@@ -75,6 +75,9 @@ export class QueratorError extends Error {
   /** For a produce() that stored some batches before failing: what was stored (ids ""
    * for the items that were not). */
   produced: ProduceResult | undefined;
+
+  /** For a redriveItems() that moved items before a call failed: what those calls moved. */
+  redriven: RedriveResult | undefined;
 
   /** The status code's gRPC name, e.g. "NOT_FOUND" ("UNKNOWN" when there is none). */
   get status(): string {
@@ -129,6 +132,17 @@ export class DeadLetter extends Error {
   constructor(message = "sent to the dead-letter queue by the handler", options?: { cause?: unknown }) {
     super(message, options);
     this.name = "DeadLetter";
+  }
+}
+
+/** A Worker's handler ran past its `handlerTimeoutMs`: the worker aborted its signal,
+ * stopped waiting for it and retries the item (or dead-letters it by the rules, or on
+ * its last attempt). JavaScript cannot stop a running promise: a handler that ignores
+ * its signal runs on to its end (the limit is soft, as the Python worker's thread mode). */
+export class HandlerTimeout extends Error {
+  constructor(message: string, options?: { cause?: unknown }) {
+    super(message, options);
+    this.name = "HandlerTimeout";
   }
 }
 

@@ -25,6 +25,7 @@ export {
   DeadLetter,
   DeadlineExceeded,
   FailedPrecondition,
+  HandlerTimeout,
   InvalidRequest,
   ItemNotFound,
   NotFound,
@@ -44,8 +45,10 @@ export { LeasedItem, type LeaseState } from "./items.js";
 export type {
   ApiKey,
   CreatedKey,
+  DeadReason,
   ExtendResult,
   Item,
+  ItemHistory,
   ItemRef,
   Page,
   PartitionStats,
@@ -55,10 +58,24 @@ export type {
   QueueInfo,
   QueueSettings,
   QueueStats,
+  RedriveResult,
   Role,
   StoredItem,
 } from "./models.js";
+export type { RedriveOptions } from "./operations.js";
 export { Pager } from "./paging.js";
 export type { Logger } from "./routing.js";
 export { RetryPolicy, backoff, type ErrorClass } from "./retry.js";
-export { Worker, type Handler, type RunOptions, type WorkerHooks, type WorkerOptions, type WorkerStats } from "./worker.js";
+export {
+  Worker,
+  defaultWorkerHooks,
+  type Handler,
+  type KindHandler,
+  type KindOptions,
+  type RunOptions,
+  type WorkerHooks,
+  type WorkerOptions,
+  type WorkerStats,
+} from "./worker.js";
+export { FailureLog, RetryRule, type DeadOn, type ErrorType, type RetryOn } from "./failures.js";
+export type { MetricsRegistry } from "./metrics.js";

@@ -1,4 +1,4 @@
-import type { ExtendResult, ItemRef } from "./models.js";
+import type { DeadReason, ExtendResult, ItemHistory, ItemRef } from "./models.js";
 import type { CallOptions } from "./options.js";
 
 export type LeaseState = "leased" | "completed" | "retried" | "dead";
@@ -14,7 +14,7 @@ export interface Settler {
 const decoder = new TextDecoder();
 
 /** A leased item: its content, and the calls that finish its lease. */
-export class LeasedItem implements ItemRef {
+export class LeasedItem implements ItemRef, ItemHistory {
   readonly queueName: string;
   readonly partition: number;
   readonly id: string;
@@ -28,6 +28,18 @@ export class LeasedItem implements ItemRef {
   leaseDeadline: Date;
   readonly createdAt: Date;
   readonly metadata: Readonly<Record<string, string>>;
+  /** The item's stable id, the same through every re-queue, retry, dead-lettering and
+   * redrive (`id` is this lease's: use `messageId` to follow the item in logs and to key
+   * idempotency). */
+  readonly messageId: string;
+  /** In a dead-letter queue (or redriven from one): the item's id in the queue it came
+   * from; "" otherwise. */
+  readonly sourceId: string;
+  /** Dead letters only: why it died (undefined for other items), when, and how many
+   * times it had been leased there (`attempts` counts the leases here). */
+  readonly deadReason: DeadReason | undefined;
+  readonly deadAt: Date | undefined;
+  readonly deadAttempts: number;
   #state: LeaseState = "leased";
   readonly #settler: Settler;
 
@@ -45,6 +57,11 @@ export class LeasedItem implements ItemRef {
     this.leaseDeadline = fields.leaseDeadline;
     this.createdAt = fields.createdAt;
     this.metadata = fields.metadata;
+    this.messageId = fields.messageId || fields.id;
+    this.sourceId = fields.sourceId;
+    this.deadReason = fields.deadReason;
+    this.deadAt = fields.deadAt;
+    this.deadAttempts = fields.deadAttempts;
   }
 
   /** The payload decoded as UTF-8. */

@@ -54,6 +54,10 @@ export interface QueueInfo {
   updatedAt: Date | undefined;
   dedupWindowMs: number;
   leaseKeyTtlMs: number;
+  /** Set by pauseQueue: the queue hands out no items; leases wait until resumeQueue. */
+  paused: boolean;
+  /** pauseQueue with `produce`: produce is refused too (FailedPrecondition). */
+  producePaused: boolean;
 }
 
 /** The settings createQueue and updateQueue take; what is left out defaults (create)
@@ -101,8 +105,32 @@ export interface QueueStats {
   inFlight: number;
 }
 
-/** An item as StorageService stores it. Build one to import items (`id` is ignored). */
-export interface StoredItem {
+/** Why an item was moved to a dead-letter queue (`deadReason` of a dead letter): its
+ * lease ran out (or a lease found it) with the queue's maxAttempts reached; its
+ * expireTimeout passed; a consumer gave it up (`retry({ dead: true })`, DeadLetter). */
+export type DeadReason = "max_attempts" | "expired" | "retry_dead";
+
+/** Where an item came from, for dead letters: the fields leased and stored items share. */
+export interface ItemHistory {
+  /** The item's stable id: the id it was produced with, kept when it is re-queued (lease
+   * expired, Retry), promoted from scheduled, dead-lettered or redriven, while `id`
+   * changes with each of these. Key idempotency on it (with the queue). */
+  messageId: string;
+  /** In a dead-letter queue (or redriven from one): the item's id in the queue it came
+   * from; "" otherwise. */
+  sourceId: string;
+  /** Dead letters only: why the item died (undefined for other items). */
+  deadReason: DeadReason | undefined;
+  /** Dead letters only: when it was dead-lettered. */
+  deadAt: Date | undefined;
+  /** Dead letters only: how many times it had been leased in the queue it died in
+   * (`attempts` counts its leases in the queue that holds it now); 0 otherwise. */
+  deadAttempts: number;
+}
+
+/** An item as StorageService stores it. Build one to import items (`id` is ignored;
+ * `messageId`, `deadReason`, `deadAt` and `deadAttempts` are kept as given). */
+export interface StoredItem extends ItemHistory {
   id: string;
   partition: number;
   payload: Uint8Array;
@@ -117,6 +145,14 @@ export interface StoredItem {
   kind: string;
   sourceId: string;
   metadata: Record<string, string>;
+}
+
+/** What redriveItems did: how many items it moved, their message ids, and how many
+ * matching items stayed (their source queue is gone or not visible). */
+export interface RedriveResult {
+  moved: number;
+  messageIds: string[];
+  skipped: number;
 }
 
 /** The new deadline of each extended item, in order, and how many items were extended

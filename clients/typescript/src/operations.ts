@@ -13,6 +13,7 @@ import { LeasedItem, type LeaseState, type Settler } from "./items.js";
 import { type Target, targetOf } from "./routing.js";
 import type {
   ApiKey,
+  DeadReason,
   Item,
   ItemRef,
   PartitionStats,
@@ -20,11 +21,13 @@ import type {
   QueueInfo,
   QueueSettings,
   QueueStats,
+  RedriveResult,
   Role,
   StoredItem,
 } from "./models.js";
 import { type ApiKey as ApiKeyMessage, Role as RoleEnum } from "./gen/querator/v1/keys_pb.js";
 import {
+  DeadReason as DeadReasonEnum,
   type ExtendResponse,
   type LeaseRequestSchema,
   type LeaseResponse,
@@ -34,7 +37,7 @@ import {
   QueueService,
 } from "./gen/querator/v1/queue_pb.js";
 import { type GetQueueStatsResponse, type QueueInfo as QueueInfoMessage, QueuesService } from "./gen/querator/v1/queues_pb.js";
-import { type StorageItem, StorageItemSchema } from "./gen/querator/v1/storage_pb.js";
+import { type RedriveItemsResponse, type StorageItem, StorageItemSchema } from "./gen/querator/v1/storage_pb.js";
 
 /** The API's limits: items per request, and bytes per request (batches stay under). */
 export const MAX_BATCH = 1000;
@@ -203,6 +206,8 @@ export function leasedItems(settler: Settler, response: LeaseResponse): LeasedIt
   const { queueName, partition } = response;
   const columns = response.columns;
   if (columns && columns.ids.length) {
+    // message_ids is empty when every item's equals its id; the dead-letter lists are
+    // empty when no item of the batch is a dead letter.
     return columns.ids.map(
       (id, i) =>
         new LeasedItem(settler, {
@@ -217,6 +222,11 @@ export function leasedItems(settler: Settler, response: LeaseResponse): LeasedIt
           leaseDeadline: fromMicros(columns.leaseDeadlinesUs[i]!),
           createdAt: fromMicros(columns.createdAtUs[i]!),
           metadata: columns.metadata[i]?.entries ?? {},
+          messageId: columns.messageIds[i] || id,
+          sourceId: columns.sourceIds[i] ?? "",
+          deadReason: deadReason(columns.deadReasons[i]),
+          deadAt: columns.deadAtUs[i] ? fromMicros(columns.deadAtUs[i]!) : undefined,
+          deadAttempts: columns.deadAttempts[i] ?? 0,
         }),
     );
   }
@@ -234,8 +244,32 @@ export function leasedItems(settler: Settler, response: LeaseResponse): LeasedIt
         leaseDeadline: fromTimestamp(item.leaseDeadline) ?? new Date(0),
         createdAt: fromTimestamp(item.createdAt) ?? new Date(0),
         metadata: item.metadata,
+        messageId: item.messageId || item.id,
+        sourceId: item.sourceId,
+        deadReason: deadReason(item.deadReason),
+        deadAt: fromTimestamp(item.deadAt),
+        deadAttempts: item.deadAttempts,
       }),
   );
+}
+
+const DEAD_REASONS: Record<DeadReason, DeadReasonEnum> = {
+  max_attempts: DeadReasonEnum.MAX_ATTEMPTS,
+  expired: DeadReasonEnum.EXPIRED,
+  retry_dead: DeadReasonEnum.RETRY_DEAD,
+};
+
+/** The client's DeadReason of an API value (undefined: not a dead letter, or a reason
+ * this client does not know yet). */
+export function deadReason(value: DeadReasonEnum | undefined): DeadReason | undefined {
+  return (Object.keys(DEAD_REASONS) as DeadReason[]).find((r) => DEAD_REASONS[r] === value);
+}
+
+export function deadReasonValue(reason: DeadReason | undefined): DeadReasonEnum {
+  if (reason === undefined) return DeadReasonEnum.UNSPECIFIED;
+  const value = DEAD_REASONS[reason];
+  if (value === undefined) throw new RangeError(`deadReason must be one of ${Object.keys(DEAD_REASONS).join(", ")}, not ${String(reason)}`);
+  return value;
 }
 
 // -- Complete, Retry, Extend ----------------------------------------------------------------
@@ -335,6 +369,8 @@ export function queueInfo(info: QueueInfoMessage | undefined): QueueInfo {
     updatedAt: fromTimestamp(info?.updatedAt),
     dedupWindowMs: fromDuration(info?.dedupWindow),
     leaseKeyTtlMs: fromDuration(info?.leaseKeyTtl),
+    paused: info?.paused ?? false,
+    producePaused: info?.producePaused ?? false,
   };
 }
 
@@ -383,6 +419,10 @@ export function storedItem(i: StorageItem, partition: number): StoredItem {
     kind: i.kind,
     sourceId: i.sourceId,
     metadata: i.metadata,
+    messageId: i.messageId || i.id,
+    deadReason: deadReason(i.deadReason),
+    deadAt: fromTimestamp(i.deadAt),
+    deadAttempts: i.deadAttempts,
   };
 }
 
@@ -397,11 +437,44 @@ export function storageItem(i: Partial<StoredItem>): StorageItem {
     kind: i.kind ?? "",
     sourceId: i.sourceId ?? "",
     metadata: i.metadata ?? {},
+    messageId: i.messageId ?? "",
+    deadReason: deadReasonValue(i.deadReason),
+    deadAttempts: i.deadAttempts ?? 0,
+    ...(i.deadAt ? { deadAt: ts(i.deadAt)!.timestamp } : {}),
     ...(i.leaseDeadline ? { leaseDeadline: ts(i.leaseDeadline)!.timestamp } : {}),
     ...(i.expireDeadline ? { expireDeadline: ts(i.expireDeadline)!.timestamp } : {}),
     ...(i.enqueueAt ? { enqueueAt: ts(i.enqueueAt)!.timestamp } : {}),
     ...(i.createdAt ? { createdAt: ts(i.createdAt)!.timestamp } : {}),
   });
+}
+
+/** What a redrive asks for: the target (default: each item's source queue), the
+ * filters, and at most how many items in all (default: every matching one). */
+export interface RedriveOptions {
+  to?: string;
+  kind?: string;
+  deadReason?: DeadReason;
+  limit?: number;
+}
+
+/** The next RedriveItems request of a redrive that moved `done.moved` items so far, or
+ * undefined once `limit` items moved. */
+export function redriveRequest(queueName: string, options: RedriveOptions, done: RedriveResult, pageToken: string) {
+  if (options.limit !== undefined && !(options.limit >= 1)) throw new RangeError(`limit must be at least 1, got ${options.limit}`);
+  const remaining = options.limit === undefined ? MAX_BATCH : Math.min(MAX_BATCH, options.limit - done.moved);
+  if (remaining <= 0) return undefined;
+  return {
+    queueName,
+    targetQueue: options.to ?? "",
+    kind: options.kind ?? "",
+    deadReason: deadReasonValue(options.deadReason),
+    maxItems: remaining,
+    pageToken,
+  };
+}
+
+export function redriveProgress(done: RedriveResult, r: RedriveItemsResponse): RedriveResult {
+  return { moved: done.moved + r.moved, messageIds: [...done.messageIds, ...r.messageIds], skipped: done.skipped + r.skipped };
 }
 
 // -- keys -----------------------------------------------------------------------------------

@@ -13,15 +13,17 @@
  * is gone, until the handler settles them.
  */
 import type { Client } from "./client.js";
-import { Cancelled, DeadLetter, type QueratorError, Unavailable, isLeaseLost } from "./errors.js";
+import { Dispatch, type Handler, type KindHandler, type KindOptions, type Route, checkKindOptions } from "./dispatch.js";
+import { Cancelled, DeadLetter, HandlerTimeout, type QueratorError, Unavailable, isLeaseLost } from "./errors.js";
+import { type DeadOn, FailureLog, FailureRules, type RetryOn, errorName } from "./failures.js";
 import type { LeasedItem } from "./items.js";
+import { type MetricsRegistry, WorkerMetrics, serveMetrics } from "./metrics.js";
 import { MAX_BATCH } from "./operations.js";
 import { backoff, sleep } from "./retry.js";
 import type { PartitionStats } from "./models.js";
+import type { Logger } from "./routing.js";
 
-/** The handler: may return a promise. `signal` fires when the worker gives up on it at
- * shutdown (after shutdownTimeoutMs). */
-export type Handler = (item: LeasedItem, signal: AbortSignal) => unknown;
+export type { Handler, KindHandler, KindOptions } from "./dispatch.js";
 
 /** Callbacks for metrics and logging; every one optional, each must be quick. An
  * exception thrown by a hook is ignored. */
@@ -30,9 +32,13 @@ export interface WorkerHooks {
   onStart?(item: LeasedItem): void;
   onComplete?(item: LeasedItem, elapsedMs: number): void;
   onRetry?(item: LeasedItem, error: unknown, retryAt: Date): void;
+  /** DeadLetter thrown, a rule of `deadOn`, out of attempts, or no handler for its kind. */
   onDead?(item: LeasedItem, error: unknown): void;
   onExtend?(items: readonly LeasedItem[]): void;
   onLeaseLost?(item: LeasedItem, error: QueratorError): void;
+  /** The item's handler still runs at maxLeaseDurationMs: its lease is no longer
+   * extended, and the item comes back to the queue when it runs out. */
+  onLeaseCapped?(item: LeasedItem): void;
   onRelease?(items: readonly LeasedItem[]): void;
   onError?(error: unknown): void;
   /** Burst mode: every readable partition is empty, `faulty` are not readable (their node
@@ -50,7 +56,16 @@ export interface WorkerStats {
   extended: number;
   lost: number;
   released: number;
+  /** Calls of the worker's that failed (Lease, Complete, Retry, Extend). */
   errors: number;
+  /** Handlers that threw (or ran past handlerTimeoutMs, or had no handler for the
+   * item's kind); `failures` counts them by error class name. */
+  failed: number;
+  failures: Record<string, number>;
+  /** Handlers that ran past handlerTimeoutMs (also counted in `failed`). */
+  timedOut: number;
+  /** Items whose lease stopped being extended at maxLeaseDurationMs. */
+  leaseCapped: number;
 }
 
 export interface WorkerOptions {
@@ -64,16 +79,42 @@ export interface WorkerOptions {
   keepAlive?: boolean;
   /** Lease length Extend asks for (default: the queue's lease timeout). */
   leaseExtensionMs?: number;
+  /** Keep-alive never holds an item longer than this from its lease (default: no cap);
+   * past it, its lease runs out and the item comes back to the queue. */
+  maxLeaseDurationMs?: number;
   /** Delay before a failed item comes back, by its attempt number (1 = first lease).
    * Default: backoff() (1 s doubling to 5 minutes, jittered). */
   retryBackoff?: (attempt: number) => number;
+  /** Error classes (or RetryRules with a backoff and maxAttempts of their own) that are
+   * retried; with `deadOn`, the most specific class named wins. */
+  retryOn?: RetryOn;
+  /** Error classes that send the item to the dead-letter queue at once. */
+  deadOn?: DeadOn;
+  /** A handler still running after this long is given up: its signal fires, and the
+   * item is retried as if it threw HandlerTimeout. Default: no limit. */
+  handlerTimeoutMs?: number;
+  /** Handlers by item `kind` (the handler given to the constructor takes the other
+   * kinds; with none, an item of an unknown kind is dead-lettered). */
+  handlers?: Record<string, Handler | KindHandler>;
+  /** Record Prometheus metrics with prom-client (an optional peer dependency): true for
+   * prom-client's default registry, or a Registry of yours. */
+  metrics?: boolean | MetricsRegistry;
+  /** Serve the metrics over HTTP on this port (0: a free one; `worker.metricsPort` tells
+   * which), once per port and process; implies `metrics`. */
+  metricsPort?: number;
+  /** The address the metrics port binds (default "0.0.0.0", every interface, as the
+   * Python worker's). */
+  metricsHost?: string;
+  /** Where the default hooks log (default: console). */
+  logger?: Logger;
   /** At stop: how long running handlers may finish before their items are released. Default 30 s. */
   shutdownTimeoutMs?: number;
   /** At stop: how long a Lease in flight may still answer before it is cancelled. Default 1 s. */
   leaseGraceMs?: number;
   /** Stop gracefully on SIGTERM and SIGINT while run() runs. Default true. */
   handleSignals?: boolean;
-  /** Callbacks for metrics and logging (default: failures logged with console.warn). */
+  /** Callbacks for metrics and logging (default: defaultWorkerHooks(logger): failures
+   * logged, at most three per error class and minute). */
   hooks?: WorkerHooks;
   /** The Lease client_id (default: host, pid and a random suffix). */
   clientId?: string;
@@ -90,24 +131,35 @@ export interface RunOptions {
   untilEmpty?: boolean;
 }
 
+/** Keep-alive does not bother to extend a lease by less than this (maxLeaseDurationMs). */
+const MIN_EXTENSION_MS = 1000;
 /** Burst mode: the longest a Lease waits, so that the worker notices soon that the queue
  * ran dry (items leased by others or scheduled may still come back). */
 const BURST_WAIT_MS = 1000;
 /** Burst mode: how often onWaitFaulty is called while faulty partitions keep it waiting. */
 const FAULTY_LOG_EVERY_MS = 60_000;
 
-const defaultHooks: WorkerHooks = {
-  onRetry: (item, error, at) =>
-    console.warn(`querator: handler failed for item ${item.id} (attempt ${item.attempts}), retry at ${at.toISOString()}: ${String(error)}`),
-  onDead: (item, error) => console.warn(`querator: item ${item.id} dead-lettered after ${item.attempts} attempts: ${String(error)}`),
-  onLeaseLost: (item, error) => console.warn(`querator: lease of item ${item.id} lost: ${error.message}`),
-  onError: (error) => console.warn(`querator: worker call failed: ${String(error)}`),
-  onWaitFaulty: (faulty, waitedMs) =>
-    console.warn(
-      `querator: burst mode: the queue is empty where it can be read, waiting for ${faulty.length} faulty partitions ` +
-        `(for ${Math.round(waitedMs / 1000)} s so far): ${describeFaulty(faulty)}`,
-    ),
-};
+/** The hooks a worker has unless given its own: handler failures logged with their
+ * stack, at most three per error class and minute (the next line of a class says how many
+ * were left out), as the Python worker logs them; lost leases, failed calls and burst
+ * mode waiting on faulty partitions. Spread them to keep them beside hooks of your own:
+ * `hooks: { ...defaultWorkerHooks(), onComplete }`. */
+export function defaultWorkerHooks(logger: Logger = console): WorkerHooks {
+  const failures = new FailureLog();
+  return {
+    onRetry: (item, error, at) =>
+      failures.warn(logger, `querator: handler failed for item ${item.id} (attempt ${item.attempts}), retry at ${at.toISOString()}: ${String(error)}`, error),
+    onDead: (item, error) => failures.warn(logger, `querator: item ${item.id} dead-lettered after ${item.attempts} attempts: ${String(error)}`, error),
+    onLeaseLost: (item, error) => logger.warn?.(`querator: lease of item ${item.id} lost: ${error.message}`),
+    onLeaseCapped: (item) => logger.warn?.(`querator: item ${item.id} held for maxLeaseDurationMs: its lease is no longer extended`),
+    onError: (error) => (logger.error ?? logger.warn)?.call(logger, `querator: worker call failed: ${String(error)}`),
+    onWaitFaulty: (faulty, waitedMs) =>
+      logger.warn?.(
+        `querator: burst mode: the queue is empty where it can be read, waiting for ${faulty.length} faulty partitions ` +
+          `(for ${Math.round(waitedMs / 1000)} s so far): ${describeFaulty(faulty)}`,
+      ),
+  };
+}
 
 function describeFaulty(faulty: readonly PartitionStats[]): string {
   const shown = faulty.slice(0, 5).map((p) => `partition ${p.partition}: ${p.failure}`);
@@ -117,8 +169,14 @@ function describeFaulty(faulty: readonly PartitionStats[]): string {
 
 interface Held {
   item: LeasedItem;
+  /** Its handler; undefined: none for its kind (dead-lettered at once). */
+  route: Route | undefined;
   /** performance.now() at which to extend the lease. */
   extendAt: number;
+  /** performance.now() when its Lease was sent: maxLeaseDurationMs counts from here. */
+  leasedAt: number;
+  /** Keep-alive stopped at maxLeaseDurationMs. */
+  capped: boolean;
   lengthMs: number;
   started: boolean;
   /** Settling or settled: keep-alive leaves it alone. */
@@ -126,19 +184,30 @@ interface Held {
   lost: boolean;
 }
 
-type Settlement = { held: Held; kind: "complete" } | { held: Held; kind: "retry"; at: Date | undefined; dead: boolean };
+type RetrySettlement = { held: Held; kind: "retry"; at: Date | undefined; dead: boolean; error: unknown };
+type Settlement = { held: Held; kind: "complete" } | RetrySettlement;
+
+/** The options of a worker's Retry call (see Worker.#retryOrder). */
+type RetryOrder = { at?: Date; dead: boolean };
+
+/** Equal orders, equal keys: every field of the order counts (a Date as its ISO time). */
+function retryKey(order: RetryOrder): string {
+  return JSON.stringify(order);
+}
 
 function randomSuffix(): string {
   return Math.random().toString(16).slice(2, 10);
 }
 
 /**
- * Runs `handler` on items of `queueName`:
+ * Runs `handler` (or the handler of the item's kind) on items of `queueName`:
  *
  * - it returned: the item is completed (unless the handler settled it itself);
- * - it threw DeadLetter: the item goes to the dead-letter queue;
- * - it threw anything else: the item is retried at now + retryBackoff(attempts)
- *   (dead-lettered instead once it used the queue's maxAttempts).
+ * - it threw DeadLetter, or an error of `deadOn`: the item goes to the dead-letter queue;
+ * - it threw anything else, or ran past `handlerTimeoutMs`: the item is retried at now +
+ *   the backoff of the matching `retryOn` rule (else `retryBackoff`), dead-lettered
+ *   instead once it used the queue's maxAttempts (or the rule's);
+ * - no handler for its kind: dead-lettered at once.
  *
  * `await worker.run()` runs until `worker.stop()` (or SIGTERM/SIGINT): leasing stops,
  * leased items not started are released (Retry now), running handlers get
@@ -147,13 +216,36 @@ function randomSuffix(): string {
 export class Worker {
   readonly client: Client;
   readonly queueName: string;
-  readonly stats: WorkerStats = { leased: 0, completed: 0, retried: 0, dead: 0, extended: 0, lost: 0, released: 0, errors: 0 };
-  readonly #handler: Handler;
-  readonly #o: Required<Omit<WorkerOptions, "batchSize" | "leaseExtensionMs" | "hooks" | "clientId" | "faultyTimeoutMs">>;
+  readonly stats: WorkerStats = {
+    leased: 0,
+    completed: 0,
+    retried: 0,
+    dead: 0,
+    extended: 0,
+    lost: 0,
+    released: 0,
+    errors: 0,
+    failed: 0,
+    failures: {},
+    timedOut: 0,
+    leaseCapped: 0,
+  };
+  readonly #dispatch: Dispatch;
+  readonly #o: Required<
+    Pick<WorkerOptions, "concurrency" | "leaseWaitMs" | "keepAlive" | "retryBackoff" | "shutdownTimeoutMs" | "leaseGraceMs" | "handleSignals">
+  >;
   readonly #batchSize: number;
   readonly #extensionMs: number | undefined;
+  readonly #maxLeaseMs: number | undefined;
+  readonly #handlerTimeoutMs: number | undefined;
+  readonly #rules: FailureRules;
   readonly #hooks: WorkerHooks;
   readonly #clientId: string;
+  readonly #metricsOption: boolean | MetricsRegistry;
+  readonly #metricsServe: { port: number; host: string } | undefined;
+  #metrics: WorkerMetrics | undefined;
+  /** The port the metrics are served on, once run() started with `metricsPort`. */
+  metricsPort: number | undefined;
   readonly #held = new Map<string, Held>();
   readonly #waiting: Held[] = [];
   readonly #running = new Set<Promise<void>>();
@@ -178,10 +270,16 @@ export class Worker {
   #faultyLogged: number | undefined;
   #burstError: QueratorError | undefined;
 
-  constructor(client: Client, queueName: string, handler: Handler, options: WorkerOptions = {}) {
+  /** `new Worker(client, queue, handler, options)`, or without a handler for every item:
+   * `new Worker(client, queue, { handlers: { email: sendEmail } })` and/or
+   * `worker.handler("email", sendEmail)`. */
+  constructor(client: Client, queueName: string, handler?: Handler | WorkerOptions, options: WorkerOptions = {}) {
+    if (handler !== undefined && typeof handler !== "function") {
+      options = handler;
+      handler = undefined;
+    }
     this.client = client;
     this.queueName = queueName;
-    this.#handler = handler;
     this.#o = {
       concurrency: options.concurrency ?? 10,
       leaseWaitMs: options.leaseWaitMs ?? 30_000,
@@ -195,12 +293,32 @@ export class Worker {
     this.#batchSize = Math.min(options.batchSize ?? this.#o.concurrency, MAX_BATCH);
     if (this.#batchSize < 1) throw new RangeError(`batchSize must be between 1 and ${MAX_BATCH}`);
     this.#extensionMs = options.leaseExtensionMs;
-    this.#hooks = options.hooks ?? defaultHooks;
+    if (options.maxLeaseDurationMs !== undefined && !(options.maxLeaseDurationMs > 0)) {
+      throw new RangeError(`maxLeaseDurationMs must be positive, got ${options.maxLeaseDurationMs}`);
+    }
+    this.#maxLeaseMs = options.maxLeaseDurationMs;
+    checkKindOptions("", { ...(options.handlerTimeoutMs !== undefined ? { handlerTimeoutMs: options.handlerTimeoutMs } : {}) });
+    this.#handlerTimeoutMs = options.handlerTimeoutMs;
+    this.#rules = new FailureRules(options.retryOn ?? [], options.deadOn ?? [], this.#o.retryBackoff);
+    this.#dispatch = new Dispatch(handler, options.handlers);
+    this.#hooks = options.hooks ?? defaultWorkerHooks(options.logger);
     this.#clientId = options.clientId ?? `node:${process.pid}:${randomSuffix()}`;
     if (options.faultyTimeoutMs !== undefined && !(options.faultyTimeoutMs > 0)) {
       throw new RangeError(`faultyTimeoutMs must be positive, got ${options.faultyTimeoutMs}`);
     }
     this.#faultyTimeoutMs = options.faultyTimeoutMs;
+    if (options.metricsPort !== undefined && !(Number.isInteger(options.metricsPort) && options.metricsPort >= 0 && options.metricsPort <= 65535)) {
+      throw new RangeError(`metricsPort must be between 0 and 65535, got ${options.metricsPort}`);
+    }
+    this.#metricsServe = options.metricsPort === undefined ? undefined : { port: options.metricsPort, host: options.metricsHost ?? "0.0.0.0" };
+    this.#metricsOption = options.metrics || this.#metricsServe !== undefined;
+  }
+
+  /** Handle items of `kind` with `handler` (and the kind's own options); before run().
+   * Returns the worker, so that calls chain. */
+  handler(kind: string, handler: Handler, options: KindOptions = {}): this {
+    this.#dispatch.add(kind, handler, options);
+    return this;
   }
 
   /** Run until stopped; with `untilEmpty` (burst mode), also resolve once the queue is
@@ -237,7 +355,12 @@ export class Worker {
   }
 
   async #run(): Promise<void> {
+    this.#dispatch.start(this.#rules);
     if (this.#stopping) return; // stopped before it started
+    if (this.#metricsOption) {
+      this.#metrics = await WorkerMetrics.create(this.queueName, this.#metricsOption === true ? undefined : this.#metricsOption);
+      if (this.#metricsServe) this.metricsPort = await serveMetrics(this.#metrics.registry, this.#metricsServe.port, this.#metricsServe.host);
+    }
     let info;
     try {
       info = await this.client.getQueue(this.queueName, { signal: this.#stop.signal });
@@ -347,8 +470,19 @@ export class Worker {
       if (items.length) {
         this.stats.leased += items.length;
         this.#hook("onLease", items);
+        this.#metrics?.leased(items.map((i) => i.createdAt));
         for (const item of items) {
-          const held: Held = { item, extendAt: sent + this.#leaseTimeoutMs / 2, lengthMs: this.#leaseTimeoutMs, started: false, settling: false, lost: false };
+          const held: Held = {
+            item,
+            route: this.#dispatch.route(item.kind),
+            extendAt: sent + this.#leaseTimeoutMs / 2,
+            leasedAt: sent,
+            capped: false,
+            lengthMs: this.#leaseTimeoutMs,
+            started: false,
+            settling: false,
+            lost: false,
+          };
           this.#held.set(item.id, held);
         }
         this.#newLeases?.();
@@ -378,15 +512,24 @@ export class Worker {
   }
 
   #take(items: LeasedItem[]): void {
-    for (const item of items) this.#waiting.push(this.#held.get(item.id)!);
+    for (const item of items) {
+      const held = this.#held.get(item.id)!;
+      if (held.route) this.#waiting.push(held);
+      else void this.#noHandler(held);
+    }
     this.#pump();
   }
 
-  /** Start handlers while there are free slots. */
+  /** Start handlers while there are free slots, each item's kind within its own limit. */
   #pump(): void {
     while (!this.#stopping && this.#running.size < this.#o.concurrency && this.#waiting.length) {
-      const held = this.#waiting.shift()!;
-      const task: Promise<void> = this.#process(held).finally(() => {
+      const index = this.#waiting.findIndex((h) => h.route!.hasRoom);
+      if (index < 0) break;
+      const [held] = this.#waiting.splice(index, 1) as [Held];
+      const route = held.route!;
+      route.running++;
+      const task: Promise<void> = this.#process(held, route).finally(() => {
+        route.running--;
         this.#running.delete(task);
         this.#pump();
         this.#wake?.();
@@ -398,15 +541,17 @@ export class Worker {
 
   // -- handling ---------------------------------------------------------------------------
 
-  async #process(held: Held): Promise<void> {
+  async #process(held: Held, route: Route): Promise<void> {
     const item = held.item;
     held.started = true;
     this.#hook("onStart", item);
     const began = performance.now();
     let error: unknown;
     let failed = false;
+    const timeoutMs = route.options.handlerTimeoutMs ?? this.#handlerTimeoutMs;
     try {
-      await this.#handler(item, this.#handlerAbort.signal);
+      if (timeoutMs === undefined) await route.handler(item, this.#handlerAbort.signal);
+      else await this.#limited(route, item, timeoutMs);
     } catch (e) {
       error = e;
       failed = true;
@@ -415,25 +560,101 @@ export class Worker {
     if (this.#handlerAbort.signal.aborted && !item.settled) return; // given up at shutdown: released there
     held.settling = true;
     try {
+      if (failed) this.#failed(item, error, elapsed);
       if (item.settled) {
-        if (item.state === "completed") (this.stats.completed++, this.#hook("onComplete", item, elapsed));
-        else if (item.state === "dead") (this.stats.dead++, this.#hook("onDead", item, error));
+        if (item.state === "completed") this.#completed(item, elapsed);
+        else if (item.state === "dead") this.#dead(item, error);
         else this.stats.retried++;
         return;
       }
       if (!failed) {
-        if (await this.#settle({ held, kind: "complete" })) (this.stats.completed++, this.#hook("onComplete", item, elapsed));
+        if (await this.#settle({ held, kind: "complete" })) this.#completed(item, elapsed);
         return;
       }
-      if (error instanceof DeadLetter || (this.#maxAttempts > 0 && item.attempts >= this.#maxAttempts)) {
-        if (await this.#settle({ held, kind: "retry", at: undefined, dead: true })) (this.stats.dead++, this.#hook("onDead", item, error));
+      const decision = (route.rules ?? this.#rules).decide(error);
+      const outOfAttempts =
+        (this.#maxAttempts > 0 && item.attempts >= this.#maxAttempts) || (decision.maxAttempts !== undefined && item.attempts >= decision.maxAttempts);
+      if (decision.dead || error instanceof DeadLetter || outOfAttempts) {
+        if (await this.#settle({ held, kind: "retry", at: undefined, dead: true, error })) this.#dead(item, error);
         return;
       }
-      const at = new Date(Date.now() + this.#o.retryBackoff(item.attempts));
-      if (await this.#settle({ held, kind: "retry", at, dead: false })) (this.stats.retried++, this.#hook("onRetry", item, error, at));
+      const at = new Date(Date.now() + decision.backoff(item.attempts));
+      if (await this.#settle({ held, kind: "retry", at, dead: false, error })) {
+        this.stats.retried++;
+        this.#hook("onRetry", item, error, at);
+      }
     } finally {
       this.#held.delete(item.id);
     }
+  }
+
+  /** A handler under its time limit. JavaScript cannot stop a promise: past the limit its
+   * signal fires and the worker stops waiting for it; a handler that ignores the signal
+   * runs on, its result ignored. */
+  async #limited(route: Route, item: LeasedItem, timeoutMs: number): Promise<void> {
+    const limit = new AbortController();
+    const signal = AbortSignal.any([this.#handlerAbort.signal, limit.signal]);
+    let call: Promise<unknown>;
+    try {
+      call = Promise.resolve(route.handler(item, signal));
+    } catch (error) {
+      call = Promise.reject(error);
+    }
+    let timer: NodeJS.Timeout | undefined;
+    let expired: HandlerTimeout | undefined;
+    const timeout = new Promise<never>((_, reject) => {
+      timer = setTimeout(() => {
+        expired = new HandlerTimeout(`the handler ran past handlerTimeoutMs (${timeoutMs} ms): its signal was aborted and it was given up`);
+        limit.abort(expired);
+        reject(expired);
+      }, timeoutMs);
+    });
+    // Given up: what the handler does later is no one's to handle.
+    call.catch(() => undefined);
+    timeout.catch(() => undefined);
+    try {
+      await Promise.race([call, timeout]);
+    } catch (error) {
+      // A handler that gave up on its aborted signal threw its own error: the limit is why.
+      throw expired ?? error;
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
+  /** No handler for the item's kind: dead-lettered at once, as the Python worker does. */
+  async #noHandler(held: Held): Promise<void> {
+    const item = held.item;
+    held.started = true;
+    held.settling = true;
+    const error = new DeadLetter(`no handler for kind '${item.kind}'`);
+    try {
+      this.#failed(item, error, undefined);
+      if (await this.#settle({ held, kind: "retry", at: undefined, dead: true, error })) this.#dead(item, error);
+    } finally {
+      this.#held.delete(item.id);
+    }
+  }
+
+  /** Counts a handler's failure (stats, metrics); the hooks log it. */
+  #failed(item: LeasedItem, error: unknown, elapsedMs: number | undefined): void {
+    this.stats.failed++;
+    const name = errorName(error);
+    this.stats.failures[name] = (this.stats.failures[name] ?? 0) + 1;
+    if (error instanceof HandlerTimeout) this.stats.timedOut++;
+    this.#metrics?.failed(item.kind, error, elapsedMs);
+  }
+
+  #completed(item: LeasedItem, elapsedMs: number): void {
+    this.stats.completed++;
+    this.#hook("onComplete", item, elapsedMs);
+    this.#metrics?.handled(item.kind, elapsedMs);
+  }
+
+  #dead(item: LeasedItem, error: unknown): void {
+    this.stats.dead++;
+    this.#hook("onDead", item, error);
+    this.#metrics?.dead(item.kind);
   }
 
   #lost(held: Held, error: QueratorError): void {
@@ -474,7 +695,7 @@ export class Worker {
       this.#settlements = [];
       const groups = new Map<string, Settlement[]>();
       for (const s of batch) {
-        const key = `${s.kind}\0${s.held.item.partition}`;
+        const key = s.kind === "complete" ? `c\0${s.held.item.partition}` : `r\0${s.held.item.partition}\0${retryKey(this.#retryOrder(s))}`;
         const group = groups.get(key) ?? [];
         group.push(s);
         groups.set(key, group);
@@ -483,6 +704,12 @@ export class Worker {
         for (let start = 0; start < group.length; start += MAX_BATCH) await this.#apply(group.slice(start, start + MAX_BATCH), true);
       }
     }
+  }
+
+  /** The one place a failed item's Retry is built: when it comes back, or dead. Retries
+   * with equal orders go in one call (retryKey). */
+  #retryOrder(s: RetrySettlement): RetryOrder {
+    return s.at ? { at: s.at, dead: s.dead } : { dead: s.dead };
   }
 
   async #apply(group: Settlement[], split: boolean): Promise<void> {
@@ -495,15 +722,9 @@ export class Worker {
     try {
       const first = group[0]!;
       const items = group.map((s) => s.held.item);
+      // A group is one order: completes, or retries with the same retryOrder.
       if (first.kind === "complete") await this.client.complete(items);
-      else if (group.every((s) => s.kind === "retry" && !s.dead && !s.at)) await this.client.retry(items);
-      else {
-        // Retries of one batch may differ in time and kind: one call per distinct order.
-        for (const s of group) {
-          if (s.kind !== "retry") continue;
-          await this.client.retry(s.held.item, { ...(s.at ? { at: s.at } : {}), dead: s.dead });
-        }
-      }
+      else await this.client.retry(items, this.#retryOrder(first));
       done(true);
     } catch (error) {
       if (isLeaseLost(error)) {
@@ -540,10 +761,36 @@ export class Worker {
   }
 
   #keep(held: Held): boolean {
-    return !(held.lost || held.settling || held.item.settled);
+    return !(held.lost || held.settling || held.capped || held.item.settled);
+  }
+
+  /** `due` split by maxLeaseDurationMs: those extended by the usual length, those that
+   * may only be extended by less (the room left to the cap), and the rest capped: their
+   * leases run out. */
+  #capped(due: Held[]): [Held[], [Held, number][]] {
+    const full = this.#extensionMs ?? this.#leaseTimeoutMs;
+    const now = performance.now();
+    const whole: Held[] = [];
+    const short: [Held, number][] = [];
+    for (const h of due) {
+      const left = h.leasedAt + this.#maxLeaseMs! - now;
+      if (left >= full) whole.push(h);
+      else if (left >= MIN_EXTENSION_MS) short.push([h, left]);
+      else {
+        h.capped = true;
+        this.stats.leaseCapped++;
+        this.#hook("onLeaseCapped", h.item);
+      }
+    }
+    return [whole, short];
   }
 
   async #extend(due: Held[]): Promise<void> {
+    if (this.#maxLeaseMs !== undefined) {
+      const [whole, short] = this.#capped(due);
+      for (const [h, left] of short) await this.#extendOne(h, Math.floor(left));
+      due = whole;
+    }
     const byPartition = new Map<number, Held[]>();
     for (const h of due) byPartition.set(h.item.partition, [...(byPartition.get(h.item.partition) ?? []), h]);
     const options = this.#extensionMs !== undefined ? { leaseTimeoutMs: this.#extensionMs } : {};
@@ -553,35 +800,38 @@ export class Worker {
         const sent = performance.now();
         try {
           await this.client.extend(chunk.map((h) => h.item), options);
-          this.#extended(chunk, sent);
+          this.#extended(chunk, sent, this.#extensionMs ?? this.#leaseTimeoutMs);
         } catch (error) {
           if (!isLeaseLost(error)) {
             this.#error(error);
             for (const h of chunk) h.extendAt = sent + Math.min(1000, h.lengthMs / 10); // again soon, while it lasts
             continue;
           }
-          for (const h of chunk) {
-            try {
-              await this.client.extend(h.item, options);
-              this.#extended([h], performance.now());
-            } catch (one) {
-              if (isLeaseLost(one)) {
-                if (this.#keep(h)) this.#lost(h, one);
-              } else {
-                this.#error(one);
-                h.extendAt = performance.now() + Math.min(1000, h.lengthMs / 10);
-              }
-            }
-          }
+          for (const h of chunk) await this.#extendOne(h, this.#extensionMs);
         }
       }
     }
   }
 
-  #extended(chunk: Held[], sent: number): void {
+  async #extendOne(h: Held, lengthMs: number | undefined): Promise<void> {
+    const sent = performance.now();
+    try {
+      await this.client.extend(h.item, lengthMs !== undefined ? { leaseTimeoutMs: lengthMs } : {});
+      this.#extended([h], sent, lengthMs ?? this.#leaseTimeoutMs);
+    } catch (error) {
+      if (isLeaseLost(error)) {
+        if (this.#keep(h)) this.#lost(h, error); // else it was settled meanwhile: not lost
+      } else {
+        this.#error(error);
+        h.extendAt = performance.now() + Math.min(1000, h.lengthMs / 10);
+      }
+    }
+  }
+
+  #extended(chunk: Held[], sent: number, lengthMs: number): void {
     for (const h of chunk) {
-      h.lengthMs = this.#extensionMs ?? this.#leaseTimeoutMs;
-      h.extendAt = sent + h.lengthMs / 2;
+      h.lengthMs = lengthMs;
+      h.extendAt = sent + lengthMs / 2;
     }
     this.stats.extended += chunk.length;
     this.#hook("onExtend", chunk.map((h) => h.item));

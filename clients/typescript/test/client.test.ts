@@ -4,6 +4,7 @@ import { after, before, describe, test } from "node:test";
 import {
   Cancelled,
   Client,
+  FailedPrecondition,
   InvalidRequest,
   ItemNotFound,
   LeasedItem,
@@ -12,7 +13,7 @@ import {
   QueueNotFound,
   isLeaseLost,
 } from "../src/index.js";
-import { ServerProcess, queueName } from "./server.js";
+import { ServerProcess, queueName, waitUntil } from "./server.js";
 
 let server: ServerProcess;
 let client: Client;
@@ -272,5 +273,38 @@ describe("queues and errors", () => {
     setTimeout(() => other.close(), 200);
     await assert.rejects(waiting, Cancelled);
     await assert.rejects(other.getQueue(q), /closed/);
+  });
+});
+
+describe("pause and resume", () => {
+  test("a paused queue takes produce and hands out nothing; a waiting lease is served on resume", async () => {
+    const q = queueName();
+    await client.createQueue(q);
+    const info = await client.pauseQueue(q);
+    assert.equal(info.paused, true);
+    assert.equal(info.producePaused, false);
+    assert.equal((await client.getQueue(q)).paused, true);
+    await client.produce(q, ["a", "b"]);
+    const started = Date.now();
+    assert.deepEqual(await client.lease(q, { batchSize: 5, waitMs: 300 }), []);
+    assert.ok(Date.now() - started >= 250, "the lease waited its time, as on an empty queue");
+    const waiting = client.lease(q, { batchSize: 5, waitMs: 20_000 });
+    await waitUntil(async () => (await client.queueStats(q)).leaseWaiting === 1, 10_000, "the lease to wait");
+    const resumed = await client.resumeQueue(q);
+    assert.equal(resumed.paused, false);
+    const items = await waiting;
+    assert.deepEqual(items.map((i) => i.text), ["a", "b"]);
+    await client.complete(items);
+  });
+
+  test("paused for produce: produce is refused with FailedPrecondition until resumed", async () => {
+    const q = queueName();
+    await client.createQueue(q);
+    const info = await client.pauseQueue(q, { produce: true });
+    assert.equal(info.producePaused, true);
+    await assert.rejects(client.produce(q, ["x"]), (e: unknown) => e instanceof FailedPrecondition && /paused for produce/.test(String(e)));
+    await client.resumeQueue(q);
+    assert.equal((await client.produce(q, ["x"])).ids.length, 1);
+    await assert.rejects(client.pauseQueue(queueName()), QueueNotFound);
   });
 });

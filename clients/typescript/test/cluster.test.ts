@@ -196,6 +196,41 @@ test("Produce spreads over the nodes; Lease goes to the node whose partitions ho
   }
 });
 
+test("a pause set through one node holds on every node until resumed through another", { skip }, async () => {
+  const q = queueName("paused");
+  const client = routed();
+  try {
+    await client.createQueue(q, { partitions: 3 });
+    await client.produce(q, Array.from({ length: 30 }, (_, i) => `p${i}`), { batchSize: 5 });
+    const admin = new Client({ transport: createGrpcTransport({ baseUrl: `http://${cluster.addresses[0]!}` }) });
+    try {
+      assert.equal((await admin.pauseQueue(q)).paused, true);
+      // Each node's gauge reads its own actors' settings: every home applied the pause.
+      for (const node of cluster.nodes) {
+        await waitUntil(async () => (await cluster.metric(node.id, "querator_queue_paused", { queue: q })) === 1, 15_000, `${node.id} paused`);
+      }
+      assert.deepEqual(await client.lease(q, { batchSize: 50, waitMs: 500 }), []);
+      const waiting = client.lease(q, { batchSize: 50, waitMs: 20_000 });
+      await new Promise((resolve) => setTimeout(resolve, 500));
+      const resumer = new Client({ transport: createGrpcTransport({ baseUrl: `http://${cluster.addresses[2]!}` }) });
+      try {
+        assert.equal((await resumer.resumeQueue(q)).paused, false);
+      } finally {
+        resumer.close();
+      }
+      const got = await waiting;
+      assert.ok(got.length > 0, "the waiting lease was served after the resume");
+      for (let i = 0; i < 20 && got.length < 30; i++) got.push(...(await client.lease(q, { batchSize: 50, waitMs: 500 })));
+      assert.deepEqual(got.map((item) => item.text).sort(), Array.from({ length: 30 }, (_, i) => `p${i}`).sort());
+      await client.complete(got);
+    } finally {
+      admin.close();
+    }
+  } finally {
+    client.close();
+  }
+});
+
 test("no consumer idles while another node has ready items", { skip }, async () => {
   const q = queueName("idle");
   const admin = routed();

@@ -3,7 +3,9 @@ import assert from "node:assert/strict";
 import { randomBytes } from "node:crypto";
 import { after, before, test } from "node:test";
 
-import { Client, type Item } from "../src/index.js";
+import { Registry } from "prom-client";
+
+import { Client, DeadLetter, type Item, type LeasedItem, Worker } from "../src/index.js";
 import { ServerProcess, python, queueName } from "./server.js";
 
 let server: ServerProcess;
@@ -102,4 +104,90 @@ test("a TypeScript producer and a Python consumer", async () => {
     { ...blank, id: producedBare.ids[1]!, payload: hex(new TextEncoder().encode("text ✓")) },
   ]);
   assert.equal((await client.queueStats(q)).total, 0);
+});
+
+/** The querator_worker_* samples of a Prometheus exposition as "name{label,label}", the
+ * label names sorted, without values (the error label holds each language's class name)
+ * and without prometheus_client's *_created samples. */
+function metricShapes(exposition: string): string[] {
+  const shapes = new Set<string>();
+  for (const line of exposition.split("\n")) {
+    const match = /^(querator_worker_\w+)(?:\{(.*)\})? /.exec(line);
+    if (!match || match[1]!.endsWith("_created")) continue;
+    const labels = [...(match[2] ?? "").matchAll(/(\w+)="/g)].map((m) => m[1]!).sort();
+    shapes.add(`${match[1]}{${labels.join(",")}}`);
+  }
+  return [...shapes].sort();
+}
+
+/** The querator_worker_* samples of an exposition by "name{label="value",...}", the
+ * labels sorted by name. */
+function metricValues(exposition: string): Map<string, number> {
+  const values = new Map<string, number>();
+  for (const line of exposition.split("\n")) {
+    const match = /^(querator_worker_\w+)(?:\{(.*)\})? (\S+)$/.exec(line);
+    if (!match) continue;
+    const labels = [...(match[2] ?? "").matchAll(/(\w+)="([^"]*)"/g)].map((m) => `${m[1]}="${m[2]}"`).sort();
+    values.set(`${match[1]}{${labels.join(",")}}`, Number(match[3]));
+  }
+  return values;
+}
+
+test("the TypeScript worker's metrics have the Python worker's names and labels", async () => {
+  const scenario = async (q: string): Promise<void> => {
+    await client.createQueue(q, { maxAttempts: 2 });
+    await client.produce(q, ["ok", "fails once", "poison"], { kind: "email" });
+    await client.produce(q, ["unknown"], { kind: "fax" });
+  };
+  const pq = queueName("py-metrics");
+  await scenario(pq);
+  const fromPython = await python(
+    `
+import sys
+from datetime import timedelta
+import prometheus_client, querator
+
+def handle(item):
+    if item.text == "fails once" and item.attempts == 1:
+        raise ValueError("once")
+    if item.text == "poison":
+        raise querator.DeadLetter("no")
+
+with querator.Client(sys.argv[1]) as client:
+    worker = querator.Worker(client, sys.argv[2], metrics=True, lease_wait=0.2, handle_signals=False,
+                             retry_backoff=lambda n: timedelta(milliseconds=50))
+    worker.handler("email")(handle)
+    worker.run(until_empty=True)
+print(prometheus_client.generate_latest().decode())
+`,
+    [server.address, pq],
+  );
+  const tq = queueName("ts-metrics");
+  await scenario(tq);
+  const registry = new Registry();
+  const handle = (item: LeasedItem): void => {
+    if (item.text === "fails once" && item.attempts === 1) throw new RangeError("once");
+    if (item.text === "poison") throw new DeadLetter("no");
+  };
+  await new Worker(client, tq, { metrics: registry, handlers: { email: handle }, leaseWaitMs: 200, retryBackoff: () => 50, hooks: {}, handleSignals: false }).run({
+    untilEmpty: true,
+  });
+  const fromTs = await registry.metrics();
+  const shapes = metricShapes(fromPython);
+  assert.ok(shapes.length >= 8, fromPython);
+  assert.deepEqual(metricShapes(fromTs), shapes);
+  // And the same counts, but for the error label's language.
+  const py = metricValues(fromPython);
+  const ts = metricValues(fromTs);
+  for (const [sample, value] of [
+    ['querator_worker_handled_total{kind="email",queue="Q"}', 2],
+    ['querator_worker_dead_total{kind="email",queue="Q"}', 1],
+    ['querator_worker_dead_total{kind="fax",queue="Q"}', 1],
+    ['querator_worker_failed_total{error="DeadLetter",kind="fax",queue="Q"}', 1],
+    ['querator_worker_handler_seconds_count{kind="email",queue="Q"}', 4],
+    ['querator_worker_lease_lag_seconds_count{queue="Q"}', 5],
+  ] as const) {
+    assert.equal(py.get(sample.replace("Q", pq)), value, `python: ${sample}\n${fromPython}`);
+    assert.equal(ts.get(sample.replace("Q", tq)), value, `typescript: ${sample}\n${fromTs}`);
+  }
 });

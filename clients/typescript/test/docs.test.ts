@@ -44,3 +44,45 @@ test("docs/quickstart.md: From TypeScript", async () => {
   assert.equal(stdout.match(/^handled by hand: job \d+ attempt 1$/gm)?.length, 5);
   assert.match(stdout, /^done: 95 completed by the worker$/m);
 });
+
+test("docs/typescript.md: Handlers by kind", async () => {
+  const code = snippet("docs/typescript.md", "### Handlers by kind")
+    .replace('"@querator/client"', JSON.stringify(pathToFileURL(INDEX).href))
+    .replaceAll("127.0.0.1:2319", server.address);
+  const file = join(dir, "kinds.mjs");
+  writeFileSync(file, code);
+  const { stdout } = await promisify(execFile)("node", [file], { timeout: 60_000 });
+  assert.equal(stdout, "email to: ada, sms to: +100\n");
+});
+
+/** Run the first ts block under `heading` of docs/typescript.md as a module; its stdout. */
+async function runSample(heading: string, name: string): Promise<string> {
+  const code = snippet("docs/typescript.md", heading)
+    .replace('"@querator/client"', JSON.stringify(pathToFileURL(INDEX).href))
+    .replace('"prom-client"', JSON.stringify(import.meta.resolve("prom-client")))
+    .replaceAll("127.0.0.1:2319", server.address);
+  const file = join(dir, name);
+  writeFileSync(file, code);
+  const { stdout } = await promisify(execFile)("node", [file], { timeout: 60_000 });
+  return stdout;
+}
+
+test("docs/typescript.md: Retry rules", async () => {
+  assert.equal(await runSample("### Retry rules", "rules.mjs"), "1 completed, 1 dead; 2 timeouts, 1 invalid\n");
+});
+
+test("docs/typescript.md: Time limits", async () => {
+  assert.equal(await runSample("### Time limits", "limits.mjs"), "1 completed, 1 timed out\n");
+});
+
+test("docs/typescript.md: Worker metrics", async () => {
+  assert.equal(
+    await runSample("### Worker metrics", "metrics.mjs"),
+    [
+      'querator_worker_handled_total{queue="thumbnails",kind="thumbnail"} 2',
+      'querator_worker_failed_total{queue="thumbnails",kind="thumbnail",error="TypeError"} 1',
+      'querator_worker_dead_total{queue="thumbnails",kind="thumbnail"} 1',
+      "",
+    ].join("\n"),
+  );
+});

@@ -204,6 +204,11 @@ class QueueCollector(Collector):
         produce_waiting = GaugeMetricFamily(
             "querator_queue_produce_waiting", "Produce calls waiting for the next cycle.", labels=["queue"]
         )
+        paused = GaugeMetricFamily(
+            "querator_queue_paused",
+            "Whether the queue is paused (PauseQueue): 0 no, 1 leases wait, 2 produce is refused too.",
+            labels=["queue"],
+        )
         map_used = GaugeMetricFamily(
             "querator_lmdb_map_used_bytes", "Bytes of the queue's LMDB map in use (a commit group's, for a queue in one).", labels=["queue"]
         )
@@ -230,6 +235,8 @@ class QueueCollector(Collector):
             avg_age.add_metric([name], max(0.0, now_us - totals.created_sum / held) / 1e6 if held else 0.0)
             lease_waiting.add_metric([name], totals.lease_waiting)
             produce_waiting.add_metric([name], totals.produce_waiting)
+            config = actor.config
+            paused.add_metric([name], 2 if config.produce_paused else 1 if config.paused else 0)
             probe = getattr(actor, "observer", None)
             oldest = probe.oldest_head() if isinstance(probe, QueueProbe) and totals.ready else 0
             head_age.add_metric([name], max(0.0, now_us - oldest) / 1e6 if oldest else 0.0)
@@ -242,7 +249,7 @@ class QueueCollector(Collector):
             "querator_queues_failed", "Queues not served because their storage failed (GetQueue says why)."
         )
         failed.add_metric([], self._manager.failed_queues())
-        yield from (queues, failed, items, partitions, faulty, head_age, avg_age, lease_waiting, produce_waiting, map_used, map_size)
+        yield from (queues, failed, items, partitions, faulty, head_age, avg_age, lease_waiting, produce_waiting, paused, map_used, map_size)
 
 
 class ReplicaState(Protocol):

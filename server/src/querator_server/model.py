@@ -107,6 +107,11 @@ class QueueConfig:
     # the default rule). Kept in the cluster catalog, never in a node's own.
     replicas: int = 1
     min_in_sync: int = 0
+    # PauseQueue / ResumeQueue: no items handed out while paused (leases wait); with
+    # produce_paused, Produce is refused too. Stored with the rest, so a pause
+    # outlives a restart and, in a cluster, reaches every node through the catalog.
+    paused: bool = False
+    produce_paused: bool = False
 
     def replace(self, **changes: object) -> QueueConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -195,6 +195,14 @@ class AsyncClient(BaseClient):
         """Change exactly the settings given; see :meth:`querator.Client.update_queue`."""
         return await self._transport.run(ops.update_queue(self._config, name, settings, timeout))
 
+    async def pause_queue(self, name: str, *, produce: bool = False, timeout: Seconds | None = None) -> QueueInfo:
+        """Pause the queue's leases (and produce with ``produce=True``); see :meth:`querator.Client.pause_queue`."""
+        return await self._transport.run(ops.pause_queue(self._config, name, produce, timeout))
+
+    async def resume_queue(self, name: str, *, timeout: Seconds | None = None) -> QueueInfo:
+        """End a pause; see :meth:`querator.Client.resume_queue`."""
+        return await self._transport.run(ops.resume_queue(self._config, name, timeout))
+
     async def delete_queue(self, name: str, *, force: bool = False, timeout: Seconds | None = None) -> None:
         """Delete a queue; see :meth:`querator.Client.delete_queue`."""
         await self._transport.run(ops.delete_queue(self._config, name, force, timeout))

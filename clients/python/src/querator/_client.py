@@ -236,6 +236,18 @@ class Client(BaseClient):
         settings are those of :meth:`create_queue`."""
         return self._transport.run(ops.update_queue(self._config, name, settings, timeout))
 
+    def pause_queue(self, name: str, *, produce: bool = False, timeout: Seconds | None = None) -> QueueInfo:
+        """Stop the queue handing out items until :meth:`resume_queue`: leases wait (and
+        answer empty at their ``wait``), while produce, completions, retries, lease
+        expiry, scheduled items and dead-lettering go on. ``produce=True`` refuses
+        produce too (:class:`~querator.FailedPrecondition`). The pause is stored with the
+        queue (it outlives restarts and holds on every node of a cluster). Admin key."""
+        return self._transport.run(ops.pause_queue(self._config, name, produce, timeout))
+
+    def resume_queue(self, name: str, *, timeout: Seconds | None = None) -> QueueInfo:
+        """End a pause: waiting leases get items again. A queue not paused is left as is."""
+        return self._transport.run(ops.resume_queue(self._config, name, timeout))
+
     def delete_queue(self, name: str, *, force: bool = False, timeout: Seconds | None = None) -> None:
         """Delete a queue and its items; one that still holds items needs ``force=True``."""
         self._transport.run(ops.delete_queue(self._config, name, force, timeout))

@@ -100,7 +100,9 @@ class QueueInfo:
     ``lease_key_ttl``: how long a Lease's ``lease_key`` is remembered (unless all of its
     items are completed first). ``failure``: why the server does not serve the queue
     (its storage could not be loaded, or kept failing; every call on it then raises
-    ``Unavailable``); empty while it serves.
+    ``Unavailable``); empty while it serves. ``paused``: the queue hands out no items
+    (leases wait) until resumed; ``produce_paused``: produce is refused too
+    (:meth:`~querator.Client.pause_queue`).
     """
 
     name: str
@@ -115,6 +117,8 @@ class QueueInfo:
     dedup_window: timedelta = timedelta(hours=24)
     lease_key_ttl: timedelta = timedelta(hours=1)
     failure: str = ""
+    paused: bool = False
+    produce_paused: bool = False
 
 
 class QueueSettings(TypedDict, total=False):

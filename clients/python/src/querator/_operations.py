@@ -195,6 +195,19 @@ def update_queue(config: ClientConfig, name: str, settings: Mapping[str, Any], t
     return p.queue_info(response.queue)
 
 
+def pause_queue(config: ClientConfig, name: str, produce: bool, timeout: Seconds | None) -> Operation[QueueInfo]:
+    request = queues_pb2.PauseQueueRequest(queue_name=name, produce=produce)
+    # Pausing twice is pausing once: safe to retry.
+    response = yield Call(QUEUES, "PauseQueue", request, config.call_timeout(timeout), True)
+    return p.queue_info(response.queue)
+
+
+def resume_queue(config: ClientConfig, name: str, timeout: Seconds | None) -> Operation[QueueInfo]:
+    request = queues_pb2.ResumeQueueRequest(queue_name=name)
+    response = yield Call(QUEUES, "ResumeQueue", request, config.call_timeout(timeout), True)
+    return p.queue_info(response.queue)
+
+
 def delete_queue(config: ClientConfig, name: str, force: bool, timeout: Seconds | None) -> Operation[None]:
     request = queues_pb2.DeleteQueueRequest(queue_name=name, force=force)
     yield Call(QUEUES, "DeleteQueue", request, config.call_timeout(timeout), False)

@@ -385,6 +385,8 @@ def queue_info(info: queues_pb2.QueueInfo) -> QueueInfo:
         dedup_window=c.from_duration(info.dedup_window),
         lease_key_ttl=c.from_duration(info.lease_key_ttl),
         failure=info.failure if info.state == queues_pb2.QUEUE_STATE_FAILED else "",
+        paused=info.paused,
+        produce_paused=info.produce_paused,
     )
 
 

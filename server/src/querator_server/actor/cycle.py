@@ -60,6 +60,8 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
     # -- produce -------------------------------------------------------------------
 
     def produce(self, txn: lmdb.Transaction[bytes], request: ProduceRequest) -> None:
+        if self.config.produce_paused:
+            raise FailedPrecondition(f"queue {quote(self.config.name)} is paused for produce; ResumeQueue ends the pause")
         store, now = self.store, self.now
         p = self._produce_partition(request, now + SCHEDULE_MIN_US)
         self.at = p  # self.enter(p), inlined: once per request
@@ -211,9 +213,12 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             requests = fresh
         if any(r.room is not None for r in requests):
             requests = self._with_room(requests)
-        total = self.ready_total()
         wanted = [r.batch_size for r in requests]
-        if total >= sum(wanted):
+        if self.config.paused:
+            # Nothing handed out: unkeyed leases park (answered empty at their timeout,
+            # served by the first cycle after the resume), keyed ones answer empty.
+            quotas = [0] * len(requests)
+        elif (total := self.ready_total()) >= sum(wanted):
             quotas = wanted
         else:
             quotas = _water_fill(wanted, total)
@@ -372,6 +377,9 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             if not state.is_leased:
                 if self._death_reason(state):
                     continue  # the lease scan or the lifecycle dead-letters it
+                if self.config.paused:  # stays the key's, leased again by a replay after the resume
+                    kept.append(seq)
+                    continue
                 raw = with_lease_key(raw, attempts=state.attempts + 1, deadline=deadline, leased_at=now, lease_key=key)
                 self.store.put_raw(txn, p, seq, raw)
                 v.ready -= 1

@@ -263,9 +263,10 @@ class AdminFrontend:
             raise FailedPrecondition(f"node {node!r} is live; only a dead node can be retired")
         # Replicated queues are not recreated here: their copies elsewhere hold them.
         owned = [e for e in self.catalog.queues.values() if not e.shard and any(h.node == node for h in e.homes)]
-        if not owned and node in self.catalog.retired:
+        copies = sorted((r for r in self.catalog.shards.records() if node in r.replicas), key=lambda r: r.queue)
+        if not owned and not copies and node in self.catalog.retired:
             return 0
-        if not owned:
+        if not owned and not copies:
             # Retiring bans the id for ever: an id the catalog does not know (a typo) must
             # not be banned, and a node that homes nothing has nothing to give up.
             raise NotFound(
@@ -275,6 +276,14 @@ class AdminFrontend:
         live = self._live()
         if not live:
             raise Unavailable("no live node to recreate the partitions on")
+        await self._drop_copies(node, copies)
+        if not owned:
+            await self._commit(
+                self._fenced_txn().created_at(self.keys.member(node), 0).put(self.keys.retired(node), b"{}"),
+                lambda: FailedPrecondition(f"node {node!r} came back meanwhile; it was not retired"),
+            )
+            log.warning("cluster_node_retired_by_admin", node=node, partitions_recreated=0, copies_dropped=len(copies))
+            return 0
         queues = self.catalog.queues
         work: dict[str, builtins.list[Home]] = {}
         moved = 0
@@ -318,6 +327,25 @@ class AdminFrontend:
         log.warning("cluster_node_retired_by_admin", node=node, partitions_recreated=moved)
         return moved
 
+    async def _drop_copies(self, node: str, copies: builtins.list[ShardRecord]) -> None:
+        """Take a node being retired out of each replicated queue it keeps a copy of: a
+        queue it is still primary of goes to another live in-sync copy first; one whose
+        only in-sync copy it holds is refused (nothing else has what it acknowledged).
+        The queues keep one copy fewer (their min_in_sync capped at what is left)."""
+        for record in copies:
+            if record.primary == node:
+                others = [n for n, i in record.isr if n != node and i and n in self.catalog.members]
+                if not others:
+                    raise FailedPrecondition(
+                        f"queue {record.queue!r}: node {node!r} holds its only in-sync copy; nothing was retired "
+                        "(bring the node back, or delete the queue)"
+                    )
+                record = await self._hand_over(record, others[0], leaving=node)
+            try:
+                await self.catalog.shards.drop_copy(record, node)
+            except Deposed as exc:
+                raise FailedPrecondition(f"queue {record.queue!r} changed meanwhile ({exc.message}); retry") from None
+
     # -- replicated queues: hand-overs ------------------------------------------------
 
     def _in_sync_here(self, record: ShardRecord, node: str) -> bool:
@@ -353,19 +381,26 @@ class AdminFrontend:
             )
         return await self._hand_over(record, node)
 
-    async def _hand_over(self, record: ShardRecord, node: str) -> ShardRecord:
+    async def _hand_over(self, record: ShardRecord, node: str, leaving: str = "") -> ShardRecord:
+        """Elect ``node``; ``leaving``: a node about to stop, left out of the in-sync set
+        when enough copies stay (the new primary then waits for it on no write)."""
         self.membership.check()
+        isr = record.isr
+        rest = tuple(entry for entry in isr if entry[0] != leaving)
+        if leaving and len(rest) >= record.min_isr:
+            isr = rest
         try:
-            elected = await self.catalog.shards.elect(record, node, record.isr)
+            elected = await self.catalog.shards.elect(record, node, isr)
         except Deposed as exc:
             raise FailedPrecondition(f"queue {record.queue!r} changed meanwhile ({exc.message}); retry") from None
         await self.catalog.wait_applied(elected.mod_revision, _APPLY_TIMEOUT_S)
         log.info("cluster_primary_moved", queue=record.queue, shard=record.uid, old=record.primary, new=node, epoch=elected.epoch)
         return elected
 
-    async def drain(self, node: str) -> tuple[builtins.list[str], builtins.list[str]]:
+    async def drain(self, node: str, leaving: bool = False) -> tuple[builtins.list[str], builtins.list[str]]:
         """Hand every replicated queue whose primary is ``node`` over to another live
-        in-sync copy (the one serving the fewest primaries): (moved, kept with why)."""
+        in-sync copy (the one serving the fewest primaries): (moved, kept with why).
+        ``leaving``: ``node`` is stopping, so it also leaves the in-sync sets it can."""
         if not node:
             raise InvalidArgument("node_id", "is required")
         if node not in self.catalog.members and not any(node in r.replicas for r in self.catalog.shards.records()):
@@ -384,7 +419,7 @@ class AdminFrontend:
                 kept.append(f"{record.queue}: no other live in-sync copy")
                 continue
             try:
-                await self._hand_over(record, others[0])
+                await self._hand_over(record, others[0], node if leaving else "")
             except FailedPrecondition as exc:
                 kept.append(f"{record.queue}: {exc.message}")
                 continue

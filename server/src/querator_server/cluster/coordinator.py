@@ -36,6 +36,9 @@ from .standing import Standing, check_members
 
 log = get_logger("cluster")
 
+# The longest a stopping node spends handing its primaries over.
+_HAND_OVER_S = 3.0
+
 
 @dataclass(frozen=True, slots=True)
 class ClusterSettings:
@@ -137,13 +140,28 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         self.router.peers.set_secret(self.manager.token_secret)  # and proves forwarded calls
 
     async def stop(self) -> None:
-        if not self.membership.fenced:  # a node that cannot write etcd hands nothing over
-            await self.roles.hand_over()
+        await self._hand_over_primaries()
         await self.roles.stop()
         await self.catalog.stop()
         await self.membership.stop()
         await self.router.close()
         await self.etcd.close()
+
+    async def _hand_over_primaries(self) -> None:
+        """Before this node stops: every replicated queue it is primary of goes to another
+        live in-sync copy now (one election each), rather than wait for its membership to
+        lapse and a failover. Bounded: a node that cannot reach etcd stops anyway."""
+        if self.retired or self.membership.fenced or not any(
+            r.primary == self.node for r in self.catalog.shards.records()
+        ):
+            return
+        try:
+            moved, kept = await asyncio.wait_for(self.drain(self.node, leaving=True), _HAND_OVER_S)
+        except (QueratorError, TimeoutError) as exc:
+            log.warning("cluster_hand_over_failed", node=self.node, error=str(exc))
+            return
+        if moved or kept:
+            log.info("cluster_primaries_handed_over", node=self.node, moved=moved, kept=kept)
 
     async def _standing(self, standing: bool) -> None:
         if standing:

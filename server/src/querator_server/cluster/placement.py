@@ -41,7 +41,12 @@ SHARED_FIELDS = (
     "updated_at_us",
     "dedup_window_us",
     "lease_key_ttl_us",
+    "paused",
+    "produce_paused",
 )
+# Shared fields an entry holds only when set (true), so that an entry of a queue never
+# paused reads the same to a node from before pausing existed.
+_WRITTEN_WHEN_SET = frozenset({"paused", "produce_paused"})
 
 
 # The reference of a node's local copy of a cluster queue starts with this.
@@ -82,7 +87,11 @@ class QueueEntry:
         return f"{GENERATION_MARK}{self.generation}"
 
     def encode(self) -> bytes:
-        settings = {field: getattr(self.config, field) for field in SHARED_FIELDS}
+        settings = {
+            field: getattr(self.config, field)
+            for field in SHARED_FIELDS
+            if field not in _WRITTEN_WHEN_SET or getattr(self.config, field)
+        }
         doc: dict[str, object] = {
             "settings": settings,
             "homes": [[h.node, h.index] for h in self.homes],

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from ..errors import NotFound, QueratorError
 from ..logging import get_logger
 from ..manager import QueuesManager
+from ..model import QueueConfig
 from ..queue_admin import key_from_record
 from .catalog import CatalogCache
 from .membership import Membership
@@ -113,16 +114,22 @@ class ReconcileBackend:
                 await self.manager.create(config)
                 log.info("cluster_queue_created_here", queue=name, partitions=count)
                 return
-            changes: dict[str, object] = {
-                f: getattr(config, f) for f in SHARED_FIELDS if f not in ("created_at_us", "updated_at_us")
-                and getattr(config, f) != getattr(local, f)
-            }
-            if local.partitions < count:
-                changes["partitions"] = count
-            if changes:
-                await self.manager.update(name, changes)
+            await self._settle(config, local)
         except QueratorError as exc:
             log.error("cluster_reconcile_failed", queue=name, error=exc.message)
+
+    async def _settle(self, config: QueueConfig, local: QueueConfig) -> None:
+        """Give the local queue ``local`` the catalog's settings and partition count
+        (``config``, as this node keeps it)."""
+        changes: dict[str, object] = {
+            f: getattr(config, f)
+            for f in SHARED_FIELDS
+            if f not in ("created_at_us", "updated_at_us") and getattr(config, f) != getattr(local, f)
+        }
+        if local.partitions < config.partitions:
+            changes["partitions"] = config.partitions
+        if changes:
+            await self.manager.update(config.name, changes)
 
     async def _follow_shard(self, entry: QueueEntry) -> None:
         """A replicated queue: this node's copy follows the shard's record (promoted,
@@ -134,9 +141,10 @@ class ReconcileBackend:
         config = entry.config.replace(partitions=len(entry.homes), reference=entry.local_reference, uid=entry.shard)
         try:
             await self.roles.follow(record, config)
-            if record.primary == self.node and self.manager.actor(config.name).config.partitions < config.partitions:
-                # Partitions added by UpdateQueue: the primary grows; its change sets grow the copies.
-                await self.manager.update(config.name, {"partitions": config.partitions})
+            if record.primary == self.node:
+                # The serving copy takes the catalog's settings (UpdateQueue, a pause) and
+                # its added partitions; its change sets grow the other copies.
+                await self._settle(config, self.manager.actor(config.name).config)
         except QueratorError as exc:
             log.error("cluster_reconcile_failed", queue=entry.config.name, shard=entry.shard, error=exc.message)
 

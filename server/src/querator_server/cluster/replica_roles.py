@@ -38,8 +38,6 @@ from .shipper import REPLICA_LAG_S, ShardReplication
 log = get_logger("cluster")
 
 _TICK_S = 0.5
-# How long a stopping node spends handing its primaries over (SIGTERM).
-HAND_OVER_S = 3.0
 # A failover attempt that did not end in a record naming a primary is tried again this
 # long after (the winner may have died before it promoted).
 _RETRY_RACE_S = 1.0
@@ -98,49 +96,6 @@ class ShardRoles:
         for shard in self.host.shards.values():
             if shard.primary is not None:
                 await shard.primary.stop()
-
-    async def hand_over(self, timeout: float = HAND_OVER_S) -> None:
-        """Before this node stops: each shard it serves as primary goes to another live
-        in-sync copy (the one that acked the most), so the queue serves again as soon as
-        that copy sees the record, not a lease TTL later. This node stops acknowledging
-        first (its answers in flight get up to the storage's grace to be acked), then
-        elects the other with the rest of the in-sync set: every member holds every
-        acknowledged change, and the new primary does not wait for this leaving node. Best effort, bounded: what is not handed over in time
-        fails over once this node's membership is gone."""
-        serving = [shard for shard in self.host.shards.values() if shard.primary is not None]
-        if not serving:
-            return
-        try:
-            await asyncio.wait_for(asyncio.gather(*(self._hand_over(s) for s in serving)), timeout)
-        except TimeoutError:
-            log.warning("shard_hand_over_incomplete", timeout_s=timeout)
-
-    async def _hand_over(self, shard: Shard) -> None:
-        async with self._lock(shard.uid):
-            replication = shard.primary
-            held = self._records.get(shard.uid)
-            if replication is None or held is None:
-                return
-            record = replication.record
-            links = replication.links
-            candidates = [
-                (links[n].acked if n in links else -1, n)
-                for n, incarnation in record.isr
-                if n != self.node and incarnation and self._live(n)
-            ]
-            if not candidates:
-                log.warning("shard_hand_over_impossible", uid=shard.uid, queue=shard.queue, reason="no other live copy in sync")
-                return
-            _, target = min(candidates, key=lambda c: (-c[0], c[1]))
-            await self._demote(shard)
-            try:
-                # Without this node, which is leaving: the new primary must not wait for its acks.
-                elected = await self.table.elect(record, target, [e for e in record.isr if e[0] != self.node])
-            except Exception as exc:  # lost to a change meanwhile, or etcd away: a failover follows
-                log.warning("shard_hand_over_failed", uid=shard.uid, queue=shard.queue, target=target, error=str(exc)[:200])
-                return
-            self._records[shard.uid] = (elected, held[1])
-            log.info("shard_handed_over", uid=shard.uid, queue=shard.queue, primary=target, epoch=elected.epoch)
 
     async def _tick(self) -> None:
         while True:

@@ -122,6 +122,16 @@ def elected(record: ShardRecord, primary: str, isr: Sequence[tuple[str, str]]) -
     return dataclasses.replace(record, epoch=record.epoch + 1, primary=primary, isr=tuple((n, i) for n, i in isr))
 
 
+def without_copy(record: ShardRecord, node: str) -> ShardRecord:
+    """``record`` without ``node``'s copy (a retired node): out of the copies and the
+    ISR, the minimum capped at the copies left. Never the primary's (elect first)."""
+    if node == record.primary:
+        raise ValueError(f"shard {record.uid}: {node!r} is its primary (elect another first)")
+    replicas = tuple(n for n in record.replicas if n != node)
+    isr = tuple(entry for entry in record.isr if entry[0] != node)
+    return dataclasses.replace(record, replicas=replicas, isr=isr, min_isr=min(record.min_isr, len(replicas)))
+
+
 async def next_uid(etcd: Etcd, key: bytes) -> int:
     """A shard uid never handed out before (a CAS on the counter ``key``)."""
     for _ in range(_UID_ATTEMPTS):

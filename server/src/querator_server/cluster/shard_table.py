@@ -129,5 +129,9 @@ class ShardTable:
         """Epoch + 1 with ``primary`` serving and ``isr`` in sync."""
         return await self._swap(record, shard_cas.elected(record, primary, isr))
 
+    async def drop_copy(self, record: ShardRecord, node: str) -> ShardRecord:
+        """Remove ``node``'s copy (a node retired for good); never the primary's."""
+        return await self._swap(record, shard_cas.without_copy(record, node))
+
     async def next_uid(self) -> int:
         return await shard_cas.next_uid(self._etcd, self.counter_key)

@@ -1,4 +1,4 @@
-"""querator.v1.QueuesService: create, get, list, update, delete, clear, stats."""
+"""querator.v1.QueuesService: create, get, list, update, delete, clear, stats, pause, resume."""
 
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ _UPDATABLE = {
     "min_in_sync",
 }
 _IMMUTABLE = {"queue_name", "created_at", "updated_at", "state", "failure"}
+# Changed by PauseQueue and ResumeQueue only.
+_PAUSE_FIELDS = {"paused", "produce_paused"}
 
 
 def queue_info(config: QueueConfig, visible: Callable[[str], bool] | None = None, failure: str = "") -> pb.QueueInfo:
@@ -74,6 +76,8 @@ def queue_info(config: QueueConfig, visible: Callable[[str], bool] | None = None
         # 0 for one copy: answers about such a queue are as before the field.
         replicas=config.replicas if config.replicas > 1 else 0,
         min_in_sync=config.min_in_sync if config.replicas > 1 else 0,
+        paused=config.paused,
+        produce_paused=config.produce_paused,
     )
 
 
@@ -200,6 +204,8 @@ class QueuesService:
         for index, path in enumerate(paths):
             if path in _IMMUTABLE:
                 raise InvalidArgument(f"update_mask.paths[{index}]", f"{path} cannot be changed")
+            if path in _PAUSE_FIELDS:
+                raise InvalidArgument(f"update_mask.paths[{index}]", f"{path} is changed by PauseQueue and ResumeQueue")
             if path not in _UPDATABLE:
                 raise InvalidArgument(
                     f"update_mask.paths[{index}]",
@@ -260,6 +266,24 @@ class QueuesService:
             in_flight=stats.in_flight,
         )
 
+    async def pause_queue(
+        self, request: pb.PauseQueueRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.PauseQueueResponse:
+        name = c.queue_name(request.queue_name)
+        visible = visible_queues()
+        paused = await self.admin.update(name, {"paused": True, "produce_paused": request.produce}, visible)
+        return pb.PauseQueueResponse(queue=queue_info(paused, visible))
+
+    async def resume_queue(
+        self, request: pb.ResumeQueueRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ResumeQueueResponse:
+        name = c.queue_name(request.queue_name)
+        visible = visible_queues()
+        config = self.admin.get(name)
+        if config.paused or config.produce_paused:
+            config = await self.admin.update(name, {"paused": False, "produce_paused": False}, visible)
+        return pb.ResumeQueueResponse(queue=queue_info(config, visible))
+
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         methods: dict[str, Any] = {
                 "CreateQueue": (self.create_queue, pb.CreateQueueRequest, pb.CreateQueueResponse, Action.ADMIN),
@@ -269,6 +293,8 @@ class QueuesService:
                 "DeleteQueue": (self.delete_queue, pb.DeleteQueueRequest, pb.DeleteQueueResponse, Action.ADMIN),
                 "ClearQueue": (self.clear_queue, pb.ClearQueueRequest, pb.ClearQueueResponse, Action.ADMIN),
                 "GetQueueStats": (self.get_queue_stats, pb.GetQueueStatsRequest, pb.GetQueueStatsResponse, Action.READ),
+                "PauseQueue": (self.pause_queue, pb.PauseQueueRequest, pb.PauseQueueResponse, Action.ADMIN),
+                "ResumeQueue": (self.resume_queue, pb.ResumeQueueRequest, pb.ResumeQueueResponse, Action.ADMIN),
         }
         if self.cluster is not None:
             methods = self.cluster.router.route(SERVICE, methods)

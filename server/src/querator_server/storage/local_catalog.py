@@ -211,6 +211,8 @@ def _encode(config: QueueConfig) -> bytes:
             "lease_key_ttl_us": config.lease_key_ttl_us,
             "group": config.group,
             "shard_copy": config.shard_copy,
+            "paused": config.paused,
+            "produce_paused": config.produce_paused,
         },
         separators=(",", ":"),
     ).encode()
@@ -235,4 +237,7 @@ def _decode(raw: bytes) -> QueueConfig:
         lease_key_ttl_us=min(int(data.get("lease_key_ttl_us", DEFAULT_LEASE_KEY_TTL_US)), MAX_LONG_DURATION_US),
         group=int(data.get("group", -1)),
         shard_copy=bool(data.get("shard_copy", False)),
+        # Absent in catalogs written before pausing existed: not paused.
+        paused=bool(data.get("paused", False)),
+        produce_paused=bool(data.get("produce_paused", False)),
     )

@@ -94,7 +94,11 @@ class ClusterServiceServicer:
         data directory, which no server will serve again). Refused with
         FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
         homes no partition (an id the cluster does not know is never banned);
-        retiring a node already retired answers 0. Needs an admin key for "*".
+        retiring a node already retired answers 0. A replicated queue keeping a
+        copy on the node loses that copy (one copy fewer, nothing acknowledged lost;
+        a queue it is primary of is handed over to another live in-sync copy
+        first); FAILED_PRECONDITION, nothing retired, when the node holds a queue's
+        only in-sync copy. Needs an admin key for "*".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

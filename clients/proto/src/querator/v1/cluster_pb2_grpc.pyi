@@ -50,7 +50,11 @@ class ClusterServiceStub:
     data directory, which no server will serve again). Refused with
     FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
     homes no partition (an id the cluster does not know is never banned);
-    retiring a node already retired answers 0. Needs an admin key for "*".
+    retiring a node already retired answers 0. A replicated queue keeping a
+    copy on the node loses that copy (one copy fewer, nothing acknowledged lost;
+    a queue it is primary of is handed over to another live in-sync copy
+    first); FAILED_PRECONDITION, nothing retired, when the node holds a queue's
+    only in-sync copy. Needs an admin key for "*".
     """
     ListSetAsideQueues: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.ListSetAsideQueuesRequest, _cluster_pb2.ListSetAsideQueuesResponse]
     """ListSetAsideQueues lists the queues nodes have set aside: local queues that
@@ -101,7 +105,11 @@ class ClusterServiceAsyncStub(ClusterServiceStub):
     data directory, which no server will serve again). Refused with
     FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
     homes no partition (an id the cluster does not know is never banned);
-    retiring a node already retired answers 0. Needs an admin key for "*".
+    retiring a node already retired answers 0. A replicated queue keeping a
+    copy on the node loses that copy (one copy fewer, nothing acknowledged lost;
+    a queue it is primary of is handed over to another live in-sync copy
+    first); FAILED_PRECONDITION, nothing retired, when the node holds a queue's
+    only in-sync copy. Needs an admin key for "*".
     """
     ListSetAsideQueues: _aio.UnaryUnaryMultiCallable[_cluster_pb2.ListSetAsideQueuesRequest, _cluster_pb2.ListSetAsideQueuesResponse]  # type: ignore[assignment]
     """ListSetAsideQueues lists the queues nodes have set aside: local queues that
@@ -161,7 +169,11 @@ class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
         data directory, which no server will serve again). Refused with
         FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
         homes no partition (an id the cluster does not know is never banned);
-        retiring a node already retired answers 0. Needs an admin key for "*".
+        retiring a node already retired answers 0. A replicated queue keeping a
+        copy on the node loses that copy (one copy fewer, nothing acknowledged lost;
+        a queue it is primary of is handed over to another live in-sync copy
+        first); FAILED_PRECONDITION, nothing retired, when the node holds a queue's
+        only in-sync copy. Needs an admin key for "*".
         """
 
     @_abc_1.abstractmethod

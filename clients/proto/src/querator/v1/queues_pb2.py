@@ -27,47 +27,55 @@ from google.protobuf import field_mask_pb2 as google_dot_protobuf_dot_field__mas
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18querator/v1/queues.proto\x12\x0bquerator.v1\x1a\x1egoogle/protobuf/duration.proto\x1a google/protobuf/field_mask.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x82\x04\n\tQueueInfo\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x12\n\ndead_queue\x18\x02 \x01(\t\x12\x11\n\treference\x18\x03 \x01(\t\x12\x30\n\rlease_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x31\n\x0e\x65xpire_timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0cmax_attempts\x18\x06 \x01(\x05\x12\x1c\n\x14requested_partitions\x18\x07 \x01(\x05\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0c\x64\x65\x64up_window\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x30\n\rlease_key_ttl\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x10\n\x08replicas\x18\x0c \x01(\x05\x12\x13\n\x0bmin_in_sync\x18\r \x01(\x05\x12&\n\x05state\x18\x14 \x01(\x0e\x32\x17.querator.v1.QueueState\x12\x0f\n\x07\x66\x61ilure\x18\x15 \x01(\t\";\n\x12\x43reateQueueRequest\x12%\n\x05queue\x18\x01 \x01(\x0b\x32\x16.querator.v1.QueueInfo\"<\n\x13\x43reateQueueResponse\x12%\n\x05queue\x18\x01 \x01(\x0b\x32\x16.querator.v1.QueueInfo\"%\n\x0fGetQueueRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\"9\n\x10GetQueueResponse\x12%\n\x05queue\x18\x01 \x01(\x0b\x32\x16.querator.v1.QueueInfo\":\n\x11ListQueuesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"U\n\x12ListQueuesResponse\x12&\n\x06queues\x18\x01 \x03(\x0b\x32\x16.querator.v1.QueueInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"l\n\x12UpdateQueueRequest\x12%\n\x05queue\x18\x01 \x01(\x0b\x32\x16.querator.v1.QueueInfo\x12/\n\x0bupdate_mask\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.FieldMask\"<\n\x13UpdateQueueResponse\x12%\n\x05queue\x18\x01 \x01(\x0b\x32\x16.querator.v1.QueueInfo\"7\n\x12\x44\x65leteQueueRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"\x15\n\x13\x44\x65leteQueueResponse\"^\n\x11\x43learQueueRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\r\n\x05queue\x18\x02 \x01(\x08\x12\x11\n\tscheduled\x18\x03 \x01(\x08\x12\x13\n\x0b\x64\x65structive\x18\x04 \x01(\x08\"\x14\n\x12\x43learQueueResponse\"*\n\x14GetQueueStatsRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\"\x95\x02\n\x0ePartitionStats\x12\x11\n\tpartition\x18\x01 \x01(\x05\x12\r\n\x05total\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_leased\x18\x03 \x01(\x03\x12\x11\n\tscheduled\x18\x04 \x01(\x03\x12.\n\x0b\x61verage_age\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x35\n\x12\x61verage_leased_age\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0e\n\x06\x66\x61ulty\x18\x07 \x01(\x08\x12\x0f\n\x07\x66\x61ilure\x18\x08 \x01(\t\x12\x30\n\x0c\x66\x61ulty_since\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x9f\x01\n\x15GetQueueStatsResponse\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12/\n\npartitions\x18\x02 \x03(\x0b\x32\x1b.querator.v1.PartitionStats\x12\x15\n\rlease_waiting\x18\x03 \x01(\x05\x12\x17\n\x0fproduce_waiting\x18\x04 \x01(\x05\x12\x11\n\tin_flight\x18\x05 \x01(\x05*Z\n\nQueueState\x12\x1b\n\x17QUEUE_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13QUEUE_STATE_SERVING\x10\x01\x12\x16\n\x12QUEUE_STATE_FAILED\x10\x02\x32\xc4\x04\n\rQueuesService\x12P\n\x0b\x43reateQueue\x12\x1f.querator.v1.CreateQueueRequest\x1a .querator.v1.CreateQueueResponse\x12G\n\x08GetQueue\x12\x1c.querator.v1.GetQueueRequest\x1a\x1d.querator.v1.GetQueueResponse\x12M\n\nListQueues\x12\x1e.querator.v1.ListQueuesRequest\x1a\x1f.querator.v1.ListQueuesResponse\x12P\n\x0bUpdateQueue\x12\x1f.querator.v1.UpdateQueueRequest\x1a .querator.v1.UpdateQueueResponse\x12P\n\x0b\x44\x65leteQueue\x12\x1f.querator.v1.DeleteQueueRequest\x1a .querator.v1.DeleteQueueResponse\x12M\n\nClearQueue\x12\x1e.querator.v1.ClearQueueRequest\x1a\x1f.querator.v1.ClearQueueResponse\x12V\n\rGetQueueStats\x12!.querator.v1.GetQueueStatsRequest\x1a\".querator.v1.GetQueueStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18querator/v1/queues.proto\x12\x0bquerator.v1\x1a\x1egoogle/protobuf/duration.proto\x1a google/protobuf/field_mask.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xaa\x04\n\tQueueInfo\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x12\n\ndead_queue\x18\x02 \x01(\t\x12\x11\n\treference\x18\x03 \x01(\t\x12\x30\n\rlease_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x31\n\x0e\x65xpire_timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0cmax_attempts\x18\x06 \x01(\x05\x12\x1c\n\x14requested_partitions\x18\x07 \x01(\x05\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0c\x64\x65\x64up_window\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x30\n\rlease_key_ttl\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x10\n\x08replicas\x18\x0c \x01(\x05\x12\x13\n\x0bmin_in_sync\x18\r \x01(\x05\x12&\n\x05state\x18\x14 \x01(\x0e\x32\x17.querator.v1.QueueState\x12\x0f\n\x07\x66\x61ilure\x18\x15 \x01(\t\x12\x0e\n\x06paused\x18\x1e \x01(\x08\x12\x16\n\x0eproduce_paused\x18\x1f \x01(\x08\";\n\x12\x43reateQueueRequest\x12%\n\x05queue\x18\x01 \x01(\x0b\x32\x16.querator.v1.QueueInfo\"<\n\x13\x43reateQueueResponse\x12%\n\x05queue\x18\x01 \x01(\x0b\x32\x16.querator.v1.QueueInfo\"%\n\x0fGetQueueRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\"9\n\x10GetQueueResponse\x12%\n\x05queue\x18\x01 \x01(\x0b\x32\x16.querator.v1.QueueInfo\":\n\x11ListQueuesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"U\n\x12ListQueuesResponse\x12&\n\x06queues\x18\x01 \x03(\x0b\x32\x16.querator.v1.QueueInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"l\n\x12UpdateQueueRequest\x12%\n\x05queue\x18\x01 \x01(\x0b\x32\x16.querator.v1.QueueInfo\x12/\n\x0bupdate_mask\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.FieldMask\"<\n\x13UpdateQueueResponse\x12%\n\x05queue\x18\x01 \x01(\x0b\x32\x16.querator.v1.QueueInfo\"7\n\x12\x44\x65leteQueueRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"\x15\n\x13\x44\x65leteQueueResponse\"^\n\x11\x43learQueueRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\r\n\x05queue\x18\x02 \x01(\x08\x12\x11\n\tscheduled\x18\x03 \x01(\x08\x12\x13\n\x0b\x64\x65structive\x18\x04 \x01(\x08\"\x14\n\x12\x43learQueueResponse\"*\n\x14GetQueueStatsRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\"\x95\x02\n\x0ePartitionStats\x12\x11\n\tpartition\x18\x01 \x01(\x05\x12\r\n\x05total\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_leased\x18\x03 \x01(\x03\x12\x11\n\tscheduled\x18\x04 \x01(\x03\x12.\n\x0b\x61verage_age\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x35\n\x12\x61verage_leased_age\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0e\n\x06\x66\x61ulty\x18\x07 \x01(\x08\x12\x0f\n\x07\x66\x61ilure\x18\x08 \x01(\t\x12\x30\n\x0c\x66\x61ulty_since\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x9f\x01\n\x15GetQueueStatsResponse\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12/\n\npartitions\x18\x02 \x03(\x0b\x32\x1b.querator.v1.PartitionStats\x12\x15\n\rlease_waiting\x18\x03 \x01(\x05\x12\x17\n\x0fproduce_waiting\x18\x04 \x01(\x05\x12\x11\n\tin_flight\x18\x05 \x01(\x05\"8\n\x11PauseQueueRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x0f\n\x07produce\x18\x02 \x01(\x08\";\n\x12PauseQueueResponse\x12%\n\x05queue\x18\x01 \x01(\x0b\x32\x16.querator.v1.QueueInfo\"(\n\x12ResumeQueueRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\"<\n\x13ResumeQueueResponse\x12%\n\x05queue\x18\x01 \x01(\x0b\x32\x16.querator.v1.QueueInfo*Z\n\nQueueState\x12\x1b\n\x17QUEUE_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13QUEUE_STATE_SERVING\x10\x01\x12\x16\n\x12QUEUE_STATE_FAILED\x10\x02\x32\xe5\x05\n\rQueuesService\x12P\n\x0b\x43reateQueue\x12\x1f.querator.v1.CreateQueueRequest\x1a .querator.v1.CreateQueueResponse\x12G\n\x08GetQueue\x12\x1c.querator.v1.GetQueueRequest\x1a\x1d.querator.v1.GetQueueResponse\x12M\n\nListQueues\x12\x1e.querator.v1.ListQueuesRequest\x1a\x1f.querator.v1.ListQueuesResponse\x12P\n\x0bUpdateQueue\x12\x1f.querator.v1.UpdateQueueRequest\x1a .querator.v1.UpdateQueueResponse\x12P\n\x0b\x44\x65leteQueue\x12\x1f.querator.v1.DeleteQueueRequest\x1a .querator.v1.DeleteQueueResponse\x12M\n\nClearQueue\x12\x1e.querator.v1.ClearQueueRequest\x1a\x1f.querator.v1.ClearQueueResponse\x12V\n\rGetQueueStats\x12!.querator.v1.GetQueueStatsRequest\x1a\".querator.v1.GetQueueStatsResponse\x12M\n\nPauseQueue\x12\x1e.querator.v1.PauseQueueRequest\x1a\x1f.querator.v1.PauseQueueResponse\x12P\n\x0bResumeQueue\x12\x1f.querator.v1.ResumeQueueRequest\x1a .querator.v1.ResumeQueueResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'querator.v1.queues_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_QUEUESTATE']._serialized_start=1881
-  _globals['_QUEUESTATE']._serialized_end=1971
+  _globals['_QUEUESTATE']._serialized_start=2144
+  _globals['_QUEUESTATE']._serialized_end=2234
   _globals['_QUEUEINFO']._serialized_start=141
-  _globals['_QUEUEINFO']._serialized_end=655
-  _globals['_CREATEQUEUEREQUEST']._serialized_start=657
-  _globals['_CREATEQUEUEREQUEST']._serialized_end=716
-  _globals['_CREATEQUEUERESPONSE']._serialized_start=718
-  _globals['_CREATEQUEUERESPONSE']._serialized_end=778
-  _globals['_GETQUEUEREQUEST']._serialized_start=780
-  _globals['_GETQUEUEREQUEST']._serialized_end=817
-  _globals['_GETQUEUERESPONSE']._serialized_start=819
-  _globals['_GETQUEUERESPONSE']._serialized_end=876
-  _globals['_LISTQUEUESREQUEST']._serialized_start=878
-  _globals['_LISTQUEUESREQUEST']._serialized_end=936
-  _globals['_LISTQUEUESRESPONSE']._serialized_start=938
-  _globals['_LISTQUEUESRESPONSE']._serialized_end=1023
-  _globals['_UPDATEQUEUEREQUEST']._serialized_start=1025
-  _globals['_UPDATEQUEUEREQUEST']._serialized_end=1133
-  _globals['_UPDATEQUEUERESPONSE']._serialized_start=1135
-  _globals['_UPDATEQUEUERESPONSE']._serialized_end=1195
-  _globals['_DELETEQUEUEREQUEST']._serialized_start=1197
-  _globals['_DELETEQUEUEREQUEST']._serialized_end=1252
-  _globals['_DELETEQUEUERESPONSE']._serialized_start=1254
-  _globals['_DELETEQUEUERESPONSE']._serialized_end=1275
-  _globals['_CLEARQUEUEREQUEST']._serialized_start=1277
-  _globals['_CLEARQUEUEREQUEST']._serialized_end=1371
-  _globals['_CLEARQUEUERESPONSE']._serialized_start=1373
-  _globals['_CLEARQUEUERESPONSE']._serialized_end=1393
-  _globals['_GETQUEUESTATSREQUEST']._serialized_start=1395
-  _globals['_GETQUEUESTATSREQUEST']._serialized_end=1437
-  _globals['_PARTITIONSTATS']._serialized_start=1440
-  _globals['_PARTITIONSTATS']._serialized_end=1717
-  _globals['_GETQUEUESTATSRESPONSE']._serialized_start=1720
-  _globals['_GETQUEUESTATSRESPONSE']._serialized_end=1879
-  _globals['_QUEUESSERVICE']._serialized_start=1974
-  _globals['_QUEUESSERVICE']._serialized_end=2554
+  _globals['_QUEUEINFO']._serialized_end=695
+  _globals['_CREATEQUEUEREQUEST']._serialized_start=697
+  _globals['_CREATEQUEUEREQUEST']._serialized_end=756
+  _globals['_CREATEQUEUERESPONSE']._serialized_start=758
+  _globals['_CREATEQUEUERESPONSE']._serialized_end=818
+  _globals['_GETQUEUEREQUEST']._serialized_start=820
+  _globals['_GETQUEUEREQUEST']._serialized_end=857
+  _globals['_GETQUEUERESPONSE']._serialized_start=859
+  _globals['_GETQUEUERESPONSE']._serialized_end=916
+  _globals['_LISTQUEUESREQUEST']._serialized_start=918
+  _globals['_LISTQUEUESREQUEST']._serialized_end=976
+  _globals['_LISTQUEUESRESPONSE']._serialized_start=978
+  _globals['_LISTQUEUESRESPONSE']._serialized_end=1063
+  _globals['_UPDATEQUEUEREQUEST']._serialized_start=1065
+  _globals['_UPDATEQUEUEREQUEST']._serialized_end=1173
+  _globals['_UPDATEQUEUERESPONSE']._serialized_start=1175
+  _globals['_UPDATEQUEUERESPONSE']._serialized_end=1235
+  _globals['_DELETEQUEUEREQUEST']._serialized_start=1237
+  _globals['_DELETEQUEUEREQUEST']._serialized_end=1292
+  _globals['_DELETEQUEUERESPONSE']._serialized_start=1294
+  _globals['_DELETEQUEUERESPONSE']._serialized_end=1315
+  _globals['_CLEARQUEUEREQUEST']._serialized_start=1317
+  _globals['_CLEARQUEUEREQUEST']._serialized_end=1411
+  _globals['_CLEARQUEUERESPONSE']._serialized_start=1413
+  _globals['_CLEARQUEUERESPONSE']._serialized_end=1433
+  _globals['_GETQUEUESTATSREQUEST']._serialized_start=1435
+  _globals['_GETQUEUESTATSREQUEST']._serialized_end=1477
+  _globals['_PARTITIONSTATS']._serialized_start=1480
+  _globals['_PARTITIONSTATS']._serialized_end=1757
+  _globals['_GETQUEUESTATSRESPONSE']._serialized_start=1760
+  _globals['_GETQUEUESTATSRESPONSE']._serialized_end=1919
+  _globals['_PAUSEQUEUEREQUEST']._serialized_start=1921
+  _globals['_PAUSEQUEUEREQUEST']._serialized_end=1977
+  _globals['_PAUSEQUEUERESPONSE']._serialized_start=1979
+  _globals['_PAUSEQUEUERESPONSE']._serialized_end=2038
+  _globals['_RESUMEQUEUEREQUEST']._serialized_start=2040
+  _globals['_RESUMEQUEUEREQUEST']._serialized_end=2080
+  _globals['_RESUMEQUEUERESPONSE']._serialized_start=2082
+  _globals['_RESUMEQUEUERESPONSE']._serialized_end=2142
+  _globals['_QUEUESSERVICE']._serialized_start=2237
+  _globals['_QUEUESSERVICE']._serialized_end=2978
 # @@protoc_insertion_point(module_scope)

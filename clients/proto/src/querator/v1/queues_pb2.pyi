@@ -67,6 +67,8 @@ class QueueInfo(_message.Message):
     MIN_IN_SYNC_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
+    PAUSED_FIELD_NUMBER: _builtins.int
+    PRODUCE_PAUSED_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue's name: 1 to 512 characters, no whitespace, no "~", no "/"."""
     dead_queue: _builtins.str
@@ -119,6 +121,14 @@ class QueueInfo(_message.Message):
     failure: _builtins.str
     """Output only: why the queue failed, without the server's file paths; empty
     while it serves.
+    """
+    paused: _builtins.bool
+    """Output only (set by PauseQueue and ResumeQueue): the queue hands out no
+    items; Lease calls wait until it is resumed or their timeout.
+    """
+    produce_paused: _builtins.bool
+    """Output only (PauseQueueRequest.produce): while paused, Produce is refused
+    too, FAILED_PRECONDITION naming the queue. Never set without paused.
     """
     @_builtins.property
     def lease_timeout(self) -> _duration_pb2.Duration:
@@ -175,10 +185,12 @@ class QueueInfo(_message.Message):
         min_in_sync: _builtins.int = ...,
         state: Global___QueueState.ValueType = ...,
         failure: _builtins.str = ...,
+        paused: _builtins.bool = ...,
+        produce_paused: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dedup_window", b"dedup_window", "expire_timeout", b"expire_timeout", "lease_key_ttl", b"lease_key_ttl", "lease_timeout", b"lease_timeout", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dead_queue", b"dead_queue", "dedup_window", b"dedup_window", "expire_timeout", b"expire_timeout", "failure", b"failure", "lease_key_ttl", b"lease_key_ttl", "lease_timeout", b"lease_timeout", "max_attempts", b"max_attempts", "min_in_sync", b"min_in_sync", "queue_name", b"queue_name", "reference", b"reference", "replicas", b"replicas", "requested_partitions", b"requested_partitions", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dead_queue", b"dead_queue", "dedup_window", b"dedup_window", "expire_timeout", b"expire_timeout", "failure", b"failure", "lease_key_ttl", b"lease_key_ttl", "lease_timeout", b"lease_timeout", "max_attempts", b"max_attempts", "min_in_sync", b"min_in_sync", "paused", b"paused", "produce_paused", b"produce_paused", "queue_name", b"queue_name", "reference", b"reference", "replicas", b"replicas", "requested_partitions", b"requested_partitions", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -624,3 +636,102 @@ class GetQueueStatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetQueueStatsResponse: _TypeAlias = GetQueueStatsResponse  # noqa: Y015
+
+@_typing.final
+class PauseQueueRequest(_message.Message):
+    """PauseQueueRequest names the queue to pause."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_NAME_FIELD_NUMBER: _builtins.int
+    PRODUCE_FIELD_NUMBER: _builtins.int
+    queue_name: _builtins.str
+    """The queue's name."""
+    produce: _builtins.bool
+    """Refuse Produce too while paused (FAILED_PRECONDITION), e.g. while the
+    queue's consumers are being fixed and its producers should back off.
+    Unset: producers keep adding items, which wait for the resume.
+    """
+    def __init__(
+        self,
+        *,
+        queue_name: _builtins.str = ...,
+        produce: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["produce", b"produce", "queue_name", b"queue_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseQueueRequest: _TypeAlias = PauseQueueRequest  # noqa: Y015
+
+@_typing.final
+class PauseQueueResponse(_message.Message):
+    """PauseQueueResponse returns the queue as it is now."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def queue(self) -> Global___QueueInfo:
+        """The queue, with paused set."""
+
+    def __init__(
+        self,
+        *,
+        queue: Global___QueueInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseQueueResponse: _TypeAlias = PauseQueueResponse  # noqa: Y015
+
+@_typing.final
+class ResumeQueueRequest(_message.Message):
+    """ResumeQueueRequest names the queue to resume."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_NAME_FIELD_NUMBER: _builtins.int
+    queue_name: _builtins.str
+    """The queue's name."""
+    def __init__(
+        self,
+        *,
+        queue_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue_name", b"queue_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeQueueRequest: _TypeAlias = ResumeQueueRequest  # noqa: Y015
+
+@_typing.final
+class ResumeQueueResponse(_message.Message):
+    """ResumeQueueResponse returns the queue as it is now."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def queue(self) -> Global___QueueInfo:
+        """The queue, with paused and produce_paused unset."""
+
+    def __init__(
+        self,
+        *,
+        queue: Global___QueueInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeQueueResponse: _TypeAlias = ResumeQueueResponse  # noqa: Y015

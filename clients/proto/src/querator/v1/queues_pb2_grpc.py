@@ -70,6 +70,16 @@ class QueuesServiceStub:
                 request_serializer=querator_dot_v1_dot_queues__pb2.GetQueueStatsRequest.SerializeToString,
                 response_deserializer=querator_dot_v1_dot_queues__pb2.GetQueueStatsResponse.FromString,
                 _registered_method=True)
+        self.PauseQueue = channel.unary_unary(
+                '/querator.v1.QueuesService/PauseQueue',
+                request_serializer=querator_dot_v1_dot_queues__pb2.PauseQueueRequest.SerializeToString,
+                response_deserializer=querator_dot_v1_dot_queues__pb2.PauseQueueResponse.FromString,
+                _registered_method=True)
+        self.ResumeQueue = channel.unary_unary(
+                '/querator.v1.QueuesService/ResumeQueue',
+                request_serializer=querator_dot_v1_dot_queues__pb2.ResumeQueueRequest.SerializeToString,
+                response_deserializer=querator_dot_v1_dot_queues__pb2.ResumeQueueResponse.FromString,
+                _registered_method=True)
 
 
 class QueuesServiceServicer:
@@ -126,6 +136,30 @@ class QueuesServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PauseQueue(self, request, context):
+        """PauseQueue stops a queue handing out items, until ResumeQueue: Lease calls
+        (and LeaseStream requests) wait as they do on an empty queue and answer
+        with no items at their timeout; a waiting one gets items once the queue is
+        resumed. Produce goes on (unless produce is set), and so does the rest:
+        Complete, Retry and Extend of items leased before, lease expiry, scheduled
+        items coming due, dead-lettering. The pause is stored with the queue's
+        settings: it survives a restart, and in a cluster every node honours it
+        (a node applies it once it has read the changed catalog entry; the node
+        that answered already has). Pausing a paused queue sets produce anew.
+        Admin role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeQueue(self, request, context):
+        """ResumeQueue ends a pause: leases are served again, waiting ones first.
+        Resuming a queue that is not paused changes nothing. Admin role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_QueuesServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +197,16 @@ def add_QueuesServiceServicer_to_server(servicer, server):
                     servicer.GetQueueStats,
                     request_deserializer=querator_dot_v1_dot_queues__pb2.GetQueueStatsRequest.FromString,
                     response_serializer=querator_dot_v1_dot_queues__pb2.GetQueueStatsResponse.SerializeToString,
+            ),
+            'PauseQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseQueue,
+                    request_deserializer=querator_dot_v1_dot_queues__pb2.PauseQueueRequest.FromString,
+                    response_serializer=querator_dot_v1_dot_queues__pb2.PauseQueueResponse.SerializeToString,
+            ),
+            'ResumeQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeQueue,
+                    request_deserializer=querator_dot_v1_dot_queues__pb2.ResumeQueueRequest.FromString,
+                    response_serializer=querator_dot_v1_dot_queues__pb2.ResumeQueueResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -355,6 +399,60 @@ class QueuesService:
             '/querator.v1.QueuesService/GetQueueStats',
             querator_dot_v1_dot_queues__pb2.GetQueueStatsRequest.SerializeToString,
             querator_dot_v1_dot_queues__pb2.GetQueueStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/querator.v1.QueuesService/PauseQueue',
+            querator_dot_v1_dot_queues__pb2.PauseQueueRequest.SerializeToString,
+            querator_dot_v1_dot_queues__pb2.PauseQueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/querator.v1.QueuesService/ResumeQueue',
+            querator_dot_v1_dot_queues__pb2.ResumeQueueRequest.SerializeToString,
+            querator_dot_v1_dot_queues__pb2.ResumeQueueResponse.FromString,
             options,
             channel_credentials,
             insecure,

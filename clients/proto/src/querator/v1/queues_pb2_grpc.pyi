@@ -49,6 +49,22 @@ class QueuesServiceStub:
     """GetQueueStats returns item counts and ages per partition. Cheap: no
     scans, safe to call every second.
     """
+    PauseQueue: _grpc.UnaryUnaryMultiCallable[_queues_pb2.PauseQueueRequest, _queues_pb2.PauseQueueResponse]
+    """PauseQueue stops a queue handing out items, until ResumeQueue: Lease calls
+    (and LeaseStream requests) wait as they do on an empty queue and answer
+    with no items at their timeout; a waiting one gets items once the queue is
+    resumed. Produce goes on (unless produce is set), and so does the rest:
+    Complete, Retry and Extend of items leased before, lease expiry, scheduled
+    items coming due, dead-lettering. The pause is stored with the queue's
+    settings: it survives a restart, and in a cluster every node honours it
+    (a node applies it once it has read the changed catalog entry; the node
+    that answered already has). Pausing a paused queue sets produce anew.
+    Admin role.
+    """
+    ResumeQueue: _grpc.UnaryUnaryMultiCallable[_queues_pb2.ResumeQueueRequest, _queues_pb2.ResumeQueueResponse]
+    """ResumeQueue ends a pause: leases are served again, waiting ones first.
+    Resuming a queue that is not paused changes nothing. Admin role.
+    """
 
 @_typing.type_check_only
 class QueuesServiceAsyncStub(QueuesServiceStub):
@@ -70,6 +86,22 @@ class QueuesServiceAsyncStub(QueuesServiceStub):
     GetQueueStats: _aio.UnaryUnaryMultiCallable[_queues_pb2.GetQueueStatsRequest, _queues_pb2.GetQueueStatsResponse]  # type: ignore[assignment]
     """GetQueueStats returns item counts and ages per partition. Cheap: no
     scans, safe to call every second.
+    """
+    PauseQueue: _aio.UnaryUnaryMultiCallable[_queues_pb2.PauseQueueRequest, _queues_pb2.PauseQueueResponse]  # type: ignore[assignment]
+    """PauseQueue stops a queue handing out items, until ResumeQueue: Lease calls
+    (and LeaseStream requests) wait as they do on an empty queue and answer
+    with no items at their timeout; a waiting one gets items once the queue is
+    resumed. Produce goes on (unless produce is set), and so does the rest:
+    Complete, Retry and Extend of items leased before, lease expiry, scheduled
+    items coming due, dead-lettering. The pause is stored with the queue's
+    settings: it survives a restart, and in a cluster every node honours it
+    (a node applies it once it has read the changed catalog entry; the node
+    that answered already has). Pausing a paused queue sets produce anew.
+    Admin role.
+    """
+    ResumeQueue: _aio.UnaryUnaryMultiCallable[_queues_pb2.ResumeQueueRequest, _queues_pb2.ResumeQueueResponse]  # type: ignore[assignment]
+    """ResumeQueue ends a pause: leases are served again, waiting ones first.
+    Resuming a queue that is not paused changes nothing. Admin role.
     """
 
 class QueuesServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -131,6 +163,34 @@ class QueuesServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_queues_pb2.GetQueueStatsResponse, _abc.Awaitable[_queues_pb2.GetQueueStatsResponse]]:
         """GetQueueStats returns item counts and ages per partition. Cheap: no
         scans, safe to call every second.
+        """
+
+    @_abc_1.abstractmethod
+    def PauseQueue(
+        self,
+        request: _queues_pb2.PauseQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_queues_pb2.PauseQueueResponse, _abc.Awaitable[_queues_pb2.PauseQueueResponse]]:
+        """PauseQueue stops a queue handing out items, until ResumeQueue: Lease calls
+        (and LeaseStream requests) wait as they do on an empty queue and answer
+        with no items at their timeout; a waiting one gets items once the queue is
+        resumed. Produce goes on (unless produce is set), and so does the rest:
+        Complete, Retry and Extend of items leased before, lease expiry, scheduled
+        items coming due, dead-lettering. The pause is stored with the queue's
+        settings: it survives a restart, and in a cluster every node honours it
+        (a node applies it once it has read the changed catalog entry; the node
+        that answered already has). Pausing a paused queue sets produce anew.
+        Admin role.
+        """
+
+    @_abc_1.abstractmethod
+    def ResumeQueue(
+        self,
+        request: _queues_pb2.ResumeQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_queues_pb2.ResumeQueueResponse, _abc.Awaitable[_queues_pb2.ResumeQueueResponse]]:
+        """ResumeQueue ends a pause: leases are served again, waiting ones first.
+        Resuming a queue that is not paused changes nothing. Admin role.
         """
 
 def add_QueuesServiceServicer_to_server(servicer: QueuesServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

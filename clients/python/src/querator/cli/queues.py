@@ -1,4 +1,4 @@
-"""``querator queues ...``: create, inspect, change, clear and delete queues."""
+"""``querator queues ...``: create, inspect, change, clear, pause, resume and delete queues."""
 
 from __future__ import annotations
 
@@ -11,11 +11,18 @@ from .._models import QUEUE_SETTINGS, QueueInfo
 from ._common import Commands, UsageError, done, parse_duration
 from ._output import emit_json, emit_table, plain
 
-QUEUE_HEADERS = ["NAME", "PARTITIONS", "LEASE", "EXPIRE", "MAX_ATTEMPTS", "DEAD_QUEUE", "REFERENCE"]
+QUEUE_HEADERS = ["NAME", "PARTITIONS", "LEASE", "EXPIRE", "MAX_ATTEMPTS", "DEAD_QUEUE", "PAUSED", "REFERENCE"]
+
+
+def paused_text(q: QueueInfo) -> str:
+    return "leases+produce" if q.produce_paused else "leases" if q.paused else "-"
 
 
 def queue_row(q: QueueInfo) -> list[Any]:
-    return [q.name, q.partitions, q.lease_timeout, q.expire_timeout, q.max_attempts or "-", q.dead_queue or "-", q.reference]
+    return [
+        q.name, q.partitions, q.lease_timeout, q.expire_timeout, q.max_attempts or "-", q.dead_queue or "-",
+        paused_text(q), q.reference,
+    ]
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -69,6 +76,16 @@ def cmd_clear(args: argparse.Namespace, client: Client) -> int:
     return done(args, f"cleared {what} items of {args.name}", cleared=args.name, ready=ready, scheduled=scheduled)
 
 
+def cmd_pause(args: argparse.Namespace, client: Client) -> int:
+    _show_queue(args, client.pause_queue(args.name, produce=args.produce))
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace, client: Client) -> int:
+    _show_queue(args, client.resume_queue(args.name))
+    return 0
+
+
 def cmd_stats(args: argparse.Namespace, client: Client) -> int:
     stats = client.queue_stats(args.name)
     if args.json:
@@ -100,7 +117,7 @@ def _queue_settings(parser: argparse.ArgumentParser) -> None:
 
 
 def register(commands: Commands) -> None:
-    queues = commands.group("queues", "create, inspect, change, clear and delete queues")
+    queues = commands.group("queues", "create, inspect, change, clear, pause, resume and delete queues")
     p = queues.leaf("create", cmd_create, "create a queue")
     p.add_argument("name")
     _queue_settings(p)
@@ -119,5 +136,10 @@ def register(commands: Commands) -> None:
     p.add_argument("--scheduled", action="store_true", help="remove scheduled items instead of ready ones")
     p.add_argument("--all", action="store_true", help="remove ready and scheduled items")
     p.add_argument("--destructive", action="store_true", help="remove leased items too")
+    p = queues.leaf("pause", cmd_pause, "hand out no items until resumed (leases wait; produce goes on)")
+    p.add_argument("name")
+    p.add_argument("--produce", action="store_true", help="refuse produce too while paused")
+    p = queues.leaf("resume", cmd_resume, "end a pause: leases get items again")
+    p.add_argument("name")
     p = queues.leaf("stats", cmd_stats, "item counts per partition")
     p.add_argument("name")

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file querator/v1/queues.proto.
  */
 export const file_querator_v1_queues: GenFile = /*@__PURE__*/
-  fileDesc("ChhxdWVyYXRvci92MS9xdWV1ZXMucHJvdG8SC3F1ZXJhdG9yLnYxIoIECglRdWV1ZUluZm8SEgoKcXVldWVfbmFtZRgBIAEoCRISCgpkZWFkX3F1ZXVlGAIgASgJEhEKCXJlZmVyZW5jZRgDIAEoCRIwCg1sZWFzZV90aW1lb3V0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjEKDmV4cGlyZV90aW1lb3V0GAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhQKDG1heF9hdHRlbXB0cxgGIAEoBRIcChRyZXF1ZXN0ZWRfcGFydGl0aW9ucxgHIAEoBRIuCgpjcmVhdGVkX2F0GAggASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIuCgp1cGRhdGVkX2F0GAkgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIvCgxkZWR1cF93aW5kb3cYCiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SMAoNbGVhc2Vfa2V5X3R0bBgLIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIQCghyZXBsaWNhcxgMIAEoBRITCgttaW5faW5fc3luYxgNIAEoBRImCgVzdGF0ZRgUIAEoDjIXLnF1ZXJhdG9yLnYxLlF1ZXVlU3RhdGUSDwoHZmFpbHVyZRgVIAEoCSI7ChJDcmVhdGVRdWV1ZVJlcXVlc3QSJQoFcXVldWUYASABKAsyFi5xdWVyYXRvci52MS5RdWV1ZUluZm8iPAoTQ3JlYXRlUXVldWVSZXNwb25zZRIlCgVxdWV1ZRgBIAEoCzIWLnF1ZXJhdG9yLnYxLlF1ZXVlSW5mbyIlCg9HZXRRdWV1ZVJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCSI5ChBHZXRRdWV1ZVJlc3BvbnNlEiUKBXF1ZXVlGAEgASgLMhYucXVlcmF0b3IudjEuUXVldWVJbmZvIjoKEUxpc3RRdWV1ZXNSZXF1ZXN0EhEKCXBhZ2Vfc2l6ZRgBIAEoBRISCgpwYWdlX3Rva2VuGAIgASgJIlUKEkxpc3RRdWV1ZXNSZXNwb25zZRImCgZxdWV1ZXMYASADKAsyFi5xdWVyYXRvci52MS5RdWV1ZUluZm8SFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJImwKElVwZGF0ZVF1ZXVlUmVxdWVzdBIlCgVxdWV1ZRgBIAEoCzIWLnF1ZXJhdG9yLnYxLlF1ZXVlSW5mbxIvCgt1cGRhdGVfbWFzaxgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5GaWVsZE1hc2siPAoTVXBkYXRlUXVldWVSZXNwb25zZRIlCgVxdWV1ZRgBIAEoCzIWLnF1ZXJhdG9yLnYxLlF1ZXVlSW5mbyI3ChJEZWxldGVRdWV1ZVJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCRINCgVmb3JjZRgCIAEoCCIVChNEZWxldGVRdWV1ZVJlc3BvbnNlIl4KEUNsZWFyUXVldWVSZXF1ZXN0EhIKCnF1ZXVlX25hbWUYASABKAkSDQoFcXVldWUYAiABKAgSEQoJc2NoZWR1bGVkGAMgASgIEhMKC2Rlc3RydWN0aXZlGAQgASgIIhQKEkNsZWFyUXVldWVSZXNwb25zZSIqChRHZXRRdWV1ZVN0YXRzUmVxdWVzdBISCgpxdWV1ZV9uYW1lGAEgASgJIpUCCg5QYXJ0aXRpb25TdGF0cxIRCglwYXJ0aXRpb24YASABKAUSDQoFdG90YWwYAiABKAMSFAoMdG90YWxfbGVhc2VkGAMgASgDEhEKCXNjaGVkdWxlZBgEIAEoAxIuCgthdmVyYWdlX2FnZRgFIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhI1ChJhdmVyYWdlX2xlYXNlZF9hZ2UYBiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDgoGZmF1bHR5GAcgASgIEg8KB2ZhaWx1cmUYCCABKAkSMAoMZmF1bHR5X3NpbmNlGAkgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCKfAQoVR2V0UXVldWVTdGF0c1Jlc3BvbnNlEhIKCnF1ZXVlX25hbWUYASABKAkSLwoKcGFydGl0aW9ucxgCIAMoCzIbLnF1ZXJhdG9yLnYxLlBhcnRpdGlvblN0YXRzEhUKDWxlYXNlX3dhaXRpbmcYAyABKAUSFwoPcHJvZHVjZV93YWl0aW5nGAQgASgFEhEKCWluX2ZsaWdodBgFIAEoBSpaCgpRdWV1ZVN0YXRlEhsKF1FVRVVFX1NUQVRFX1VOU1BFQ0lGSUVEEAASFwoTUVVFVUVfU1RBVEVfU0VSVklORxABEhYKElFVRVVFX1NUQVRFX0ZBSUxFRBACMsQECg1RdWV1ZXNTZXJ2aWNlElAKC0NyZWF0ZVF1ZXVlEh8ucXVlcmF0b3IudjEuQ3JlYXRlUXVldWVSZXF1ZXN0GiAucXVlcmF0b3IudjEuQ3JlYXRlUXVldWVSZXNwb25zZRJHCghHZXRRdWV1ZRIcLnF1ZXJhdG9yLnYxLkdldFF1ZXVlUmVxdWVzdBodLnF1ZXJhdG9yLnYxLkdldFF1ZXVlUmVzcG9uc2USTQoKTGlzdFF1ZXVlcxIeLnF1ZXJhdG9yLnYxLkxpc3RRdWV1ZXNSZXF1ZXN0Gh8ucXVlcmF0b3IudjEuTGlzdFF1ZXVlc1Jlc3BvbnNlElAKC1VwZGF0ZVF1ZXVlEh8ucXVlcmF0b3IudjEuVXBkYXRlUXVldWVSZXF1ZXN0GiAucXVlcmF0b3IudjEuVXBkYXRlUXVldWVSZXNwb25zZRJQCgtEZWxldGVRdWV1ZRIfLnF1ZXJhdG9yLnYxLkRlbGV0ZVF1ZXVlUmVxdWVzdBogLnF1ZXJhdG9yLnYxLkRlbGV0ZVF1ZXVlUmVzcG9uc2USTQoKQ2xlYXJRdWV1ZRIeLnF1ZXJhdG9yLnYxLkNsZWFyUXVldWVSZXF1ZXN0Gh8ucXVlcmF0b3IudjEuQ2xlYXJRdWV1ZVJlc3BvbnNlElYKDUdldFF1ZXVlU3RhdHMSIS5xdWVyYXRvci52MS5HZXRRdWV1ZVN0YXRzUmVxdWVzdBoiLnF1ZXJhdG9yLnYxLkdldFF1ZXVlU3RhdHNSZXNwb25zZUKmAQoOaW8ucXVlcmF0b3IudjFCC1F1ZXVlc1Byb3RvUAFaOmdpdGh1Yi5jb20vcXVlcmF0b3IvcXVlcmF0b3IvZ2VuL2dvL3F1ZXJhdG9yL3YxO3F1ZXJhdG9ydjGiAgNRWFiqAgtRdWVyYXRvci5WMcoCC1F1ZXJhdG9yXFYx4gIXUXVlcmF0b3JcVjFcR1BCTWV0YWRhdGHqAgxRdWVyYXRvcjo6VjFiBnByb3RvMw", [file_google_protobuf_duration, file_google_protobuf_field_mask, file_google_protobuf_timestamp]);
+  fileDesc("ChhxdWVyYXRvci92MS9xdWV1ZXMucHJvdG8SC3F1ZXJhdG9yLnYxIqoECglRdWV1ZUluZm8SEgoKcXVldWVfbmFtZRgBIAEoCRISCgpkZWFkX3F1ZXVlGAIgASgJEhEKCXJlZmVyZW5jZRgDIAEoCRIwCg1sZWFzZV90aW1lb3V0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjEKDmV4cGlyZV90aW1lb3V0GAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhQKDG1heF9hdHRlbXB0cxgGIAEoBRIcChRyZXF1ZXN0ZWRfcGFydGl0aW9ucxgHIAEoBRIuCgpjcmVhdGVkX2F0GAggASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIuCgp1cGRhdGVkX2F0GAkgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIvCgxkZWR1cF93aW5kb3cYCiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SMAoNbGVhc2Vfa2V5X3R0bBgLIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIQCghyZXBsaWNhcxgMIAEoBRITCgttaW5faW5fc3luYxgNIAEoBRImCgVzdGF0ZRgUIAEoDjIXLnF1ZXJhdG9yLnYxLlF1ZXVlU3RhdGUSDwoHZmFpbHVyZRgVIAEoCRIOCgZwYXVzZWQYHiABKAgSFgoOcHJvZHVjZV9wYXVzZWQYHyABKAgiOwoSQ3JlYXRlUXVldWVSZXF1ZXN0EiUKBXF1ZXVlGAEgASgLMhYucXVlcmF0b3IudjEuUXVldWVJbmZvIjwKE0NyZWF0ZVF1ZXVlUmVzcG9uc2USJQoFcXVldWUYASABKAsyFi5xdWVyYXRvci52MS5RdWV1ZUluZm8iJQoPR2V0UXVldWVSZXF1ZXN0EhIKCnF1ZXVlX25hbWUYASABKAkiOQoQR2V0UXVldWVSZXNwb25zZRIlCgVxdWV1ZRgBIAEoCzIWLnF1ZXJhdG9yLnYxLlF1ZXVlSW5mbyI6ChFMaXN0UXVldWVzUmVxdWVzdBIRCglwYWdlX3NpemUYASABKAUSEgoKcGFnZV90b2tlbhgCIAEoCSJVChJMaXN0UXVldWVzUmVzcG9uc2USJgoGcXVldWVzGAEgAygLMhYucXVlcmF0b3IudjEuUXVldWVJbmZvEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSJsChJVcGRhdGVRdWV1ZVJlcXVlc3QSJQoFcXVldWUYASABKAsyFi5xdWVyYXRvci52MS5RdWV1ZUluZm8SLwoLdXBkYXRlX21hc2sYAiABKAsyGi5nb29nbGUucHJvdG9idWYuRmllbGRNYXNrIjwKE1VwZGF0ZVF1ZXVlUmVzcG9uc2USJQoFcXVldWUYASABKAsyFi5xdWVyYXRvci52MS5RdWV1ZUluZm8iNwoSRGVsZXRlUXVldWVSZXF1ZXN0EhIKCnF1ZXVlX25hbWUYASABKAkSDQoFZm9yY2UYAiABKAgiFQoTRGVsZXRlUXVldWVSZXNwb25zZSJeChFDbGVhclF1ZXVlUmVxdWVzdBISCgpxdWV1ZV9uYW1lGAEgASgJEg0KBXF1ZXVlGAIgASgIEhEKCXNjaGVkdWxlZBgDIAEoCBITCgtkZXN0cnVjdGl2ZRgEIAEoCCIUChJDbGVhclF1ZXVlUmVzcG9uc2UiKgoUR2V0UXVldWVTdGF0c1JlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCSKVAgoOUGFydGl0aW9uU3RhdHMSEQoJcGFydGl0aW9uGAEgASgFEg0KBXRvdGFsGAIgASgDEhQKDHRvdGFsX2xlYXNlZBgDIAEoAxIRCglzY2hlZHVsZWQYBCABKAMSLgoLYXZlcmFnZV9hZ2UYBSABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SNQoSYXZlcmFnZV9sZWFzZWRfYWdlGAYgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEg4KBmZhdWx0eRgHIAEoCBIPCgdmYWlsdXJlGAggASgJEjAKDGZhdWx0eV9zaW5jZRgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAinwEKFUdldFF1ZXVlU3RhdHNSZXNwb25zZRISCgpxdWV1ZV9uYW1lGAEgASgJEi8KCnBhcnRpdGlvbnMYAiADKAsyGy5xdWVyYXRvci52MS5QYXJ0aXRpb25TdGF0cxIVCg1sZWFzZV93YWl0aW5nGAMgASgFEhcKD3Byb2R1Y2Vfd2FpdGluZxgEIAEoBRIRCglpbl9mbGlnaHQYBSABKAUiOAoRUGF1c2VRdWV1ZVJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCRIPCgdwcm9kdWNlGAIgASgIIjsKElBhdXNlUXVldWVSZXNwb25zZRIlCgVxdWV1ZRgBIAEoCzIWLnF1ZXJhdG9yLnYxLlF1ZXVlSW5mbyIoChJSZXN1bWVRdWV1ZVJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCSI8ChNSZXN1bWVRdWV1ZVJlc3BvbnNlEiUKBXF1ZXVlGAEgASgLMhYucXVlcmF0b3IudjEuUXVldWVJbmZvKloKClF1ZXVlU3RhdGUSGwoXUVVFVUVfU1RBVEVfVU5TUEVDSUZJRUQQABIXChNRVUVVRV9TVEFURV9TRVJWSU5HEAESFgoSUVVFVUVfU1RBVEVfRkFJTEVEEAIy5QUKDVF1ZXVlc1NlcnZpY2USUAoLQ3JlYXRlUXVldWUSHy5xdWVyYXRvci52MS5DcmVhdGVRdWV1ZVJlcXVlc3QaIC5xdWVyYXRvci52MS5DcmVhdGVRdWV1ZVJlc3BvbnNlEkcKCEdldFF1ZXVlEhwucXVlcmF0b3IudjEuR2V0UXVldWVSZXF1ZXN0Gh0ucXVlcmF0b3IudjEuR2V0UXVldWVSZXNwb25zZRJNCgpMaXN0UXVldWVzEh4ucXVlcmF0b3IudjEuTGlzdFF1ZXVlc1JlcXVlc3QaHy5xdWVyYXRvci52MS5MaXN0UXVldWVzUmVzcG9uc2USUAoLVXBkYXRlUXVldWUSHy5xdWVyYXRvci52MS5VcGRhdGVRdWV1ZVJlcXVlc3QaIC5xdWVyYXRvci52MS5VcGRhdGVRdWV1ZVJlc3BvbnNlElAKC0RlbGV0ZVF1ZXVlEh8ucXVlcmF0b3IudjEuRGVsZXRlUXVldWVSZXF1ZXN0GiAucXVlcmF0b3IudjEuRGVsZXRlUXVldWVSZXNwb25zZRJNCgpDbGVhclF1ZXVlEh4ucXVlcmF0b3IudjEuQ2xlYXJRdWV1ZVJlcXVlc3QaHy5xdWVyYXRvci52MS5DbGVhclF1ZXVlUmVzcG9uc2USVgoNR2V0UXVldWVTdGF0cxIhLnF1ZXJhdG9yLnYxLkdldFF1ZXVlU3RhdHNSZXF1ZXN0GiIucXVlcmF0b3IudjEuR2V0UXVldWVTdGF0c1Jlc3BvbnNlEk0KClBhdXNlUXVldWUSHi5xdWVyYXRvci52MS5QYXVzZVF1ZXVlUmVxdWVzdBofLnF1ZXJhdG9yLnYxLlBhdXNlUXVldWVSZXNwb25zZRJQCgtSZXN1bWVRdWV1ZRIfLnF1ZXJhdG9yLnYxLlJlc3VtZVF1ZXVlUmVxdWVzdBogLnF1ZXJhdG9yLnYxLlJlc3VtZVF1ZXVlUmVzcG9uc2VCpgEKDmlvLnF1ZXJhdG9yLnYxQgtRdWV1ZXNQcm90b1ABWjpnaXRodWIuY29tL3F1ZXJhdG9yL3F1ZXJhdG9yL2dlbi9nby9xdWVyYXRvci92MTtxdWVyYXRvcnYxogIDUVhYqgILUXVlcmF0b3IuVjHKAgtRdWVyYXRvclxWMeICF1F1ZXJhdG9yXFYxXEdQQk1ldGFkYXRh6gIMUXVlcmF0b3I6OlYxYgZwcm90bzM", [file_google_protobuf_duration, file_google_protobuf_field_mask, file_google_protobuf_timestamp]);
 
 /**
  * QueueInfo is a queue's settings.
@@ -161,6 +161,22 @@ export type QueueInfo = Message<"querator.v1.QueueInfo"> & {
    * @generated from field: string failure = 21;
    */
   failure: string;
+
+  /**
+   * Output only (set by PauseQueue and ResumeQueue): the queue hands out no
+   * items; Lease calls wait until it is resumed or their timeout.
+   *
+   * @generated from field: bool paused = 30;
+   */
+  paused: boolean;
+
+  /**
+   * Output only (PauseQueueRequest.produce): while paused, Produce is refused
+   * too, FAILED_PRECONDITION naming the queue. Never set without paused.
+   *
+   * @generated from field: bool produce_paused = 31;
+   */
+  producePaused: boolean;
 };
 
 /**
@@ -626,6 +642,99 @@ export const GetQueueStatsResponseSchema: GenMessage<GetQueueStatsResponse> = /*
   messageDesc(file_querator_v1_queues, 15);
 
 /**
+ * PauseQueueRequest names the queue to pause.
+ *
+ * @generated from message querator.v1.PauseQueueRequest
+ */
+export type PauseQueueRequest = Message<"querator.v1.PauseQueueRequest"> & {
+  /**
+   * The queue's name.
+   *
+   * @generated from field: string queue_name = 1;
+   */
+  queueName: string;
+
+  /**
+   * Refuse Produce too while paused (FAILED_PRECONDITION), e.g. while the
+   * queue's consumers are being fixed and its producers should back off.
+   * Unset: producers keep adding items, which wait for the resume.
+   *
+   * @generated from field: bool produce = 2;
+   */
+  produce: boolean;
+};
+
+/**
+ * Describes the message querator.v1.PauseQueueRequest.
+ * Use `create(PauseQueueRequestSchema)` to create a new message.
+ */
+export const PauseQueueRequestSchema: GenMessage<PauseQueueRequest> = /*@__PURE__*/
+  messageDesc(file_querator_v1_queues, 16);
+
+/**
+ * PauseQueueResponse returns the queue as it is now.
+ *
+ * @generated from message querator.v1.PauseQueueResponse
+ */
+export type PauseQueueResponse = Message<"querator.v1.PauseQueueResponse"> & {
+  /**
+   * The queue, with paused set.
+   *
+   * @generated from field: querator.v1.QueueInfo queue = 1;
+   */
+  queue?: QueueInfo | undefined;
+};
+
+/**
+ * Describes the message querator.v1.PauseQueueResponse.
+ * Use `create(PauseQueueResponseSchema)` to create a new message.
+ */
+export const PauseQueueResponseSchema: GenMessage<PauseQueueResponse> = /*@__PURE__*/
+  messageDesc(file_querator_v1_queues, 17);
+
+/**
+ * ResumeQueueRequest names the queue to resume.
+ *
+ * @generated from message querator.v1.ResumeQueueRequest
+ */
+export type ResumeQueueRequest = Message<"querator.v1.ResumeQueueRequest"> & {
+  /**
+   * The queue's name.
+   *
+   * @generated from field: string queue_name = 1;
+   */
+  queueName: string;
+};
+
+/**
+ * Describes the message querator.v1.ResumeQueueRequest.
+ * Use `create(ResumeQueueRequestSchema)` to create a new message.
+ */
+export const ResumeQueueRequestSchema: GenMessage<ResumeQueueRequest> = /*@__PURE__*/
+  messageDesc(file_querator_v1_queues, 18);
+
+/**
+ * ResumeQueueResponse returns the queue as it is now.
+ *
+ * @generated from message querator.v1.ResumeQueueResponse
+ */
+export type ResumeQueueResponse = Message<"querator.v1.ResumeQueueResponse"> & {
+  /**
+   * The queue, with paused and produce_paused unset.
+   *
+   * @generated from field: querator.v1.QueueInfo queue = 1;
+   */
+  queue?: QueueInfo | undefined;
+};
+
+/**
+ * Describes the message querator.v1.ResumeQueueResponse.
+ * Use `create(ResumeQueueResponseSchema)` to create a new message.
+ */
+export const ResumeQueueResponseSchema: GenMessage<ResumeQueueResponse> = /*@__PURE__*/
+  messageDesc(file_querator_v1_queues, 19);
+
+/**
  * QueueState says whether the server serves a queue.
  *
  * @generated from enum querator.v1.QueueState
@@ -735,6 +844,36 @@ export const QueuesService: GenService<{
     methodKind: "unary";
     input: typeof GetQueueStatsRequestSchema;
     output: typeof GetQueueStatsResponseSchema;
+  },
+  /**
+   * PauseQueue stops a queue handing out items, until ResumeQueue: Lease calls
+   * (and LeaseStream requests) wait as they do on an empty queue and answer
+   * with no items at their timeout; a waiting one gets items once the queue is
+   * resumed. Produce goes on (unless produce is set), and so does the rest:
+   * Complete, Retry and Extend of items leased before, lease expiry, scheduled
+   * items coming due, dead-lettering. The pause is stored with the queue's
+   * settings: it survives a restart, and in a cluster every node honours it
+   * (a node applies it once it has read the changed catalog entry; the node
+   * that answered already has). Pausing a paused queue sets produce anew.
+   * Admin role.
+   *
+   * @generated from rpc querator.v1.QueuesService.PauseQueue
+   */
+  pauseQueue: {
+    methodKind: "unary";
+    input: typeof PauseQueueRequestSchema;
+    output: typeof PauseQueueResponseSchema;
+  },
+  /**
+   * ResumeQueue ends a pause: leases are served again, waiting ones first.
+   * Resuming a queue that is not paused changes nothing. Admin role.
+   *
+   * @generated from rpc querator.v1.QueuesService.ResumeQueue
+   */
+  resumeQueue: {
+    methodKind: "unary";
+    input: typeof ResumeQueueRequestSchema;
+    output: typeof ResumeQueueResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_querator_v1_queues, 0);
