@@ -35,7 +35,7 @@ log = get_logger("cluster")
 SERVICE = "querator.internal.Peer"
 # How long a candidate waits for another copy's position: a copy that does not answer
 # in time is left out of the new in-sync set (it catches up and is added back).
-_GATHER_S = 1.0
+_GATHER_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,8 @@ asked for and epochs fenced, snapshots installed.
 
 A copy applies only change sets of an epoch it has not promised away (storage refuses
 lower ones: ``Fenced``) and only the next lsn of its history (``Diverged`` otherwise);
-a resent change it already holds is skipped, as the primary resends after a lost
-answer. Every change applied here also goes into the shard's ring, so this copy, once
+a resent change it already holds under the same epoch is a no-op (the primary resends
+after a lost answer). Every change applied here also goes into the shard's ring, so this copy, once
 promoted, can bring the others up to its position by tail.
 """
 
@@ -95,9 +95,10 @@ class CopyHost:
                     raise InvalidArgument("value", f"a change set of shard {ship.uid}: {exc}") from None
                 if change.uid != ship.uid:
                     return shard.state("diverged", f"a change set of shard {change.uid} in a call for {ship.uid}")
-                if change.lsn <= shard.copy.position().lsn:
-                    continue  # resent after a lost answer
+                before = shard.copy.position().lsn
                 try:
+                    # A change it holds already (resent after a lost answer) is a no-op,
+                    # unless held under another epoch: then Diverged (storage checks both).
                     await shard.copy.apply(change)
                 except Exception as exc:
                     if isinstance(exc, self._fenced):
@@ -105,8 +106,9 @@ class CopyHost:
                     if isinstance(exc, self._diverged):
                         return shard.state("diverged", str(exc))
                     raise
-                shard.ring.add(change.epoch, change.lsn, blob)
-                shard.applied += 1
+                if change.lsn > before:
+                    shard.ring.add(change.epoch, change.lsn, blob)
+                    shard.applied += 1
         return shard.state()
 
     async def status(self, ask: StatusAsk) -> CopyState:

@@ -221,6 +221,8 @@ class ShardReplication:
         self._offered: deque[tuple[int, float]] = deque()  # (lsn, when) of changes not acked by every link
         self._isr_lock = asyncio.Lock()
         self._monitor: asyncio.Task[None] | None = None
+        # The highest lsn answered (replicated() returned): every counted copy holds it.
+        self.released = copy.position().lsn
         self._adding: set[str] = set()  # being added to etcd's ISR right now (counted already)
         self.below_min = ""  # why a lagging copy could not be dropped (the minimum), if so
         self.shrinks = 0
@@ -276,9 +278,13 @@ class ShardReplication:
             link.offered(lsn, now)
         async with self._changed:
             await self._changed.wait_for(lambda: self._done(lsn) or self.failure is not None)
-        if not self._done(lsn):
-            assert self.failure is not None
-            raise self.failure
+            if self._done(lsn):
+                # Under the condition's lock, as _expand counts a copy: a change is either
+                # released before the copy is counted (and the copy holds it), or waits for it.
+                self.released = max(self.released, lsn)
+                return
+        assert self.failure is not None
+        raise self.failure
 
     def _done(self, lsn: int) -> bool:
         if 1 + len(self.counted) < self.record.min_isr:
@@ -334,9 +340,14 @@ class ShardReplication:
     async def _adjust(self) -> None:
         now = time.monotonic()
         self.below_min = ""
-        for node, link in self.links.items():
+        for node, link in list(self.links.items()):
+            if node not in self.record.replicas and node not in self.counted:
+                continue  # its copy left the shard (a move, a retire): nothing to add back
             in_isr = isr_incarnation(self.record, node)
-            caught_up = link.synced and bool(link.incarnation) and link.acked >= self.here()[1]
+            # In step enough to count: it holds every change acknowledged so far (those
+            # still waiting will wait for it too once it is counted), so a copy is added
+            # back under a steady load, not only in a lull.
+            caught_up = link.synced and bool(link.incarnation) and link.acked >= self.released
             if node in self.counted:
                 # A copy not yet claimed (UNCLAIMED: a new queue's empty copy) is waited
                 # on from the start and claimed once its link knows its incarnation.
@@ -377,6 +388,11 @@ class ShardReplication:
         members = {n for n in isr_nodes(record) if n != self.node}
         self.counted &= members | self._adding
         self.counted |= members
+        if self._monitor is not None:  # a copy added within this epoch (a move): ship to it too
+            for node in record.replicas:
+                if node != self.node and node not in self.links:
+                    link = self.links[node] = ReplicaLink(self, node)
+                    link.start()
         self.notify()
 
     async def _shrink(self, node: str, why: str) -> None:
@@ -397,7 +413,10 @@ class ShardReplication:
         async with self._isr_lock:
             if self.failure is not None:
                 return
-            self.counted.add(node)  # from now on every change waits for it too
+            async with self._changed:
+                if self.links[node].acked < self.released:
+                    return  # a change it lacks was acknowledged meanwhile: next turn
+                self.counted.add(node)  # from now on every change waits for it too
             self._adding.add(node)
             try:
                 record = await self._cas(lambda: self.table.expand_isr(self.record, (node, incarnation)))
