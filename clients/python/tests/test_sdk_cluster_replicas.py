@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from cluster_helpers import Cluster
@@ -111,6 +114,13 @@ def test_a_call_refused_by_a_node_that_is_not_the_primary_rereads_the_map_and_go
         # No primary it can reach: the node that has the call names the one it knows.
         with pytest.raises(querator.Unavailable, match=f"not primary: {old} epoch 1"):
             client.produce(name, ["refused"])
+
+        # The operator's view says so too (and exits 3).
+        status = subprocess.run(
+            [str(Path(sys.executable).parent / "querator"), "--address", nodes[bystander].address, "cluster", "status", "--json"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert status.returncode == 3 and f"queue {name}: its primary {old} is not live" in json.loads(status.stdout)["problems"]
 
         assert _change(cluster, name, new, "elect", new) == 2
         wait_until(lambda: _placement(cluster, int(bystander[1:]) - 1, name).primary == new, 10)
