@@ -22,7 +22,7 @@ from audit import LEASE_TIMEOUT_S, QUEUE, Load, _drain, stub_consumer, stub_prod
 from history import PRODUCE, Verdict, check
 from querator.v1 import cluster_pb2, cluster_pb2_grpc, queues_pb2, queues_pb2_grpc
 
-__all__ = ["LEASE_TIMEOUT_S", "QUEUE", "Run", "create_queue", "digests", "in_sync", "wait_in_sync", "primary_of", "wait_primary"]
+__all__ = ["LEASE_TIMEOUT_S", "QUEUE", "Run", "create_queue", "digests", "events", "in_sync", "wait_in_sync", "primary_of", "wait_primary"]
 
 
 def create_queue(node: Node, replicas: int, partitions: int = 2) -> None:
@@ -53,6 +53,19 @@ def in_sync(cluster: Cluster, via: Node) -> list[str]:
     return list(found.in_sync)
 
 
+def events(node: Node, event: str) -> list[dict[str, object]]:
+    """The node's log events named ``event`` (JSON lines on its stderr, since its last start)."""
+    found = []
+    for line in node.stderr_text(1 << 30).splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") == event:
+            found.append(record)
+    return found
+
+
 def wait_in_sync(cluster: Cluster, via: Node, count: int, timeout: float = 30) -> float:
     """Seconds until ``via`` sees ``count`` copies in sync."""
     started = time.monotonic()
@@ -80,7 +93,9 @@ def wait_primary(cluster: Cluster, via: Node, not_on: str = "", timeout: float =
         except grpc.RpcError as exc:
             last = exc.code()
         time.sleep(0.1)
-    raise AssertionError(f"no primary other than {not_on!r} after {timeout} s (last seen {last})")
+    raise AssertionError(
+        f"no primary other than {not_on!r} after {timeout} s (last seen {last}); {via.node_id}'s log:\n{via.stderr_text(3000)}"
+    )
 
 
 @dataclass
@@ -104,7 +119,8 @@ class Run:
         for i in range(self.consumers):
             self.threads.append(threading.Thread(target=stub_consumer, args=(self.load, f"c{i}", 200 + i), daemon=True))
         for thread in self.threads:
-            thread.start()
+            if thread.ident is None:  # not the direct Produces' (produce_to), started already
+                thread.start()
 
     def stop(self) -> None:
         self.load.stop.set()
@@ -127,7 +143,7 @@ class Run:
         assert oks, "no Produce was acknowledged after the fault"
         return min(oks) - at
 
-    def produce_to(self, node: Node, count: int, timeout: float) -> threading.Thread:
+    def produce_to(self, node: Node, count: int, timeout: float) -> list[threading.Thread]:
         """``count`` Produce calls sent straight to ``node`` with a long deadline, each on
         a thread of its own (recorded: the checker judges them like the others)."""
         from audit import Stubs
@@ -152,7 +168,17 @@ class Run:
         for thread in threads:
             thread.start()
         self.threads.extend(threads)
-        return threads[0]
+        return threads
+
+    def slowest_produce_since(self, at: float) -> float:
+        """The longest an acknowledged Produce in flight at ``at`` or sent after it took
+        from ``at`` (or from when it was sent) to its answer (seconds)."""
+        took = [
+            c.ended - max(c.invoked, at)
+            for c in self.load.history.calls()
+            if c.kind == PRODUCE and c.outcome == "ok" and c.ended >= at
+        ]
+        return max(took, default=0.0)
 
     def acknowledged_since(self, at: float) -> int:
         return sum(1 for c in self.load.history.calls() if c.kind == PRODUCE and c.outcome == "ok" and c.invoked >= at)

@@ -194,7 +194,7 @@ def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_
             await _until(lambda: all(r.store.copy and r.store.copy.position() == copy.position() for r in replicas.values()), 10, "replicas in step")
             digest = copy.digest()
             assert all(r.store.copy and r.store.copy.digest() == digest for r in replicas.values())
-            assert {n for n, i in replication.record.isr if i} == {"n1", "n2", "n3"}  # every copy claimed
+            await _until(lambda: {n for n, i in replication.record.isr if i} == {"n1", "n2", "n3"}, 10, "every copy claimed")
 
             # 2. n3 stops answering: writes stall about the replica lag, then go on without it.
             await replicas["n3"].stop()
@@ -228,5 +228,56 @@ def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_
             await primary.close()
             await peers.close()
             await client_etcd.close()
+
+    asyncio.run(main())
+
+
+def test_the_replication_calls_are_for_the_clusters_nodes_only_and_name_a_bad_field(tmp_path: Any) -> None:
+    """Without the calling node's proof (or with a forged one) a replication call is
+    refused PERMISSION_DENIED before anything is read; with it, a malformed message is
+    INVALID_ARGUMENT naming the field."""
+    from google.protobuf.wrappers_pb2 import BytesValue
+
+    from querator_server.cluster.forwarding import FORWARDED, PROOF
+    from querator_server.cluster.replica_wire import SHIP, STATUS, StatusAsk, pack
+
+    async def main() -> None:
+        members: dict[str, Member] = {}
+        replica = Replica(str(tmp_path), "n2", members)
+        await replica.start()
+        members["n2"] = Member("n2", f"127.0.0.1:{replica.port}", 1)
+        caller = Peers("n1", lambda: members)
+        caller.set_secret(SECRET)
+        try:
+            async with grpc.aio.insecure_channel(members["n2"].address) as channel:
+
+                async def call(method: str, data: bytes, metadata: Any) -> grpc.StatusCode:
+                    stub = channel.unary_unary(
+                        f"/querator.internal.Peer/{method}",
+                        request_serializer=BytesValue.SerializeToString,
+                        response_deserializer=BytesValue.FromString,
+                    )
+                    try:
+                        await stub(BytesValue(value=data), metadata=metadata, timeout=5)
+                    except grpc.aio.AioRpcError as exc:
+                        assert exc.code() != grpc.StatusCode.INVALID_ARGUMENT or "value" in (exc.details() or "")
+                        return exc.code()
+                    return grpc.StatusCode.OK
+
+                status = StatusAsk(SHARD_UID, fence=9).encode()
+                assert await call(STATUS, status, ()) == grpc.StatusCode.PERMISSION_DENIED
+                forged = ((FORWARDED, "n1"), (PROOF, "1.2.3"))
+                assert await call(STATUS, status, forged) == grpc.StatusCode.PERMISSION_DENIED
+                assert replica.store.copy is not None and replica.store.copy.fenced_epoch() == 0  # nothing fenced
+                proof = caller.proof_metadata()
+                assert await call(SHIP, b"\x00\x00", proof) == grpc.StatusCode.INVALID_ARGUMENT
+                bad = pack({"uid": SHARD_UID, "epoch": 1, "primary": "n1", "incarnation": ""}, [b"not a change set"])
+                assert await call(SHIP, bad, proof) == grpc.StatusCode.INVALID_ARGUMENT
+                assert await call(STATUS, status, proof) == grpc.StatusCode.OK
+                assert replica.store.copy.fenced_epoch() == 9
+        finally:
+            await replica.stop()
+            await replica.store.close()
+            await caller.close()
 
     asyncio.run(main())

@@ -70,6 +70,8 @@ def test_every_cycle_of_a_random_workload_leaves_the_copies_identical(tmp_path: 
         await asyncio.gather(*(client(actor, random.Random(seed), 400, until, tally) for seed in range(4)))
         await asyncio.sleep(1.8)  # leases run out, items expire and dead-letter, keys are forgotten
         await _settled(actor, mirror)
+        # Stop serving (storage kept open) so that no lifecycle cycle commits meanwhile.
+        await actor.step_down("the test compares the copies")
         assert actor.replica is not None
         final = actor.replica.digest()
         for _home, state in copies:
@@ -77,7 +79,7 @@ def test_every_cycle_of_a_random_workload_leaves_the_copies_identical(tmp_path: 
         assert final[0] == Position(1, mirror.changes)
         dead = dlq.totals()
         tally.dead_lettered = dead.ready + dead.leased
-        await actor.stop()
+        await home.job(store.close)
         await dlq.stop()
         for h in [home, *copy_homes, dlq_home]:
             await h.close()
@@ -89,7 +91,13 @@ def test_every_cycle_of_a_random_workload_leaves_the_copies_identical(tmp_path: 
     # Nearly every change was compared at once (the rest: the primary had gone on).
     assert mirror.compared >= mirror.changes * 0.8, (mirror.compared, mirror.changes)
     assert {"p0", "p1", "dedup", "dedup_by_time", "lease_keys", "lease_keys_by_time"} <= mirror.roles
+    # Items stored, rewritten and deleted; scheduled ones stored and falling due; dead
+    # letters into the outbox and out once handed over; source ids of imported items;
+    # expiry entries; next seqs.
+    kinds = {(tag, deleted) for tag in (b"i", b"s", b"d", b"u") for deleted in (False, True)} | {(b"x", False), (b"x", True), (b"n", False)}
+    assert kinds <= mirror.tags, kinds - mirror.tags
     assert {"ProduceRequest", "LeaseRequest", "CompleteRequest", "RetryRequest", "ExtendRequest"} <= tally.kinds
+    assert {"ImportItemsRequest", "DeleteItemsRequest"} <= tally.kinds
     assert tally.dead_lettered > 0
 
 
@@ -172,6 +180,15 @@ def test_a_recording_keeps_what_nested_transactions_commit_and_refuses_unknown_d
         assert not recording.delete(b"missing", db=store.db(0))  # nothing deleted, nothing recorded
         with pytest.raises(StorageError, match="does not replicate"):
             recording.put(b"x", b"y", db=other)
+        for write in (
+            lambda: recording.drop(store.db(0)),
+            lambda: recording.replace(b"a", b"z", db=store.db(0)),
+            lambda: recording.pop(b"d", db=store.db(0)),
+            lambda: cursor.replace(b"d", b"z"),
+            lambda: cursor.pop(b"d"),
+        ):
+            with pytest.raises(StorageError, match="not replicated|not recorded"):
+                write()
         assert isinstance(recording, Recording)
         return recording.ops
 
@@ -225,3 +242,30 @@ def test_a_replication_that_fails_makes_calls_fail_unavailable_never_ok(tmp_path
     assert ok == 3
     assert len(failures) == 10 and all("retry" in text for text in failures)
     assert deposed and deposed[0][0] == "q" and "not replicated" in deposed[0][1]
+
+
+def test_answers_waiting_for_replicas_all_fail_unavailable_when_abandoned_even_before_they_ran() -> None:
+    from querator_server.actor.replication import ReplicationGate
+    from querator_server.actor.transaction import answer
+
+    class Silent:
+        async def replicated(self, change: ChangeSet) -> None:
+            await asyncio.Event().wait()  # never acknowledged
+
+    async def main() -> None:
+        lost: list[str] = []
+        gate = ReplicationGate("q", Silent(), lost.append)
+        requests = []
+        for lsn in (1, 2, 3):
+            request = ProduceRequest(items=[])
+            request.future = asyncio.get_running_loop().create_future()
+            requests.append(request)
+            gate.release(ChangeSet(SHARD_UID, 1, lsn, [("p0", b"k", b"v")]), [(request, "ok")])
+        gate.abandon("stepping down")  # the tasks have not run a step yet
+        await gate.drain()
+        for request in requests:
+            assert isinstance(request.future.exception(), Unavailable)
+        answer(requests[0], "late")  # an answer given already stays
+        assert gate.pending == 0 and not lost
+
+    asyncio.run(main())

@@ -130,6 +130,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(env QUERATOR_REPLICA_LAG, default 2)",
     )
     parser.add_argument(
+        "--replica-ring",
+        type=int,
+        dest="replica_ring",
+        help="change sets each copy keeps in memory for replicas that catch up by tail; one further behind "
+        "gets a snapshot (env QUERATOR_REPLICA_RING, default 20000)",
+    )
+    parser.add_argument(
         "--etcd-ca",
         help="PEM CA bundle etcd's certificate must chain to; turns TLS to etcd on (env QUERATOR_ETCD_CA)",
     )
@@ -206,6 +213,8 @@ def _replication_problem(config: ServerConfig) -> str:
         return "--min-in-sync applies to replicated queues of a cluster: give --cluster too"
     if not config.replica_lag_s > 0:
         return "--replica-lag (QUERATOR_REPLICA_LAG) must be a number of seconds above 0"
+    if config.replica_ring < 1:
+        return "--replica-ring (QUERATOR_REPLICA_RING) must be a whole number, at least 1"
     return ""
 
 
@@ -250,6 +259,7 @@ def _config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> S
         replicas=args.replicas,
         min_in_sync=args.min_in_sync,
         replica_lag_s=args.replica_lag,
+        replica_ring=args.replica_ring,
         cluster_ca=args.cluster_ca,
         etcd_ca=args.etcd_ca,
         etcd_cert=args.etcd_cert,

@@ -69,6 +69,9 @@ class ServerConfig:
     # How long a replica may stay silent or behind before the primary drops it from the
     # in-sync set (and writes stop waiting for it).
     replica_lag_s: float = 2.0
+    # Change sets each copy keeps in memory so a replica that was away catches up by tail
+    # (beyond them it gets a snapshot).
+    replica_ring: int = 20_000
     # With TLS on: the PEM CA bundle that signed the other nodes' certificates, for the
     # calls a node forwards to another (default: tls_client_ca, else the system's roots).
     cluster_ca: str = ""
@@ -108,6 +111,7 @@ class ServerConfig:
             "replicas": _whole_number(env.get("QUERATOR_REPLICAS", "1")),
             "min_in_sync": _whole_number(env.get("QUERATOR_MIN_IN_SYNC", "0")),
             "replica_lag_s": _seconds(env.get("QUERATOR_REPLICA_LAG", "2"), "QUERATOR_REPLICA_LAG"),
+            "replica_ring": _whole_number(env.get("QUERATOR_REPLICA_RING", "20000")),
             "etcd_ca": env.get("QUERATOR_ETCD_CA", ""),
             "etcd_cert": env.get("QUERATOR_ETCD_CERT", ""),
             "etcd_key": env.get("QUERATOR_ETCD_KEY", ""),

@@ -31,7 +31,7 @@ from .logging import get_logger
 from .model import QueueConfig
 from .queue_admin import check_dead_queue, check_deletable, check_update, key_from_record, key_record
 from .storage import Catalog, QueueStore, StorageError
-from .storage.change_set import ChangeSet, Fenced
+from .storage.change_set import ChangeSet
 from .storage.group_layout import copy_out
 from .storage.group_placement import GROUP_MAX_PARTITIONS, CommitGroups, queue_prefix
 from .storage.lane import StorageLane
@@ -347,6 +347,9 @@ class QueuesManager:
         group = None
         if copy is not None:
             store, group = copy.state.store, copy.group
+            if store.partitions < config.partitions:  # settings changed while it was passive
+                grow = partial(store.ensure_partitions, config.partitions)
+                await (group.job(grow) if group is not None else lane.run(grow))
         elif stopped is not None:
             store, group = stopped.store, stopped.group
         elif config.group >= 0:
@@ -527,8 +530,15 @@ class QueuesManager:
             if "dead_queue" in changes:
                 check_dead_queue(updated, self._configs, visible)
             loop = asyncio.get_running_loop()
-            actor = self._actors[name]
-            if actor.group is not None and updated.partitions > GROUP_MAX_PARTITIONS:
+            actor = self._actors.get(name)
+            copy = self._copies.get(name)
+            if copy is not None and copy.group is not None and updated.partitions + 1 > GROUP_MAX_PARTITIONS:
+                # Its copies would have to leave their groups in step; not done yet.
+                raise FailedPrecondition(
+                    f"replicated queue {name!r} keeps its storage in a commit group here, which holds at most "
+                    f"{GROUP_MAX_PARTITIONS - 1} of its partitions"
+                )
+            if actor is not None and actor.group is not None and updated.partitions > GROUP_MAX_PARTITIONS:
                 await self._move_out(actor, updated.replace(group=-1))
                 return self._configs[name]
             try:
@@ -536,7 +546,8 @@ class QueuesManager:
             except (StorageError, OSError) as exc:
                 raise _storage_failed(exc) from exc
             self._configs[name] = updated
-            await self._actors[name].reconfigure(updated)
+            if actor is not None:  # a passive copy opens partitions as change sets name them
+                await actor.reconfigure(updated)
             return updated
 
     async def _move_out(self, actor: LogicalQueue, updated: QueueConfig) -> None:
@@ -630,8 +641,48 @@ class QueuesManager:
         """This node's copy of replicated queue ``name``."""
         copy = self._copies.get(name)
         if copy is None:
+            if name in self._failed:
+                raise Unavailable(f"queue {name!r}: this node's copy failed to load ({self.failure(name)}); reset it")
             raise NotFound(f"queue {name!r} has no copy on this node")
         return copy
+
+    async def reset_copy(self, name: str) -> ReplicaCopy:
+        """Throw this node's copy of ``name`` away and make it anew, empty, as another
+        incarnation: for a copy that failed to load (a damaged file) or diverged. A
+        snapshot then fills it (``install_snapshot``)."""
+        async with self._lock:
+            self._check_open()
+            config = self.get(name)
+            if not config.shard_copy:
+                raise FailedPrecondition(f"queue {name!r} is not a copy of a replicated queue here")
+            if name in self._actors:
+                raise FailedPrecondition(f"queue {name!r} is served here; demote it first")
+            copy = self._copies.pop(name, None)
+            loop = asyncio.get_running_loop()
+            if copy is not None:
+                await self._destroy_copy(copy)
+            elif config.group >= 0:
+                group = await loop.run_in_executor(self._executor, self._groups.get, config.group)
+                try:
+                    store = await group.job(
+                        lambda: QueueStore(group.path, config.partitions, shared=group.env, prefix=queue_prefix(config.uid))
+                    )
+                    await group.job(store.destroy)
+                except StorageError as exc:
+                    raise _storage_failed(exc) from exc
+            else:
+                await loop.run_in_executor(
+                    self._executor, partial(shutil.rmtree, self._queue_path(config.uid), ignore_errors=True)
+                )
+            self._failed.pop(name, None)
+            try:
+                copy = await self._open_copy_storage(config)
+            except (StorageError, OSError) as exc:
+                self._queue_failed(name, f"cannot make its copy anew: {exc}")
+                raise _storage_failed(exc) from exc
+            self._copies[name] = copy
+            log.warning("shard_copy_reset", queue=name, uid=config.uid, incarnation=copy.incarnation)
+            return copy
 
     async def open_copy(self, config: QueueConfig) -> ReplicaCopy:
         """A passive copy of a replicated queue's shard, ``config.uid`` being the shard's
@@ -713,13 +764,13 @@ class QueuesManager:
                 if copy.serving_epoch == epoch:
                     return
                 raise FailedPrecondition(f"queue {name!r} is served here under epoch {copy.serving_epoch}, not {epoch}")
-            if epoch < copy.fenced_epoch():
-                raise Fenced(f"queue {name!r}: epoch {epoch} is below the epoch {copy.fenced_epoch()} this copy promised")
-            await copy.fence(epoch)
-            actor = await self._start_actor(self._configs[name], copy=copy, replication=replication, epoch=epoch)
-            copy.serving_epoch = epoch
+            config = self._configs[name]
+            actor = await copy.serve(
+                epoch, partial(self._start_actor, config, copy=copy, replication=replication, epoch=epoch)
+            )
             copy.step_down = partial(self._step_down_for, name)
             self._actors[name] = actor
+            actor.kick_outboxes()
             log.info("shard_promoted", queue=name, epoch=epoch, position=tuple(copy.position()))
 
     async def demote(self, name: str) -> None:

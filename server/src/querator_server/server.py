@@ -255,6 +255,7 @@ class QueratorServer:
             replicas=config.replicas,
             min_in_sync=config.min_in_sync,
             replica_lag_s=config.replica_lag_s,
+            replica_ring=config.replica_ring,
         )
         try:
             self.cluster = Coordinator(

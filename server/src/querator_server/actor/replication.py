@@ -24,6 +24,12 @@ from .transaction import answer
 
 log = get_logger("queue")
 
+# Cycles committed here and not yet acknowledged by the replicas, at most: the actor
+# waits before the next cycle beyond it. What a primary may hold that its copies lack
+# stays bounded (what a failover away from it drops, unanswered), and so does the work
+# piled up behind a replica that stopped answering until the in-sync set shrinks.
+MAX_UNREPLICATED = 32
+
 
 class Replication(Protocol):
     """Where a replicated queue's change sets go (the cluster's data path)."""
@@ -42,31 +48,45 @@ class ReplicationGate:
         self.replication = replication
         self._on_lost = on_lost
         self._tail: asyncio.Task[None] | None = None
-        self._pending: set[asyncio.Task[None]] = set()
+        # Each waiting cycle's task, with the answers it owes.
+        self._pending: dict[asyncio.Task[None], list[tuple[Request, object]]] = {}
         # Why replication was lost ("" while it works); every later answer fails.
         self.lost = ""
 
-    def release(self, change: ChangeSet | None, results: list[tuple[Request, object]]) -> None:
+    def release(
+        self, change: ChangeSet | None, results: list[tuple[Request, object]], then: Callable[[], None] | None = None
+    ) -> None:
         """Answer ``results`` once ``change`` (None: the cycle wrote nothing) and every
-        change handed before it are replicated."""
+        change handed before it are replicated, after calling ``then`` (what the cycle
+        starts outside the queue, such as handing dead letters over, waits too)."""
         if change is None and self._tail is None:
+            if then is not None:
+                then()
             self._answer(results)
             return
-        task = asyncio.get_running_loop().create_task(self._release(self._tail, change, results))
+        task = asyncio.get_running_loop().create_task(self._release(self._tail, change, results, then))
         self._tail = task
-        self._pending.add(task)
+        self._pending[task] = results
         task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
-        self._pending.discard(task)
+        results = self._pending.pop(task, [])
         if self._tail is task:
             self._tail = None
+        if task.cancelled():  # cancelled before it ran: its answers are still owed
+            self._fail(results)
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
-    async def _release(self, before: asyncio.Task[None] | None, change: ChangeSet | None, results: list[tuple[Request, object]]) -> None:
+    async def _release(
+        self,
+        before: asyncio.Task[None] | None,
+        change: ChangeSet | None,
+        results: list[tuple[Request, object]],
+        then: Callable[[], None] | None,
+    ) -> None:
         error: BaseException | None = None
         try:
             if change is not None and not self.lost:
@@ -79,14 +99,19 @@ class ReplicationGate:
             at = f"change {change.lsn} of epoch {change.epoch}" if change is not None else "a change"
             self._lose(f"{at} was not replicated: {error or type(error).__name__}")
         if self.lost:
-            failed = Unavailable(
-                f"queue {self.name!r} stopped serving here before its replicas acknowledged the change "
-                f"({self.lost}); the request may or may not have been applied, retry"
-            )
-            for request, _result in results:
-                answer(request, failed)
+            self._fail(results)
             return
+        if then is not None:
+            then()
         self._answer(results)
+
+    def _fail(self, results: list[tuple[Request, object]]) -> None:
+        failed = Unavailable(
+            f"queue {self.name!r} stopped serving here before its replicas acknowledged the change "
+            f"({self.lost or 'stopped'}); the request may or may not have been applied, retry"
+        )
+        for request, _result in results:
+            answer(request, failed)
 
     def _lose(self, reason: str) -> None:
         self.lost = reason
@@ -105,6 +130,11 @@ class ReplicationGate:
     def _answer(results: list[tuple[Request, object]]) -> None:
         for request, result in results:
             answer(request, result)
+
+    async def room(self) -> None:
+        """Until fewer than ``MAX_UNREPLICATED`` cycles wait for their replicas."""
+        while len(self._pending) >= MAX_UNREPLICATED:
+            await asyncio.wait(set(self._pending), return_when=asyncio.FIRST_COMPLETED)
 
     async def drain(self) -> None:
         """Wait until every answer handed here has been given."""

@@ -22,6 +22,7 @@ from . import identity
 from .admin_frontend import AdminFrontend
 from .catalog import APPLY_TIMEOUT_S as _APPLY_TIMEOUT_S
 from .catalog import CatalogCache, Keys
+from .change_ring import RING_CHANGES
 from .etcd import Access, Endpoint, Etcd, EtcdError, Txn
 from .forwarding import PeerTls
 from .membership import Membership
@@ -58,6 +59,8 @@ class ClusterSettings:
     # How long a replica may stay silent or behind before its primary drops it from the
     # in-sync set (--replica-lag).
     replica_lag_s: float = REPLICA_LAG_S
+    # Change sets kept per copy for catch-up by tail (--replica-ring).
+    replica_ring: int = RING_CHANGES
 
 
 class Coordinator(AdminFrontend, ReconcileBackend):
@@ -92,6 +95,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
             (Deposed, Fenced, Diverged),
             ChangeSet.decode,
             settings.replica_lag_s,
+            settings.replica_ring,
         )
         self._reconcile_lock = asyncio.Lock()
         self.retired = False

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from ..logging import get_logger
 from ..model import QueueConfig
 from . import failover
+from .change_ring import RING_CHANGES, ChangeRing
 from .forwarding import Peers
 from .replica_contract import UNCLAIMED, CopyLike, Decode, isr_incarnation
 from .replica_host import CopyHost, Shard
@@ -48,6 +49,8 @@ class Copies(Protocol):
     async def open_copy(self, config: QueueConfig) -> Any: ...
     async def promote(self, name: str, epoch: int, replication: Any) -> None: ...
     async def demote(self, name: str) -> None: ...
+    def failure(self, name: str) -> str: ...
+    async def delete(self, name: str, force: bool) -> None: ...
 
 
 class ShardRoles:
@@ -61,6 +64,7 @@ class ShardRoles:
         errors: tuple[type[Exception], type[Exception], type[Exception]],
         decode: Decode,
         lag_s: float = REPLICA_LAG_S,
+        ring_changes: int = RING_CHANGES,
     ) -> None:
         self.node = node
         self._manager = manager
@@ -69,6 +73,7 @@ class ShardRoles:
         self._live = live
         self._deposed_error, fenced, diverged = errors
         self.lag_s = lag_s
+        self._ring_changes = ring_changes
         self.host = CopyHost(decode, fenced, diverged, self._newer_epoch)
         self._records: dict[int, tuple[ShardRecord, QueueConfig]] = {}
         self._locks: dict[int, asyncio.Lock] = {}
@@ -135,9 +140,20 @@ class ShardRoles:
                 self._records[uid] = (record, config)
             shard = self.host.shards.get(uid)
             if shard is None:
-                copy: CopyLike = await self._manager.open_copy(config)
-                shard = self.host.shards[uid] = Shard(uid, record.queue, copy)
+                copy: CopyLike = await self._open(config)
+                shard = self.host.shards[uid] = Shard(uid, record.queue, copy, ChangeRing(self._ring_changes))
             await self._step(shard, record)
+
+    async def _open(self, config: QueueConfig) -> CopyLike:
+        """This node's copy of the shard; a copy whose storage cannot be loaded (missing,
+        truncated, damaged: refused at start) is dropped and made again, empty, with a
+        new incarnation: out of the in-sync set until the primary rebuilt it."""
+        reason = self._manager.failure(config.name)
+        if reason:
+            log.error("shard_copy_rebuilt", queue=config.name, uid=config.uid, reason=reason)
+            await self._manager.delete(config.name, True)
+        copy: CopyLike = await self._manager.open_copy(config)
+        return copy
 
     def _lock(self, uid: int) -> asyncio.Lock:
         return self._locks.setdefault(uid, asyncio.Lock())
@@ -238,12 +254,13 @@ class ShardRoles:
 
     async def _demote(self, shard: Shard) -> None:
         replication, shard.primary = shard.primary, None
-        if replication is not None:
-            await replication.stop()
         try:
+            # First, while the links still ship: the answers in flight may still be acked.
             await self._manager.demote(shard.queue)
         except Exception as exc:  # demoted already (the gate's failure does it too)
             log.debug("shard_demote", uid=shard.uid, queue=shard.queue, error=str(exc)[:200])
+        if replication is not None:
+            await replication.stop()
         log.info("shard_demoted", uid=shard.uid, queue=shard.queue, node=self.node)
 
     def _deposed(self, uid: int) -> None:

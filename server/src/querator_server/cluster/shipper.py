@@ -108,7 +108,16 @@ class ReplicaLink:
         state = await self._call(STATUS, StatusAsk(shard.uid).encode(), _CALL_S)
         self._check(state)
         self.incarnation = state.incarnation
-        path = shard.ring.path(state.position, shard.here())
+        here = shard.here()
+        path = shard.ring.path(state.position, here)
+        log.info(
+            "replica_sync",
+            uid=shard.uid,
+            node=self.node,
+            path="snapshot" if self.rebuild else path.value,
+            position=list(state.position),
+            primary_position=list(here),
+        )
         if path is Path.SNAPSHOT or self.rebuild:
             state = await self._snapshot()
             self._check(state)
