@@ -57,7 +57,9 @@ def where(entry: QueueEntry, here: str, live: Collection[str], method: str, requ
     """Where ``request`` (a ``method`` call about ``entry``'s queue) goes from node
     ``here``; ``live``: the live nodes; ``forwarded``: it came from another node, which
     already chose this one. Raises InvalidArgument or Unavailable for a call that cannot go anywhere."""
-    if entry.shard:
+    # GetQueueStats is answered whatever: a primary that is down shows as its partitions
+    # listed faulty (as a home that is down does), which operators read during a failover.
+    if entry.shard and (forwarded or method != "GetQueueStats"):
         _check_primary(entry, here, live, forwarded)
     if method == "Produce":
         return _produce(entry, here, live, request, forwarded)
