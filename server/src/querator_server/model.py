@@ -83,6 +83,10 @@ class QueueConfig:
 
     name: str
     uid: int = 0
+    # A copy of a replicated queue's shard (cluster mode): ``uid`` is the shard's, the
+    # same on every node, and the storage keeps a replication position. Node-local,
+    # like ``group``: whether this node serves it is the cluster's to say.
+    shard_copy: bool = False
     dead_queue: str = ""
     reference: str = ""
     lease_timeout_us: int = DEFAULT_LEASE_TIMEOUT_US

@@ -667,6 +667,24 @@ class LogicalQueue:
 
         return recorded
 
+    async def step_down(self, reason: str) -> None:
+        """Stop serving as a replicated queue's primary, leaving the storage open (the
+        manager keeps it as a passive copy): calls waiting, and answers waiting for
+        their replicas, fail UNAVAILABLE."""
+        if self._closed is None:
+            self._closed = Unavailable(f"queue {self.name!r} is no longer served on this node ({reason}); retry")
+        self.deposed = True
+        self._wake.set()
+        if self._gate is not None:
+            self._gate.abandon(reason)
+        if self._task is not None:
+            await self._task
+        if self._gate is not None:
+            self._gate.abandon(reason)  # what the last cycle handed over
+            await self._gate.drain()
+        await self._cancel_outbox()
+        await self._storage_job(self.store.abort_held)
+
     def _replication_lost(self, reason: str) -> None:
         """Stop serving as primary: what waits fails UNAVAILABLE, the loop ends."""
         if self.deposed:

@@ -42,9 +42,9 @@ class ReplicationGate:
         self.replication = replication
         self._on_lost = on_lost
         self._tail: asyncio.Task[None] | None = None
+        self._pending: set[asyncio.Task[None]] = set()
         # Why replication was lost ("" while it works); every later answer fails.
         self.lost = ""
-        self.pending = 0
 
     def release(self, change: ChangeSet | None, results: list[tuple[Request, object]]) -> None:
         """Answer ``results`` once ``change`` (None: the cycle wrote nothing) and every
@@ -52,38 +52,54 @@ class ReplicationGate:
         if change is None and self._tail is None:
             self._answer(results)
             return
-        self.pending += 1
         task = asyncio.get_running_loop().create_task(self._release(self._tail, change, results))
         self._tail = task
+        self._pending.add(task)
         task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
-        self.pending -= 1
+        self._pending.discard(task)
         if self._tail is task:
             self._tail = None
 
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
     async def _release(self, before: asyncio.Task[None] | None, change: ChangeSet | None, results: list[tuple[Request, object]]) -> None:
         error: BaseException | None = None
-        if change is not None and not self.lost:
-            try:
+        try:
+            if change is not None and not self.lost:
                 await self.replication.replicated(change)
-            except (Exception, asyncio.CancelledError) as exc:
-                error = exc
-        if before is not None:
-            await asyncio.wait([before])
+            if before is not None:
+                await asyncio.wait([before])
+        except (Exception, asyncio.CancelledError) as exc:  # cancelled: abandoned
+            error = exc
         if error is not None and not self.lost:
-            self.lost = f"change {change.lsn if change else 0} of epoch {change.epoch if change else 0} was not replicated: {error}"
-            log.error("replication_lost", queue=self.name, reason=self.lost)
-            self._on_lost(self.lost)
+            at = f"change {change.lsn} of epoch {change.epoch}" if change is not None else "a change"
+            self._lose(f"{at} was not replicated: {error or type(error).__name__}")
         if self.lost:
             failed = Unavailable(
-                f"queue {self.name!r} lost its replicas' acknowledgement and stopped serving here "
+                f"queue {self.name!r} stopped serving here before its replicas acknowledged the change "
                 f"({self.lost}); the request may or may not have been applied, retry"
             )
             for request, _result in results:
                 answer(request, failed)
             return
         self._answer(results)
+
+    def _lose(self, reason: str) -> None:
+        self.lost = reason
+        log.error("replication_lost", queue=self.name, reason=reason)
+        self._on_lost(reason)
+
+    def abandon(self, reason: str) -> None:
+        """Stop waiting: every answer not given yet fails UNAVAILABLE (the queue stops
+        serving here)."""
+        if not self.lost:
+            self.lost = reason
+        for task in list(self._pending):
+            task.cancel()
 
     @staticmethod
     def _answer(results: list[tuple[Request, object]]) -> None:

@@ -212,6 +212,7 @@ def _encode(config: QueueConfig) -> bytes:
             "group": config.group,
             "paused": config.paused,
             "produce_paused": config.produce_paused,
+            "shard_copy": config.shard_copy,
         },
         separators=(",", ":"),
     ).encode()
@@ -238,4 +239,5 @@ def _decode(raw: bytes) -> QueueConfig:
         # Absent in catalogs written before pausing existed: not paused.
         paused=bool(data.get("paused", False)),
         produce_paused=bool(data.get("produce_paused", False)),
+        shard_copy=bool(data.get("shard_copy", False)),
     )
