@@ -11,6 +11,7 @@ nothing are parked and take part in later cycles until their wait runs out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
@@ -78,6 +79,8 @@ T = TypeVar("T")
 log = get_logger("queue")
 
 DEFAULT_MAX_INBOX = 10_000
+# How long a primary stepping down waits for its replicas to acknowledge what it committed.
+STEP_DOWN_GRACE_S = 2.0
 # After a failed lifecycle step, the next try waits this long (as a failed hand-over does).
 OUTBOX_RETRY_S = HANDOVER_RETRY_S
 
@@ -667,20 +670,22 @@ class LogicalQueue:
 
         return recorded
 
-    async def step_down(self, reason: str) -> None:
+    async def step_down(self, reason: str, grace_s: float = STEP_DOWN_GRACE_S) -> None:
         """Stop serving as a replicated queue's primary, leaving the storage open (the
-        manager keeps it as a passive copy): calls waiting, and answers waiting for
-        their replicas, fail UNAVAILABLE."""
+        manager keeps it as a passive copy): calls not yet applied fail UNAVAILABLE;
+        changes already handed to the replicas get ``grace_s`` to be acknowledged (so
+        a hand-over leaves the copies alike), then their calls fail UNAVAILABLE too."""
         if self._closed is None:
             self._closed = Unavailable(f"queue {self.name!r} is no longer served on this node ({reason}); retry")
         self.deposed = True
         self._wake.set()
-        if self._gate is not None:
-            self._gate.abandon(reason)
         if self._task is not None:
             await self._task
         if self._gate is not None:
-            self._gate.abandon(reason)  # what the last cycle handed over
+            if not self._gate.lost:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._gate.drain()), grace_s)
+            self._gate.abandon(reason)
             await self._gate.drain()
         await self._cancel_outbox()
         await self._storage_job(self.store.abort_held)

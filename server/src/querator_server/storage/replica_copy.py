@@ -13,16 +13,18 @@ of the copy's own on its lane, or in its commit group's next commit.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import TypeVar
 
 import lmdb
 
-from .change_set import ChangeSet, Fenced, Position
+from .change_set import ChangeSet, Diverged, Fenced, Position
 from .commit_group import CommitGroup
 from .lane import StorageLane
 from .queue_store import MAX_GROWTHS, MapFull, StorageFull
 from .replica_state import ReplicaState
+from .snapshot import CHUNK_BYTES, END, SnapshotHeader, SnapshotReader, data_ops, decode_end
 
 T = TypeVar("T")
 
@@ -83,6 +85,71 @@ class ReplicaCopy:
             await self._grouped(lambda txn: self.state.fence_in(txn, epoch))
             self.state.fenced(epoch)
             return self.state.position()
+
+    # -- snapshots (snapshot.py) -------------------------------------------------------------
+
+    def snapshot_chunks(self, chunk_bytes: int = CHUNK_BYTES) -> AsyncIterator[bytes]:
+        """The whole copy as of one read transaction, in chunks of about ``chunk_bytes``
+        of entries: drain it at once (a parked reader makes the file grow)."""
+        return self._snapshot(chunk_bytes)
+
+    async def _snapshot(self, chunk_bytes: int) -> AsyncIterator[bytes]:
+        reader = await self._read(partial(SnapshotReader, self.state, chunk_bytes))
+        try:
+            yield reader.header.encode()
+            while (chunk := await self._read(reader.next_chunk)) is not None:
+                yield chunk
+            yield reader.end()
+        finally:
+            reader.close()
+
+    async def install_snapshot(self, chunks: AsyncIterator[bytes]) -> Position:
+        """Replace this copy's contents with a snapshot (``snapshot_chunks`` of another
+        copy): a new incarnation, at the snapshot's position, fenced at its epoch. A
+        crash or a bad stream half-way leaves a copy that refuses change sets until a
+        snapshot is installed again."""
+        async with self._lock:
+            if self.serving_epoch:
+                raise Fenced(f"queue {self.name!r} is served here under epoch {self.serving_epoch}: no snapshot over it")
+            state = self.state
+            stream = aiter(chunks)
+            header = SnapshotHeader.decode(await anext(stream))
+            if header.uid != state.uid:
+                raise Diverged(f"a snapshot of queue uid {header.uid} offered to the copy of queue uid {state.uid}")
+            state.installing(await self._write(state.begin_install))
+            end: tuple[int, str] | None = None
+            async for chunk in stream:
+                if chunk[:1] == END:
+                    end = decode_end(chunk)
+                    break
+                ops = data_ops(chunk, state.uid)
+                await self._job(partial(state.prepare_roles, [role for role, _, _ in ops]))
+                await self._write(partial(state.put_entries, ops=ops))
+            if end is None:
+                raise Diverged(f"the snapshot of queue {self.name!r} ended before its end chunk")
+            _position, digest = await self._read(state.digest)
+            if digest != end[1]:
+                raise Diverged(f"the snapshot of queue {self.name!r} installed with digest {digest}, not {end[1]}")
+            await self._write(partial(state.finish_install, position=header.position, history=header.history))
+            state.installed(header.position, header.history)
+            return header.position
+
+    async def _read(self, fn: Callable[[], T]) -> T:
+        """Read with no growth of the map in the middle: on the lane, which grows a
+        store of its own; on the loop, which grows a commit group's map."""
+        if self.group is None:
+            return await self.lane.run(fn)
+        return fn()
+
+    async def _job(self, fn: Callable[[], T]) -> T:
+        if self.group is None:
+            return await self.lane.run(fn)
+        return await self.group.job(fn)
+
+    async def _write(self, fn: Callable[[lmdb.Transaction[bytes]], T]) -> T:
+        """``fn`` in a durable write transaction of its own."""
+        store = self.state.store
+        return await self._job(partial(store.write, fn))
 
     async def _passive(self, epoch: int, what: str) -> None:
         """Step down first if this node serves the queue under an epoch below ``epoch``;

@@ -21,7 +21,7 @@ import bisect
 import hashlib
 import struct
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import lmdb
@@ -36,9 +36,30 @@ _POSITION = b"position"
 _FENCED = b"fenced"
 _INCARNATION = b"incarnation"
 _HISTORY = b"h"
+_INSTALLING = b"installing"
 _PAIR = struct.Struct(">QQ")
 _U64 = struct.Struct(">Q")
 _SIZE = struct.Struct(">I")
+
+
+class Hasher:
+    """A stable hash of (role, key, value) entries given in role then key order."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.blake2b(digest_size=16)
+        self._role = ""
+        self.count = 0
+
+    def add(self, role: str, key: bytes, value: bytes) -> None:
+        h = self._h
+        if role != self._role:
+            h.update(b"\x00" + role.encode() + b"\x00")
+            self._role = role
+        h.update(_SIZE.pack(len(key)) + key + _SIZE.pack(len(value)) + value)
+        self.count += 1
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
 
 
 def _partition_role(role: str) -> int | None:
@@ -86,13 +107,8 @@ class ReplicaState:
             self._fenced = _U64.unpack(raw)[0] if raw else 0
             raw = txn.get(_INCARNATION, db=self._meta)
             self.incarnation = raw.decode() if raw else self.incarnation
-            cursor = txn.cursor(db=self._meta)
-            self._history: list[tuple[int, int]] = []
-            if cursor.set_range(_HISTORY):
-                for key, value in cursor:
-                    if key[:1] != _HISTORY:
-                        break
-                    self._history.append((_U64.unpack(key[1:])[0], _U64.unpack(value)[0]))
+            self._history = self.stored_history(txn)
+            self._installing = txn.get(_INSTALLING, db=self._meta) is not None
 
     # -- what the copy holds -------------------------------------------------------------
 
@@ -134,7 +150,10 @@ class ReplicaState:
     def prepare(self, change: ChangeSet) -> None:
         """Open the partitions ``change`` writes that this copy does not have yet (a
         write transaction of its own: call it where ``store.write`` may run)."""
-        need = max((p for role, _, _ in change.ops if (p := _partition_role(role)) is not None), default=-1) + 1
+        self.prepare_roles(role for role, _, _ in change.ops)
+
+    def prepare_roles(self, roles: Iterable[str]) -> None:
+        need = max((p for role in roles if (p := _partition_role(role)) is not None), default=-1) + 1
         if need > self.store.partitions:
             self.store.ensure_partitions(need)
 
@@ -178,6 +197,8 @@ class ReplicaState:
         holds it. Raises ``Fenced``, or ``Diverged`` for a gap or another history."""
         if change.uid != self.uid:
             raise Diverged(f"a change set of queue uid {change.uid} was offered to the copy of queue uid {self.uid}")
+        if self._installing:
+            raise Diverged(f"queue uid {self.uid}: the copy is half-way through installing a snapshot: install one again")
         if change.epoch < self._fenced:
             raise Fenced(f"queue uid {self.uid}: change {change.lsn} of epoch {change.epoch} is fenced (epoch {self._fenced} was promised)")
         held = self._position
@@ -236,26 +257,78 @@ class ReplicaState:
         """The position and a stable hash of every replicated database's contents, read
         in one transaction. Databases are taken by role, empty ones skipped, so two
         copies holding the same keys and values hash alike wherever they keep them."""
-        h = hashlib.blake2b(digest_size=16)
+        hasher = Hasher()
         with self.store.env.begin() as txn:
-            raw = txn.get(_POSITION, db=self._meta)
-            position = Position(*_PAIR.unpack(raw)) if raw else Position(0, 0)
+            position = self.stored_position(txn)
             for role, db in sorted(self.roles_by_name().items()):
-                first = True
                 for key, value in txn.cursor(db=db):
-                    if first:
-                        h.update(b"\x00" + role.encode() + b"\x00")
-                        first = False
-                    h.update(_SIZE.pack(len(key)) + key + _SIZE.pack(len(value)) + value)
-        return position, h.hexdigest()
+                    hasher.add(role, key, value)
+        return position, hasher.hexdigest()
+
+    def stored_position(self, txn: lmdb.Transaction[bytes]) -> Position:
+        raw = txn.get(_POSITION, db=self._meta)
+        return Position(*_PAIR.unpack(raw)) if raw else Position(0, 0)
+
+    def stored_history(self, txn: lmdb.Transaction[bytes]) -> list[tuple[int, int]]:
+        history: list[tuple[int, int]] = []
+        cursor = txn.cursor(db=self._meta)
+        if cursor.set_range(_HISTORY):
+            for key, value in cursor:
+                if key[:1] != _HISTORY:
+                    break
+                history.append((_U64.unpack(key[1:])[0], _U64.unpack(value)[0]))
+        return history
+
+    # -- installing a snapshot (snapshot.py) -------------------------------------------------
+    # Over several transactions, each durable: the first empties the copy and marks it
+    # as being installed (a new incarnation, position 0), so a crash half-way leaves a
+    # copy that refuses every change set until a snapshot is installed again.
+
+    def begin_install(self, txn: lmdb.Transaction[bytes]) -> str:
+        """Empty every replicated database and mark the copy as being installed; the
+        new incarnation (``installing`` once durable)."""
+        for db in self.roles_by_name().values():
+            txn.drop(db, delete=False)
+        meta = self._meta
+        for key in [bytes(k) for k in txn.cursor(db=meta).iternext(keys=True, values=False) if k[:1] == _HISTORY]:
+            txn.delete(key, db=meta)
+        incarnation = uuid.uuid4().hex
+        txn.put(_INCARNATION, incarnation.encode(), db=meta)
+        txn.put(_POSITION, _PAIR.pack(0, 0), db=meta)
+        txn.put(_INSTALLING, b"1", db=meta)
+        return incarnation
+
+    def installing(self, incarnation: str) -> None:
+        self.incarnation = incarnation
+        self._position = Position(0, 0)
+        self._history = []
+        self._installing = True
+
+    def put_entries(self, txn: lmdb.Transaction[bytes], ops: list[tuple[str, bytes, bytes | None]]) -> None:
+        """Store a snapshot's entries (``prepare`` first)."""
+        handle, put = self.handle, txn.put
+        for role, key, value in ops:
+            if value is not None:
+                put(key, value, db=handle(role))
+
+    def finish_install(self, txn: lmdb.Transaction[bytes], position: Position, history: list[tuple[int, int]]) -> None:
+        """The copy holds the snapshot: its position, history and a fence at its epoch."""
+        meta = self._meta
+        txn.put(_POSITION, _PAIR.pack(*position), db=meta)
+        for epoch, start in history:
+            txn.put(_HISTORY + _U64.pack(epoch), _U64.pack(start), db=meta)
+        if position.epoch > self._fenced:
+            txn.put(_FENCED, _U64.pack(position.epoch), db=meta)
+        txn.delete(_INSTALLING, db=meta)
+
+    def installed(self, position: Position, history: list[tuple[int, int]]) -> None:
+        self._position = position
+        self._history = list(history)
+        self._fenced = max(self._fenced, position.epoch)
+        self._installing = False
 
     def roles_by_name(self) -> dict[str, Any]:
         self.roles()
         return dict(self._handles)
 
-    def entries(self, txn: lmdb.Transaction[bytes]) -> Iterator[tuple[str, bytes, bytes]]:
-        """Every (role, key, value) of the replicated databases in ``txn``."""
-        for role, db in sorted(self.roles_by_name().items()):
-            for key, value in txn.cursor(db=db):
-                yield role, bytes(key), bytes(value)
 
