@@ -274,3 +274,49 @@ def test_kill9_leaves_every_copy_at_a_position_that_matches_its_contents(tmp_pat
         else:  # killed after the primary's commit, before it handed the change on
             assert p1.lsn == len(changes) + 1
     assert compared_primary >= 1
+
+
+@dataclass
+class Kept:
+    """A ``Replication`` that keeps the change sets and ships none."""
+
+    log: list[ChangeSet] = field(default_factory=list)
+
+    async def replicated(self, change: ChangeSet) -> None:
+        self.log.append(ChangeSet.decode(change.encode()))
+
+
+@pytest.mark.parametrize("apply_first", [True, False])
+def test_a_change_set_racing_a_promotion_is_either_refused_or_served(tmp_path: Any, apply_first: bool) -> None:
+    """Never applied under the starting primary's feet: an apply that returns is in
+    what the new primary serves."""
+
+    async def main() -> None:
+        m1, m2 = await _managers(tmp_path, False)
+        await m1.open_copy(_config(1))
+        c2 = await m2.open_copy(_config(1))
+        kept = Kept()
+        await m1.promote("q", 1, kept)
+        await m1.actor("q").submit(ProduceRequest(items=[NewItem(payload=b"raced")]))
+        await m1.demote("q")
+        (change,) = [c for c in kept.log if any(role == "p0" and key[:1] == b"i" for role, key, _ in c.ops)][:1]
+        assert change.lsn == 1
+
+        async def apply() -> bool:
+            try:
+                await c2.apply(change)
+            except Fenced:
+                return False
+            return True
+
+        if apply_first:
+            applied, _ = await asyncio.gather(apply(), m2.promote("q", 1, None))
+        else:
+            _, applied = await asyncio.gather(m2.promote("q", 1, None), apply())
+        lease = await m2.actor("q").submit(LeaseRequest(batch_size=5, client_id="", wait_until_us=0))
+        assert lease.payloads == ([b"raced"] if applied else [])
+        assert applied == apply_first
+        await m1.stop()
+        await m2.stop()
+
+    asyncio.run(main())

@@ -31,7 +31,7 @@ from .logging import get_logger
 from .model import QueueConfig
 from .queue_admin import check_dead_queue, check_deletable, check_update, key_from_record, key_record
 from .storage import Catalog, QueueStore, StorageError
-from .storage.change_set import ChangeSet, Fenced
+from .storage.change_set import ChangeSet
 from .storage.group_layout import copy_out
 from .storage.group_placement import GROUP_MAX_PARTITIONS, CommitGroups, queue_prefix
 from .storage.lane import StorageLane
@@ -713,11 +713,10 @@ class QueuesManager:
                 if copy.serving_epoch == epoch:
                     return
                 raise FailedPrecondition(f"queue {name!r} is served here under epoch {copy.serving_epoch}, not {epoch}")
-            if epoch < copy.fenced_epoch():
-                raise Fenced(f"queue {name!r}: epoch {epoch} is below the epoch {copy.fenced_epoch()} this copy promised")
-            await copy.fence(epoch)
-            actor = await self._start_actor(self._configs[name], copy=copy, replication=replication, epoch=epoch)
-            copy.serving_epoch = epoch
+            config = self._configs[name]
+            actor = await copy.serve(
+                epoch, partial(self._start_actor, config, copy=copy, replication=replication, epoch=epoch)
+            )
             copy.step_down = partial(self._step_down_for, name)
             self._actors[name] = actor
             log.info("shard_promoted", queue=name, epoch=epoch, position=tuple(copy.position()))

@@ -77,14 +77,33 @@ class ReplicaCopy:
         the position of the last change held."""
         async with self._lock:
             await self._passive(epoch + 1, f"a fence at epoch {epoch}")
-            if epoch <= self.state.fenced_epoch():
-                return self.state.position()
-            if self.group is None:
-                state = self.state
-                return await self.lane.run(lambda: state.fence_now(epoch))
-            await self._grouped(lambda txn: self.state.fence_in(txn, epoch))
-            self.state.fenced(epoch)
+            return await self._fence(epoch)
+
+    async def _fence(self, epoch: int) -> Position:
+        if epoch <= self.state.fenced_epoch():
             return self.state.position()
+        if self.group is None:
+            state = self.state
+            return await self.lane.run(lambda: state.fence_now(epoch))
+        await self._grouped(lambda txn: self.state.fence_in(txn, epoch))
+        self.state.fenced(epoch)
+        return self.state.position()
+
+    async def serve(self, epoch: int, start: Callable[[], Awaitable[T]]) -> T:
+        """Fence at ``epoch`` (durably), then ``start`` the primary on this copy, with
+        no change set or fence taken in between (which the start would not see)."""
+        async with self._lock:
+            if self.serving_epoch:
+                raise Fenced(f"queue {self.name!r} is served here already, under epoch {self.serving_epoch}")
+            if epoch < self.state.fenced_epoch():
+                raise Fenced(f"queue {self.name!r}: epoch {epoch} is below the epoch {self.state.fenced_epoch()} this copy promised")
+            await self._fence(epoch)
+            self.serving_epoch = epoch
+            try:
+                return await start()
+            except BaseException:
+                self.serving_epoch = 0
+                raise
 
     # -- snapshots (snapshot.py) -------------------------------------------------------------
 
