@@ -320,3 +320,32 @@ def test_a_change_set_racing_a_promotion_is_either_refused_or_served(tmp_path: A
         await m2.stop()
 
     asyncio.run(main())
+
+
+def test_settings_of_a_copy_change_passive_or_serving_and_a_grouped_copy_keeps_to_its_group(tmp_path: Any) -> None:
+    async def main() -> None:
+        m1, m2 = await _managers(tmp_path, True)
+        await m1.open_copy(_config(2))
+        c2 = await m2.open_copy(_config(2))
+        await m1.promote("q", 1, ToCopy(c2))
+        for manager in (m1, m2):  # serving, then passive
+            updated = await manager.update("q", {"partitions": 4, "max_attempts": 3})
+            assert (updated.partitions, updated.max_attempts, updated.shard_copy) == (4, 3, True)
+            with pytest.raises(QueratorError, match="at most 31"):
+                await manager.update("q", {"partitions": 32})
+        for _ in range(8):  # the new partitions are written, and opened on the copy
+            await m1.actor("q").submit(ProduceRequest(items=[NewItem(payload=b"x")]))
+        assert c2.state.store.partitions == 4 and c2.digest() == m1.copy("q").digest()
+        await m1.stop()
+        await m2.stop()
+
+        # A copy whose settings grew while nothing was written to the new partitions.
+        m3 = QueuesManager(str(tmp_path / "n3"), workers=2)
+        await m3.start()
+        await m3.open_copy(_config(1).replace(name="r", uid=SHARD_UID + 1))
+        await m3.update("r", {"partitions": 3})
+        await m3.promote("r", 1, None)
+        assert m3.actor("r").partition_count == 3
+        await m3.stop()
+
+    asyncio.run(main())

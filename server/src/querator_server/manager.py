@@ -347,6 +347,9 @@ class QueuesManager:
         group = None
         if copy is not None:
             store, group = copy.state.store, copy.group
+            if store.partitions < config.partitions:  # settings changed while it was passive
+                grow = partial(store.ensure_partitions, config.partitions)
+                await (group.job(grow) if group is not None else lane.run(grow))
         elif stopped is not None:
             store, group = stopped.store, stopped.group
         elif config.group >= 0:
@@ -527,8 +530,15 @@ class QueuesManager:
             if "dead_queue" in changes:
                 check_dead_queue(updated, self._configs, visible)
             loop = asyncio.get_running_loop()
-            actor = self._actors[name]
-            if actor.group is not None and updated.partitions > GROUP_MAX_PARTITIONS:
+            actor = self._actors.get(name)
+            copy = self._copies.get(name)
+            if copy is not None and copy.group is not None and updated.partitions + 1 > GROUP_MAX_PARTITIONS:
+                # Its copies would have to leave their groups in step; not done yet.
+                raise FailedPrecondition(
+                    f"replicated queue {name!r} keeps its storage in a commit group here, which holds at most "
+                    f"{GROUP_MAX_PARTITIONS - 1} of its partitions"
+                )
+            if actor is not None and actor.group is not None and updated.partitions > GROUP_MAX_PARTITIONS:
                 await self._move_out(actor, updated.replace(group=-1))
                 return self._configs[name]
             try:
@@ -536,7 +546,8 @@ class QueuesManager:
             except (StorageError, OSError) as exc:
                 raise _storage_failed(exc) from exc
             self._configs[name] = updated
-            await self._actors[name].reconfigure(updated)
+            if actor is not None:  # a passive copy opens partitions as change sets name them
+                await actor.reconfigure(updated)
             return updated
 
     async def _move_out(self, actor: LogicalQueue, updated: QueueConfig) -> None:
