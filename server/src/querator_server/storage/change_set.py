@@ -61,49 +61,49 @@ class ChangeSet:
         key length, value length) and the bytes themselves."""
         roles: dict[str, int] = {}
         body: list[bytes] = []
-        pack = _OP.pack
+        extend, pack = body.extend, _OP.pack
+        last_role, index = "", 0
         for role, key, value in self.ops:
-            index = roles.get(role)
-            if index is None:
-                index = roles[role] = len(roles)
+            if role != last_role:
+                found = roles.get(role)
+                if found is None:
+                    found = roles[role] = len(roles)
+                last_role, index = role, found
             if value is None:
-                body.append(pack(index, len(key), _DELETE))
-                body.append(key)
+                extend((pack(index, len(key), _DELETE), key))
             else:
-                body.append(pack(index, len(key), len(value)))
-                body.append(key)
-                body.append(value)
+                extend((pack(index, len(key), len(value)), key, value))
         names = [bytes((len(name),)) + name.encode() for name in roles]
         head = _HEAD.pack(_VERSION, self.uid, self.epoch, self.lsn, len(roles), len(self.ops))
         return b"".join([head, *names, *body])
 
     @classmethod
     def decode(cls, data: bytes) -> ChangeSet:
-        view = memoryview(data)
+        data = bytes(data)
         try:
-            version, uid, epoch, lsn, role_count, op_count = _HEAD.unpack_from(view)
+            version, uid, epoch, lsn, role_count, op_count = _HEAD.unpack_from(data)
             if version != _VERSION:
                 raise ValueError(f"unknown change set version {version}")
             at = _HEAD.size
             roles: list[str] = []
             for _ in range(role_count):
-                size = view[at]
-                roles.append(bytes(view[at + 1 : at + 1 + size]).decode())
+                size = data[at]
+                roles.append(data[at + 1 : at + 1 + size].decode())
                 at += 1 + size
             ops: list[tuple[str, bytes, bytes | None]] = []
-            unpack = _OP.unpack_from
+            append, unpack, op_size = ops.append, _OP.unpack_from, _OP.size
             for _ in range(op_count):
-                index, key_size, value_size = unpack(view, at)
-                at += _OP.size
-                key = bytes(view[at : at + key_size])
-                at += key_size
+                index, key_size, value_size = unpack(data, at)
+                at += op_size
+                end = at + key_size
                 if value_size == _DELETE:
-                    ops.append((roles[index], key, None))
-                    continue
-                ops.append((roles[index], key, bytes(view[at : at + value_size])))
-                at += value_size
-            if at != len(view):
-                raise ValueError(f"{len(view) - at} bytes past the last op (negative: cut short)")
+                    append((roles[index], data[at:end], None))
+                    at = end
+                else:
+                    at = end + value_size
+                    append((roles[index], data[end - key_size : end], data[end:at]))
+            if at != len(data):
+                raise ValueError(f"{len(data) - at} bytes past the last op (negative: cut short)")
         except (struct.error, IndexError, UnicodeDecodeError, ValueError) as exc:
             raise ValueError(f"not a change set: {exc}") from exc
         return cls(uid, epoch, lsn, ops)

@@ -62,6 +62,25 @@ class Hasher:
         return self._h.hexdigest()
 
 
+def _write_ops(txn: lmdb.Transaction[bytes], ops: list[tuple[str, bytes, bytes | None]], dbs: dict[str, Any]) -> None:
+    """Write ``ops`` in order: a run of puts to one database in one ``putmulti`` (in C,
+    as the primary's bulk produce wrote them), deletes one by one."""
+    delete = txn.delete
+    run: list[tuple[bytes, bytes]] = []
+    run_role = ""
+    for role, key, value in ops:
+        if run and (value is None or role != run_role):
+            txn.cursor(db=dbs[run_role]).putmulti(run)
+            run = []
+        if value is None:
+            delete(key, db=dbs[role])
+        else:
+            run_role = role
+            run.append((key, value))
+    if run:
+        txn.cursor(db=dbs[run_role]).putmulti(run)
+
+
 def _partition_role(role: str) -> int | None:
     """The partition a role names (``p3`` -> 3), None for the other databases."""
     if role[:1] == "p" and role[1:].isdigit():
@@ -218,12 +237,7 @@ class ReplicaState:
         this copy held it already (nothing written). ``committed`` once durable."""
         if not self.check(change):
             return False
-        handle, put, delete = self.handle, txn.put, txn.delete
-        for role, key, value in change.ops:
-            if value is None:
-                delete(key, db=handle(role))
-            else:
-                put(key, value, db=handle(role))
+        _write_ops(txn, change.ops, {role: self.handle(role) for role in {op[0] for op in change.ops}})
         self._write_position(txn, change)
         return True
 
@@ -306,10 +320,11 @@ class ReplicaState:
 
     def put_entries(self, txn: lmdb.Transaction[bytes], ops: list[tuple[str, bytes, bytes | None]]) -> None:
         """Store a snapshot's entries (``prepare`` first)."""
-        handle, put = self.handle, txn.put
+        dbs = {role: self.handle(role) for role in {op[0] for op in ops}}
+        put = txn.put
         for role, key, value in ops:
             if value is not None:
-                put(key, value, db=handle(role))
+                put(key, value, db=dbs[role])
 
     def finish_install(self, txn: lmdb.Transaction[bytes], position: Position, history: list[tuple[int, int]]) -> None:
         """The copy holds the snapshot: its position, history and a fence at its epoch."""
