@@ -172,6 +172,15 @@ def test_a_recording_keeps_what_nested_transactions_commit_and_refuses_unknown_d
         assert not recording.delete(b"missing", db=store.db(0))  # nothing deleted, nothing recorded
         with pytest.raises(StorageError, match="does not replicate"):
             recording.put(b"x", b"y", db=other)
+        for write in (
+            lambda: recording.drop(store.db(0)),
+            lambda: recording.replace(b"a", b"z", db=store.db(0)),
+            lambda: recording.pop(b"d", db=store.db(0)),
+            lambda: cursor.replace(b"d", b"z"),
+            lambda: cursor.pop(b"d"),
+        ):
+            with pytest.raises(StorageError, match="not replicated|not recorded"):
+                write()
         assert isinstance(recording, Recording)
         return recording.ops
 

@@ -21,6 +21,8 @@ import lmdb
 from .queue_store import StorageError
 
 Op = tuple[str, bytes, bytes | None]
+# Cursor writes a recording does not note: refused rather than missed.
+_UNRECORDED = frozenset({"replace", "pop"})
 
 
 def _unknown(db: Any) -> StorageError:
@@ -60,6 +62,15 @@ class Recording:
             self.ops.append((role, bytes(key), None))
         return done
 
+    def drop(self, db: Any, delete: bool = True) -> None:
+        raise StorageError(f"a replicated queue's cycle may not drop a database ({self.roles.get(db, db)!r}): it is not replicated")
+
+    def replace(self, key: bytes, value: bytes, db: Any = None) -> bytes | None:
+        raise StorageError("Transaction.replace is not recorded for replication: use get and put")
+
+    def pop(self, key: bytes, db: Any = None) -> bytes | None:
+        raise StorageError("Transaction.pop is not recorded for replication: use get and delete")
+
     def cursor(self, db: Any = None) -> RecordingCursor:
         role = self.roles.get(db)
         if role is None:
@@ -89,6 +100,8 @@ class RecordingCursor:
         self._ops = ops
 
     def __getattr__(self, name: str) -> Any:
+        if name in _UNRECORDED:
+            raise StorageError(f"Cursor.{name} is not recorded for replication: use put and delete")
         return getattr(self._cursor, name)
 
     def __iter__(self) -> Iterator[tuple[bytes, bytes]]:
