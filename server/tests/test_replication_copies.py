@@ -349,3 +349,34 @@ def test_settings_of_a_copy_change_passive_or_serving_and_a_grouped_copy_keeps_t
         await m3.stop()
 
     asyncio.run(main())
+
+
+def test_a_damaged_copy_is_refused_at_start_then_made_anew_and_filled_from_a_snapshot(tmp_path: Any) -> None:
+    async def main() -> None:
+        m1, m2 = await _managers(tmp_path, False)
+        await m1.open_copy(_config())
+        c2 = await m2.open_copy(_config())
+        await m1.promote("q", 1, ToCopy(c2))
+        ledger = Ledger()
+        await _load(m1, ledger, time.monotonic() + 0.5, 1)
+        old = c2.incarnation
+        await m2.stop()
+        data = tmp_path / "n2" / "queues" / str(SHARD_UID) / "data.mdb"
+        with open(data, "r+b") as f:  # truncated, as a crash of the file system may leave it
+            f.truncate(os.path.getsize(data) // 2)
+
+        m2 = QueuesManager(str(tmp_path / "n2"), workers=2)
+        await m2.start()
+        with pytest.raises(Unavailable, match="failed to load"):
+            m2.copy("q")
+        fresh = await m2.reset_copy("q")
+        assert fresh.incarnation != old and fresh.position() == Position(0, 0)
+        with pytest.raises(QueratorError, match="demote it first"):
+            await m1.reset_copy("q")
+        await m1.demote("q")
+        at = await fresh.install_snapshot(m1.copy("q").snapshot_chunks())
+        assert at == m1.copy("q").position() and fresh.digest() == m1.copy("q").digest()
+        await m1.stop()
+        await m2.stop()
+
+    asyncio.run(main())

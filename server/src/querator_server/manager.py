@@ -641,8 +641,48 @@ class QueuesManager:
         """This node's copy of replicated queue ``name``."""
         copy = self._copies.get(name)
         if copy is None:
+            if name in self._failed:
+                raise Unavailable(f"queue {name!r}: this node's copy failed to load ({self.failure(name)}); reset it")
             raise NotFound(f"queue {name!r} has no copy on this node")
         return copy
+
+    async def reset_copy(self, name: str) -> ReplicaCopy:
+        """Throw this node's copy of ``name`` away and make it anew, empty, as another
+        incarnation: for a copy that failed to load (a damaged file) or diverged. A
+        snapshot then fills it (``install_snapshot``)."""
+        async with self._lock:
+            self._check_open()
+            config = self.get(name)
+            if not config.shard_copy:
+                raise FailedPrecondition(f"queue {name!r} is not a copy of a replicated queue here")
+            if name in self._actors:
+                raise FailedPrecondition(f"queue {name!r} is served here; demote it first")
+            copy = self._copies.pop(name, None)
+            loop = asyncio.get_running_loop()
+            if copy is not None:
+                await self._destroy_copy(copy)
+            elif config.group >= 0:
+                group = await loop.run_in_executor(self._executor, self._groups.get, config.group)
+                try:
+                    store = await group.job(
+                        lambda: QueueStore(group.path, config.partitions, shared=group.env, prefix=queue_prefix(config.uid))
+                    )
+                    await group.job(store.destroy)
+                except StorageError as exc:
+                    raise _storage_failed(exc) from exc
+            else:
+                await loop.run_in_executor(
+                    self._executor, partial(shutil.rmtree, self._queue_path(config.uid), ignore_errors=True)
+                )
+            self._failed.pop(name, None)
+            try:
+                copy = await self._open_copy_storage(config)
+            except (StorageError, OSError) as exc:
+                self._queue_failed(name, f"cannot make its copy anew: {exc}")
+                raise _storage_failed(exc) from exc
+            self._copies[name] = copy
+            log.warning("shard_copy_reset", queue=name, uid=config.uid, incarnation=copy.incarnation)
+            return copy
 
     async def open_copy(self, config: QueueConfig) -> ReplicaCopy:
         """A passive copy of a replicated queue's shard, ``config.uid`` being the shard's
