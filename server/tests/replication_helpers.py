@@ -111,6 +111,8 @@ class Mirror:
     changes: int = 0
     compared: int = 0
     roles: set[str] = field(default_factory=set)
+    # (key tag, deleted) of the partitions' writes: what kinds of records changed.
+    tags: set[tuple[bytes, bool]] = field(default_factory=set)
     # Raise on this change (lsn) and after: 0: never.
     fail_from: int = 0
     _order: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -126,6 +128,7 @@ class Mirror:
         async with self._order:
             self.changes += 1
             self.roles.update(role for role, _, _ in change.ops)
+            self.tags.update((key[:1], value is None) for role, key, value in change.ops if role[:1] == "p")
             for home, state in self.copies:
                 assert await apply_to(home, state, copy) == change.position
             if seen is not None and seen[0] == change.position:

@@ -89,6 +89,10 @@ def test_every_cycle_of_a_random_workload_leaves_the_copies_identical(tmp_path: 
     # Nearly every change was compared at once (the rest: the primary had gone on).
     assert mirror.compared >= mirror.changes * 0.8, (mirror.compared, mirror.changes)
     assert {"p0", "p1", "dedup", "dedup_by_time", "lease_keys", "lease_keys_by_time"} <= mirror.roles
+    # Items stored, rewritten and deleted; scheduled ones stored and falling due; dead
+    # letters into the outbox and out once handed over; expiry entries; next seqs.
+    kinds = {(tag, deleted) for tag in (b"i", b"s", b"d") for deleted in (False, True)} | {(b"x", False), (b"x", True), (b"n", False)}
+    assert kinds <= mirror.tags, kinds - mirror.tags
     assert {"ProduceRequest", "LeaseRequest", "CompleteRequest", "RetryRequest", "ExtendRequest"} <= tally.kinds
     assert tally.dead_lettered > 0
 
