@@ -2,7 +2,9 @@
 change set to node n2's copy, under load until it is killed (tests only).
 
 Every change set is written to ``changes.log`` (length-prefixed) before it is
-applied to the copy, so the test can rebuild any position from scratch.
+applied to the copy, so the test can rebuild any position from scratch. Meanwhile a
+copy of another queue on n2 is fenced at epoch 1, 2, 3, ..., each written to
+``fences.log`` once ``fence`` returned (durable).
 
 Usage: python replication_child.py ROOT
 """
@@ -53,6 +55,15 @@ async def load(manager: QueuesManager, seed: int) -> None:
         n += 5
 
 
+async def fences(copy: ReplicaCopy, path: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    epoch = 0
+    while True:
+        epoch += 1
+        await copy.fence(epoch)
+        os.write(fd, b"%d\n" % epoch)
+
+
 async def main(root: str) -> None:
     m1 = QueuesManager(os.path.join(root, "n1"), workers=2, commit_groups=False)
     m2 = QueuesManager(os.path.join(root, "n2"), workers=2, commit_groups=True)
@@ -62,8 +73,9 @@ async def main(root: str) -> None:
     c2 = await m2.open_copy(CONFIG)
     fd = os.open(os.path.join(root, "changes.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     await m1.promote("q", 1, Logged(c2, fd))
+    fenced = await m2.open_copy(CONFIG.replace(name="f", uid=SHARD_UID + 1))
     print("ready", flush=True)
-    await asyncio.gather(*(load(m1, seed) for seed in range(3)))
+    await asyncio.gather(fences(fenced, os.path.join(root, "fences.log")), *(load(m1, seed) for seed in range(3)))
 
 
 if __name__ == "__main__":

@@ -235,7 +235,8 @@ def test_kill9_leaves_every_copy_at_a_position_that_matches_its_contents(tmp_pat
     """The position (and fence) is written in the transaction of the data it names, so
     a ``kill -9`` at any moment leaves each node's copy holding exactly the changes up
     to its position: rebuilt from the change sets up to that position, a fresh store
-    has the same digest (the primary in a directory of its own, the copy in a group)."""
+    has the same digest (the primary in a directory of its own, the copy in a group).
+    A fence that returned is there after the kill."""
     here = os.path.dirname(__file__)
     compared_primary = 0
     for attempt in range(3):
@@ -255,17 +256,20 @@ def test_kill9_leaves_every_copy_at_a_position_that_matches_its_contents(tmp_pat
         changes = _logged_changes(str(root / "changes.log"))
         assert len(changes) > 10
 
-        async def positions(root: Any) -> list[tuple[Position, str, int]]:
+        async def positions(root: Any) -> tuple[list[tuple[Position, str, int]], int]:
             out = []
             for node in ("n1", "n2"):
                 manager = QueuesManager(str(root / node), workers=2)
                 await manager.start()
                 copy = manager.copy("q")
                 out.append((copy.position(), copy.digest(), copy.fenced_epoch()))
+                fenced = manager.copy("f").fenced_epoch() if node == "n2" else 0
                 await manager.stop()
-            return out
+            return out, fenced
 
-        (p1, d1, f1), (p2, d2, f2) = asyncio.run(positions(root))
+        ((p1, d1, f1), (p2, d2, f2)), fenced = asyncio.run(positions(root))
+        promised = (root / "fences.log").read_text().split()
+        assert promised and fenced >= int(promised[-1])  # every fence that returned held
         assert p2.lsn <= len(changes) and p2.lsn <= p1.lsn and f1 == f2 == 1
         assert d2 == _rebuilt(str(root / "rebuilt-n2"), changes[: p2.lsn])
         if p1.lsn <= len(changes):
