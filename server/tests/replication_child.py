@@ -35,8 +35,8 @@ class Logged:
 
     async def replicated(self, change: ChangeSet) -> None:
         data = change.encode()
+        os.write(self.fd, struct.pack(">I", len(data)) + data)  # as handed over, in lsn order
         async with self.order:
-            os.write(self.fd, struct.pack(">I", len(data)) + data)
             await self.target.apply(ChangeSet.decode(data))
 
 

@@ -770,6 +770,7 @@ class QueuesManager:
             )
             copy.step_down = partial(self._step_down_for, name)
             self._actors[name] = actor
+            actor.kick_outboxes()
             log.info("shard_promoted", queue=name, epoch=epoch, position=tuple(copy.position()))
 
     async def demote(self, name: str) -> None:

@@ -207,6 +207,12 @@ class LogicalQueue:
         with self.store.env.begin() as txn:
             return self._keyed.first_dedup_at(txn), self._keyed.first_lease_key_at(txn)
 
+    def kick_outboxes(self) -> None:
+        """Start handing over what the outboxes hold (a promoted copy's, left by the
+        primary before it)."""
+        self._outbox.kick()
+        self._redrive.kick()
+
     async def resume_dead_letters(self) -> None:
         """Hand over dead letters a crash left in the outbox, and wait until they are.
 
@@ -503,12 +509,15 @@ class LogicalQueue:
         if self.observer is not None:
             self.observer.cycle_done(self, cycle, len(batch), time.perf_counter() - started)
         self._adopt_keys_and_leases(cycle, expired)
-        self._adopt_outboxes(cycle)
         if self._gate is not None:
             if cycle.change is not None and self.replica is not None:
                 self.replica.committed(cycle.change)
-            self._gate.release(cycle.change, cycle.results)
+            # Nothing leaves for another queue before the copies hold the move: a new
+            # primary without it would move the items again.
+            outboxes = partial(self._adopt_outboxes, cycle) if cycle.outbox_added or cycle.redrive_added or cycle.dropped else None
+            self._gate.release(cycle.change, cycle.results, outboxes)
         else:
+            self._adopt_outboxes(cycle)
             for request, result in cycle.results:
                 answer(request, result)
         later = now_us()

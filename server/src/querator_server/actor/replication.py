@@ -46,13 +46,18 @@ class ReplicationGate:
         # Why replication was lost ("" while it works); every later answer fails.
         self.lost = ""
 
-    def release(self, change: ChangeSet | None, results: list[tuple[Request, object]]) -> None:
+    def release(
+        self, change: ChangeSet | None, results: list[tuple[Request, object]], then: Callable[[], None] | None = None
+    ) -> None:
         """Answer ``results`` once ``change`` (None: the cycle wrote nothing) and every
-        change handed before it are replicated."""
+        change handed before it are replicated, after calling ``then`` (what the cycle
+        starts outside the queue, such as handing dead letters over, waits too)."""
         if change is None and self._tail is None:
+            if then is not None:
+                then()
             self._answer(results)
             return
-        task = asyncio.get_running_loop().create_task(self._release(self._tail, change, results))
+        task = asyncio.get_running_loop().create_task(self._release(self._tail, change, results, then))
         self._tail = task
         self._pending.add(task)
         task.add_done_callback(self._done)
@@ -66,7 +71,13 @@ class ReplicationGate:
     def pending(self) -> int:
         return len(self._pending)
 
-    async def _release(self, before: asyncio.Task[None] | None, change: ChangeSet | None, results: list[tuple[Request, object]]) -> None:
+    async def _release(
+        self,
+        before: asyncio.Task[None] | None,
+        change: ChangeSet | None,
+        results: list[tuple[Request, object]],
+        then: Callable[[], None] | None,
+    ) -> None:
         error: BaseException | None = None
         try:
             if change is not None and not self.lost:
@@ -86,6 +97,8 @@ class ReplicationGate:
             for request, _result in results:
                 answer(request, failed)
             return
+        if then is not None:
+            then()
         self._answer(results)
 
     def _lose(self, reason: str) -> None:
