@@ -142,3 +142,65 @@ def test_a_snapshot_replaces_what_a_copy_held_and_a_cut_stream_leaves_it_refusin
         await m3.stop()
 
     asyncio.run(main())
+
+
+def test_a_snapshot_cut_by_a_growth_of_the_map_fails_cleanly_and_is_taken_again(tmp_path: Any) -> None:
+    """LMDB ends every open transaction when the map grows: the snapshot's next chunk
+    fails with a StorageError (no crash, no partial copy taken for a whole one), the
+    copy that was installing it refuses change sets, and a snapshot taken again fills it."""
+    from querator_server.storage import QueueStore, StorageError
+    from querator_server.storage.replica_state import ReplicaState
+    from querator_server.storage.snapshot import SnapshotReader
+
+    source_store = QueueStore(str(tmp_path / "source"), 1, map_size=1 << 20)
+    source = ReplicaState(source_store, None, SHARD_UID)
+    ops: list[tuple[str, bytes, bytes | None]] = [("p0", b"k%06d" % i, bytes(300)) for i in range(1500)]
+    source.apply_now(ChangeSet(SHARD_UID, 1, 1, ops))
+    reader = SnapshotReader(source, chunk_bytes=32 << 10)
+    assert reader.next_chunk() is not None
+    size = source_store.map_usage()[1]
+    big: list[tuple[str, bytes, bytes | None]] = [("p0", b"w%06d" % i, bytes(400)) for i in range(4000)]
+    source.apply_now(ChangeSet(SHARD_UID, 1, 2, big))  # grows the map
+    assert source_store.map_usage()[1] > size
+    with pytest.raises(StorageError, match="map grew"):
+        reader.next_chunk()
+    reader.close()
+
+    async def main() -> None:
+        m = QueuesManager(str(tmp_path / "n"), workers=2)
+        await m.start()
+        copy = await m.open_copy(CONFIG)
+
+        async def cut_by_growth() -> AsyncIterator[bytes]:
+            reader = SnapshotReader(source, chunk_bytes=32 << 10)
+            try:
+                yield reader.header.encode()
+                yield reader.next_chunk() or b""
+                source.apply_now(ChangeSet(SHARD_UID, 1, 3, [("p0", b"y%06d" % i, bytes(400)) for i in range(8000)]))
+                while (chunk := reader.next_chunk()) is not None:
+                    yield chunk
+                yield reader.end()
+            finally:
+                reader.close()
+
+        with pytest.raises(StorageError, match="map grew"):
+            await copy.install_snapshot(cut_by_growth())
+        with pytest.raises(Diverged, match="half-way"):
+            await copy.apply(ChangeSet(SHARD_UID, 1, 4, [("p0", b"k", b"v")]))
+
+        async def whole() -> AsyncIterator[bytes]:
+            reader = SnapshotReader(source)
+            try:
+                yield reader.header.encode()
+                while (chunk := reader.next_chunk()) is not None:
+                    yield chunk
+                yield reader.end()
+            finally:
+                reader.close()
+
+        assert await copy.install_snapshot(whole()) == Position(1, 3)
+        assert copy.digest() == source.digest()[1]
+        await m.stop()
+
+    asyncio.run(main())
+    source_store.close()

@@ -15,19 +15,23 @@ hundred records would pay a round trip per chunk.
 
 While the read transaction is open, LMDB cannot reuse the pages the writer frees, so
 the file grows by what the queue writes during the snapshot: the reader should be
-drained at once, never parked. A chunk opens its cursors anew and walks on from the
-last key sent: a cursor kept across chunks would point into the map that a growth of
-the map (which may come between two chunks) replaces.
+drained at once, never parked. If the map has to grow meanwhile, LMDB (py-lmdb) ends
+every open transaction of the environment, the snapshot's too: the next chunk then
+fails with ``StorageError`` and the snapshot is taken again (the installing copy
+refuses change sets until one completes). Chunks are read where the map grows (the
+store's lane, or the loop for a commit group), never during a growth.
 """
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from dataclasses import dataclass
 
 import lmdb
 
 from .change_set import ChangeSet, Diverged, Position
+from .queue_store import StorageError
 from .replica_state import Hasher, ReplicaState
 
 CHUNK_BYTES = 1 << 20
@@ -85,9 +89,21 @@ class SnapshotReader:
 
     def next_chunk(self) -> bytes | None:
         """The next ``D`` chunk, or None when every entry has been sent."""
-        txn = self._txn
-        if txn is None or self._at >= len(self._roles):
+        if self._at >= len(self._roles):
             return None
+        txn = self._txn
+        if txn is None:
+            raise StorageError(f"the snapshot of queue uid {self.header.uid} was closed before its end")
+        try:
+            return self._chunk(txn)
+        except lmdb.Error as exc:
+            self.close()
+            raise StorageError(
+                f"the snapshot of queue uid {self.header.uid} was cut ({exc}): the storage's map grew "
+                "meanwhile, which ends every open transaction; take it again"
+            ) from exc
+
+    def _chunk(self, txn: lmdb.Transaction[bytes]) -> bytes | None:
         ops: list[tuple[str, bytes, bytes | None]] = []
         size = 0
         add = self._hasher.add
@@ -118,7 +134,8 @@ class SnapshotReader:
     def close(self) -> None:
         txn, self._txn = self._txn, None
         if txn is not None:
-            txn.abort()
+            with contextlib.suppress(lmdb.Error):  # ended already by a growth of the map
+                txn.abort()
 
 
 def data_ops(chunk: bytes, uid: int) -> list[tuple[str, bytes, bytes | None]]:
