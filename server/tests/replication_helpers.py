@@ -14,7 +14,9 @@ from typing import Any
 
 from querator_server.actor import (
     CompleteRequest,
+    DeleteItemsRequest,
     ExtendRequest,
+    ImportItemsRequest,
     LeaseRequest,
     LeaseResult,
     LogicalQueue,
@@ -23,7 +25,7 @@ from querator_server.actor import (
 )
 from querator_server.clock import now_us
 from querator_server.errors import QueratorError
-from querator_server.model import NewItem, QueueConfig, RetryOrder
+from querator_server.model import ImportedItem, NewItem, QueueConfig, RetryOrder
 from querator_server.storage import QueueStore
 from querator_server.storage.change_set import ChangeSet, Position
 from querator_server.storage.commit_group import CommitGroup
@@ -158,8 +160,9 @@ async def _call(actor: LogicalQueue, request: Any, tally: Tally) -> Any:
 
 async def client(actor: LogicalQueue, rng: random.Random, calls: int, until: float, tally: Tally) -> None:
     """``calls`` random calls (or until ``until``, monotonic): produce (bare, with
-    idempotency keys, scheduled, payload-only), lease (with and without lease keys),
-    complete, retry (now, later, dead), extend, and leases left to run out."""
+    idempotency keys, scheduled, payload-only), import (with source ids, some leased),
+    lease (with and without lease keys), complete, retry (now, later, dead), extend,
+    delete, and leases left to run out."""
     held: list[tuple[int, str]] = []
     for _ in range(calls):
         if time.monotonic() > until:
@@ -174,8 +177,14 @@ async def client(actor: LogicalQueue, rng: random.Random, calls: int, until: flo
                 meta = {"m": str(rng.randrange(9))} if rng.random() < 0.2 else {}
                 items.append(NewItem(payload=rng.randbytes(rng.randint(0, 40)), idempotency_key=key, enqueue_at_us=at, metadata=meta))
             await _call(actor, ProduceRequest(items=items), tally)
-        elif roll < 0.32:
+        elif roll < 0.30:
             await _call(actor, ProduceRequest(items=[], payloads=[rng.randbytes(8) for _ in range(rng.randint(1, 20))]), tally)
+        elif roll < 0.32:
+            imported = [
+                ImportedItem(payload=b"imported", source_id=f"s{rng.randrange(1000)}", is_leased=rng.random() < 0.3, attempts=1)
+                for _ in range(rng.randint(1, 3))
+            ]
+            await _call(actor, ImportItemsRequest(partition=rng.randrange(2), items=imported), tally)
         elif roll < 0.55:
             key = f"L{rng.randrange(10)}" if rng.random() < 0.3 else ""
             lease = LeaseRequest(batch_size=rng.randint(1, 5), client_id="", wait_until_us=0, lease_key=key)
@@ -192,9 +201,11 @@ async def client(actor: LogicalQueue, rng: random.Random, calls: int, until: flo
             elif roll < 0.85:
                 orders = [RetryOrder(i, retry_at_us=now + 150 * MS if rng.random() < 0.3 else 0, dead=rng.random() < 0.2) for i in mine]
                 await _call(actor, RetryRequest(partition=p, orders=orders), tally)
-            elif roll < 0.93:
+            elif roll < 0.91:
                 await _call(actor, ExtendRequest(partition=p, ids=mine, lease_timeout_us=300 * MS), tally)
                 held.extend((p, i) for i in mine)
+            elif roll < 0.93:
+                await _call(actor, DeleteItemsRequest(partition=p, ids=mine), tally)
             # else: dropped, to run out
         if rng.random() < 0.05:
             await asyncio.sleep(0.02)
