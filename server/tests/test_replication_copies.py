@@ -453,3 +453,30 @@ def test_dead_letters_leave_only_once_the_copies_hold_the_move_and_a_new_primary
         await m2.stop()
 
     asyncio.run(main())
+
+
+def test_a_primary_gets_at_most_a_bounded_number_of_cycles_ahead_of_its_replicas(tmp_path: Any) -> None:
+    from querator_server.actor.replication import MAX_UNREPLICATED
+
+    async def main() -> None:
+        m1, m2 = await _managers(tmp_path, False)
+        await m1.open_copy(_config(1))
+        c2 = await m2.open_copy(_config(1))
+        gated = Gated(c2, hold_from=1)
+        await m1.promote("q", 1, gated)
+        actor = m1.actor("q")
+        calls = [actor.submit(ProduceRequest(items=[NewItem(payload=b"%d" % i)])) for i in range(MAX_UNREPLICATED * 3)]
+        for _ in range(3 * MAX_UNREPLICATED):  # one call per cycle: give it time to run ahead
+            await asyncio.sleep(0.01)
+            calls.append(actor.submit(ProduceRequest(items=[NewItem(payload=b"late")])))
+        await asyncio.sleep(0.3)
+        ahead = m1.copy("q").position().lsn
+        assert MAX_UNREPLICATED <= ahead <= MAX_UNREPLICATED + 1, ahead
+        assert not any(call.done() for call in calls)
+        gated.open.set()
+        await asyncio.gather(*calls)
+        assert c2.position() == m1.copy("q").position()
+        await m1.stop()
+        await m2.stop()
+
+    asyncio.run(main())

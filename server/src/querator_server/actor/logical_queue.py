@@ -355,6 +355,8 @@ class LogicalQueue:
                 self._wake.clear()
                 if self._closed is not None and (not self._inbox or self.failed or self.deposed):
                     break
+                if self._gate is not None:
+                    await self._gate.room()
                 inbox, self._inbox = self._inbox, []
                 await self._cycle(inbox)
         finally:

@@ -24,6 +24,12 @@ from .transaction import answer
 
 log = get_logger("queue")
 
+# Cycles committed here and not yet acknowledged by the replicas, at most: the actor
+# waits before the next cycle beyond it. What a primary may hold that its copies lack
+# stays bounded (what a failover away from it drops, unanswered), and so does the work
+# piled up behind a replica that stopped answering until the in-sync set shrinks.
+MAX_UNREPLICATED = 32
+
 
 class Replication(Protocol):
     """Where a replicated queue's change sets go (the cluster's data path)."""
@@ -118,6 +124,11 @@ class ReplicationGate:
     def _answer(results: list[tuple[Request, object]]) -> None:
         for request, result in results:
             answer(request, result)
+
+    async def room(self) -> None:
+        """Until fewer than ``MAX_UNREPLICATED`` cycles wait for their replicas."""
+        while len(self._pending) >= MAX_UNREPLICATED:
+            await asyncio.wait(set(self._pending), return_when=asyncio.FIRST_COMPLETED)
 
     async def drain(self) -> None:
         """Wait until every answer handed here has been given."""
