@@ -242,3 +242,30 @@ def test_a_replication_that_fails_makes_calls_fail_unavailable_never_ok(tmp_path
     assert ok == 3
     assert len(failures) == 10 and all("retry" in text for text in failures)
     assert deposed and deposed[0][0] == "q" and "not replicated" in deposed[0][1]
+
+
+def test_answers_waiting_for_replicas_all_fail_unavailable_when_abandoned_even_before_they_ran() -> None:
+    from querator_server.actor.replication import ReplicationGate
+    from querator_server.actor.transaction import answer
+
+    class Silent:
+        async def replicated(self, change: ChangeSet) -> None:
+            await asyncio.Event().wait()  # never acknowledged
+
+    async def main() -> None:
+        lost: list[str] = []
+        gate = ReplicationGate("q", Silent(), lost.append)
+        requests = []
+        for lsn in (1, 2, 3):
+            request = ProduceRequest(items=[])
+            request.future = asyncio.get_running_loop().create_future()
+            requests.append(request)
+            gate.release(ChangeSet(SHARD_UID, 1, lsn, [("p0", b"k", b"v")]), [(request, "ok")])
+        gate.abandon("stepping down")  # the tasks have not run a step yet
+        await gate.drain()
+        for request in requests:
+            assert isinstance(request.future.exception(), Unavailable)
+        answer(requests[0], "late")  # an answer given already stays
+        assert gate.pending == 0 and not lost
+
+    asyncio.run(main())

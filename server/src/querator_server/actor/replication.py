@@ -48,7 +48,8 @@ class ReplicationGate:
         self.replication = replication
         self._on_lost = on_lost
         self._tail: asyncio.Task[None] | None = None
-        self._pending: set[asyncio.Task[None]] = set()
+        # Each waiting cycle's task, with the answers it owes.
+        self._pending: dict[asyncio.Task[None], list[tuple[Request, object]]] = {}
         # Why replication was lost ("" while it works); every later answer fails.
         self.lost = ""
 
@@ -65,13 +66,15 @@ class ReplicationGate:
             return
         task = asyncio.get_running_loop().create_task(self._release(self._tail, change, results, then))
         self._tail = task
-        self._pending.add(task)
+        self._pending[task] = results
         task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
-        self._pending.discard(task)
+        results = self._pending.pop(task, [])
         if self._tail is task:
             self._tail = None
+        if task.cancelled():  # cancelled before it ran: its answers are still owed
+            self._fail(results)
 
     @property
     def pending(self) -> int:
@@ -96,16 +99,19 @@ class ReplicationGate:
             at = f"change {change.lsn} of epoch {change.epoch}" if change is not None else "a change"
             self._lose(f"{at} was not replicated: {error or type(error).__name__}")
         if self.lost:
-            failed = Unavailable(
-                f"queue {self.name!r} stopped serving here before its replicas acknowledged the change "
-                f"({self.lost}); the request may or may not have been applied, retry"
-            )
-            for request, _result in results:
-                answer(request, failed)
+            self._fail(results)
             return
         if then is not None:
             then()
         self._answer(results)
+
+    def _fail(self, results: list[tuple[Request, object]]) -> None:
+        failed = Unavailable(
+            f"queue {self.name!r} stopped serving here before its replicas acknowledged the change "
+            f"({self.lost or 'stopped'}); the request may or may not have been applied, retry"
+        )
+        for request, _result in results:
+            answer(request, failed)
 
     def _lose(self, reason: str) -> None:
         self.lost = reason
