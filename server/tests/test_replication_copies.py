@@ -480,3 +480,22 @@ def test_a_primary_gets_at_most_a_bounded_number_of_cycles_ahead_of_its_replicas
         await m2.stop()
 
     asyncio.run(main())
+
+
+def test_a_server_stopping_while_its_replicas_never_answer_stops_and_fails_those_calls(tmp_path: Any) -> None:
+    class Silent:
+        async def replicated(self, change: ChangeSet) -> None:
+            await asyncio.Event().wait()
+
+    async def main() -> None:
+        m1, m2 = await _managers(tmp_path, False)
+        await m1.open_copy(_config(1))
+        await m1.promote("q", 1, Silent())
+        call = m1.actor("q").submit(ProduceRequest(items=[NewItem(payload=b"x")]))
+        await asyncio.sleep(0.2)
+        await asyncio.wait_for(m1.stop(), 10)  # not held by the replica that never answers
+        with pytest.raises(Unavailable):
+            await call
+        await m2.stop()
+
+    asyncio.run(main())

@@ -232,8 +232,7 @@ class LogicalQueue:
         self._wake.set()
         if self._task is not None:
             await self._task
-        if self._gate is not None:
-            await self._gate.drain()
+        await self._settle_gate("the server is stopping", STEP_DOWN_GRACE_S)
         await self._cancel_outbox()
         await self._storage_job(self.store.close)
 
@@ -692,14 +691,20 @@ class LogicalQueue:
         self._wake.set()
         if self._task is not None:
             await self._task
-        if self._gate is not None:
-            if not self._gate.lost:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(self._gate.drain()), grace_s)
-            self._gate.abandon(reason)
-            await self._gate.drain()
+        await self._settle_gate(reason, grace_s)
         await self._cancel_outbox()
         await self._storage_job(self.store.abort_held)
+
+    async def _settle_gate(self, reason: str, grace_s: float) -> None:
+        """Give the answers waiting for the replicas ``grace_s`` to be released, then
+        fail the rest UNAVAILABLE (a replica that never answers must not hold a stop)."""
+        if self._gate is None:
+            return
+        if not self._gate.lost:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._gate.drain()), grace_s)
+        self._gate.abandon(reason)
+        await self._gate.drain()
 
     def _replication_lost(self, reason: str) -> None:
         """Stop serving as primary: what waits fails UNAVAILABLE, the loop ends."""

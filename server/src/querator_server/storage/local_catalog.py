@@ -210,9 +210,9 @@ def _encode(config: QueueConfig) -> bytes:
             "dedup_window_us": config.dedup_window_us,
             "lease_key_ttl_us": config.lease_key_ttl_us,
             "group": config.group,
-            "shard_copy": config.shard_copy,
             "paused": config.paused,
             "produce_paused": config.produce_paused,
+            "shard_copy": config.shard_copy,
         },
         separators=(",", ":"),
     ).encode()
@@ -236,8 +236,8 @@ def _decode(raw: bytes) -> QueueConfig:
         dedup_window_us=min(int(data.get("dedup_window_us", DEFAULT_DEDUP_WINDOW_US)), MAX_LONG_DURATION_US),
         lease_key_ttl_us=min(int(data.get("lease_key_ttl_us", DEFAULT_LEASE_KEY_TTL_US)), MAX_LONG_DURATION_US),
         group=int(data.get("group", -1)),
-        shard_copy=bool(data.get("shard_copy", False)),
         # Absent in catalogs written before pausing existed: not paused.
         paused=bool(data.get("paused", False)),
         produce_paused=bool(data.get("produce_paused", False)),
+        shard_copy=bool(data.get("shard_copy", False)),
     )

@@ -31,7 +31,8 @@ def cmd_produce(args: argparse.Namespace, client: Client) -> int:
         source = open_input(path)
         jsonl = args.jsonl or path.endswith(".jsonl")
         items = produce_items(source, "<stdin>" if path == "-" else path, jsonl)
-    progress = Progress(sys.stderr)
+    # -q: nothing on success, progress included.
+    progress = None if args.quiet else Progress(sys.stderr)
     try:
         result = client.produce(
             args.queue,
@@ -45,7 +46,8 @@ def cmd_produce(args: argparse.Namespace, client: Client) -> int:
             on_progress=progress,
         )
     finally:
-        progress.finish()
+        if progress is not None:
+            progress.finish()
         if source is not None and source is not sys.stdin:
             source.close()
     if args.json:
