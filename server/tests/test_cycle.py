@@ -200,12 +200,12 @@ def test_an_expiry_run_expires_its_ready_items_and_goes_with_its_last_leased_one
     assert _stored_keys(store) == (set(range(3, 11)), dict.fromkeys(range(3, 11), deadline), 1)
 
     cycle = _run(store, config, views, deadline + SECOND, lambda c, t: c.lifecycle(t, []))
-    assert cycle.dropped == [(text, "expired") for text in ids[5:]]
+    assert cycle.dropped == [(text, "expired", "") for text in ids[5:]]
     assert _stored_keys(store) == ({3, 4, 5}, dict.fromkeys((3, 4, 5), deadline), 1)
 
     ends = [(T0 + 60 * SECOND, 0, seq) for seq in (3, 4, 5)]
     cycle = _run(store, config, views, T0 + 61 * SECOND, lambda c, t: c.lifecycle(t, ends))
-    assert cycle.dropped == [(text, "lease expired, expired") for text in leased[2:]]
+    assert cycle.dropped == [(text, "lease expired, expired", "lease expired after 1 attempt") for text in leased[2:]]
     assert _stored_keys(store) == (set(), {}, 0)
     assert (views[0].ready, views[0].leased) == (0, 0)
 
@@ -350,7 +350,7 @@ def test_a_lease_takes_plain_and_other_items_in_fifo_order_and_drops_the_dying(s
     assert result.payloads == [b"a", b"d", b"e", b"f", b"g"]  # type: ignore[attr-defined]
     assert result.attempts == [1] * 5  # type: ignore[attr-defined]
     assert {index: item.kind for index, item in result.details.items()} == {1: "k"}  # type: ignore[attr-defined]
-    assert cycle.dropped == [(item_id(1, 0, 2), "expired"), (item_id(1, 0, 3), "expired")]
+    assert cycle.dropped == [(item_id(1, 0, 2), "expired", ""), (item_id(1, 0, 3), "expired", "")]
     assert (views[0].ready, views[0].leased, views[0].ready_hint) == (0, 5, 8)
     with store.env.begin() as txn:
         stored = [Item.decode(txn.get(item_key(seq), db=store.db(0))) for seq in (1, 4, 5, 6, 7)]

@@ -109,7 +109,7 @@ class QueueModel(RuleBasedStateMachine):
             expected.append(seq)
         lease = request(LeaseRequest(quota, "", self.now))
         cycle = self._run(lambda c, t: c.lease(t, [lease]))
-        assert [text for text, _reason in cycle.dropped] == dropped  # type: ignore[attr-defined]
+        assert [text for text, _reason, _error in cycle.dropped] == dropped  # type: ignore[attr-defined]
         for text in dropped:
             del self.items[seq_of(text)]
         if not expected:
@@ -165,7 +165,7 @@ class QueueModel(RuleBasedStateMachine):
             else:
                 self.items[self.next_seq] = item  # back at the tail under a new id
                 self.next_seq += 1
-        assert [text for text, _reason in cycle.dropped] == dropped  # type: ignore[attr-defined]
+        assert [text for text, _reason, _error in cycle.dropped] == dropped  # type: ignore[attr-defined]
 
     @rule()
     def lifecycle(self) -> None:
@@ -187,7 +187,7 @@ class QueueModel(RuleBasedStateMachine):
             if not item.lease_deadline and item.expire <= self.now:
                 dropped.append(item_id(1, 0, seq))
                 del self.items[seq]
-        assert sorted(text for text, _reason in cycle.dropped) == sorted(dropped)  # type: ignore[attr-defined]
+        assert sorted(text for text, _reason, _error in cycle.dropped) == sorted(dropped)  # type: ignore[attr-defined]
 
     @rule(seconds=st.integers(1, 40))
     def tick(self, seconds: int) -> None:

@@ -101,7 +101,7 @@ def cmd_retry(args: argparse.Namespace, client: Client) -> int:
     if args.at is not None and args.in_ is not None:
         raise UsageError("give --at or --in, not both")
     refs = _refs(args)
-    dead = len(client.retry(refs, at=args.at, in_=args.in_, dead=args.dead))
+    dead = len(client.retry(refs, at=args.at, in_=args.in_, dead=args.dead, error=args.error))
     retried = len(refs) - dead
     if retried and dead:
         message = f"retried {retried} items; {dead} were out of attempts and went to the dead-letter queue"
@@ -164,6 +164,7 @@ def register(commands: Commands) -> None:
     p.add_argument("--at", type=parse_time, help="retry at this time (ISO 8601)")
     p.add_argument("--in", dest="in_", type=parse_duration, help="retry after this long")
     p.add_argument("--dead", action="store_true", help="send to the dead-letter queue")
+    p.add_argument("--error", default="", help="what went wrong: kept as the items' last_error (at most 2,048 bytes)")
 
 
 def _ids(p: argparse.ArgumentParser) -> None:
