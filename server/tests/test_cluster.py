@@ -246,11 +246,14 @@ def test_dead_letters_reach_the_dead_letter_queue_from_every_node(cluster: Clust
     while dead < 3 and time.monotonic() < deadline:
         leased = n2.stubs.lease("sick", 10, request_timeout=_dur(0.5))
         if leased.items:
-            n3.stubs.queue.Retry(
+            n3.stubs.queue.Retry(  # forwarded to the items' home unless that is n3
                 queue_pb2.RetryRequest(
                     queue_name="sick",
                     partition=leased.partition,
-                    items=[queue_pb2.RetryItem(id=i.id, dead=True) for i in leased.items],
+                    items=[
+                        queue_pb2.RetryItem(id=i.id, dead=True, error=f"ValueError: {i.payload.decode()} is bad")
+                        for i in leased.items
+                    ],
                 ),
                 timeout=10,
             )
@@ -261,6 +264,8 @@ def test_dead_letters_reach_the_dead_letter_queue_from_every_node(cluster: Clust
     # Each says why it died and keeps its message id, whichever node it died on.
     assert all(item.dead_reason == queue_pb2.DEAD_REASON_RETRY_DEAD for _, item in letters)
     assert all(item.message_id and item.source_id and item.dead_attempts == 1 for _, item in letters)
+    # And the error that killed it, sent to n3 with the Retry, wherever its home was.
+    assert sorted(item.last_error for _, item in letters) == [f"ValueError: bad-{n} is bad" for n in ("n1", "n2", "n3")]
     # Leased dead letters stay where they are (test_cluster_redrive.py moves ready ones).
     kept = n2.stubs.storage.RedriveItems(storage_pb2.RedriveItemsRequest(queue_name="dlq"), timeout=10)
     assert (kept.moved, kept.skipped, kept.next_page_token) == (0, 0, "")
@@ -377,12 +382,15 @@ def test_retry_and_extend_sent_to_any_node_reach_the_items_home(cluster: Cluster
     # The home applied it: the lease now ends 5 s after the call, not 60 s after the lease.
     assert abs(extended.lease_deadlines[0].seconds - (asked + 5)) < 3
     assert extended.lease_deadlines[0].seconds < item.lease_deadline.seconds - 30
+    # b is not the home: the Retry, with its error text, is forwarded there.
     b.stubs.queue.Retry(
-        queue_pb2.RetryRequest(queue_name="far", partition=leased.partition, items=[queue_pb2.RetryItem(id=item.id)]),
+        queue_pb2.RetryRequest(
+            queue_name="far", partition=leased.partition, items=[queue_pb2.RetryItem(id=item.id, error="OSError: far away")]
+        ),
         timeout=10,
     )
     again = a.stubs.lease("far", 1)
-    assert [(i.payload, i.attempts) for i in again.items] == [(b"job", 2)]
+    assert [(i.payload, i.attempts, i.last_error) for i in again.items] == [(b"job", 2, "OSError: far away")]
     b.stubs.complete("far", again.partition, [again.items[0].id])
     assert home.stubs.lease("far", 1, request_timeout=_dur(0)).items == []
 

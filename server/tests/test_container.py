@@ -285,9 +285,9 @@ def test_the_cluster_profile_runs_etcd_and_three_nodes_scraped_by_prometheus(
     services = compose["services"]
     assert isinstance(services, dict)
     profiled = sorted(name for name, s in services.items() if "cluster" in s.get("profiles", []))
-    assert profiled == ["etcd", "node1", "node2", "node3", "prometheus-cluster"]
+    assert profiled == ["etcd", "grafana-cluster", "node1", "node2", "node3", "prometheus-cluster"]
     # The single server's stack stays as it was: none of its services is in a profile.
-    assert all(not services[name].get("profiles") for name in ("querator", "prometheus"))
+    assert all(not services[name].get("profiles") for name in ("querator", "prometheus", "grafana"))
     single_health = services["querator"]["healthcheck"]["test"]
     ids, advertised, scraped = set(), set(), set()
     for name in ("node1", "node2", "node3"):

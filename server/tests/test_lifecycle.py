@@ -337,7 +337,7 @@ def test_without_a_dead_letter_queue_items_are_deleted_with_a_log_line(proc: Pro
         stubs.produce("q", [b"retried", b"dead", b"expired"])
         leased = {i.payload: i for i in lease_now(stubs, "q").items}
         retry(stubs, "q", 0, [leased[b"retried"].id])
-        retry(stubs, "q", 0, [leased[b"dead"].id], dead=True)
+        retry(stubs, "q", 0, [leased[b"dead"].id], dead=True, error="KeyError: 'account'")
         assert payloads(stubs.list_items("q")) == [b"expired"]
         wait_until(lambda: stubs.list_items("q") == [], timeout=EVENTUALLY)  # its lease ends
         assert totals(stubs, "q") == (0, 0, 0)
@@ -357,6 +357,9 @@ def test_without_a_dead_letter_queue_items_are_deleted_with_a_log_line(proc: Pro
         assert item.id in dropped, f"no item_dropped log line for {item.id}: {lines}"
         assert dropped[item.id].get("queue") == "q"
         assert dropped[item.id].get("reason")
+    # What went wrong is in the line too: all that is left of the item.
+    assert dropped[leased[b"dead"].id].get("error") == "KeyError: 'account'"
+    assert dropped[leased[b"expired"].id].get("error") == "lease expired after 1 attempt"
 
 
 # -- expire_timeout ----------------------------------------------------------------------

@@ -5,7 +5,15 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from querator_server.storage.record import Item, plain_header, plain_leaser, read_state, with_lease, with_lease_key
+from querator_server.storage.record import (
+    Item,
+    plain_header,
+    plain_leaser,
+    read_state,
+    with_lease,
+    with_lease_key,
+    without_lease,
+)
 
 text = st.text(max_size=40)
 items = st.builds(
@@ -30,6 +38,9 @@ items = st.builds(
     dead_reason=st.integers(0, 3),
     dead_at=st.integers(0, 2**62),
     dead_attempts=st.integers(0, 2**31),
+    # The last error: absent from most items too.
+    last_error=st.one_of(st.just(""), st.text(max_size=300)),
+    last_error_at=st.one_of(st.just(0), st.integers(0, 2**62)),
 )
 
 
@@ -63,6 +74,14 @@ def test_lease_rewrites_change_only_the_lease_fields(
     )
 
 
+@given(items, st.integers(0, 2**31))
+def test_giving_a_lease_back_changes_only_the_lease_fields(item: Item, attempts: int) -> None:
+    raw = item.encode()
+    expected = Item.decode(raw)
+    expected.is_leased, expected.attempts, expected.lease_deadline, expected.leased_at = False, attempts, 0, 0
+    assert Item.decode(without_lease(raw, read_state(raw), attempts=attempts)) == expected
+
+
 payload_only = st.builds(
     Item,
     payload=st.binary(max_size=200),
@@ -81,7 +100,7 @@ def test_the_plain_lease_matches_the_general_path_or_declines(
     plain = plain_leaser(now=now, max_attempts=max_attempts, deadline=deadline, key_bytes=key.encode())(raw)
     payload_only = not (
         item.source_id or item.reference or item.encoding or item.kind or item.lease_key or item.metadata
-    ) and not (item.message_id or item.dead_reason or item.dead_at or item.dead_attempts)
+    ) and not (item.message_id or item.dead_reason or item.dead_at or item.dead_attempts or item.last_error or item.last_error_at)
     dying = item.expire_deadline <= now or bool(max_attempts and item.attempts >= max_attempts)
     if not payload_only or dying:
         assert plain is None

@@ -160,6 +160,52 @@ def test_serve_environment_twins_and_flags_win(tmp_path: object, serves: list[Se
         assert s.wait(30) == 0
 
 
+def test_the_server_listens_on_its_own_variable_and_refuses_a_list_meant_for_clients(
+    tmp_path: object, serves: list[Serve]
+) -> None:
+    """QUERATOR_ADDRESS is the clients' target, a cluster's comma list included; the
+    server listens on QUERATOR_LISTEN_ADDRESS, and refuses a list rather than trying to
+    listen on it."""
+    address = f"127.0.0.1:{free_port()}"
+    targets = f"{address},127.0.0.1:{free_port()}"  # what a cluster's CLI user sets
+    data = os.path.join(str(tmp_path), "data")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("QUERATOR_")}
+    refused = subprocess.run(
+        [sys.executable, "-m", "querator.cli", "serve", "--data-dir", data],
+        env={**base, "QUERATOR_ADDRESS": targets},
+        check=False, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr
+    assert f"QUERATOR_ADDRESS={targets!r} is a list of servers" in refused.stderr
+    assert "set QUERATOR_LISTEN_ADDRESS (or --address)" in refused.stderr and "Traceback" not in refused.stderr
+    assert not os.path.exists(data)
+    for given in (["--address", targets, "serve"], ["serve", "--address", targets]):
+        refused = subprocess.run(
+            [sys.executable, "-m", "querator.cli", *given, "--data-dir", data],
+            env=base, check=False, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert refused.returncode == 2, refused.stderr
+        assert f"listens on one host:port, not a list: --address {targets!r}" in refused.stderr
+    assert not os.path.exists(data)
+
+    # Its own variable wins; the clients of the same shell still reach it through the list.
+    env = {"QUERATOR_LISTEN_ADDRESS": address, "QUERATOR_ADDRESS": targets, "QUERATOR_DATA_DIR": data}
+    s = serve(serves, tmp_path, address, [], env)
+    use(address, "own-variable")
+    listed = subprocess.run(
+        [sys.executable, "-m", "querator.cli", "queues", "list"],
+        env={**base, "QUERATOR_ADDRESS": targets}, check=False, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert listed.returncode == 0 and "own-variable" in listed.stdout, listed.stderr
+    s.signal(signal.SIGTERM)
+    assert s.wait(30) == 0
+    # --address wins over both.
+    s = serve(serves, tmp_path, address, ["--address", address], {"QUERATOR_ADDRESS": targets, "QUERATOR_DATA_DIR": data})
+    assert queue_names(address) == ["own-variable"]
+    s.signal(signal.SIGTERM)
+    assert s.wait(30) == 0
+
+
 def test_serve_on_a_busy_address_exits_1_with_a_message(tmp_path: object, process_server: ProcessServer) -> None:
     other = os.path.join(str(tmp_path), "other")
     result = subprocess.run(

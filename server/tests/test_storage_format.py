@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import grpc
@@ -13,9 +14,11 @@ import pytest
 from querator.v1 import queue_pb2
 from querator_server.storage import Item, QueueStore
 from querator_server.storage.local_catalog import Catalog, CatalogError
-from querator_server.storage.record import expiry_key, item_key
+from querator_server.storage.record import expiry_key, item_key, read_state, with_lease, without_lease
 
 from conftest import Stubs, ThreadServer
+
+CURRENT = b"querator-catalog-5"
 
 
 def _stamp(path: Path, version: bytes) -> None:
@@ -33,7 +36,7 @@ def _format(path: Path) -> bytes | None:
     return found
 
 
-@pytest.mark.parametrize("older", [b"querator-catalog-1", b"querator-catalog-2", b"querator-catalog-3"])
+@pytest.mark.parametrize("older", [b"querator-catalog-1", b"querator-catalog-2", b"querator-catalog-3", b"querator-catalog-4"])
 def test_an_older_catalog_is_read_and_stamped_with_the_current_format(tmp_path: Path, older: bytes) -> None:
     path = tmp_path / "catalog"
     Catalog(str(path)).env.close()
@@ -41,7 +44,7 @@ def test_an_older_catalog_is_read_and_stamped_with_the_current_format(tmp_path: 
     catalog = Catalog(str(path))
     assert catalog.load() == []
     catalog.env.close()
-    assert _format(path) == b"querator-catalog-4"  # an older server now refuses it
+    assert _format(path) == CURRENT  # an older server now refuses it
 
 
 def test_an_unknown_catalog_format_is_refused_by_name(tmp_path: Path) -> None:
@@ -109,7 +112,7 @@ def test_a_format_2_data_directory_keeps_its_queues_where_they_are_and_groups_ne
     finally:
         server.stop()
     assert sorted(os.listdir(data / "queues")) == ["1"] and sorted(os.listdir(data / "groups")) == ["0"]
-    assert _format(data / "catalog") == b"querator-catalog-4"
+    assert _format(data / "catalog") == CURRENT
 
 
 # Records as a server of catalog format 3 wrote them (no history block): a leased item
@@ -153,7 +156,7 @@ def test_records_of_format_3_read_as_they_were_written() -> None:
 
 def test_a_format_3_data_directory_serves_its_items_and_their_new_fields(tmp_path: Path) -> None:
     """A data directory as a server of format 3 left it (records without history):
-    its items lease, re-queue (gaining a history) and list; the stamp becomes 4."""
+    its items lease, re-queue (gaining a history) and list; the stamp becomes current."""
     data = tmp_path / "data"
     server = ThreadServer(str(data))
     try:
@@ -178,4 +181,94 @@ def test_a_format_3_data_directory_serves_its_items_and_their_new_fields(tmp_pat
             assert requeued.id != ids[0] and requeued.message_id == ids[0]
     finally:
         server.stop()
-    assert _format(data / "catalog") == b"querator-catalog-4"
+    assert _format(data / "catalog") == CURRENT
+
+
+# Records as a server of catalog format 4 wrote them (a history block, no last error):
+# a dead letter in its dead-letter queue, and an item re-queued twice (an expiry run's).
+# Made by that server's encoder and kept as bytes, as FORMAT_3_* are.
+FORMAT_4_DEAD = bytes.fromhex(
+    "040000000000401e18240a0600ff5f73cc0c44840300000000000000000000000000000000000000000000000006"
+    "0000000000000000000000050000000000000000000000372e302e3166656d61696c010021141e240a06000500"
+    "000006000000372e302e31617061796c6f6164"
+)
+FORMAT_4_REQUEUED = bytes.fromhex(
+    "060200000000401e18240a06000080982817650600000000000000000000000000000000000000000000000000"
+    "0000000000000000000000000000000000000000000000000000000000000000000000000006000000372e302e"
+    "3162616761696e"
+)
+
+
+def test_records_of_format_4_read_as_they_were_written_with_no_error() -> None:
+    dead = Item.decode(FORMAT_4_DEAD)
+    assert dead == Item(
+        payload=b"payload",
+        kind="email",
+        source_id="7.0.1f",
+        created_at=1_700_000_000_000_000,
+        expire_deadline=253_402_300_799_999_999,
+        message_id="7.0.1a",
+        dead_reason=1,
+        dead_at=1_700_000_100_000_000,
+        dead_attempts=5,
+    )
+    assert (dead.last_error, dead.last_error_at) == ("", 0)
+    requeued = Item.decode(FORMAT_4_REQUEUED)
+    assert (requeued.payload, requeued.attempts, requeued.message_id, requeued.expiry_run) == (b"again", 2, "7.0.1b", True)
+    assert requeued.last_error == ""
+    # A record without an error is still written byte for byte as format 4 wrote it.
+    assert dead.encode() == FORMAT_4_DEAD and requeued.encode() == FORMAT_4_REQUEUED
+
+
+def test_a_last_error_round_trips_through_the_record_and_lease_rewrites() -> None:
+    item = Item(payload=b"p", kind="k", message_id="7.0.1", last_error="ValueError: \u00e9\n  at f", last_error_at=1_700_000_000_000_001)
+    raw = item.encode()
+    assert Item.decode(raw) == item
+    state = read_state(raw)
+    leased = with_lease(raw, state, attempts=3, deadline=5, leased_at=4)
+    assert Item.decode(leased).last_error == item.last_error and Item.decode(leased).payload == b"p"
+    # Giving a lease back keeps the history and the error (it used to drop the history
+    # flag, so the block was then read as the start of the payload).
+    ready = Item.decode(without_lease(leased, read_state(leased), attempts=2))
+    assert (ready.payload, ready.message_id, ready.last_error, ready.attempts) == (b"p", "7.0.1", item.last_error, 2)
+
+
+def test_a_format_4_data_directory_serves_its_dead_letters_and_takes_errors(tmp_path: Path) -> None:
+    """A data directory as a server of format 4 left it (histories without errors):
+    its dead letters and re-queued items list and lease with no error, a Retry gives
+    them one, and the stamp becomes current. Its records are the ones format 4 wrote:
+    records without an error encode byte for byte as before (test above)."""
+    data = tmp_path / "data"
+    server = ThreadServer(str(data))
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stubs = Stubs(channel)
+            stubs.create("dlq", requested_partitions=1)
+            stubs.create("old", requested_partitions=1, dead_queue="dlq")
+            stubs.produce("old", [b"dies", b"comes back"])
+            leased = {i.payload: i.id for i in stubs.lease("old", batch_size=2).items}
+            items = [queue_pb2.RetryItem(id=leased[b"dies"], dead=True), queue_pb2.RetryItem(id=leased[b"comes back"])]
+            stubs.queue.Retry(queue_pb2.RetryRequest(queue_name="old", partition=0, items=items), timeout=10)
+            deadline = time.monotonic() + 10
+            while not stubs.list_items("dlq") and time.monotonic() < deadline:
+                time.sleep(0.02)
+    finally:
+        server.stop()
+    _stamp(data / "catalog", b"querator-catalog-4")
+
+    server = ThreadServer(str(data))
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stubs = Stubs(channel)
+            (letter,) = stubs.list_items("dlq")
+            assert (letter.payload, letter.dead_reason, letter.last_error) == (b"dies", 3, "")
+            assert not letter.HasField("last_error_at")
+            (back,) = stubs.lease("old", batch_size=1).items
+            assert (back.payload, back.last_error) == (b"comes back", "")
+            failed = queue_pb2.RetryItem(id=back.id, error="ValueError: now it says why")
+            stubs.queue.Retry(queue_pb2.RetryRequest(queue_name="old", partition=0, items=[failed]), timeout=10)
+            (listed,) = stubs.list_items("old")
+            assert (listed.message_id, listed.last_error) == (back.message_id, "ValueError: now it says why")
+    finally:
+        server.stop()
+    assert _format(data / "catalog") == CURRENT

@@ -70,6 +70,18 @@ def test_produce_10000_lines_then_drain_with_lease_and_complete(srv: EmbeddedSer
     assert (final["total"], final["total_leased"]) == (0, 0)
 
 
+def test_produce_quiet_prints_nothing_not_even_progress(srv: EmbeddedServer, client: querator.Client, tmp_path: Path) -> None:
+    """-q is "print nothing on success": the progress lines of a large input included."""
+    name = unique()
+    client.create_queue(name)
+    lines = tmp_path / "lines.txt"
+    lines.write_text("".join(f"q-{i}\n" for i in range(12_000)))
+    produced = querator_cmd(srv.address, "produce", name, "--file", str(lines), "-q")
+    assert produced.returncode == 0, produced.stderr
+    assert (produced.stdout, produced.stderr) == ("", "")
+    assert client.queue_stats(name).total == 12_000
+
+
 def test_exit_codes(srv: EmbeddedServer) -> None:
     missing = querator_cmd(srv.address, "queues", "get", unique("missing"))
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
@@ -363,7 +375,9 @@ def test_serve_after_top_level_options(tmp_path: Path) -> None:
     assert (tmp_path / "d").is_dir()
 
 
-def test_json_before_serve_logs_json_lines_even_on_a_terminal(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_json_before_or_after_serve_logs_json_lines_even_on_a_terminal(tmp_path: Path, where: str) -> None:
+    """``--json`` goes before or after ``serve``, as for every other command (docs/sdk.md)."""
     import pty
     import signal
     import socket
@@ -374,7 +388,8 @@ def test_json_before_serve_logs_json_lines_even_on_a_terminal(tmp_path: Path) ->
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUERATOR_")}
     master, terminal = pty.openpty()  # the server's stderr is a terminal: coloured text by default
     proc = subprocess.Popen(
-        [sys.executable, "-m", "querator.cli", "--json", "serve", "--address", f"127.0.0.1:{port}", "--data-dir", "d"],
+        [sys.executable, "-m", "querator.cli", *(["--json", "serve"] if where == "before" else ["serve", "--json"]),
+         "--address", f"127.0.0.1:{port}", "--data-dir", "d"],
         cwd=tmp_path, env=env, stderr=terminal, stdout=subprocess.DEVNULL,
     )  # fmt: skip
     os.close(terminal)

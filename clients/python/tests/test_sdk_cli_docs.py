@@ -91,6 +91,7 @@ SAMPLES = {
     "PAYLOAD": "hello", "ID": "1a.0.2", "FILE": "items.jsonl", "K": "key-1", "E": "text/plain",
     "TIME": "2030-01-02T03:04:05Z", "D": "billing", "A": "127.0.0.1:2319", "L": "info",
     "PATTERN": "jobs*", "KEY_ID": "k1", "TOKEN": "t", "DLQ": "jobs-dlq", "NODE": "n3", "SET_ASIDE_ID": "jobs@7",
+    "TEXT": "ValueError: bad row",
 }  # fmt: skip
 
 

@@ -123,6 +123,30 @@ EXPECT = {
 }
 
 
+# Put on PYTHONPATH as sitecustomize for every sample: a write to stdout from a thread
+# other than the main one that is not whole lines can interleave with another thread's
+# (print(a, b) is four writes, print(a) two), and readers of the docs copy the samples.
+_WHOLE_LINES = """
+import sys, threading
+
+
+class _WholeLines:
+    def __init__(self, out):
+        self._out = out
+
+    def write(self, text):
+        if text and not text.endswith("\\n") and threading.current_thread() is not threading.main_thread():
+            sys.__stderr__.write(f"PARTIAL LINE from thread {threading.current_thread().name}: {text!r}\\n")
+        return self._out.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._out, name)
+
+
+sys.stdout = _WholeLines(sys.stdout)
+"""
+
+
 def _listening() -> bool:
     with socket.socket() as s:
         return s.connect_ex(ADDRESS) == 0
@@ -169,6 +193,10 @@ def test_the_docs_have_samples_and_few_are_not_run() -> None:
 @pytest.mark.parametrize("sample", RUNNABLE, ids=lambda s: s.name)
 def test_every_python_sample_in_the_docs_runs_as_written(sample: Sample, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUERATOR_")}
+    probe = tmp_path / "whole-lines"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(_WHOLE_LINES)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(probe), env.get("PYTHONPATH")]))
     script = tmp_path / "sample.py"
     script.write_text(sample.text)
     if re.search(r"^def test_\w+\(querator_client\)", sample.text, re.M):  # a pytest test: run by pytest
@@ -221,6 +249,7 @@ def test_every_python_sample_in_the_docs_runs_as_written(sample: Sample, tmp_pat
                 out, err = proc.communicate()
                 pytest.fail(f"{sample.name} did not end within 120 s\n{out}\n{err}")
         assert proc.returncode == 0, f"{sample.name}: exit {proc.returncode}\n{out}\n{err}"
+        assert "PARTIAL LINE" not in err, f"{sample.name}: a thread printed less than a line per write\n{err}"
         for text in next((want for key, want in EXPECT.items() if sample.text.startswith(key)), []):
             assert text in out, f"{sample.name}: {text!r} not in\n{out}"
     finally:

@@ -4,7 +4,8 @@ import { FieldMaskSchema } from "@bufbuild/protobuf/wkt";
 import { toDuration } from "./convert.js";
 import { Connection } from "./connection.js";
 import { QueratorError, fromConnectError } from "./errors.js";
-import type { LeasedItem, Settler } from "./items.js";
+import { failureText } from "./failure.js";
+import type { LeasedItem, RetryOptions, Settler } from "./items.js";
 import type { ApiKey, CreatedKey, ExtendResult, ItemRef, Page, ProduceInput, ProduceResult, QueueInfo, QueueSettings, QueueStats, RedriveResult, Role, StoredItem } from "./models.js";
 import {
   type LeaseOptions,
@@ -232,15 +233,17 @@ export class Client implements Settler {
   }
 
   /** Give leased items back: to the queue now, at `at` / in `inMs`, or to the
-   * dead-letter queue with `dead`. */
+   * dead-letter queue with `dead`; `error` (text, or a thrown value) becomes each
+   * item's `lastError`. */
   async retry(
     items: ItemRef | readonly ItemRef[],
-    options: { at?: Date; inMs?: number; dead?: boolean } & CallOptions = {},
+    options: RetryOptions & CallOptions = {},
   ): Promise<void> {
     const at = retryAt(options);
     const dead = options.dead ?? false;
+    const error = options.error === undefined || typeof options.error === "string" ? (options.error ?? "") : failureText(options.error);
     for (const [queueName, partition, members] of groupRefs(items)) {
-      const request = { queueName, partition, items: retryItems(members, at, dead) };
+      const request = { queueName, partition, items: retryItems(members, at, dead, error) };
       await this.#conn.call((c, o) => c.queue.retry(request, o), options, { retry: false, kind: { itemCall: true }, target: targetOf("Retry", request) });
       markAll(members, dead ? "dead" : "retried");
     }

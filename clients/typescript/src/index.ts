@@ -41,7 +41,8 @@ export {
   isLeaseLost,
   type FieldViolation,
 } from "./errors.js";
-export { LeasedItem, type LeaseState } from "./items.js";
+export { MAX_ERROR_BYTES, failureText } from "./failure.js";
+export { LeasedItem, type LeaseState, type RetryOptions } from "./items.js";
 export type {
   ApiKey,
   CreatedKey,

@@ -3,11 +3,22 @@ import type { CallOptions } from "./options.js";
 
 export type LeaseState = "leased" | "completed" | "retried" | "dead";
 
+/** How to give an item back: now, later (`at` / `inMs`) or to the dead-letter queue
+ * (`dead`); `error` (text, or a thrown value sent as failureText makes it) becomes the
+ * item's `lastError`, which the next lease and the dead letter show. The server keeps
+ * at most 2,048 bytes of it; none keeps the error the item had. */
+export interface RetryOptions {
+  at?: Date;
+  inMs?: number;
+  dead?: boolean;
+  error?: unknown;
+}
+
 /** What finishes a lease: the Client's complete, retry and extend. A LeasedItem holds
  * this rather than the Client, so items.ts does not import the client. */
 export interface Settler {
   complete(items: ItemRef, options?: CallOptions): Promise<void>;
-  retry(items: ItemRef, options?: { at?: Date; inMs?: number; dead?: boolean } & CallOptions): Promise<void>;
+  retry(items: ItemRef, options?: RetryOptions & CallOptions): Promise<void>;
   extend(items: ItemRef, options?: { leaseTimeoutMs?: number } & CallOptions): Promise<ExtendResult>;
 }
 
@@ -40,6 +51,12 @@ export class LeasedItem implements ItemRef, ItemHistory {
   readonly deadReason: DeadReason | undefined;
   readonly deadAt: Date | undefined;
   readonly deadAttempts: number;
+  /** What went wrong the last time the item failed (an earlier attempt's Retry error,
+   * or "lease expired after N attempts"); "" when it never failed with a text. For a
+   * dead letter: the error that killed it. */
+  readonly lastError: string;
+  /** When lastError was recorded (undefined without one). */
+  readonly lastErrorAt: Date | undefined;
   #state: LeaseState = "leased";
   readonly #settler: Settler;
 
@@ -62,6 +79,8 @@ export class LeasedItem implements ItemRef, ItemHistory {
     this.deadReason = fields.deadReason;
     this.deadAt = fields.deadAt;
     this.deadAttempts = fields.deadAttempts;
+    this.lastError = fields.lastError;
+    this.lastErrorAt = fields.lastErrorAt;
   }
 
   /** The payload decoded as UTF-8. */
@@ -93,8 +112,9 @@ export class LeasedItem implements ItemRef, ItemHistory {
     return this.#settler.complete(this, options);
   }
 
-  /** Give the item back: now, later (`at` / `inMs`) or to the dead-letter queue (`dead`). */
-  retry(options?: { at?: Date; inMs?: number; dead?: boolean } & CallOptions): Promise<void> {
+  /** Give the item back: now, later (`at` / `inMs`) or to the dead-letter queue
+   * (`dead`), with what went wrong (`error`). */
+  retry(options?: RetryOptions & CallOptions): Promise<void> {
     return this.#settler.retry(this, options);
   }
 

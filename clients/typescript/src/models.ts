@@ -145,6 +145,10 @@ export interface StoredItem extends ItemHistory {
   kind: string;
   sourceId: string;
   metadata: Record<string, string>;
+  /** What went wrong the last time the item failed (see LeasedItem.lastError); for a
+   * dead letter, the error that killed it. "" when it never failed with a text. */
+  lastError: string;
+  lastErrorAt: Date | undefined;
 }
 
 /** What redriveItems did: how many items it moved, their message ids, and how many

@@ -227,6 +227,8 @@ export function leasedItems(settler: Settler, response: LeaseResponse): LeasedIt
           deadReason: deadReason(columns.deadReasons[i]),
           deadAt: columns.deadAtUs[i] ? fromMicros(columns.deadAtUs[i]!) : undefined,
           deadAttempts: columns.deadAttempts[i] ?? 0,
+          lastError: columns.lastErrors[i] ?? "",
+          lastErrorAt: columns.lastErrorAtUs[i] ? fromMicros(columns.lastErrorAtUs[i]!) : undefined,
         }),
     );
   }
@@ -249,6 +251,8 @@ export function leasedItems(settler: Settler, response: LeaseResponse): LeasedIt
         deadReason: deadReason(item.deadReason),
         deadAt: fromTimestamp(item.deadAt),
         deadAttempts: item.deadAttempts,
+        lastError: item.lastError,
+        lastErrorAt: fromTimestamp(item.lastErrorAt),
       }),
   );
 }
@@ -306,8 +310,13 @@ export function retryAt(options: { at?: Date; inMs?: number }): Date | undefined
   return options.at ?? (options.inMs !== undefined ? new Date(Date.now() + options.inMs) : undefined);
 }
 
-export function retryItems(members: readonly ItemRef[], at: Date | undefined, dead: boolean): { id: string; dead: boolean; retryAt?: ReturnType<typeof toTimestamp> }[] {
-  return members.map((m) => ({ id: m.id, dead, ...(at ? { retryAt: toTimestamp(at) } : {}) }));
+export function retryItems(
+  members: readonly ItemRef[],
+  at: Date | undefined,
+  dead: boolean,
+  error = "",
+): { id: string; dead: boolean; error: string; retryAt?: ReturnType<typeof toTimestamp> }[] {
+  return members.map((m) => ({ id: m.id, dead, error, ...(at ? { retryAt: toTimestamp(at) } : {}) }));
 }
 
 export function leaseTimeout(ms: number | undefined): { leaseTimeout?: Duration } {
@@ -423,6 +432,8 @@ export function storedItem(i: StorageItem, partition: number): StoredItem {
     deadReason: deadReason(i.deadReason),
     deadAt: fromTimestamp(i.deadAt),
     deadAttempts: i.deadAttempts,
+    lastError: i.lastError,
+    lastErrorAt: fromTimestamp(i.lastErrorAt),
   };
 }
 
@@ -441,6 +452,8 @@ export function storageItem(i: Partial<StoredItem>): StorageItem {
     deadReason: deadReasonValue(i.deadReason),
     deadAttempts: i.deadAttempts ?? 0,
     ...(i.deadAt ? { deadAt: ts(i.deadAt)!.timestamp } : {}),
+    lastError: i.lastError ?? "",
+    ...(i.lastErrorAt ? { lastErrorAt: ts(i.lastErrorAt)!.timestamp } : {}),
     ...(i.leaseDeadline ? { leaseDeadline: ts(i.leaseDeadline)!.timestamp } : {}),
     ...(i.expireDeadline ? { expireDeadline: ts(i.expireDeadline)!.timestamp } : {}),
     ...(i.enqueueAt ? { enqueueAt: ts(i.enqueueAt)!.timestamp } : {}),

@@ -15,6 +15,7 @@
 import type { Client } from "./client.js";
 import { Dispatch, type Handler, type KindHandler, type KindOptions, type Route, checkKindOptions } from "./dispatch.js";
 import { Cancelled, DeadLetter, HandlerTimeout, type QueratorError, Unavailable, isLeaseLost } from "./errors.js";
+import { failureText } from "./failure.js";
 import { type DeadOn, FailureLog, FailureRules, type RetryOn, errorName } from "./failures.js";
 import type { LeasedItem } from "./items.js";
 import { type MetricsRegistry, WorkerMetrics, serveMetrics } from "./metrics.js";
@@ -187,8 +188,9 @@ interface Held {
 type RetrySettlement = { held: Held; kind: "retry"; at: Date | undefined; dead: boolean; error: unknown };
 type Settlement = { held: Held; kind: "complete" } | RetrySettlement;
 
-/** The options of a worker's Retry call (see Worker.#retryOrder). */
-type RetryOrder = { at?: Date; dead: boolean };
+/** The options of a worker's Retry call (see Worker.#retryOrder); `error` is the
+ * handler's failure text, which becomes the item's lastError. */
+type RetryOrder = { at?: Date; dead: boolean; error: string };
 
 /** Equal orders, equal keys: every field of the order counts (a Date as its ISO time). */
 function retryKey(order: RetryOrder): string {
@@ -709,7 +711,8 @@ export class Worker {
   /** The one place a failed item's Retry is built: when it comes back, or dead. Retries
    * with equal orders go in one call (retryKey). */
   #retryOrder(s: RetrySettlement): RetryOrder {
-    return s.at ? { at: s.at, dead: s.dead } : { dead: s.dead };
+    const error = failureText(s.error);
+    return s.at ? { at: s.at, dead: s.dead, error } : { dead: s.dead, error };
   }
 
   async #apply(group: Settlement[], split: boolean): Promise<void> {

@@ -26,7 +26,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address",
-        help=f"host:port to listen on (env QUERATOR_ADDRESS, default {DEFAULT_ADDRESS})",
+        help=f"host:port to listen on (env QUERATOR_LISTEN_ADDRESS, else a single address in QUERATOR_ADDRESS; "
+        f"default {DEFAULT_ADDRESS})",
     )
     parser.add_argument(
         "--data-dir",
@@ -49,8 +50,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--log-json",
+        "--json",
+        dest="log_json",
         action="store_true",
-        help="log JSON lines even on a terminal (default: coloured text on a terminal, JSON lines otherwise)",
+        help="log JSON lines even on a terminal (default: coloured text on a terminal, JSON lines otherwise); "
+        "--json is the same, as for the client commands",
     )
     parser.add_argument(
         "--auth",
@@ -167,6 +171,9 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
         config = _config(args)
     except ValueError as exc:
         print(f"querator: {exc}", file=sys.stderr)
+        return 2
+    if "," in config.address:
+        print(f"querator: the server listens on one host:port, not a list: --address {config.address!r}", file=sys.stderr)
         return 2
     if config.fail_queue_after_s <= 0:
         print("querator: --fail-queue-after must be above 0 seconds", file=sys.stderr)

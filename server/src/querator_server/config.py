@@ -10,6 +10,11 @@ from .model import MAX_MESSAGE_BYTES, SERVER_UNSENT_BYTES, STALL_SECONDS, STREAM
 
 DEFAULT_ADDRESS = "127.0.0.1:2319"
 DEFAULT_DATA_DIR = "./querator-data"
+# Where the server listens. QUERATOR_ADDRESS is the clients' (one server, or a
+# cluster's comma list of nodes); the server reads it only when LISTEN_ADDRESS_ENV is
+# unset and it names one address, as servers did before they had a variable of their own.
+LISTEN_ADDRESS_ENV = "QUERATOR_LISTEN_ADDRESS"
+CLIENT_ADDRESS_ENV = "QUERATOR_ADDRESS"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +95,7 @@ class ServerConfig:
         """The settings from ``env`` (default: this process's environment), then ``overrides``."""
         env = os.environ if env is None else env
         values: dict[str, object] = {
-            "address": env.get("QUERATOR_ADDRESS", DEFAULT_ADDRESS),
+            "address": _listen_address(env, given=overrides.get("address") is not None),
             "data_dir": env.get("QUERATOR_DATA_DIR", DEFAULT_DATA_DIR),
             "log_level": env.get("QUERATOR_LOG_LEVEL", "info"),
             "metrics_address": env.get("QUERATOR_METRICS_ADDRESS", ""),
@@ -123,6 +128,20 @@ class ServerConfig:
             values["fail_queue_after_s"] = _seconds(env["QUERATOR_FAIL_QUEUE_AFTER"], "QUERATOR_FAIL_QUEUE_AFTER")
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _listen_address(env: Mapping[str, str], given: bool) -> str:
+    """The listen address from the environment; ``given``: --address was, and wins."""
+    listen = env.get(LISTEN_ADDRESS_ENV, "").strip()
+    if listen or given:
+        return listen or DEFAULT_ADDRESS
+    shared = env.get(CLIENT_ADDRESS_ENV, "").strip()
+    if "," in shared:
+        raise ValueError(
+            f"{CLIENT_ADDRESS_ENV}={shared!r} is a list of servers, which clients connect to; the server "
+            f"listens on one address: set {LISTEN_ADDRESS_ENV} (or --address), e.g. {DEFAULT_ADDRESS}"
+        )
+    return shared or DEFAULT_ADDRESS
 
 
 def _seconds(text: str, name: str) -> float:

@@ -14,6 +14,9 @@ Two kinds of data:
   ``querator.v1`` call (latency, status, items moved), the actor after every cycle
   (duration, batch size, lease expirations, dead letters) and the queue store after
   every commit (commit time). A deleted queue's series are removed with it.
+- The event loop's lag: a timer every LOOP_LAG_INTERVAL_S and how late it ran. On a
+  cluster node, the node's view of the cluster (ClusterCollector), read at scrape
+  time from its cached catalog.
 
 The endpoint renders one scrape at a time (scrapes arriving meanwhile share that
 answer), spaces renderings so that they take a bounded share of the interpreter, and,
@@ -25,6 +28,7 @@ See docs/operations.md ("Metrics") for the list.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import socket
 import threading
@@ -70,6 +74,10 @@ STORAGE_BUCKETS = (
     0.5, 1.0, 2.5,
 )  # fmt: skip
 BATCH_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# The loop-lag probe's timer: often enough that a stall of a fraction of a second shows,
+# rarely enough to cost nothing (one wake-up of the loop).
+LOOP_LAG_INTERVAL_S = 0.5
 
 
 # Scrapes served at once (one renders, the others wait for its answer); past it, 503.
@@ -302,6 +310,39 @@ class ReplicationCollector(Collector):
         yield from (epoch, in_sync, minimum, primary, elections)
 
 
+class ClusterCollector(Collector):
+    """A cluster node's view of the cluster, read at scrape time.
+
+    ``view`` returns (live members, this node fenced, partitions homed on a node that is
+    not live); it runs on the scrape's thread and reads the node's cached catalog only."""
+
+    def __init__(self, view: Callable[[], tuple[int, bool, int]]) -> None:
+        self._view = view
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            members, fenced, down = self._view()
+        except Exception as exc:  # noqa: BLE001 -- a scrape must not fail for the cluster's view
+            log.debug("metrics_cluster_view_failed", error=repr(exc))
+            return
+        yield GaugeMetricFamily(
+            "querator_cluster_members",
+            "Live members of the cluster (nodes holding their membership in etcd), as this node sees them.",
+            value=members,
+        )
+        yield GaugeMetricFamily(
+            "querator_cluster_fenced",
+            "1 while this node cannot renew its membership: it refuses admin changes and still serves data.",
+            value=1 if fenced else 0,
+        )
+        yield GaugeMetricFamily(
+            "querator_cluster_partitions_down",
+            "Partitions of the cluster's queues whose home node is not a live member, as this node sees "
+            "them: their items wait until the node is back, or retired.",
+            value=down,
+        )
+
+
 def _queue_of(request: Any) -> str:
     name = getattr(request, "queue_name", None)
     if name is None:
@@ -497,6 +538,14 @@ class Metrics:
             "LeaseStreams ended because their client read nothing for the stall timeout.",
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "querator_event_loop_lag_seconds",
+            f"How late the event loop ran a timer due every {LOOP_LAG_INTERVAL_S} s: how long calls and cycles "
+            "waited behind other work then.",
+            buckets=LOOP_LAG_BUCKETS,
+            registry=r,
+        )
+        self._loop_probe: asyncio.Task[None] | None = None
         r.register(QueueCollector(manager))
         self._labelled = (
             self.rpc_duration,
@@ -532,6 +581,22 @@ class Metrics:
     def watch_replication(self, states: Callable[[], Iterable[ReplicaState]]) -> None:
         """Export the replicated queues ``states`` lists at every scrape (a cluster node)."""
         self.registry.register(ReplicationCollector(states))
+
+    def watch_cluster(self, view: Callable[[], tuple[int, bool, int]]) -> None:
+        """A cluster node's gauges (ClusterCollector), read from ``view`` at scrape time."""
+        self.registry.register(ClusterCollector(view))
+
+    def watch_loop(self) -> None:
+        """Measure the event loop's lag until close(); called on the loop."""
+        self._loop_probe = asyncio.get_running_loop().create_task(self._probe_loop(), name="querator-loop-lag")
+
+    async def _probe_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        observe = self.loop_lag.observe
+        while True:
+            due = loop.time() + LOOP_LAG_INTERVAL_S
+            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+            observe(max(0.0, loop.time() - due))
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor[Any, Any]]:
         return [MetricsInterceptor(self)]
@@ -579,6 +644,9 @@ class Metrics:
             )
 
     def close(self) -> None:
+        probe, self._loop_probe = self._loop_probe, None
+        if probe is not None:
+            probe.cancel()
         server, self._http = self._http, None
         if server is not None:
             server.shutdown()

@@ -29,6 +29,9 @@ MAX_QUEUE_NAME = 512
 # a matter of payloads.
 MAX_REFERENCE_BYTES = 1024
 MAX_LABEL_BYTES = 256
+# An item's last error (RetryItem.error): enough for an exception's type, message and
+# last traceback frames, small enough that a page of dead letters stays a page.
+MAX_ERROR_BYTES = 2048
 MAX_BATCH = 1000
 MAX_REQUEST_BYTES = 5_000_000
 # The largest message the server receives or sends. Headroom over MAX_REQUEST_BYTES so
@@ -151,6 +154,8 @@ class ImportedItem:
     dead_reason: int = 0
     dead_at_us: int = 0
     dead_attempts: int = 0
+    last_error: str = ""
+    last_error_at_us: int = 0
 
 
 @dataclass(slots=True)
@@ -160,6 +165,8 @@ class RetryOrder:
     item_id: str
     retry_at_us: int = 0
     dead: bool = False
+    # The failure text to keep as the item's last error ("" keeps the one it has).
+    error: str = ""
 
 
 @dataclass(slots=True)
@@ -195,6 +202,25 @@ class QueueStats:
     lease_waiting: int
     produce_waiting: int
     in_flight: int
+
+
+def cut_error(text: str) -> str:
+    """Failure text as stored: at most MAX_ERROR_BYTES bytes of UTF-8. Longer text is
+    cut at a character boundary and ends with a marker saying how many bytes went, so
+    a reader sees that it was cut (the start of a message says most)."""
+    if len(text) <= MAX_ERROR_BYTES // 4:
+        return text  # at most 4 bytes a character: fits, without encoding it
+    data = text.encode()
+    if len(data) <= MAX_ERROR_BYTES:
+        return text
+    keep = MAX_ERROR_BYTES
+    while True:
+        marker = f"... [cut {len(data) - keep} bytes]"
+        head = data[: MAX_ERROR_BYTES - len(marker)].decode(errors="ignore")  # drops a split character
+        kept = len(head.encode())
+        if kept == keep:
+            return head + marker
+        keep = kept  # the marker's count changed with what is kept; once more
 
 
 def check_key(value: str, field: str) -> str:

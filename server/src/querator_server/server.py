@@ -174,6 +174,10 @@ class QueratorServer:
             raise OSError(f"cannot listen on {self.config.address} (address in use or invalid)")
         await server.start()
         self._server = server
+        if self.metrics is not None:
+            self.metrics.watch_loop()
+            if cluster is not None:
+                self.metrics.watch_cluster(cluster.metrics_view)
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if cluster is not None and cluster.membership.fenced:

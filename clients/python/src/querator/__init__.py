@@ -33,6 +33,7 @@ __path__ = pkgutil.extend_path(__path__, __name__)
 from ._async_client import AsyncClient
 from ._client import Client
 from ._config import Backoff, ClientConfig
+from ._failure import failure_text
 from ._items import AnyLeasedItem, AsyncLeasedItem, LeasedItem
 from ._models import (
     ApiKey,
@@ -178,5 +179,6 @@ __all__ = [
     "TimeLimitExceeded",
     "UnknownTask",
     "current_item",
+    "failure_text",
     "__version__",
 ]

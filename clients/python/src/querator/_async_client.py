@@ -153,10 +153,11 @@ class AsyncClient(BaseClient):
         at: datetime | None = None,
         in_: Seconds | None = None,
         dead: bool = False,
+        error: str | BaseException = "",
         timeout: Seconds | None = None,
     ) -> list[str]:
         """Give leased items back; returns the ids dead-lettered; see :meth:`querator.Client.retry`."""
-        return await self._transport.run(ops.retry(self._config, self._orders_for_retry(items, at, in_, dead), timeout))
+        return await self._transport.run(ops.retry(self._config, self._orders_for_retry(items, at, in_, dead, error), timeout))
 
     async def extend(
         self,

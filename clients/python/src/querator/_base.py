@@ -13,6 +13,7 @@ from . import _protocol as p
 from . import tracing as _tracing
 from ._config import Backoff, ClientConfig, make_config
 from ._convert import Seconds
+from ._failure import failure_text
 from ._models import Item, ProduceResult
 from .errors import QueratorError
 
@@ -118,9 +119,12 @@ class BaseClient:
             yield index, ops.produce_call(request, call_timeout, retry), len(batch)
 
     @staticmethod
-    def _orders_for_retry(items: p.ItemsArg, at: datetime | None, in_: Seconds | None, dead: bool) -> list[ops.RetryOrder]:
+    def _orders_for_retry(
+        items: p.ItemsArg, at: datetime | None, in_: Seconds | None, dead: bool, error: str | BaseException
+    ) -> list[ops.RetryOrder]:
         when = p.retry_at(at, in_)
-        return [(ref, when, dead) for ref in p.refs(items)]
+        text = error if isinstance(error, str) else failure_text(error)
+        return [(ref, when, dead, text) for ref in p.refs(items)]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._config.address!r})"

@@ -181,6 +181,7 @@ class Client(BaseClient):
         at: datetime | None = None,
         in_: Seconds | None = None,
         dead: bool = False,
+        error: str | BaseException = "",
         timeout: Seconds | None = None,
     ) -> list[str]:
         """Give leased items back: to the tail now, at ``at`` / after ``in_``, or ``dead``.
@@ -189,8 +190,13 @@ class Client(BaseClient):
         An item out of attempts (the queue's ``max_attempts``) is dead-lettered anyway.
         Returns the ids of the items dead-lettered (empty when every item was retried);
         a LeasedItem's ``state`` says the same.
+
+        ``error``: what went wrong, kept as each item's ``last_error`` (the next
+        lease's handler and the dead letter see it): text, or an exception, sent as
+        :func:`~querator.failure_text` makes it (type, message, last traceback frames).
+        The server keeps at most 2,048 bytes; empty keeps the error the items had.
         """
-        return self._transport.run(ops.retry(self._config, self._orders_for_retry(items, at, in_, dead), timeout))
+        return self._transport.run(ops.retry(self._config, self._orders_for_retry(items, at, in_, dead, error), timeout))
 
     def extend(
         self,

@@ -21,14 +21,28 @@ if TYPE_CHECKING:
 # this module need not import the clients, which import it.
 class _Settles(Protocol):
     def complete(self, items: Any) -> None: ...
-    def retry(self, items: Any, *, at: datetime | None = None, in_: Seconds | None = None, dead: bool = False) -> Any: ...
+    def retry(
+        self,
+        items: Any,
+        *,
+        at: datetime | None = None,
+        in_: Seconds | None = None,
+        dead: bool = False,
+        error: str | BaseException = "",
+    ) -> Any: ...
     def extend(self, items: Any, *, lease_timeout: Seconds | None = None) -> list[datetime]: ...
 
 
 class _AsyncSettles(Protocol):
     async def complete(self, items: Any) -> None: ...
     async def retry(
-        self, items: Any, *, at: datetime | None = None, in_: Seconds | None = None, dead: bool = False
+        self,
+        items: Any,
+        *,
+        at: datetime | None = None,
+        in_: Seconds | None = None,
+        dead: bool = False,
+        error: str | BaseException = "",
     ) -> Any: ...
     async def extend(self, items: Any, *, lease_timeout: Seconds | None = None) -> list[datetime]: ...
 
@@ -64,6 +78,8 @@ class _LeasedBase:
         "dead_reason",
         "dead_at",
         "dead_attempts",
+        "last_error",
+        "last_error_at",
         "_state",
         "_lock",
     )
@@ -88,6 +104,8 @@ class _LeasedBase:
         dead_reason: DeadReason | None = None,
         dead_at: datetime | None = None,
         dead_attempts: int = 0,
+        last_error: str = "",
+        last_error_at: datetime | None = None,
     ) -> None:
         self.queue_name = queue_name
         self.partition = partition
@@ -114,6 +132,11 @@ class _LeasedBase:
         self.dead_reason = dead_reason
         self.dead_at = dead_at
         self.dead_attempts = dead_attempts
+        #: What went wrong the last time the item failed (an earlier attempt's Retry
+        #: ``error``, or "lease expired after N attempts"), and when; for a dead letter,
+        #: the error that killed it. "" and None when it never failed with a text.
+        self.last_error = last_error
+        self.last_error_at = last_error_at
         self._state: str | None = None
         self._lock = threading.Lock()
         self._client = client
@@ -181,13 +204,17 @@ class LeasedItem(_LeasedBase):
         """Remove the item for good. Raises LeaseLost when the lease is no longer ours."""
         self._client.complete(self)
 
-    def retry(self, *, at: datetime | None = None, in_: Seconds | None = None) -> None:
-        """Give the item back: now, at ``at`` or after ``in_``."""
-        self._client.retry(self, at=at, in_=in_)
+    def retry(
+        self, *, at: datetime | None = None, in_: Seconds | None = None, error: str | BaseException = ""
+    ) -> None:
+        """Give the item back: now, at ``at`` or after ``in_``; ``error`` (text or an
+        exception) becomes its ``last_error``."""
+        self._client.retry(self, at=at, in_=in_, error=error)
 
-    def dead(self) -> None:
-        """Send the item to the queue's dead-letter queue (deleted when it has none)."""
-        self._client.retry(self, dead=True)
+    def dead(self, error: str | BaseException = "") -> None:
+        """Send the item to the queue's dead-letter queue (deleted when it has none),
+        with ``error`` (text or an exception) as the dead letter's ``last_error``."""
+        self._client.retry(self, dead=True, error=error)
 
     def extend(self, lease_timeout: Seconds | None = None) -> datetime:
         """Push the lease deadline to now + ``lease_timeout`` (default: the queue's)."""
@@ -204,10 +231,10 @@ class LeasedItem(_LeasedBase):
         if exc is None:
             self.complete()
         elif isinstance(exc, DeadLetter):
-            self.dead()
+            self.dead(error=exc)
             return True
         else:
-            self.retry()
+            self.retry(error=exc)
         return False
 
 
@@ -225,13 +252,17 @@ class AsyncLeasedItem(_LeasedBase):
         """Remove the item for good. Raises LeaseLost when the lease is no longer ours."""
         await self._client.complete(self)
 
-    async def retry(self, *, at: datetime | None = None, in_: Seconds | None = None) -> None:
-        """Give the item back: now, at ``at`` or after ``in_``."""
-        await self._client.retry(self, at=at, in_=in_)
+    async def retry(
+        self, *, at: datetime | None = None, in_: Seconds | None = None, error: str | BaseException = ""
+    ) -> None:
+        """Give the item back: now, at ``at`` or after ``in_``; ``error`` (text or an
+        exception) becomes its ``last_error``."""
+        await self._client.retry(self, at=at, in_=in_, error=error)
 
-    async def dead(self) -> None:
-        """Send the item to the queue's dead-letter queue (deleted when it has none)."""
-        await self._client.retry(self, dead=True)
+    async def dead(self, error: str | BaseException = "") -> None:
+        """Send the item to the queue's dead-letter queue (deleted when it has none),
+        with ``error`` (text or an exception) as the dead letter's ``last_error``."""
+        await self._client.retry(self, dead=True, error=error)
 
     async def extend(self, lease_timeout: Seconds | None = None) -> datetime:
         """Push the lease deadline to now + ``lease_timeout`` (default: the queue's)."""
@@ -248,10 +279,10 @@ class AsyncLeasedItem(_LeasedBase):
         if exc is None:
             await self.complete()
         elif isinstance(exc, DeadLetter):
-            await self.dead()
+            await self.dead(error=exc)
             return True
         else:
-            await self.retry()
+            await self.retry(error=exc)
         return False
 
 

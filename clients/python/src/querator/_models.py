@@ -222,6 +222,11 @@ class StoredItem:
     dead_reason: DeadReason | None = None
     dead_at: datetime | None = None
     dead_attempts: int = 0
+    #: What went wrong the last time the item failed (a Retry's ``error``, or "lease
+    #: expired after N attempts"), at most 2,048 bytes, and when; for a dead letter,
+    #: the error that killed it. Empty / None when it never failed with a text.
+    last_error: str = ""
+    last_error_at: datetime | None = None
 
     def __post_init__(self) -> None:
         if self.metadata:

@@ -65,7 +65,8 @@ class Call:
 
 
 Operation: TypeAlias = Generator[Call, Any, T]
-RetryOrder: TypeAlias = tuple[p.Ref, datetime | None, bool]
+# (item, retry at, dead, error text)
+RetryOrder: TypeAlias = tuple[p.Ref, datetime | None, bool, str]
 
 
 # -- QueueService --------------------------------------------------------------------------
@@ -129,7 +130,7 @@ def retry(config: ClientConfig, orders: list[RetryOrder], timeout: Seconds | Non
             request = p.retry_request(queue, partition, chunk, call_timeout)
             response = yield Call(QUEUE, "Retry", request, call_timeout, False, item_call=True)
             dead = set(response.dead_ids)
-            for ref, _, _ in chunk:
+            for ref, *_ in chunk:
                 p.mark([ref], DEAD if ref.id in dead else RETRIED)
             dead_ids.extend(response.dead_ids)
     return dead_ids

@@ -233,6 +233,8 @@ def leased_fields(response: queue_pb2.LeaseResponse) -> Iterator[dict[str, Any]]
     reasons = [dead_reason(r) for r in columns.dead_reasons] or [None] * n
     dead_at = [c.from_micros(us) if us else None for us in columns.dead_at_us] or [None] * n
     dead_attempts = list(columns.dead_attempts) or [0] * n
+    last_errors = list(columns.last_errors) or blank
+    last_error_at = [c.from_micros(us) if us else None for us in columns.last_error_at_us] or [None] * n
     # The items of one reply share their lease deadline, and those produced together
     # their creation time: each distinct time is converted once (a datetime built from
     # microseconds was most of the SDK's CPU per leased item).
@@ -253,6 +255,8 @@ def leased_fields(response: queue_pb2.LeaseResponse) -> Iterator[dict[str, Any]]
             "dead_reason": reasons[i],
             "dead_at": dead_at[i],
             "dead_attempts": dead_attempts[i],
+            "last_error": last_errors[i],
+            "last_error_at": last_error_at[i],
             "queue_name": queue_name,
             "partition": partition,
             "id": item_id,
@@ -301,11 +305,11 @@ def retry_at(at: datetime | None, in_: c.Seconds | None) -> datetime | None:
 
 
 def retry_request(
-    queue: str, partition: int, orders: list[tuple[Ref, datetime | None, bool]], timeout: float
+    queue: str, partition: int, orders: list[tuple[Ref, datetime | None, bool, str]], timeout: float
 ) -> queue_pb2.RetryRequest:
     items = []
-    for ref, when, dead in orders:
-        item = queue_pb2.RetryItem(id=ref.id, dead=dead)
+    for ref, when, dead, error in orders:
+        item = queue_pb2.RetryItem(id=ref.id, dead=dead, error=error)
         if when is not None:
             item.retry_at.CopyFrom(c.to_timestamp(when))
         items.append(item)
@@ -435,6 +439,8 @@ def stored_item(item: storage_pb2.StorageItem, partition: int) -> StoredItem:
         dead_reason=dead_reason(item.dead_reason),
         dead_at=c.optional_timestamp(item, "dead_at"),
         dead_attempts=item.dead_attempts,
+        last_error=item.last_error,
+        last_error_at=c.optional_timestamp(item, "last_error_at"),
     )
 
 
@@ -514,10 +520,11 @@ def storage_item(item: StoredItem | Item | Payload) -> storage_pb2.StorageItem:
         message_id=item.message_id,
         dead_reason=dead_reason_value(item.dead_reason),
         dead_attempts=item.dead_attempts,
+        last_error=item.last_error,
     )
     if item.metadata:
         out.metadata.update(item.metadata)
-    for name in ("lease_deadline", "expire_deadline", "enqueue_at", "created_at", "dead_at"):
+    for name in ("lease_deadline", "expire_deadline", "enqueue_at", "created_at", "dead_at", "last_error_at"):
         value: datetime | None = getattr(item, name)
         if value is not None:
             getattr(out, name).CopyFrom(c.to_timestamp(value))

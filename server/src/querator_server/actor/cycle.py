@@ -602,6 +602,8 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             item = Item.decode(raw)
             old_id = item_id(self.uid, p, seq)
             self._end_lease(txn, p, seq, item)
+            if order.error:
+                item.last_error, item.last_error_at = order.error, self.now
             reason = "retried as dead" if order.dead else self._death_reason(item)
             if reason:
                 dead.append(order.item_id)

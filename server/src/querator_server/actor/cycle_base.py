@@ -145,7 +145,7 @@ class CycleBase:
         # Items moved to the redrive outbox: (partition, seq, target uid, item).
         self.redrive_added: list[tuple[int, int, int, Item]] = []
         # Items deleted because the queue has no dead-letter queue: (id, reason).
-        self.dropped: list[tuple[str, str]] = []
+        self.dropped: list[tuple[str, str, str]] = []  # (item id, why, its last error)
         # Whether lifecycle work was left for the next cycle.
         self.more_lifecycle = False
         # Leases whose complete_ids were applied in this cycle.

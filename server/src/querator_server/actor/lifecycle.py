@@ -26,6 +26,11 @@ LIFECYCLE_BATCH = 1000
 LIMIT_PLUS_ONE = LIFECYCLE_BATCH + 1
 
 
+def lease_expired_error(attempts: int) -> str:
+    """The last error of an item whose lease ran out (RetryItem.error's server-side twin)."""
+    return f"lease expired after {attempts} attempt{'' if attempts == 1 else 's'}"
+
+
 class LifecycleSteps(CycleBase):
     def _end_lease(self, txn: lmdb.Transaction[bytes], p: int, seq: int, item: Item) -> None:
         """Take a leased item out of its place; the caller puts it somewhere else."""
@@ -82,7 +87,7 @@ class LifecycleSteps(CycleBase):
             self._untag(txn, item.lease_key, seq)
             item.lease_key = ""
         if not self.config.dead_queue:
-            self.dropped.append((old_id, reason))
+            self.dropped.append((old_id, reason, item.last_error))
             return
         item.message_id = item.message_id or old_id
         item.dead_reason, item.dead_at, item.dead_attempts = code, self.now, item.attempts
@@ -118,6 +123,9 @@ class LifecycleSteps(CycleBase):
             self.lease_expirations += 1
             old_id = item_id(self.uid, p, seq)
             self._end_lease(txn, p, seq, item)
+            # No worker said what went wrong: say what the server saw, for the next
+            # attempt's handler and, when it dies of it, the dead letter.
+            item.last_error, item.last_error_at = lease_expired_error(item.attempts), now
             reason = self._death_reason(item)
             if reason:
                 self._dead_letter(txn, p, seq, item, old_id, f"lease expired, {reason}", DEATH_CODES[reason])

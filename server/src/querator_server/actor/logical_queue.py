@@ -599,8 +599,9 @@ class LogicalQueue:
 
     def _adopt_outboxes(self, cycle: Cycle) -> None:
         """Dead letters and redriven items the cycle committed to its outboxes: handed over."""
-        for item_id, reason in cycle.dropped:
-            log.warning("item_dropped", queue=self.name, item_id=item_id, reason=reason, dead_queue=None)
+        for item_id, reason, error in cycle.dropped:
+            # The log line is all that is left of the item: it says what went wrong too.
+            log.warning("item_dropped", queue=self.name, item_id=item_id, reason=reason, dead_queue=None, error=error)
         if cycle.outbox_added:
             for p, seq, item in cycle.outbox_added:
                 self._outbox.entries[(p, seq)] = item
@@ -792,7 +793,7 @@ class LogicalQueue:
             crash_point(DEAD_LETTER_STORED)
         else:
             for _key, item in entries:
-                log.warning("item_dropped", queue=self.name, item_id=item.source_id, reason="no dead_queue")
+                log.warning("item_dropped", queue=self.name, item_id=item.source_id, reason="no dead_queue", error=item.last_error)
         keys = [key for key, _ in entries]
         await self.submit(OutboxDoneRequest(keys))
         done(keys)

@@ -66,6 +66,8 @@ class StorageSteps(CycleBase):
                 dead_reason=given.dead_reason,
                 dead_at=given.dead_at_us,
                 dead_attempts=given.dead_attempts,
+                last_error=given.last_error,
+                last_error_at=given.last_error_at_us,
             )
             v.note_expiry(item.expire_deadline)
             if given.enqueue_at_us >= now + SCHEDULE_MIN_US:
@@ -141,7 +143,7 @@ class StorageSteps(CycleBase):
 def _reply_size(item: Item) -> int:
     """A bound on what ``item`` takes in a listing reply."""
     size = len(item.payload) + ITEM_REPLY_OVERHEAD
-    for text in (item.reference, item.encoding, item.kind, item.source_id, item.message_id):
+    for text in (item.reference, item.encoding, item.kind, item.source_id, item.message_id, item.last_error):
         if text:
             size += len(text.encode())
     for name, value in item.metadata.items():

@@ -214,6 +214,16 @@ class Coordinator(AdminFrontend, ReconcileBackend):
 
     # -- the operator's view --------------------------------------------------------
 
+    def metrics_view(self) -> tuple[int, bool, int]:
+        """Live members, whether this node is fenced, and the catalog's partitions homed
+        on a node that is not live, for the metrics. Called on the scrape's thread: it
+        copies the cached catalog's dicts in one step each and reads nothing else."""
+        live = set(self.catalog.members)
+        # A replicated queue's partitions are down with its current primary (the record's).
+        routed = self.catalog.routed
+        down = sum(1 for entry in list(self.catalog.queues.values()) for home in routed(entry).homes if home.node not in live)
+        return len(live), self.membership.fenced, down
+
     async def check_members(self) -> dict[str, Standing]:
         """Whether each other live member is fenced, as it says itself."""
         return await check_members(self.router.peers, [n for n in self._live() if n != self.node])

@@ -31,6 +31,7 @@ from ..model import (
     NewItem,
     RetryOrder,
     check_lease_keys,
+    cut_error,
 )
 from ..storage import StorageError
 from . import convert as c
@@ -232,6 +233,7 @@ class QueueService:
                     item, "retry_at", f"items[{index}].retry_at", within_us=MAX_LONG_DURATION_US, now=now
                 ),
                 dead=item.dead,
+                error=cut_error(item.error or request.error),
             )
             for index, item in enumerate(request.items)
         ]
@@ -328,6 +330,10 @@ def _lease_response(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
                 out.dead_attempts = detail.dead_attempts
                 out.dead_at.seconds, micros = divmod(detail.dead_at, 1_000_000)
                 out.dead_at.nanos = micros * 1000
+            if detail.last_error:
+                out.last_error = detail.last_error
+                out.last_error_at.seconds, micros = divmod(detail.last_error_at, 1_000_000)
+                out.last_error_at.nanos = micros * 1000
         else:  # most items: fewer keyword arguments to parse
             out = add(id=item_id, payload=payload, message_id=item_id)
         key = (result.attempts[index], result.lease_deadlines[index], result.created_at[index])
@@ -393,4 +399,8 @@ def _lease_columns(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
             columns.dead_reasons.extend([d.dead_reason if d else 0 for d in dead])  # type: ignore[misc]
             columns.dead_at_us.extend([d.dead_at if d else 0 for d in dead])
             columns.dead_attempts.extend([d.dead_attempts if d else 0 for d in dead])
+        if any(detail.last_error for detail in details.values()):
+            failed = [details.get(i) for i in indexes]
+            columns.last_errors.extend([d.last_error if d else "" for d in failed])
+            columns.last_error_at_us.extend([d.last_error_at if d and d.last_error else 0 for d in failed])
     return response

@@ -24,6 +24,7 @@ from ..model import (
     NEVER_US,
     REPLY_ITEMS_BYTES,
     ImportedItem,
+    cut_error,
 )
 from . import convert as c
 from .authz import Guard, current_principal
@@ -64,6 +65,9 @@ def storage_item(stored: a.StoredItem) -> pb.StorageItem:
         out.lease_deadline.CopyFrom(ts(item.lease_deadline))
     if item.enqueue_at:
         out.enqueue_at.CopyFrom(ts(item.enqueue_at))
+    if item.last_error:
+        out.last_error = item.last_error
+        out.last_error_at.CopyFrom(ts(item.last_error_at))
     return out
 
 
@@ -144,6 +148,8 @@ class StorageService:
                 raise InvalidArgument(f"{field}.dead_attempts", "must not be negative")
             if item.dead_reason not in queue_pb2.DeadReason.values():
                 raise InvalidArgument(f"{field}.dead_reason", f"is not a known DeadReason: {item.dead_reason}")
+            error = cut_error(item.last_error)
+            error_at = c.optional_timestamp_us(item, "last_error_at", f"{field}.last_error_at") if error else 0
             items.append(
                 ImportedItem(
                     payload=item.payload,
@@ -168,6 +174,8 @@ class StorageService:
                     dead_reason=item.dead_reason,
                     dead_at_us=c.optional_timestamp_us(item, "dead_at", f"{field}.dead_at"),
                     dead_attempts=item.dead_attempts,
+                    last_error=error,
+                    last_error_at_us=error_at or (now if error else 0),
                 )
             )
         ids: list[str] = await self.manager.actor(name).submit(a.ImportItemsRequest(partition, items))

@@ -38,10 +38,12 @@ _CLUSTER_IDENTITY = b"cluster_identity"
 # where a server of format 2 would find no directory and refuse to start.
 # 4: an item record may carry a history block (record.py), which a server of format 3
 # would read as the start of the payload.
-_FORMAT_VERSION = b"querator-catalog-4"
+# 5: a record's history block may end with the item's last error (record.py), which a
+# server of format 4 would read as the start of the payload.
+_FORMAT_VERSION = b"querator-catalog-5"
 # Formats this server reads as they are; opening one stamps it with _FORMAT_VERSION, so
 # an older server then refuses the directory instead of misreading it.
-_UPGRADABLE_FORMATS = (b"querator-catalog-1", b"querator-catalog-2", b"querator-catalog-3")
+_UPGRADABLE_FORMATS = (b"querator-catalog-1", b"querator-catalog-2", b"querator-catalog-3", b"querator-catalog-4")
 
 
 class CatalogError(StorageError):

@@ -27,6 +27,11 @@ attempts it died): a block between the strings and the payload, marked by a flag
 so a record without the bit is read as before, and the records of fresh items (all but
 a few) are as small and as cheap to lease as they were. Catalog format 4 marks a data
 directory whose records may hold the block, which older servers would misread.
+
+An item that failed with a text (RetryItem.error, or a lease that ran out) carries its
+*last error* at the end of the history block, marked by a second flag bit: records
+without it (all those written before format 5) read as before, with no error. Catalog
+format 5 marks a data directory whose records may hold it.
 """
 
 from __future__ import annotations
@@ -59,10 +64,15 @@ _FLAG_LEASED = 1
 _FLAG_EXPIRY_RUN = 2
 # A history block (_HISTORY and the message id) follows the metadata.
 _FLAG_HISTORY = 4
+# The history block ends with the last error (_ERROR and its text); set only with
+# _FLAG_HISTORY, so every path that passes over history-less records skips it too.
+_FLAG_ERROR = 8
 # Flags a lease rewrite keeps as they were.
-_KEPT_FLAGS = _FLAG_EXPIRY_RUN | _FLAG_HISTORY
+_KEPT_FLAGS = _FLAG_EXPIRY_RUN | _FLAG_HISTORY | _FLAG_ERROR
 # dead_reason, dead_at, dead_attempts, byte length of the message id.
 _HISTORY = struct.Struct("<BqII")
+# last_error_at, byte length of the last error's text.
+_ERROR = struct.Struct("<qI")
 
 # Why an item was dead-lettered (DeadReason in the API; 0: it was not).
 DEAD_MAX_ATTEMPTS = 1
@@ -154,16 +164,24 @@ class Item:
     dead_reason: int = 0
     dead_at: int = 0
     dead_attempts: int = 0
+    # What went wrong the last time the item failed (model.cut_error applied), and when.
+    last_error: str = ""
+    last_error_at: int = 0
 
     def encode(self) -> bytes:
         history = b""
-        if self.message_id or self.dead_reason or self.dead_at or self.dead_attempts:
+        error = bool(self.last_error or self.last_error_at)
+        if self.message_id or self.dead_reason or self.dead_at or self.dead_attempts or error:
             message_id = self.message_id.encode()
             history = _HISTORY.pack(self.dead_reason, self.dead_at, self.dead_attempts, len(message_id)) + message_id
+            if error:
+                text = self.last_error.encode()
+                history += _ERROR.pack(self.last_error_at, len(text)) + text
         fixed = (
             (_FLAG_LEASED if self.is_leased else 0)
             | (_FLAG_EXPIRY_RUN if self.expiry_run else 0)
-            | (_FLAG_HISTORY if history else 0),
+            | (_FLAG_HISTORY if history else 0)
+            | (_FLAG_ERROR if error else 0),
             self.attempts,
             self.created_at,
             self.expire_deadline,
@@ -257,10 +275,17 @@ class Item:
         dead_reason, dead_at, dead_attempts, n_message_id = _HISTORY.unpack_from(view, pos)
         pos += _HISTORY.size
         message_id = view[pos : pos + n_message_id].decode()
+        pos += n_message_id
+        last_error, last_error_at = "", 0
+        if flags & _FLAG_ERROR:
+            last_error_at, n_error = _ERROR.unpack_from(view, pos)
+            pos += _ERROR.size
+            last_error = view[pos : pos + n_error].decode()
+            pos += n_error
         created_at, expire_deadline, enqueue_at, attempts = times
         source, reference, encoding, kind, lease_key = strings
         return cls(
-            payload=view[pos + n_message_id :],
+            payload=view[pos:],
             encoding=encoding,
             kind=kind,
             reference=reference,
@@ -279,6 +304,8 @@ class Item:
             dead_reason=dead_reason,
             dead_at=dead_at,
             dead_attempts=dead_attempts,
+            last_error=last_error,
+            last_error_at=last_error_at,
         )
 
 
@@ -341,7 +368,7 @@ def with_lease(raw: bytes, state: ItemState, *, attempts: int, deadline: int, le
 
 def without_lease(raw: bytes, state: ItemState, *, attempts: int) -> bytes:
     """``raw`` rewritten as ready (not leased) with ``attempts``; everything else kept."""
-    flags = _FLAG_EXPIRY_RUN if state.expiry_run else 0
+    flags = raw[0] & _KEPT_FLAGS
     head = _STATE_FIXED.pack(flags, attempts, state.created_at, state.expire_deadline, 0, state.enqueue_at, 0)
     return head + raw[_STATE_FIXED.size :]
 

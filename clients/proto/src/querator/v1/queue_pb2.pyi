@@ -490,6 +490,8 @@ class LeaseItem(_message.Message):
     DEAD_REASON_FIELD_NUMBER: _builtins.int
     DEAD_AT_FIELD_NUMBER: _builtins.int
     DEAD_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_AT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The item's id for this lease: pass it to Complete, Retry or Extend."""
     encoding: _builtins.str
@@ -521,6 +523,16 @@ class LeaseItem(_message.Message):
     `attempts` counts the leases in the dead-letter queue, so that queue's own
     max_attempts applies afresh (dead letters only).
     """
+    last_error: _builtins.str
+    """What went wrong the last time the item failed: the error text of the
+    last Retry that carried one (RetryItem.error or RetryRequest.error), or
+    the server's "lease expired after N attempts" when a lease ran out (N:
+    the leases so far; the item re-queued, or dead-lettered when that was its
+    last attempt). At most 2,048 bytes of UTF-8 (see RetryItem.error). Kept
+    across re-queues, scheduling, dead-lettering and redrive, so a handler
+    sees the previous attempt's error and a dead letter the error that killed
+    it. Empty when the item never failed with a text.
+    """
     @_builtins.property
     def lease_deadline(self) -> _timestamp_pb2.Timestamp:
         """When the lease ends unless completed, retried or extended first."""
@@ -536,6 +548,10 @@ class LeaseItem(_message.Message):
     @_builtins.property
     def dead_at(self) -> _timestamp_pb2.Timestamp:
         """When the item was dead-lettered (dead letters only)."""
+
+    @_builtins.property
+    def last_error_at(self) -> _timestamp_pb2.Timestamp:
+        """When last_error was recorded. Unset when last_error is empty."""
 
     def __init__(
         self,
@@ -554,10 +570,12 @@ class LeaseItem(_message.Message):
         dead_reason: Global___DeadReason.ValueType = ...,
         dead_at: _timestamp_pb2.Timestamp | None = ...,
         dead_attempts: _builtins.int = ...,
+        last_error: _builtins.str = ...,
+        last_error_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dead_at", b"dead_at", "lease_deadline", b"lease_deadline"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dead_at", b"dead_at", "last_error_at", b"last_error_at", "lease_deadline", b"lease_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "dead_at", b"dead_at", "dead_attempts", b"dead_attempts", "dead_reason", b"dead_reason", "encoding", b"encoding", "id", b"id", "kind", b"kind", "lease_deadline", b"lease_deadline", "message_id", b"message_id", "metadata", b"metadata", "payload", b"payload", "reference", b"reference", "source_id", b"source_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "dead_at", b"dead_at", "dead_attempts", b"dead_attempts", "dead_reason", b"dead_reason", "encoding", b"encoding", "id", b"id", "kind", b"kind", "last_error", b"last_error", "last_error_at", b"last_error_at", "lease_deadline", b"lease_deadline", "message_id", b"message_id", "metadata", b"metadata", "payload", b"payload", "reference", b"reference", "source_id", b"source_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -628,6 +646,8 @@ class LeaseColumns(_message.Message):
     DEAD_REASONS_FIELD_NUMBER: _builtins.int
     DEAD_AT_US_FIELD_NUMBER: _builtins.int
     DEAD_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    LAST_ERRORS_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_AT_US_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The items' ids for this lease: pass them to Complete, Retry or Extend."""
@@ -690,6 +710,18 @@ class LeaseColumns(_message.Message):
     def dead_attempts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Empty, or one per item."""
 
+    @_builtins.property
+    def last_errors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Empty when no item of the batch has a last_error; else one per item
+        (empty text for those without).
+        """
+
+    @_builtins.property
+    def last_error_at_us(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Empty, or one per item: when each last_error was recorded, in
+        microseconds since the Unix epoch (0 for items without one).
+        """
+
     def __init__(
         self,
         *,
@@ -707,10 +739,12 @@ class LeaseColumns(_message.Message):
         dead_reasons: _abc.Iterable[Global___DeadReason.ValueType] | None = ...,
         dead_at_us: _abc.Iterable[_builtins.int] | None = ...,
         dead_attempts: _abc.Iterable[_builtins.int] | None = ...,
+        last_errors: _abc.Iterable[_builtins.str] | None = ...,
+        last_error_at_us: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at_us", b"created_at_us", "dead_at_us", b"dead_at_us", "dead_attempts", b"dead_attempts", "dead_reasons", b"dead_reasons", "encodings", b"encodings", "ids", b"ids", "kinds", b"kinds", "lease_deadlines_us", b"lease_deadlines_us", "message_ids", b"message_ids", "metadata", b"metadata", "payloads", b"payloads", "references", b"references", "source_ids", b"source_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at_us", b"created_at_us", "dead_at_us", b"dead_at_us", "dead_attempts", b"dead_attempts", "dead_reasons", b"dead_reasons", "encodings", b"encodings", "ids", b"ids", "kinds", b"kinds", "last_error_at_us", b"last_error_at_us", "last_errors", b"last_errors", "lease_deadlines_us", b"lease_deadlines_us", "message_ids", b"message_ids", "metadata", b"metadata", "payloads", b"payloads", "references", b"references", "source_ids", b"source_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -849,11 +883,21 @@ class RetryItem(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     RETRY_AT_FIELD_NUMBER: _builtins.int
     DEAD_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The id of the leased item."""
     dead: _builtins.bool
     """Send the item to the queue's dead-letter queue (deleted when the queue
     has none).
+    """
+    error: _builtins.str
+    """Optional: what went wrong with this item (an exception's type, message
+    and last traceback frames), stored as the item's last_error with the time
+    as last_error_at, whether it goes back, is scheduled or dies. Empty: the
+    request's `error` applies; both empty: the item keeps the last_error it
+    had. At most 2,048 bytes of UTF-8 are kept: longer text is cut at a
+    character boundary so that it ends with the marker
+    "... [cut N bytes]" (N the bytes removed) within the 2,048 bytes.
     """
     @_builtins.property
     def retry_at(self) -> _timestamp_pb2.Timestamp:
@@ -868,10 +912,11 @@ class RetryItem(_message.Message):
         id: _builtins.str = ...,
         retry_at: _timestamp_pb2.Timestamp | None = ...,
         dead: _builtins.bool = ...,
+        error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["retry_at", b"retry_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "id", b"id", "retry_at", b"retry_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "error", b"error", "id", b"id", "retry_at", b"retry_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -887,10 +932,15 @@ class RetryRequest(_message.Message):
     PARTITION_FIELD_NUMBER: _builtins.int
     ITEMS_FIELD_NUMBER: _builtins.int
     REQUEST_TIMEOUT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue the items were leased from."""
     partition: _builtins.int
     """The partition given in the LeaseResponse."""
+    error: _builtins.str
+    """Optional: the error text for every item whose own RetryItem.error is
+    empty; bounded and cut as RetryItem.error is.
+    """
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___RetryItem]:
         """The items, 1 to 1,000 of them."""
@@ -909,10 +959,11 @@ class RetryRequest(_message.Message):
         partition: _builtins.int = ...,
         items: _abc.Iterable[Global___RetryItem] | None = ...,
         request_timeout: _duration_pb2.Duration | None = ...,
+        error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["request_timeout", b"request_timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "partition", b"partition", "queue_name", b"queue_name", "request_timeout", b"request_timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "items", b"items", "partition", b"partition", "queue_name", b"queue_name", "request_timeout", b"request_timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -82,7 +82,8 @@ class StorageServiceServicer:
 
     def ImportItems(self, request, context):
         """ImportItems stores items as given (attempts, deadlines, source_id and the
-        history fields message_id, dead_reason, dead_at, dead_attempts kept).
+        history fields message_id, dead_reason, dead_at, dead_attempts,
+        last_error and last_error_at kept).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

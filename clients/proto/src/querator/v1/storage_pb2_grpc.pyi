@@ -39,7 +39,8 @@ class StorageServiceStub:
     """ListScheduledItems lists the scheduled items of a partition by due time."""
     ImportItems: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ImportItemsRequest, _storage_pb2.ImportItemsResponse]
     """ImportItems stores items as given (attempts, deadlines, source_id and the
-    history fields message_id, dead_reason, dead_at, dead_attempts kept).
+    history fields message_id, dead_reason, dead_at, dead_attempts,
+    last_error and last_error_at kept).
     """
     DeleteItems: _grpc.UnaryUnaryMultiCallable[_storage_pb2.DeleteItemsRequest, _storage_pb2.DeleteItemsResponse]
     """DeleteItems deletes items by id, whatever their state."""
@@ -78,7 +79,8 @@ class StorageServiceAsyncStub(StorageServiceStub):
     """ListScheduledItems lists the scheduled items of a partition by due time."""
     ImportItems: _aio.UnaryUnaryMultiCallable[_storage_pb2.ImportItemsRequest, _storage_pb2.ImportItemsResponse]  # type: ignore[assignment]
     """ImportItems stores items as given (attempts, deadlines, source_id and the
-    history fields message_id, dead_reason, dead_at, dead_attempts kept).
+    history fields message_id, dead_reason, dead_at, dead_attempts,
+    last_error and last_error_at kept).
     """
     DeleteItems: _aio.UnaryUnaryMultiCallable[_storage_pb2.DeleteItemsRequest, _storage_pb2.DeleteItemsResponse]  # type: ignore[assignment]
     """DeleteItems deletes items by id, whatever their state."""
@@ -132,7 +134,8 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.ImportItemsResponse, _abc.Awaitable[_storage_pb2.ImportItemsResponse]]:
         """ImportItems stores items as given (attempts, deadlines, source_id and the
-        history fields message_id, dead_reason, dead_at, dead_attempts kept).
+        history fields message_id, dead_reason, dead_at, dead_attempts,
+        last_error and last_error_at kept).
         """
 
     @_abc_1.abstractmethod

@@ -70,8 +70,9 @@ class WorkerCalls:
     def complete(self, items: Sequence[_LeasedBase]) -> Awaitable[None]:
         return self.aclient.complete(items)
 
-    def retry(self, orders: list[tuple[_LeasedBase, datetime | None, bool]]) -> Awaitable[object]:
-        """Retry (at a time, or now with None) or dead-letter (True) each item."""
+    def retry(self, orders: list[tuple[_LeasedBase, datetime | None, bool, str]]) -> Awaitable[object]:
+        """Retry (at a time, or now with None) or dead-letter (True) each item, with
+        its error text ("" for none)."""
         return self._transport.run(ops.retry(self.config, orders, None))  # type: ignore[arg-type]
 
     def extend(self, items: Sequence[_LeasedBase] | _LeasedBase, lease_timeout: Seconds | None) -> Awaitable[Any]:

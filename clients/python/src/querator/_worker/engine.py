@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 from .. import tracing as _tracing
 from .._config import MAX_BATCH
 from .._convert import seconds
+from .._failure import failure_text
 from .._items import COMPLETED, DEAD, _LeasedBase
 from ..errors import DeadLetter, HandlerTimeout, LeaseLost, QueratorError, Unavailable
 from .calls import WorkerCalls
@@ -608,12 +609,13 @@ class Engine:
         out_of_attempts = (self.max_attempts and item.attempts >= self.max_attempts) or (
             decision.max_attempts is not None and item.attempts >= decision.max_attempts
         )
+        text = failure_text(error)
         if decision.dead or isinstance(error, DeadLetter) or out_of_attempts:
-            if await self.settler.submit(held, "retry", None, True):
+            if await self.settler.submit(held, "retry", None, True, text):
                 self._dead(item, error)
             return
         retry_at = datetime.now(UTC) + decision.backoff(item.attempts)
-        if await self.settler.submit(held, "retry", retry_at, False):
+        if await self.settler.submit(held, "retry", retry_at, False, text):
             self.stats.retried += 1
             self.hook("on_retry", item, error, retry_at)
 
@@ -642,12 +644,12 @@ class Engine:
         if not items:
             return
         try:
-            await self.calls.retry([(item, None, False) for item in items])
+            await self.calls.retry([(item, None, False, "") for item in items])
         except QueratorError as error:
             # Per item, so one lost lease does not keep the others.
             for item in items:
                 try:
-                    await self.calls.retry([(item, None, False)])
+                    await self.calls.retry([(item, None, False, "")])
                 except QueratorError as one:
                     if not isinstance(one, LeaseLost):
                         self.stats.errors += 1

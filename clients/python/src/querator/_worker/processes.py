@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import signal
+import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from .._failure import remember_frames
 from ..errors import TimeLimitExceeded
 
 _STARTED = "started"
@@ -37,7 +39,7 @@ def _child_main(conn: Connection) -> None:
         except EOFError:
             return
         except Exception as exc:  # the function did not unpickle (its module does not import)
-            conn.send((False, RuntimeError(f"the handler's process cannot load the call: {exc!r}")))
+            conn.send((False, RuntimeError(f"the handler's process cannot load the call: {exc!r}"), None))
             continue
         if job is None:
             return
@@ -48,12 +50,14 @@ def _child_main(conn: Connection) -> None:
         try:
             function(*args, **kwargs)
         except BaseException as exc:  # the handler's to report, whatever it is
+            # Its traceback does not pickle: its frames go as text, for the failure text.
+            frames = traceback.format_tb(exc.__traceback__)
             try:
-                conn.send((False, exc))
+                conn.send((False, exc, frames))
             except Exception:  # an exception that does not pickle
-                conn.send((False, RuntimeError(f"the handler raised {exc!r}")))
+                conn.send((False, RuntimeError(f"the handler raised {exc!r}"), frames))
         else:
-            conn.send((True, None))
+            conn.send((True, None, None))
         del job, function, args, kwargs
 
 
@@ -115,9 +119,11 @@ class HandlerProcesses:
                     answer = await self._answer(child, limit)
                 except TimeoutError:
                     raise TimeLimitExceeded(f"time limit: the handler ran past {limit:g}s and its process was killed") from None
-            ok, error = answer
+            ok, error, frames = answer
             keep = True
             if not ok:
+                if frames:
+                    remember_frames(error, frames)
                 raise error
         finally:
             if keep:

@@ -12,7 +12,8 @@ from ..errors import LeaseLost, QueratorError, Unavailable
 if TYPE_CHECKING:
     from .state import EngineState, Held
 
-_Entry = tuple["Held", str, datetime | None, bool, "asyncio.Future[bool]"]
+# (held, "complete" or "retry", retry at, dead, future, error text)
+_Entry = tuple["Held", str, datetime | None, bool, "asyncio.Future[bool]", str]
 
 
 class Settler:
@@ -23,10 +24,10 @@ class Settler:
         self.queue: list[_Entry] = []
         self.wake = asyncio.Event()
 
-    async def submit(self, held: Held, kind: str, retry_at: datetime | None, dead: bool) -> bool:
+    async def submit(self, held: Held, kind: str, retry_at: datetime | None, dead: bool, error: str = "") -> bool:
         """Queue one settlement and wait for it; True when it took effect."""
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self.queue.append((held, kind, retry_at, dead, future))
+        self.queue.append((held, kind, retry_at, dead, future, error))
         self.wake.set()
         return await future
 
@@ -51,7 +52,7 @@ class Settler:
                 if kind == "complete":
                     await calls.complete([e[0].item for e in entries])
                 else:
-                    await calls.retry([(e[0].item, e[2], e[3]) for e in entries])
+                    await calls.retry([(e[0].item, e[2], e[3], e[5]) for e in entries])
             except LeaseLost as error:
                 if split and len(entries) > 1:
                     for entry in entries:  # all-or-nothing: find the lost ones

@@ -108,6 +108,8 @@ def import_items(lines: Iterable[str], name: str) -> Iterator[StoredItem]:
             dead_reason=_dead_reason_field(obj, where),
             dead_at=_time_field(obj, "dead_at", where),
             dead_attempts=int(obj.get("dead_attempts", 0)),
+            last_error=str(obj.get("last_error") or ""),
+            last_error_at=_time_field(obj, "last_error_at", where),
         )
 
 

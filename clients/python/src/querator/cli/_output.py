@@ -81,6 +81,14 @@ def payload_cell(payload: bytes, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def error_cell(text: str, width: int = 50) -> str | None:
+    """The first line of a failure text (type and message), for a table cell."""
+    if not text:
+        return None
+    line = text.splitlines()[0] if text.strip() else text.strip()
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
 def leased_json(item: LeasedItem) -> dict[str, Any]:
     return {
         "queue_name": item.queue_name,
@@ -93,6 +101,9 @@ def leased_json(item: LeasedItem) -> dict[str, Any]:
         "kind": item.kind,
         "reference": item.reference,
         "metadata": dict(item.metadata),
+        "message_id": item.message_id,
+        "last_error": item.last_error,
+        "last_error_at": item.last_error_at.isoformat() if item.last_error_at else None,
         **payload_fields(item.payload),
     }
 

@@ -1,4 +1,5 @@
-"""``querator dlq redrive``: dead letters back to their queues (RedriveItems)."""
+"""``querator dlq``: read one dead letter in full (``show``), move dead letters back to
+their queues (``redrive``, RedriveItems)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,51 @@ import argparse
 import sys
 
 from .._client import Client
-from .._models import DeadReason, RedriveResult
+from .._models import DeadReason, RedriveResult, StoredItem
 from ..errors import QueratorError
 from ._common import Commands
-from ._output import emit_json
+from ._output import emit_json, payload_cell, plain, stored_json
+
+# The fields `dlq show` prints, in order, before the error and the payload.
+_SHOWN = (
+    "id", "partition", "message_id", "source_id", "kind", "dead_reason", "dead_at", "dead_attempts",
+    "last_error_at", "attempts", "created_at", "is_leased", "lease_deadline", "encoding", "reference",
+)  # fmt: skip
+
+
+def find_item(client: Client, queue: str, wanted: str, partition: int | None) -> StoredItem | None:
+    """The stored item of ``queue`` whose id, message id or source id is ``wanted``:
+    a listing of its partitions (or of ``partition``), page by page, until found."""
+    partitions = [partition] if partition is not None else range(client.get_queue(queue).partitions)
+    for p in partitions:
+        for item in client.list_items(queue, partition=p, page_size=1000):
+            if wanted in (item.id, item.message_id, item.source_id):
+                return item
+    return None
+
+
+def cmd_show(args: argparse.Namespace, client: Client) -> int:
+    item = find_item(client, args.queue, args.id, args.partition)
+    if item is None:
+        print(f"querator: no item {args.id!r} in {args.queue} (looked for it as id, message_id and source_id)", file=sys.stderr)
+        return 1
+    if args.json:
+        emit_json(stored_json(item), sys.stdout)
+        return 0
+    out = sys.stdout
+    fields = plain(item)
+    for name in _SHOWN:
+        value = fields[name]
+        if value in ("", None) or (name in ("is_leased",) and not value):
+            continue
+        out.write(f"{name + ':':<16}{value}\n")
+    if item.metadata:
+        out.write(f"{'metadata:':<16}{fields['metadata']}\n")
+    out.write(f"{'payload:':<16}{payload_cell(item.payload, 200)}\n")
+    out.write("last_error:\n")
+    for line in (item.last_error or "(none)").splitlines():
+        out.write(f"  {line}\n")
+    return 0
 
 
 def cmd_redrive(args: argparse.Namespace, client: Client) -> int:
@@ -37,7 +79,11 @@ def _report(args: argparse.Namespace, done: RedriveResult, when: str = "") -> No
 
 
 def register(commands: Commands) -> None:
-    dlq = commands.group("dlq", "dead-letter queues: move dead letters back")
+    dlq = commands.group("dlq", "dead-letter queues: read a dead letter, move dead letters back")
+    p = dlq.leaf("show", cmd_show, "print one dead letter in full: why, when, after how many attempts, its error")
+    p.add_argument("queue", help="the dead-letter queue")
+    p.add_argument("id", help="the item's id in it, its message_id, or its id in the queue it died in (source_id)")
+    p.add_argument("-p", "--partition", type=int, help="look in this partition only (default: all)")
     p = dlq.leaf("redrive", cmd_redrive, "move ready dead letters back to the queues they died in (or --to one)")
     p.add_argument("queue", help="the dead-letter queue")
     p.add_argument("--to", help="move every item to this queue instead of its source queue")

@@ -9,7 +9,7 @@ from .._client import Client
 from .._models import StoredItem
 from ._common import Commands, done
 from ._input import import_items, open_input, read_ids
-from ._output import Progress, emit_json, emit_table, payload_cell, stored_json
+from ._output import Progress, emit_json, emit_table, error_cell, payload_cell, stored_json
 
 
 def _partitions(args: argparse.Namespace, client: Client) -> list[int]:
@@ -44,11 +44,13 @@ def _list_items(args: argparse.Namespace, client: Client, scheduled: bool) -> in
         return 0
     when = "ENQUEUE_AT" if scheduled else "LEASE_DEADLINE"
     rows = [
-        [i.partition, i.id, "leased" if i.is_leased else ("scheduled" if scheduled else "ready"), i.attempts,
-         i.enqueue_at if scheduled else i.lease_deadline, payload_cell(i.payload, 40)]
+        [i.partition, i.id, "leased" if i.is_leased else ("scheduled" if scheduled else "ready"), i.kind or None,
+         i.attempts, i.enqueue_at if scheduled else i.lease_deadline, i.dead_reason, error_cell(i.last_error, 50),
+         payload_cell(i.payload, 40)]
         for i in found
     ]  # fmt: skip
-    emit_table(["PARTITION", "ID", "STATE", "ATTEMPTS", when, "PAYLOAD"], rows, sys.stdout)
+    headers = ["PARTITION", "ID", "STATE", "KIND", "ATTEMPTS", when, "REASON", "ERROR", "PAYLOAD"]
+    emit_table(headers, rows, sys.stdout)
     return 0
 
 

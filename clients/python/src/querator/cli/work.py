@@ -31,7 +31,8 @@ def cmd_produce(args: argparse.Namespace, client: Client) -> int:
         source = open_input(path)
         jsonl = args.jsonl or path.endswith(".jsonl")
         items = produce_items(source, "<stdin>" if path == "-" else path, jsonl)
-    progress = Progress(sys.stderr)
+    # -q: nothing on success, progress included.
+    progress = None if args.quiet else Progress(sys.stderr)
     try:
         result = client.produce(
             args.queue,
@@ -45,7 +46,8 @@ def cmd_produce(args: argparse.Namespace, client: Client) -> int:
             on_progress=progress,
         )
     finally:
-        progress.finish()
+        if progress is not None:
+            progress.finish()
         if source is not None and source is not sys.stdin:
             source.close()
     if args.json:
@@ -99,7 +101,7 @@ def cmd_retry(args: argparse.Namespace, client: Client) -> int:
     if args.at is not None and args.in_ is not None:
         raise UsageError("give --at or --in, not both")
     refs = _refs(args)
-    dead = len(client.retry(refs, at=args.at, in_=args.in_, dead=args.dead))
+    dead = len(client.retry(refs, at=args.at, in_=args.in_, dead=args.dead, error=args.error))
     retried = len(refs) - dead
     if retried and dead:
         message = f"retried {retried} items; {dead} were out of attempts and went to the dead-letter queue"
@@ -162,6 +164,7 @@ def register(commands: Commands) -> None:
     p.add_argument("--at", type=parse_time, help="retry at this time (ISO 8601)")
     p.add_argument("--in", dest="in_", type=parse_duration, help="retry after this long")
     p.add_argument("--dead", action="store_true", help="send to the dead-letter queue")
+    p.add_argument("--error", default="", help="what went wrong: kept as the items' last_error (at most 2,048 bytes)")
 
 
 def _ids(p: argparse.ArgumentParser) -> None:
