@@ -308,6 +308,8 @@ class ReplicationCollector(Collector):
             primary.add_metric([state.queue], 1 if state.primary else 0)
             elections.add_metric([state.queue], state.elections)
         yield from (epoch, in_sync, minimum, primary, elections)
+
+
 class ClusterCollector(Collector):
     """A cluster node's view of the cluster, read at scrape time.
 
@@ -579,6 +581,7 @@ class Metrics:
     def watch_replication(self, states: Callable[[], Iterable[ReplicaState]]) -> None:
         """Export the replicated queues ``states`` lists at every scrape (a cluster node)."""
         self.registry.register(ReplicationCollector(states))
+
     def watch_cluster(self, view: Callable[[], tuple[int, bool, int]]) -> None:
         """A cluster node's gauges (ClusterCollector), read from ``view`` at scrape time."""
         self.registry.register(ClusterCollector(view))

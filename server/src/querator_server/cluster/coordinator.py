@@ -147,6 +147,14 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         await self.router.close()
         await self.etcd.close()
 
+    def _serving(self, name: str) -> bool:
+        """Whether this node serves queue ``name`` from a running local queue."""
+        try:
+            self.manager.actor(name)
+        except QueratorError:
+            return False
+        return True
+
     async def _hand_over_primaries(self) -> None:
         """Before this node stops: every replicated queue it is primary of goes to another
         live in-sync copy now (one election each), rather than wait for its membership to
@@ -182,10 +190,13 @@ class Coordinator(AdminFrontend, ReconcileBackend):
             )
         entry = self.catalog.queues.get(name)
         if entry is not None:
-            # A replicated queue's record too: a primary just elected serves once its
-            # copy is in step with the record.
+            revision = entry.mod_revision
+            # A primary just elected here serves once it has taken its copy up (the
+            # reconcile of the record); other record changes (the in-sync set) need no
+            # wait, so a slow reconcile holds up no call that does not need it.
             record = self.catalog.shards.get(entry.shard) if entry.shard else None
-            revision = max(entry.mod_revision, record.mod_revision if record is not None else 0)
+            if record is not None and record.primary == self.node and not self._serving(name):
+                revision = max(revision, record.mod_revision)
             if revision > self.catalog.applied:  # seen, but not yet applied to local storage
                 await self.catalog.wait_applied(revision, _APPLY_TIMEOUT_S)
             return self.catalog.routed(entry)
@@ -208,7 +219,9 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         on a node that is not live, for the metrics. Called on the scrape's thread: it
         copies the cached catalog's dicts in one step each and reads nothing else."""
         live = set(self.catalog.members)
-        down = sum(1 for entry in list(self.catalog.queues.values()) for home in entry.homes if home.node not in live)
+        # A replicated queue's partitions are down with its current primary (the record's).
+        routed = self.catalog.routed
+        down = sum(1 for entry in list(self.catalog.queues.values()) for home in routed(entry).homes if home.node not in live)
         return len(live), self.membership.fenced, down
 
     async def check_members(self) -> dict[str, Standing]:
