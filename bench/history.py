@@ -16,6 +16,10 @@ complete what they get) and finds:
   delivered and never finished (no Complete with an OK or unknown outcome);
 - delivered after complete: a copy leased again after a lease of it whose Complete was
   acknowledged (a later lease deadline on the same partition);
+- resurrected: a copy delivered by a Lease that was invoked after a Complete of that copy
+  had been acknowledged (the Complete's OK received first, by the clients' one clock).
+  Unlike the rule above it reads no server clock, so it holds across a failover to a
+  node whose clock differs: an OK'd Complete lost by the new primary shows here;
 - unexpected: a key delivered that no Produce sent, or whose every Produce failed;
 - duplicates (every delivery of a key beyond its first), explained by their cause: the
   previous lease ran out before it was completed (abandoned, its Complete refused, or of
@@ -217,6 +221,7 @@ class Finding:
 
 LOST = "lost"
 AFTER_COMPLETE = "delivered after its Complete was acknowledged"
+RESURRECTED = "resurrected (a Lease invoked after its Complete's OK delivered it)"
 UNEXPECTED = "unexpected"
 UNEXPLAINED = "unexplained duplicate"
 
@@ -248,7 +253,8 @@ class Verdict:
             f"items: sent {self.keys_sent}, acknowledged {self.acknowledged}, unknown {self.produce_unknown}, "
             f"failed {self.produce_failed}, sent again {self.sent_again} ({self.sent_again_keyed} keyed); delivered {self.keys_delivered} in {self.deliveries} deliveries, "
             f"{self.finished} copies finished; lost {len(self.of(LOST))}, "
-            f"delivered after complete {len(self.of(AFTER_COMPLETE))}, unexpected {len(self.of(UNEXPECTED))}, "
+            f"delivered after complete {len(self.of(AFTER_COMPLETE))}, resurrected {len(self.of(RESURRECTED))}, "
+            f"unexpected {len(self.of(UNEXPECTED))}, "
             f"unexplained duplicates {len(self.of(UNEXPLAINED))}; explained duplicates: {dup}"
         )
 
@@ -258,6 +264,7 @@ def check(calls: Sequence[Call], lease_timeout_us: int) -> Verdict:
     produces: dict[str, list[Call]] = defaultdict(list)
     delivered: dict[str, list[Delivery]] = defaultdict(list)
     settled: dict[Delivery, list[Call]] = defaultdict(list)
+    by_id = {call.id: call for call in calls}
     for call in calls:
         if call.kind == PRODUCE:
             for key in call.keys:
@@ -320,10 +327,12 @@ def check(calls: Sequence[Call], lease_timeout_us: int) -> Verdict:
                 verdict.findings.append(
                     Finding(LOST, key, f"copy {copy} delivered {len(held)} times, never completed, not delivered again")
                 )
+            after_complete: set[int] = set()
             for i in range(1, len(held)):
                 prev, nxt = held[i - 1], held[i]
                 done = [d for d in held[:i] if outcome(d, COMPLETE) == OK and d.deadline_us < nxt.deadline_us]
                 if done:
+                    after_complete.add(nxt.lease_call)
                     verdict.findings.append(
                         Finding(
                             AFTER_COMPLETE,
@@ -352,7 +361,37 @@ def check(calls: Sequence[Call], lease_timeout_us: int) -> Verdict:
                 if completed is None and retried == FAILED:
                     cause = RETRY_REFUSED
                 verdict.duplicates[cause] += 1
+            _resurrections(verdict, key, copy, held, settled, by_id, after_complete)
     return verdict
+
+
+def _resurrections(
+    verdict: Verdict,
+    key: str,
+    copy: tuple[int, str],
+    held: list[Delivery],
+    settled: dict[Delivery, list[Call]],
+    by_id: dict[int, Call],
+    reported: set[int],
+) -> None:
+    """Deliveries of ``copy`` by a Lease invoked once a Complete of it had been OK'd (those
+    the deadline rule ``reported`` already left out)."""
+    completes = [c for d in held for c in settled.get(d, []) if c.kind == COMPLETE and c.outcome == OK]
+    if not completes:
+        return
+    first = min(completes, key=lambda c: c.ended)
+    for d in held:
+        lease = by_id.get(d.lease_call)
+        if lease is None or d.lease_call in reported or lease.invoked <= first.ended:
+            continue
+        verdict.findings.append(
+            Finding(
+                RESURRECTED,
+                key,
+                f"copy {copy}: lease call #{lease.id} invoked at {lease.invoked:.3f} delivered it (id {d.item_id}, "
+                f"deadline {d.deadline_us}) after Complete call #{first.id} was acknowledged at {first.ended:.3f}",
+            )
+        )
 
 
 def calls_by_outcome(calls: Iterable[Call]) -> dict[str, Counter[str]]:

@@ -167,7 +167,7 @@ class Node:
         if self._stderr is not None:
             self._stderr.close()
         self._stderr = tempfile.TemporaryFile()
-        env = dict(os.environ, QUERATOR_LOG_LEVEL="warning", **self.env)
+        env = {**os.environ, "QUERATOR_LOG_LEVEL": "warning", **self.env}
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "querator_server.cli",
@@ -196,11 +196,12 @@ class Node:
             )
             self.stubs = Stubs(self.channel)
 
-    def stderr_text(self) -> str:
+    def stderr_text(self, limit: int = 6000) -> str:
+        """The end of what the node wrote to stderr (its log), at most ``limit`` characters."""
         if self._stderr is None:
             return ""
         self._stderr.seek(0)
-        return self._stderr.read().decode("utf-8", errors="replace")[-6000:]
+        return self._stderr.read().decode("utf-8", errors="replace")[-limit:]
 
     def gauge(self, line_start: str) -> float | None:
         """The value of the metric line that starts with ``line_start`` (name and
@@ -314,11 +315,23 @@ class Cluster:
         return {m.node_id for m in via.info().members if m.live}
 
 
+# What a Proxy does with the bytes of one direction.
+PASS = "pass"  # forward them
+DROP = "drop"  # read and throw away: lost on the way, the connection still up
+HOLD = "hold"  # stop reading: nothing flows, no error either side (TCP buffers fill)
+UP, DOWN = "up", "down"  # client -> target, target -> client
+
+
 class Proxy:
-    """A TCP proxy on loopback in front of ``target``; ``cut()`` drops every connection
-    and refuses new ones until ``restore()`` (a node cut off from etcd); while
-    ``drop_replies()`` holds, what ``target`` sends is read and thrown away (an answer
-    lost on its way back, the connection still up)."""
+    """A TCP proxy on loopback in front of ``target``.
+
+    ``cut()`` drops every connection and refuses new ones until ``restore()`` (a node cut
+    off: calls fail at once). ``blackhole()`` keeps every socket but stops pumping, new
+    connections included (a silent partition: calls time out, as Jepsen's do).
+    ``mode(direction, PASS | DROP | HOLD)`` sets one direction alone (``UP``: what the
+    client sends; ``DOWN``: what the target answers), for one-way faults;
+    ``drop_replies()`` is ``mode(DOWN, DROP)``. ``delay(ms)`` holds every chunk that
+    long before passing it on. ``restore()`` undoes all of them."""
 
     def __init__(self, target: str) -> None:
         import socket
@@ -333,7 +346,10 @@ class Proxy:
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.open = threading.Event()
         self.open.set()
-        self.replies_dropped = threading.Event()
+        self._modes = {UP: PASS, DOWN: PASS}
+        self._delay_s = {UP: 0.0, DOWN: 0.0}
+        # Set whenever something changes, so that held pumps look again.
+        self._changed = threading.Condition()
         self._lock = threading.Lock()
         self._conns: list[object] = []
         self._closed = False
@@ -355,19 +371,34 @@ class Proxy:
             except OSError:
                 client.close()
                 continue
+            upstream.settimeout(None)
             with self._lock:
                 self._conns += [client, upstream]
-            for a, b, drop in ((client, upstream, None), (upstream, client, self.replies_dropped)):
-                threading.Thread(target=self._pump, args=(a, b, drop), daemon=True).start()
+            for a, b, direction in ((client, upstream, UP), (upstream, client, DOWN)):
+                threading.Thread(target=self._pump, args=(a, b, direction), daemon=True).start()
 
-    @staticmethod
-    def _pump(source, sink, drop) -> None:  # type: ignore[no-untyped-def]
+    def _pump(self, source, sink, direction: str) -> None:  # type: ignore[no-untyped-def]
+        import time
+
         try:
-            while True:
+            while not self._closed:
+                with self._changed:
+                    # Bounded waits: a pump of a closed connection ends within a second.
+                    while self._modes[direction] == HOLD and not self._closed:
+                        self._changed.wait(1.0)
                 data = source.recv(65536)
                 if not data:
                     break
-                if drop is None or not drop.is_set():
+                delay = self._delay_s[direction]
+                if delay:
+                    time.sleep(delay)
+                mode = self._modes[direction]
+                if mode == HOLD:  # held while this chunk was read: it waits with the rest
+                    with self._changed:
+                        while self._modes[direction] == HOLD and not self._closed:
+                            self._changed.wait(1.0)
+                    mode = self._modes[direction]
+                if mode == PASS:
                     sink.sendall(data)
         except OSError:
             pass
@@ -377,6 +408,26 @@ class Proxy:
                     s.close()
                 except OSError:
                     pass
+
+    def _set(self, modes: dict[str, str] | None = None, delays: dict[str, float] | None = None) -> None:
+        with self._changed:
+            self._modes.update(modes or {})
+            self._delay_s.update(delays or {})
+            self._changed.notify_all()
+
+    def mode(self, direction: str, mode: str) -> None:
+        """``direction`` (UP or DOWN) passes, drops or holds its bytes from now on."""
+        if direction not in (UP, DOWN) or mode not in (PASS, DROP, HOLD):
+            raise ValueError(f"no such direction or mode: {direction!r}, {mode!r}")
+        self._set({direction: mode})
+
+    def blackhole(self, up: bool = True, down: bool = True) -> None:
+        """Stop pumping (both ways by default), sockets kept open."""
+        self._set({d: HOLD for d, on in ((UP, up), (DOWN, down)) if on})
+
+    def delay(self, ms: float, direction: str | None = None) -> None:
+        """Hold each chunk ``ms`` milliseconds before passing it on (one direction, or both)."""
+        self._set(delays={d: ms / 1000 for d in ((direction,) if direction else (UP, DOWN))})
 
     def cut(self) -> None:
         self.open.clear()
@@ -390,15 +441,77 @@ class Proxy:
                 pass
 
     def restore(self) -> None:
+        """Undo every fault: connections accepted, both ways passing, no delay."""
+        self._set({UP: PASS, DOWN: PASS}, {UP: 0.0, DOWN: 0.0})
         self.open.set()
 
     def drop_replies(self, drop: bool = True) -> None:
-        if drop:
-            self.replies_dropped.set()
-        else:
-            self.replies_dropped.clear()
+        self.mode(DOWN, DROP if drop else PASS)
 
     def close(self) -> None:
         self._closed = True
+        self._set()
         self.cut()
         self.listener.close()
+
+
+class Flapping:
+    """Faults switched on and off at random intervals, for a bounded time, on a thread:
+    ``fault(proxy)`` for ``low_s``-``high_s`` seconds, then ``proxy.restore()`` as long,
+    until ``seconds`` have passed or ``stop()``; left restored either way."""
+
+    def __init__(
+        self,
+        proxies: list[Proxy],
+        seconds: float,
+        *,
+        fault: str = "blackhole",
+        low_s: float = 1.0,
+        high_s: float = 3.0,
+        seed: int = 0,
+    ) -> None:
+        import random
+        import threading
+
+        if fault not in ("blackhole", "cut"):
+            raise ValueError(f"no such fault: {fault!r}")
+        self.proxies = proxies
+        self.seconds = seconds
+        self.fault = fault
+        self.low_s, self.high_s = low_s, high_s
+        self.rng = random.Random(seed)
+        self.flips = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Flapping:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        import time
+
+        until = time.monotonic() + self.seconds
+        broken = False
+        try:
+            while not self._stop.is_set() and time.monotonic() < until:
+                for proxy in self.proxies:
+                    if broken:
+                        proxy.restore()
+                    else:
+                        getattr(proxy, self.fault)()
+                broken = not broken
+                self.flips += 1
+                left = until - time.monotonic()
+                self._stop.wait(max(0.0, min(left, self.rng.uniform(self.low_s, self.high_s))))
+        finally:
+            for proxy in self.proxies:
+                proxy.restore()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)

@@ -434,6 +434,9 @@ def test_a_lease_that_completes_earlier_items_completes_them_at_their_home(clust
         (["--cluster", "etcd://127.0.0.1:{free}/prod", "--node-id", "n1"], 1, "cannot reach the cluster catalog"),
         (["--cluster", "etcd://127.0.0.1:{free}/prod", "--node-id", "n1", "--tls-cert", "nope.pem", "--tls-key", "nope.key"], 1, "cannot read the TLS"),
         (["--cluster", "etcd://127.0.0.1:2379/prod", "--node-id", "n1", "--cluster-lease-ttl", "1"], 2, "at least 2"),
+        (["--replicas", "2"], 2, "--replicas above 1 keeps copies on other nodes: give --cluster too"),
+        (["--min-in-sync", "1"], 2, "--min-in-sync applies to replicated queues of a cluster"),
+        (["--cluster", "etcd://127.0.0.1:2379/prod", "--node-id", "n1", "--replicas", "0"], 2, "at least 1"),
     ],
 )
 def test_bad_cluster_settings_stop_the_server_with_a_clear_message(tmp_path, args, code, message) -> None:

@@ -81,3 +81,28 @@ def test_a_catalog_entry_holds_the_pause_only_while_set() -> None:
     assert (config.paused, config.produce_paused) == (True, True)
     resumed = QueueEntry.decode("q", plain.encode(), 2, 1).config
     assert (resumed.paused, resumed.produce_paused) == (False, False)
+
+
+def test_a_replicated_queues_primary_goes_to_the_node_serving_the_fewest_and_copies_to_the_least_loaded() -> None:
+    from querator_server.cluster.placement import place_shard
+
+    live = ["n1", "n2", "n3", "n4"]
+    # n3 serves no primary: it is primary; copies on the nodes keeping the fewest copies.
+    assert place_shard(3, live, {"n1": 2, "n2": 1, "n4": 1}, {"n1": 2, "n2": 3, "n3": 1, "n4": 0}) == ["n3", "n4", "n1"]
+    # Ties on primaries go to the node keeping the fewest copies, then node id order.
+    assert place_shard(2, live, {}, {"n1": 1, "n3": 2}) == ["n2", "n4"]
+    assert place_shard(2, live, {}, {}) == ["n1", "n2"]
+    # Queues created one after another take turns as primary over the nodes.
+    primaries: Counter[str] = Counter()
+    copies: Counter[str] = Counter()
+    for _ in range(8):
+        chosen = place_shard(2, live, primaries, copies)
+        primaries[chosen[0]] += 1
+        copies.update(chosen)
+        assert len(set(chosen)) == 2
+    # Primaries come out even; copies within two of each other (a primary goes where the
+    # fewest primaries are, whatever copies that node keeps already).
+    assert primaries == {"n1": 2, "n2": 2, "n3": 2, "n4": 2}
+    assert max(copies.values()) - min(copies.values()) <= 2 and sum(copies.values()) == 16
+    with pytest.raises(ValueError, match="3 copies need 3 live nodes, 2 live"):
+        place_shard(3, ["n1", "n2"], {}, {})

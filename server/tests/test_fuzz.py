@@ -216,9 +216,12 @@ def produce_item(encoding: str, payload: bytes, utf8: str, at: Any, key: str) ->
 produce_items = st.builds(produce_item, texts, st.binary(max_size=64), texts, timestamps, st.one_of(st.just(""), texts))
 
 
-def queue_info(name: str, dead: str, lease: Any, expire: Any, attempts: int, parts: int, dedup: Any) -> queues_pb2.QueueInfo:
+def queue_info(
+    name: str, dead: str, lease: Any, expire: Any, attempts: int, parts: int, dedup: Any, copies: tuple[int, int]
+) -> queues_pb2.QueueInfo:
     info = queues_pb2.QueueInfo(queue_name=name, dead_queue=dead, reference=dead[:10], max_attempts=attempts)
     info.requested_partitions = parts
+    info.replicas, info.min_in_sync = copies
     optional(info, "lease_timeout", lease)
     optional(info, "expire_timeout", expire)
     optional(info, "dedup_window", dedup)
@@ -235,6 +238,8 @@ queue_infos = st.builds(
     int32s,
     partitions_counts,
     durations,
+    # Mostly the one copy a single server keeps; sometimes more, or a minimum.
+    st.one_of(st.just((0, 0)), st.tuples(st.one_of(st.integers(0, 3), int32s), st.one_of(st.just(0), int32s))),
 )
 mask_paths = st.lists(
     st.one_of(
@@ -246,6 +251,8 @@ mask_paths = st.lists(
                 "expire_timeout",
                 "max_attempts",
                 "requested_partitions",
+                "replicas",
+                "min_in_sync",
                 "queue.max_attempts",
                 "queue_name",
                 "created_at",

@@ -19,6 +19,7 @@ from history import (
     NOT_DEDUPLICATED,
     OK,
     PRODUCE,
+    RESURRECTED,
     RETRIED,
     RETRY,
     RETRY_UNKNOWN,
@@ -150,6 +151,52 @@ def test_delivered_again_after_an_acknowledged_complete() -> None:
     run.settle(COMPLETE, run.lease("a", T0 + 3 * TIMEOUT))
     verdict = run.verdict()
     assert rules(verdict) == [AFTER_COMPLETE], verdict.findings
+
+
+def test_a_lease_invoked_after_an_acknowledged_complete_that_delivers_the_item_is_a_resurrection() -> None:
+    """Read by the clients' clock alone: a new primary after a failover may stamp the
+    redelivery with a deadline no later than the completed lease's (its clock is
+    behind); the deadline rules then call it a duplicate of an unfinished lease, or
+    blame the wrong lease, but the resurrection rule names the Lease that brought it
+    back. A redelivery the deadline rule already calls "after complete" is not
+    reported twice."""
+    for deadline in (T0, T0 - 5 * TIMEOUT):
+        run = Run()
+        run.produce("a")
+        run.settle(COMPLETE, run.lease("a", T0))
+        run.settle(COMPLETE, run.lease("a", deadline))  # invoked after the OK above ended
+        verdict = run.verdict()
+        found = verdict.of(RESURRECTED)
+        assert len(found) == 1, verdict.findings
+        assert "lease call #4" in found[0].detail and "after Complete call #3" in found[0].detail
+        assert "resurrected 1" in verdict.figures()
+    run = Run()
+    run.produce("a")
+    run.settle(COMPLETE, run.lease("a", T0))
+    run.settle(COMPLETE, run.lease("a", T0 + 3 * TIMEOUT))
+    assert rules(run.verdict()) == [AFTER_COMPLETE]
+
+
+def test_a_lease_invoked_before_the_complete_was_acknowledged_is_no_resurrection() -> None:
+    """Concurrent: the Lease was sent before the Complete's OK arrived, so it may have
+    been served first (its lease ran out meanwhile); and a Complete of unknown outcome
+    or refused proves nothing."""
+    run = Run()
+    run.produce("a")
+    first = run.lease("a", T0)
+    complete = run.history.invoke(COMPLETE, "c", "n3", deliveries=[first])
+    second = run.history.invoke(LEASE, "c2", "n2")
+    run.history.end(complete, OK)
+    (again,) = run.history.delivered(second, [Delivery("a", 0, "m1", "id9", T0 + TIMEOUT)])
+    run.history.end(second, OK)
+    run.settle(COMPLETE, again)
+    assert RESURRECTED not in rules(run.verdict())
+    for outcome, code in ((UNKNOWN, "UNAVAILABLE"), (FAILED, "NOT_FOUND")):
+        run = Run()
+        run.produce("a")
+        run.settle(COMPLETE, run.lease("a", T0), outcome, code)
+        run.settle(COMPLETE, run.lease("a", T0 + TIMEOUT))
+        assert RESURRECTED not in rules(run.verdict())
 
 
 def test_an_item_nobody_sent_or_whose_produce_failed_is_unexpected() -> None:

@@ -470,6 +470,15 @@ def test_update_lowering_partitions_is_failed_precondition(stubs: Stubs) -> None
     assert len(stubs.stats("q").partitions) == 3
 
 
+def test_a_single_server_keeps_one_copy_and_refuses_replicas_naming_the_field(stubs: Stubs) -> None:
+    expect_invalid(lambda: stubs.create("q", replicas=2), "queue.replicas")
+    expect_invalid(lambda: stubs.create("q", min_in_sync=1), "queue.min_in_sync")
+    # 0 and 1 are the one copy a single server keeps; answers read as before the field.
+    assert (stubs.create("q", replicas=1).replicas, stubs.create("r").replicas) == (0, 0)
+    expect_invalid(lambda: update(stubs, queues_pb2.QueueInfo(queue_name="q", replicas=3), ["replicas"]), "queue.replicas")
+    assert update(stubs, queues_pb2.QueueInfo(queue_name="q", replicas=1), ["replicas"]).replicas == 0
+
+
 def test_update_raising_partitions_adds_empty_usable_partitions(stubs: Stubs) -> None:
     stubs.create("q")
     assert stubs.produce("q", [b"a", b"b"]).partition == 0

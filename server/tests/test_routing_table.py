@@ -39,7 +39,14 @@ def entry_of(cluster: dict[str, Any]) -> QueueEntry:
     homes: list[Home] = []
     for node in cluster["homes"]:
         homes.append(Home(node, sum(h.node == node for h in homes)))
-    return QueueEntry(QueueConfig(name="q", partitions=len(homes)), tuple(homes), cluster["key_partitions"])
+    config = QueueConfig(name="q", partitions=len(homes))
+    entry = QueueEntry(config, tuple(homes), cluster["key_partitions"])
+    if "primary" in cluster:  # replicated: as the catalog routes it, through the shard record
+        config = config.replace(replicas=len(cluster["replicas"]))
+        entry = QueueEntry(config, tuple(homes), cluster["key_partitions"], shard=1 << 40)
+        entry = entry.served_by(cluster["primary"], cluster["epoch"])
+        assert [h.node for h in entry.homes] == cluster["homes"]
+    return entry
 
 
 def expected(server: dict[str, Any]) -> Where:
@@ -57,6 +64,8 @@ def test_the_server_routes_each_case_of_the_table(case: dict[str, Any]) -> None:
         with pytest.raises(QueratorError) as raised:
             where(*args)
         assert CODES[type(raised.value)] == want["error"], raised.value.message
+        if "detail" in want:
+            assert raised.value.message.startswith(want["detail"]), raised.value.message
         if "field" in want:
             assert isinstance(raised.value, InvalidArgument) and raised.value.violations[0][0] == want["field"]
         return

@@ -65,6 +65,15 @@ function nodeGone(raw: unknown, error: QueratorError): boolean {
   return !(raw instanceof ConnectError && raw.cause === undefined && !raw.rawMessage.startsWith("http/2"));
 }
 
+/**
+ * Whether an UNAVAILABLE is a node's "not primary: <node> epoch <e>": it can neither
+ * serve nor forward a call about a replicated queue (another node is its primary, or is
+ * about to be), and did nothing with it.
+ */
+function notPrimary(error: QueratorError): boolean {
+  return error.rawMessage.includes("not primary: ");
+}
+
 /** Whether `error` says the request was never sent: no connection to the node. */
 function neverSent(error: unknown): boolean {
   for (let e: unknown = error, depth = 0; e instanceof Error && depth < 6; e = e.cause, depth++) {
@@ -120,6 +129,8 @@ export class Connection {
   readonly #refreshMs: number;
   #refreshing: Promise<void> | undefined;
   #refreshedAt = -Infinity;
+  /** A node answered "not primary": read the map before the next call goes anywhere. */
+  #stale = false;
   /** Queues to ask ClusterInfo about on the next refresh. */
   readonly #wanted = new Set<string>();
   /** No first ClusterInfo before this time (it failed). */
@@ -240,6 +251,10 @@ export class Connection {
       await this.#refresh("queue" in target ? target.queue : undefined);
       if (!this.#map.clustered) return this.#default;
     }
+    if (this.#stale) {
+      this.#stale = false;
+      await this.#refresh();
+    }
     const now = performance.now();
     // While a member is down the map is read more often, so calls go back to it soon
     // after it returns.
@@ -343,7 +358,16 @@ export class Connection {
           mapped = new Unavailable(mapped.rawMessage, Code.Unavailable, { cause: error });
         }
         if (this.#map.clustered && channel && !signal.aborted) {
-          if (mapped instanceof Unavailable && nodeGone(error, mapped)) {
+          if (mapped instanceof Unavailable && notPrimary(mapped)) {
+            // Nothing was done: the map is read again before the next call or attempt,
+            // which goes (once at once) to the primary it names.
+            this.#stale = true;
+            if (!failedOver) {
+              failedOver = true;
+              attempt--;
+              continue;
+            }
+          } else if (mapped instanceof Unavailable && nodeGone(error, mapped)) {
             await this.#nodeFailed(channel, mapped);
             if (!failedOver && (retry || neverSent(mapped)) && target.to !== "home" && target.to !== "key") {
               failedOver = true;

@@ -114,6 +114,33 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds the node's membership lasts without renewal (env QUERATOR_CLUSTER_LEASE_TTL, default 5)",
     )
     parser.add_argument(
+        "--replicas",
+        type=int,
+        help="copies (on distinct nodes) a new queue gets unless its CreateQueue says (env QUERATOR_REPLICAS, "
+        "default 1; above 1 needs --cluster)",
+    )
+    parser.add_argument(
+        "--min-in-sync",
+        type=int,
+        dest="min_in_sync",
+        help="fewest in-sync copies a replicated queue accepts writes with unless its CreateQueue says "
+        "(env QUERATOR_MIN_IN_SYNC; default replicas - 1, at least 1; capped at the queue's replicas)",
+    )
+    parser.add_argument(
+        "--replica-lag",
+        type=float,
+        dest="replica_lag",
+        help="seconds a replica may stay silent or behind before the primary drops it from the in-sync set "
+        "(env QUERATOR_REPLICA_LAG, default 2)",
+    )
+    parser.add_argument(
+        "--replica-ring",
+        type=int,
+        dest="replica_ring",
+        help="change sets each copy keeps in memory for replicas that catch up by tail; one further behind "
+        "gets a snapshot (env QUERATOR_REPLICA_RING, default 20000)",
+    )
+    parser.add_argument(
         "--etcd-ca",
         help="PEM CA bundle etcd's certificate must chain to; turns TLS to etcd on (env QUERATOR_ETCD_CA)",
     )
@@ -163,6 +190,9 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
     if config.cluster and config.cluster_lease_ttl_s < 2:
         print("querator: --cluster-lease-ttl (QUERATOR_CLUSTER_LEASE_TTL) must be a whole number of seconds, at least 2", file=sys.stderr)
         return 2
+    if problem := _replication_problem(config):
+        print(f"querator: {problem}", file=sys.stderr)
+        return 2
     if problem := _etcd_settings_problem(config):
         print(f"querator: {problem}", file=sys.stderr)
         return 2
@@ -176,6 +206,23 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
         print(f"querator: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _replication_problem(config: ServerConfig) -> str:
+    """What is wrong with --replicas and --min-in-sync; empty when nothing."""
+    if config.replicas < 1:
+        return "--replicas (QUERATOR_REPLICAS) must be a whole number, at least 1"
+    if config.replicas > 1 and not config.cluster:
+        return "--replicas above 1 keeps copies on other nodes: give --cluster too"
+    if config.min_in_sync < 0:
+        return "--min-in-sync (QUERATOR_MIN_IN_SYNC) must be a whole number, at least 1"
+    if config.min_in_sync and not config.cluster:
+        return "--min-in-sync applies to replicated queues of a cluster: give --cluster too"
+    if not config.replica_lag_s > 0:
+        return "--replica-lag (QUERATOR_REPLICA_LAG) must be a number of seconds above 0"
+    if config.replica_ring < 1:
+        return "--replica-ring (QUERATOR_REPLICA_RING) must be a whole number, at least 1"
+    return ""
 
 
 def _etcd_settings_problem(config: ServerConfig) -> str:
@@ -216,6 +263,10 @@ def _config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> S
         node_id=args.node_id,
         advertise=args.advertise,
         cluster_lease_ttl_s=args.cluster_lease_ttl,
+        replicas=args.replicas,
+        min_in_sync=args.min_in_sync,
+        replica_lag_s=args.replica_lag,
+        replica_ring=args.replica_ring,
         cluster_ca=args.cluster_ca,
         etcd_ca=args.etcd_ca,
         etcd_cert=args.etcd_cert,

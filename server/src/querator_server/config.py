@@ -66,6 +66,17 @@ class ServerConfig:
     node_id: str = ""
     advertise: str = ""
     cluster_lease_ttl_s: int = 5
+    # Replication (docs/cluster.md, "Replication"): the copies a new queue gets when its
+    # CreateQueue names none, and the fewest in-sync copies it writes with (0: by rule,
+    # replicas - 1 and at least 1).
+    replicas: int = 1
+    min_in_sync: int = 0
+    # How long a replica may stay silent or behind before the primary drops it from the
+    # in-sync set (and writes stop waiting for it).
+    replica_lag_s: float = 2.0
+    # Change sets each copy keeps in memory so a replica that was away catches up by tail
+    # (beyond them it gets a snapshot).
+    replica_ring: int = 20_000
     # With TLS on: the PEM CA bundle that signed the other nodes' certificates, for the
     # calls a node forwards to another (default: tls_client_ca, else the system's roots).
     cluster_ca: str = ""
@@ -102,6 +113,10 @@ class ServerConfig:
             "advertise": env.get("QUERATOR_ADVERTISE", ""),
             "cluster_ca": env.get("QUERATOR_CLUSTER_CA", ""),
             "cluster_lease_ttl_s": _whole_seconds(env.get("QUERATOR_CLUSTER_LEASE_TTL", "5")),
+            "replicas": _whole_number(env.get("QUERATOR_REPLICAS", "1")),
+            "min_in_sync": _whole_number(env.get("QUERATOR_MIN_IN_SYNC", "0")),
+            "replica_lag_s": _seconds(env.get("QUERATOR_REPLICA_LAG", "2"), "QUERATOR_REPLICA_LAG"),
+            "replica_ring": _whole_number(env.get("QUERATOR_REPLICA_RING", "20000")),
             "etcd_ca": env.get("QUERATOR_ETCD_CA", ""),
             "etcd_cert": env.get("QUERATOR_ETCD_CERT", ""),
             "etcd_key": env.get("QUERATOR_ETCD_KEY", ""),
@@ -145,6 +160,14 @@ def _whole_seconds(text: str) -> int:
         return int(text.strip())
     except ValueError:
         return 0
+
+
+def _whole_number(text: str) -> int:
+    """A whole number from the environment; -1 (refused by the caller) when not one."""
+    try:
+        return int(text.strip())
+    except ValueError:
+        return -1
 
 
 def _flag(text: str) -> bool:

@@ -23,6 +23,7 @@ from functools import partial
 from typing import Any
 
 from .actor import LogicalQueue
+from .actor.replication import Replication
 from .auth import ApiKey, KeyRing, Role, new_key
 from .clock import now_us
 from .errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
@@ -30,10 +31,13 @@ from .logging import get_logger
 from .model import QueueConfig
 from .queue_admin import check_dead_queue, check_deletable, check_update, key_from_record, key_record
 from .storage import Catalog, QueueStore, StorageError
+from .storage.change_set import ChangeSet
 from .storage.group_layout import copy_out
 from .storage.group_placement import GROUP_MAX_PARTITIONS, CommitGroups, queue_prefix
 from .storage.lane import StorageLane
 from .storage.queue_store import DEFAULT_MAP_SIZE
+from .storage.replica_copy import ReplicaCopy
+from .storage.replica_state import ReplicaState
 
 log = get_logger("manager")
 
@@ -176,6 +180,9 @@ class QueuesManager:
         self._aside: dict[str, SetAside] = {}
         self._names: list[str] = []
         self._actors: dict[str, LogicalQueue] = {}
+        # Copies of replicated queues' shards, served here (with an actor) or passive.
+        self._copies: dict[str, ReplicaCopy] = {}
+        self._stepping_down: set[asyncio.Task[None]] = set()
         # Queues that failed to load or whose storage kept failing: name -> why.
         self._failed: dict[str, str] = {}
         # Queues with faulty partitions: name -> how many (actor/cycle_base.py).
@@ -233,6 +240,9 @@ class QueuesManager:
                 self._queue_failed(config.name, failures[config.name])
                 continue
             try:
+                if config.shard_copy:  # passive until the cluster promotes it
+                    self._copies[config.name] = await self._open_copy_storage(config)
+                    continue
                 self._actors[config.name] = await self._start_actor(config)
             except Exception as exc:
                 home = self._groups.path(config.group) if config.group >= 0 else self._queue_path(config.uid)
@@ -320,14 +330,27 @@ class QueuesManager:
         return self._lanes[self._lane_of[uid]]
 
     async def _start_actor(
-        self, config: QueueConfig, stopped: LogicalQueue | None = None, *, created: bool = False
+        self,
+        config: QueueConfig,
+        stopped: LogicalQueue | None = None,
+        *,
+        created: bool = False,
+        copy: ReplicaCopy | None = None,
+        replication: Replication | None = None,
+        epoch: int = 0,
     ) -> LogicalQueue:
-        """Start an actor for ``config``; on ``stopped``'s open storage when given.
-        ``created``: the queue is new, so storage made for it goes if the start fails."""
+        """Start an actor for ``config``; on ``stopped``'s open storage when given, or as
+        the primary of ``copy`` under ``epoch``. ``created``: the queue is new, so
+        storage made for it goes if the start fails."""
         loop = asyncio.get_running_loop()
         lane = self._lane(config.uid)
         group = None
-        if stopped is not None:
+        if copy is not None:
+            store, group = copy.state.store, copy.group
+            if store.partitions < config.partitions:  # settings changed while it was passive
+                grow = partial(store.ensure_partitions, config.partitions)
+                await (group.job(grow) if group is not None else lane.run(grow))
+        elif stopped is not None:
             store, group = stopped.store, stopped.group
         elif config.group >= 0:
             group = await loop.run_in_executor(self._executor, self._groups.get, config.group)
@@ -352,13 +375,22 @@ class QueuesManager:
             fail_after_s=self._fail_queue_after_s,
             on_failed=self._queue_failed,
             on_partitions=self._partitions_faulty,
+            replication=None if copy is None else replication or _ALONE,
+            epoch=epoch,
+            on_deposed=None if copy is None else self._deposed,
         )
         if self.observer is not None:
             self.observer.attach(actor)
         try:
+            if copy is not None:
+                await actor.start(copy.state.keyed, copy.state)
+                return actor
             await actor.start(stopped.keyed_index if stopped is not None else None)
         except BaseException:
-            if created and group is not None:  # its databases would hold slots of max_dbs
+            if copy is not None:  # the copy stays as it was
+                if self.observer is not None:
+                    self.observer.detach(config.name)
+            elif created and group is not None:  # its databases would hold slots of max_dbs
                 with contextlib.suppress(StorageError):
                     await group.job(store.destroy)
             elif stopped is None and group is None:  # a damaged file stays as it is, closed
@@ -373,8 +405,12 @@ class QueuesManager:
         """Drain every actor, then close storage."""
         self._closing = True
         async with self._lock:
+            passive = [copy for name, copy in self._copies.items() if name not in self._actors]
             await asyncio.gather(*(actor.stop() for actor in self._actors.values()))
             self._actors.clear()
+            for copy in passive:
+                await copy.close()
+            self._copies.clear()
             await self._groups.close()
             if self._catalog is not None:
                 self._catalog.close()
@@ -398,6 +434,8 @@ class QueuesManager:
                 raise self._failed_error(name)
             if self._closing:
                 raise self._shutting_down()
+            if name in self._copies:
+                raise Unavailable(f"queue {name!r} is not served on this node (it keeps a passive copy); retry at its primary")
             raise NotFound(f"queue {name!r} does not exist")
         return actor
 
@@ -492,8 +530,15 @@ class QueuesManager:
             if "dead_queue" in changes:
                 check_dead_queue(updated, self._configs, visible)
             loop = asyncio.get_running_loop()
-            actor = self._actors[name]
-            if actor.group is not None and updated.partitions > GROUP_MAX_PARTITIONS:
+            actor = self._actors.get(name)
+            copy = self._copies.get(name)
+            if copy is not None and copy.group is not None and updated.partitions + 1 > GROUP_MAX_PARTITIONS:
+                # Its copies would have to leave their groups in step; not done yet.
+                raise FailedPrecondition(
+                    f"replicated queue {name!r} keeps its storage in a commit group here, which holds at most "
+                    f"{GROUP_MAX_PARTITIONS - 1} of its partitions"
+                )
+            if actor is not None and actor.group is not None and updated.partitions > GROUP_MAX_PARTITIONS:
                 await self._move_out(actor, updated.replace(group=-1))
                 return self._configs[name]
             try:
@@ -501,7 +546,8 @@ class QueuesManager:
             except (StorageError, OSError) as exc:
                 raise _storage_failed(exc) from exc
             self._configs[name] = updated
-            await self._actors[name].reconfigure(updated)
+            if actor is not None:  # a passive copy opens partitions as change sets name them
+                await actor.reconfigure(updated)
             return updated
 
     async def _move_out(self, actor: LogicalQueue, updated: QueueConfig) -> None:
@@ -528,6 +574,8 @@ class QueuesManager:
             self._check_open()
             self.get(name)
             check_deletable(name, self._configs.values(), visible)
+            if name in self._copies:
+                raise FailedPrecondition(f"queue {name!r} is a copy of a replicated queue here; the cluster drops it")
             if name in self._failed:
                 await self._delete_failed(name, force)
                 return
@@ -586,6 +634,179 @@ class QueuesManager:
         if self.observer is not None:
             self.observer.detach(name)
         log.info("queue_deleted", queue=name, failed=True)
+
+    # -- copies of replicated queues (the cluster's data path drives them) -----------------
+
+    def copy(self, name: str) -> ReplicaCopy:
+        """This node's copy of replicated queue ``name``."""
+        copy = self._copies.get(name)
+        if copy is None:
+            if name in self._failed:
+                raise Unavailable(f"queue {name!r}: this node's copy failed to load ({self.failure(name)}); reset it")
+            raise NotFound(f"queue {name!r} has no copy on this node")
+        return copy
+
+    async def reset_copy(self, name: str) -> ReplicaCopy:
+        """Throw this node's copy of ``name`` away and make it anew, empty, as another
+        incarnation: for a copy that failed to load (a damaged file) or diverged. A
+        snapshot then fills it (``install_snapshot``)."""
+        async with self._lock:
+            self._check_open()
+            config = self.get(name)
+            if not config.shard_copy:
+                raise FailedPrecondition(f"queue {name!r} is not a copy of a replicated queue here")
+            if name in self._actors:
+                raise FailedPrecondition(f"queue {name!r} is served here; demote it first")
+            copy = self._copies.pop(name, None)
+            loop = asyncio.get_running_loop()
+            if copy is not None:
+                await self._destroy_copy(copy)
+            elif config.group >= 0:
+                group = await loop.run_in_executor(self._executor, self._groups.get, config.group)
+                try:
+                    store = await group.job(
+                        lambda: QueueStore(group.path, config.partitions, shared=group.env, prefix=queue_prefix(config.uid))
+                    )
+                    await group.job(store.destroy)
+                except StorageError as exc:
+                    raise _storage_failed(exc) from exc
+            else:
+                await loop.run_in_executor(
+                    self._executor, partial(shutil.rmtree, self._queue_path(config.uid), ignore_errors=True)
+                )
+            self._failed.pop(name, None)
+            try:
+                copy = await self._open_copy_storage(config)
+            except (StorageError, OSError) as exc:
+                self._queue_failed(name, f"cannot make its copy anew: {exc}")
+                raise _storage_failed(exc) from exc
+            self._copies[name] = copy
+            log.warning("shard_copy_reset", queue=name, uid=config.uid, incarnation=copy.incarnation)
+            return copy
+
+    async def open_copy(self, config: QueueConfig) -> ReplicaCopy:
+        """A passive copy of a replicated queue's shard, ``config.uid`` being the shard's
+        (the same on every node, so item ids stay valid on any copy): made empty, or
+        the one this node has. No actor, no lifecycle until ``promote``."""
+        async with self._lock:
+            self._check_open()
+            name = config.name
+            current = self._configs.get(name)
+            if name in self._copies and current is not None:
+                if current.uid != config.uid:
+                    raise FailedPrecondition(f"queue {name!r} has a copy of shard {current.uid} here, not of {config.uid}")
+                return self._copies[name]
+            if current is not None:
+                raise AlreadyExists(f"queue {name!r} exists on this node and is not a copy of shard {config.uid}")
+            if config.uid <= 0 or any(c.uid == config.uid for c in self._stored_configs()):
+                raise FailedPrecondition(f"storage uid {config.uid} is taken on this node; a shard needs a uid of its own")
+            now = now_us()
+            # Its replica database takes a slot of a group's max_dbs, as a partition does.
+            group = self._groups.place(config.replace(partitions=config.partitions + 1), self._stored_configs())
+            config = config.replace(shard_copy=True, group=group, created_at_us=config.created_at_us or now, updated_at_us=now)
+            loop = asyncio.get_running_loop()
+            try:
+                copy = await self._open_copy_storage(config)
+            except (StorageError, OSError) as exc:
+                self._lane_of.pop(config.uid, None)
+                raise _storage_failed(exc) from exc
+            try:
+                await loop.run_in_executor(self._executor, self._require_catalog().put, config)
+            except (StorageError, OSError) as exc:
+                await self._destroy_copy(copy)
+                self._lane_of.pop(config.uid, None)
+                raise _storage_failed(exc) from exc
+            self._configs[name] = config
+            bisect.insort(self._names, name)
+            self._copies[name] = copy
+            log.info("shard_copy_opened", queue=name, uid=config.uid, incarnation=copy.incarnation)
+            return copy
+
+    async def _open_copy_storage(self, config: QueueConfig) -> ReplicaCopy:
+        loop = asyncio.get_running_loop()
+        lane = self._lane(config.uid)
+        if config.group >= 0:
+            group = await loop.run_in_executor(self._executor, self._groups.get, config.group)
+            store = await group.job(
+                lambda: QueueStore(group.path, config.partitions, shared=group.env, prefix=queue_prefix(config.uid))
+            )
+            state = await group.job(lambda: ReplicaState(store, None, config.uid))
+            group.members += 1
+            return ReplicaCopy(config.name, state, lane, group)
+        path = self._queue_path(config.uid)
+        store = await loop.run_in_executor(
+            self._executor, lambda: QueueStore(path, config.partitions, map_size=self._map_size, sync=self._sync)
+        )
+        try:
+            state = await lane.run(lambda: ReplicaState(store, None, config.uid))
+        except BaseException:
+            await lane.run(store.close)
+            raise
+        return ReplicaCopy(config.name, state, lane, None)
+
+    async def _destroy_copy(self, copy: ReplicaCopy) -> None:
+        with contextlib.suppress(StorageError):
+            if copy.group is not None:
+                copy.group.members -= 1
+                await copy.group.job(copy.state.store.destroy)
+            else:
+                await copy.lane.run(copy.state.store.destroy)
+
+    async def promote(self, name: str, epoch: int, replication: Replication | None) -> None:
+        """Serve ``name`` from this node's copy as its primary under ``epoch``: the copy
+        is fenced at ``epoch`` first (durably), then loaded as a restart loads a queue.
+        Its cycles answer once ``replication`` has their change sets (None: at once,
+        a primary with no other copy to wait for)."""
+        async with self._lock:
+            self._check_open()
+            copy = self.copy(name)
+            if name in self._actors:
+                if copy.serving_epoch == epoch:
+                    return
+                raise FailedPrecondition(f"queue {name!r} is served here under epoch {copy.serving_epoch}, not {epoch}")
+            config = self._configs[name]
+            actor = await copy.serve(
+                epoch, partial(self._start_actor, config, copy=copy, replication=replication, epoch=epoch)
+            )
+            copy.step_down = partial(self._step_down_for, name)
+            self._actors[name] = actor
+            actor.kick_outboxes()
+            log.info("shard_promoted", queue=name, epoch=epoch, position=tuple(copy.position()))
+
+    async def demote(self, name: str) -> None:
+        """Stop serving ``name`` here; its copy stays, passive. Calls waiting fail UNAVAILABLE."""
+        async with self._lock:
+            await self._demote(name, "demoted")
+
+    async def _demote(self, name: str, reason: str) -> None:
+        actor = self._actors.get(name)
+        copy = self._copies.get(name)
+        if actor is None or copy is None:
+            return
+        del self._actors[name]
+        try:
+            await actor.step_down(reason)
+        finally:
+            copy.serving_epoch = 0
+            if self.observer is not None:
+                self.observer.detach(name)
+        log.warning("shard_demoted", queue=name, reason=reason, position=tuple(copy.position()))
+
+    async def _step_down_for(self, name: str, epoch: int) -> None:
+        """A later epoch (``epoch``) reached this node's copy: another node was elected."""
+        async with self._lock:
+            await self._demote(name, f"epoch {epoch} was elected elsewhere")
+
+    def _deposed(self, name: str, reason: str) -> None:
+        """A primary here lost its replicas' acknowledgement: it becomes a passive copy."""
+
+        async def demote() -> None:
+            async with self._lock:
+                await self._demote(name, reason)
+
+        task = asyncio.get_running_loop().create_task(demote())
+        self._stepping_down.add(task)
+        task.add_done_callback(self._stepping_down.discard)
 
     # -- queues set aside ------------------------------------------------------------------
 
@@ -724,6 +945,16 @@ class QueuesManager:
                 raise _storage_failed(exc) from exc
             self.keyring.remove(key_id)
         log.info("key_revoked", key_id=key_id)
+
+
+class _Alone:
+    """The replication of a primary with no other copy to wait for."""
+
+    async def replicated(self, change: ChangeSet) -> None:
+        return None
+
+
+_ALONE = _Alone()
 
 
 @dataclass(frozen=True, slots=True)

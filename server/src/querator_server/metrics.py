@@ -36,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
@@ -49,7 +49,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .errors import NotFound
@@ -258,6 +258,56 @@ class QueueCollector(Collector):
         )
         failed.add_metric([], self._manager.failed_queues())
         yield from (queues, failed, items, partitions, faulty, head_age, avg_age, lease_waiting, produce_waiting, paused, map_used, map_size)
+
+
+class ReplicaState(Protocol):
+    """A replicated queue this node keeps a copy of (cluster/shard_table.ShardGauges)."""
+
+    @property
+    def queue(self) -> str: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def in_sync(self) -> int: ...
+    @property
+    def min_in_sync(self) -> int: ...
+    @property
+    def primary(self) -> bool: ...
+    @property
+    def elections(self) -> int: ...
+
+
+class ReplicationCollector(Collector):
+    """Per replicated queue kept here, read at scrape time from the cached shard records."""
+
+    def __init__(self, states: Callable[[], Iterable[ReplicaState]]) -> None:
+        self._states = states
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        epoch = GaugeMetricFamily(
+            "querator_replication_epoch", "The epoch of the queue's primary (one more per election).", labels=["queue"]
+        )
+        in_sync = GaugeMetricFamily(
+            "querator_replication_in_sync", "Copies of the queue in its in-sync set, the primary included.", labels=["queue"]
+        )
+        minimum = GaugeMetricFamily(
+            "querator_replication_min_in_sync", "The fewest in-sync copies the queue takes writes with.", labels=["queue"]
+        )
+        primary = GaugeMetricFamily(
+            "querator_replication_primary", "1 when this node is the queue's primary, else 0.", labels=["queue"]
+        )
+        elections = CounterMetricFamily(
+            "querator_replication_elections",
+            "Elections of a new primary (failovers and hand-overs) this node has seen since it started.",
+            labels=["queue"],
+        )
+        for state in self._states():
+            epoch.add_metric([state.queue], state.epoch)
+            in_sync.add_metric([state.queue], state.in_sync)
+            minimum.add_metric([state.queue], state.min_in_sync)
+            primary.add_metric([state.queue], 1 if state.primary else 0)
+            elections.add_metric([state.queue], state.elections)
+        yield from (epoch, in_sync, minimum, primary, elections)
 
 
 class ClusterCollector(Collector):
@@ -527,6 +577,10 @@ class Metrics:
         """Read the unsent bytes at scrape time; the callable returned counts a stalled stream."""
         self.stream_unsent.set_function(unsent_bytes)
         return self.streams_stalled.inc
+
+    def watch_replication(self, states: Callable[[], Iterable[ReplicaState]]) -> None:
+        """Export the replicated queues ``states`` lists at every scrape (a cluster node)."""
+        self.registry.register(ReplicationCollector(states))
 
     def watch_cluster(self, view: Callable[[], tuple[int, bool, int]]) -> None:
         """A cluster node's gauges (ClusterCollector), read from ``view`` at scrape time."""

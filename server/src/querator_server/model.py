@@ -21,6 +21,8 @@ MAX_METADATA_PAIRS = 64
 MAX_METADATA_BYTES = 16 * 1024
 MAX_ATTEMPTS_LIMIT = 65_536
 MAX_PARTITIONS = 1024
+# Copies of a replicated queue (cluster mode): each on its own node.
+MAX_REPLICAS = 7
 MAX_QUEUE_NAME = 512
 # Free text, in bytes of UTF-8: a queue's reference, and an item's reference, kind and
 # encoding. Items carry them to every lease and listing; a bound keeps a reply's size
@@ -86,6 +88,10 @@ class QueueConfig:
 
     name: str
     uid: int = 0
+    # A copy of a replicated queue's shard (cluster mode): ``uid`` is the shard's, the
+    # same on every node, and the storage keeps a replication position. Node-local,
+    # like ``group``: whether this node serves it is the cluster's to say.
+    shard_copy: bool = False
     dead_queue: str = ""
     reference: str = ""
     lease_timeout_us: int = DEFAULT_LEASE_TIMEOUT_US
@@ -99,6 +105,11 @@ class QueueConfig:
     # The commit group whose environment holds the queue's storage; -1: a directory of
     # its own (queues/<uid>). Not part of the API: where the server keeps the items.
     group: int = -1
+    # Cluster mode: the nodes keeping a full copy (1: each partition on one node; 0 in a
+    # CreateQueue: the server's default) and the fewest in-sync copies writes need (0:
+    # the default rule). Kept in the cluster catalog, never in a node's own.
+    replicas: int = 1
+    min_in_sync: int = 0
     # PauseQueue / ResumeQueue: no items handed out while paused (leases wait); with
     # produce_paused, Produce is refused too. Stored with the rest, so a pause
     # outlives a restart and, in a cluster, reaches every node through the catalog.

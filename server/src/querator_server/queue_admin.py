@@ -48,6 +48,21 @@ def check_update(current: QueueConfig, updated: QueueConfig) -> None:
     check_settings(updated)
     if updated.partitions < current.partitions:
         raise FailedPrecondition(f"requested_partitions cannot be lowered from {current.partitions} to {updated.partitions}")
+    if updated.replicas < current.replicas:
+        raise InvalidArgument("queue.replicas", f"cannot be lowered (from {current.replicas} to {updated.replicas})")
+    if updated.replicas > current.replicas:
+        raise InvalidArgument(
+            "queue.replicas",
+            f"cannot be raised on an existing queue yet (from {current.replicas} to {updated.replicas}): "
+            "create a queue with the copies it needs",
+        )
+    if updated.min_in_sync != current.min_in_sync:
+        if updated.replicas < 2:
+            raise InvalidArgument("queue.min_in_sync", "applies to a replicated queue (replicas above 1)")
+        if not 1 <= updated.min_in_sync <= updated.replicas:
+            raise InvalidArgument(
+                "queue.min_in_sync", f"must be between 1 and replicas ({updated.replicas}), got {updated.min_in_sync}"
+            )
 
 
 def dead_queue_users(name: str, configs: Iterable[QueueConfig]) -> list[str]:

@@ -146,7 +146,9 @@ class QueratorServer:
         if router is not None:
             from .grpc_api.peer_service import PeerService
 
-            server.add_generic_rpc_handlers((PeerService(router.give_backs, queue_service.give_back_here).handler(),))
+            assert cluster is not None
+            peer_service = PeerService(router.give_backs, queue_service.give_back_here, cluster.roles.host)
+            server.add_generic_rpc_handlers((peer_service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         # Serves our files with their proto comments (see reflection.py).
         servicer = self._reflection = ReflectionServicer(
@@ -248,7 +250,16 @@ class QueratorServer:
             await self.manager.stop()
             raise
         settings = ClusterSettings(
-            config.cluster, config.node_id, advertise, config.cluster_lease_ttl_s, peer_tls, etcd_access
+            config.cluster,
+            config.node_id,
+            advertise,
+            config.cluster_lease_ttl_s,
+            peer_tls,
+            etcd_access,
+            replicas=config.replicas,
+            min_in_sync=config.min_in_sync,
+            replica_lag_s=config.replica_lag_s,
+            replica_ring=config.replica_ring,
         )
         try:
             self.cluster = Coordinator(
@@ -258,6 +269,9 @@ class QueratorServer:
             )
             self.cluster.membership.on_superseded = self._superseded
             await self.cluster.start()
+            if self.metrics is not None:
+                shards, node = self.cluster.catalog.shards, self.cluster.node
+                self.metrics.watch_replication(lambda: shards.gauges(node))
         except QueratorError as exc:  # a malformed --cluster URL, say
             self.cluster = None
             await self.manager.stop()

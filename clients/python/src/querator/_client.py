@@ -29,6 +29,7 @@ from ._models import (
     QueueSettings,
     QueueStats,
     RedriveResult,
+    ReplicaSet,
     SetAsideQueue,
     SetAsideQueues,
     StoredItem,
@@ -372,6 +373,17 @@ class Client(BaseClient):
         one node). With ``check_members`` the node also asks each other live member
         whether it is fenced (up to 2 s for one that does not answer)."""
         return self._transport.run(ops.cluster_info(self._config, check_members, timeout))
+
+    def move_queue(self, queue: str, node_id: str, *, timeout: Seconds | None = None) -> ReplicaSet:
+        """Hand replicated ``queue``'s primary over to ``node_id``, a live node holding an
+        in-sync copy (docs/cluster.md, Replication); returns where it is kept now. Needs
+        an admin key for "*". Not retried."""
+        return self._transport.run(ops.move_queue(self._config, queue, node_id, timeout))
+
+    def drain_node(self, node_id: str, *, timeout: Seconds | None = None) -> tuple[list[str], list[str]]:
+        """Hand every replicated queue whose primary is ``node_id`` over to another live
+        in-sync copy: (queues moved, queues kept with why). Needs an admin key for "*"."""
+        return self._transport.run(ops.drain_node(self._config, node_id, timeout))
 
     def retire_node_discarding_data(self, node_id: str, *, timeout: Seconds | None = None) -> int:
         """Retire a dead node for good: its partitions are recreated, **empty**, on the

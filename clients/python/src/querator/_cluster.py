@@ -119,6 +119,17 @@ def never_sent(error: BaseException) -> bool:
     return any(marker in text for marker in _NEVER_SENT)
 
 
+#: How a node's answer (UNAVAILABLE) starts when it cannot serve or forward a call
+#: about a replicated queue: another node is its primary, or is about to be (the
+#: primary it knows is down). Nothing was done: read the map again and send it there.
+NOT_PRIMARY = "not primary: "
+
+
+def not_primary(error: BaseException) -> bool:
+    """Whether an UNAVAILABLE says the node is not the queue's primary (nothing done)."""
+    return NOT_PRIMARY in _details(error)
+
+
 def _details(error: BaseException) -> str:
     cause = error.__cause__ if error.__cause__ is not None else error
     parts = [str(getattr(error, "message", "") or error)]

@@ -327,6 +327,20 @@ class ClusterMember:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaSet:
+    """Where a replicated queue (replicas > 1) is kept: ``primary`` serves every
+    partition under ``epoch`` (it grows by one with each election); ``replicas``, every
+    copy's node, the primary included; ``in_sync``, the copies every acknowledged change
+    is durable on; writes need at least ``min_in_sync`` of them."""
+
+    primary: str
+    epoch: int
+    replicas: list[str] = field(default_factory=list)
+    in_sync: list[str] = field(default_factory=list)
+    min_in_sync: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterView:
     """A node's view of its cluster at catalog ``revision`` (a single server: one member,
     ``clustered`` false). ``homes[queue][p]`` is the node id homing partition ``p``."""
@@ -337,6 +351,8 @@ class ClusterView:
     members: list[ClusterMember] = field(default_factory=list)
     homes: dict[str, list[str]] = field(default_factory=dict)
     admin_writable: bool = True
+    #: The replicated queues' copies, by queue (a queue of one copy is not listed).
+    replicated: dict[str, ReplicaSet] = field(default_factory=dict)
 
     def partitions_of(self, node_id: str) -> int:
         """How many partitions, over the queues in the view, ``node_id`` homes."""

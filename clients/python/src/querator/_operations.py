@@ -33,6 +33,7 @@ from ._models import (
     QueueInfo,
     QueueStats,
     RedriveResult,
+    ReplicaSet,
     SetAsideQueue,
     SetAsideQueues,
     StoredItem,
@@ -341,6 +342,19 @@ def cluster_info(config: ClientConfig, check_members: bool, timeout: Seconds | N
     request = cluster_pb2.ClusterInfoRequest(check_members=check_members)
     response = yield Call(CLUSTER, "ClusterInfo", request, config.call_timeout(timeout), True)
     return p.cluster_view(response)
+
+
+def move_queue(config: ClientConfig, queue: str, node_id: str, timeout: Seconds | None) -> Operation[ReplicaSet]:
+    request = cluster_pb2.MoveQueueRequest(queue_name=queue, node_id=node_id)
+    response = yield Call(CLUSTER, "MoveQueue", request, config.call_timeout(timeout), False)
+    q = response.placement
+    return ReplicaSet(q.primary, q.epoch, list(q.replicas), list(q.in_sync), q.min_in_sync)
+
+
+def drain_node(config: ClientConfig, node_id: str, timeout: Seconds | None) -> Operation[tuple[list[str], list[str]]]:
+    request = cluster_pb2.DrainNodeRequest(node_id=node_id)
+    response = yield Call(CLUSTER, "DrainNode", request, config.call_timeout(timeout), False)
+    return list(response.moved), list(response.kept)
 
 
 def retire_node_discarding_data(config: ClientConfig, node_id: str, timeout: Seconds | None) -> Operation[int]:

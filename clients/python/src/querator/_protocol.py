@@ -25,6 +25,7 @@ from ._models import (
     QueueInfo,
     QueueStats,
     RedriveResult,
+    ReplicaSet,
     SetAsideQueue,
     StoredItem,
 )
@@ -599,4 +600,9 @@ def cluster_view(response: cluster_pb2.ClusterInfoResponse) -> ClusterView:
         ],
         homes={q.queue_name: list(q.homes) for q in response.queues},
         admin_writable=response.admin_writable,
+        replicated={
+            q.queue_name: ReplicaSet(q.primary, q.epoch, list(q.replicas), list(q.in_sync), q.min_in_sync)
+            for q in response.queues
+            if q.replicas
+        },
     )

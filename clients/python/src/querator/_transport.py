@@ -21,7 +21,7 @@ import grpc
 import grpc.aio
 
 from . import _convert as c
-from ._cluster import ABANDONED, LEASE_SLICE, LEFT, ClusterMap, Route, never_sent, node_gone, origin, tagged
+from ._cluster import ABANDONED, LEASE_SLICE, LEFT, ClusterMap, Route, never_sent, node_gone, not_primary, origin, tagged
 from ._config import ClientConfig
 from ._convert import Seconds, seconds
 from ._operations import CLUSTER, KEYS, QUEUE, QUEUES, STORAGE, Call, Operation
@@ -148,7 +148,10 @@ class _Transport:
                 gone = self._node_failed(route, error)
                 if gone:
                     yield Forget(route.address or self.config.address)
-                if gone and not failed_over and (call.retry or never_sent(error)):
+                # Refused by a node that is not the primary: nothing was done, so once
+                # at once to the primary the map (read again) names, whatever the call.
+                moved = not gone and isinstance(error, Unavailable) and not_primary(error)
+                if (gone or moved) and not failed_over and (call.retry or never_sent(error) or moved):
                     failed_over = True
                 else:
                     attempt += 1
@@ -198,6 +201,9 @@ class _Transport:
             return False  # ABANDONED: a stream this process closed, not the node's doing
         if isinstance(error, QueueNotFound) or (isinstance(error, InvalidRequest) and "partition" in error.message):
             self.cluster.refreshed_at = -1e18  # the map may be stale: read it before the next call
+            return False
+        if isinstance(error, Unavailable) and not_primary(error):
+            self.cluster.refreshed_at = -1e18  # the primary moved (or is moving): read the map again
             return False
         if isinstance(error, Unavailable) and not node_gone(error) and route.kind in ("produce", "lease"):
             self.cluster.mark_queue_down(route.queue, route.node, time.monotonic())

@@ -40,6 +40,8 @@ from ..faults import InjectedFault, InjectedPartitionFault
 from ..logging import get_logger
 from ..model import QueueConfig
 from ..storage import Item, PartitionScan, QueueStore
+from ..storage.capture import begin_child
+from ..storage.change_set import ChangeSet
 from ..storage.keyed import KeyedIndex
 from ..storage.record import DEAD_EXPIRED, DEAD_MAX_ATTEMPTS, ItemState
 from .requests import LeaseRequest, Request
@@ -159,6 +161,9 @@ class CycleBase:
         self.lease_expirations = 0
         # Whether ``touch`` wrote.
         self.touched = False
+        # What the cycle wrote, for a replicated queue's copies (None: not replicated,
+        # or nothing written).
+        self.change: ChangeSet | None = None
 
     # -- views ---------------------------------------------------------------------
 
@@ -219,7 +224,7 @@ class CycleBase:
             return reason
         if not self.writable:  # a failed read ends a read transaction: no second try
             return ""
-        child = self.store.env.begin(write=True, parent=txn)
+        child = begin_child(self.store.env, txn)
         try:
             self.store.scan(child, p)
         except lmdb.Error as again:
@@ -232,7 +237,7 @@ class CycleBase:
         """Whether faulty partition ``p`` works again: read all of it and write its next
         seq, in a nested transaction of their own. If so, its view is rebuilt from the
         read (``recovered``), else it stays faulty (``still_faulty``, with why)."""
-        child = self.store.env.begin(write=True, parent=txn)
+        child = begin_child(self.store.env, txn)
         try:
             if self.broken and p in self.broken:
                 raise InjectedPartitionFault(f"partition {p} is damaged (injected fault)")
@@ -293,7 +298,7 @@ class CycleBase:
             return True
         while True:
             saved = self._save()
-            child = self.store.env.begin(write=True, parent=txn) if self.writable else txn
+            child = begin_child(self.store.env, txn) if self.writable else txn
             try:
                 step(child)
                 if request is not None and request.fault:

@@ -11,10 +11,13 @@ nothing are parked and take part in later cycles until their wait runs out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
+
+import lmdb
 
 from ..clock import now_us
 from ..errors import (
@@ -36,10 +39,12 @@ from ..faults import (
 from ..logging import get_logger
 from ..model import QueueConfig, QueueStats, QueueTotals
 from ..storage import Item, QueueStore, StorageError
+from ..storage.change_set import Fenced
 from ..storage.commit_group import CommitGroup
 from ..storage.keyed import KeyedIndex
 from ..storage.lane import StorageLane
 from ..storage.queue_store import disk_full
+from ..storage.replica_state import ReplicaState
 from .batch import Batch, CycleWork, DeleteQueue, Reconfigure, cycle_body
 from .cycle import Cycle
 from .cycle_base import StepFailed
@@ -51,6 +56,7 @@ from .leases import LeaseDeadlines
 from .lifecycle import LIFECYCLE_BATCH
 from .loading import broken_partitions, load
 from .redrive import handed_over
+from .replication import Replication, ReplicationGate
 from .requests import (
     CompleteRequest,
     DeadLetterRequest,
@@ -73,6 +79,8 @@ T = TypeVar("T")
 log = get_logger("queue")
 
 DEFAULT_MAX_INBOX = 10_000
+# How long a primary stepping down waits for its replicas to acknowledge what it committed.
+STEP_DOWN_GRACE_S = 2.0
 # After a failed lifecycle step, the next try waits this long (as a failed hand-over does).
 OUTBOX_RETRY_S = HANDOVER_RETRY_S
 
@@ -92,6 +100,9 @@ class LogicalQueue:
         fail_after_s: float = 60.0,
         on_failed: Callable[[str, str], None] | None = None,
         on_partitions: Callable[[str, int], None] | None = None,
+        replication: Replication | None = None,
+        epoch: int = 0,
+        on_deposed: Callable[[str, str], None] | None = None,
     ) -> None:
         self.config = config
         # Faulty partitions, a failing storage, a run of failed cycles (health.py).
@@ -145,6 +156,15 @@ class LogicalQueue:
         self._lease_keys_at = 0
         # Metrics hook (metrics.QueueProbe) when --metrics-address is set.
         self.observer: Any = None
+        # A replicated queue's primary: its cycles are recorded as change sets under
+        # ``epoch`` and answered once ``replication`` has them on every in-sync copy
+        # (replication.py). None (one copy): no recording, answers at the commit.
+        self.epoch = epoch
+        self.replica: ReplicaState | None = None
+        self._gate = None if replication is None else ReplicationGate(config.name, replication, self._replication_lost)
+        # Told the queue's name and why when it stopped serving as primary.
+        self._on_deposed = on_deposed
+        self.deposed = False
 
     @property
     def name(self) -> str:
@@ -165,9 +185,9 @@ class LogicalQueue:
 
     # -- life ----------------------------------------------------------------------
 
-    async def start(self, keyed: KeyedIndex | None = None) -> None:
-        """Load the queue's state and start the actor; ``keyed`` reuses the handles of
-        an earlier actor on the same (still open) storage, so no write is needed."""
+    async def start(self, keyed: KeyedIndex | None = None, replica: ReplicaState | None = None) -> None:
+        """Load the queue's state and start the actor; ``keyed`` (and ``replica``)
+        reuse the handles of an earlier actor or copy on the same (still open) storage."""
         loaded = await self._storage_job(partial(load, self.store))
         self._views, self._outbox.entries, self._redrive.entries = loaded.views, loaded.outbox, loaded.redrive
         if loaded.faulty:
@@ -175,6 +195,9 @@ class LogicalQueue:
         self._leases = LeaseDeadlines(loaded.leases)
         self._keyed = keyed or await self._storage_job(partial(KeyedIndex, self.store))
         self._dedup_at, self._lease_keys_at = await self._storage_job(self._load_key_times)
+        if self._gate is not None:
+            keyed_index = self._keyed
+            self.replica = replica or await self._storage_job(lambda: ReplicaState(self.store, keyed_index, self.config.uid))
         # Everything that fell due while the server was down is handled at once.
         self._lifecycle_pending = True
         self._task = asyncio.create_task(self._run(), name=f"queue:{self.name}")
@@ -183,6 +206,12 @@ class LogicalQueue:
         assert self._keyed is not None
         with self.store.env.begin() as txn:
             return self._keyed.first_dedup_at(txn), self._keyed.first_lease_key_at(txn)
+
+    def kick_outboxes(self) -> None:
+        """Start handing over what the outboxes hold (a promoted copy's, left by the
+        primary before it)."""
+        self._outbox.kick()
+        self._redrive.kick()
 
     async def resume_dead_letters(self) -> None:
         """Hand over dead letters a crash left in the outbox, and wait until they are.
@@ -203,6 +232,7 @@ class LogicalQueue:
         self._wake.set()
         if self._task is not None:
             await self._task
+        await self._settle_gate("the server is stopping", STEP_DOWN_GRACE_S)
         await self._cancel_outbox()
         await self._storage_job(self.store.close)
 
@@ -322,8 +352,10 @@ class LogicalQueue:
                     self._arm_timer()
                     await self._wake.wait()
                 self._wake.clear()
-                if self._closed is not None and (not self._inbox or self.failed):
+                if self._closed is not None and (not self._inbox or self.failed or self.deposed):
                     break
+                if self._gate is not None:
+                    await self._gate.room()
                 inbox, self._inbox = self._inbox, []
                 await self._cycle(inbox)
         finally:
@@ -478,9 +510,17 @@ class LogicalQueue:
         if self.observer is not None:
             self.observer.cycle_done(self, cycle, len(batch), time.perf_counter() - started)
         self._adopt_keys_and_leases(cycle, expired)
-        self._adopt_outboxes(cycle)
-        for request, result in cycle.results:
-            answer(request, result)
+        if self._gate is not None:
+            if cycle.change is not None and self.replica is not None:
+                self.replica.committed(cycle.change)
+            # Nothing leaves for another queue before the copies hold the move: a new
+            # primary without it would move the items again.
+            outboxes = partial(self._adopt_outboxes, cycle) if cycle.outbox_added or cycle.redrive_added or cycle.dropped else None
+            self._gate.release(cycle.change, cycle.results, outboxes)
+        else:
+            self._adopt_outboxes(cycle)
+            for request, result in cycle.results:
+                answer(request, result)
         later = now_us()
         for lease in cycle.unserved:
             if lease.future.done():
@@ -525,6 +565,10 @@ class LogicalQueue:
         self._leases.restore(expired)
         if lifecycle:
             self._lifecycle_pending = True
+        if isinstance(exc, Fenced):
+            self._replication_lost(str(exc))
+            self._fail_batch(batch, Unavailable(f"queue {self.name!r} is no longer primary here ({exc}); retry"))
+            return
         if isinstance(exc, StorageError):
             self._health.storage_failed(exc)
             self._fail_batch(batch, storage_error(exc))
@@ -616,9 +660,62 @@ class LogicalQueue:
         if not self._writes(batch, lifecycle):
             # Only listings: a read transaction, no commit and no fsync.
             return self.store.read(body)
+        early = self._gate is None
+        if not early:
+            body = self._recorded(body)
         if self.group is not None:
-            return await run_grouped(self.group, self.store, body, len(batch), self)
-        return await run_own(self.store, self._lane, body, len(batch))
+            return await run_grouped(self.group, self.store, body, len(batch), self, answer_early=early)
+        return await run_own(self.store, self._lane, body, len(batch), answer_early=early)
+
+    def _recorded(self, body: Body) -> Body:
+        """``body`` with its writes recorded as the cycle's change set (a replicated
+        queue), the position written with them."""
+        replica, epoch = self.replica, self.epoch
+        assert replica is not None
+
+        def recorded(txn: lmdb.Transaction[bytes]) -> Cycle:
+            recording = replica.record(txn)
+            cycle = body(cast("lmdb.Transaction[bytes]", recording))
+            cycle.change = replica.seal(txn, recording, epoch)
+            return cycle
+
+        return recorded
+
+    async def step_down(self, reason: str, grace_s: float = STEP_DOWN_GRACE_S) -> None:
+        """Stop serving as a replicated queue's primary, leaving the storage open (the
+        manager keeps it as a passive copy): calls not yet applied fail UNAVAILABLE;
+        changes already handed to the replicas get ``grace_s`` to be acknowledged (so
+        a hand-over leaves the copies alike), then their calls fail UNAVAILABLE too."""
+        if self._closed is None:
+            self._closed = Unavailable(f"queue {self.name!r} is no longer served on this node ({reason}); retry")
+        self.deposed = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        await self._settle_gate(reason, grace_s)
+        await self._cancel_outbox()
+        await self._storage_job(self.store.abort_held)
+
+    async def _settle_gate(self, reason: str, grace_s: float) -> None:
+        """Give the answers waiting for the replicas ``grace_s`` to be released, then
+        fail the rest UNAVAILABLE (a replica that never answers must not hold a stop)."""
+        if self._gate is None:
+            return
+        if not self._gate.lost:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._gate.drain()), grace_s)
+        self._gate.abandon(reason)
+        await self._gate.drain()
+
+    def _replication_lost(self, reason: str) -> None:
+        """Stop serving as primary: what waits fails UNAVAILABLE, the loop ends."""
+        if self.deposed:
+            return
+        self.deposed = True
+        self._closed = Unavailable(f"queue {self.name!r} stopped serving here: {reason}; retry")
+        self._wake.set()
+        if self._on_deposed is not None:
+            self._on_deposed(self.name, reason)
 
     def _body(
         self, batch: Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]], *, isolated: bool = False

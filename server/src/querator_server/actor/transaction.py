@@ -26,14 +26,15 @@ from .requests import Request
 Body = Callable[["lmdb.Transaction[bytes]"], Cycle]
 
 
-async def run_own(store: QueueStore, lane: StorageLane, body: Body, requests: int) -> Cycle:
-    """``body`` in the store's held transaction, committed on ``lane``."""
+async def run_own(store: QueueStore, lane: StorageLane, body: Body, requests: int, *, answer_early: bool = True) -> Cycle:
+    """``body`` in the store's held transaction, committed on ``lane``; the cycle's
+    requests are answered as the commit returns, unless not ``answer_early``."""
     for _ in range(MAX_GROWTHS):
         if not store.held:
             await lane.run(store.hold)
         try:
             cycle = store.run_held(body)
-            committed = _committed(lane, store.commit_held, cycle)
+            committed = _committed(lane, store.commit_held, cycle if answer_early else None)
             if requests >= HAND_OVER_AT:
                 time.sleep(0)  # give the lane the GIL now: it waits for it to commit
             await committed
@@ -46,11 +47,15 @@ async def run_own(store: QueueStore, lane: StorageLane, body: Body, requests: in
     raise StorageFull("storage is full: the LMDB map could not grow enough")
 
 
-async def run_grouped(group: CommitGroup, store: QueueStore, body: Body, requests: int, member: Any) -> Cycle:
-    """``body`` in a nested transaction of the group's, durable with its next commit."""
+async def run_grouped(
+    group: CommitGroup, store: QueueStore, body: Body, requests: int, member: Any, *, answer_early: bool = True
+) -> Cycle:
+    """``body`` in a nested transaction of the group's, durable with its next commit
+    (which answers the cycle's requests, unless not ``answer_early``)."""
+    durable = answer_results if answer_early else None
     for _ in range(MAX_GROWTHS):
         try:
-            cycle, committed = await group.run(body, store.on_commit, requests, on_durable=answer_results, member=member)
+            cycle, committed = await group.run(body, store.on_commit, requests, on_durable=durable, member=member)
         except MapFull:
             await group.grow()
             continue
@@ -66,8 +71,8 @@ def answer_results(cycle: Cycle) -> None:
         answer(request, result)
 
 
-def _committed(lane: StorageLane, commit: Callable[[], None], cycle: Cycle) -> asyncio.Future[None]:
-    """Commit on ``lane``; the cycle's requests are answered as the commit returns."""
+def _committed(lane: StorageLane, commit: Callable[[], None], cycle: Cycle | None) -> asyncio.Future[None]:
+    """Commit on ``lane``; the requests of ``cycle`` (if given) are answered as the commit returns."""
     future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def done(_result: None, error: BaseException | None) -> None:
@@ -76,7 +81,8 @@ def _committed(lane: StorageLane, commit: Callable[[], None], cycle: Cycle) -> a
         if error is not None:
             future.set_exception(error)
             return
-        answer_results(cycle)
+        if cycle is not None:
+            answer_results(cycle)
         future.set_result(None)
 
     lane.run_then(commit, done)

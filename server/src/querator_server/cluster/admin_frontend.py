@@ -24,7 +24,9 @@ from .catalog import APPLY_TIMEOUT_S as _APPLY_TIMEOUT_S
 from .catalog import CatalogCache, Keys
 from .etcd import Etcd, EtcdError, Txn
 from .membership import Membership
-from .placement import Home, QueueEntry, place
+from .placement import Home, QueueEntry, place, place_shard
+from .shard_cas import Deposed
+from .shard_record import ShardRecord, default_min_in_sync
 
 log = get_logger("cluster")
 
@@ -41,12 +43,48 @@ class AdminFrontend:
     catalog: CatalogCache
     membership: Membership
 
+    # --replicas and --min-in-sync: for a CreateQueue that names none (0).
+    default_replicas: int
+    default_min_in_sync: int
+
     def _live(self) -> builtins.list[str]:
         return sorted(self.catalog.members)
 
     def _load(self) -> Counter[str]:
         """Partitions homed per node, over every queue: placement's tie-breaker."""
-        return Counter(h.node for e in self.catalog.queues.values() for h in e.homes)
+        return Counter(h.node for e in self.catalog.queues.values() for h in self.catalog.routed(e).homes)
+
+    def _shard_load(self) -> tuple[Counter[str], Counter[str]]:
+        """Per node: what it serves as primary (replicated queues, and partitions of one
+        copy, which it serves alone), and the copies of replicated queues it keeps."""
+        primaries: Counter[str] = Counter(h.node for e in self.catalog.queues.values() if not e.shard for h in e.homes)
+        copies: Counter[str] = Counter()
+        for record in self.catalog.shards.records():
+            primaries[record.primary] += 1
+            copies.update(record.replicas)
+        return primaries, copies
+
+    def _replication(self, config: QueueConfig) -> tuple[int, int]:
+        """The queue's copies and minimum in-sync count: asked for, else the defaults."""
+        replicas = config.replicas or self.default_replicas
+        if replicas == 1:
+            if config.min_in_sync > 1:
+                raise InvalidArgument("queue.min_in_sync", f"must be at most replicas (1), got {config.min_in_sync}")
+            return 1, 0
+        if config.min_in_sync > replicas:
+            raise InvalidArgument("queue.min_in_sync", f"must be at most replicas ({replicas}), got {config.min_in_sync}")
+        return replicas, config.min_in_sync or min(self.default_min_in_sync, replicas) or default_min_in_sync(replicas)
+
+    def _check_replicated_dead_queue(self, config: QueueConfig) -> None:
+        """Dead letters go to the dead-letter queue's part on the same node, which a
+        failover would leave behind: not yet for replicated queues, either side."""
+        dead = self.catalog.queues.get(config.dead_queue) if config.dead_queue else None
+        if config.replicas > 1 and config.dead_queue:
+            raise FailedPrecondition("queue.dead_queue: a replicated queue (replicas > 1) cannot have a dead_queue yet")
+        if dead is not None and dead.shard:
+            raise FailedPrecondition(
+                f"queue.dead_queue: queue {config.dead_queue!r} is replicated and cannot be a dead_queue yet"
+            )
 
     def _fenced_txn(self) -> Txn:
         self.membership.check()
@@ -93,17 +131,32 @@ class AdminFrontend:
     async def create(self, config: QueueConfig, visible: Callable[[str], bool] | None = None) -> QueueConfig:
         """As QueuesManager.create, in the catalog; ``visible``: what error texts may name."""
         check_dead_queue(config, self._configs(), visible)
+        replicas, min_in_sync = self._replication(config)
+        config = config.replace(replicas=replicas, min_in_sync=min_in_sync)
+        self._check_replicated_dead_queue(config)
         txn = self._fenced_txn()
         live = self._live()
         if not live:
             raise Unavailable("no live node to place the queue's partitions on")
+        if len(live) < replicas:
+            raise FailedPrecondition(
+                f"queue {config.name!r} needs {replicas} live nodes for its replicas, "
+                f"the cluster has {len(live)} live ({', '.join(live)})"
+            )
         now = now_us()
-        entry = QueueEntry(
-            config.replace(created_at_us=now, updated_at_us=now, uid=0, group=-1),
-            tuple(place(config.partitions, live, load=self._load())),
-            key_partitions=config.partitions,
-        )
+        config = config.replace(created_at_us=now, updated_at_us=now, uid=0, group=-1)
         key = self.keys.queue(config.name)
+        if replicas > 1:
+            copies = place_shard(replicas, live, *self._shard_load())
+            uid = await self.catalog.shards.next_uid()
+            entry = QueueEntry(
+                config, tuple(Home(copies[0], p) for p in range(config.partitions)), config.partitions, shard=uid
+            )
+            shard = self.catalog.shards.key(uid)
+            record = ShardRecord.new(uid, config.name, copies, min_in_sync)
+            txn.created_at(shard, 0).put(shard, record.encode())
+        else:
+            entry = QueueEntry(config, tuple(place(config.partitions, live, load=self._load())), config.partitions)
         txn.created_at(key, 0).put(key, entry.encode()).delete(self.keys.deleted(config.name))
         self._with_dead_queue(txn, entry.config, entry.homes)
         await self._commit(
@@ -112,7 +165,10 @@ class AdminFrontend:
             if config.name in self.catalog.queues or not config.dead_queue
             else FailedPrecondition(f"queue {config.dead_queue!r} was changed meanwhile; retry"),
         )
-        log.info("cluster_queue_created", queue=config.name, homes=[h.node for h in entry.homes])
+        if entry.shard:
+            log.info("cluster_queue_created", queue=config.name, shard=entry.shard, copies=copies)
+        else:
+            log.info("cluster_queue_created", queue=config.name, homes=[h.node for h in entry.homes])
         return self.get(config.name)
 
     def get(self, name: str) -> QueueConfig:
@@ -139,12 +195,25 @@ class AdminFrontend:
         check_update(current, updated)
         if "dead_queue" in changes:
             check_dead_queue(updated, self._configs(), visible)
+            self._check_replicated_dead_queue(updated)
         homes = entry.homes
         if updated.partitions > current.partitions:
-            homes = homes + tuple(place(updated.partitions - current.partitions, self._live(), homes, self._load()))
+            if entry.shard:  # every copy holds every partition, at its own number
+                homes = entry.homes + tuple(Home(entry.homes[0].node, p) for p in range(current.partitions, updated.partitions))
+            else:
+                homes = homes + tuple(place(updated.partitions - current.partitions, self._live(), homes, self._load()))
         new = dataclasses.replace(entry, config=updated, homes=homes)
         key = self.keys.queue(name)
         txn.modified_at(key, entry.mod_revision).put(key, new.encode())
+        if entry.shard and updated.min_in_sync != current.min_in_sync:
+            # The record is what the primary's gate reads: changed in the same Txn, from
+            # the version read (a concurrent ISR change makes this one retry).
+            record = self.catalog.shards.get(entry.shard)
+            if record is None:
+                raise Unavailable(f"queue {name!r}: its shard record is not known here yet; retry")
+            shard = self.catalog.shards.key(entry.shard)
+            changed = dataclasses.replace(record, min_isr=updated.min_in_sync)
+            txn.modified_at(shard, record.mod_revision).put(shard, changed.encode())
         self._with_dead_queue(txn, updated, homes)
         await self._commit(
             txn,
@@ -164,6 +233,8 @@ class AdminFrontend:
         check_deletable(name, self._configs().values(), visible)
         key = self.keys.queue(name)
         txn.modified_at(key, entry.mod_revision).delete(key).put(self.keys.deleted(name), b"{}")
+        if entry.shard:
+            txn.delete(self.catalog.shards.key(entry.shard))
         await self._commit(
             txn, lambda: FailedPrecondition(f"queue {name!r} was changed by another admin meanwhile; retry")
         )
@@ -190,10 +261,12 @@ class AdminFrontend:
             raise InvalidArgument("node_id", "is required")
         if node == self.node or node in self.catalog.members:
             raise FailedPrecondition(f"node {node!r} is live; only a dead node can be retired")
-        owned = [e for e in self.catalog.queues.values() if any(h.node == node for h in e.homes)]
-        if not owned and node in self.catalog.retired:
+        # Replicated queues are not recreated here: their copies elsewhere hold them.
+        owned = [e for e in self.catalog.queues.values() if not e.shard and any(h.node == node for h in e.homes)]
+        copies = sorted((r for r in self.catalog.shards.records() if node in r.replicas), key=lambda r: r.queue)
+        if not owned and not copies and node in self.catalog.retired:
             return 0
-        if not owned:
+        if not owned and not copies:
             # Retiring bans the id for ever: an id the catalog does not know (a typo) must
             # not be banned, and a node that homes nothing has nothing to give up.
             raise NotFound(
@@ -203,6 +276,14 @@ class AdminFrontend:
         live = self._live()
         if not live:
             raise Unavailable("no live node to recreate the partitions on")
+        await self._drop_copies(node, copies)
+        if not owned:
+            await self._commit(
+                self._fenced_txn().created_at(self.keys.member(node), 0).put(self.keys.retired(node), b"{}"),
+                lambda: FailedPrecondition(f"node {node!r} came back meanwhile; it was not retired"),
+            )
+            log.warning("cluster_node_retired_by_admin", node=node, partitions_recreated=0, copies_dropped=len(copies))
+            return 0
         queues = self.catalog.queues
         work: dict[str, builtins.list[Home]] = {}
         moved = 0
@@ -245,3 +326,102 @@ class AdminFrontend:
             await self._commit(txn, lambda: FailedPrecondition("the catalog changed meanwhile (or the node came back); retry"))
         log.warning("cluster_node_retired_by_admin", node=node, partitions_recreated=moved)
         return moved
+
+    async def _drop_copies(self, node: str, copies: builtins.list[ShardRecord]) -> None:
+        """Take a node being retired out of each replicated queue it keeps a copy of: a
+        queue it is still primary of goes to another live in-sync copy first; one whose
+        only in-sync copy it holds is refused (nothing else has what it acknowledged).
+        The queues keep one copy fewer (their min_in_sync capped at what is left)."""
+        for record in copies:
+            if record.primary == node:
+                others = [n for n, i in record.isr if n != node and i and n in self.catalog.members]
+                if not others:
+                    raise FailedPrecondition(
+                        f"queue {record.queue!r}: node {node!r} holds its only in-sync copy; nothing was retired "
+                        "(bring the node back, or delete the queue)"
+                    )
+                record = await self._hand_over(record, others[0], leaving=node)
+            try:
+                await self.catalog.shards.drop_copy(record, node)
+            except Deposed as exc:
+                raise FailedPrecondition(f"queue {record.queue!r} changed meanwhile ({exc.message}); retry") from None
+
+    # -- replicated queues: hand-overs ------------------------------------------------
+
+    def _in_sync_here(self, record: ShardRecord, node: str) -> bool:
+        """Whether ``node`` is live and holds a copy claimed in the record's in-sync set."""
+        return node in self.catalog.members and any(n == node and i for n, i in record.isr)
+
+    async def move(self, name: str, node: str) -> ShardRecord:
+        """Hand queue ``name``'s primary over to ``node``: an election with the in-sync set
+        unchanged (every member has every acknowledged change), so nothing acknowledged
+        is lost and the old primary stays a copy."""
+        if not node:
+            raise InvalidArgument("node_id", "is required")
+        entry = self.catalog.queues.get(name)
+        if entry is None:
+            raise NotFound(f"queue {name!r} does not exist")
+        record = self.catalog.shards.get(entry.shard) if entry.shard else None
+        if record is None:
+            raise FailedPrecondition(
+                f"queue {name!r} keeps one copy of each partition (replicas 1): its partitions cannot move"
+            )
+        if record.primary == node:
+            return record
+        if node not in record.replicas:
+            raise FailedPrecondition(
+                f"node {node!r} holds no copy of queue {name!r} (copies: {', '.join(record.replicas)}); "
+                "adding a copy on another node is not supported yet"
+            )
+        if not self._in_sync_here(record, node):
+            state = "not live" if node not in self.catalog.members else "not in sync"
+            raise FailedPrecondition(
+                f"the copy of queue {name!r} on node {node!r} is {state} "
+                f"(in sync: {', '.join(n for n, i in record.isr if i) or 'none'}); retry once it is"
+            )
+        return await self._hand_over(record, node)
+
+    async def _hand_over(self, record: ShardRecord, node: str, leaving: str = "") -> ShardRecord:
+        """Elect ``node``; ``leaving``: a node about to stop, left out of the in-sync set
+        when enough copies stay (the new primary then waits for it on no write)."""
+        self.membership.check()
+        isr = record.isr
+        rest = tuple(entry for entry in isr if entry[0] != leaving)
+        if leaving and len(rest) >= record.min_isr:
+            isr = rest
+        try:
+            elected = await self.catalog.shards.elect(record, node, isr)
+        except Deposed as exc:
+            raise FailedPrecondition(f"queue {record.queue!r} changed meanwhile ({exc.message}); retry") from None
+        await self.catalog.wait_applied(elected.mod_revision, _APPLY_TIMEOUT_S)
+        log.info("cluster_primary_moved", queue=record.queue, shard=record.uid, old=record.primary, new=node, epoch=elected.epoch)
+        return elected
+
+    async def drain(self, node: str, leaving: bool = False) -> tuple[builtins.list[str], builtins.list[str]]:
+        """Hand every replicated queue whose primary is ``node`` over to another live
+        in-sync copy (the one serving the fewest primaries): (moved, kept with why).
+        ``leaving``: ``node`` is stopping, so it also leaves the in-sync sets it can."""
+        if not node:
+            raise InvalidArgument("node_id", "is required")
+        if node not in self.catalog.members and not any(node in r.replicas for r in self.catalog.shards.records()):
+            raise NotFound(f"node_id: node {node!r} is not a member of the cluster and holds no copy")
+        moved: builtins.list[str] = []
+        kept: builtins.list[str] = []
+        for record in sorted(self.catalog.shards.records(), key=lambda r: r.queue):
+            if record.primary != node:
+                continue
+            primaries, _ = self._shard_load()
+            others = sorted(
+                (n for n in record.replicas if n != node and self._in_sync_here(record, n)),
+                key=lambda n: (primaries[n], n),
+            )
+            if not others:
+                kept.append(f"{record.queue}: no other live in-sync copy")
+                continue
+            try:
+                await self._hand_over(record, others[0], node if leaving else "")
+            except FailedPrecondition as exc:
+                kept.append(f"{record.queue}: {exc.message}")
+                continue
+            moved.append(record.queue)
+        return moved, kept

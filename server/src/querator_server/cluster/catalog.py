@@ -18,6 +18,7 @@ from ..errors import Unavailable
 from ..logging import get_logger
 from .etcd import Compacted, Etcd, EtcdError, Event, KeyValue
 from .placement import QueueEntry
+from .shard_table import ShardTable
 
 log = get_logger("cluster")
 
@@ -73,7 +74,7 @@ class Keys:
 
 
 class CatalogCache:
-    """Queues, members, API keys, tombstones and retired nodes, at ``revision``."""
+    """Queues, members, API keys, tombstones, retired nodes and shard records, at ``revision``."""
 
     def __init__(self, etcd: Etcd, keys: Keys, on_change: Callable[[], Awaitable[None]]) -> None:
         self._etcd = etcd
@@ -86,11 +87,20 @@ class CatalogCache:
         self.api_keys: dict[str, dict[str, object]] = {}
         self.deleted: set[str] = set()
         self.retired: set[str] = set()
+        self.shards = ShardTable(etcd, keys.prefix)
         self.watching = False
         self.relists = 0
         self._caught_up = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
+
+    def routed(self, entry: QueueEntry) -> QueueEntry:
+        """``entry`` as calls are routed: a replicated queue's partitions all at its
+        shard's current primary (as the cached record says)."""
+        if not entry.shard:
+            return entry
+        record = self.shards.get(entry.shard)
+        return entry if record is None else entry.served_by(record.primary, record.epoch)
 
     # -- loading ---------------------------------------------------------------------
 
@@ -123,6 +133,8 @@ class CatalogCache:
             (self.deleted.discard if deleted else self.deleted.add)(name)
         elif kind == "retired":
             (self.retired.discard if deleted else self.retired.add)(name)
+        elif kind == "shards":
+            self.shards.apply(int(name), kv, deleted)
 
     async def load(self) -> None:
         """List everything (a start, or a watch whose history was compacted)."""
@@ -132,8 +144,10 @@ class CatalogCache:
         self.api_keys.clear()
         self.deleted.clear()
         self.retired.clear()
+        self.shards.clear()
         for kv in kvs:
             self._apply(kv, False)
+        self.shards.prune()
         self.revision = revision
         await self._changed()
 

@@ -17,19 +17,27 @@ from dataclasses import dataclass
 from ..errors import FailedPrecondition, NotFound, QueratorError
 from ..logging import get_logger
 from ..manager import QueuesManager
+from ..storage.change_set import ChangeSet, Diverged, Fenced
 from . import identity
 from .admin_frontend import AdminFrontend
 from .catalog import APPLY_TIMEOUT_S as _APPLY_TIMEOUT_S
 from .catalog import CatalogCache, Keys
+from .change_ring import RING_CHANGES
 from .etcd import Access, Endpoint, Etcd, EtcdError, Txn
 from .forwarding import PeerTls
 from .membership import Membership
 from .placement import QueueEntry
 from .reconcile_backend import ReconcileBackend
+from .replica_roles import ShardRoles
 from .router import Router
+from .shard_cas import Deposed
+from .shipper import REPLICA_LAG_S
 from .standing import Standing, check_members
 
 log = get_logger("cluster")
+
+# The longest a stopping node spends handing its primaries over.
+_HAND_OVER_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +52,15 @@ class ClusterSettings:
     peer_tls: PeerTls | None = None
     # TLS and authentication towards etcd; None: plaintext, no authentication.
     etcd_access: Access | None = None
+    # Defaults of new queues whose CreateQueue names none (--replicas, --min-in-sync;
+    # 0: replicas - 1, at least 1, capped at the queue's replicas).
+    replicas: int = 1
+    min_in_sync: int = 0
+    # How long a replica may stay silent or behind before its primary drops it from the
+    # in-sync set (--replica-lag).
+    replica_lag_s: float = REPLICA_LAG_S
+    # Change sets kept per copy for catch-up by tail (--replica-ring).
+    replica_ring: int = RING_CHANGES
 
 
 class Coordinator(AdminFrontend, ReconcileBackend):
@@ -60,11 +77,26 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         self.etcd = Etcd(endpoint.targets, settings.etcd_access)
         self.keys = Keys(endpoint.prefix)
         self.catalog = CatalogCache(self.etcd, self.keys, self.reconcile)
+        self.default_replicas = settings.replicas
+        self.default_min_in_sync = settings.min_in_sync
         self._on_standing = on_standing
         self.membership = Membership(
             self.etcd, self.keys.member(self.node), self.node, settings.advertise, settings.lease_ttl_s, self._standing
         )
+        self.catalog.shards.writer = self.membership
         self.router = Router(self.node, self.catalog, self.lookup, settings.peer_tls, self.membership.verify)
+        # The replicated queues' copies here: promoted, followed, elected (replica_roles.py).
+        self.roles = ShardRoles(
+            self.node,
+            manager,
+            self.catalog.shards,
+            self.router.peers,
+            self.router.live,
+            (Deposed, Fenced, Diverged),
+            ChangeSet.decode,
+            settings.replica_lag_s,
+            settings.replica_ring,
+        )
         self._reconcile_lock = asyncio.Lock()
         self.retired = False
         self._foreign: set[str] = set()  # local queues the catalog never had (warned once)
@@ -94,6 +126,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
             raise OSError(str(exc)) from exc
         self.catalog.start()
         self.membership.start()
+        self.roles.start()
         log.info("cluster_joined", node=self.node, advertise=self.settings.advertise, revision=self.catalog.revision)
 
     async def _share_token_secret(self) -> None:
@@ -107,10 +140,36 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         self.router.peers.set_secret(self.manager.token_secret)  # and proves forwarded calls
 
     async def stop(self) -> None:
+        await self._hand_over_primaries()
+        await self.roles.stop()
         await self.catalog.stop()
         await self.membership.stop()
         await self.router.close()
         await self.etcd.close()
+
+    def _serving(self, name: str) -> bool:
+        """Whether this node serves queue ``name`` from a running local queue."""
+        try:
+            self.manager.actor(name)
+        except QueratorError:
+            return False
+        return True
+
+    async def _hand_over_primaries(self) -> None:
+        """Before this node stops: every replicated queue it is primary of goes to another
+        live in-sync copy now (one election each), rather than wait for its membership to
+        lapse and a failover. Bounded: a node that cannot reach etcd stops anyway."""
+        if self.retired or self.membership.fenced or not any(
+            r.primary == self.node for r in self.catalog.shards.records()
+        ):
+            return
+        try:
+            moved, kept = await asyncio.wait_for(self.drain(self.node, leaving=True), _HAND_OVER_S)
+        except (QueratorError, TimeoutError) as exc:
+            log.warning("cluster_hand_over_failed", node=self.node, error=str(exc))
+            return
+        if moved or kept:
+            log.info("cluster_primaries_handed_over", node=self.node, moved=moved, kept=kept)
 
     async def _standing(self, standing: bool) -> None:
         if standing:
@@ -131,9 +190,16 @@ class Coordinator(AdminFrontend, ReconcileBackend):
             )
         entry = self.catalog.queues.get(name)
         if entry is not None:
-            if entry.mod_revision > self.catalog.applied:  # seen, but not yet applied to local storage
-                await self.catalog.wait_applied(entry.mod_revision, _APPLY_TIMEOUT_S)
-            return entry
+            revision = entry.mod_revision
+            # A primary just elected here serves once it has taken its copy up (the
+            # reconcile of the record); other record changes (the in-sync set) need no
+            # wait, so a slow reconcile holds up no call that does not need it.
+            record = self.catalog.shards.get(entry.shard) if entry.shard else None
+            if record is not None and record.primary == self.node and not self._serving(name):
+                revision = max(revision, record.mod_revision)
+            if revision > self.catalog.applied:  # seen, but not yet applied to local storage
+                await self.catalog.wait_applied(revision, _APPLY_TIMEOUT_S)
+            return self.catalog.routed(entry)
         if self.membership.fenced:  # etcd is likely out of reach: answer now, not after its timeout
             raise NotFound(f"queue {name!r} does not exist (as far as this node knows: it cannot reach the catalog)")
         try:
@@ -143,7 +209,8 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         if kv is None:
             raise NotFound(f"queue {name!r} does not exist")
         await self.catalog.wait_applied(kv.mod_revision, _APPLY_TIMEOUT_S)
-        return self.catalog.queues.get(name) or QueueEntry.decode(name, kv.value, kv.mod_revision, kv.create_revision)
+        entry = self.catalog.queues.get(name) or QueueEntry.decode(name, kv.value, kv.mod_revision, kv.create_revision)
+        return self.catalog.routed(entry)
 
     # -- the operator's view --------------------------------------------------------
 
@@ -152,7 +219,9 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         on a node that is not live, for the metrics. Called on the scrape's thread: it
         copies the cached catalog's dicts in one step each and reads nothing else."""
         live = set(self.catalog.members)
-        down = sum(1 for entry in list(self.catalog.queues.values()) for home in entry.homes if home.node not in live)
+        # A replicated queue's partitions are down with its current primary (the record's).
+        routed = self.catalog.routed
+        down = sum(1 for entry in list(self.catalog.queues.values()) for home in routed(entry).homes if home.node not in live)
         return len(live), self.membership.fenced, down
 
     async def check_members(self) -> dict[str, Standing]:

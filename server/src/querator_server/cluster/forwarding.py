@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import os
 import secrets
 import time
 from collections import defaultdict
@@ -125,6 +126,25 @@ class _Member(Protocol):
     def address(self) -> str: ...
 
 
+# For tests only: network faults between nodes on one machine need each node to reach
+# each peer through a proxy of its own, but a node learns its peers' addresses from their
+# membership records, which every node reads alike. "n2=127.0.0.1:7001,n3=..." sends this
+# node's calls to n2 to 127.0.0.1:7001 instead. Ignored unless set; never set in production.
+TEST_PEER_ADDRESSES_ENV = "QUERATOR_TEST_PEER_ADDRESSES"
+
+
+def peer_address_overrides(value: str) -> dict[str, str]:
+    """The node -> address pairs of ``QUERATOR_TEST_PEER_ADDRESSES`` (see above)."""
+    out: dict[str, str] = {}
+    for entry in filter(None, (part.strip() for part in value.split(","))):
+        node, sep, address = entry.partition("=")
+        host, colon, port = address.rpartition(":")
+        if not (sep and node and host and colon and port.isdigit()):
+            raise ValueError(f"{TEST_PEER_ADDRESSES_ENV}: {entry!r} is not node=host:port")
+        out[node] = address
+    return out
+
+
 # Where an error about a node that is down sends an operator.
 NODE_GONE_HELP = 'if it is gone for good, see docs/cluster.md, "A node that died for good"'
 
@@ -149,6 +169,7 @@ class Peers:
         self._key: bytes | None = None  # signs and checks the forwarded marker
         # Calls that carried the marker without a valid proof (counted, logged now and then).
         self.forged = RepeatedFailure(every_s=60.0)
+        self._test_addresses = peer_address_overrides(os.environ.get(TEST_PEER_ADDRESSES_ENV, ""))
 
     def set_secret(self, cluster_secret: bytes) -> None:
         """The cluster's shared secret (kept in etcd); the marker's key is derived from
@@ -164,6 +185,11 @@ class Peers:
     @staticmethod
     def _mac(key: bytes, node: str, stamp: str) -> str:
         return hmac.new(key, f"{node}\n{stamp}".encode(), hashlib.sha256).hexdigest()
+
+    def proof_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The headers that prove a call of this node's own (not a forwarded one) to a peer:
+        for calls ``forward`` does not make (streams)."""
+        return ((FORWARDED, self.node), (PROOF, self._proof()))
 
     def is_forwarded(self, context: grpc.aio.ServicerContext[Any, Any]) -> bool:
         """Whether the call came from another node (then it is served here, never sent
@@ -218,12 +244,13 @@ class Peers:
             raise Unavailable(
                 f"node {node!r} is not live; its partitions are unavailable until it returns ({NODE_GONE_HELP})"
             )
-        channel = self._channels.get(member.address)
+        address = self._test_addresses.get(node) or member.address
+        channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[member.address] = (
-                grpc.aio.insecure_channel(member.address, options=_CHANNEL_OPTIONS)
+            channel = self._channels[address] = (
+                grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
                 if self._credentials is None
-                else grpc.aio.secure_channel(member.address, self._credentials, options=_CHANNEL_OPTIONS)
+                else grpc.aio.secure_channel(address, self._credentials, options=_CHANNEL_OPTIONS)
             )
         return channel
 

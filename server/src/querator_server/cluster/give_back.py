@@ -54,6 +54,10 @@ class GiveBacks:
         method = f"/{SERVICE}/{SENT if reached else UNSENT}"
         await self._peers.forward(home.node, method, request, empty_pb2.Empty, None, _TIMEOUT_S)
 
+    def is_peer(self, context: grpc.aio.ServicerContext[Any, Any]) -> bool:
+        """Whether the call comes from another node of the cluster (its proof holds)."""
+        return self._peers.is_forwarded(context)
+
     async def served(
         self, request: pb.LeaseResponse, reached: bool, context: grpc.aio.ServicerContext[Any, Any], local: Local
     ) -> empty_pb2.Empty:

@@ -20,6 +20,7 @@ queue was created with (their homes spread them over their own partitions).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zlib
 from collections import Counter
@@ -71,6 +72,13 @@ class QueueEntry:
     # The create revision of its etcd key: tells this queue from an earlier one of the
     # same name (deleted while a node was away), whose local copy must not be reused.
     generation: int = 0
+    # A replicated queue (config.replicas > 1): the uid of its one shard
+    # (shard_record.py), whose record names the primary homing every partition (at
+    # local index = partition on every copy). 0: one copy, homes as placed.
+    shard: int = 0
+    # A replicated queue as routed (served_by): its primary's epoch, which a "not
+    # primary" answer names so that a client can tell a newer map from an older one.
+    epoch: int = 0
 
     @property
     def local_reference(self) -> str:
@@ -84,20 +92,36 @@ class QueueEntry:
             for field in SHARED_FIELDS
             if field not in _WRITTEN_WHEN_SET or getattr(self.config, field)
         }
-        return json.dumps(
-            {"settings": settings, "homes": [[h.node, h.index] for h in self.homes], "key_partitions": self.key_partitions},
-            sort_keys=True,
-        ).encode()
+        doc: dict[str, object] = {
+            "settings": settings,
+            "homes": [[h.node, h.index] for h in self.homes],
+            "key_partitions": self.key_partitions,
+        }
+        if self.shard:  # absent for one copy: such entries read as before replication
+            doc.update(replicas=self.config.replicas, min_isr=self.config.min_in_sync, shard=self.shard)
+        return json.dumps(doc, sort_keys=True).encode()
 
     @classmethod
     def decode(cls, name: str, data: bytes, mod_revision: int, generation: int) -> QueueEntry:
         doc = json.loads(data)
         homes = tuple(Home(str(node), int(index)) for node, index in doc["homes"])
-        config = QueueConfig(name=name, partitions=len(homes)).replace(**doc["settings"])
+        config = QueueConfig(
+            name=name,
+            partitions=len(homes),
+            replicas=int(doc.get("replicas", 1)),
+            min_in_sync=int(doc.get("min_isr", 0)),
+        ).replace(**doc["settings"])
         # An entry written before key_partitions was recorded: its keys went by the count
         # it had then, the current one.
         key_partitions = int(doc.get("key_partitions") or len(homes))
-        return cls(config, homes, key_partitions, mod_revision, generation)
+        return cls(config, homes, key_partitions, mod_revision, generation, int(doc.get("shard", 0)))
+
+    def served_by(self, primary: str, epoch: int) -> QueueEntry:
+        """A replicated queue's entry with every partition homed at ``primary`` under
+        ``epoch`` (its shard record's): where its calls go. The catalog keeps the
+        placement-time homes; routing always reads them through the record."""
+        homes = tuple(Home(primary, p) for p in range(len(self.homes)))
+        return dataclasses.replace(self, homes=homes, epoch=epoch)
 
     def home_of(self, partition: int) -> Home:
         """The home of cluster-wide ``partition`` (policy.py checks the range first)."""
@@ -149,6 +173,23 @@ def place(count: int, live: Sequence[str], existing: Iterable[Home] = (), load: 
         load[node] += 1
         next_index[node] = index + 1
     return out
+
+
+def place_shard(replicas: int, live: Sequence[str], primaries: Mapping[str, int], copies: Mapping[str, int]) -> list[str]:
+    """The nodes of a new replicated queue's copies, its primary first.
+
+    The primary goes to the live node serving the fewest primaries (``primaries``:
+    replicated queues it is primary of, plus partitions of one copy it homes, each of
+    which it serves alone), then the one with the fewest copies; the other copies to
+    the ``replicas - 1`` next least loaded distinct live nodes, by copies held, then
+    primaries. Ties: node id order.
+    """
+    if len(live) < replicas:
+        raise ValueError(f"{replicas} copies need {replicas} live nodes, {len(live)} live")
+    nodes = sorted(live)
+    primary = min(nodes, key=lambda n: (primaries.get(n, 0), copies.get(n, 0)))
+    rest = sorted((n for n in nodes if n != primary), key=lambda n: (copies.get(n, 0), primaries.get(n, 0)))
+    return [primary, *rest[: replicas - 1]]
 
 
 def key_partition(key: str, partitions: int) -> int:

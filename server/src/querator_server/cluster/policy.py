@@ -57,6 +57,10 @@ def where(entry: QueueEntry, here: str, live: Collection[str], method: str, requ
     """Where ``request`` (a ``method`` call about ``entry``'s queue) goes from node
     ``here``; ``live``: the live nodes; ``forwarded``: it came from another node, which
     already chose this one. Raises InvalidArgument or Unavailable for a call that cannot go anywhere."""
+    # GetQueueStats is answered whatever: a primary that is down shows as its partitions
+    # listed faulty (as a home that is down does), which operators read during a failover.
+    if entry.shard and (forwarded or method != "GetQueueStats"):
+        _check_primary(entry, here, live, forwarded)
     if method == "Produce":
         return _produce(entry, here, live, request, forwarded)
     if method == "Lease":
@@ -66,6 +70,22 @@ def where(entry: QueueEntry, here: str, live: Collection[str], method: str, requ
     if method in EVERY_CALLS:
         return Where(parts=(Part(here),)) if forwarded else Where(every=tuple(entry.nodes()))
     raise ValueError(f"{method} is not a routed call")
+
+
+def not_primary(node: str, epoch: int) -> str:
+    """What a node that cannot serve or forward a replicated queue's call answers
+    (UNAVAILABLE): clients match its start, re-read the map and go on."""
+    return f"not primary: {node} epoch {epoch}"
+
+
+def _check_primary(entry: QueueEntry, here: str, live: Collection[str], forwarded: bool) -> None:
+    """A replicated queue is served by its primary alone (every partition's home): a
+    call reaching another node is forwarded there, unless it was forwarded already (one
+    hop) or the primary is down (a failover is due): then the caller hears which
+    primary and epoch this node knows."""
+    primary = entry.homes[0].node if entry.homes else ""
+    if primary != here and (forwarded or primary not in live):
+        raise Unavailable(f"{not_primary(primary, entry.epoch)} (queue {entry.config.name!r})")
 
 
 def _spread(entry: QueueEntry, here: str, live: Collection[str]) -> Where:
@@ -125,8 +145,11 @@ def _lease(entry: QueueEntry, here: str, live: Collection[str], request: Any, fo
     _check_partition(entry, request.complete_partition, "complete_partition")
     node = _home(entry, here, live, request.complete_partition, forwarded)
     first = out.parts[0].node if out.parts else out.spread[0]
-    # Completed in the lease call itself when the lease looks there first.
-    return out if first == node == here else Where(out.parts, out.spread, complete_at=node)
+    # Completed in the lease call itself when the lease looks there first; a replicated
+    # queue's lease and completion both go to its primary, in one forwarded call.
+    if first == node and (first == here or entry.shard):
+        return out
+    return Where(out.parts, out.spread, complete_at=node)
 
 
 def _at_home(entry: QueueEntry, here: str, live: Collection[str], request: Any, forwarded: bool) -> Where:

@@ -14,10 +14,12 @@ from collections.abc import Iterable
 from ..errors import NotFound, QueratorError
 from ..logging import get_logger
 from ..manager import QueuesManager
+from ..model import QueueConfig
 from ..queue_admin import key_from_record
 from .catalog import CatalogCache
 from .membership import Membership
 from .placement import GENERATION_MARK, SHARED_FIELDS, QueueEntry
+from .replica_roles import ShardRoles
 
 log = get_logger("cluster")
 
@@ -29,6 +31,7 @@ class ReconcileBackend:
     node: str
     catalog: CatalogCache
     membership: Membership
+    roles: ShardRoles
     retired: bool
     _reconcile_lock: asyncio.Lock
     _foreign: set[str]
@@ -50,6 +53,9 @@ class ReconcileBackend:
                 self.membership.lost()
             for entry in _dead_queues_first(catalog.queues.values()):
                 await self._apply(entry)
+            shards = {entry.shard for entry in catalog.queues.values() if entry.shard}
+            for uid in self.roles.held() - shards:
+                await self.roles.forget(uid)
             for config in [actor.config for actor in self.manager.queues()]:
                 if config.name in catalog.queues:
                     continue
@@ -79,6 +85,9 @@ class ReconcileBackend:
                 ring.add(key)
 
     async def _apply(self, entry: QueueEntry) -> None:
+        if entry.shard:
+            await self._follow_shard(entry)
+            return
         count = entry.local_count(self.node)
         name = entry.config.name
         try:
@@ -105,16 +114,39 @@ class ReconcileBackend:
                 await self.manager.create(config)
                 log.info("cluster_queue_created_here", queue=name, partitions=count)
                 return
-            changes: dict[str, object] = {
-                f: getattr(config, f) for f in SHARED_FIELDS if f not in ("created_at_us", "updated_at_us")
-                and getattr(config, f) != getattr(local, f)
-            }
-            if local.partitions < count:
-                changes["partitions"] = count
-            if changes:
-                await self.manager.update(name, changes)
+            await self._settle(config, local)
         except QueratorError as exc:
             log.error("cluster_reconcile_failed", queue=name, error=exc.message)
+
+    async def _settle(self, config: QueueConfig, local: QueueConfig) -> None:
+        """Give the local queue ``local`` the catalog's settings and partition count
+        (``config``, as this node keeps it)."""
+        changes: dict[str, object] = {
+            f: getattr(config, f)
+            for f in SHARED_FIELDS
+            if f not in ("created_at_us", "updated_at_us") and getattr(config, f) != getattr(local, f)
+        }
+        if local.partitions < config.partitions:
+            changes["partitions"] = config.partitions
+        if changes:
+            await self.manager.update(config.name, changes)
+
+    async def _follow_shard(self, entry: QueueEntry) -> None:
+        """A replicated queue: this node's copy follows the shard's record (promoted,
+        kept passive, or taking part in a failover: replica_roles.py)."""
+        record = self.catalog.shards.get(entry.shard)
+        if record is None or self.node not in record.replicas:
+            await self.roles.forget(entry.shard)
+            return
+        config = entry.config.replace(partitions=len(entry.homes), reference=entry.local_reference, uid=entry.shard)
+        try:
+            await self.roles.follow(record, config)
+            if record.primary == self.node:
+                # The serving copy takes the catalog's settings (UpdateQueue, a pause) and
+                # its added partitions; its change sets grow the other copies.
+                await self._settle(config, self.manager.actor(config.name).config)
+        except QueratorError as exc:
+            log.error("cluster_reconcile_failed", queue=entry.config.name, shard=entry.shard, error=exc.message)
 
     async def _set_aside_or_drop(self, name: str, reason: str) -> None:
         """A local queue the catalog's entry of that name does not match: never dropped

@@ -19,6 +19,8 @@ from .handlers import generic_handler
 
 if TYPE_CHECKING:
     from ..cluster import Coordinator
+    from ..cluster.catalog import CatalogCache
+    from ..cluster.placement import QueueEntry
 
 SERVICE = "querator.v1.ClusterService"
 
@@ -57,6 +59,7 @@ class ClusterService:
             )
         catalog = cluster.catalog
         nodes = {h.node for e in catalog.queues.values() for h in e.homes} | set(catalog.members)
+        nodes |= {n for record in catalog.shards.records() for n in record.replicas}
         nodes -= catalog.retired
         standing = await cluster.check_members() if request.check_members else {}
         members = [
@@ -74,14 +77,7 @@ class ClusterService:
             node_id=cluster.node,
             revision=catalog.revision,
             members=members,
-            queues=[
-                pb.QueuePlacement(
-                    queue_name=n,
-                    homes=[h.node for h in catalog.queues[n].homes],
-                    key_partitions=catalog.queues[n].key_partitions,
-                )
-                for n in self._names(request, list(catalog.queues))
-            ],
+            queues=[_placement(catalog, catalog.queues[n]) for n in self._names(request, list(catalog.queues))],
             admin_writable=not cluster.membership.fenced,
         )
 
@@ -92,6 +88,26 @@ class ClusterService:
             raise FailedPrecondition("this server is not part of a cluster")
         moved = await self.cluster.retire(request.node_id)
         return pb.RetireNodeDiscardingDataResponse(partitions_recreated=moved)
+
+    # -- replicated queues: hand-overs -------------------------------------------------
+
+    async def move_queue(
+        self, request: pb.MoveQueueRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.MoveQueueResponse:
+        if self.cluster is None:
+            raise FailedPrecondition("this server is not part of a cluster: a queue has one copy")
+        name = c.queue_name(request.queue_name)
+        await self.cluster.move(name, request.node_id)
+        catalog = self.cluster.catalog
+        return pb.MoveQueueResponse(placement=_placement(catalog, catalog.queues[name]))
+
+    async def drain_node(
+        self, request: pb.DrainNodeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.DrainNodeResponse:
+        if self.cluster is None:
+            raise FailedPrecondition("this server is not part of a cluster")
+        moved, kept = await self.cluster.drain(request.node_id)
+        return pb.DrainNodeResponse(moved=moved, kept=kept)
 
     # -- queues set aside (manager.set_aside) -------------------------------------------
 
@@ -177,6 +193,8 @@ class ClusterService:
                     pb.RetireNodeDiscardingDataResponse,
                     Action.KEYS,
                 ),
+                "MoveQueue": (self.move_queue, pb.MoveQueueRequest, pb.MoveQueueResponse, Action.KEYS),
+                "DrainNode": (self.drain_node, pb.DrainNodeRequest, pb.DrainNodeResponse, Action.KEYS),
                 "ListSetAsideQueues": (
                     self.list_set_aside, pb.ListSetAsideQueuesRequest, pb.ListSetAsideQueuesResponse, Action.KEYS
                 ),
@@ -186,3 +204,20 @@ class ClusterService:
             },
             guard=self.guard,
         )
+
+
+def _placement(catalog: CatalogCache, entry: QueueEntry) -> pb.QueuePlacement:
+    """Where a queue's partitions are served; a replicated queue's from its shard
+    record: each partition at the primary, and the copies, in-sync set and epoch."""
+    routed = catalog.routed(entry)
+    placement = pb.QueuePlacement(
+        queue_name=entry.config.name, homes=[h.node for h in routed.homes], key_partitions=entry.key_partitions
+    )
+    record = catalog.shards.get(entry.shard) if entry.shard else None
+    if record is not None:
+        placement.replicas.extend(record.replicas)
+        placement.in_sync.extend(record.in_sync())
+        placement.epoch = record.epoch
+        placement.primary = record.primary
+        placement.min_in_sync = record.min_isr
+    return placement

@@ -23,6 +23,7 @@ from ..model import (
     MAX_LONG_DURATION_US,
     MAX_PARTITIONS,
     MAX_REFERENCE_BYTES,
+    MAX_REPLICAS,
     REPLY_ITEMS_BYTES,
     QueueConfig,
 )
@@ -45,6 +46,8 @@ _UPDATABLE = {
     "requested_partitions",
     "dedup_window",
     "lease_key_ttl",
+    "replicas",
+    "min_in_sync",
 }
 _IMMUTABLE = {"queue_name", "created_at", "updated_at", "state", "failure"}
 # Changed by PauseQueue and ResumeQueue only.
@@ -70,6 +73,9 @@ def queue_info(config: QueueConfig, visible: Callable[[str], bool] | None = None
         updated_at=c.to_timestamp(config.updated_at_us),
         dedup_window=c.to_duration(config.dedup_window_us),
         lease_key_ttl=c.to_duration(config.lease_key_ttl_us),
+        # 0 for one copy: answers about such a queue are as before the field.
+        replicas=config.replicas if config.replicas > 1 else 0,
+        min_in_sync=config.min_in_sync if config.replicas > 1 else 0,
         paused=config.paused,
         produce_paused=config.produce_paused,
     )
@@ -101,6 +107,14 @@ def _settings(info: pb.QueueInfo, fields: set[str]) -> dict[str, object]:
                 "queue.requested_partitions", f"must be between 1 and {MAX_PARTITIONS}, got {parts}"
             )
         out["partitions"] = parts or 1
+    if "replicas" in fields:
+        if not 0 <= info.replicas <= MAX_REPLICAS:
+            raise InvalidArgument("queue.replicas", f"must be between 1 and {MAX_REPLICAS} (0: the server's default), got {info.replicas}")
+        out["replicas"] = info.replicas
+    if "min_in_sync" in fields:
+        if info.min_in_sync < 0:
+            raise InvalidArgument("queue.min_in_sync", f"must be at least 1 (0: the default), got {info.min_in_sync}")
+        out["min_in_sync"] = info.min_in_sync
     if "dedup_window" in fields:
         value = c.optional_duration_us(info, "dedup_window", "queue.dedup_window", maximum_us=MAX_LONG_DURATION_US)
         out["dedup_window_us"] = value or DEFAULT_DEDUP_WINDOW_US
@@ -108,6 +122,14 @@ def _settings(info: pb.QueueInfo, fields: set[str]) -> dict[str, object]:
         value = c.optional_duration_us(info, "lease_key_ttl", "queue.lease_key_ttl", maximum_us=MAX_LONG_DURATION_US)
         out["lease_key_ttl_us"] = value or DEFAULT_LEASE_KEY_TTL_US
     return out
+
+
+def _single_copy(replicas: int, min_in_sync: int) -> None:
+    """A single server keeps one copy of a queue: replicas 0 or 1, no min_in_sync."""
+    if replicas > 1:
+        raise InvalidArgument("queue.replicas", f"keeps copies on other nodes: a single server takes 0 or 1, got {replicas}")
+    if min_in_sync:
+        raise InvalidArgument("queue.min_in_sync", "applies to a replicated queue of a cluster: leave it 0")
 
 
 class QueuesService:
@@ -125,12 +147,15 @@ class QueuesService:
             raise InvalidArgument("queue", "is required")
         info = request.queue
         name = c.queue_name(info.queue_name, "queue.queue_name")
-        config = QueueConfig(name=name).replace(**_settings(info, _UPDATABLE))
+        config = QueueConfig(name=name, replicas=0).replace(**_settings(info, _UPDATABLE))
         lease_given = info.HasField("lease_timeout") and (info.lease_timeout.seconds or info.lease_timeout.nanos)
         if not lease_given and config.lease_timeout_us > config.expire_timeout_us:
             # A short-lived queue without a lease timeout of its own: the default lease
             # (1 min) shrinks to the item lifetime rather than refusing the queue.
             config = config.replace(lease_timeout_us=config.expire_timeout_us)
+        if self.cluster is None:
+            _single_copy(config.replicas, config.min_in_sync)
+            config = config.replace(replicas=1)
         check_settings(config)
         visible = visible_queues()
         created = await self.admin.create(config, visible)
@@ -187,6 +212,13 @@ class QueuesService:
                     f"unknown field {path[:100]!r}; one of {', '.join(sorted(_UPDATABLE))}",
                 )
         changes = _settings(request.queue, set(paths))
+        for field in ("replicas", "min_in_sync"):
+            if changes.get(field) == 0:  # the default: as it is
+                del changes[field]
+        if self.cluster is None:
+            info = request.queue
+            _single_copy(info.replicas if "replicas" in paths else 1, info.min_in_sync if "min_in_sync" in paths else 0)
+            changes.pop("replicas", None)
         visible = visible_queues()
         updated = await self.admin.update(name, changes, visible)
         return pb.UpdateQueueResponse(queue=queue_info(updated, visible))

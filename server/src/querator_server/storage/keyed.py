@@ -45,6 +45,15 @@ class KeyedIndex:
         dbs: list[Any] = store.write(lambda txn: [env.open_db(n, txn=txn, create=True) for n in names])
         self._dedup, self._dedup_time, self._leases, self._leases_time = dbs
 
+    def databases(self) -> dict[str, Any]:
+        """Each database by its role in the queue (storage/replica_state.py)."""
+        return {
+            "dedup": self._dedup,
+            "dedup_by_time": self._dedup_time,
+            "lease_keys": self._leases,
+            "lease_keys_by_time": self._leases_time,
+        }
+
     # -- idempotency keys ------------------------------------------------------------
 
     def check(self, txn: lmdb.Transaction[bytes], key: str, since_us: int) -> tuple[str | None, int]:

@@ -214,6 +214,7 @@ def _encode(config: QueueConfig) -> bytes:
             "group": config.group,
             "paused": config.paused,
             "produce_paused": config.produce_paused,
+            "shard_copy": config.shard_copy,
         },
         separators=(",", ":"),
     ).encode()
@@ -240,4 +241,5 @@ def _decode(raw: bytes) -> QueueConfig:
         # Absent in catalogs written before pausing existed: not paused.
         paused=bool(data.get("paused", False)),
         produce_paused=bool(data.get("produce_paused", False)),
+        shard_copy=bool(data.get("shard_copy", False)),
     )

@@ -161,6 +161,11 @@ class QueuePlacement(_message.Message):
     QUEUE_NAME_FIELD_NUMBER: _builtins.int
     HOMES_FIELD_NUMBER: _builtins.int
     KEY_PARTITIONS_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    IN_SYNC_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    PRIMARY_FIELD_NUMBER: _builtins.int
+    MIN_IN_SYNC_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue."""
     key_partitions: _builtins.int
@@ -171,9 +176,30 @@ class QueuePlacement(_message.Message):
     crc32 (IEEE) of the key's UTF-8 bytes. 0 from a server before this field:
     use len(homes).
     """
+    epoch: _builtins.int
+    """The primary's epoch: it grows by one with each election of a primary. A
+    view with a higher epoch for a queue is newer.
+    """
+    primary: _builtins.str
+    """The node serving the queue now (the same as each homes[p])."""
+    min_in_sync: _builtins.int
+    """The fewest in-sync copies the queue accepts writes with."""
     @_builtins.property
     def homes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The node id homing each partition: homes[p] is partition p's node."""
+
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Replication (a queue with replicas > 1; empty for one copy): the node
+        of every copy, the primary included. homes[p] is then the primary for
+        every partition: it alone serves the queue.
+        """
+
+    @_builtins.property
+    def in_sync(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The copies in the in-sync set (every acknowledged change is durable on
+        each of them), the primary included.
+        """
 
     def __init__(
         self,
@@ -181,10 +207,15 @@ class QueuePlacement(_message.Message):
         queue_name: _builtins.str = ...,
         homes: _abc.Iterable[_builtins.str] | None = ...,
         key_partitions: _builtins.int = ...,
+        replicas: _abc.Iterable[_builtins.str] | None = ...,
+        in_sync: _abc.Iterable[_builtins.str] | None = ...,
+        epoch: _builtins.int = ...,
+        primary: _builtins.str = ...,
+        min_in_sync: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["homes", b"homes", "key_partitions", b"key_partitions", "queue_name", b"queue_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "homes", b"homes", "in_sync", b"in_sync", "key_partitions", b"key_partitions", "min_in_sync", b"min_in_sync", "primary", b"primary", "queue_name", b"queue_name", "replicas", b"replicas"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -385,3 +416,107 @@ class RemoveSetAsideQueueResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RemoveSetAsideQueueResponse: _TypeAlias = RemoveSetAsideQueueResponse  # noqa: Y015
+
+@_typing.final
+class MoveQueueRequest(_message.Message):
+    """MoveQueueRequest names the replicated queue and its new primary."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_NAME_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    queue_name: _builtins.str
+    """The queue (its replicas above 1)."""
+    node_id: _builtins.str
+    """The node to serve it: live, holding an in-sync copy."""
+    def __init__(
+        self,
+        *,
+        queue_name: _builtins.str = ...,
+        node_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "queue_name", b"queue_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoveQueueRequest: _TypeAlias = MoveQueueRequest  # noqa: Y015
+
+@_typing.final
+class MoveQueueResponse(_message.Message):
+    """MoveQueueResponse says where the queue is served now."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PLACEMENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def placement(self) -> Global___QueuePlacement:
+        """The queue's placement after the move (primary, epoch, copies, in-sync set)."""
+
+    def __init__(
+        self,
+        *,
+        placement: Global___QueuePlacement | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["placement", b"placement"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["placement", b"placement"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoveQueueResponse: _TypeAlias = MoveQueueResponse  # noqa: Y015
+
+@_typing.final
+class DrainNodeRequest(_message.Message):
+    """DrainNodeRequest names the node whose primaries move."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The node; it must be a member of the cluster."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainNodeRequest: _TypeAlias = DrainNodeRequest  # noqa: Y015
+
+@_typing.final
+class DrainNodeResponse(_message.Message):
+    """DrainNodeResponse says which queues moved and which could not."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MOVED_FIELD_NUMBER: _builtins.int
+    KEPT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def moved(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The queues whose primary moved off the node, sorted."""
+
+    @_builtins.property
+    def kept(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The queues whose primary stayed, each with why ("queue: reason"), sorted:
+        no other live in-sync copy, or the queue changed meanwhile.
+        """
+
+    def __init__(
+        self,
+        *,
+        moved: _abc.Iterable[_builtins.str] | None = ...,
+        kept: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kept", b"kept", "moved", b"moved"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainNodeResponse: _TypeAlias = DrainNodeResponse  # noqa: Y015

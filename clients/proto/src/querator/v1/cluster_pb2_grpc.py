@@ -58,6 +58,16 @@ class ClusterServiceStub:
                 request_serializer=querator_dot_v1_dot_cluster__pb2.RemoveSetAsideQueueRequest.SerializeToString,
                 response_deserializer=querator_dot_v1_dot_cluster__pb2.RemoveSetAsideQueueResponse.FromString,
                 _registered_method=True)
+        self.MoveQueue = channel.unary_unary(
+                '/querator.v1.ClusterService/MoveQueue',
+                request_serializer=querator_dot_v1_dot_cluster__pb2.MoveQueueRequest.SerializeToString,
+                response_deserializer=querator_dot_v1_dot_cluster__pb2.MoveQueueResponse.FromString,
+                _registered_method=True)
+        self.DrainNode = channel.unary_unary(
+                '/querator.v1.ClusterService/DrainNode',
+                request_serializer=querator_dot_v1_dot_cluster__pb2.DrainNodeRequest.SerializeToString,
+                response_deserializer=querator_dot_v1_dot_cluster__pb2.DrainNodeResponse.FromString,
+                _registered_method=True)
 
 
 class ClusterServiceServicer:
@@ -84,7 +94,11 @@ class ClusterServiceServicer:
         data directory, which no server will serve again). Refused with
         FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
         homes no partition (an id the cluster does not know is never banned);
-        retiring a node already retired answers 0. Needs an admin key for "*".
+        retiring a node already retired answers 0. A replicated queue keeping a
+        copy on the node loses that copy (one copy fewer, nothing acknowledged lost;
+        a queue it is primary of is handed over to another live in-sync copy
+        first); FAILED_PRECONDITION, nothing retired, when the node holds a queue's
+        only in-sync copy. Needs an admin key for "*".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -104,6 +118,29 @@ class ClusterServiceServicer:
     def RemoveSetAsideQueue(self, request, context):
         """RemoveSetAsideQueue deletes a set-aside queue and its items from its node's
         disk, for good. Needs an admin key for "*".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MoveQueue(self, request, context):
+        """MoveQueue hands a replicated queue's primary over to node_id, which must be
+        live and hold an in-sync copy: an election (epoch + 1) with the in-sync set
+        unchanged, so the old primary stays a copy. Calls in flight on the old
+        primary answer UNAVAILABLE; nothing acknowledged is lost. FAILED_PRECONDITION
+        for a queue of one copy, a node without a copy (adding one is not supported
+        yet) or a copy not in sync; NOT_FOUND for an unknown queue. Moving to the
+        current primary changes nothing. Needs an admin key for "*".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainNode(self, request, context):
+        """DrainNode hands every replicated queue whose primary is node_id over to
+        another live in-sync copy (the one serving the fewest primaries), as
+        MoveQueue does, e.g. before the node is stopped for maintenance. Its copies
+        stay where they are. Needs an admin key for "*".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -131,6 +168,16 @@ def add_ClusterServiceServicer_to_server(servicer, server):
                     servicer.RemoveSetAsideQueue,
                     request_deserializer=querator_dot_v1_dot_cluster__pb2.RemoveSetAsideQueueRequest.FromString,
                     response_serializer=querator_dot_v1_dot_cluster__pb2.RemoveSetAsideQueueResponse.SerializeToString,
+            ),
+            'MoveQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveQueue,
+                    request_deserializer=querator_dot_v1_dot_cluster__pb2.MoveQueueRequest.FromString,
+                    response_serializer=querator_dot_v1_dot_cluster__pb2.MoveQueueResponse.SerializeToString,
+            ),
+            'DrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainNode,
+                    request_deserializer=querator_dot_v1_dot_cluster__pb2.DrainNodeRequest.FromString,
+                    response_serializer=querator_dot_v1_dot_cluster__pb2.DrainNodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -245,6 +292,60 @@ class ClusterService:
             '/querator.v1.ClusterService/RemoveSetAsideQueue',
             querator_dot_v1_dot_cluster__pb2.RemoveSetAsideQueueRequest.SerializeToString,
             querator_dot_v1_dot_cluster__pb2.RemoveSetAsideQueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/querator.v1.ClusterService/MoveQueue',
+            querator_dot_v1_dot_cluster__pb2.MoveQueueRequest.SerializeToString,
+            querator_dot_v1_dot_cluster__pb2.MoveQueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/querator.v1.ClusterService/DrainNode',
+            querator_dot_v1_dot_cluster__pb2.DrainNodeRequest.SerializeToString,
+            querator_dot_v1_dot_cluster__pb2.DrainNodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

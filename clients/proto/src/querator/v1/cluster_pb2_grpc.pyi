@@ -50,7 +50,11 @@ class ClusterServiceStub:
     data directory, which no server will serve again). Refused with
     FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
     homes no partition (an id the cluster does not know is never banned);
-    retiring a node already retired answers 0. Needs an admin key for "*".
+    retiring a node already retired answers 0. A replicated queue keeping a
+    copy on the node loses that copy (one copy fewer, nothing acknowledged lost;
+    a queue it is primary of is handed over to another live in-sync copy
+    first); FAILED_PRECONDITION, nothing retired, when the node holds a queue's
+    only in-sync copy. Needs an admin key for "*".
     """
     ListSetAsideQueues: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.ListSetAsideQueuesRequest, _cluster_pb2.ListSetAsideQueuesResponse]
     """ListSetAsideQueues lists the queues nodes have set aside: local queues that
@@ -62,6 +66,21 @@ class ClusterServiceStub:
     RemoveSetAsideQueue: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.RemoveSetAsideQueueRequest, _cluster_pb2.RemoveSetAsideQueueResponse]
     """RemoveSetAsideQueue deletes a set-aside queue and its items from its node's
     disk, for good. Needs an admin key for "*".
+    """
+    MoveQueue: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.MoveQueueRequest, _cluster_pb2.MoveQueueResponse]
+    """MoveQueue hands a replicated queue's primary over to node_id, which must be
+    live and hold an in-sync copy: an election (epoch + 1) with the in-sync set
+    unchanged, so the old primary stays a copy. Calls in flight on the old
+    primary answer UNAVAILABLE; nothing acknowledged is lost. FAILED_PRECONDITION
+    for a queue of one copy, a node without a copy (adding one is not supported
+    yet) or a copy not in sync; NOT_FOUND for an unknown queue. Moving to the
+    current primary changes nothing. Needs an admin key for "*".
+    """
+    DrainNode: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.DrainNodeRequest, _cluster_pb2.DrainNodeResponse]
+    """DrainNode hands every replicated queue whose primary is node_id over to
+    another live in-sync copy (the one serving the fewest primaries), as
+    MoveQueue does, e.g. before the node is stopped for maintenance. Its copies
+    stay where they are. Needs an admin key for "*".
     """
 
 @_typing.type_check_only
@@ -86,7 +105,11 @@ class ClusterServiceAsyncStub(ClusterServiceStub):
     data directory, which no server will serve again). Refused with
     FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
     homes no partition (an id the cluster does not know is never banned);
-    retiring a node already retired answers 0. Needs an admin key for "*".
+    retiring a node already retired answers 0. A replicated queue keeping a
+    copy on the node loses that copy (one copy fewer, nothing acknowledged lost;
+    a queue it is primary of is handed over to another live in-sync copy
+    first); FAILED_PRECONDITION, nothing retired, when the node holds a queue's
+    only in-sync copy. Needs an admin key for "*".
     """
     ListSetAsideQueues: _aio.UnaryUnaryMultiCallable[_cluster_pb2.ListSetAsideQueuesRequest, _cluster_pb2.ListSetAsideQueuesResponse]  # type: ignore[assignment]
     """ListSetAsideQueues lists the queues nodes have set aside: local queues that
@@ -98,6 +121,21 @@ class ClusterServiceAsyncStub(ClusterServiceStub):
     RemoveSetAsideQueue: _aio.UnaryUnaryMultiCallable[_cluster_pb2.RemoveSetAsideQueueRequest, _cluster_pb2.RemoveSetAsideQueueResponse]  # type: ignore[assignment]
     """RemoveSetAsideQueue deletes a set-aside queue and its items from its node's
     disk, for good. Needs an admin key for "*".
+    """
+    MoveQueue: _aio.UnaryUnaryMultiCallable[_cluster_pb2.MoveQueueRequest, _cluster_pb2.MoveQueueResponse]  # type: ignore[assignment]
+    """MoveQueue hands a replicated queue's primary over to node_id, which must be
+    live and hold an in-sync copy: an election (epoch + 1) with the in-sync set
+    unchanged, so the old primary stays a copy. Calls in flight on the old
+    primary answer UNAVAILABLE; nothing acknowledged is lost. FAILED_PRECONDITION
+    for a queue of one copy, a node without a copy (adding one is not supported
+    yet) or a copy not in sync; NOT_FOUND for an unknown queue. Moving to the
+    current primary changes nothing. Needs an admin key for "*".
+    """
+    DrainNode: _aio.UnaryUnaryMultiCallable[_cluster_pb2.DrainNodeRequest, _cluster_pb2.DrainNodeResponse]  # type: ignore[assignment]
+    """DrainNode hands every replicated queue whose primary is node_id over to
+    another live in-sync copy (the one serving the fewest primaries), as
+    MoveQueue does, e.g. before the node is stopped for maintenance. Its copies
+    stay where they are. Needs an admin key for "*".
     """
 
 class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -131,7 +169,11 @@ class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
         data directory, which no server will serve again). Refused with
         FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
         homes no partition (an id the cluster does not know is never banned);
-        retiring a node already retired answers 0. Needs an admin key for "*".
+        retiring a node already retired answers 0. A replicated queue keeping a
+        copy on the node loses that copy (one copy fewer, nothing acknowledged lost;
+        a queue it is primary of is handed over to another live in-sync copy
+        first); FAILED_PRECONDITION, nothing retired, when the node holds a queue's
+        only in-sync copy. Needs an admin key for "*".
         """
 
     @_abc_1.abstractmethod
@@ -155,6 +197,33 @@ class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_cluster_pb2.RemoveSetAsideQueueResponse, _abc.Awaitable[_cluster_pb2.RemoveSetAsideQueueResponse]]:
         """RemoveSetAsideQueue deletes a set-aside queue and its items from its node's
         disk, for good. Needs an admin key for "*".
+        """
+
+    @_abc_1.abstractmethod
+    def MoveQueue(
+        self,
+        request: _cluster_pb2.MoveQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cluster_pb2.MoveQueueResponse, _abc.Awaitable[_cluster_pb2.MoveQueueResponse]]:
+        """MoveQueue hands a replicated queue's primary over to node_id, which must be
+        live and hold an in-sync copy: an election (epoch + 1) with the in-sync set
+        unchanged, so the old primary stays a copy. Calls in flight on the old
+        primary answer UNAVAILABLE; nothing acknowledged is lost. FAILED_PRECONDITION
+        for a queue of one copy, a node without a copy (adding one is not supported
+        yet) or a copy not in sync; NOT_FOUND for an unknown queue. Moving to the
+        current primary changes nothing. Needs an admin key for "*".
+        """
+
+    @_abc_1.abstractmethod
+    def DrainNode(
+        self,
+        request: _cluster_pb2.DrainNodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cluster_pb2.DrainNodeResponse, _abc.Awaitable[_cluster_pb2.DrainNodeResponse]]:
+        """DrainNode hands every replicated queue whose primary is node_id over to
+        another live in-sync copy (the one serving the fewest primaries), as
+        MoveQueue does, e.g. before the node is stopped for maintenance. Its copies
+        stay where they are. Needs an admin key for "*".
         """
 
 def add_ClusterServiceServicer_to_server(servicer: ClusterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

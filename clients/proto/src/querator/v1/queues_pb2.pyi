@@ -63,6 +63,8 @@ class QueueInfo(_message.Message):
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     DEDUP_WINDOW_FIELD_NUMBER: _builtins.int
     LEASE_KEY_TTL_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    MIN_IN_SYNC_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
     PAUSED_FIELD_NUMBER: _builtins.int
@@ -89,6 +91,23 @@ class QueueInfo(_message.Message):
     requested_partitions: _builtins.int
     """The number of partitions, at least 1 (default 1). May be raised, never
     lowered.
+    """
+    replicas: _builtins.int
+    """How many nodes keep a full copy of the queue (cluster mode only). 0 (the
+    default) takes the server's `--replicas` (1 unless set); 1 is a queue
+    whose partitions each live on one node. With R > 1 the queue has one
+    primary node that serves all its partitions and R - 1 replicas, and an
+    item is acknowledged only once it is durable on every copy in the
+    in-sync set. CreateQueue fails FAILED_PRECONDITION with fewer than R live
+    nodes. A single server takes only 0 or 1. UpdateQueue cannot lower it.
+    """
+    min_in_sync: _builtins.int
+    """With replicas > 1: the fewest in-sync copies (the primary included) the
+    queue accepts writes with; below it, writes answer UNAVAILABLE rather
+    than be acknowledged on fewer copies. 0 (the default) takes the server's
+    `--min-in-sync`, else replicas - 1 (at least 1): 1 for R = 2, 2 for
+    R = 3. At most replicas; UpdateQueue may change it (1 to replicas). 0 for
+    a queue of one copy.
     """
     state: Global___QueueState.ValueType
     """Output only (ignored by CreateQueue and UpdateQueue): whether the server
@@ -162,6 +181,8 @@ class QueueInfo(_message.Message):
         updated_at: _timestamp_pb2.Timestamp | None = ...,
         dedup_window: _duration_pb2.Duration | None = ...,
         lease_key_ttl: _duration_pb2.Duration | None = ...,
+        replicas: _builtins.int = ...,
+        min_in_sync: _builtins.int = ...,
         state: Global___QueueState.ValueType = ...,
         failure: _builtins.str = ...,
         paused: _builtins.bool = ...,
@@ -169,7 +190,7 @@ class QueueInfo(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dedup_window", b"dedup_window", "expire_timeout", b"expire_timeout", "lease_key_ttl", b"lease_key_ttl", "lease_timeout", b"lease_timeout", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dead_queue", b"dead_queue", "dedup_window", b"dedup_window", "expire_timeout", b"expire_timeout", "failure", b"failure", "lease_key_ttl", b"lease_key_ttl", "lease_timeout", b"lease_timeout", "max_attempts", b"max_attempts", "paused", b"paused", "produce_paused", b"produce_paused", "queue_name", b"queue_name", "reference", b"reference", "requested_partitions", b"requested_partitions", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dead_queue", b"dead_queue", "dedup_window", b"dedup_window", "expire_timeout", b"expire_timeout", "failure", b"failure", "lease_key_ttl", b"lease_key_ttl", "lease_timeout", b"lease_timeout", "max_attempts", b"max_attempts", "min_in_sync", b"min_in_sync", "paused", b"paused", "produce_paused", b"produce_paused", "queue_name", b"queue_name", "reference", b"reference", "replicas", b"replicas", "requested_partitions", b"requested_partitions", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

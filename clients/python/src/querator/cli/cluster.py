@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from .._client import Client
@@ -18,6 +18,7 @@ UNHEALTHY = 3
 
 MEMBER_HEADERS = ["NODE", "ADDRESS", "LIVE", "FENCED", "PARTITIONS", "FAULTY"]
 FAULTY_HEADERS = ["QUEUE", "PARTITION", "NODE", "FAILURE"]
+REPLICATED_HEADERS = ["QUEUE", "PRIMARY", "EPOCH", "REPLICAS", "IN_SYNC", "MIN_IN_SYNC"]
 DIED_FOR_GOOD = "docs/cluster.md, \"A node that died for good\""
 
 
@@ -75,6 +76,14 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
         problems.append(f"{len(faulty)} faulty partition{'s' if len(faulty) > 1 else ''}")
     if not view.admin_writable:
         problems.append(f"the answering node {view.node_id} is fenced")
+    live_nodes = {m.node_id for m in view.members if m.live}
+    for name, copies in sorted(view.replicated.items()):
+        if copies.primary not in live_nodes:
+            problems.append(f"queue {name}: its primary {copies.primary} is not live")
+        if len(copies.in_sync) < copies.min_in_sync:
+            problems.append(
+                f"queue {name}: {len(copies.in_sync)} in-sync copies, below its minimum of {copies.min_in_sync} (writes refused)"
+            )
     if args.json:
         emit_json(
             {
@@ -84,6 +93,7 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
                 "admin_writable": view.admin_writable,
                 "members": members,
                 "faulty": faulty,
+                "replicated": [{"queue": name, **asdict(copies)} for name, copies in sorted(view.replicated.items())],
                 "healthy": not problems,
                 "problems": problems,
             },
@@ -107,6 +117,16 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
         for m in members
     ]
     emit_table(MEMBER_HEADERS, rows, sys.stdout)
+    if view.replicated:
+        print()
+        emit_table(
+            REPLICATED_HEADERS,
+            [
+                [name, c.primary, c.epoch, ",".join(c.replicas), ",".join(c.in_sync), c.min_in_sync]
+                for name, c in sorted(view.replicated.items())
+            ],
+            sys.stdout,
+        )
     if faulty:
         print()
         emit_table(FAULTY_HEADERS, [[f.queue, f.partition, f.node or "-", f.failure] for f in faulty], sys.stdout)
@@ -155,6 +175,29 @@ def cmd_retire(args: argparse.Namespace, client: Client) -> int:
         node_id=node,
         partitions_recreated=moved,
     )
+
+
+def cmd_move(args: argparse.Namespace, client: Client) -> int:
+    copies = client.move_queue(args.queue, args.node_id)
+    return done(
+        args,
+        f"queue {args.queue}: primary {copies.primary}, epoch {copies.epoch}, in sync {','.join(copies.in_sync)}",
+        queue=args.queue,
+        **asdict(copies),
+    )
+
+
+def cmd_drain(args: argparse.Namespace, client: Client) -> int:
+    moved, kept = client.drain_node(args.node_id)
+    if args.json:
+        emit_json({"node_id": args.node_id, "moved": moved, "kept": kept}, sys.stdout)
+    else:
+        print(f"node {args.node_id}: {len(moved)} primar{'y' if len(moved) == 1 else 'ies'} moved off")
+        for name in moved:
+            print(f"moved  {name}")
+        for why in kept:
+            print(f"kept   {why}")
+    return UNHEALTHY if kept else 0
 
 
 # -- queues set aside ---------------------------------------------------------------------------
@@ -218,4 +261,17 @@ def register(commands: Commands) -> None:
         "--discard-data", action="store_true", help="required: acknowledges that the node's items are lost"
     )
     p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    p = cluster.leaf(
+        "move",
+        cmd_move,
+        "hand a replicated queue's primary over to NODE, a live node holding an in-sync copy (nothing is lost)",
+    )
+    p.add_argument("queue", metavar="QUEUE", help="the replicated queue")
+    p.add_argument("node_id", metavar="NODE", help="its new primary")
+    p = cluster.leaf(
+        "drain",
+        cmd_drain,
+        "hand every replicated queue whose primary is NODE over to another live in-sync copy (before maintenance)",
+    )
+    p.add_argument("node_id", metavar="NODE", help="the node to drain of primaries")
     register_set_aside(cluster)

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file querator/v1/cluster.proto.
  */
 export const file_querator_v1_cluster: GenFile = /*@__PURE__*/
-  fileDesc("ChlxdWVyYXRvci92MS9jbHVzdGVyLnByb3RvEgtxdWVyYXRvci52MSJAChJDbHVzdGVySW5mb1JlcXVlc3QSEwoLcXVldWVfbmFtZXMYASADKAkSFQoNY2hlY2tfbWVtYmVycxgCIAEoCCK9AQoTQ2x1c3RlckluZm9SZXNwb25zZRIRCgljbHVzdGVyZWQYASABKAgSDwoHbm9kZV9pZBgCIAEoCRIQCghyZXZpc2lvbhgDIAEoAxIrCgdtZW1iZXJzGAQgAygLMhoucXVlcmF0b3IudjEuQ2x1c3Rlck1lbWJlchIrCgZxdWV1ZXMYBSADKAsyGy5xdWVyYXRvci52MS5RdWV1ZVBsYWNlbWVudBIWCg5hZG1pbl93cml0YWJsZRgGIAEoCCJkCg1DbHVzdGVyTWVtYmVyEg8KB25vZGVfaWQYASABKAkSDwoHYWRkcmVzcxgCIAEoCRIMCgRsaXZlGAMgASgIEg4KBmZlbmNlZBgEIAEoCBITCgtjaGVja19lcnJvchgFIAEoCSJLCg5RdWV1ZVBsYWNlbWVudBISCgpxdWV1ZV9uYW1lGAEgASgJEg0KBWhvbWVzGAIgAygJEhYKDmtleV9wYXJ0aXRpb25zGAMgASgFIjIKH1JldGlyZU5vZGVEaXNjYXJkaW5nRGF0YVJlcXVlc3QSDwoHbm9kZV9pZBgBIAEoCSJACiBSZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXNwb25zZRIcChRwYXJ0aXRpb25zX3JlY3JlYXRlZBgBIAEoBSIsChlMaXN0U2V0QXNpZGVRdWV1ZXNSZXF1ZXN0Eg8KB25vZGVfaWQYASABKAkirwEKDVNldEFzaWRlUXVldWUSDwoHbm9kZV9pZBgBIAEoCRIUCgxzZXRfYXNpZGVfaWQYAiABKAkSEgoKcXVldWVfbmFtZRgDIAEoCRINCgVpdGVtcxgEIAEoAxIOCgZyZWFzb24YBSABKAkSMAoMc2V0X2FzaWRlX2F0GAYgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBISCgpwYXJ0aXRpb25zGAcgASgFImIKGkxpc3RTZXRBc2lkZVF1ZXVlc1Jlc3BvbnNlEioKBnF1ZXVlcxgBIAMoCzIaLnF1ZXJhdG9yLnYxLlNldEFzaWRlUXVldWUSGAoQdW5hbnN3ZXJlZF9ub2RlcxgCIAMoCSJDChpSZW1vdmVTZXRBc2lkZVF1ZXVlUmVxdWVzdBIPCgdub2RlX2lkGAEgASgJEhQKDHNldF9hc2lkZV9pZBgCIAEoCSJKChtSZW1vdmVTZXRBc2lkZVF1ZXVlUmVzcG9uc2USKwoHcmVtb3ZlZBgBIAEoCzIaLnF1ZXJhdG9yLnYxLlNldEFzaWRlUXVldWUyrAMKDkNsdXN0ZXJTZXJ2aWNlElAKC0NsdXN0ZXJJbmZvEh8ucXVlcmF0b3IudjEuQ2x1c3RlckluZm9SZXF1ZXN0GiAucXVlcmF0b3IudjEuQ2x1c3RlckluZm9SZXNwb25zZRJ3ChhSZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGESLC5xdWVyYXRvci52MS5SZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXF1ZXN0Gi0ucXVlcmF0b3IudjEuUmV0aXJlTm9kZURpc2NhcmRpbmdEYXRhUmVzcG9uc2USZQoSTGlzdFNldEFzaWRlUXVldWVzEiYucXVlcmF0b3IudjEuTGlzdFNldEFzaWRlUXVldWVzUmVxdWVzdBonLnF1ZXJhdG9yLnYxLkxpc3RTZXRBc2lkZVF1ZXVlc1Jlc3BvbnNlEmgKE1JlbW92ZVNldEFzaWRlUXVldWUSJy5xdWVyYXRvci52MS5SZW1vdmVTZXRBc2lkZVF1ZXVlUmVxdWVzdBooLnF1ZXJhdG9yLnYxLlJlbW92ZVNldEFzaWRlUXVldWVSZXNwb25zZUKnAQoOaW8ucXVlcmF0b3IudjFCDENsdXN0ZXJQcm90b1ABWjpnaXRodWIuY29tL3F1ZXJhdG9yL3F1ZXJhdG9yL2dlbi9nby9xdWVyYXRvci92MTtxdWVyYXRvcnYxogIDUVhYqgILUXVlcmF0b3IuVjHKAgtRdWVyYXRvclxWMeICF1F1ZXJhdG9yXFYxXEdQQk1ldGFkYXRh6gIMUXVlcmF0b3I6OlYxYgZwcm90bzM", [file_google_protobuf_timestamp]);
+  fileDesc("ChlxdWVyYXRvci92MS9jbHVzdGVyLnByb3RvEgtxdWVyYXRvci52MSJAChJDbHVzdGVySW5mb1JlcXVlc3QSEwoLcXVldWVfbmFtZXMYASADKAkSFQoNY2hlY2tfbWVtYmVycxgCIAEoCCK9AQoTQ2x1c3RlckluZm9SZXNwb25zZRIRCgljbHVzdGVyZWQYASABKAgSDwoHbm9kZV9pZBgCIAEoCRIQCghyZXZpc2lvbhgDIAEoAxIrCgdtZW1iZXJzGAQgAygLMhoucXVlcmF0b3IudjEuQ2x1c3Rlck1lbWJlchIrCgZxdWV1ZXMYBSADKAsyGy5xdWVyYXRvci52MS5RdWV1ZVBsYWNlbWVudBIWCg5hZG1pbl93cml0YWJsZRgGIAEoCCJkCg1DbHVzdGVyTWVtYmVyEg8KB25vZGVfaWQYASABKAkSDwoHYWRkcmVzcxgCIAEoCRIMCgRsaXZlGAMgASgIEg4KBmZlbmNlZBgEIAEoCBITCgtjaGVja19lcnJvchgFIAEoCSKjAQoOUXVldWVQbGFjZW1lbnQSEgoKcXVldWVfbmFtZRgBIAEoCRINCgVob21lcxgCIAMoCRIWCg5rZXlfcGFydGl0aW9ucxgDIAEoBRIQCghyZXBsaWNhcxgEIAMoCRIPCgdpbl9zeW5jGAUgAygJEg0KBWVwb2NoGAYgASgDEg8KB3ByaW1hcnkYByABKAkSEwoLbWluX2luX3N5bmMYCCABKAUiMgofUmV0aXJlTm9kZURpc2NhcmRpbmdEYXRhUmVxdWVzdBIPCgdub2RlX2lkGAEgASgJIkAKIFJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YVJlc3BvbnNlEhwKFHBhcnRpdGlvbnNfcmVjcmVhdGVkGAEgASgFIiwKGUxpc3RTZXRBc2lkZVF1ZXVlc1JlcXVlc3QSDwoHbm9kZV9pZBgBIAEoCSKvAQoNU2V0QXNpZGVRdWV1ZRIPCgdub2RlX2lkGAEgASgJEhQKDHNldF9hc2lkZV9pZBgCIAEoCRISCgpxdWV1ZV9uYW1lGAMgASgJEg0KBWl0ZW1zGAQgASgDEg4KBnJlYXNvbhgFIAEoCRIwCgxzZXRfYXNpZGVfYXQYBiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhIKCnBhcnRpdGlvbnMYByABKAUiYgoaTGlzdFNldEFzaWRlUXVldWVzUmVzcG9uc2USKgoGcXVldWVzGAEgAygLMhoucXVlcmF0b3IudjEuU2V0QXNpZGVRdWV1ZRIYChB1bmFuc3dlcmVkX25vZGVzGAIgAygJIkMKGlJlbW92ZVNldEFzaWRlUXVldWVSZXF1ZXN0Eg8KB25vZGVfaWQYASABKAkSFAoMc2V0X2FzaWRlX2lkGAIgASgJIkoKG1JlbW92ZVNldEFzaWRlUXVldWVSZXNwb25zZRIrCgdyZW1vdmVkGAEgASgLMhoucXVlcmF0b3IudjEuU2V0QXNpZGVRdWV1ZSI3ChBNb3ZlUXVldWVSZXF1ZXN0EhIKCnF1ZXVlX25hbWUYASABKAkSDwoHbm9kZV9pZBgCIAEoCSJDChFNb3ZlUXVldWVSZXNwb25zZRIuCglwbGFjZW1lbnQYASABKAsyGy5xdWVyYXRvci52MS5RdWV1ZVBsYWNlbWVudCIjChBEcmFpbk5vZGVSZXF1ZXN0Eg8KB25vZGVfaWQYASABKAkiMAoRRHJhaW5Ob2RlUmVzcG9uc2USDQoFbW92ZWQYASADKAkSDAoEa2VwdBgCIAMoCTLEBAoOQ2x1c3RlclNlcnZpY2USUAoLQ2x1c3RlckluZm8SHy5xdWVyYXRvci52MS5DbHVzdGVySW5mb1JlcXVlc3QaIC5xdWVyYXRvci52MS5DbHVzdGVySW5mb1Jlc3BvbnNlEncKGFJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YRIsLnF1ZXJhdG9yLnYxLlJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YVJlcXVlc3QaLS5xdWVyYXRvci52MS5SZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXNwb25zZRJlChJMaXN0U2V0QXNpZGVRdWV1ZXMSJi5xdWVyYXRvci52MS5MaXN0U2V0QXNpZGVRdWV1ZXNSZXF1ZXN0GicucXVlcmF0b3IudjEuTGlzdFNldEFzaWRlUXVldWVzUmVzcG9uc2USaAoTUmVtb3ZlU2V0QXNpZGVRdWV1ZRInLnF1ZXJhdG9yLnYxLlJlbW92ZVNldEFzaWRlUXVldWVSZXF1ZXN0GigucXVlcmF0b3IudjEuUmVtb3ZlU2V0QXNpZGVRdWV1ZVJlc3BvbnNlEkoKCU1vdmVRdWV1ZRIdLnF1ZXJhdG9yLnYxLk1vdmVRdWV1ZVJlcXVlc3QaHi5xdWVyYXRvci52MS5Nb3ZlUXVldWVSZXNwb25zZRJKCglEcmFpbk5vZGUSHS5xdWVyYXRvci52MS5EcmFpbk5vZGVSZXF1ZXN0Gh4ucXVlcmF0b3IudjEuRHJhaW5Ob2RlUmVzcG9uc2VCpwEKDmlvLnF1ZXJhdG9yLnYxQgxDbHVzdGVyUHJvdG9QAVo6Z2l0aHViLmNvbS9xdWVyYXRvci9xdWVyYXRvci9nZW4vZ28vcXVlcmF0b3IvdjE7cXVlcmF0b3J2MaICA1FYWKoCC1F1ZXJhdG9yLlYxygILUXVlcmF0b3JcVjHiAhdRdWVyYXRvclxWMVxHUEJNZXRhZGF0YeoCDFF1ZXJhdG9yOjpWMWIGcHJvdG8z", [file_google_protobuf_timestamp]);
 
 /**
  * ClusterInfoRequest asks for the cluster's members and placement.
@@ -192,6 +192,45 @@ export type QueuePlacement = Message<"querator.v1.QueuePlacement"> & {
    * @generated from field: int32 key_partitions = 3;
    */
   keyPartitions: number;
+
+  /**
+   * Replication (a queue with replicas > 1; empty for one copy): the node
+   * of every copy, the primary included. homes[p] is then the primary for
+   * every partition: it alone serves the queue.
+   *
+   * @generated from field: repeated string replicas = 4;
+   */
+  replicas: string[];
+
+  /**
+   * The copies in the in-sync set (every acknowledged change is durable on
+   * each of them), the primary included.
+   *
+   * @generated from field: repeated string in_sync = 5;
+   */
+  inSync: string[];
+
+  /**
+   * The primary's epoch: it grows by one with each election of a primary. A
+   * view with a higher epoch for a queue is newer.
+   *
+   * @generated from field: int64 epoch = 6;
+   */
+  epoch: bigint;
+
+  /**
+   * The node serving the queue now (the same as each homes[p]).
+   *
+   * @generated from field: string primary = 7;
+   */
+  primary: string;
+
+  /**
+   * The fewest in-sync copies the queue accepts writes with.
+   *
+   * @generated from field: int32 min_in_sync = 8;
+   */
+  minInSync: number;
 };
 
 /**
@@ -406,6 +445,105 @@ export const RemoveSetAsideQueueResponseSchema: GenMessage<RemoveSetAsideQueueRe
   messageDesc(file_querator_v1_cluster, 10);
 
 /**
+ * MoveQueueRequest names the replicated queue and its new primary.
+ *
+ * @generated from message querator.v1.MoveQueueRequest
+ */
+export type MoveQueueRequest = Message<"querator.v1.MoveQueueRequest"> & {
+  /**
+   * The queue (its replicas above 1).
+   *
+   * @generated from field: string queue_name = 1;
+   */
+  queueName: string;
+
+  /**
+   * The node to serve it: live, holding an in-sync copy.
+   *
+   * @generated from field: string node_id = 2;
+   */
+  nodeId: string;
+};
+
+/**
+ * Describes the message querator.v1.MoveQueueRequest.
+ * Use `create(MoveQueueRequestSchema)` to create a new message.
+ */
+export const MoveQueueRequestSchema: GenMessage<MoveQueueRequest> = /*@__PURE__*/
+  messageDesc(file_querator_v1_cluster, 11);
+
+/**
+ * MoveQueueResponse says where the queue is served now.
+ *
+ * @generated from message querator.v1.MoveQueueResponse
+ */
+export type MoveQueueResponse = Message<"querator.v1.MoveQueueResponse"> & {
+  /**
+   * The queue's placement after the move (primary, epoch, copies, in-sync set).
+   *
+   * @generated from field: querator.v1.QueuePlacement placement = 1;
+   */
+  placement?: QueuePlacement | undefined;
+};
+
+/**
+ * Describes the message querator.v1.MoveQueueResponse.
+ * Use `create(MoveQueueResponseSchema)` to create a new message.
+ */
+export const MoveQueueResponseSchema: GenMessage<MoveQueueResponse> = /*@__PURE__*/
+  messageDesc(file_querator_v1_cluster, 12);
+
+/**
+ * DrainNodeRequest names the node whose primaries move.
+ *
+ * @generated from message querator.v1.DrainNodeRequest
+ */
+export type DrainNodeRequest = Message<"querator.v1.DrainNodeRequest"> & {
+  /**
+   * The node; it must be a member of the cluster.
+   *
+   * @generated from field: string node_id = 1;
+   */
+  nodeId: string;
+};
+
+/**
+ * Describes the message querator.v1.DrainNodeRequest.
+ * Use `create(DrainNodeRequestSchema)` to create a new message.
+ */
+export const DrainNodeRequestSchema: GenMessage<DrainNodeRequest> = /*@__PURE__*/
+  messageDesc(file_querator_v1_cluster, 13);
+
+/**
+ * DrainNodeResponse says which queues moved and which could not.
+ *
+ * @generated from message querator.v1.DrainNodeResponse
+ */
+export type DrainNodeResponse = Message<"querator.v1.DrainNodeResponse"> & {
+  /**
+   * The queues whose primary moved off the node, sorted.
+   *
+   * @generated from field: repeated string moved = 1;
+   */
+  moved: string[];
+
+  /**
+   * The queues whose primary stayed, each with why ("queue: reason"), sorted:
+   * no other live in-sync copy, or the queue changed meanwhile.
+   *
+   * @generated from field: repeated string kept = 2;
+   */
+  kept: string[];
+};
+
+/**
+ * Describes the message querator.v1.DrainNodeResponse.
+ * Use `create(DrainNodeResponseSchema)` to create a new message.
+ */
+export const DrainNodeResponseSchema: GenMessage<DrainNodeResponse> = /*@__PURE__*/
+  messageDesc(file_querator_v1_cluster, 14);
+
+/**
  * ClusterService describes the cluster a server belongs to, so a client can
  * send each call straight to the node that homes the partition it concerns
  * (any node also forwards it there, one hop). A server started without
@@ -434,7 +572,11 @@ export const ClusterService: GenService<{
    * data directory, which no server will serve again). Refused with
    * FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
    * homes no partition (an id the cluster does not know is never banned);
-   * retiring a node already retired answers 0. Needs an admin key for "*".
+   * retiring a node already retired answers 0. A replicated queue keeping a
+   * copy on the node loses that copy (one copy fewer, nothing acknowledged lost;
+   * a queue it is primary of is handed over to another live in-sync copy
+   * first); FAILED_PRECONDITION, nothing retired, when the node holds a queue's
+   * only in-sync copy. Needs an admin key for "*".
    *
    * @generated from rpc querator.v1.ClusterService.RetireNodeDiscardingData
    */
@@ -467,6 +609,35 @@ export const ClusterService: GenService<{
     methodKind: "unary";
     input: typeof RemoveSetAsideQueueRequestSchema;
     output: typeof RemoveSetAsideQueueResponseSchema;
+  },
+  /**
+   * MoveQueue hands a replicated queue's primary over to node_id, which must be
+   * live and hold an in-sync copy: an election (epoch + 1) with the in-sync set
+   * unchanged, so the old primary stays a copy. Calls in flight on the old
+   * primary answer UNAVAILABLE; nothing acknowledged is lost. FAILED_PRECONDITION
+   * for a queue of one copy, a node without a copy (adding one is not supported
+   * yet) or a copy not in sync; NOT_FOUND for an unknown queue. Moving to the
+   * current primary changes nothing. Needs an admin key for "*".
+   *
+   * @generated from rpc querator.v1.ClusterService.MoveQueue
+   */
+  moveQueue: {
+    methodKind: "unary";
+    input: typeof MoveQueueRequestSchema;
+    output: typeof MoveQueueResponseSchema;
+  },
+  /**
+   * DrainNode hands every replicated queue whose primary is node_id over to
+   * another live in-sync copy (the one serving the fewest primaries), as
+   * MoveQueue does, e.g. before the node is stopped for maintenance. Its copies
+   * stay where they are. Needs an admin key for "*".
+   *
+   * @generated from rpc querator.v1.ClusterService.DrainNode
+   */
+  drainNode: {
+    methodKind: "unary";
+    input: typeof DrainNodeRequestSchema;
+    output: typeof DrainNodeResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_querator_v1_cluster, 0);

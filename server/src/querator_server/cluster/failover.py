@@ -1,0 +1,116 @@
+"""Failover of one shard: fence the old epoch on the in-sync copies, gather their
+positions, and elect the most advanced through the shard record's compare-and-swap.
+
+Run by every live in-sync copy whose incarnation matches its ISR entry once the
+primary's membership lapsed (and by a primary that finds itself ineligible, its
+data lost, on behalf of the others). Each first promises, on itself and on every other
+in-sync copy it reaches, to refuse epoch ``e`` (``fence(e + 1)``), so the positions it
+gathers cannot grow behind its back: the old primary, paused or cut off, can have no
+further change acked. Every acknowledged change is on every in-sync copy, so any of
+them would lose nothing acknowledged; the most advanced (ties: the lowest node id) is
+chosen so as to keep what it can of the rest and leave the others prefixes of it. Only
+one ``elect`` can win the CAS; the others see the new record in the catalog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from google.protobuf.wrappers_pb2 import BytesValue
+
+from ..errors import QueratorError
+from ..logging import get_logger
+from .etcd import EtcdError
+from .forwarding import Peers
+from .replica_contract import isr_incarnation
+from .replica_host import Shard
+from .replica_wire import STATUS, CopyState, StatusAsk
+from .shard_record import ShardRecord
+from .shard_table import ShardTable
+
+log = get_logger("cluster")
+
+SERVICE = "querator.internal.Peer"
+# How long a candidate waits for another copy's position: a copy that does not answer
+# in time is left out of the new in-sync set (it catches up and is added back).
+_GATHER_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    node: str
+    incarnation: str
+    epoch: int
+    lsn: int
+
+    @property
+    def rank(self) -> tuple[int, int, str]:
+        # Higher position first; among equals the lowest node id (negated for max()).
+        return (self.epoch, self.lsn, "".join(chr(0x10FFFF - ord(c)) for c in self.node))
+
+
+async def ask(peers: Peers, node: str, uid: int, fence: int, timeout: float = _GATHER_S) -> CopyState:
+    reply = await peers.forward(
+        node, f"/{SERVICE}/{STATUS}", BytesValue(value=StatusAsk(uid, fence).encode()), BytesValue, None, timeout
+    )
+    return CopyState.decode(reply.value)
+
+
+async def run(
+    node: str,
+    record: ShardRecord,
+    shard: Shard,
+    table: ShardTable,
+    deposed_error: type[Exception],
+    peers: Peers,
+    live: Callable[[str], bool],
+    include_self: bool = True,
+) -> ShardRecord | None:
+    """One attempt: the record this node's ``elect`` wrote (this node or another chosen
+    by it is the new primary), or None when it did not elect (another candidate is more
+    advanced, or its CAS lost: the catalog watch brings the outcome)."""
+    fence = record.epoch + 1
+    candidates: list[Candidate] = []
+    if include_self:
+        async with shard.lock:
+            if shard.copy.fenced_epoch() < fence:
+                await shard.copy.fence(fence)
+        position = shard.copy.position()
+        candidates.append(Candidate(node, shard.copy.incarnation, position.epoch, position.lsn))
+    others = [n for n, _ in record.isr if n not in (node, record.primary) and live(n)]
+    answers = await asyncio.gather(*(ask(peers, n, record.uid, fence) for n in others), return_exceptions=True)
+    for other, answer in zip(others, answers, strict=True):
+        if isinstance(answer, BaseException):
+            if not isinstance(answer, QueratorError):
+                log.warning("failover_ask_failed", uid=record.uid, node=other, error=repr(answer)[:200])
+            continue
+        if answer.incarnation != isr_incarnation(record, other) or answer.primary:
+            continue  # a rebuilt copy (not the one in sync), or one that took over meanwhile
+        candidates.append(Candidate(other, answer.incarnation, answer.epoch, answer.lsn))
+    if not candidates:
+        return None
+    best = max(candidates, key=lambda c: c.rank)
+    if include_self and best.node != node:
+        return None  # the more advanced one elects itself; the watch brings its record
+    isr = [(best.node, best.incarnation)] + [(c.node, c.incarnation) for c in candidates if c.node != best.node]
+    try:
+        elected = await table.elect(record, best.node, isr)
+    except EtcdError as exc:
+        log.warning("failover_elect_failed", uid=record.uid, error=str(exc)[:200])
+        return None
+    except deposed_error as exc:  # the CAS lost: another candidate won, or the record moved on
+        log.info("failover_elect_lost", uid=record.uid, node=node, error=str(exc)[:200])
+        return None
+    log.warning(
+        "shard_failover",
+        uid=record.uid,
+        queue=record.queue,
+        old_primary=record.primary,
+        primary=best.node,
+        epoch=elected.epoch,
+        lsn=best.lsn,
+        isr=[c.node for c in candidates],
+    )
+    return elected

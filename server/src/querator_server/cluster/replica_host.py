@@ -1,0 +1,145 @@
+"""This node's copies of replicated shards, and the replication calls other nodes make
+to them: change sets applied in order (each durable before it is acked), positions
+asked for and epochs fenced, snapshots installed.
+
+A copy applies only change sets of an epoch it has not promised away (storage refuses
+lower ones: ``Fenced``) and only the next lsn of its history (``Diverged`` otherwise);
+a resent change it already holds under the same epoch is a no-op (the primary resends
+after a lost answer). Every change applied here also goes into the shard's ring, so this copy, once
+promoted, can bring the others up to its position by tail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..errors import InvalidArgument, Unavailable
+from ..logging import get_logger
+from .change_ring import ChangeRing
+from .replica_contract import CopyLike, Decode
+from .replica_wire import CopyState, Ship, SnapshotHead, StatusAsk
+
+if TYPE_CHECKING:
+    from .shipper import ShardReplication
+
+log = get_logger("cluster")
+
+
+@dataclass(slots=True)
+class Shard:
+    """This node's copy of one shard and what runs on it."""
+
+    uid: int
+    queue: str
+    copy: CopyLike
+    ring: ChangeRing = field(default_factory=ChangeRing)
+    # Serialises what changes the copy (apply, fence, install): in lsn order, one at a time.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    primary: ShardReplication | None = None  # set while this node serves it as primary
+    applied: int = 0  # change sets applied here as a replica
+    installs: int = 0  # snapshots installed here
+
+    def state(self, refused: str = "", detail: str = "") -> CopyState:
+        position = self.copy.position()
+        return CopyState(
+            position.epoch,
+            position.lsn,
+            self.copy.incarnation,
+            self.copy.fenced_epoch(),
+            self.primary is not None,
+            refused,
+            detail,
+        )
+
+
+class CopyHost:
+    """Serves the replication calls for the shards this node holds a copy of."""
+
+    def __init__(
+        self,
+        decode: Decode,
+        fenced_error: type[Exception],
+        diverged_error: type[Exception],
+        on_newer_epoch: Callable[[int, int], None],
+    ) -> None:
+        self.shards: dict[int, Shard] = {}
+        self._decode = decode
+        self._fenced = fenced_error
+        self._diverged = diverged_error
+        # Told when a call names an epoch above the one this node serves a shard as
+        # primary under (uid, epoch): it was deposed meanwhile.
+        self._on_newer_epoch = on_newer_epoch
+
+    def _shard(self, uid: int) -> Shard:
+        shard = self.shards.get(uid)
+        if shard is None:
+            raise Unavailable(f"this node holds no copy of shard {uid} (yet)")
+        return shard
+
+    async def ship(self, ship: Ship) -> CopyState:
+        shard = self._shard(ship.uid)
+        if shard.primary is not None:
+            if ship.epoch > shard.primary.epoch:
+                self._on_newer_epoch(ship.uid, ship.epoch)
+            return shard.state("primary", f"this node serves shard {ship.uid} as primary")
+        if ship.incarnation and ship.incarnation != shard.copy.incarnation:
+            return shard.state("mismatch", f"the copy here is incarnation {shard.copy.incarnation}")
+        async with shard.lock:
+            for blob in ship.changes:
+                try:
+                    change = self._decode(blob)
+                except ValueError as exc:
+                    raise InvalidArgument("value", f"a change set of shard {ship.uid}: {exc}") from None
+                if change.uid != ship.uid:
+                    return shard.state("diverged", f"a change set of shard {change.uid} in a call for {ship.uid}")
+                before = shard.copy.position().lsn
+                try:
+                    # A change it holds already (resent after a lost answer) is a no-op,
+                    # unless held under another epoch: then Diverged (storage checks both).
+                    await shard.copy.apply(change)
+                except Exception as exc:
+                    if isinstance(exc, self._fenced):
+                        return shard.state("fenced", str(exc))
+                    if isinstance(exc, self._diverged):
+                        return shard.state("diverged", str(exc))
+                    raise
+                if change.lsn > before:
+                    shard.ring.add(change.epoch, change.lsn, blob)
+                    shard.applied += 1
+        return shard.state()
+
+    async def status(self, ask: StatusAsk) -> CopyState:
+        shard = self._shard(ask.uid)
+        if ask.fence:
+            async with shard.lock:
+                if ask.fence > shard.copy.fenced_epoch():
+                    await shard.copy.fence(ask.fence)
+                    log.info("shard_fenced", uid=ask.uid, epoch=ask.fence)
+            if shard.primary is not None and ask.fence > shard.primary.epoch:
+                self._on_newer_epoch(ask.uid, ask.fence)
+        return shard.state()
+
+    async def install(self, head: SnapshotHead, chunks: AsyncIterator[bytes]) -> CopyState:
+        shard = self._shard(head.uid)
+        if shard.primary is not None:
+            if head.epoch > shard.primary.epoch:
+                self._on_newer_epoch(head.uid, head.epoch)
+            return shard.state("primary", f"this node serves shard {head.uid} as primary")
+        async with shard.lock:
+            if head.epoch < shard.copy.fenced_epoch():
+                return shard.state("fenced", f"a snapshot of epoch {head.epoch} below {shard.copy.fenced_epoch()}")
+            position = await shard.copy.install_snapshot(chunks)
+            shard.ring.clear()
+            shard.installs += 1
+            log.info(
+                "replica_snapshot_installed",
+                uid=head.uid,
+                epoch=position.epoch,
+                lsn=position.lsn,
+                primary=head.primary,
+                incarnation=shard.copy.incarnation,
+            )
+        return shard.state()

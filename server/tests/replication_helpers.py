@@ -1,0 +1,211 @@
+"""Replicated queues in one process (tests only): a primary actor on real LMDB whose
+change sets go, encoded and decoded, to copies on real LMDB, and a randomized
+workload of client calls that exercises every kind of write a cycle makes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from querator_server.actor import (
+    CompleteRequest,
+    DeleteItemsRequest,
+    ExtendRequest,
+    ImportItemsRequest,
+    LeaseRequest,
+    LeaseResult,
+    LogicalQueue,
+    ProduceRequest,
+    RetryRequest,
+)
+from querator_server.clock import now_us
+from querator_server.errors import QueratorError
+from querator_server.model import ImportedItem, NewItem, QueueConfig, RetryOrder
+from querator_server.storage import QueueStore
+from querator_server.storage.change_set import ChangeSet, Position
+from querator_server.storage.commit_group import CommitGroup
+from querator_server.storage.group_layout import open_group_env, queue_prefix
+from querator_server.storage.lane import StorageLane
+from querator_server.storage.replica_state import ReplicaState
+
+# A shard uid as the cluster hands them out: never one of a data dir's own.
+SHARD_UID = (1 << 40) + 5
+MS = 1_000
+
+
+def shard_config(name: str = "q", uid: int = SHARD_UID, partitions: int = 2, dead_queue: str = "dlq") -> QueueConfig:
+    """Short timeouts, so that a few seconds of load see leases run out, items expire
+    and dead-letter, and idempotency and lease keys be forgotten."""
+    return QueueConfig(
+        name=name,
+        uid=uid,
+        partitions=partitions,
+        dead_queue=dead_queue,
+        lease_timeout_us=250 * MS,
+        expire_timeout_us=1_500 * MS,
+        max_attempts=3,
+        dedup_window_us=600 * MS,
+        lease_key_ttl_us=600 * MS,
+    )
+
+
+@dataclass
+class Home:
+    """Where a queue's store lives: a directory of its own, or a commit group."""
+
+    lane: StorageLane
+    group: CommitGroup | None = None
+
+    async def open(self, path: str, uid: int, partitions: int) -> QueueStore:
+        group = self.group
+        if group is None:
+            return await asyncio.get_running_loop().run_in_executor(self.lane, lambda: QueueStore(path, partitions))
+        store = await group.job(lambda: QueueStore(group.path, partitions, shared=group.env, prefix=queue_prefix(uid)))
+        group.members += 1
+        return store
+
+    async def job(self, fn: Callable[[], Any]) -> Any:
+        if self.group is not None:
+            return await self.group.job(fn)
+        return await asyncio.get_running_loop().run_in_executor(self.lane, fn)
+
+    async def close(self) -> None:
+        if self.group is not None:
+            await self.group.close()
+
+
+def make_home(root: str, name: str, grouped: bool) -> Home:
+    lane = StorageLane(f"test-{name}")
+    if not grouped:
+        return Home(lane)
+    path = os.path.join(root, name)
+    return Home(lane, CommitGroup(open_group_env(path, map_size=1 << 26, sync=True), path, lane))
+
+
+async def apply_to(home: Home, state: ReplicaState, change: ChangeSet) -> Position:
+    """Apply ``change`` to a copy durably: in a transaction of its own, or in its commit
+    group's next commit."""
+    if home.group is None:
+        position: Position = await home.job(lambda: state.apply_now(change))
+        return position
+    await home.group.job(lambda: state.prepare(change))
+    applied, durable = await home.group.run(lambda txn: state.apply(txn, change))
+    await durable
+    if applied:
+        state.committed(change)
+    return state.position()
+
+
+@dataclass
+class Mirror:
+    """A ``Replication`` that applies every change set to copies before it returns,
+    one at a time in the order handed, and checks after each that every copy's digest
+    is the primary's as it was when the change was handed over (whenever the primary
+    still stood at that change: it may have committed the next already)."""
+
+    copies: list[tuple[Home, ReplicaState]]
+    primary: Callable[[], ReplicaState | None] = lambda: None
+    changes: int = 0
+    compared: int = 0
+    roles: set[str] = field(default_factory=set)
+    # (key tag, deleted) of the partitions' writes: what kinds of records changed.
+    tags: set[tuple[bytes, bool]] = field(default_factory=set)
+    # Raise on this change (lsn) and after: 0: never.
+    fail_from: int = 0
+    _order: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def replicated(self, change: ChangeSet) -> None:
+        if self.fail_from and change.lsn >= self.fail_from:
+            raise QueratorError(f"replica unreachable (test: from change {self.fail_from})")
+        primary = self.primary()
+        seen = primary.digest() if primary is not None else None
+        data = change.encode()
+        copy = ChangeSet.decode(data)
+        assert copy == change
+        async with self._order:
+            self.changes += 1
+            self.roles.update(role for role, _, _ in change.ops)
+            self.tags.update((key[:1], value is None) for role, key, value in change.ops if role[:1] == "p")
+            for home, state in self.copies:
+                assert await apply_to(home, state, copy) == change.position
+            if seen is not None and seen[0] == change.position:
+                for _home, state in self.copies:
+                    assert state.digest() == seen, f"copy differs from the primary after change {change.lsn}"
+                self.compared += 1
+
+
+@dataclass
+class Tally:
+    ok: int = 0
+    failed: int = 0
+    dead_lettered: int = 0
+    kinds: set[str] = field(default_factory=set)
+
+
+async def _call(actor: LogicalQueue, request: Any, tally: Tally) -> Any:
+    try:
+        result = await actor.submit(request)
+    except QueratorError:
+        tally.failed += 1
+        return None
+    tally.ok += 1
+    tally.kinds.add(type(request).__name__)
+    return result
+
+
+async def client(actor: LogicalQueue, rng: random.Random, calls: int, until: float, tally: Tally) -> None:
+    """``calls`` random calls (or until ``until``, monotonic): produce (bare, with
+    idempotency keys, scheduled, payload-only), import (with source ids, some leased),
+    lease (with and without lease keys), complete, retry (now, later, dead), extend,
+    delete, and leases left to run out."""
+    held: list[tuple[int, str]] = []
+    for _ in range(calls):
+        if time.monotonic() > until:
+            return
+        roll = rng.random()
+        now = now_us()
+        if roll < 0.25:
+            items = []
+            for _ in range(rng.randint(1, 4)):
+                key = f"k{rng.randrange(40)}" if rng.random() < 0.4 else ""
+                at = now + rng.randint(120, 400) * MS if rng.random() < 0.2 else 0
+                meta = {"m": str(rng.randrange(9))} if rng.random() < 0.2 else {}
+                items.append(NewItem(payload=rng.randbytes(rng.randint(0, 40)), idempotency_key=key, enqueue_at_us=at, metadata=meta))
+            await _call(actor, ProduceRequest(items=items), tally)
+        elif roll < 0.30:
+            await _call(actor, ProduceRequest(items=[], payloads=[rng.randbytes(8) for _ in range(rng.randint(1, 20))]), tally)
+        elif roll < 0.32:
+            imported = [
+                ImportedItem(payload=b"imported", source_id=f"s{rng.randrange(1000)}", is_leased=rng.random() < 0.3, attempts=1)
+                for _ in range(rng.randint(1, 3))
+            ]
+            await _call(actor, ImportItemsRequest(partition=rng.randrange(2), items=imported), tally)
+        elif roll < 0.55:
+            key = f"L{rng.randrange(10)}" if rng.random() < 0.3 else ""
+            lease = LeaseRequest(batch_size=rng.randint(1, 5), client_id="", wait_until_us=0, lease_key=key)
+            result = await _call(actor, lease, tally)
+            if isinstance(result, LeaseResult):
+                held.extend((result.partition, item_id) for item_id in result.ids)
+        elif held:
+            rng.shuffle(held)
+            p = held[0][0]
+            mine = [item_id for q, item_id in held[:3] if q == p]
+            held = [entry for entry in held if entry[1] not in mine]
+            if roll < 0.75:
+                await _call(actor, CompleteRequest(partition=p, ids=mine), tally)
+            elif roll < 0.85:
+                orders = [RetryOrder(i, retry_at_us=now + 150 * MS if rng.random() < 0.3 else 0, dead=rng.random() < 0.2) for i in mine]
+                await _call(actor, RetryRequest(partition=p, orders=orders), tally)
+            elif roll < 0.91:
+                await _call(actor, ExtendRequest(partition=p, ids=mine, lease_timeout_us=300 * MS), tally)
+                held.extend((p, i) for i in mine)
+            elif roll < 0.93:
+                await _call(actor, DeleteItemsRequest(partition=p, ids=mine), tally)
+            # else: dropped, to run out
+        if rng.random() < 0.05:
+            await asyncio.sleep(0.02)

@@ -1,0 +1,174 @@
+"""Shard records changed by compare-and-swap, against a real etcd: ISR shrink and
+expand, elections, and who wins a race."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from cluster_helpers import Etcd
+
+from querator_server.cluster.etcd import Etcd as EtcdClient
+from querator_server.cluster.etcd import Txn
+from querator_server.cluster.shard_cas import BelowMinIsr, Deposed
+from querator_server.cluster.shard_record import SHARD_UID_BASE, ShardRecord
+from querator_server.cluster.shard_table import ShardTable
+
+PREFIX = b"/shards-test/"
+
+
+@dataclass
+class Member:
+    node: str
+    create_revision: int
+
+
+@pytest.fixture
+def etcd(tmp_path) -> Iterator[Etcd]:
+    server = Etcd(str(tmp_path / "etcd"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def _member(client: EtcdClient, node: str) -> Member:
+    _, revision = await client.txn(Txn().put(PREFIX + b"members/" + node.encode(), b'{"address": "x"}'))
+    return Member(node, revision)
+
+
+async def _shard(client: EtcdClient, table: ShardTable, copies: list[str], min_isr: int) -> ShardRecord:
+    uid = await table.next_uid()
+    record = ShardRecord.new(uid, "q", copies, min_isr)
+    await client.txn(Txn().created_at(table.key(uid), 0).put(table.key(uid), record.encode()))
+    fetched = await table.fetch(uid)
+    assert fetched is not None
+    return fetched
+
+
+def test_a_shrink_and_an_election_from_one_version_race_and_exactly_one_wins(etcd: Etcd) -> None:
+    async def run() -> list[tuple[str, object]]:
+        client = EtcdClient([etcd.endpoint])
+        try:
+            n1, n2 = await _member(client, "n1"), await _member(client, "n2")
+            await _member(client, "n3")
+            primary = ShardTable(client, PREFIX, n1)
+            candidate = ShardTable(client, PREFIX, n2)
+            outcomes: list[tuple[str, object]] = []
+            for _ in range(10):
+                record = await _shard(client, primary, ["n1", "n2", "n3"], 1)
+                results = await asyncio.gather(
+                    primary.shrink_isr(record, "n3"),
+                    candidate.elect(record, "n2", [("n2", "i2"), ("n3", "i3")]),
+                    return_exceptions=True,
+                )
+                won = [r for r in results if isinstance(r, ShardRecord)]
+                lost = [r for r in results if isinstance(r, Deposed)]
+                assert len(won) == 1 and len(lost) == 1, results
+                now = await primary.fetch(record.uid)
+                assert now == won[0], (now, won)
+                assert lost[0].current == now
+                outcomes.append(("shrink" if now.epoch == 1 else "elect", now))
+            return outcomes
+        finally:
+            await client.close()
+
+    outcomes = asyncio.run(run())
+    for kind, record in outcomes:
+        assert isinstance(record, ShardRecord)
+        if kind == "shrink":
+            assert record.primary == "n1" and record.in_sync() == ("n1", "n2")
+        else:
+            assert (record.epoch, record.primary, record.isr) == (2, "n2", (("n2", "i2"), ("n3", "i3")))
+
+
+def test_a_change_from_a_stale_version_is_deposed_and_names_the_current_one(etcd: Etcd) -> None:
+    async def run() -> None:
+        client = EtcdClient([etcd.endpoint])
+        try:
+            n1, n2 = await _member(client, "n1"), await _member(client, "n2")
+            record = await _shard(client, ShardTable(client, PREFIX, n1), ["n1", "n2"], 1)
+            elected = await ShardTable(client, PREFIX, n2).elect(record, "n2", [("n2", "b")])
+            assert (elected.epoch, elected.primary) == (2, "n2")
+            with pytest.raises(Deposed, match="epoch 2, primary 'n2'") as caught:
+                await ShardTable(client, PREFIX, n1).shrink_isr(record, "n2")
+            assert caught.value.current == elected
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_writer_whose_membership_lapsed_changes_nothing(etcd: Etcd) -> None:
+    async def run() -> None:
+        client = EtcdClient([etcd.endpoint])
+        try:
+            n1 = await _member(client, "n1")
+            record = await _shard(client, ShardTable(client, PREFIX, n1), ["n1", "n2"], 1)
+            await _member(client, "n1")  # registered again: the old create revision is gone
+            await client.txn(Txn().delete(PREFIX + b"members/n1"))
+            await _member(client, "n1")
+            with pytest.raises(Deposed, match="lost its cluster membership"):
+                await ShardTable(client, PREFIX, n1).shrink_isr(record, "n2")
+            assert await ShardTable(client, PREFIX).fetch(record.uid) == record
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_shrink_below_the_minimum_is_refused_and_changes_nothing(etcd: Etcd) -> None:
+    async def run() -> None:
+        client = EtcdClient([etcd.endpoint])
+        try:
+            n1 = await _member(client, "n1")
+            table = ShardTable(client, PREFIX, n1)
+            record = await _shard(client, table, ["n1", "n2", "n3"], 2)
+            record = await table.shrink_isr(record, "n3")
+            assert record.in_sync() == ("n1", "n2")
+            with pytest.raises(BelowMinIsr, match="leave 1 in-sync copy, below its minimum of 2"):
+                await table.shrink_isr(record, "n2")
+            assert await table.fetch(record.uid) == record
+            # A copy back in sync, then its incarnation claimed: one entry per node.
+            record = await table.expand_isr(record, ("n3", "c3"))
+            record = await table.expand_isr(record, ("n2", "c2"))
+            assert record.isr == (("n1", ""), ("n3", "c3"), ("n2", "c2"))
+            assert await table.fetch(record.uid) == record
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_shard_uids_are_handed_out_once_from_far_above_a_data_directorys_own(etcd: Etcd) -> None:
+    async def run() -> list[int]:
+        client = EtcdClient([etcd.endpoint])
+        try:
+            table = ShardTable(client, PREFIX)
+            return list(await asyncio.gather(*(table.next_uid() for _ in range(8))))
+        finally:
+            await client.close()
+
+    uids = asyncio.run(run())
+    assert sorted(uids) == list(range(SHARD_UID_BASE, SHARD_UID_BASE + 8))
+
+
+def test_a_retired_nodes_copy_leaves_the_record_never_the_primarys(etcd: Etcd) -> None:
+    async def run() -> None:
+        client = EtcdClient([etcd.endpoint])
+        try:
+            n1 = await _member(client, "n1")
+            table = ShardTable(client, PREFIX, n1)
+            record = await _shard(client, table, ["n1", "n2"], 2)
+            with pytest.raises(ValueError, match="is its primary"):
+                await table.drop_copy(record, "n1")
+            dropped = await table.drop_copy(record, "n2")
+            assert (dropped.replicas, dropped.isr, dropped.min_isr) == (("n1",), (("n1", ""),), 1)
+            assert await table.fetch(record.uid) == dropped
+        finally:
+            await client.close()
+
+    asyncio.run(run())
