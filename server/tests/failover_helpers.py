@@ -22,13 +22,28 @@ from audit import LEASE_TIMEOUT_S, QUEUE, Load, _drain, stub_consumer, stub_prod
 from history import PRODUCE, Verdict, check
 from querator.v1 import cluster_pb2, cluster_pb2_grpc, queues_pb2, queues_pb2_grpc
 
-__all__ = ["LEASE_TIMEOUT_S", "QUEUE", "Run", "create_queue", "digests", "events", "in_sync", "wait_in_sync", "primary_of", "wait_primary"]
+__all__ = [
+    "LEASE_TIMEOUT_S",
+    "QUEUE",
+    "Run",
+    "create_queue",
+    "digests",
+    "events",
+    "in_sync",
+    "wait_in_sync",
+    "primary_of",
+    "wait_primary",
+]
 
 
-def create_queue(node: Node, replicas: int, partitions: int = 2) -> None:
+def create_queue(node: Node, replicas: int, partitions: int = 2, min_in_sync: int = 0) -> None:
     stub = queues_pb2_grpc.QueuesServiceStub(node.channel)
     info = queues_pb2.QueueInfo(
-        queue_name=QUEUE, lease_timeout={"seconds": LEASE_TIMEOUT_S}, requested_partitions=partitions, replicas=replicas
+        queue_name=QUEUE,
+        lease_timeout={"seconds": LEASE_TIMEOUT_S},
+        requested_partitions=partitions,
+        replicas=replicas,
+        min_in_sync=min_in_sync,
     )
     stub.CreateQueue(queues_pb2.CreateQueueRequest(queue=info), timeout=20)
 

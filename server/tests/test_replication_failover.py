@@ -15,9 +15,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 from cluster_helpers import Cluster, Node
-from failover_helpers import Run, create_queue, digests, events, in_sync, placement, wait_in_sync, wait_primary
+from failover_helpers import QUEUE, Run, create_queue, digests, events, in_sync, placement, wait_in_sync, wait_primary
+
+from querator.v1 import queue_pb2
 
 TTL = 2
 # The issue's bound: the shard serves again within the TTL + 3 s of the primary's lapse.
@@ -72,7 +75,10 @@ def test_kill_9_of_the_primary_under_load_loses_nothing_and_the_queue_serves_aga
         assert verdict.acknowledged > 100, verdict.figures()
         assert gap <= GAP_BOUND_S, f"served again {gap:.2f} s after the kill"
         found = _check_digests(cluster, observer)
-        record_property("figures", f"R={replicas}: failover gap {gap:.2f} s (kill -9 to the first acknowledged Produce); the old primary back in sync {rejoined:.1f} s after its restart; {verdict.figures()}; in-sync digests {found}")
+        record_property(
+            "figures",
+            f"R={replicas}: failover gap {gap:.2f} s (kill -9 to the first acknowledged Produce); the old primary back in sync {rejoined:.1f} s after its restart; {verdict.figures()}; in-sync digests {found}",
+        )
 
 
 @pytest.mark.timeout(180)
@@ -108,7 +114,10 @@ def test_a_primary_paused_past_its_ttl_acknowledges_nothing_under_its_old_epoch_
         assert wait_primary(cluster, victim)[0] == new_primary
         assert elected_at - paused_at <= GAP_BOUND_S + 1
         found = _check_digests(cluster, observer)
-        record_property("figures", f"SIGSTOP: failover gap {gap:.2f} s; the old primary back in sync {rejoined:.1f} s after SIGCONT; {verdict.figures()}; in-sync digests {found}")
+        record_property(
+            "figures",
+            f"SIGSTOP: failover gap {gap:.2f} s; the old primary back in sync {rejoined:.1f} s after SIGCONT; {verdict.figures()}; in-sync digests {found}",
+        )
 
 
 RING = 300  # --replica-ring: small, so a replica away under load needs a snapshot
@@ -426,3 +435,63 @@ def test_sigterm_of_the_primary_hands_the_queue_over_to_a_replica_losing_nothing
             f"the slowest acknowledged Produce waited {run.slowest_produce_since(stopped_at):.2f} s; "
             f"{verdict.figures()}; digests {found}",
         )
+
+
+@pytest.mark.timeout(120)
+def test_below_the_minimum_in_sync_count_writes_are_refused_unavailable_and_none_is_acknowledged(tmp_path: Path) -> None:
+    """R = 2 with min_in_sync 2: the replica killed, the primary may not drop it from the
+    in-sync set, so it refuses writes UNAVAILABLE (at once, before storing them), answers
+    reads, and acknowledges nothing until the replica is back in step. Before the
+    refusal, a Produce sent then waited for the dead copy until its deadline
+    (DEADLINE_EXCEEDED: its caller could not tell whether it was stored)."""
+    with Cluster(str(tmp_path), size=3, ttl=TTL) as cluster:
+        create_queue(cluster.nodes[0], 2, min_in_sync=2)
+        primary_id, _epoch = wait_primary(cluster, cluster.nodes[0])
+        wait_in_sync(cluster, cluster.nodes[0], 2)
+        primary = _node(cluster, primary_id)
+        found = placement(primary)
+        assert found is not None and found.min_in_sync == 2
+        before = [b"before-%d" % i for i in range(20)]
+        primary.stubs.produce(QUEUE, before)
+        replica = _node(cluster, next(n for n in found.replicas if n != primary_id))
+        replica.kill9()
+        killed = time.monotonic()
+        codes: list[grpc.StatusCode] = []
+        refused: grpc.RpcError | None = None
+        while refused is None and time.monotonic() < killed + 20:
+            try:
+                primary.stubs.queue.Produce(
+                    queue_pb2.ProduceRequest(queue_name=QUEUE, items=[queue_pb2.ProduceItem(payload=b"during")]), timeout=3
+                )
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    refused = exc
+        assert grpc.StatusCode.OK not in codes, f"a Produce was acknowledged with the only other copy dead: {codes}"
+        assert refused is not None, f"no Produce refused UNAVAILABLE within 20 s of the kill: {codes}"
+        assert "below its minimum of 2" in str(refused.details()), refused.details()
+        # Refused at once from then on, and reads go on.
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as again:
+            primary.stubs.produce(QUEUE, [b"again"])
+        assert again.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 2
+        assert sum(p.total for p in primary.stubs.stats(QUEUE).partitions) >= len(before)
+        replica.start()
+        wait_in_sync(cluster, primary, 2)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                primary.stubs.produce(QUEUE, [b"after"])
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, exc
+                time.sleep(0.2)
+        payloads: list[bytes] = []
+        while True:
+            items = primary.stubs.lease(QUEUE, batch_size=100, timeout=2).items
+            if not items:
+                break
+            payloads.extend(i.payload for i in items)
+        assert sorted(p for p in payloads if p.startswith(b"before-")) == sorted(before)
+        assert b"after" in payloads

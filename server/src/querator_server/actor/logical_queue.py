@@ -63,6 +63,7 @@ from .requests import (
     ExtendRequest,
     LeaseRequest,
     LeaseResult,
+    ListItemsRequest,
     OutboxDoneRequest,
     ProduceRequest,
     RedriveDoneRequest,
@@ -83,6 +84,7 @@ DEFAULT_MAX_INBOX = 10_000
 STEP_DOWN_GRACE_S = 2.0
 # After a failed lifecycle step, the next try waits this long (as a failed hand-over does).
 OUTBOX_RETRY_S = HANDOVER_RETRY_S
+
 
 class LogicalQueue:
     """The actor owning one queue's storage and in-memory state."""
@@ -456,6 +458,8 @@ class LogicalQueue:
         for request in control:
             if isinstance(request, Reconfigure):
                 await self._apply_config(request)
+        if self._gate is not None and len(batch):
+            batch = self._refuse_writes(batch, self._gate.refusal())
         lifecycle = self._lifecycle_due()
         probing = self._health.take_probes(now)
         # Taken whatever else the cycle does, so the next probe waits its turn (parked
@@ -515,7 +519,9 @@ class LogicalQueue:
                 self.replica.committed(cycle.change)
             # Nothing leaves for another queue before the copies hold the move: a new
             # primary without it would move the items again.
-            outboxes = partial(self._adopt_outboxes, cycle) if cycle.outbox_added or cycle.redrive_added or cycle.dropped else None
+            outboxes = (
+                partial(self._adopt_outboxes, cycle) if cycle.outbox_added or cycle.redrive_added or cycle.dropped else None
+            )
             self._gate.release(cycle.change, cycle.results, outboxes)
         else:
             self._adopt_outboxes(cycle)
@@ -752,6 +758,17 @@ class LogicalQueue:
             return True
         return bool(self._health.failure) and not len(batch)
 
+    @staticmethod
+    def _refuse_writes(batch: Batch, refusal: Unavailable | None) -> Batch:
+        """``batch`` without its writes, each answered ``refusal`` (None: all of it)."""
+        if refusal is None:
+            return batch
+        listings: list[Request] = [r for r in batch.others if isinstance(r, ListItemsRequest)]
+        for request in batch.produces + batch.leases + batch.acks + batch.others:
+            if not isinstance(request, ListItemsRequest):
+                answer(request, refusal)
+        return Batch(others=listings)
+
     def _fail_batch(self, batch: Batch, error: QueratorError) -> None:
         # Leases too: one that kept waiting through failing cycles would end with no
         # items while items are ready, and its caller would take the outage for an
@@ -786,7 +803,9 @@ class LogicalQueue:
     def _faulty_now(self) -> dict[int, str]:
         return self._health.faulty
 
-    async def _send_dead_letters(self, entries: list[tuple[tuple[int, int], Item]], done: Callable[[list[tuple[int, int]]], None]) -> None:
+    async def _send_dead_letters(
+        self, entries: list[tuple[tuple[int, int], Item]], done: Callable[[list[tuple[int, int]]], None]
+    ) -> None:
         """Dead letters to the dead-letter queue (dropped, logged, without one), then
         out of the outbox."""
         dead_queue = self.config.dead_queue
@@ -798,7 +817,9 @@ class LogicalQueue:
             crash_point(DEAD_LETTER_STORED)
         else:
             for _key, item in entries:
-                log.warning("item_dropped", queue=self.name, item_id=item.source_id, reason="no dead_queue", error=item.last_error)
+                log.warning(
+                    "item_dropped", queue=self.name, item_id=item.source_id, reason="no dead_queue", error=item.last_error
+                )
         keys = [key for key, _ in entries]
         await self.submit(OutboxDoneRequest(keys))
         done(keys)

@@ -37,7 +37,12 @@ class Replication(Protocol):
     async def replicated(self, change: ChangeSet) -> None:
         """Return once every member of the in-sync set holds ``change`` durably; raise
         (``Unavailable``) when that cannot be had: deposed, below the minimum in-sync
-        count. Called in lsn order; calls overlap."""
+        count. Called in lsn order; calls overlap.
+
+        A ``Replication`` may also have ``writable() -> None``, raising ``Unavailable``
+        while a change made now could not be acknowledged (fewer copies in sync than the
+        queue's minimum): the actor then refuses the cycle's writes before storing them
+        (``ReplicationGate.refusal``). Without it, nothing is refused up front."""
 
 
 class ReplicationGate:
@@ -75,6 +80,20 @@ class ReplicationGate:
             self._tail = None
         if task.cancelled():  # cancelled before it ran: its answers are still owed
             self._fail(results)
+
+    def refusal(self) -> Unavailable | None:
+        """Why the requests that write must be refused now, or None: below the minimum
+        in-sync count a write is refused UNAVAILABLE before it is stored, rather than
+        stored and left waiting for an acknowledgement until its deadline (its caller
+        then could not tell whether it was applied)."""
+        writable = getattr(self.replication, "writable", None)
+        if writable is None:
+            return None
+        try:
+            writable()
+        except Unavailable as exc:
+            return exc
+        return None
 
     @property
     def pending(self) -> int:

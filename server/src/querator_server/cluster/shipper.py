@@ -9,9 +9,10 @@ misses it), and drops a member only once etcd took the shrink: a replica silent 
 behind for ``lag_s`` is shrunk out through a compare-and-swap, and until that CAS
 succeeded it is waited for. A CAS lost means another primary was elected: every
 waiting and later change fails UNAVAILABLE (the actor then stops serving as primary).
-Below ``min_isr`` copies in sync a change waits (its caller's deadline ends it: an
-outcome the caller cannot know) until a replica is back in step; ``writable`` says so
-before anything is written.
+Below ``min_isr`` copies in sync ``writable`` raises, and the actor refuses writes
+UNAVAILABLE before storing them; a change stored before the count fell waits (its
+caller's deadline ends it: an outcome the caller cannot know) until a replica is back
+in step.
 
 Each link sends the ring's changes in lsn order, one batch in flight; on any error it
 asks the replica for its position again and picks the path (tail, snapshot: see
@@ -264,7 +265,7 @@ class ShardReplication:
         if in_sync < self.record.min_isr:
             raise Unavailable(
                 f"queue {self.record.queue!r}: {in_sync} in-sync copies, fewer than its minimum of "
-                f"{self.record.min_isr}; writes wait until a replica is back in step"
+                f"{self.record.min_isr}; writes are refused until a replica is back in step, retry"
             )
 
     async def replicated(self, change: ChangeSetLike) -> None:
