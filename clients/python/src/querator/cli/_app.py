@@ -13,10 +13,10 @@ from importlib import metadata
 from types import ModuleType
 
 from ..errors import FailedPrecondition, InvalidRequest, QueratorError
-from . import cluster, dlq, items, keys, queues, serve, work, worker
+from . import cluster, console, dlq, items, keys, queues, serve, work, worker
 from ._common import Commands, UsageError, add_common, common_options, make_client
 
-COMMAND_MODULES: tuple[ModuleType, ...] = (serve, queues, work, worker, items, dlq, keys, cluster)
+COMMAND_MODULES: tuple[ModuleType, ...] = (serve, queues, work, worker, items, dlq, keys, cluster, console)
 
 # Top-level options that take a value: needed to find the command word before parsing.
 _VALUE_OPTIONS = frozenset({"--address", "--timeout", "--token", "--tls-ca", "--ca-file", "--tls-cert", "--cert-file", "--tls-key", "--key-file"})

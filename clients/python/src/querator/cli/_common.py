@@ -128,7 +128,9 @@ def common_options() -> argparse.ArgumentParser:
     return common
 
 
-def make_client(args: argparse.Namespace) -> Client:
+def client_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The client's options from the connection options (all but the address)."""
+
     def read(path: str | None) -> bytes | None:
         if path is None:
             return None
@@ -140,8 +142,7 @@ def make_client(args: argparse.Namespace) -> Client:
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("mutual TLS needs both --tls-cert and --tls-key")
-    return Client(
-        args.address,
+    return dict(
         timeout=args.timeout,
         tls=args.tls or None,
         root_certificates=read(args.tls_ca),
@@ -149,6 +150,10 @@ def make_client(args: argparse.Namespace) -> Client:
         private_key=read(args.tls_key),
         bearer_token=args.token or None,
     )
+
+
+def make_client(args: argparse.Namespace) -> Client:
+    return Client(args.address, **client_options(args))
 
 
 def done(args: argparse.Namespace, message: str, **fields: Any) -> int:

@@ -1,0 +1,180 @@
+"""``querator console`` against a real server with API keys, through HTTP as a browser
+would send it (the browser test, test_console_browser.py, clicks the same pages)."""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("starlette", reason="the console extra (querator-client[console]) is not installed")
+
+from console_helpers import Visitor, console, count, csrf, flash  # noqa: E402
+
+import querator  # noqa: E402
+from querator.console._format import field, preview  # noqa: E402
+from querator.embedded import EmbeddedServer  # noqa: E402
+from querator.testing import server  # noqa: E402
+from querator.v1 import storage_pb2  # noqa: E402
+
+ADMIN = "console-admin-token"
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[EmbeddedServer]:
+    with server(admin_token=ADMIN) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def admin(srv: EmbeddedServer) -> Iterator[querator.Client]:
+    with srv.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def url(srv: EmbeddedServer) -> Iterator[str]:
+    with console(srv.address) as base:
+        yield base
+
+
+def dead_letters(admin: querator.Client, name: str, count: int, *, kind: str = "") -> str:
+    """Queue ``name`` with ``count`` items dead-lettered into ``name``-dlq; the DLQ's name."""
+    dlq = f"{name}-dlq"
+    admin.create_queue(dlq)
+    admin.create_queue(name, dead_queue=dlq)
+    admin.produce(name, [json.dumps({"n": i}).encode() for i in range(count)], kind=kind)
+    admin.retry(admin.lease(name, batch_size=count, wait=5), dead=True)
+    assert admin.queue_stats(dlq).ready == count
+    return dlq
+
+
+def test_login_keeps_the_key_in_the_console(url: str) -> None:
+    v = Visitor(url)
+    first = v.get("/")
+    assert first.url.endswith("/login") and 'name="token"' in first.text
+    refused = v.log_in("qk_not_a_key")
+    assert refused.status == 401 and "The server refused the key" in refused.text
+    ok = v.log_in(ADMIN)
+    assert ok.status == 200 and ok.url.rstrip("/") == url.rstrip("/") and 'id="queues"' in ok.text
+    (cookie,) = list(v.jar)
+    assert cookie.has_nonstandard_attr("HttpOnly") and cookie.get_nonstandard_attr("SameSite", "").lower() == "strict"
+    assert ADMIN not in cookie.value and ADMIN not in ok.text and ADMIN not in ok.url
+    for header in ("content-security-policy", "x-frame-options"):
+        assert header in {k.lower() for k in ok.headers}
+    # Logging out drops the session on the console: the old cookie no longer works.
+    v.post("/logout", {"csrf": csrf(ok.text)})
+    again = Visitor(url)
+    again.jar.set_cookie(cookie)
+    assert again.get("/").url.endswith("/login")
+
+
+def test_an_action_without_the_session_csrf_token_is_refused(url: str, admin: querator.Client) -> None:
+    dlq = dead_letters(admin, "csrf-jobs", 2)
+    v = Visitor(url)
+    page = v.log_in(ADMIN)
+    for token in ("", "forged" + csrf(page.text)):
+        reply = v.post(f"/q/{dlq}/action/purge", {"csrf": token, "confirm": dlq})
+        assert reply.status == 403 and "security token" in flash(reply.text)
+    # Another visitor's token does not fit this session either.
+    other = Visitor(url)
+    other_token = csrf(other.log_in(ADMIN).text)
+    assert v.post(f"/q/{dlq}/action/purge", {"csrf": other_token, "confirm": dlq}).status == 403
+    assert admin.queue_stats(dlq).ready == 2
+
+
+def test_dead_letters_redrive_selected_and_all_delete_and_purge(url: str, admin: querator.Client) -> None:
+    dlq = dead_letters(admin, "dl-jobs", 6, kind="invoice")
+    v = Visitor(url)
+    v.log_in(ADMIN)
+    page = v.get(f"/q/{dlq}/dead")
+    assert page.status == 200 and count(page.text, "ready") == 6
+    assert page.text.count('class="item"') == 6 and "retry_dead" in page.text
+    assert 'value="dl-jobs"' in page.text  # the only source queue, offered as the target
+    ids = [line.split('value="0:')[1].split('"')[0] for line in page.text.splitlines() if 'name="item" value="0:' in line]
+    token = csrf(page.text)
+
+    moved = v.post(f"/q/{dlq}/action/redrive-selected", [("csrf", token), ("to", "dl-jobs"), ("item", f"0:{ids[0]}")])
+    assert "Redrove 1 selected item(s)" in flash(moved.text, "ok"), moved.text
+    assert count(moved.text, "ready") == 5
+    (back,) = admin.lease("dl-jobs", wait=5)
+    assert back.attempts == 1 and back.kind == "invoice" and json.loads(back.payload) == {"n": 0}
+    back.complete()
+
+    gone = v.post(f"/q/{dlq}/action/delete-selected", [("csrf", token), ("item", f"0:{ids[1]}"), ("item", f"0:{ids[2]}")])
+    assert "Deleted 2 item(s)" in flash(gone.text, "ok") and count(gone.text, "ready") == 3
+
+    none = v.post(f"/q/{dlq}/action/redrive-all", {"csrf": token, "kind": "email", "reason": ""})
+    assert "Redrove 0 item(s)" in flash(none.text, "ok") and count(none.text, "ready") == 3
+    some = v.post(f"/q/{dlq}/action/redrive-all", {"csrf": token, "kind": "invoice", "reason": "retry_dead", "to": ""})
+    assert "Redrove 3 item(s) from dl-jobs-dlq to their source queues" in flash(some.text, "ok")
+    assert count(some.text, "ready") == 0 and admin.queue_stats("dl-jobs").ready == 3
+
+    wrong = v.post("/q/dl-jobs/action/purge", {"csrf": token, "confirm": "dl-job", "back": "/q/dl-jobs"})
+    assert "type the queue's name" in flash(wrong.text) and admin.queue_stats("dl-jobs").ready == 3
+    purged = v.post("/q/dl-jobs/action/purge", {"csrf": token, "confirm": "dl-jobs", "back": "/q/dl-jobs"})
+    assert "Purged dl-jobs" in flash(purged.text, "ok") and count(purged.text, "ready") == 0
+
+
+def test_the_server_refuses_a_consumer_key_and_the_page_says_so(url: str, admin: querator.Client) -> None:
+    dlq = dead_letters(admin, "ro-jobs", 2)
+    consumer = admin.create_key("consumer", ["*"]).token
+    v = Visitor(url)
+    home = v.log_in(consumer)
+    assert 'data-queue="ro-jobs"' in home.text  # a consumer key may list queues and read counts
+    page = v.get(f"/q/{dlq}")
+    assert count(page.text, "ready") == 2
+    refused = v.post(f"/q/{dlq}/action/purge", {"csrf": csrf(page.text), "confirm": dlq, "back": f"/q/{dlq}"})
+    assert flash(refused.text).startswith("Refused by the server (PERMISSION_DENIED)")
+    listing = v.get(f"/q/{dlq}/dead")
+    assert listing.status == 403 and "PERMISSION_DENIED" in flash(listing.text)
+    assert admin.queue_stats(dlq).ready == 2
+
+
+def test_read_only_takes_no_action(srv: EmbeddedServer, admin: querator.Client) -> None:
+    dlq = dead_letters(admin, "rd-jobs", 2)
+    # --token: every visitor uses that key, no login.
+    with console(srv.address, "--read-only", "--token", ADMIN) as base:
+        v = Visitor(base)
+        page = v.get(f"/q/{dlq}/dead")
+        assert page.status == 200 and count(page.text, "ready") == 2 and "read-only" in page.text
+        assert "/action/" not in page.text
+        reply = v.post(f"/q/{dlq}/action/purge", {"csrf": csrf(page.text), "confirm": dlq, "back": f"/q/{dlq}"})
+        assert "read-only" in flash(reply.text)
+    assert admin.queue_stats(dlq).ready == 2
+
+
+def test_items_are_paged_and_filtered(url: str, admin: querator.Client) -> None:
+    admin.create_queue("paged", partitions=1)
+    admin.produce("paged", [b"\x00\x01binary", "plain text"] + [json.dumps({"i": i}) for i in range(118)])
+    leased = admin.lease("paged", batch_size=2, wait=5)
+    v = Visitor(url)
+    v.log_in(ADMIN)
+    first = v.get("/q/paged/items")
+    assert first.text.count('class="item"') == 50 and 'id="next"' in first.text
+    assert "hex, 8 bytes" in first.text and "text, 10 bytes" in first.text and "json" in first.text
+    leased_page = v.get("/q/paged/items?state=leased")
+    assert leased_page.text.count('class="item"') == 2
+    ready = v.get("/q/paged/items?state=ready")
+    assert ready.text.count('class="item"') == 50 and f'data-id="{leased[0].id}"' not in ready.text
+    nxt = first.text.split('id="next" href="')[1].split('"')[0].replace("&amp;", "&")
+    second = v.get(nxt)
+    assert second.text.count('class="item"') == 50 and '"i": 48' in html.unescape(second.text)
+
+
+def test_payload_preview_forms() -> None:
+    assert preview(b'{"a": [1, 2]}').form == "json"
+    assert preview("héllo\nworld".encode()).text == "héllo\nworld"
+    binary = preview(bytes(range(40)))
+    assert binary.form == "hex" and binary.text.startswith("00000000  00 01 02")
+    big = preview("é".encode() * 3000)  # cut inside a character: still text
+    assert big.form == "text" and big.cut and big.size == 6000
+    assert preview(b"").form == "empty"
+
+
+def test_a_field_the_generated_code_lacks_reads_as_none() -> None:
+    item = storage_pb2.StorageItem(kind="k")
+    assert field(item, "kind") == "k"
+    assert field(item, "no_such_field") is None
