@@ -178,3 +178,11 @@ def test_a_field_the_generated_code_lacks_reads_as_none() -> None:
     item = storage_pb2.StorageItem(kind="k")
     assert field(item, "kind") == "k"
     assert field(item, "no_such_field") is None
+
+
+def test_durations_read_short() -> None:
+    from querator.console._format import seconds_text
+
+    assert [seconds_text(x) for x in (0.5, 5, 60, 61, 3600, 3660, 86400, 90000)] == [
+        "500ms", "5s", "1m", "1m 1s", "1h", "1h 1m", "1d", "1d 1h",
+    ]  # fmt: skip

@@ -464,8 +464,9 @@ class Console:
 
     async def redrive_selected(self, session: Session, api: Api, name: str, form: Any) -> str:
         """Import each selected dead letter into the target queue as a fresh item (as
-        RedriveItems hands it over: no attempts, no dead-letter fields, message_id and
-        created_at kept, its dead-letter id as source_id), then delete it from here."""
+        RedriveItems hands it over: no attempts, no dead-letter fields, message_id,
+        created_at and last error kept, its dead-letter id as source_id), then delete
+        it from here."""
         target = str(form.get("to", "")).strip()
         if not target:
             raise ValueError("Name the queue to redrive the selected items to.")
@@ -601,6 +602,8 @@ def _handed_over(item: storage_pb2.StorageItem) -> storage_pb2.StorageItem:
         source_id=item.id,
         metadata=dict(item.metadata),
         message_id=item.message_id or item.id,
+        last_error=item.last_error,
+        last_error_at=item.last_error_at if item.last_error else None,
     )
 
 

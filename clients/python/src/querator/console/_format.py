@@ -71,10 +71,12 @@ def seconds_text(seconds: float) -> str:
     if s < 60:
         return f"{s}s"
     if s < 3600:
-        return f"{s // 60}m {s % 60}s"
-    if s < 86400:
-        return f"{s // 3600}h {s % 3600 // 60}m"
-    return f"{s // 86400}d {s % 86400 // 3600}h"
+        big, small = f"{s // 60}m", f" {s % 60}s" if s % 60 else ""
+    elif s < 86400:
+        big, small = f"{s // 3600}h", f" {s % 3600 // 60}m" if s % 3600 // 60 else ""
+    else:
+        big, small = f"{s // 86400}d", f" {s % 86400 // 3600}h" if s % 86400 // 3600 else ""
+    return big + small
 
 
 def duration(value: Duration) -> str:
