@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,7 @@ from console_helpers import Visitor, console, count, csrf, flash  # noqa: E402
 import querator  # noqa: E402
 from querator.console._format import field, preview  # noqa: E402
 from querator.embedded import EmbeddedServer  # noqa: E402
-from querator.testing import server  # noqa: E402
+from querator.testing import make_certificates, server  # noqa: E402
 from querator.v1 import storage_pb2  # noqa: E402
 
 ADMIN = "console-admin-token"
@@ -186,3 +187,18 @@ def test_durations_read_short() -> None:
     assert [seconds_text(x) for x in (0.5, 5, 60, 61, 3600, 3660, 86400, 90000)] == [
         "500ms", "5s", "1m", "1m 1s", "1h", "1h 1m", "1d", "1d 1h",
     ]  # fmt: skip
+
+
+def test_tls_and_a_key_given_on_the_command_line(tmp_path: Path) -> None:
+    certs = make_certificates(tmp_path)
+    with server(tls=certs, admin_token=ADMIN) as tls_srv, tls_srv.client() as c:
+        c.create_queue("secure")
+        c.produce("secure", ["a", "b"])
+        address = tls_srv.address.replace("127.0.0.1", "localhost")
+        with console(address, "--tls-ca", str(certs.ca), "--token", ADMIN) as base:
+            page = Visitor(base).get("/q/secure")
+            assert page.status == 200 and count(page.text, "ready") == 2
+        # Without the CA the console cannot reach it, and says so on the page.
+        with console(address, "--tls", "--token", ADMIN, "--timeout", "2s") as base:
+            page = Visitor(base).get("/")
+            assert page.status == 502 and "cannot reach the server" in page.text and "UNAVAILABLE" in flash(page.text)

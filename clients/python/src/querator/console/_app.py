@@ -131,7 +131,10 @@ class Console:
         session = self.sessions.get(request.cookies.get(COOKIE))
         if session is not None and session.api is not None and session.sampler is not None:
             return session, session.api, session.sampler
-        opened = await self._open_api()
+        try:
+            opened = await self._open_api()
+        except QueratorError as exc:
+            return self.render(request, None, "error.html", 502, title="The console cannot reach the server", error=_refusal(exc))
         if opened is None:
             return RedirectResponse("/login", status_code=303)
         if session is None:
@@ -154,7 +157,11 @@ class Console:
     # -- login ---------------------------------------------------------------------------------
 
     async def login_page(self, request: Request) -> Response:
-        if await self._open_api() is not None:
+        try:
+            opened = await self._open_api()
+        except QueratorError as exc:
+            return self.render(request, None, "error.html", 502, title="The console cannot reach the server", error=_refusal(exc))
+        if opened is not None:
             return RedirectResponse("/", status_code=303)
         session = self.sessions.get(request.cookies.get(COOKIE)) or await self.sessions.new()
         return self.with_cookie(self.render(request, session, "login.html", error=""), session)
