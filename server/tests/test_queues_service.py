@@ -727,6 +727,39 @@ def test_stats_per_partition(stubs: Stubs) -> None:
     assert counts(stubs, "q") == [(1, 0, 1), (2, 0, 0)]
 
 
+def test_stats_count_produced_and_completed_items(stubs: Stubs) -> None:
+    stubs.create("q", requested_partitions=2)
+    stubs.produce("q", [b"1", b"2", b"3"])  # partition 0
+    stubs.produce("q", [b"4", b"5"])  # partition 1
+    keyed = [queue_pb2.ProduceItem(payload=b"k", idempotency_key="once")]
+    stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name="q", items=keyed), timeout=10)
+    again = stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name="q", items=keyed), timeout=10)
+    assert again.duplicates == 1  # stores nothing: not counted
+    produce_scheduled(stubs, "q", [b"later"])  # scheduled items are produced too
+
+    def counters() -> list[tuple[int, int]]:
+        return [(p.produced, p.completed) for p in stubs.stats("q").partitions]
+
+    assert sum(p for p, _ in counters()) == 7 and sum(c for _, c in counters()) == 0
+    # Complete, Lease's complete_ids, and lease keys all count; Retry does not.
+    a = stubs.lease("q", batch_size=2)
+    stubs.complete("q", a.partition, [i.id for i in a.items])
+    b = stubs.lease("q", batch_size=1)
+    stubs.queue.Retry(
+        queue_pb2.RetryRequest(queue_name="q", partition=b.partition, items=[queue_pb2.RetryItem(id=b.items[0].id)]),
+        timeout=10,
+    )
+    c = stubs.lease("q", batch_size=1)
+    stubs.lease("q", batch_size=1, complete_ids=[c.items[0].id], complete_partition=c.partition, request_timeout=dur(0))
+    d = stubs.lease("q", batch_size=1, lease_key="job-1")
+    assert len(d.items) == 1
+    stubs.queue.Complete(queue_pb2.CompleteRequest(queue_name="q", lease_keys=["job-1"]), timeout=10)
+    assert sum(c for _, c in counters()) == 4
+    # A clear keeps the counters (they count what went through, not what is there).
+    stubs.queues.ClearQueue(queues_pb2.ClearQueueRequest(queue_name="q", queue=True, scheduled=True), timeout=10)
+    assert sum(p for p, _ in counters()) == 7 and sum(c for _, c in counters()) == 4
+
+
 def test_stats_counts_waiting_leases(stubs: Stubs) -> None:
     stubs.create("q")
     request = queue_pb2.LeaseRequest(queue_name="q", batch_size=1, client_id="w", request_timeout=dur(10))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import html
 import json
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -202,3 +204,46 @@ def test_tls_and_a_key_given_on_the_command_line(tmp_path: Path) -> None:
         with console(address, "--tls", "--token", ADMIN, "--timeout", "2s") as base:
             page = Visitor(base).get("/")
             assert page.status == 502 and "cannot reach the server" in page.text and "UNAVAILABLE" in flash(page.text)
+
+
+def test_rates_come_from_the_servers_counters() -> None:
+    from collections import deque
+
+    from querator.console._sampler import Sample, Sampler
+
+    sampler = Sampler(None)  # type: ignore[arg-type]
+    # Two partitions over 20 s: 30 + 10 produced, 20 completed, and partition 1's node
+    # restarted between the last two samples (its counter fell from 10 to 4: 4 since).
+    sampler._series["q"] = deque(
+        [
+            Sample(100.0, 0, 0, 0, 0, produced=(100, 0), completed=(50, 0)),
+            Sample(110.0, 0, 0, 0, 0, produced=(120, 10), completed=(60, 0)),
+            Sample(120.0, 0, 0, 0, 0, produced=(130, 4), completed=(70, 0)),
+        ]
+    )
+    rates = sampler.rates("q")
+    assert rates is not None and rates.exact
+    assert (rates.in_per_min, rates.out_per_min, rates.seconds) == ((30 + 10 + 4) * 3, 20 * 3, 20.0)
+    # A server without the counters answers 0: the depth's rises and falls, as bounds.
+    sampler._series["old"] = deque(
+        [Sample(0.0, 0, 5, 0, 0), Sample(10.0, 0, 9, 0, 0), Sample(20.0, 0, 2, 1, 0)]
+    )
+    old = sampler.rates("old")
+    assert old is not None and not old.exact and (old.in_per_min, old.out_per_min) == (12.0, 18.0)
+
+
+def test_the_queue_page_shows_produce_and_complete_rates(url: str, admin: querator.Client) -> None:
+    admin.create_queue("busy")
+    v = Visitor(url)
+    v.log_in(ADMIN)
+    v.get("/q/busy")  # the first sample
+    admin.produce("busy", [str(i) for i in range(30)])
+    for item in admin.lease("busy", batch_size=10, wait=5):
+        item.complete()
+    time.sleep(1.1)  # a page keeps at most one sample a second
+    page = v.get("/q/busy")
+    rates = re.search(r'id="rates">([\d.]+) / ([\d.]+)<', page.text)
+    assert rates is not None, page.text
+    produced, completed = float(rates.group(1)), float(rates.group(2))
+    # 30 and 10 items over the span between the two samples (a little over a second).
+    assert 0 < produced < 30 * 60 and produced == pytest.approx(3 * completed, rel=0.01)

@@ -90,6 +90,10 @@ export interface PartitionStats {
   failure: string;
   /** Since when it is faulty; undefined while it serves. */
   faultySince: Date | undefined;
+  /** Items produced into and completed in the partition since the server loaded the
+   * queue: counters (0 at the server's start) whose growth over time is the rate. */
+  produced: number;
+  completed: number;
 }
 
 /** A queue's counts now, per partition and summed. */

@@ -395,6 +395,8 @@ export function queueStats(r: GetQueueStatsResponse): QueueStats {
     faulty: p.faulty,
     failure: p.faulty ? p.failure || "faulty" : "",
     faultySince: p.faulty ? fromTimestamp(p.faultySince) : undefined,
+    produced: Number(p.produced),
+    completed: Number(p.completed),
   }));
   const sum = (f: (p: PartitionStats) => number): number => partitions.reduce((n, p) => n + f(p), 0);
   return {

@@ -180,6 +180,9 @@ class PartitionStats:
     # Why the partition is faulty and since when (wall µs); "" and 0 while it serves.
     failure: str = ""
     faulty_since_us: int = 0
+    # Items produced and completed since the partition was loaded (counters).
+    produced: int = 0
+    completed: int = 0
 
 
 @dataclass(slots=True)

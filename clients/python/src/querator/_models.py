@@ -157,6 +157,10 @@ class PartitionStats:
     average_leased_age: timedelta
     failure: str = ""
     faulty_since: datetime | None = None
+    #: Items produced into and completed in the partition since the server loaded the
+    #: queue: counters (0 at the server's start) whose growth over time is the rate.
+    produced: int = 0
+    completed: int = 0
 
     @property
     def ready(self) -> int:

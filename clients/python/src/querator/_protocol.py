@@ -407,6 +407,8 @@ def queue_stats(response: queues_pb2.GetQueueStatsResponse) -> QueueStats:
                 average_leased_age=c.from_duration(p.average_leased_age),
                 failure=(p.failure or "faulty") if p.faulty else "",
                 faulty_since=c.optional_timestamp(p, "faulty_since"),
+                produced=p.produced,
+                completed=p.completed,
             )
             for p in response.partitions
         ],

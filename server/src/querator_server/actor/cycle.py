@@ -123,6 +123,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         ready = len(request.items) - duplicates - (v.scheduled - scheduled_before)
         v.ready += ready
         v.created_sum += now * ready
+        v.produced += len(request.items) - duplicates
         if len(request.items) > duplicates:
             v.note_expiry(expire)
         self._ok(request, ProduceResult(p, ids, duplicates))
@@ -153,6 +154,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         v.take_seqs(count)
         self.store.append_payloads(txn, p, first, payloads, now, expire)
         v.ready += count
+        v.produced += count
         v.created_sum += now * count
         v.note_expiry(expire)
         self._ok(request, ProduceResult(p, [prefix + format(seq, "x") for seq in range(first, first + count)]))
@@ -189,6 +191,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             v.take_seqs(count)
             self.store.append_payloads(txn, p, first, payloads, now, expire)
             v.ready += count
+            v.produced += count
             v.created_sum += now * count
             v.note_expiry(expire)
         if fresh and keyed is not None:
@@ -565,6 +568,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         self.lease_ends.extend([(p, seq) for seq in range(first, last + 1)])
         v = self.view(p)
         v.leased -= len(ids)
+        v.completed += len(ids)
         v.created_sum -= created
         v.leased_at_sum -= leased_at
         return True

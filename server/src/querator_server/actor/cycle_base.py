@@ -251,7 +251,9 @@ class CycleBase:
             self.still_faulty[p] = f"its storage failed: {type(exc).__name__}: {exc}"
             return
         child.commit()
-        self.views[p] = PartitionView.from_scan(scan)
+        fresh = PartitionView.from_scan(scan)
+        fresh.produced, fresh.completed = self._base[p].produced, self._base[p].completed
+        self.views[p] = fresh
         self.recovered[p] = (scan, outbox, moving)
 
     def touch(self, txn: lmdb.Transaction[bytes]) -> None:
@@ -385,6 +387,7 @@ class CycleBase:
         if count:
             v = self.view(p)
             v.leased -= count
+            v.completed += count
             v.created_sum -= created
             v.leased_at_sum -= leased_at
 

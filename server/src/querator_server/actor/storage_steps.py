@@ -136,6 +136,7 @@ class StorageSteps(CycleBase):
             fresh = PartitionView.from_scan(scan)
             fresh.next_seq = v.next_seq
             fresh.seq_dirty = v.seq_dirty
+            fresh.produced, fresh.completed = v.produced, v.completed
             self.views[p] = fresh
         self._ok(request, None)
 

@@ -30,6 +30,9 @@ class PartitionView:
     # indexed (0: none). They may be early, never late: the lifecycle re-reads them.
     first_due: int = 0
     first_expiry: int = 0
+    # Items produced and completed since the view was built (GetQueueStats' counters).
+    produced: int = 0
+    completed: int = 0
 
     @classmethod
     def from_scan(cls, scan: PartitionScan) -> PartitionView:
@@ -57,6 +60,8 @@ class PartitionView:
             self.seq_dirty,
             self.first_due,
             self.first_expiry,
+            self.produced,
+            self.completed,
         )
 
     def stats(self, p: int, now: int, failure: str, faulty_since_us: int) -> PartitionStats:
@@ -71,6 +76,8 @@ class PartitionView:
             average_leased_age_us=max(0, now - self.leased_at_sum // self.leased) if self.leased else 0,
             failure=failure,
             faulty_since_us=faulty_since_us,
+            produced=self.produced,
+            completed=self.completed,
         )
 
     def take_seq(self) -> int:

@@ -258,6 +258,8 @@ class QueuesService:
                     faulty=bool(s.failure),
                     failure=s.failure,
                     faulty_since=c.to_timestamp(s.faulty_since_us) if s.faulty_since_us else None,
+                    produced=s.produced,
+                    completed=s.completed,
                 )
                 for s in stats.partitions
             ],

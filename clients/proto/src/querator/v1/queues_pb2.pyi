@@ -537,6 +537,8 @@ class PartitionStats(_message.Message):
     FAULTY_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
     FAULTY_SINCE_FIELD_NUMBER: _builtins.int
+    PRODUCED_FIELD_NUMBER: _builtins.int
+    COMPLETED_FIELD_NUMBER: _builtins.int
     partition: _builtins.int
     """The partition number."""
     total: _builtins.int
@@ -564,6 +566,18 @@ class PartitionStats(_message.Message):
     """
     failure: _builtins.str
     """Why the partition is faulty; empty while it serves."""
+    produced: _builtins.int
+    """Items produced into this partition (by Produce and ProduceStream; not
+    duplicates) since the server loaded the queue. A counter: it starts at 0
+    when the server starts (in a cluster, when the partition's home node
+    does) and only grows until then; the difference of two reads over the
+    time between them is the produce rate. 0 (unknown) for a partition whose
+    home node is down.
+    """
+    completed: _builtins.int
+    """Items completed in this partition (by Complete, Lease's complete_ids and
+    lease keys) since the server loaded the queue; a counter like produced.
+    """
     @_builtins.property
     def average_age(self) -> _duration_pb2.Duration:
         """The mean time since the ready and leased items were produced."""
@@ -588,10 +602,12 @@ class PartitionStats(_message.Message):
         faulty: _builtins.bool = ...,
         failure: _builtins.str = ...,
         faulty_since: _timestamp_pb2.Timestamp | None = ...,
+        produced: _builtins.int = ...,
+        completed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["average_age", b"average_age", "average_leased_age", b"average_leased_age", "faulty_since", b"faulty_since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["average_age", b"average_age", "average_leased_age", b"average_leased_age", "failure", b"failure", "faulty", b"faulty", "faulty_since", b"faulty_since", "partition", b"partition", "scheduled", b"scheduled", "total", b"total", "total_leased", b"total_leased"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["average_age", b"average_age", "average_leased_age", b"average_leased_age", "completed", b"completed", "failure", b"failure", "faulty", b"faulty", "faulty_since", b"faulty_since", "partition", b"partition", "produced", b"produced", "scheduled", b"scheduled", "total", b"total", "total_leased", b"total_leased"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,14 +1,14 @@
-"""A small in-process sampler of queue depths, for the rates and the depth chart.
+"""A small in-process sampler of queue stats, for the rates and the depth chart.
 
-The API has counts (GetQueueStats) but no produce or complete counters, so the
-console keeps its own history: every INTERVAL seconds it reads the stats of the
-queues a page showed in the last WATCH_SECONDS (at most MAX_WATCHED of them), and
-keeps KEEP samples of each. A queue's "in" rate is the sum of the rises of its depth
-(ready + leased + scheduled) between samples over the last minutes, its "out" rate
-the sum of the falls: items that came and went between two samples are not seen, so
-both are lower bounds of the produce and complete rates, exact when a queue only
-fills or only drains between samples. The history lives as long as the process and
-the session; nothing is stored.
+The server keeps counts and two counters per partition (GetQueueStats: items
+produced and completed since it loaded the queue), not their history, so the console
+keeps its own: every INTERVAL seconds it reads the stats of the queues a page showed
+in the last WATCH_SECONDS (at most MAX_WATCHED of them), and keeps KEEP samples of
+each. The produce and complete rates are the counters' growth over the last
+RATE_WINDOW seconds; a counter that went down (its node restarted) counts from 0.
+A server older than the counters answers 0: then the rates fall back to the rises
+and falls of the depth between samples, lower bounds (``exact`` false). The history
+lives as long as the process and the session; nothing is stored.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ class Sample:
     ready: int
     leased: int
     scheduled: int
+    produced: tuple[int, ...] = ()  # per partition
+    completed: tuple[int, ...] = ()
 
     @property
     def depth(self) -> int:
@@ -46,16 +48,25 @@ class Sample:
 
 @dataclass(frozen=True, slots=True)
 class Rates:
-    in_per_min: float
-    out_per_min: float
+    in_per_min: float  # produced
+    out_per_min: float  # completed
     seconds: float  # the span the rates cover
+    exact: bool  # from the server's counters (else lower bounds from the depth)
 
 
 def sample_of(stats: queues_pb2.GetQueueStatsResponse) -> Sample:
     leased = sum(p.total_leased for p in stats.partitions)
     total = sum(p.total for p in stats.partitions)
     scheduled = sum(p.scheduled for p in stats.partitions)
-    return Sample(time.monotonic(), time.time(), total - leased, leased, scheduled)
+    produced = tuple(p.produced for p in stats.partitions)
+    completed = tuple(p.completed for p in stats.partitions)
+    return Sample(time.monotonic(), time.time(), total - leased, leased, scheduled, produced, completed)
+
+
+def _growth(before: tuple[int, ...], after: tuple[int, ...]) -> int:
+    """How much counters grew; one that went down restarted from 0 (a partition
+    added since is new: all of its count)."""
+    return sum(a - b if a >= b else a for a, b in zip(after, before + (0,) * (len(after) - len(before)), strict=False))
 
 
 class Sampler:
@@ -98,17 +109,22 @@ class Sampler:
         recent = [s for s in samples if s.at >= since]
         if len(recent) < 2:
             recent = list(samples)[-2:]
+        seconds = recent[-1].at - recent[0].at
+        if seconds <= 0:
+            return None
+        exact = any(any(s.produced) or any(s.completed) for s in recent)
         rises = falls = 0
         for before, after in zip(recent, recent[1:], strict=False):
+            if exact:
+                rises += _growth(before.produced, after.produced)
+                falls += _growth(before.completed, after.completed)
+                continue
             change = after.depth - before.depth
             if change > 0:
                 rises += change
             else:
                 falls -= change
-        seconds = recent[-1].at - recent[0].at
-        if seconds <= 0:
-            return None
-        return Rates(rises * 60 / seconds, falls * 60 / seconds, seconds)
+        return Rates(rises * 60 / seconds, falls * 60 / seconds, seconds, exact)
 
     async def stop(self) -> None:
         if self._task is not None:
