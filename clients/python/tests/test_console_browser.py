@@ -93,6 +93,8 @@ def _dead_letters_with_errors(client: querator.Client) -> None:
 
 def test_console_in_a_browser(browser: Any, tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
 
     shots = tmp_path / "shots"
     shots.mkdir()
@@ -106,6 +108,12 @@ def test_console_in_a_browser(browser: Any, tmp_path: Path) -> None:
     def flash(kind: str) -> str:
         return str(browser.find_element(By.ID, f"flash-{kind}").text)
 
+    def follow(element: Any) -> None:
+        """Click a link or a submit button and wait for the next page to replace this one."""
+        page = browser.find_element(By.TAG_NAME, "html")
+        element.click()
+        WebDriverWait(browser, 15).until(expected_conditions.staleness_of(page))
+
     with server(admin_token=ADMIN) as srv, srv.client() as admin:
         _dead_letters_with_errors(admin)
         consumer = admin.create_key("consumer", ["*"], description="a worker's key").token
@@ -115,14 +123,13 @@ def test_console_in_a_browser(browser: Any, tmp_path: Path) -> None:
             browser.get(url)
             assert browser.current_url.endswith("/login")
             browser.find_element(By.ID, "token").send_keys(ADMIN)
-            browser.find_element(By.ID, "login").click()
+            follow(browser.find_element(By.ID, "login"))
             assert browser.find_element(By.CSS_SELECTOR, 'tr[data-queue="orders"] td.ready').text == "27"
             assert ADMIN not in browser.current_url
-            shot("queues")
 
             # Browse a queue: its page (three times, the depth chart gets a sample each
             # time while work comes and goes), then its items.
-            browser.find_element(By.LINK_TEXT, "orders").click()
+            follow(browser.find_element(By.LINK_TEXT, "orders"))
             assert count("ready") == 27
             for change in ("produce", "work"):
                 if change == "produce":
@@ -136,7 +143,7 @@ def test_console_in_a_browser(browser: Any, tmp_path: Path) -> None:
             assert count("ready") == 27
             assert len(browser.find_elements(By.CSS_SELECTOR, "#partitions tbody tr")) == 2
             shot("queue")
-            browser.find_element(By.LINK_TEXT, "Items").click()
+            follow(browser.find_element(By.LINK_TEXT, "Items"))
             rows = browser.find_elements(By.CSS_SELECTOR, "#items tr.item")
             assert rows
             rows[0].find_element(By.CSS_SELECTOR, "details summary").click()
@@ -156,27 +163,31 @@ def test_console_in_a_browser(browser: Any, tmp_path: Path) -> None:
             # Redrive the one selected back to orders: the count goes down by one.
             first.find_element(By.CSS_SELECTOR, 'input[name="item"]').click()
             assert browser.find_element(By.ID, "redrive-to").get_attribute("value") == "orders"
-            browser.find_element(By.ID, "redrive-selected").click()
+            follow(browser.find_element(By.ID, "redrive-selected"))
             assert "Redrove 1 selected item(s) from orders-dlq to orders" in flash("ok")
             assert count("ready") == 2
             # And the rest, with RedriveItems.
-            browser.find_element(By.ID, "redrive-all").click()
+            follow(browser.find_element(By.ID, "redrive-all"))
             assert "Redrove 2 item(s)" in flash("ok")
             assert count("ready") == 0
             assert admin.queue_stats("orders").ready == 30
             shot("redriven")
+            # The queues again, now that the console has sampled them for a while.
+            browser.get(url)
+            assert browser.find_element(By.CSS_SELECTOR, 'tr[data-queue="orders"] td.ready').text == "30"
+            shot("queues")
 
             # A consumer key: it may look, but the server refuses a purge, and the page says so.
-            browser.find_element(By.CSS_SELECTOR, "header button.link").click()  # log out
+            follow(browser.find_element(By.CSS_SELECTOR, "header button.link"))  # log out
             assert browser.current_url.endswith("/login")
             browser.find_element(By.ID, "token").send_keys(consumer)
-            browser.find_element(By.ID, "login").click()
+            follow(browser.find_element(By.ID, "login"))
             browser.get(url + "q/orders")
             assert count("ready") == 30
             purge = browser.find_element(By.ID, "purge")
             assert not purge.is_enabled()  # until the name is typed
             browser.find_element(By.ID, "purge-confirm").send_keys("orders")
-            purge.click()
+            follow(purge)
             refusal = flash("error")
             assert refusal.startswith("Refused by the server (PERMISSION_DENIED)"), refusal
             assert count("ready") == 30 and admin.queue_stats("orders").ready == 30

@@ -6,9 +6,9 @@ keeps its own: every INTERVAL seconds it reads the stats of the queues a page sh
 in the last WATCH_SECONDS (at most MAX_WATCHED of them), and keeps KEEP samples of
 each. The produce and complete rates are the counters' growth over the last
 RATE_WINDOW seconds; a counter that went down (its node restarted) counts from 0.
-A server older than the counters answers 0: then the rates fall back to the rises
-and falls of the depth between samples, lower bounds (``exact`` false). The history
-lives as long as the process and the session; nothing is stored.
+Items dead-lettered into a queue or redriven out of it are neither produced nor
+completed: they show in the depth, not in the rates. The history lives as long as
+the process and the session; nothing is stored.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ class Rates:
     in_per_min: float  # produced
     out_per_min: float  # completed
     seconds: float  # the span the rates cover
-    exact: bool  # from the server's counters (else lower bounds from the depth)
 
 
 def sample_of(stats: queues_pb2.GetQueueStatsResponse) -> Sample:
@@ -101,7 +100,8 @@ class Sampler:
         return list(self._series.get(name, ()))
 
     def rates(self, name: str, window: float = RATE_WINDOW) -> Rates | None:
-        """In and out per minute over the last ``window`` seconds; None before two samples."""
+        """Produced and completed per minute over the last ``window`` seconds; None
+        before two samples."""
         samples = self._series.get(name)
         if not samples or len(samples) < 2:
             return None
@@ -112,19 +112,11 @@ class Sampler:
         seconds = recent[-1].at - recent[0].at
         if seconds <= 0:
             return None
-        exact = any(any(s.produced) or any(s.completed) for s in recent)
-        rises = falls = 0
+        produced = completed = 0
         for before, after in zip(recent, recent[1:], strict=False):
-            if exact:
-                rises += _growth(before.produced, after.produced)
-                falls += _growth(before.completed, after.completed)
-                continue
-            change = after.depth - before.depth
-            if change > 0:
-                rises += change
-            else:
-                falls -= change
-        return Rates(rises * 60 / seconds, falls * 60 / seconds, seconds, exact)
+            produced += _growth(before.produced, after.produced)
+            completed += _growth(before.completed, after.completed)
+        return Rates(produced * 60 / seconds, completed * 60 / seconds, seconds)
 
     async def stop(self) -> None:
         if self._task is not None:
