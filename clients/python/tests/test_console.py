@@ -245,3 +245,12 @@ def test_the_queue_page_shows_produce_and_complete_rates(url: str, admin: querat
     produced, completed = float(rates.group(1)), float(rates.group(2))
     # 30 and 10 items over the span between the two samples (a little over a second).
     assert 0 < produced < 30 * 60 and produced == pytest.approx(3 * completed, rel=0.01)
+
+
+def test_an_action_returns_only_to_a_page_of_the_console(url: str, admin: querator.Client) -> None:
+    admin.create_queue("stay-here")
+    v = Visitor(url)
+    token = csrf(v.log_in(ADMIN).text)
+    for back in ("//evil.example/x", "/\\evil.example/x", "https://evil.example/", "/q/stay-here"):
+        reply = v.post("/q/stay-here/action/purge", {"csrf": token, "confirm": "no", "back": back})
+        assert reply.url == url.rstrip("/") + ("/q/stay-here" if back == "/q/stay-here" else "/"), (back, reply.url)

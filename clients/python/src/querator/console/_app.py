@@ -205,11 +205,11 @@ class Console:
         session, api, sampler = got
         try:
             response = await draw(session, api, sampler)
-        except Unauthenticated:
+        except Unauthenticated as exc:
             if self._open is None:
                 await self.sessions.drop(session)
                 return RedirectResponse("/login", status_code=303)
-            raise
+            response = self.render(request, session, "error.html", 401, title="The server refused the key", error=_refusal(exc))
         except QueratorError as exc:
             response = self.render(
                 request, session, "error.html", _http_status(exc), title="The server answered an error", error=_refusal(exc)
@@ -430,7 +430,8 @@ class Console:
         if not session.csrf_ok(str(form.get("csrf", ""))):
             return self.render(request, session, "error.html", 403, title="Refused", error=_CSRF_MESSAGE)
         back = str(form.get("back", "")) or f"/q/{quote(name, safe='')}/dead"
-        if not back.startswith("/") or back.startswith("//"):
+        # Only a path of this console (never "//host" or "/\\host", which browsers follow off-site).
+        if not back.startswith("/") or back.startswith("//") or "\\" in back:
             back = "/"
         if self.settings.read_only:
             session.flash.append(("error", "The console runs read-only (--read-only): no action is taken."))
