@@ -254,3 +254,24 @@ def test_an_action_returns_only_to_a_page_of_the_console(url: str, admin: querat
     for back in ("//evil.example/x", "/\\evil.example/x", "https://evil.example/", "/q/stay-here"):
         reply = v.post("/q/stay-here/action/purge", {"csrf": token, "confirm": "no", "back": back})
         assert reply.url == url.rstrip("/") + ("/q/stay-here" if back == "/q/stay-here" else "/"), (back, reply.url)
+
+
+def test_the_command_without_the_extra_says_what_to_install() -> None:
+    import subprocess
+    import sys
+
+    script = "import sys; sys.modules['uvicorn'] = None; from querator.cli import main; sys.exit(main(['console']))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "pip install 'querator-client[console]'" in done.stderr
+
+
+def test_listen_addresses() -> None:
+    from querator.cli._common import UsageError
+    from querator.cli.console import is_loopback, split_listen
+
+    assert split_listen("127.0.0.1:2320") == ("127.0.0.1", 2320)
+    assert split_listen("[::1]:80") == ("::1", 80)
+    assert [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "10.1.2.3")] == [True, True, True, False, False]
+    for bad in ("2320", "host:", "host:99999"):
+        with pytest.raises(UsageError):
+            split_listen(bad)
