@@ -99,6 +99,8 @@ def test_dead_letters_redrive_selected_and_all_delete_and_purge(url: str, admin:
     ids = [line.split('value="0:')[1].split('"')[0] for line in page.text.splitlines() if 'name="item" value="0:' in line]
     token = csrf(page.text)
 
+    same = v.post(f"/q/{dlq}/action/redrive-selected", [("csrf", token), ("to", dlq), ("item", f"0:{ids[0]}")])
+    assert "another queue" in flash(same.text) and count(same.text, "ready") == 6
     moved = v.post(f"/q/{dlq}/action/redrive-selected", [("csrf", token), ("to", "dl-jobs"), ("item", f"0:{ids[0]}")])
     assert "Redrove 1 selected item(s)" in flash(moved.text, "ok"), moved.text
     assert count(moved.text, "ready") == 5

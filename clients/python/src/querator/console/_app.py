@@ -478,6 +478,8 @@ class Console:
         target = str(form.get("to", "")).strip()
         if not target:
             raise ValueError("Name the queue to redrive the selected items to.")
+        if target == name:
+            raise ValueError(f"Redrive to another queue than {name} itself.")
         chosen = self._selected(session, name, form)
         moved = 0
         for partition, items in chosen.items():
