@@ -45,10 +45,12 @@ def console(address: str, *extra: str, env: dict[str, str] | None = None) -> Ite
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(15)
+                code = proc.wait(15)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+                raise AssertionError("the console did not stop within 15 s of SIGTERM") from None
+            assert code == 0, f"the console exited {code} on SIGTERM: {proc.stderr.read() if proc.stderr else ''}"
 
 
 @dataclass

@@ -22,6 +22,8 @@ from querator.embedded import EmbeddedServer  # noqa: E402
 from querator.testing import make_certificates, server  # noqa: E402
 from querator.v1 import storage_pb2  # noqa: E402
 
+from sdk_helpers import wait_until  # noqa: E402
+
 ADMIN = "console-admin-token"
 
 
@@ -50,7 +52,8 @@ def dead_letters(admin: querator.Client, name: str, count: int, *, kind: str = "
     admin.create_queue(name, dead_queue=dlq)
     admin.produce(name, [json.dumps({"n": i}).encode() for i in range(count)], kind=kind)
     admin.retry(admin.lease(name, batch_size=count, wait=5), dead=True)
-    assert admin.queue_stats(dlq).ready == count
+    # The hand-over to the dead-letter queue follows the Retry's answer.
+    wait_until(lambda: admin.queue_stats(dlq).ready == count)
     return dlq
 
 

@@ -28,6 +28,8 @@ from querator._operations import QUEUE, Call
 from querator.testing import server
 from querator.v1 import queue_pb2
 
+from sdk_helpers import wait_until
+
 ADMIN = "browser-admin-token"
 DOCS_IMAGES = Path(__file__).resolve().parents[3] / "docs" / "images"
 ERROR = "PaymentDeclined: card ending 4242 was declined (order 17)"
@@ -56,6 +58,7 @@ def browser(tmp_path: Path) -> Iterator[Any]:
     for arg in (
         "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1280,900",
+        "--disable-dev-shm-usage",  # a container's small /dev/shm crashes tabs
         f"--user-data-dir={tempfile.mkdtemp(dir=tmp_path, prefix='chromium-')}",
     ):  # fmt: skip
         options.add_argument(arg)
@@ -88,10 +91,12 @@ def _dead_letters_with_errors(client: querator.Client) -> None:
         items = [queue_pb2.RetryItem(id=i, dead=True, error=f"{ERROR}\n  at charge() in payments.py:88") for i in ids]
         request = queue_pb2.RetryRequest(queue_name="orders", partition=partition, items=items)
         client._transport.invoke(Call(QUEUE, "Retry", request, 10.0, False))
-    assert client.queue_stats("orders-dlq").ready == 3
+    # The hand-over to the dead-letter queue follows the Retry's answer.
+    wait_until(lambda: client.queue_stats("orders-dlq").ready == 3)
 
 
 def test_console_in_a_browser(browser: Any, tmp_path: Path) -> None:
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
@@ -111,7 +116,12 @@ def test_console_in_a_browser(browser: Any, tmp_path: Path) -> None:
     def follow(element: Any) -> None:
         """Click a link or a submit button and wait for the next page to replace this one."""
         page = browser.find_element(By.TAG_NAME, "html")
-        element.click()
+        try:
+            element.click()
+        except WebDriverException as exc:
+            # ChromeDriver may look at the clicked node after the page it was on is gone.
+            if "does not belong to the document" not in str(exc):
+                raise
         WebDriverWait(browser, 15).until(expected_conditions.staleness_of(page))
 
     with server(admin_token=ADMIN) as srv, srv.client() as admin:

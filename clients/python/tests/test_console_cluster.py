@@ -18,6 +18,8 @@ from console_helpers import Visitor, console, count, csrf, flash  # noqa: E402
 
 import querator  # noqa: E402
 
+from sdk_helpers import wait_until  # noqa: E402
+
 
 def _members(html: str) -> dict[str, tuple[str, int]]:
     body = html.split('id="members"')[1].split("<tbody>")[1].split("</tbody>")[0]
@@ -41,6 +43,7 @@ def test_console_against_a_cluster(tmp_path: Path) -> None:
             c.produce("spread", [json.dumps({"n": i}) for i in range(30)])
             dead = c.lease("spread", batch_size=4, wait=5)
             c.retry(dead, dead=True)
+            wait_until(lambda: c.queue_stats("spread-dlq").ready == 4)  # the hand-over follows the answer
             homes = c.cluster_info().homes["spread"]
         assert sorted(homes) == ["n1", "n2", "n3"]
         with console(addresses) as url:

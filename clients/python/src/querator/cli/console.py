@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from .._async_client import AsyncClient
@@ -48,6 +51,7 @@ def cmd_console(args: argparse.Namespace, client: Client) -> int:
             print(MISSING, file=sys.stderr)
             return 2
         raise
+    _Server = _server_class()
     host, port = split_listen(args.listen)
     if not is_loopback(host):
         print(
@@ -65,7 +69,7 @@ def cmd_console(args: argparse.Namespace, client: Client) -> int:
         ConsoleSettings(make_client=make_client, token=args.token or None, read_only=args.read_only, target=args.address)
     )
     config = uvicorn.Config(console.app(), host=host, port=port, log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
+    server = _Server(config)
 
     async def serve() -> None:
         task = asyncio.create_task(server.serve())
@@ -79,6 +83,25 @@ def cmd_console(args: argparse.Namespace, client: Client) -> int:
 
     asyncio.run(serve())
     return 0 if server.started else 1
+
+
+def _server_class() -> type[Any]:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, stopping cleanly on SIGTERM and SIGINT (exit 0, as
+        ``querator serve`` does) instead of raising the signal again once stopped."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            handlers = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 def register(commands: Commands) -> None:
