@@ -280,3 +280,12 @@ def test_listen_addresses() -> None:
     for bad in ("2320", "host:", "host:99999"):
         with pytest.raises(UsageError):
             split_listen(bad)
+
+
+def test_a_revoked_key_ends_its_session(url: str, admin: querator.Client) -> None:
+    created = admin.create_key("producer", ["*"])
+    v = Visitor(url)
+    assert 'id="queues"' in v.log_in(created.token).text
+    admin.revoke_key(created.key_id)
+    assert v.get("/").url.endswith("/login")  # the session is dropped, not just refused
+    assert v.log_in(created.token).status == 401
