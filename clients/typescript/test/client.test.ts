@@ -66,6 +66,9 @@ describe("produce, lease, complete", () => {
     const stats = await client.queueStats(q);
     assert.equal(stats.total, 0);
     assert.equal(stats.partitions.length, 1);
+    // The partition's counters: what went through it, not what is in it.
+    assert.equal(stats.partitions[0]?.produced, 3);
+    assert.equal(stats.partitions[0]?.completed, 3);
 
     // Completed is gone: a second complete is a lost lease.
     await assert.rejects(client.complete(text), (e: unknown) => e instanceof ItemNotFound && isLeaseLost(e));
