@@ -289,3 +289,21 @@ def test_a_revoked_key_ends_its_session(url: str, admin: querator.Client) -> Non
     admin.revoke_key(created.key_id)
     assert v.get("/").url.endswith("/login")  # the session is dropped, not just refused
     assert v.log_in(created.token).status == 401
+
+
+def test_a_request_for_another_host_name_is_refused(srv: EmbeddedServer) -> None:
+    # DNS rebinding: a page of evil.example, resolved to 127.0.0.1, asks the console.
+    import urllib.request
+
+    with console(srv.address, "--token", ADMIN) as base:
+        v = Visitor(base)
+        assert v.get("/").status == 200
+        request = urllib.request.Request(base, headers={"Host": "evil.example:2320"})
+        assert v._open(request).status == 400
+        named = urllib.request.Request(base, headers={"Host": "localhost"})
+        assert v._open(named).status == 200
+    with console(srv.address, "--token", ADMIN, "--allowed-host", "console.example") as base:
+        v = Visitor(base)
+        assert v.get("/").status == 400  # 127.0.0.1 is not among the names given
+        named = urllib.request.Request(base, headers={"Host": "console.example"})
+        assert v._open(named).status == 200

@@ -65,8 +65,17 @@ def cmd_console(args: argparse.Namespace, client: Client) -> int:
     def make_client(token: str | None) -> AsyncClient:
         return AsyncClient(args.address, bearer_token=token or None, **options)
 
+    hosts = tuple(args.allowed_host or ())
+    if not hosts and is_loopback(host):
+        hosts = (host, "127.0.0.1", "localhost", "::1", "[::1]")
     console = Console(
-        ConsoleSettings(make_client=make_client, token=args.token or None, read_only=args.read_only, target=args.address)
+        ConsoleSettings(
+            make_client=make_client,
+            token=args.token or None,
+            read_only=args.read_only,
+            target=args.address,
+            allowed_hosts=hosts,
+        )
     )
     config = uvicorn.Config(console.app(), host=host, port=port, log_level="warning", access_log=False)
     server = _Server(config)
@@ -108,3 +117,10 @@ def register(commands: Commands) -> None:
     p = commands.leaf("console", cmd_console, "serve the web console (needs querator-client[console])")
     p.add_argument("--listen", default=DEFAULT_LISTEN, help=f"HOST:PORT to serve on (default {DEFAULT_LISTEN}: this machine only)")
     p.add_argument("--read-only", action="store_true", help="show everything, change nothing: no action is offered or taken")
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        metavar="NAME",
+        help="a host name the browser may use to reach the console (repeatable; default on loopback: "
+        "127.0.0.1, localhost, ::1; elsewhere: any)",
+    )

@@ -20,6 +20,7 @@ from urllib.parse import quote, urlencode
 
 import jinja2
 from starlette.applications import Starlette
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -58,6 +59,10 @@ class ConsoleSettings:
     token: str | None = None
     read_only: bool = False
     target: str = ""
+    # Host header names a request may carry (empty: any). A console on loopback answers
+    # only its own names, so a site whose name is made to resolve to 127.0.0.1 (DNS
+    # rebinding) cannot read its pages or use its key from a visitor's browser.
+    allowed_hosts: tuple[str, ...] = ()
 
 
 @dataclass
@@ -561,6 +566,8 @@ class Console:
 
         app = Starlette(routes=routes, lifespan=lifespan)
         app.add_middleware(_Headers)
+        if self.settings.allowed_hosts:
+            app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(self.settings.allowed_hosts), www_redirect=False)
         return app
 
 
