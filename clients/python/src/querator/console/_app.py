@@ -89,7 +89,8 @@ class Console:
         # Without login (a server without keys, or --token): one client for everyone.
         self._open: tuple[Api, Sampler] | None = None
         self._open_checked = 0.0
-        self._state: dict[str, _State] = {}
+        self._opening = asyncio.Lock()
+        self._open_state = _State()
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -107,11 +108,20 @@ class Console:
         return HTMLResponse(html, status_code=status)
 
     def state(self, session: Session) -> _State:
-        return self._state.setdefault(session.sid if self._open is None else "", _State())
+        """What pages remember between requests: the session's own, or with one client
+        for everyone, everyone's (it goes with the session when it is dropped)."""
+        if self._open is not None:
+            return self._open_state
+        state: _State = session.data.setdefault("console", _State())
+        return state
 
     async def _open_api(self) -> tuple[Api, Sampler] | None:
         """The shared client when no login is needed: with --token, or when the server
         answers without a key. None when it wants one (checked again after 30 s)."""
+        async with self._opening:  # one client, however many requests come at once
+            return await self._open_once()
+
+    async def _open_once(self) -> tuple[Api, Sampler] | None:
         if self._open is not None:
             return self._open
         if self.settings.token is None and time.monotonic() - self._open_checked < 30:
@@ -195,7 +205,6 @@ class Console:
         session = self.sessions.get(request.cookies.get(COOKIE))
         form = await request.form()
         if session is not None and session.csrf_ok(str(form.get("csrf", ""))):
-            self._state.pop(session.sid, None)
             await self.sessions.drop(session)
         response = RedirectResponse("/login", status_code=303)
         response.delete_cookie(COOKIE, path="/")

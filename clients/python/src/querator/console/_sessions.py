@@ -11,6 +11,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .._async_client import AsyncClient
 from ._api import Api
@@ -31,8 +32,10 @@ class Session:
     api: Api | None = None
     sampler: Sampler | None = None
     last_used: float = field(default_factory=time.monotonic)
-    # One message shown on the next page drawn (the outcome of an action).
+    # Messages shown on the next page drawn (the outcome of an action).
     flash: list[tuple[str, str]] = field(default_factory=list)
+    # What the pages keep for this session (items shown, queues found).
+    data: dict[str, Any] = field(default_factory=dict)
 
     def csrf_ok(self, token: str) -> bool:
         return bool(token) and hmac.compare_digest(self.csrf.encode(), token.encode())
