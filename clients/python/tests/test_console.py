@@ -307,3 +307,14 @@ def test_a_request_for_another_host_name_is_refused(srv: EmbeddedServer) -> None
         assert v.get("/").status == 400  # 127.0.0.1 is not among the names given
         named = urllib.request.Request(base, headers={"Host": "console.example"})
         assert v._open(named).status == 200
+
+
+def test_a_page_can_refresh_itself(url: str, admin: querator.Client) -> None:
+    admin.create_queue("watched")
+    v = Visitor(url)
+    v.log_in(ADMIN)
+    plain = v.get("/q/watched")
+    assert 'http-equiv="refresh"' not in plain.text and "Refresh every 10 s" in plain.text
+    assert 'content="10"' in v.get("/q/watched?refresh=10").text
+    assert 'content="5"' in v.get("/?refresh=1").text  # at least 5 s
+    assert 'http-equiv="refresh"' not in v.get("/?refresh=oops").text

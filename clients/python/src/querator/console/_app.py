@@ -100,6 +100,7 @@ class Console:
             session.flash.clear()
         html = self.env.get_template(name).render(
             request=request,
+            refresh=_refresh(request),
             csrf=session.csrf if session else "",
             logged_in=bool(session and session.api and self._open is None),
             flash=flash,
@@ -631,6 +632,15 @@ def _handed_over(item: storage_pb2.StorageItem) -> storage_pb2.StorageItem:
         last_error=item.last_error,
         last_error_at=item.last_error_at if item.last_error else None,
     )
+
+
+def _refresh(request: Request) -> int:
+    """``?refresh=N``: the page reloads itself every N seconds (5 to 300; 0: never)."""
+    try:
+        seconds = int(request.query_params.get("refresh", "0"))
+    except ValueError:
+        return 0
+    return min(max(seconds, 5), 300) if seconds > 0 else 0
 
 
 def _counts(stats: Any) -> dict[str, int]:
