@@ -318,3 +318,14 @@ def test_a_page_can_refresh_itself(url: str, admin: querator.Client) -> None:
     assert 'content="10"' in v.get("/q/watched?refresh=10").text
     assert 'content="5"' in v.get("/?refresh=1").text  # at least 5 s
     assert 'http-equiv="refresh"' not in v.get("/?refresh=oops").text
+
+
+def test_a_paused_queue_says_so(url: str, admin: querator.Client) -> None:
+    admin.create_queue("held")
+    admin.pause_queue("held", produce=True)
+    v = Visitor(url)
+    v.log_in(ADMIN)
+    assert "paused, produce too" in v.get("/").text
+    assert 'id="paused"' in v.get("/q/held").text and "refuses produce" in v.get("/q/held").text
+    admin.resume_queue("held")
+    assert 'id="paused"' not in v.get("/q/held").text
