@@ -6,6 +6,7 @@ page's worth, and that the queues page's "next" walks the whole list."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 
@@ -18,8 +19,12 @@ from console_helpers import Visitor, console  # noqa: E402
 import querator  # noqa: E402
 from querator.testing import server  # noqa: E402
 
-QUEUES = 10_000
-ITEMS = 1_000_000
+# The issue's scale with QUERATOR_CONSOLE_SCALE=full (the figures in docs/console.md:
+# about 60-90 s on 2 cores). The test suite runs a fifth of it: 41 pages of queues and
+# 200,000 items still check that every page reads one page of its listing.
+FULL = os.environ.get("QUERATOR_CONSOLE_SCALE") == "full"
+QUEUES = 10_000 if FULL else 2_000
+ITEMS = 1_000_000 if FULL else 200_000
 
 
 async def _fill(address: str) -> tuple[float, float]:
@@ -51,7 +56,7 @@ def _timed(v: Visitor, path: str) -> tuple[float, str]:
 
 
 @pytest.mark.timeout(400)
-def test_pages_with_10000_queues_and_a_million_items() -> None:
+def test_pages_with_many_queues_and_items_each_read_one_page() -> None:
     with server() as srv:
         queues_s, items_s = asyncio.run(_fill(srv.address))
         print(f"\nmade {QUEUES} queues in {queues_s:.1f} s, {ITEMS} items in {items_s:.1f} s")
@@ -60,7 +65,7 @@ def test_pages_with_10000_queues_and_a_million_items() -> None:
             times: dict[str, float] = {}
             times["queues, first page"], first = _timed(v, "/")
             assert first.count("<tr data-queue=") == 50
-            # Walk every page by its "next" link: 10,001 queues, 50 a page.
+            # Walk every page by its "next" link: QUEUES + 1 queues, 50 a page.
             path, pages, walk = "/", 0, time.perf_counter()
             names: set[str] = set()
             while True:
@@ -80,7 +85,7 @@ def test_pages_with_10000_queues_and_a_million_items() -> None:
             times["items of big, first page"], text = _timed(v, "/q/big/items?partition=3")
             assert text.count('class="item"') == 50
             times["items of big, ready filter"], _ = _timed(v, "/q/big/items?state=ready&partition=2")
-            times["dead-letter view (scans 10,001 queues for sources)"], _ = _timed(v, "/q/dlq-00000/dead")
-            times["cluster (10,001 placements)"], _ = _timed(v, "/cluster")
+            times[f"dead-letter view (scans {QUEUES + 1} queues for sources)"], _ = _timed(v, "/q/dlq-00000/dead")
+            times[f"cluster ({QUEUES + 1} placements)"], _ = _timed(v, "/cluster")
             for name, ms in times.items():
                 print(f"{name:55s} {ms:8.1f} ms")
