@@ -24,15 +24,12 @@ import pytest
 from console_helpers import console
 
 import querator
-from querator._operations import QUEUE, Call
 from querator.testing import server
-from querator.v1 import queue_pb2
 
-from sdk_helpers import wait_until
+from sdk_helpers import run_until_empty, wait_until
 
 ADMIN = "browser-admin-token"
 DOCS_IMAGES = Path(__file__).resolve().parents[3] / "docs" / "images"
-ERROR = "PaymentDeclined: card ending 4242 was declined (order 17)"
 
 
 def _need(what: str) -> None:
@@ -70,27 +67,34 @@ def browser(tmp_path: Path) -> Iterator[Any]:
         b.quit()
 
 
+class PaymentDeclined(Exception):
+    pass
+
+
+def charge(item: querator.LeasedItem) -> None:
+    order = item.json()["order"]
+    raise PaymentDeclined(f"card ending 4242 was declined (order {order})")
+
+
 def _dead_letters_with_errors(client: querator.Client) -> None:
     client.create_queue("orders-dlq")
     client.create_queue("orders", dead_queue="orders-dlq", partitions=2, max_attempts=5, reference="checkout orders")
     client.create_queue("emails")
     for name in ("invoices", "reports", "thumbnails"):
         client.create_queue(name)
-    client.produce(
-        "orders",
-        [querator.Item(json.dumps({"order": n, "total": 10 * n}).encode(), kind="charge", encoding="application/json",
-                       metadata={"traceparent": f"00-{n:032x}-{n:016x}-01"}) for n in range(15, 45)],
-    )  # fmt: skip
+
+    def orders(numbers: range) -> list[querator.Item]:
+        return [querator.Item(json.dumps({"order": n, "total": 10 * n}).encode(), kind="charge", encoding="application/json",
+                              metadata={"traceparent": f"00-{n:032x}-{n:016x}-01"}) for n in numbers]  # fmt: skip
+
+    # Three orders a real worker fails: its handler raises, dead_on gives the item up
+    # at once, and the worker sends the exception as the item's failure text.
+    client.produce("orders", orders(range(15, 18)))
+    worker = querator.Worker(client, "orders", charge, dead_on=[PaymentDeclined], lease_wait=0.2, handle_signals=False)
+    run_until_empty(worker, timeout=30)
+    assert worker.stats.dead == 3, worker.stats
+    client.produce("orders", orders(range(18, 45)))
     client.produce("emails", ["welcome", "receipt", "reset"])
-    leased = client.lease("orders", batch_size=3, wait=5)
-    by_partition: dict[int, list[str]] = {}
-    for item in leased:
-        by_partition.setdefault(item.partition, []).append(item.id)
-    # Retry with the failure text (RetryItem.error), as a worker gives up an item.
-    for partition, ids in by_partition.items():
-        items = [queue_pb2.RetryItem(id=i, dead=True, error=f"{ERROR}\n  at charge() in payments.py:88") for i in ids]
-        request = queue_pb2.RetryRequest(queue_name="orders", partition=partition, items=items)
-        client._transport.invoke(Call(QUEUE, "Retry", request, 10.0, False))
     # The hand-over to the dead-letter queue follows the Retry's answer.
     wait_until(lambda: client.queue_stats("orders-dlq").ready == 3)
 
@@ -166,7 +170,10 @@ def test_console_in_a_browser(browser: Any, tmp_path: Path) -> None:
             first = browser.find_elements(By.CSS_SELECTOR, "#items tr.item")[0]
             first.find_element(By.CSS_SELECTOR, "details summary").click()
             error = first.find_element(By.CSS_SELECTOR, "pre.last-error").text
-            assert ERROR in error and "payments.py:88" in error
+            order = json.loads(first.find_element(By.CSS_SELECTOR, "pre.payload").text)["order"]
+            # The handler's exception: its type and message, then the frame that raised it.
+            assert f"PaymentDeclined: card ending 4242 was declined (order {order})" in error, error
+            assert "Traceback" in error and ", in charge\n" in error, error
             assert "retry_dead" in first.text
             shot("dead-letters")
 
