@@ -1,8 +1,10 @@
 import assert from "node:assert/strict";
+import { spawn } from "node:child_process";
+import { join } from "node:path";
 import { after, before, test } from "node:test";
 
 import { Client, DeadLetter, type LeasedItem, MAX_ERROR_BYTES, RetryRule, Worker, failureText } from "../src/index.js";
-import { ServerProcess, python, queueName, waitUntil } from "./server.js";
+import { ServerProcess, VENV, python, queueName, waitUntil } from "./server.js";
 
 let server: ServerProcess;
 let client: Client;
@@ -23,6 +25,53 @@ import sys
 from querator.cli import main
 sys.exit(main(["dlq", "show", *sys.argv[1:]]))
 `;
+
+/** Text as the console's templates render it (Jinja's autoescape, markupsafe's entities). */
+function htmlEscaped(text: string): string {
+  const entities: Record<string, string> = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&#34;", "'": "&#39;" };
+  return text.replace(/[&<>"']/g, (c) => entities[c]!);
+}
+
+/** `querator --address ADDRESS console --listen 127.0.0.1:0` against a server without keys
+ * (no login): the page at `path`, then the console stopped by its PID. */
+async function consolePage(address: string, path: string): Promise<string> {
+  const proc = spawn(join(VENV, "bin", "querator"), ["--address", address, "console", "--listen", "127.0.0.1:0"], {
+    stdio: ["ignore", "pipe", "pipe"],
+  });
+  let out = "";
+  let err = "";
+  proc.stderr.on("data", (d: Buffer) => (err += d.toString()));
+  const exited = new Promise<void>((r) => proc.once("exit", () => r()));
+  try {
+    // Its first line names the port it got: "... serving http://127.0.0.1:PORT/".
+    const base = await new Promise<string>((resolveBase, reject) => {
+      const timer = setTimeout(() => reject(new Error(`the console did not start in 30 s: ${out}${err}`)), 30_000);
+      proc.stdout.on("data", (d: Buffer) => {
+        out += d.toString();
+        const match = /serving (http:\/\/127\.0\.0\.1:\d+\/)/.exec(out);
+        if (match) {
+          clearTimeout(timer);
+          resolveBase(match[1]!);
+        }
+      });
+      proc.once("exit", (code) => {
+        clearTimeout(timer);
+        reject(new Error(`the console exited ${code}: ${out}${err}`));
+      });
+    });
+    const response = await fetch(base + path, { redirect: "manual", signal: AbortSignal.timeout(30_000) });
+    const page = await response.text();
+    assert.equal(response.status, 200, `GET ${path}: ${response.status} ${response.headers.get("location") ?? ""}\n${page.slice(0, 500)}`);
+    return page;
+  } finally {
+    if (proc.exitCode === null && proc.signalCode === null) {
+      const timer = setTimeout(() => proc.kill("SIGKILL"), 15_000);
+      proc.kill("SIGTERM");
+      await exited;
+      clearTimeout(timer);
+    }
+  }
+}
 
 function deep(n: number): never {
   if (n > 0) return deep(n - 1);
@@ -49,7 +98,7 @@ test("failureText: name and message first, then the frames nearest the throw tha
   assert.ok(Buffer.byteLength(cut) <= MAX_ERROR_BYTES && cut.endsWith("left out"), cut.slice(-80));
 });
 
-test("the worker sends what went wrong: the next attempt and the dead letter see it, and querator dlq show prints it", async () => {
+test("the worker sends what went wrong: the next attempt and the dead letter see it, querator dlq show and the console show it", async () => {
   const dlq = queueName("dlq");
   const q = queueName();
   await client.createQueue(dlq);
@@ -83,6 +132,13 @@ test("the worker sends what went wrong: the next attempt and the dead letter see
   const shown = await python(DLQ_SHOW, [dlq, flaky.id, "--address", server.address]);
   assert.match(shown, /\nlast_error:\n {2}TypeError: cannot read 'total' of flaky \(attempt 2\)\n {6}at /);
   assert.match(shown, /^dead_reason: +\w+$/m);
+
+  // The console's dead-letter view of the DLQ shows both handlers' errors, as its template escapes them.
+  const page = await consolePage(server.address, `q/${encodeURIComponent(dlq)}/dead`);
+  for (const error of [flaky.lastError, letters.get("poison")!.lastError]) {
+    assert.ok(page.includes(htmlEscaped(error)), `not on the console's page:\n${error}`);
+  }
+  assert.ok(page.includes("TypeError: cannot read &#39;total&#39; of flaky (attempt 2)\n    at "));
 
   // A leased dead letter carries it too, and the client's retry takes text directly.
   const [again] = await client.lease(dlq, { batchSize: 1, waitMs: 1000 });
