@@ -205,6 +205,61 @@ def test_a_later_epoch_reaching_a_serving_primary_makes_it_step_down_and_fences_
     asyncio.run(main())
 
 
+@dataclass
+class Holding:
+    """A ``Replication`` that ships to another node's copy until ``hold``, then keeps
+    the change sets back (a replica that missed the old primary's last changes)."""
+
+    target: ReplicaCopy
+    hold: bool = False
+    held: list[bytes] = field(default_factory=list)
+
+    async def replicated(self, change: ChangeSet) -> None:
+        if self.hold:
+            self.held.append(change.encode())
+        else:
+            await self.target.apply(ChangeSet.decode(change.encode()))
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_a_copy_fenced_by_an_election_takes_the_old_epochs_suffix_from_the_new_primary_only(
+    tmp_path: Any, grouped: bool
+) -> None:
+    """The failover fences every in-sync copy at epoch 2; the copy elected holds epoch-1
+    changes another lacks and ships them under epoch 2: they are on its history and
+    applied, with the copy's incarnation kept (it stays the in-sync one). The deposed
+    primary sending them under epoch 1 is refused."""
+
+    async def main() -> None:
+        from querator_server.cluster.replica_host import CopyHost, Shard
+        from querator_server.cluster.replica_wire import Ship
+        from querator_server.storage.change_set import Diverged
+
+        m1, m2 = await _managers(tmp_path, grouped)
+        c1, c2 = await m1.open_copy(_config(1)), await m2.open_copy(_config(1))
+        link = Holding(c2)
+        await m1.promote("q", 1, link)
+        await m1.actor("q").submit(ProduceRequest(items=[NewItem(payload=b"a")]))
+        link.hold = True
+        await m1.actor("q").submit(ProduceRequest(items=[NewItem(payload=b"b")]))
+        assert link.held and c2.position().lsn < c1.position().lsn
+        behind, incarnation = c2.position(), c2.incarnation
+        await c2.fence(2)  # the election's promise
+
+        host = CopyHost(ChangeSet.decode, Fenced, Diverged, lambda uid, epoch: None)
+        host.shards[SHARD_UID] = Shard(SHARD_UID, "q", c2)
+        old = await host.ship(Ship(SHARD_UID, 1, "n1", incarnation, tuple(link.held)))
+        assert old.refused == "fenced" and c2.position() == behind, old
+        new = await host.ship(Ship(SHARD_UID, 2, "n1", incarnation, tuple(link.held)))
+        assert new.refused == "", new
+        assert c2.position() == c1.position() and c2.incarnation == incarnation
+        assert c2.fenced_epoch() == 2
+        await m1.stop()
+        await m2.stop()
+
+    asyncio.run(main())
+
+
 def _logged_changes(path: str) -> list[ChangeSet]:
     """The change sets the child wrote, the last one left out if the kill cut it."""
     with open(path, "rb") as f:

@@ -99,7 +99,7 @@ class CopyHost:
                 try:
                     # A change it holds already (resent after a lost answer) is a no-op,
                     # unless held under another epoch: then Diverged (storage checks both).
-                    await shard.copy.apply(change)
+                    await shard.copy.apply(change, ship.epoch)
                 except Exception as exc:
                     if isinstance(exc, self._fenced):
                         return shard.state("fenced", str(exc))

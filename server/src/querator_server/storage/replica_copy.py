@@ -59,16 +59,16 @@ class ReplicaCopy:
     def digest(self) -> str:
         return self.state.digest()[1]
 
-    async def apply(self, change: ChangeSet) -> Position:
-        """Apply ``change`` durably (a no-op for one held already); raises ``Fenced`` or
-        ``Diverged`` (change_set.py)."""
+    async def apply(self, change: ChangeSet, sender: int = 0) -> Position:
+        """Apply ``change``, sent by the primary of epoch ``sender``, durably (a no-op
+        for one held already); raises ``Fenced`` or ``Diverged`` (change_set.py)."""
         async with self._lock:
-            await self._passive(change.epoch, f"change {change.lsn} of epoch {change.epoch}")
+            await self._passive(max(change.epoch, sender), f"change {change.lsn} of epoch {change.epoch}")
             if self.group is None:
                 state = self.state
-                return await self.lane.run(lambda: state.apply_now(change))
+                return await self.lane.run(lambda: state.apply_now(change, sender))
             await self.group.job(lambda: self.state.prepare(change))
-            if await self._grouped(lambda txn: self.state.apply(txn, change)):
+            if await self._grouped(lambda txn: self.state.apply(txn, change, sender)):
                 self.state.committed(change)
             return self.state.position()
 

@@ -211,15 +211,25 @@ class ReplicaState:
 
     # -- a copy's side -----------------------------------------------------------------------
 
-    def check(self, change: ChangeSet) -> bool:
+    def check(self, change: ChangeSet, sender: int = 0) -> bool:
         """Whether ``change`` is the next one to apply; False when this copy already
-        holds it. Raises ``Fenced``, or ``Diverged`` for a gap or another history."""
+        holds it. Raises ``Fenced``, or ``Diverged`` for a gap or another history.
+
+        ``sender``: the epoch of the primary that sends it. A change of an older epoch
+        sent by a primary of the promised epoch or later is on that primary's history
+        (the suffix it holds from before its election); only a sender below the promise
+        is refused. Refusing such a change made the new primary rebuild an in-sync copy
+        (a new incarnation) and, were it to die before it recorded that, left no copy
+        that could take over."""
         if change.uid != self.uid:
             raise Diverged(f"a change set of queue uid {change.uid} was offered to the copy of queue uid {self.uid}")
         if self._installing:
             raise Diverged(f"queue uid {self.uid}: the copy is half-way through installing a snapshot: install one again")
-        if change.epoch < self._fenced:
-            raise Fenced(f"queue uid {self.uid}: change {change.lsn} of epoch {change.epoch} is fenced (epoch {self._fenced} was promised)")
+        if max(change.epoch, sender) < self._fenced:
+            raise Fenced(
+                f"queue uid {self.uid}: change {change.lsn} of epoch {change.epoch} (sent under epoch "
+                f"{max(change.epoch, sender)}) is fenced (epoch {self._fenced} was promised)"
+            )
         held = self._position
         if change.lsn <= held.lsn:
             if self.epoch_at(change.lsn) != change.epoch:
@@ -232,10 +242,10 @@ class ReplicaState:
             raise Diverged(f"queue uid {self.uid}: change {change.lsn} does not follow {held.lsn} (a gap): the copy must be rebuilt")
         return True
 
-    def apply(self, txn: lmdb.Transaction[bytes], change: ChangeSet) -> bool:
+    def apply(self, txn: lmdb.Transaction[bytes], change: ChangeSet, sender: int = 0) -> bool:
         """Write ``change`` and its position in ``txn`` (``prepare`` first); False when
         this copy held it already (nothing written). ``committed`` once durable."""
-        if not self.check(change):
+        if not self.check(change, sender):
             return False
         _write_ops(txn, change.ops, {role: self.handle(role) for role in {op[0] for op in change.ops}})
         self._write_position(txn, change)
@@ -250,11 +260,11 @@ class ReplicaState:
     def fenced(self, epoch: int) -> None:
         self._fenced = max(self._fenced, epoch)
 
-    def apply_now(self, change: ChangeSet) -> Position:
+    def apply_now(self, change: ChangeSet, sender: int = 0) -> Position:
         """``apply`` in a durable write transaction of its own (a store with an
         environment of its own, no transaction held; blocking)."""
         self.prepare(change)
-        if self.store.write(lambda txn: self.apply(txn, change)):
+        if self.store.write(lambda txn: self.apply(txn, change, sender)):
             self.committed(change)
         return self._position
 
