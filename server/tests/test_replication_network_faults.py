@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from failover_helpers import Run, create_queue, digests, in_sync, wait_in_sync, wait_primary
-from network_chaos import Flaps, Network, epochs, gaps, overlaps
+from network_chaos import Flaps, Network, apply, epochs, gaps, overlaps
 
 TTL = 2
 FLAP_S = float(os.environ.get("QUERATOR_FLAP_SECONDS", "20"))
@@ -89,3 +89,93 @@ def test_the_epoch_check_finds_two_epochs_acknowledging_at_once_or_one_epoch_on_
     assert overlaps(late) == ["epoch 2 (['n2']) acknowledged from 12.500, epoch 1 (['n1']) until 12.600"]
     split = [Epoch(3, {"n1", "n3"}, 1.0, 2.0, 2, 2)]
     assert overlaps(split) == ["epoch 3 acknowledged on ['n1', 'n3']"]
+
+
+@pytest.mark.timeout(180)
+def test_a_primary_blackholed_past_its_ttl_acknowledges_nothing_once_the_new_primary_does(
+    tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
+    """Every link of the primary (etcd and peers) silent for 4.5 s, twice: a replica is
+    elected meanwhile. When the links come back, the answers its replica sent before the
+    election, held on the way, reach the old primary. Before the primary's releases were
+    bounded by its membership lease, it then acknowledged those cycles 2.4-2.8 s after the
+    new primary had begun to acknowledge (nothing lost: the new primary held them)."""
+    with Network(str(tmp_path), ttl=TTL) as network:
+        cluster = network.cluster
+        first = cluster.nodes[0]
+        create_queue(first, 2)
+        wait_primary(cluster, first)
+        wait_in_sync(cluster, first, 2)
+        run = Run(cluster)
+        run.start()
+        time.sleep(2)
+        for _ in range(2):
+            primary, epoch = wait_primary(cluster, first, timeout=30)
+            observer = next(n for n in cluster.nodes if n.node_id != primary)
+            wait_in_sync(cluster, observer, 2)  # else no copy could take over
+            apply(network.links(primary, "all"), "blackhole")
+            time.sleep(4.5)
+            network.restore()
+            deadline = time.monotonic() + 30
+            while wait_primary(cluster, observer)[1] == epoch:
+                assert time.monotonic() < deadline, f"no election while {primary} was cut off"
+                time.sleep(0.2)
+            time.sleep(2)
+        primary, _ = wait_primary(cluster, first, timeout=60)
+        wait_in_sync(cluster, next(n for n in cluster.nodes if n.node_id == primary), 2, timeout=60)
+        verdict = run.finish(drain_s=60)
+        assert verdict.ok, verdict.figures() + "\n" + "\n".join(map(str, verdict.findings[:10]))
+        found = epochs(cluster.nodes)
+        assert len(found) >= 3, found
+        bad = overlaps(found)
+        assert not bad, "\n".join(bad)
+        record_property("figures", f"epochs {[(e.epoch, sorted(e.nodes), e.cycles) for e in found]}; gaps {gaps(found)}; {verdict.figures()}")
+
+
+def test_a_failover_election_applies_only_while_the_old_primary_holds_no_membership(tmp_path: Path) -> None:
+    """The other half of the rule: a copy takes over from another node only while that
+    node's member key is absent (one that registered again may be acknowledging under
+    its lease); the election is refused (Deposed), the record unchanged, until it is."""
+    import asyncio
+    from dataclasses import dataclass
+
+    from cluster_helpers import Etcd
+
+    from querator_server.cluster.etcd import Etcd as EtcdClient
+    from querator_server.cluster.etcd import Txn
+    from querator_server.cluster.shard_cas import Deposed
+    from querator_server.cluster.shard_record import ShardRecord
+    from querator_server.cluster.shard_table import ShardTable
+
+    prefix = b"/election-test/"
+
+    @dataclass
+    class Member:
+        node: str
+        create_revision: int
+
+    async def run() -> None:
+        client = EtcdClient([server.endpoint])
+        try:
+            _, revision = await client.txn(Txn().put(prefix + b"members/n2", b"{}"))
+            table = ShardTable(client, prefix, Member("n2", revision))
+            uid = await table.next_uid()
+            await client.txn(Txn().put(table.key(uid), ShardRecord.new(uid, "q", ["n1", "n2"], 1).encode()))
+            record = await table.fetch(uid)
+            assert record is not None
+            await client.txn(Txn().put(prefix + b"members/n1", b"{}"))  # n1 registered (again)
+            with pytest.raises(Deposed, match="members/n1 exists again"):
+                await table.elect(record, "n2", [("n2", "i2")], primary_gone=True)
+            assert await table.fetch(uid) == record
+            await client.txn(Txn().delete(prefix + b"members/n1"))  # its membership lapsed
+            elected = await table.elect(record, "n2", [("n2", "i2")], primary_gone=True)
+            assert (elected.epoch, elected.primary) == (2, "n2")
+        finally:
+            await client.close()
+
+    server = Etcd(str(tmp_path / "etcd"))
+    server.start()
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop()
