@@ -49,10 +49,6 @@ class Holdings:
     copies: list[str] = field(default_factory=list)  # replicated queues with a copy here
     primary_of: list[str] = field(default_factory=list)  # ... of which this node is the primary
 
-    @property
-    def anything(self) -> bool:
-        return bool(self.one_copy or self.copies)
-
     def losses(self) -> str:
         """What starting empty would lose, in words ("" when nothing)."""
         parts = [
@@ -69,9 +65,11 @@ async def holdings(etcd: Etcd, keys: Keys, node: str) -> Holdings:
     shard_revision, shard_kvs = await etcd.range_prefix(keys.shard(""))
     found = Holdings(min(queue_revision, shard_revision))
     one_copy: defaultdict[str, int] = defaultdict(int)
+    queues = len(keys.queue(""))
     for kv in queue_kvs:
         try:
-            entry = QueueEntry.decode(kv.key.decode()[len(keys.queue("").decode()) :], kv.value, kv.mod_revision, kv.create_revision)
+            name = kv.key[queues:].decode()
+            entry = QueueEntry.decode(name, kv.value, kv.mod_revision, kv.create_revision)
         except (ValueError, KeyError, TypeError):
             continue  # the catalog cache logs unreadable keys
         if entry.shard:
