@@ -79,6 +79,9 @@ class Network:
         self.stop()
 
     def stop(self) -> None:
+        self.restore()
+        for node in self.cluster.nodes:  # first, while they reach etcd (a stopping primary hands over)
+            node.stop()
         for proxy in self.proxies.values():
             proxy.close()
         self.cluster.stop()
