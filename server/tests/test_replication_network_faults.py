@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
-from failover_helpers import Run, create_queue, digests, in_sync, wait_in_sync, wait_primary
+from failover_helpers import QUEUE, Run, create_queue, digests, events, in_sync, wait_in_sync, wait_primary
 from network_chaos import Flaps, Network, apply, epochs, gaps, overlaps
 
 TTL = 2
@@ -179,3 +180,44 @@ def test_a_failover_election_applies_only_while_the_old_primary_holds_no_members
         asyncio.run(run())
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_primary_back_before_the_election_that_fenced_its_replicas_completed_elects_itself(tmp_path: Path) -> None:
+    """R = 3, the two replicas unable to hear each other (so each candidate waits out its
+    gathering) and every link of the primary silent for 3.1 s: its membership lapses,
+    both replicas promise epoch 2 and try to take over, but the primary registers again
+    before their elections' transactions, which then fail (the old primary is back).
+    Its replicas now refuse epoch 1: the primary must promise epoch 2 too and run the
+    election itself. Before it did, it was promoted and deposed again thousands of times
+    and the queue took no write."""
+    with Network(str(tmp_path), ttl=TTL) as network:
+        cluster = network.cluster
+        first = cluster.nodes[0]
+        create_queue(first, 3)
+        primary, epoch = wait_primary(cluster, first)
+        wait_in_sync(cluster, first, 3)
+        node = next(n for n in cluster.nodes if n.node_id == primary)
+        node.stubs.produce(QUEUE, [b"before"])
+        time.sleep(1.5)  # every copy claimed its entry in the in-sync set
+        a, b = [n.node_id for n in cluster.nodes if n.node_id != primary]
+        network.proxies[(a, b)].blackhole()
+        network.proxies[(b, a)].blackhole()
+        apply(network.links(primary, "all"), "blackhole")
+        time.sleep(3.1)
+        for key, proxy in network.proxies.items():
+            if key not in ((a, b), (b, a)):
+                proxy.restore()
+        restored = time.monotonic()
+        while True:
+            try:
+                first.stubs.produce(QUEUE, [b"after"])
+                break
+            except grpc.RpcError as exc:
+                assert time.monotonic() < restored + 20, f"no write taken 20 s after the links came back: {exc.details()}"
+                time.sleep(0.2)
+        network.restore()
+        now, new_epoch = wait_primary(cluster, first)
+        assert new_epoch > epoch, (now, new_epoch)
+        deposed = events(node, "shard_deposed")
+        assert len(deposed) < 20, f"{len(deposed)} times deposed: {deposed[:3]}"
