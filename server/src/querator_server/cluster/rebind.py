@@ -14,7 +14,8 @@ node may start empty depends on whether anything would be lost:
   in-sync set names them and no election picks them), the queues it was primary of are
   handed to an in-sync copy by an election before it serves anything (replica_roles.py:
   a primary whose copy is not the in-sync one elects another), and the primaries
-  rebuild its copies by snapshot and add them back to the in-sync sets.
+  rebuild its copies (by snapshot, or by the tail of recent changes when those reach
+  back to the queue's start) and add them back to the in-sync sets.
 """
 
 from __future__ import annotations

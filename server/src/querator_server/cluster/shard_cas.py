@@ -88,7 +88,12 @@ async def swap(
     if current is None:
         raise Deposed(f"shard {old.uid} is gone (its queue was deleted) or etcd did not answer", None)
     if absent is not None:
-        raise Deposed(f"shard {old.uid} unchanged: {absent.decode(errors='replace')} exists again", current)
+        try:
+            _, there = await etcd.get(absent)
+        except EtcdError:
+            there = None
+        if there is not None:
+            raise Deposed(f"shard {old.uid} unchanged: {absent.decode(errors='replace')} exists again", current)
     raise Deposed(f"node {writer.node!r} lost its cluster membership; shard {old.uid} unchanged", current)
 
 
