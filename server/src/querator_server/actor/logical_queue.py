@@ -381,16 +381,26 @@ class LogicalQueue:
         views = self._views
         if self._health.faulty:  # nothing of theirs is due until they work again
             views = [v for p, v in enumerate(views) if p not in self._health.faulty]
-        times = [v.first_due for v in views if v.first_due]
-        times.extend(v.first_expiry for v in views if v.first_expiry)
-        if self._dedup_at:
-            times.append(self._dedup_at + self.config.dedup_window_us)
-        if self._lease_keys_at:
-            times.append(self._lease_keys_at + self.config.lease_key_ttl_us)
-        first_lease_end = self._leases.first() if exact else self._leases.first_bound()
-        if first_lease_end:
-            times.append(first_lease_end)
-        return min(times, default=0)
+        # One pass and no list: a queue of one request per cycle asks this two or three
+        # times per request (before it sleeps, for its timer, and in the cycle).
+        first = 0
+        for v in views:
+            at = v.first_due
+            if at and (not first or at < first):
+                first = at
+            at = v.first_expiry
+            if at and (not first or at < first):
+                first = at
+        at = self._dedup_at and self._dedup_at + self.config.dedup_window_us
+        if at and (not first or at < first):
+            first = at
+        at = self._lease_keys_at and self._lease_keys_at + self.config.lease_key_ttl_us
+        if at and (not first or at < first):
+            first = at
+        at = self._leases.first() if exact else self._leases.first_bound()
+        if at and (not first or at < first):
+            first = at
+        return first
 
     def _lifecycle_due(self) -> bool:
         if self._lifecycle_after and now_us() < self._lifecycle_after:
@@ -662,8 +672,9 @@ class LogicalQueue:
     async def _transaction(
         self, batch: Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]], *, isolated: bool = False
     ) -> Cycle:
-        body = self._body(batch, now, lifecycle, expired, isolated=isolated)
-        if not self._writes(batch, lifecycle):
+        writable = self._writes(batch, lifecycle)
+        body = self._body(batch, now, lifecycle, expired, writable, isolated=isolated)
+        if not writable:
             # Only listings: a read transaction, no commit and no fsync.
             return self.store.read(body)
         early = self._gate is None
@@ -724,9 +735,15 @@ class LogicalQueue:
             self._on_deposed(self.name, reason)
 
     def _body(
-        self, batch: Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]], *, isolated: bool = False
+        self,
+        batch: Batch,
+        now: int,
+        lifecycle: bool,
+        expired: list[tuple[int, int, int]],
+        writable: bool,
+        *,
+        isolated: bool = False,
     ) -> Body:
-        writable = self._writes(batch, lifecycle)
         work = CycleWork(
             lifecycle=lifecycle,
             expired=expired,
