@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -45,7 +46,7 @@ def stop(*_):
     p = state.pop("p", None)
     if p is not None:
         p.disable()
-        p.dump_stats(os.environ["DRAIN_PROFILE_TO"])
+        p.dump_stats(open(os.path.join(os.environ["DRAIN_WORKDIR"], "profile_to")).read())
 if profile_to:
     signal.signal(signal.SIGUSR1, start)
     signal.signal(signal.SIGUSR2, stop)
@@ -62,89 +63,98 @@ def _cpu(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _client(address: str, queues: list[str], loops: int, items: int, go: object, out: object) -> None:
+SHAPES = {"w1": (["d"], 8), "w4": ([f"d{i}" for i in range(10)], 1)}
+
+
+def _client(address: str, shapes: list[str], items: int, go: Any, out: Any) -> None:
     async def main() -> None:
         client = QueratorClient(address, complete_in_lease=True, streams=True)
         await client.open()
-        for q in queues:
-            await client.create_queue(q, 1)
         payloads = [os.urandom(256) for _ in range(100)]
-        per_queue = items // len(queues)
-        for q in queues:
-            await asyncio.gather(*(client.produce(q, payloads) for _ in range(per_queue // 100)))
-        out.put("produced")  # type: ignore[attr-defined]
-        await asyncio.get_running_loop().run_in_executor(None, go.wait)  # type: ignore[attr-defined]
-        counts = dict.fromkeys(queues, 0)
-        t0 = time.monotonic()
+        for index, shape in enumerate(shapes):
+            queues, loops = SHAPES[shape]
+            queues = [f"{q}-{index}" for q in queues]
+            for q in queues:
+                await client.create_queue(q, 1)
+            per_queue = items // len(queues)
+            for q in queues:
+                await asyncio.gather(*(client.produce(q, payloads) for _ in range(per_queue // 100)))
+            out.put("produced")
+            await asyncio.get_running_loop().run_in_executor(None, go.get)
+            counts = dict.fromkeys(queues, 0)
+            t0 = time.monotonic()
 
-        async def loop(q: str, client_id: str) -> None:
-            while counts[q] < per_queue:
-                token, got = await client.lease(q, client_id, 100, 0.5)
-                counts[q] += len(got)
-                await client.complete(q, token)
-            await client.finish(q, client_id)
+            async def loop(q: str, client_id: str, counts: dict[str, int] = counts, per_queue: int = per_queue) -> None:
+                while counts[q] < per_queue:
+                    token, got = await client.lease(q, client_id, 100, 0.5)
+                    counts[q] += len(got)
+                    await client.complete(q, token)
+                await client.finish(q, client_id)
 
-        await asyncio.gather(*(loop(q, f"{q}-{i}") for q in queues for i in range(loops)))
-        elapsed = time.monotonic() - t0
-        for q in queues:
-            left = await client.count(q)
-            if left:
-                raise RuntimeError(f"{q} still holds {left} items")
-            await client.drop_queue(q)
+            await asyncio.gather(*(loop(q, f"{q}-{i}") for q in queues for i in range(loops)))
+            out.put(time.monotonic() - t0)
+            for q in queues:
+                left = await client.count(q)
+                if left:
+                    raise RuntimeError(f"{q} still holds {left} items")
+                await client.drop_queue(q)
         await client.close()
-        out.put(elapsed)  # type: ignore[attr-defined]
 
     asyncio.run(main())
 
 
-def measure(shape: str, source: str | None, workdir: str, items: int, profile: str) -> str:
-    queues, loops = {"w1": (["d"], 8), "w4": ([f"d{i}" for i in range(10)], 1)}[shape]
+def measure(shapes: list[str], source: str | None, workdir: str, items: int, profile: str) -> list[str]:
+    """Each of ``shapes`` drained in turn against one server process."""
     env = dict(os.environ)
     if source:
         env["PYTHONPATH"] = os.pathsep.join(
             [os.path.join(source, "server", "src"), os.path.join(source, "clients", "python", "src")]
         )
-    if profile:
-        env.update(DRAIN_PROFILE="1", DRAIN_PROFILE_TO=f"{profile}.{shape}")
     port = free_port()
     data = tempfile.mkdtemp(dir=workdir)
     argv = [sys.executable, "-c", _SERVE, "--address", f"{HOST}:{port}", "--data-dir", data, "--log-level", "warning"]
+    lines = []
+    ctx = multiprocessing.get_context("spawn")
+    go, out = ctx.Queue(), ctx.Queue()
+    if profile:
+        env.update(DRAIN_PROFILE="1")
     server = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+    proc = ctx.Process(target=_client, args=(f"{HOST}:{port}", shapes, items, go, out))
     try:
         wait_for_port(port, 60, server)
-        ctx = multiprocessing.get_context("spawn")
-        go, out = ctx.Event(), ctx.Queue()
-        proc = ctx.Process(target=_client, args=(f"{HOST}:{port}", queues, loops, items, go, out))
         proc.start()
-        try:
-            assert out.get(timeout=300) == "produced"
-            time.sleep(0.5)
+        for index, shape in enumerate(shapes):
+            assert out.get(timeout=600) == "produced"
+            time.sleep(0.3)
             if profile:
+                with open(os.path.join(workdir, "profile_to"), "w") as f:
+                    f.write(f"{profile}.{shape}.{index}")
                 server.send_signal(signal.SIGUSR1)
                 time.sleep(0.2)
             cpu0, loop0 = _cpu(server.pid), _cpu(server.pid, server.pid)
-            go.set()
-            elapsed = out.get(timeout=300)
+            go.put(None)
+            elapsed = out.get(timeout=600)
             cpu1, loop1 = _cpu(server.pid), _cpu(server.pid, server.pid)
             if profile:
                 server.send_signal(signal.SIGUSR2)
                 time.sleep(1.0)
-            proc.join(60)
-        finally:
-            if proc.is_alive():
-                proc.kill()
+            queues = SHAPES[shape][0]
+            drained = items // len(queues) * len(queues)
+            lines.append(
+                f"{shape}: server {(cpu1 - cpu0) / drained * 1e6:.2f} µs CPU/item, its loop thread "
+                f"{(loop1 - loop0) / drained * 1e6:.2f}; {drained / elapsed:,.0f} items/s"
+            )
+        proc.join(120)
     finally:
+        if proc.is_alive():
+            proc.kill()
         server.terminate()
         try:
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-    drained = items // len(queues) * len(queues)
-    return (
-        f"{shape}: server {(cpu1 - cpu0) / drained * 1e6:.2f} µs CPU/item, its loop thread "
-        f"{(loop1 - loop0) / drained * 1e6:.2f}; {drained / elapsed:,.0f} items/s"
-    )
+    return lines
 
 
 def main() -> None:
@@ -152,8 +162,8 @@ def main() -> None:
     parser.add_argument("--at-commit", metavar="REV", help="run this commit's server (git archive)")
     parser.add_argument("--items", type=int, default=100_000)
     parser.add_argument("--shape", default="w1,w4", help="w1, w4, or both in turn (default)")
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--profile", default="", metavar="PATH", help="cProfile stats of the loop thread to PATH.w1 / PATH.w4")
+    parser.add_argument("--rounds", type=int, default=1, help="the shapes in turn this many times, one server")
+    parser.add_argument("--profile", default="", metavar="PATH", help="cProfile stats of the loop thread to PATH.<shape>.<index>")
     args = parser.parse_args()
     root = os.path.dirname(HERE)
     with tempfile.TemporaryDirectory() as workdir:
@@ -161,9 +171,9 @@ def main() -> None:
         if args.at_commit:
             source = os.path.join(workdir, "src")
             export_commit(args.at_commit, root, source)
-        for _ in range(args.rounds):
-            for shape in args.shape.split(","):
-                print(measure(shape, source, workdir, args.items, args.profile), flush=True)
+        os.environ["DRAIN_WORKDIR"] = workdir
+        for line in measure(args.shape.split(",") * args.rounds, source, workdir, args.items, args.profile):
+            print(line, flush=True)
 
 
 if __name__ == "__main__":
