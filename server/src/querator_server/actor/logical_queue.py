@@ -74,12 +74,16 @@ from .requests import (
 )
 from .transaction import Body, answer, run_grouped, run_own
 from .view import PartitionView
+from .wake import Wake
 
 T = TypeVar("T")
 
 log = get_logger("queue")
 
 DEFAULT_MAX_INBOX = 10_000
+# Request kinds a cycle sorts into its batch (tuples: a union would be built per request).
+_ACKS = (CompleteRequest, RetryRequest, ExtendRequest)
+_CONTROL = (Reconfigure, DeleteQueue)
 # How long a primary stepping down waits for its replicas to acknowledge what it committed.
 STEP_DOWN_GRACE_S = 2.0
 # After a failed lifecycle step, the next try waits this long (as a failed hand-over does).
@@ -128,7 +132,7 @@ class LogicalQueue:
         self._inbox: list[Request] = []
         self._waiting: list[LeaseRequest] = []
         self._clients: set[str] = set()
-        self._wake = asyncio.Event()
+        self._wake = Wake()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0  # when the armed timer fires (wall µs)
         self._task: asyncio.Task[None] | None = None
@@ -458,9 +462,9 @@ class LogicalQueue:
                 batch.produces.append(request)
             elif isinstance(request, LeaseRequest):
                 batch.leases.append(request)
-            elif isinstance(request, CompleteRequest | RetryRequest | ExtendRequest):
+            elif isinstance(request, _ACKS):
                 batch.acks.append(request)
-            elif isinstance(request, Reconfigure | DeleteQueue):
+            elif isinstance(request, _CONTROL):
                 control.append(request)
             else:
                 batch.others.append(request)
