@@ -131,8 +131,10 @@ class CopyHost:
         async with shard.lock:
             if head.epoch < shard.copy.fenced_epoch():
                 return shard.state("fenced", f"a snapshot of epoch {head.epoch} below {shard.copy.fenced_epoch()}")
-            position = await shard.copy.install_snapshot(chunks)
+            # Emptied first: a call cancelled half-way must not leave the old history's
+            # changes in the ring of a copy that now holds another.
             shard.ring.clear()
+            position = await shard.copy.install_snapshot(chunks)
             shard.installs += 1
             log.info(
                 "replica_snapshot_installed",

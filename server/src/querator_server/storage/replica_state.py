@@ -289,6 +289,18 @@ class ReplicaState:
                     hasher.add(role, key, value)
         return position, hasher.hexdigest()
 
+    def stored(self) -> tuple[Position, int, str]:
+        """Position, promise and incarnation as the storage holds them (what a restart
+        would load), read in one transaction."""
+        with self.store.env.begin() as txn:
+            raw = txn.get(_FENCED, db=self._meta)
+            incarnation = txn.get(_INCARNATION, db=self._meta)
+            return (
+                self.stored_position(txn),
+                _U64.unpack(raw)[0] if raw else 0,
+                bytes(incarnation).decode() if incarnation else "",
+            )
+
     def stored_position(self, txn: lmdb.Transaction[bytes]) -> Position:
         raw = txn.get(_POSITION, db=self._meta)
         return Position(*_PAIR.unpack(raw)) if raw else Position(0, 0)
