@@ -14,9 +14,13 @@ import pytest
 from replication_helpers import MS, SHARD_UID
 
 from querator_server.actor import ProduceRequest
+from querator_server.cluster.replica_host import CopyHost, Shard
+from querator_server.cluster.replica_wire import Ship
+from querator_server.cluster.shard_record import ShardRecord
+from querator_server.cluster.shipper import ShardReplication
 from querator_server.manager import QueuesManager
 from querator_server.model import NewItem, QueueConfig
-from querator_server.storage.change_set import ChangeSet, Position
+from querator_server.storage.change_set import ChangeSet, Diverged, Fenced, Position
 from querator_server.storage.replica_copy import ReplicaCopy
 
 
@@ -139,5 +143,51 @@ def test_a_fence_cancelled_while_it_is_committed_is_kept_by_the_copy(tmp_path: A
             stored = _stored(copy)[1]
             assert copy.fenced_epoch() == stored, f"fence {epoch}: the copy promised {copy.fenced_epoch()}, its storage {stored}"
         await manager.stop()
+
+    asyncio.run(main())
+
+
+def test_a_ship_cancelled_after_its_change_is_applied_leaves_the_change_in_the_ring_too(tmp_path: Any) -> None:
+    """The ring of a copy is its catch-up source once it is promoted. The old primary,
+    killed while it shipped, cancelled the call after the change was applied and before
+    the ring had it: the copy, elected, took its ring's last change for its position,
+    found the third copy (level with it) ahead, and rebuilt it from a snapshot: a new
+    incarnation, which its own death a moment later left unable to take over."""
+
+    async def main() -> None:
+        m1, m2 = await _managers(tmp_path, 2)
+        kept = Kept()
+        await m1.open_copy(_config())
+        await m1.promote("q", 1, kept)
+        for i in range(60):
+            await m1.actor("q").submit(ProduceRequest(items=[NewItem(payload=b"%d" % i)]))
+        copy = await m2.open_copy(_config())
+        host = CopyHost(ChangeSet.decode, Fenced, Diverged, lambda uid, epoch: None)
+        shard = host.shards[SHARD_UID] = Shard(SHARD_UID, "q", copy)
+        for turns, blob in enumerate(kept.changes):
+            change = ChangeSet.decode(blob)
+            call = asyncio.ensure_future(host.ship(Ship(SHARD_UID, 1, "n1", copy.incarnation, (blob,))))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            await _settle(copy)
+            await asyncio.sleep(0)
+            if copy.position().lsn < change.lsn:
+                await host.ship(Ship(SHARD_UID, 1, "n1", copy.incarnation, (blob,)))  # resent
+            last = shard.ring.last
+            assert last is not None and (last.epoch, last.lsn) == tuple(copy.position()), (
+                f"change {change.lsn} (cancelled after {turns} turns): the ring ends at "
+                f"{None if last is None else (last.epoch, last.lsn)}, the copy holds {tuple(copy.position())}"
+            )
+
+        # Promoted, this copy stands where its copy does even if its ring were behind.
+        shard.ring.clear()
+        shard.ring.add(1, 1, kept.changes[0])
+        record = ShardRecord.new(SHARD_UID, "q", ["n1", "n2"], 1)
+        replication = ShardReplication("n2", record, None, Exception, None, copy, shard.ring)  # type: ignore[arg-type]
+        assert replication.here() == tuple(copy.position()) == (1, 60)
+        await m1.stop()
+        await m2.stop()
 
     asyncio.run(main())

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgument, Unavailable
 from ..logging import get_logger
+from ..settled import settled
 from .change_ring import ChangeRing
-from .replica_contract import CopyLike, Decode
+from .replica_contract import ChangeSetLike, CopyLike, Decode
 from .replica_wire import CopyState, Ship, SnapshotHead, StatusAsk
 
 if TYPE_CHECKING:
@@ -95,21 +96,29 @@ class CopyHost:
                     raise InvalidArgument("value", f"a change set of shard {ship.uid}: {exc}") from None
                 if change.uid != ship.uid:
                     return shard.state("diverged", f"a change set of shard {change.uid} in a call for {ship.uid}")
-                before = shard.copy.position().lsn
                 try:
-                    # A change it holds already (resent after a lost answer) is a no-op,
-                    # unless held under another epoch: then Diverged (storage checks both).
-                    await shard.copy.apply(change, ship.epoch)
+                    await settled(self._apply(shard, change, blob, ship.epoch))
                 except Exception as exc:
                     if isinstance(exc, self._fenced):
                         return shard.state("fenced", str(exc))
                     if isinstance(exc, self._diverged):
                         return shard.state("diverged", str(exc))
                     raise
-                if change.lsn > before:
-                    shard.ring.add(change.epoch, change.lsn, blob)
-                    shard.applied += 1
         return shard.state()
+
+    @staticmethod
+    async def _apply(shard: Shard, change: ChangeSetLike, blob: bytes, sender: int) -> None:
+        """Apply one change and put it in the ring, both or neither: a call cancelled in
+        between (its primary died) left the ring behind the copy, and the copy, once
+        promoted, took itself for further behind than it was (a snapshot for a copy
+        level with it: a new incarnation, out of the in-sync set)."""
+        before = shard.copy.position().lsn
+        # A change it holds already (resent after a lost answer) is a no-op, unless held
+        # under another epoch: then Diverged (storage checks both).
+        await shard.copy.apply(change, sender)
+        if change.lsn > before:
+            shard.ring.add(change.epoch, change.lsn, blob)
+            shard.applied += 1
 
     async def status(self, ask: StatusAsk) -> CopyState:
         shard = self._shard(ask.uid)

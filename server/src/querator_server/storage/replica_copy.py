@@ -8,19 +8,20 @@ the manager), since a later epoch means another node was elected.
 
 Operations run one at a time, each durable before it returns: in a write transaction
 of the copy's own on its lane, or in its commit group's next commit. Each runs to its
-end even if its caller is cancelled (``_settled``), so what the copy says of itself
+end even if its caller is cancelled (``settled``), so what the copy says of itself
 (position, promise, incarnation) is always what its storage holds.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import lmdb
 
+from ..settled import settled
 from .change_set import ChangeSet, Diverged, Fenced, Position
 from .commit_group import CommitGroup
 from .lane import StorageLane
@@ -65,7 +66,7 @@ class ReplicaCopy:
         """Apply ``change``, sent by the primary of epoch ``sender``, durably (a no-op
         for one held already); raises ``Fenced`` or ``Diverged`` (change_set.py)."""
         async with self._lock:
-            return await _settled(self._apply(change, sender))
+            return await settled(self._apply(change, sender))
 
     async def _apply(self, change: ChangeSet, sender: int) -> Position:
         await self._passive(max(change.epoch, sender), f"change {change.lsn} of epoch {change.epoch}")
@@ -81,7 +82,7 @@ class ReplicaCopy:
         """Refuse, durably, every change set and promotion under an epoch below ``epoch``;
         the position of the last change held."""
         async with self._lock:
-            return await _settled(self._passive_fence(epoch))
+            return await settled(self._passive_fence(epoch))
 
     async def _passive_fence(self, epoch: int) -> Position:
         await self._passive(epoch + 1, f"a fence at epoch {epoch}")
@@ -105,7 +106,7 @@ class ReplicaCopy:
                 raise Fenced(f"queue {self.name!r} is served here already, under epoch {self.serving_epoch}")
             if epoch < self.state.fenced_epoch():
                 raise Fenced(f"queue {self.name!r}: epoch {epoch} is below the epoch {self.state.fenced_epoch()} this copy promised")
-            await _settled(self._fence(epoch))
+            await settled(self._fence(epoch))
             self.serving_epoch = epoch
             try:
                 return await start()
@@ -147,7 +148,7 @@ class ReplicaCopy:
             async def begin() -> None:
                 state.installing(await self._write(state.begin_install))
 
-            await _settled(begin())
+            await settled(begin())
             end: tuple[int, str] | None = None
             async for chunk in stream:
                 if chunk[:1] == END:
@@ -166,7 +167,7 @@ class ReplicaCopy:
                 await self._write(partial(state.finish_install, position=header.position, history=header.history))
                 state.installed(header.position, header.history)
 
-            await _settled(finish())
+            await settled(finish())
             return header.position
 
     async def _read(self, fn: Callable[[], T]) -> T:
@@ -217,21 +218,3 @@ class ReplicaCopy:
             if self.group is None:
                 await self.lane.run(self.state.store.close)
 
-
-async def _settled(work: Coroutine[Any, Any, T]) -> T:
-    """``work`` (writes to storage, then what this copy notes of them) to its end, even
-    when the caller is cancelled: a replication call whose primary went away, or whose
-    asker timed out, is cancelled by gRPC, while a write already handed to the storage
-    lane or a commit group becomes durable anyway. Stopping between the write and the
-    note left a copy whose position (or promise, or incarnation) lagged its storage: a
-    copy elected so numbered its first change with an lsn its storage held already,
-    and the copies caught up from it held other contents at the same position. The
-    caller's lock is kept until the work is done, so nothing runs on the copy between."""
-    task = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(task)
-    finally:
-        if not task.done():
-            await asyncio.wait([task])
-            if not task.cancelled():
-                task.exception()  # the caller is gone: its error goes with it
