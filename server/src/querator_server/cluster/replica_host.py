@@ -53,6 +53,7 @@ class Shard:
             self.primary is not None,
             refused,
             detail,
+            self.copy.rebuilt_epoch(),
         )
 
 
@@ -143,7 +144,7 @@ class CopyHost:
             # Emptied first: a call cancelled half-way must not leave the old history's
             # changes in the ring of a copy that now holds another.
             shard.ring.clear()
-            position = await shard.copy.install_snapshot(chunks)
+            position = await shard.copy.install_snapshot(chunks, head.epoch)
             shard.installs += 1
             log.info(
                 "replica_snapshot_installed",

@@ -62,6 +62,9 @@ class ReplicaCopy:
     def digest(self) -> str:
         return self.state.digest()[1]
 
+    def rebuilt_epoch(self) -> int:
+        return self.state.rebuilt_epoch()
+
     async def apply(self, change: ChangeSet, sender: int = 0) -> Position:
         """Apply ``change``, sent by the primary of epoch ``sender``, durably (a no-op
         for one held already); raises ``Fenced`` or ``Diverged`` (change_set.py)."""
@@ -131,11 +134,12 @@ class ReplicaCopy:
         finally:
             reader.close()
 
-    async def install_snapshot(self, chunks: AsyncIterator[bytes]) -> Position:
+    async def install_snapshot(self, chunks: AsyncIterator[bytes], sender: int = 0) -> Position:
         """Replace this copy's contents with a snapshot (``snapshot_chunks`` of another
-        copy): a new incarnation, at the snapshot's position, fenced at its epoch. A
-        crash or a bad stream half-way leaves a copy that refuses change sets until a
-        snapshot is installed again."""
+        copy) sent by the primary of epoch ``sender``: a new incarnation, at the
+        snapshot's position, fenced at its epoch, ``rebuilt_epoch`` ``sender`` once
+        whole. A crash or a bad stream half-way leaves a copy that refuses change sets
+        until a snapshot is installed again."""
         async with self._lock:
             if self.serving_epoch:
                 raise Fenced(f"queue {self.name!r} is served here under epoch {self.serving_epoch}: no snapshot over it")
@@ -164,8 +168,10 @@ class ReplicaCopy:
                 raise Diverged(f"the snapshot of queue {self.name!r} installed with digest {digest}, not {end[1]}")
 
             async def finish() -> None:
-                await self._write(partial(state.finish_install, position=header.position, history=header.history))
-                state.installed(header.position, header.history)
+                await self._write(
+                    partial(state.finish_install, position=header.position, history=header.history, sender=sender)
+                )
+                state.installed(header.position, header.history, sender)
 
             await settled(finish())
             return header.position
