@@ -31,6 +31,7 @@ from querator_server.cluster.etcd import Etcd as EtcdClient
 from querator_server.cluster.etcd import Txn
 from querator_server.cluster.forwarding import Peers
 from querator_server.cluster.give_back import GiveBacks
+from querator_server.cluster.replica_contract import why_not_electable
 from querator_server.cluster.replica_roles import ShardRoles
 from querator_server.cluster.shard_cas import Deposed
 from querator_server.cluster.shard_record import ShardRecord
@@ -143,6 +144,19 @@ async def _drain(manager: QueuesManager) -> list[bytes]:
         if not lease.ids:
             return out
         out += lease.payloads
+
+
+def test_the_copies_that_may_take_over_are_the_one_the_set_names_and_one_rebuilt_by_that_primary() -> None:
+    record = dataclasses.replace(
+        ShardRecord.new(SHARD_UID, "q", ["n1", "n2", "n3"], 2), epoch=4, isr=(("n1", "i1"), ("n2", "i2"), ("n3", ""))
+    )
+    assert why_not_electable(record, "n2", "i2", 0) == ""  # the copy the set names
+    assert why_not_electable(record, "n2", "j2", 4) == ""  # rebuilt by the primary of epoch 4
+    assert why_not_electable(record, "n3", "k3", 4) == ""  # an unclaimed entry is counted too
+    assert "rebuilt under epoch 3" in why_not_electable(record, "n2", "j2", 3)  # by an older primary
+    assert "not rebuilt whole" in why_not_electable(record, "n2", "j2", 0)  # wiped, or half-installed
+    assert "not in the in-sync set" in why_not_electable(record, "n4", "i4", 4)
+    assert "no copy" in why_not_electable(record, "n2", "", 4)
 
 
 @pytest.mark.timeout(120)
