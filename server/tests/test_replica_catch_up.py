@@ -74,8 +74,13 @@ def test_the_messages_survive_the_wire() -> None:
     ship = Ship(1 << 40, 3, "n1", "inc", (b"a", b"", b"\x00" * 5))
     assert Ship.decode(ship.encode()) == ship
     assert StatusAsk.decode(StatusAsk(7, 4).encode()) == StatusAsk(7, 4)
-    state = CopyState(2, 9, "inc", 3, True, "fenced", "why")
+    state = CopyState(2, 9, "inc", 3, True, "fenced", "why", 2)
     assert CopyState.decode(state.encode()) == state
+    # A node before the ``rebuilt`` field sends none: never rebuilt, as far as it says.
+    older = pack({"epoch": 2, "lsn": 9, "incarnation": "inc", "fenced_epoch": 3, "primary": False})
+    assert CopyState.decode(older).rebuilt == 0
+    with pytest.raises(InvalidArgument, match="rebuilt"):
+        CopyState.decode(pack({"epoch": 2, "lsn": 9, "incarnation": "inc", "fenced_epoch": 3, "rebuilt": -1}))
     assert SnapshotHead.decode(SnapshotHead(5, 2, "n2").encode()) == SnapshotHead(5, 2, "n2")
 
 

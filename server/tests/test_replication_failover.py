@@ -231,13 +231,7 @@ def test_a_rapid_double_failover_loses_nothing_and_leaves_the_copies_equal(
         verdict = run.finish()
         assert verdict.ok, verdict.figures() + "\n" + "\n".join(map(str, verdict.findings[:10]))
         gap = run.gap_after(killed)
-        try:
-            found = _check_digests(cluster, _node(cluster, serving))
-        except AssertionError as exc:
-            # Nothing lost and nothing resurrected (asserted above), but the copies differ:
-            # a known issue, not understood yet (docs/cluster.md, "Known issue"). Seen in 4
-            # of 38 runs; reported as an expected failure with what differed, never hidden.
-            pytest.xfail(f"copies differ after a rapid double failover (known issue): {exc}")
+        found = _check_digests(cluster, _node(cluster, serving))
         assert len(found) == 3
         record_property(
             "figures",

@@ -44,7 +44,7 @@ async def _load(manager: QueuesManager, until: float, seed: int) -> None:
         items = [NewItem(payload=bytes(200) + b"%d-%d" % (seed, n + i), idempotency_key=f"k{seed}.{n + i}") for i in range(20)]
         n += 20
         await actor.submit(ProduceRequest(items=items))
-        lease: LeaseResult = await actor.submit(LeaseRequest(batch_size=10, client_id="", wait_until_us=0, lease_key=f"L{n}"))
+        lease: LeaseResult = await actor.submit(LeaseRequest(batch_size=10, client_id="", wait_until_us=0, lease_key=f"L{seed}.{n}"))
         if lease.ids and n % 60:
             await actor.submit(CompleteRequest(partition=lease.partition, ids=lease.ids))
 

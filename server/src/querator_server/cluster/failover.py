@@ -1,9 +1,10 @@
 """Failover of one shard: fence the old epoch on the in-sync copies, gather their
 positions, and elect the most advanced through the shard record's compare-and-swap.
 
-Run by every live in-sync copy whose incarnation matches its ISR entry once the
-primary's membership lapsed (and by a primary that finds itself ineligible, its
-data lost, on behalf of the others). Each first promises, on itself and on every other
+Run by every live copy that may take over once the primary's membership lapsed (the
+one its ISR entry names, or one that primary rebuilt from a snapshot before etcd
+recorded its new incarnation: ``replica_contract.why_not_electable``), and by a primary
+that finds itself ineligible, its data lost, on behalf of the others. Each first promises, on itself and on every other
 in-sync copy it reaches, to refuse epoch ``e`` (``fence(e + 1)``), so the positions it
 gathers cannot grow behind its back: the old primary, paused or cut off, can have no
 further change acked. Every acknowledged change is on every in-sync copy, so any of
@@ -24,7 +25,7 @@ from ..errors import QueratorError
 from ..logging import get_logger
 from .etcd import EtcdError
 from .forwarding import Peers
-from .replica_contract import isr_incarnation
+from .replica_contract import why_not_electable
 from .replica_host import Shard
 from .replica_wire import STATUS, CopyState, StatusAsk
 from .shard_record import ShardRecord
@@ -81,15 +82,31 @@ async def run(
         candidates.append(Candidate(node, shard.copy.incarnation, position.epoch, position.lsn))
     others = [n for n, _ in record.isr if n not in (node, record.primary) and live(n)]
     answers = await asyncio.gather(*(ask(peers, n, record.uid, fence) for n in others), return_exceptions=True)
+    left_out: dict[str, str] = {n: "not live" for n, _ in record.isr if n not in (node, record.primary) and not live(n)}
     for other, answer in zip(others, answers, strict=True):
         if isinstance(answer, BaseException):
             if not isinstance(answer, QueratorError):
                 log.warning("failover_ask_failed", uid=record.uid, node=other, error=repr(answer)[:200])
+            left_out[other] = f"did not answer: {str(answer)[:120]}"
             continue
-        if answer.incarnation != isr_incarnation(record, other) or answer.primary:
-            continue  # a rebuilt copy (not the one in sync), or one that took over meanwhile
+        if answer.primary:
+            left_out[other] = "took over meanwhile"
+            continue
+        why = why_not_electable(record, other, answer.incarnation, answer.rebuilt)
+        if why:
+            left_out[other] = why  # wiped, half-rebuilt: it may lack an acknowledged change
+            continue
         candidates.append(Candidate(other, answer.incarnation, answer.epoch, answer.lsn))
     if not candidates:
+        log.error(
+            "failover_no_copy",
+            uid=record.uid,
+            queue=record.queue,
+            primary=record.primary,
+            epoch=record.epoch,
+            left_out=left_out,
+            detail="no live copy holds every acknowledged change: the queue waits for one (its primary, or an in-sync copy)",
+        )
         return None
     best = max(candidates, key=lambda c: c.rank)
     if include_self and best.node != node:

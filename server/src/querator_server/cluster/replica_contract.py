@@ -8,7 +8,16 @@ from typing import Protocol
 
 from .shard_record import UNCLAIMED, ShardRecord
 
-__all__ = ["UNCLAIMED", "ChangeSetLike", "CopyLike", "Decode", "PositionLike", "isr_incarnation", "isr_nodes"]
+__all__ = [
+    "UNCLAIMED",
+    "ChangeSetLike",
+    "CopyLike",
+    "Decode",
+    "PositionLike",
+    "isr_incarnation",
+    "isr_nodes",
+    "why_not_electable",
+]
 
 
 class PositionLike(Protocol):
@@ -41,8 +50,10 @@ class CopyLike(Protocol):
     async def apply(self, change: ChangeSetLike, sender: int = 0) -> PositionLike: ...
     async def fence(self, epoch: int) -> PositionLike: ...
     def snapshot_chunks(self) -> AsyncIterator[bytes]: ...
-    async def install_snapshot(self, chunks: AsyncIterator[bytes]) -> PositionLike: ...
+    async def install_snapshot(self, chunks: AsyncIterator[bytes], sender: int = 0) -> PositionLike: ...
     def digest(self) -> str: ...
+    # The epoch of the primary whose snapshot the copy last installed whole (0: none).
+    def rebuilt_epoch(self) -> int: ...
 
 
 # Decodes a change set shipped by a primary (storage's ChangeSet.decode).
@@ -58,3 +69,31 @@ def isr_incarnation(record: ShardRecord, node: str) -> str | None:
         if member == node:
             return incarnation
     return None
+
+
+def why_not_electable(record: ShardRecord, node: str, incarnation: str, rebuilt: int) -> str:
+    """Why ``node``'s copy (its ``incarnation``; ``rebuilt``: the epoch of the primary
+    whose snapshot it last installed whole) may not take over from ``record``'s primary,
+    "" when it may: when it holds every acknowledged change.
+
+    The copy the in-sync set names does. So does one that primary rebuilt from a
+    snapshot while the set named the node: the snapshot held everything the primary
+    held, and while the set names a node the primary counts it, so nothing was
+    acknowledged afterwards without this copy's ack. Its new incarnation may not be in
+    the set yet (the primary records it a moment after, through etcd, and may die
+    first). Any other copy (wiped, half-installed, rebuilt under an older epoch) may
+    lack an acknowledged change."""
+    entry = isr_incarnation(record, node)
+    if entry is None:
+        return f"node {node!r} is not in the in-sync set"
+    if not incarnation:
+        return f"node {node!r} has no copy"
+    if incarnation == entry:
+        return ""
+    if rebuilt and rebuilt == record.epoch:
+        return ""
+    rebuilt_by = f"rebuilt under epoch {rebuilt}" if rebuilt else "not rebuilt whole by a primary"
+    return (
+        f"the copy on {node!r} is incarnation {incarnation}, the in-sync set names {entry or 'an unclaimed one'}, "
+        f"and it was {rebuilt_by}, not by the primary of epoch {record.epoch}: it may lack acknowledged changes"
+    )

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgument, Unavailable
 from ..logging import get_logger
+from ..settled import settled
 from .change_ring import ChangeRing
-from .replica_contract import CopyLike, Decode
+from .replica_contract import ChangeSetLike, CopyLike, Decode
 from .replica_wire import CopyState, Ship, SnapshotHead, StatusAsk
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class Shard:
             self.primary is not None,
             refused,
             detail,
+            self.copy.rebuilt_epoch(),
         )
 
 
@@ -95,21 +97,29 @@ class CopyHost:
                     raise InvalidArgument("value", f"a change set of shard {ship.uid}: {exc}") from None
                 if change.uid != ship.uid:
                     return shard.state("diverged", f"a change set of shard {change.uid} in a call for {ship.uid}")
-                before = shard.copy.position().lsn
                 try:
-                    # A change it holds already (resent after a lost answer) is a no-op,
-                    # unless held under another epoch: then Diverged (storage checks both).
-                    await shard.copy.apply(change, ship.epoch)
+                    await settled(self._apply(shard, change, blob, ship.epoch))
                 except Exception as exc:
                     if isinstance(exc, self._fenced):
                         return shard.state("fenced", str(exc))
                     if isinstance(exc, self._diverged):
                         return shard.state("diverged", str(exc))
                     raise
-                if change.lsn > before:
-                    shard.ring.add(change.epoch, change.lsn, blob)
-                    shard.applied += 1
         return shard.state()
+
+    @staticmethod
+    async def _apply(shard: Shard, change: ChangeSetLike, blob: bytes, sender: int) -> None:
+        """Apply one change and put it in the ring, both or neither: a call cancelled in
+        between (its primary died) left the ring behind the copy, and the copy, once
+        promoted, took itself for further behind than it was (a snapshot for a copy
+        level with it: a new incarnation, out of the in-sync set)."""
+        before = shard.copy.position().lsn
+        # A change it holds already (resent after a lost answer) is a no-op, unless held
+        # under another epoch: then Diverged (storage checks both).
+        await shard.copy.apply(change, sender)
+        if change.lsn > before:
+            shard.ring.add(change.epoch, change.lsn, blob)
+            shard.applied += 1
 
     async def status(self, ask: StatusAsk) -> CopyState:
         shard = self._shard(ask.uid)
@@ -131,8 +141,10 @@ class CopyHost:
         async with shard.lock:
             if head.epoch < shard.copy.fenced_epoch():
                 return shard.state("fenced", f"a snapshot of epoch {head.epoch} below {shard.copy.fenced_epoch()}")
-            position = await shard.copy.install_snapshot(chunks)
+            # Emptied first: a call cancelled half-way must not leave the old history's
+            # changes in the ring of a copy that now holds another.
             shard.ring.clear()
+            position = await shard.copy.install_snapshot(chunks, head.epoch)
             shard.installs += 1
             log.info(
                 "replica_snapshot_installed",

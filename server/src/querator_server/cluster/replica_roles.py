@@ -12,7 +12,9 @@ The rules, applied on every catalog change and every half second:
   rebuilt): never serve it; fence and elect one of the others on their behalf;
 - it names this node but this copy promised a later epoch (a replica told it so: it
   was paused or cut off while the others started a failover): run the election itself;
-- it names another node that is not live, and this copy is in sync: run the election;
+- it names another node that is not live, and this copy may take over (in sync, or
+  rebuilt by that primary before etcd heard of it: ``why_not_electable``): run the
+  election; a copy that may not says why in the log (``shard_failover_blocked``);
 - this node serves a shard the record no longer gives it, or under another epoch:
   demote it (a passive copy again, caught up by the new primary).
 """
@@ -29,7 +31,7 @@ from ..model import QueueConfig
 from . import failover
 from .change_ring import RING_CHANGES, ChangeRing
 from .forwarding import Peers
-from .replica_contract import UNCLAIMED, CopyLike, Decode, isr_incarnation
+from .replica_contract import UNCLAIMED, CopyLike, Decode, isr_incarnation, why_not_electable
 from .replica_host import CopyHost, Shard
 from .shard_record import ShardRecord
 from .shard_table import ShardTable
@@ -79,6 +81,7 @@ class ShardRoles:
         self._locks: dict[int, asyncio.Lock] = {}
         self._raced_at: dict[int, float] = {}
         self._racing: set[int] = set()
+        self._blocked: dict[int, int] = {}  # uid -> the record revision a blocked failover was logged for
         self._task: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[None]] = set()
         self.failovers = 0
@@ -183,8 +186,21 @@ class ShardRoles:
                 await self._promote(shard, record)
             else:
                 await self._race(shard, record, include_self=True)
-        elif in_sync and not self._live(record.primary):
-            await self._race(shard, record, include_self=True)
+        elif not self._live(record.primary) and mine is not None:
+            why = why_not_electable(record, me, shard.copy.incarnation, shard.copy.rebuilt_epoch())
+            if not why:
+                await self._race(shard, record, include_self=True)
+            elif self._blocked.get(record.uid) != record.mod_revision:
+                self._blocked[record.uid] = record.mod_revision
+                log.error(
+                    "shard_failover_blocked",
+                    uid=record.uid,
+                    queue=record.queue,
+                    primary=record.primary,
+                    epoch=record.epoch,
+                    reason=why,
+                    detail="this copy cannot take over; another in-sync copy or the primary must",
+                )
 
     async def _claim(self, record: ShardRecord, shard: Shard) -> ShardRecord | None:
         try:

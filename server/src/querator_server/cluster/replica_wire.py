@@ -106,7 +106,8 @@ class StatusAsk:
 @dataclass(frozen=True, slots=True)
 class CopyState:
     """A copy's answer: its last applied change's (epoch, lsn), its incarnation, the
-    highest epoch it promised, and whether the node runs it as primary."""
+    highest epoch it promised, whether the node runs it as primary, and the epoch whose
+    primary last rebuilt it from a snapshot."""
 
     epoch: int
     lsn: int
@@ -117,6 +118,8 @@ class CopyState:
     # "fenced" (an epoch below fenced_epoch), "diverged" (not the next lsn of its history).
     refused: str = ""
     detail: str = field(default="", compare=False)
+    # The epoch of the primary whose snapshot the copy last installed whole (0: none).
+    rebuilt: int = 0
 
     @property
     def position(self) -> tuple[int, int]:
@@ -136,6 +139,7 @@ class CopyState:
             bool(header.get("primary", False)),
             _str(header, "refused"),
             _str(header, "detail"),
+            _int(header, "rebuilt") if "rebuilt" in header else 0,  # absent from a node before it
         )
 
 

@@ -260,11 +260,14 @@ class ShardReplication:
         self.notify()
 
     def here(self) -> tuple[int, int]:
-        """This primary's position: its last change handed over (its copy's, before any)."""
+        """This primary's position: its last change handed over, or its copy's when the
+        ring has nothing as recent (before any, or a change applied here as a replica
+        that the ring missed): never behind what the copy holds, or a copy level with
+        it would be taken for one ahead, and rebuilt."""
         last = self.ring.last
-        if last is not None:
-            return (last.epoch, last.lsn)
         position = self.copy.position()
+        if last is not None and last.lsn >= position.lsn:
+            return (last.epoch, last.lsn)
         return (position.epoch, position.lsn)
 
     # -- the gate -------------------------------------------------------------------------

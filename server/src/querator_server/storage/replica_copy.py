@@ -7,7 +7,9 @@ a fence under a later epoch first makes the node step down (``step_down``, given
 the manager), since a later epoch means another node was elected.
 
 Operations run one at a time, each durable before it returns: in a write transaction
-of the copy's own on its lane, or in its commit group's next commit.
+of the copy's own on its lane, or in its commit group's next commit. Each runs to its
+end even if its caller is cancelled (``settled``), so what the copy says of itself
+(position, promise, incarnation) is always what its storage holds.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TypeVar
 
 import lmdb
 
+from ..settled import settled
 from .change_set import ChangeSet, Diverged, Fenced, Position
 from .commit_group import CommitGroup
 from .lane import StorageLane
@@ -59,25 +62,34 @@ class ReplicaCopy:
     def digest(self) -> str:
         return self.state.digest()[1]
 
+    def rebuilt_epoch(self) -> int:
+        return self.state.rebuilt_epoch()
+
     async def apply(self, change: ChangeSet, sender: int = 0) -> Position:
         """Apply ``change``, sent by the primary of epoch ``sender``, durably (a no-op
         for one held already); raises ``Fenced`` or ``Diverged`` (change_set.py)."""
         async with self._lock:
-            await self._passive(max(change.epoch, sender), f"change {change.lsn} of epoch {change.epoch}")
-            if self.group is None:
-                state = self.state
-                return await self.lane.run(lambda: state.apply_now(change, sender))
-            await self.group.job(lambda: self.state.prepare(change))
-            if await self._grouped(lambda txn: self.state.apply(txn, change, sender)):
-                self.state.committed(change)
-            return self.state.position()
+            return await settled(self._apply(change, sender))
+
+    async def _apply(self, change: ChangeSet, sender: int) -> Position:
+        await self._passive(max(change.epoch, sender), f"change {change.lsn} of epoch {change.epoch}")
+        if self.group is None:
+            state = self.state
+            return await self.lane.run(lambda: state.apply_now(change, sender))
+        await self.group.job(lambda: self.state.prepare(change))
+        if await self._grouped(lambda txn: self.state.apply(txn, change, sender)):
+            self.state.committed(change)
+        return self.state.position()
 
     async def fence(self, epoch: int) -> Position:
         """Refuse, durably, every change set and promotion under an epoch below ``epoch``;
         the position of the last change held."""
         async with self._lock:
-            await self._passive(epoch + 1, f"a fence at epoch {epoch}")
-            return await self._fence(epoch)
+            return await settled(self._passive_fence(epoch))
+
+    async def _passive_fence(self, epoch: int) -> Position:
+        await self._passive(epoch + 1, f"a fence at epoch {epoch}")
+        return await self._fence(epoch)
 
     async def _fence(self, epoch: int) -> Position:
         if epoch <= self.state.fenced_epoch():
@@ -97,7 +109,7 @@ class ReplicaCopy:
                 raise Fenced(f"queue {self.name!r} is served here already, under epoch {self.serving_epoch}")
             if epoch < self.state.fenced_epoch():
                 raise Fenced(f"queue {self.name!r}: epoch {epoch} is below the epoch {self.state.fenced_epoch()} this copy promised")
-            await self._fence(epoch)
+            await settled(self._fence(epoch))
             self.serving_epoch = epoch
             try:
                 return await start()
@@ -122,11 +134,12 @@ class ReplicaCopy:
         finally:
             reader.close()
 
-    async def install_snapshot(self, chunks: AsyncIterator[bytes]) -> Position:
+    async def install_snapshot(self, chunks: AsyncIterator[bytes], sender: int = 0) -> Position:
         """Replace this copy's contents with a snapshot (``snapshot_chunks`` of another
-        copy): a new incarnation, at the snapshot's position, fenced at its epoch. A
-        crash or a bad stream half-way leaves a copy that refuses change sets until a
-        snapshot is installed again."""
+        copy) sent by the primary of epoch ``sender``: a new incarnation, at the
+        snapshot's position, fenced at its epoch, ``rebuilt_epoch`` ``sender`` once
+        whole. A crash or a bad stream half-way leaves a copy that refuses change sets
+        until a snapshot is installed again."""
         async with self._lock:
             if self.serving_epoch:
                 raise Fenced(f"queue {self.name!r} is served here under epoch {self.serving_epoch}: no snapshot over it")
@@ -135,7 +148,11 @@ class ReplicaCopy:
             header = SnapshotHeader.decode(await anext(stream))
             if header.uid != state.uid:
                 raise Diverged(f"a snapshot of queue uid {header.uid} offered to the copy of queue uid {state.uid}")
-            state.installing(await self._write(state.begin_install))
+
+            async def begin() -> None:
+                state.installing(await self._write(state.begin_install))
+
+            await settled(begin())
             end: tuple[int, str] | None = None
             async for chunk in stream:
                 if chunk[:1] == END:
@@ -149,8 +166,14 @@ class ReplicaCopy:
             _position, digest = await self._read(state.digest)
             if digest != end[1]:
                 raise Diverged(f"the snapshot of queue {self.name!r} installed with digest {digest}, not {end[1]}")
-            await self._write(partial(state.finish_install, position=header.position, history=header.history))
-            state.installed(header.position, header.history)
+
+            async def finish() -> None:
+                await self._write(
+                    partial(state.finish_install, position=header.position, history=header.history, sender=sender)
+                )
+                state.installed(header.position, header.history, sender)
+
+            await settled(finish())
             return header.position
 
     async def _read(self, fn: Callable[[], T]) -> T:
@@ -200,3 +223,4 @@ class ReplicaCopy:
         async with self._lock:
             if self.group is None:
                 await self.lane.run(self.state.store.close)
+

@@ -10,7 +10,10 @@ transactions, so a crash never separates a copy's contents from its position:
 - ``h`` + epoch: the lsn the epoch's first change had (the epoch history, so a copy
   that comes back can be told whether it lies on the primary's history);
 - ``incarnation``: a random id made with the copy and never copied, so a copy that
-  lost its disk (and was made again, empty) is not taken for the one it replaced.
+  lost its disk (and was made again, empty) is not taken for the one it replaced;
+- ``rebuilt``: the epoch of the primary whose snapshot the copy last installed whole
+  (absent while installing, and in a copy never rebuilt): what lets a failover elect a
+  copy rebuilt just before its primary died, before etcd recorded its new incarnation.
 
 The ``replica`` database is the node's own: never recorded, never in a digest.
 """
@@ -37,6 +40,7 @@ _FENCED = b"fenced"
 _INCARNATION = b"incarnation"
 _HISTORY = b"h"
 _INSTALLING = b"installing"
+_REBUILT = b"rebuilt"
 _PAIR = struct.Struct(">QQ")
 _U64 = struct.Struct(">Q")
 _SIZE = struct.Struct(">I")
@@ -128,6 +132,8 @@ class ReplicaState:
             self.incarnation = raw.decode() if raw else self.incarnation
             self._history = self.stored_history(txn)
             self._installing = txn.get(_INSTALLING, db=self._meta) is not None
+            raw = txn.get(_REBUILT, db=self._meta)
+            self._rebuilt = _U64.unpack(raw)[0] if raw else 0
 
     # -- what the copy holds -------------------------------------------------------------
 
@@ -141,6 +147,11 @@ class ReplicaState:
     def history(self) -> list[tuple[int, int]]:
         """(epoch, lsn of its first change), oldest first."""
         return list(self._history)
+
+    def rebuilt_epoch(self) -> int:
+        """The epoch of the primary whose snapshot this copy last installed whole (0:
+        none, or one is being installed)."""
+        return self._rebuilt
 
     def epoch_at(self, lsn: int) -> int:
         """The epoch under which this copy holds change ``lsn`` (0: before any)."""
@@ -289,6 +300,18 @@ class ReplicaState:
                     hasher.add(role, key, value)
         return position, hasher.hexdigest()
 
+    def stored(self) -> tuple[Position, int, str]:
+        """Position, promise and incarnation as the storage holds them (what a restart
+        would load), read in one transaction."""
+        with self.store.env.begin() as txn:
+            raw = txn.get(_FENCED, db=self._meta)
+            incarnation = txn.get(_INCARNATION, db=self._meta)
+            return (
+                self.stored_position(txn),
+                _U64.unpack(raw)[0] if raw else 0,
+                bytes(incarnation).decode() if incarnation else "",
+            )
+
     def stored_position(self, txn: lmdb.Transaction[bytes]) -> Position:
         raw = txn.get(_POSITION, db=self._meta)
         return Position(*_PAIR.unpack(raw)) if raw else Position(0, 0)
@@ -320,6 +343,7 @@ class ReplicaState:
         txn.put(_INCARNATION, incarnation.encode(), db=meta)
         txn.put(_POSITION, _PAIR.pack(0, 0), db=meta)
         txn.put(_INSTALLING, b"1", db=meta)
+        txn.delete(_REBUILT, db=meta)
         return incarnation
 
     def installing(self, incarnation: str) -> None:
@@ -327,6 +351,7 @@ class ReplicaState:
         self._position = Position(0, 0)
         self._history = []
         self._installing = True
+        self._rebuilt = 0
 
     def put_entries(self, txn: lmdb.Transaction[bytes], ops: list[tuple[str, bytes, bytes | None]]) -> None:
         """Store a snapshot's entries (``prepare`` first)."""
@@ -336,9 +361,14 @@ class ReplicaState:
             if value is not None:
                 put(key, value, db=dbs[role])
 
-    def finish_install(self, txn: lmdb.Transaction[bytes], position: Position, history: list[tuple[int, int]]) -> None:
-        """The copy holds the snapshot: its position, history and a fence at its epoch."""
+    def finish_install(
+        self, txn: lmdb.Transaction[bytes], position: Position, history: list[tuple[int, int]], sender: int = 0
+    ) -> None:
+        """The copy holds the snapshot: its position, history and a fence at its epoch;
+        ``sender``: the epoch of the primary that sent it (kept as ``rebuilt``)."""
         meta = self._meta
+        if sender:
+            txn.put(_REBUILT, _U64.pack(sender), db=meta)
         txn.put(_POSITION, _PAIR.pack(*position), db=meta)
         for epoch, start in history:
             txn.put(_HISTORY + _U64.pack(epoch), _U64.pack(start), db=meta)
@@ -346,11 +376,12 @@ class ReplicaState:
             txn.put(_FENCED, _U64.pack(position.epoch), db=meta)
         txn.delete(_INSTALLING, db=meta)
 
-    def installed(self, position: Position, history: list[tuple[int, int]]) -> None:
+    def installed(self, position: Position, history: list[tuple[int, int]], sender: int = 0) -> None:
         self._position = position
         self._history = list(history)
         self._fenced = max(self._fenced, position.epoch)
         self._installing = False
+        self._rebuilt = sender
 
     def roles_by_name(self) -> dict[str, Any]:
         self.roles()

@@ -1,0 +1,302 @@
+"""Failover to a copy the primary rebuilt from a snapshot just before it died, in one
+process: the primary is a real actor with its real shipper, the other copy a real
+manager with its ShardRoles behind a real Peer server, the shard record in a real etcd
+(the primary reaches etcd through a loopback proxy the test cuts).
+
+A snapshot gives the copy a new incarnation, and the primary records it in the in-sync
+set through etcd a moment later. Should the primary die in between, the set still names
+the copy's old incarnation. The copy then holds every acknowledged change (the snapshot
+had everything the primary held, and the primary acknowledged nothing after it without
+this copy's ack), so it must take over; a copy with no such proof must not."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from cluster_helpers import Etcd, Proxy
+from replication_helpers import SHARD_UID
+
+from querator_server.actor import LeaseRequest, LeaseResult, LogicalQueue, ProduceRequest
+from querator_server.cluster.catalog import Member
+from querator_server.cluster.change_ring import ChangeRing
+from querator_server.cluster.etcd import Etcd as EtcdClient
+from querator_server.cluster.etcd import Txn
+from querator_server.cluster.forwarding import Peers
+from querator_server.cluster.give_back import GiveBacks
+from querator_server.cluster.replica_contract import why_not_electable
+from querator_server.cluster.replica_roles import ShardRoles
+from querator_server.cluster.shard_cas import Deposed
+from querator_server.cluster.shard_record import ShardRecord
+from querator_server.cluster.shard_table import ShardTable
+from querator_server.cluster.shipper import ShardReplication
+from querator_server.grpc_api.peer_service import PeerService
+from querator_server.manager import QueuesManager
+from querator_server.model import NewItem, QueueConfig
+from querator_server.storage import QueueStore
+from querator_server.storage.change_set import ChangeSet, Diverged, Fenced
+from querator_server.storage.lane import StorageLane
+from querator_server.storage.replica_copy import ReplicaCopy
+from querator_server.storage.replica_state import ReplicaState
+
+PREFIX = b"/rebuilt/"
+SECRET = b"s" * 32
+LAG_S = 1.0
+MS = 1000
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    server = Etcd(str(tmp_path_factory.mktemp("etcd")))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _config() -> QueueConfig:
+    return QueueConfig(name="q", uid=SHARD_UID, partitions=2, lease_timeout_us=30_000 * MS)
+
+
+class Writer:
+    def __init__(self, node: str, create_revision: int) -> None:
+        self.node = node
+        self.create_revision = create_revision
+
+
+class Primary:
+    """n1: the queue's primary (epoch 1), its copy on a lane of its own, a tiny ring."""
+
+    def __init__(self, root: str, record: ShardRecord, table: ShardTable, peers: Peers) -> None:
+        self.path = os.path.join(root, "n1")
+        self.lane = StorageLane("test-n1")
+        self.record, self.table, self.peers = record, table, peers
+        self.copy: ReplicaCopy | None = None
+        self.actor: LogicalQueue | None = None
+        self.replication: ShardReplication | None = None
+
+    async def start(self) -> None:
+        os.makedirs(self.path, exist_ok=True)
+        store = await self.lane.run(lambda: QueueStore(self.path, 2))
+        state = await self.lane.run(lambda: ReplicaState(store, None, SHARD_UID))
+        copy = self.copy = ReplicaCopy("q", state, self.lane, None)
+        record = await self.table.expand_isr(self.record, ("n1", copy.incarnation))
+        # Four change sets of ring: a copy that missed more is rebuilt from a snapshot.
+        replication = self.replication = ShardReplication(
+            "n1", record, self.table, Deposed, self.peers, copy, ChangeRing(4), LAG_S
+        )
+        actor = self.actor = LogicalQueue(_config(), store, self.lane, replication=replication, epoch=record.epoch)  # type: ignore[arg-type]
+        copy.serving_epoch = record.epoch
+        await actor.start(keyed=copy.state.keyed, replica=copy.state)
+        replication.start()
+
+    async def produce(self, payload: bytes) -> None:
+        assert self.actor is not None
+        await self.actor.submit(ProduceRequest(items=[NewItem(payload=payload)]))
+
+    async def die(self) -> None:
+        """Gone at once: nothing more is shipped nor written to etcd."""
+        assert self.replication is not None and self.actor is not None and self.copy is not None
+        await self.replication.stop()
+        await self.actor.stop()
+        await self.copy.close()
+        self.lane.shutdown()
+
+
+async def _until(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.02)
+
+
+async def _members(client: EtcdClient, nodes: list[str]) -> dict[str, int]:
+    revisions = {}
+    for node in nodes:
+        key = PREFIX + b"members/" + node.encode()
+        await client.txn(Txn().put(key, b"{}"))
+        _, kv = await client.get(key)
+        assert kv is not None
+        revisions[node] = kv.create_revision
+    return revisions
+
+
+async def _stored_record(client: EtcdClient) -> ShardRecord:
+    _, kv = await client.get(PREFIX + b"shards/" + str(SHARD_UID).encode())
+    assert kv is not None
+    return ShardRecord.decode(SHARD_UID, kv.value, kv.mod_revision, kv.create_revision)
+
+
+async def _drain(manager: QueuesManager) -> list[bytes]:
+    out: list[bytes] = []
+    actor = manager.actor("q")
+    while True:
+        lease: LeaseResult = await actor.submit(LeaseRequest(batch_size=100, client_id="", wait_until_us=0))
+        if not lease.ids:
+            return out
+        out += lease.payloads
+
+
+def test_the_copies_that_may_take_over_are_the_one_the_set_names_and_one_rebuilt_by_that_primary() -> None:
+    record = dataclasses.replace(
+        ShardRecord.new(SHARD_UID, "q", ["n1", "n2", "n3"], 2), epoch=4, isr=(("n1", "i1"), ("n2", "i2"), ("n3", ""))
+    )
+    assert why_not_electable(record, "n2", "i2", 0) == ""  # the copy the set names
+    assert why_not_electable(record, "n2", "j2", 4) == ""  # rebuilt by the primary of epoch 4
+    assert why_not_electable(record, "n3", "k3", 4) == ""  # an unclaimed entry is counted too
+    assert "rebuilt under epoch 3" in why_not_electable(record, "n2", "j2", 3)  # by an older primary
+    assert "not rebuilt whole" in why_not_electable(record, "n2", "j2", 0)  # wiped, or half-installed
+    assert "not in the in-sync set" in why_not_electable(record, "n4", "i4", 4)
+    assert "no copy" in why_not_electable(record, "n2", "", 4)
+
+
+@pytest.mark.timeout(120)
+def test_a_copy_rebuilt_just_before_the_primary_died_takes_over_with_every_acknowledged_change(
+    tmp_path: Any, etcd: Etcd
+) -> None:
+    root = str(tmp_path)
+
+    async def main() -> None:
+        client = EtcdClient([etcd.endpoint])
+        revisions = await _members(client, ["n1", "n2"])
+        await client.txn(Txn().put(PREFIX + b"shards/" + str(SHARD_UID).encode(), ShardRecord.new(SHARD_UID, "q", ["n1", "n2"], 1).encode()))
+        record = await _stored_record(client)
+        members: dict[str, Member] = {}
+        live = {"n1", "n2"}
+
+        # n2: a node's manager and ShardRoles behind a Peer server.
+        manager = QueuesManager(os.path.join(root, "n2"), workers=2)
+        await manager.start()
+        table2 = ShardTable(client, PREFIX, Writer("n2", revisions["n2"]))
+        peers2 = Peers("n2", lambda: members)
+        peers2.set_secret(SECRET)
+        roles = ShardRoles("n2", manager, table2, peers2, lambda n: n in live, (Deposed, Fenced, Diverged), ChangeSet.decode, LAG_S)
+
+        async def never(*_: Any) -> Any:
+            raise AssertionError("no give-backs here")
+
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((PeerService(GiveBacks("n2", never, peers2), never, roles.host).handler(),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        members["n2"] = Member("n2", f"127.0.0.1:{port}", revisions["n2"])
+        await roles.follow(record, _config())
+        copy2 = manager.copy("q")
+
+        # n1: the primary, reaching etcd through a proxy.
+        proxy = Proxy(etcd.endpoint)
+        client1 = EtcdClient([proxy.address])
+        peers1 = Peers("n1", lambda: members)
+        peers1.set_secret(SECRET)
+        primary = Primary(root, record, ShardTable(client1, PREFIX, Writer("n1", revisions["n1"])), peers1)
+        await primary.start()
+        assert primary.replication is not None and primary.copy is not None
+        alive = True
+        try:
+            for i in range(10):
+                await primary.produce(b"a%d" % i)
+            first = copy2.incarnation
+            await _until(lambda: dict(primary.replication.record.isr).get("n2") == first, 10, "n2 claimed in the ISR")  # type: ignore[union-attr]
+
+            # n2 stops answering; meanwhile more than the ring holds is written (each
+            # produce waits for n2, which is still counted in sync).
+            await server.stop(0)
+            produced = []
+            for i in range(12):  # each its own cycle, its own change set
+                produced.append(asyncio.ensure_future(primary.produce(b"b%d" % i)))
+                await asyncio.sleep(0.03)
+            proxy.cut()  # from here on the primary cannot change the record
+            server = grpc.aio.server()
+            server.add_generic_rpc_handlers((PeerService(GiveBacks("n2", never, peers2), never, roles.host).handler(),))
+            server.add_insecure_port(f"127.0.0.1:{port}")
+            await server.start()
+            await asyncio.wait_for(asyncio.gather(*produced), 20)  # acknowledged: on n2 too
+            assert primary.replication.links["n2"].snapshots >= 1 and copy2.incarnation != first
+            acknowledged = [b"a%d" % i for i in range(10)] + [b"b%d" % i for i in range(12)]
+
+            # The primary dies before etcd heard of n2's new incarnation.
+            await primary.die()
+            alive = False
+            live.discard("n1")
+            await client.txn(Txn().delete(PREFIX + b"members/n1"))  # its membership lapses
+            stored = await _stored_record(client)
+            assert stored.primary == "n1" and dict(stored.isr)["n2"] == first, stored
+            await roles.follow(stored, _config())
+            deadline = time.monotonic() + 10
+            while (await _stored_record(client)).primary != "n2" and time.monotonic() < deadline:
+                await roles.refollow(SHARD_UID)
+                await asyncio.sleep(0.2)
+            elected = await _stored_record(client)
+            assert elected.primary == "n2", f"no failover to the rebuilt copy in 10 s: {elected}"
+            assert dict(elected.isr) == {"n2": copy2.incarnation} and elected.epoch == 2
+            await _until(lambda: copy2.serving_epoch == 2, 10, "n2 serving")
+            assert sorted(await _drain(manager)) == sorted(acknowledged)
+        finally:
+            if alive:
+                await primary.die()
+            proxy.close()
+            await roles.stop()
+            await server.stop(0)
+            await manager.stop()
+            await peers1.close()
+            await peers2.close()
+            await client1.close()
+            await client.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_copy_that_may_lack_acknowledged_changes_never_takes_over_and_says_why(
+    tmp_path: Any, etcd: Etcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The in-sync set names another incarnation of n2's copy (its data was lost, and it
+    came back empty) and no primary rebuilt it: with the primary dead there is no safe
+    choice, so the queue waits, and the node says so."""
+    root = str(tmp_path)
+
+    async def main() -> None:
+        client = EtcdClient([etcd.endpoint])
+        prefix_key = PREFIX + b"shards/" + str(SHARD_UID).encode()
+        revisions = await _members(client, ["n1", "n2"])
+        record = ShardRecord.new(SHARD_UID, "q", ["n1", "n2"], 1)
+        await client.txn(Txn().put(prefix_key, record.encode()))
+        stored = await _stored_record(client)
+        manager = QueuesManager(os.path.join(root, "n2"), workers=2)
+        await manager.start()
+        table = ShardTable(client, PREFIX, Writer("n2", revisions["n2"]))
+        peers = Peers("n2", dict)
+        roles = ShardRoles("n2", manager, table, peers, lambda n: n == "n2", (Deposed, Fenced, Diverged), ChangeSet.decode, LAG_S)
+        try:
+            await roles.follow(stored, _config())  # opens n2's copy: empty, a new incarnation
+            lost = dataclasses.replace(stored, isr=(("n1", "a" * 32), ("n2", "b" * 32)))
+            ok, _ = await client.txn(Txn().modified_at(prefix_key, stored.mod_revision).put(prefix_key, lost.encode()))
+            assert ok
+            stored = await _stored_record(client)
+            await roles.follow(stored, _config())
+            for _ in range(10):
+                await roles.refollow(SHARD_UID)
+                await asyncio.sleep(0.2)
+            assert (await _stored_record(client)) == stored
+            assert manager.copy("q").serving_epoch == 0
+        finally:
+            await roles.stop()
+            await manager.stop()
+            await peers.close()
+            await client.close()
+
+    with caplog.at_level(logging.ERROR, logger="querator.server"):
+        asyncio.run(main())
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("shard_failover_blocked")]
+    # Once per record revision: the one naming unclaimed copies, then the one naming "b...".
+    assert len(logged) == 2, logged
+    assert f"the in-sync set names {'b' * 32}" in logged[-1] and "may lack acknowledged changes" in logged[-1], logged
