@@ -33,6 +33,11 @@ class PartitionView:
     # Items produced and completed since the view was built (GetQueueStats' counters).
     produced: int = 0
     completed: int = 0
+    # At least the entries of the priority index (ready items of priority 1 to 9):
+    # while 0, a lease does not look at it. Counted up as entries go in, down as a
+    # lease takes them, and set to 0 by a lease that finds the index empty; entries
+    # deleted otherwise (expiry, deletion) leave it high until then.
+    ranked: int = 0
 
     @classmethod
     def from_scan(cls, scan: PartitionScan) -> PartitionView:
@@ -46,6 +51,7 @@ class PartitionView:
             ready_hint=scan.first_ready_seq,
             first_due=scan.first_due,
             first_expiry=scan.first_expiry,
+            ranked=scan.ranked,
         )
 
     def copy(self) -> PartitionView:
@@ -62,6 +68,7 @@ class PartitionView:
             self.first_expiry,
             self.produced,
             self.completed,
+            self.ranked,
         )
 
     def stats(self, p: int, now: int, failure: str, faulty_since_us: int) -> PartitionStats:

@@ -56,6 +56,7 @@ def storage_item(stored: a.StoredItem) -> pb.StorageItem:
         message_id=item.message_id or stored.item_id,
         dead_reason=item.dead_reason,  # type: ignore[arg-type]
         dead_attempts=item.dead_attempts,
+        priority=item.priority,
     )
     if item.expire_deadline < NEVER_US:  # unset: it never expires
         out.expire_deadline.CopyFrom(ts(item.expire_deadline))
@@ -176,6 +177,7 @@ class StorageService:
                     dead_attempts=item.dead_attempts,
                     last_error=error,
                     last_error_at_us=error_at or (now if error else 0),
+                    priority=c.priority(item.priority, f"{field}.priority"),
                 )
             )
         ids: list[str] = await self.manager.actor(name).submit(a.ImportItemsRequest(partition, items))
