@@ -57,6 +57,8 @@ export class LeasedItem implements ItemRef, ItemHistory {
   readonly lastError: string;
   /** When lastError was recorded (undefined without one). */
   readonly lastErrorAt: Date | undefined;
+  /** 0 to 9, as given at produce: leases hand out higher priorities first. */
+  readonly priority: number;
   #state: LeaseState = "leased";
   readonly #settler: Settler;
 
@@ -81,6 +83,7 @@ export class LeasedItem implements ItemRef, ItemHistory {
     this.deadAttempts = fields.deadAttempts;
     this.lastError = fields.lastError;
     this.lastErrorAt = fields.lastErrorAt;
+    this.priority = fields.priority;
   }
 
   /** The payload decoded as UTF-8. */

@@ -21,6 +21,10 @@ export interface Item {
   /** String pairs handed to whoever leases the item (e.g. trace context); at most 64
    * pairs and 16 KB in all. */
   metadata?: Record<string, string>;
+  /** 0 (the default) to 9: a lease takes a partition's ready items highest priority
+   * first, FIFO within a priority. No aging: lower priorities wait while higher ones
+   * are ready. Outside 0 to 9: InvalidArgument naming items[i].priority. */
+  priority?: number;
 }
 
 /** What produce accepts per item. */
@@ -153,6 +157,8 @@ export interface StoredItem extends ItemHistory {
    * dead letter, the error that killed it. "" when it never failed with a text. */
   lastError: string;
   lastErrorAt: Date | undefined;
+  /** 0 to 9, as given at produce (importItems keeps it). */
+  priority: number;
 }
 
 /** What redriveItems did: how many items it moved, their message ids, and how many

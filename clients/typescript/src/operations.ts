@@ -67,6 +67,7 @@ export interface ProduceDefaults {
   kind?: string;
   reference?: string;
   enqueueAt?: Date;
+  priority?: number;
 }
 
 export function isItem(value: ProduceInput): value is Item {
@@ -87,6 +88,7 @@ export function produceItem(item: Item, defaults: ProduceDefaults): ProduceItemI
     reference: item.reference ?? defaults.reference ?? "",
     idempotencyKey: item.idempotencyKey ?? "",
     metadata: item.metadata ?? {},
+    priority: item.priority ?? defaults.priority ?? 0,
     ...(enqueueAt ? { enqueueAt: toTimestamp(enqueueAt) } : {}),
   };
 }
@@ -104,7 +106,7 @@ function approxItemBytes(item: ProduceItemInit): number {
  * form, ProduceRequest.payloads).
  */
 export function* produceBatches(inputs: Iterable<ProduceInput>, batchSize: number, defaults: ProduceDefaults): Generator<ProduceEntry[], void, undefined> {
-  const shared = Boolean(defaults.encoding || defaults.kind || defaults.reference || defaults.enqueueAt);
+  const shared = Boolean(defaults.encoding || defaults.kind || defaults.reference || defaults.enqueueAt || defaults.priority);
   let batch: ProduceEntry[] = [];
   let size = 0;
   for (const value of inputs) {
@@ -229,6 +231,7 @@ export function leasedItems(settler: Settler, response: LeaseResponse): LeasedIt
           deadAttempts: columns.deadAttempts[i] ?? 0,
           lastError: columns.lastErrors[i] ?? "",
           lastErrorAt: columns.lastErrorAtUs[i] ? fromMicros(columns.lastErrorAtUs[i]!) : undefined,
+          priority: columns.priorities[i] ?? 0,
         }),
     );
   }
@@ -253,6 +256,7 @@ export function leasedItems(settler: Settler, response: LeaseResponse): LeasedIt
         deadAttempts: item.deadAttempts,
         lastError: item.lastError,
         lastErrorAt: fromTimestamp(item.lastErrorAt),
+        priority: item.priority,
       }),
   );
 }
@@ -436,6 +440,7 @@ export function storedItem(i: StorageItem, partition: number): StoredItem {
     deadAttempts: i.deadAttempts,
     lastError: i.lastError,
     lastErrorAt: fromTimestamp(i.lastErrorAt),
+    priority: i.priority,
   };
 }
 
@@ -455,6 +460,7 @@ export function storageItem(i: Partial<StoredItem>): StorageItem {
     deadAttempts: i.deadAttempts ?? 0,
     ...(i.deadAt ? { deadAt: ts(i.deadAt)!.timestamp } : {}),
     lastError: i.lastError ?? "",
+    priority: i.priority ?? 0,
     ...(i.lastErrorAt ? { lastErrorAt: ts(i.lastErrorAt)!.timestamp } : {}),
     ...(i.leaseDeadline ? { leaseDeadline: ts(i.leaseDeadline)!.timestamp } : {}),
     ...(i.expireDeadline ? { expireDeadline: ts(i.expireDeadline)!.timestamp } : {}),

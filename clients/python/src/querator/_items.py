@@ -80,6 +80,7 @@ class _LeasedBase:
         "dead_attempts",
         "last_error",
         "last_error_at",
+        "priority",
         "_state",
         "_lock",
     )
@@ -106,6 +107,7 @@ class _LeasedBase:
         dead_attempts: int = 0,
         last_error: str = "",
         last_error_at: datetime | None = None,
+        priority: int = 0,
     ) -> None:
         self.queue_name = queue_name
         self.partition = partition
@@ -137,6 +139,8 @@ class _LeasedBase:
         #: the error that killed it. "" and None when it never failed with a text.
         self.last_error = last_error
         self.last_error_at = last_error_at
+        #: 0 to 9, as given at produce (``Item.priority``): leases hand out higher first.
+        self.priority = priority
         self._state: str | None = None
         self._lock = threading.Lock()
         self._client = client

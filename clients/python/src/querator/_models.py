@@ -39,6 +39,11 @@ class Item:
 
     ``metadata``: string pairs handed to whoever leases the item (``LeasedItem.metadata``),
     e.g. trace context; at most 64 pairs and 16 KB in all, keys 1 to 256 characters.
+
+    ``priority``: 0 (the default) to 9. A lease takes the ready items of a partition
+    highest priority first, FIFO within a priority. No aging: lower priorities wait
+    while higher ones are ready. Outside 0 to 9 the server answers INVALID_ARGUMENT
+    (``items[i].priority``).
     """
 
     payload: Payload
@@ -48,6 +53,7 @@ class Item:
     enqueue_at: datetime | None = None
     idempotency_key: str = ""
     metadata: Mapping[str, str] = field(default_factory=dict, hash=False)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.metadata:
@@ -231,6 +237,8 @@ class StoredItem:
     #: the error that killed it. Empty / None when it never failed with a text.
     last_error: str = ""
     last_error_at: datetime | None = None
+    #: 0 to 9, as given at produce (``Item.priority``); import keeps it.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.metadata:
