@@ -5,6 +5,7 @@ scheduling, Retry, an expired lease, kill -9 and old data."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -99,6 +100,17 @@ def test_scheduled_retried_expired_and_imported_items_keep_their_priority(stubs:
     rest = _lease(stubs, "keep", 10)
     assert [(i.payload, i.priority) for i in rest.items] == [(b"scheduled", 8), (b"expires", 4), (b"plain", 0)]
     assert rest.items[1].attempts == 2 and rest.items[1].last_error.startswith("lease expired")
+
+
+def test_dead_letters_keep_their_priority_in_the_dead_letter_queue(stubs: Stubs) -> None:
+    stubs.create("dlq-p", requested_partitions=1)
+    stubs.create("src-p", requested_partitions=1, dead_queue="dlq-p")
+    _produce(stubs, "src-p", [(b"plain", 0), (b"urgent", 7)])
+    leased = _lease(stubs, "src-p", 2)
+    items = [queue_pb2.RetryItem(id=i.id, dead=True) for i in leased.items]
+    stubs.queue.Retry(queue_pb2.RetryRequest(queue_name="src-p", partition=0, items=items), timeout=10)
+    wait_until(lambda: len(stubs.list_items("dlq-p")) == 2, timeout=10)
+    assert [(i.payload, i.priority) for i in _lease(stubs, "dlq-p", 10).items] == [(b"urgent", 7), (b"plain", 0)]
 
 
 def test_1000_items_of_random_priorities_leave_in_priority_order_per_partition(stubs: Stubs) -> None:
@@ -255,5 +267,108 @@ def test_kill9_keeps_the_priority_index(process_server: ProcessServer) -> None:
             got = [i.payload for i in _lease(stubs, name, 1000).items]
             assert sorted(got) == sorted(expected)
             assert [priorities[p] for p in got] == sorted((priorities[p] for p in got), reverse=True)
+        finally:
+            channel.close()
+
+
+class _Load:
+    """A producer (random priorities) and a consumer (leasing, completing, retrying
+    some) on one queue, recording what the server acknowledged, by payload."""
+
+    def __init__(self, stubs: Stubs, name: str, seed: int) -> None:
+        self.stubs, self.name, self.rng = stubs, name, random.Random(seed)
+        self.stop = threading.Event()
+        self.acked: dict[bytes, int] = {}
+        self.completed: set[bytes] = set()
+        self.unsure_completed: set[bytes] = set()
+        self.threads = [threading.Thread(target=self.produce), threading.Thread(target=self.consume)]
+
+    def produce(self) -> None:
+        n = 0
+        while not self.stop.is_set() and n < 20_000:
+            items = [(f"{self.name}-{n + i}".encode(), self.rng.randrange(10)) for i in range(20)]
+            n += 20
+            try:
+                _produce(self.stubs, self.name, items)
+            except grpc.RpcError:
+                return
+            self.acked.update(items)
+
+    def consume(self) -> None:
+        while not self.stop.is_set():
+            try:
+                got = _lease(self.stubs, self.name, 15)
+                if not got.items:
+                    continue
+                back = [i for i in got.items if i.priority % 3 == 0][:2]
+                done = [i for i in got.items if i not in back]
+                if back:
+                    items = [queue_pb2.RetryItem(id=i.id) for i in back]
+                    self.stubs.queue.Retry(queue_pb2.RetryRequest(queue_name=self.name, partition=0, items=items), timeout=10)
+                if done:
+                    payloads = {i.payload for i in done}
+                    self.unsure_completed |= payloads
+                    self.stubs.complete(self.name, got.partition, [i.id for i in done])
+                    self.completed |= payloads
+                    self.unsure_completed -= payloads
+            except grpc.RpcError:
+                return
+
+
+def _stored(stubs: Stubs, name: str) -> list[storage_pb2.StorageItem]:
+    out: list[storage_pb2.StorageItem] = []
+    token = ""
+    while True:
+        request = storage_pb2.ListItemsRequest(queue_name=name, partition=0, page_size=1000, page_token=token)
+        page = stubs.storage.ListItems(request, timeout=10)
+        out.extend(page.items)
+        token = page.next_page_token
+        if not token:
+            return out
+
+
+def test_kill9_under_load_of_ranked_produce_lease_and_retry(process_server: ProcessServer) -> None:
+    """kill -9 at whatever the load is doing (produce with random priorities, lease,
+    complete, retry): after the restart every acknowledged item not acknowledged
+    completed is there exactly once (by payload), none acknowledged completed is, and
+    the ready ones lease out in priority order. Three kills after bounded random times."""
+    proc = process_server
+    rng = random.Random(7)
+    for round_ in range(3):
+        name = f"load{round_}"
+        channel = grpc.insecure_channel(proc.address)
+        stubs = Stubs(channel)
+        stubs.create(name, requested_partitions=1, lease_timeout=dur(600))
+        load = _Load(stubs, name, round_)
+        for thread in load.threads:
+            thread.start()
+        time.sleep(0.5 + rng.random())
+        proc.kill9()
+        load.stop.set()
+        for thread in load.threads:
+            thread.join(30)
+        channel.close()
+        proc.start()
+        channel = grpc.insecure_channel(proc.address)
+        stubs = Stubs(channel)
+        try:
+            listed = _stored(stubs, name)
+            stored = [i.payload for i in listed]
+            ready = sum(1 for i in listed if not i.is_leased)  # leases outlive the kill
+            assert len(stored) == len(set(stored)), "an item stored twice"
+            left = set(stored)
+            assert not (left & load.completed), "a completed item came back"
+            missing = set(load.acked) - load.completed - load.unsure_completed - left
+            assert not missing, f"{len(missing)} acknowledged items lost"
+            leased = 0
+            for _ in range(100):
+                got = _lease(stubs, name, 1000)
+                if not got.items:
+                    break
+                priorities = [i.priority for i in got.items]
+                assert priorities == sorted(priorities, reverse=True)
+                leased += len(got.items)
+            assert leased == ready
+            assert all(i.is_leased for i in _stored(stubs, name))
         finally:
             channel.close()
