@@ -32,6 +32,11 @@ An item that failed with a text (RetryItem.error, or a lease that ran out) carri
 *last error* at the end of the history block, marked by a second flag bit: records
 without it (all those written before format 5) read as before, with no error. Catalog
 format 5 marks a data directory whose records may hold it.
+
+An item of an ordered group (ProduceItem.group_key) carries its group key in a *group
+block* between the metadata and the history, marked by a third flag bit: records
+without it read as before. Catalog format 6 marks a data directory whose records may
+hold it. Where a group's items wait is storage/ordered_groups.py.
 """
 
 from __future__ import annotations
@@ -49,6 +54,12 @@ TAG_OUTBOX = b"d"
 TAG_SOURCE = b"u"
 TAG_REDRIVE = b"r"
 KEY_NEXT_SEQ = b"n"
+# Ordered groups (storage/ordered_groups.py): ``g`` + group + seq, an item waiting behind its
+# group's head; ``h`` + group, a group that has a head (ready, leased or held by a
+# delayed retry); ``k``, the partition count that places group keys (partition 0).
+TAG_WAITING = b"g"
+TAG_GROUP_HEAD = b"h"
+KEY_GROUP_PARTITIONS = b"k"
 
 _U64 = struct.Struct(">Q")
 _ITEM_KEY = struct.Struct(">cQ")
@@ -67,8 +78,14 @@ _FLAG_HISTORY = 4
 # The history block ends with the last error (_ERROR and its text); set only with
 # _FLAG_HISTORY, so every path that passes over history-less records skips it too.
 _FLAG_ERROR = 8
+# A group block (_GROUP_LEN and the group key) follows the metadata, before any history.
+_FLAG_GROUP = 16
+FLAG_GROUP = _FLAG_GROUP
 # Flags a lease rewrite keeps as they were.
-_KEPT_FLAGS = _FLAG_EXPIRY_RUN | _FLAG_HISTORY | _FLAG_ERROR
+_KEPT_FLAGS = _FLAG_EXPIRY_RUN | _FLAG_HISTORY | _FLAG_ERROR | _FLAG_GROUP
+# Flags that send a record off the plain lease path.
+_NOT_PLAIN = _FLAG_HISTORY | _FLAG_GROUP
+_GROUP_LEN = struct.Struct("<H")
 # dead_reason, dead_at, dead_attempts, byte length of the message id.
 _HISTORY = struct.Struct("<BqII")
 # last_error_at, byte length of the last error's text.
@@ -167,6 +184,8 @@ class Item:
     # What went wrong the last time the item failed (model.cut_error applied), and when.
     last_error: str = ""
     last_error_at: int = 0
+    # The ordered group the item belongs to ("" for none).
+    group_key: str = ""
 
     def encode(self) -> bytes:
         history = b""
@@ -181,7 +200,8 @@ class Item:
             (_FLAG_LEASED if self.is_leased else 0)
             | (_FLAG_EXPIRY_RUN if self.expiry_run else 0)
             | (_FLAG_HISTORY if history else 0)
-            | (_FLAG_ERROR if error else 0),
+            | (_FLAG_ERROR if error else 0)
+            | (_FLAG_GROUP if self.group_key else 0),
             self.attempts,
             self.created_at,
             self.expire_deadline,
@@ -189,6 +209,9 @@ class Item:
             self.enqueue_at,
             self.leased_at,
         )
+        if self.group_key:
+            group = self.group_key.encode()
+            history = _GROUP_LEN.pack(len(group)) + group + history
         if not (self.source_id or self.reference or self.encoding or self.kind or self.lease_key or self.metadata):
             # Most items carry only a payload: skip six encodes and an eight-part join.
             return _HEADER.pack(*fixed, 0, 0, 0, 0, 0, 0) + history + self.payload
@@ -238,7 +261,7 @@ class Item:
             pos += n_lease_key
             metadata = json.loads(view[pos : pos + n_metadata]) if n_metadata else {}
             pos += n_metadata
-        if flags & _FLAG_HISTORY:
+        if flags & _NOT_PLAIN:
             return cls._with_history(view, pos, flags, (created_at, expire_deadline, enqueue_at, attempts),
                                      (lease_deadline, leased_at), (source, reference, encoding, kind, lease_key), metadata)
         return cls(
@@ -270,12 +293,21 @@ class Item:
         strings: tuple[str, str, str, str, str],
         metadata: dict[str, str],
     ) -> Item:
-        """``decode`` of a record with a history block at ``pos`` (apart, so that the
-        records without one pay no more than they did)."""
-        dead_reason, dead_at, dead_attempts, n_message_id = _HISTORY.unpack_from(view, pos)
-        pos += _HISTORY.size
-        message_id = view[pos : pos + n_message_id].decode()
-        pos += n_message_id
+        """``decode`` of a record with a group or history block at ``pos`` (apart, so
+        that the records without one pay no more than they did)."""
+        group_key = ""
+        if flags & _FLAG_GROUP:
+            (n_group,) = _GROUP_LEN.unpack_from(view, pos)
+            pos += _GROUP_LEN.size
+            group_key = view[pos : pos + n_group].decode()
+            pos += n_group
+        dead_reason = dead_at = dead_attempts = 0
+        message_id = ""
+        if flags & _FLAG_HISTORY:
+            dead_reason, dead_at, dead_attempts, n_message_id = _HISTORY.unpack_from(view, pos)
+            pos += _HISTORY.size
+            message_id = view[pos : pos + n_message_id].decode()
+            pos += n_message_id
         last_error, last_error_at = "", 0
         if flags & _FLAG_ERROR:
             last_error_at, n_error = _ERROR.unpack_from(view, pos)
@@ -306,6 +338,7 @@ class Item:
             dead_attempts=dead_attempts,
             last_error=last_error,
             last_error_at=last_error_at,
+            group_key=group_key,
         )
 
 
@@ -322,6 +355,8 @@ class ItemState(NamedTuple):
     source_id: str
     lease_key: str
     expiry_run: bool
+    # The item's ordered group ("" for none).
+    group_key: str = ""
 
 
 def read_state(raw: bytes) -> ItemState:
@@ -338,20 +373,33 @@ def read_state(raw: bytes) -> ItemState:
         n_encoding,
         n_kind,
         n_lease_key,
-        _n_metadata,
+        n_metadata,
     ) = _HEADER.unpack_from(raw)
     pos = _HEADER.size
     source = bytes(raw[pos : pos + n_source]).decode() if n_source else ""
-    lease_key = ""
+    lease_key = group_key = ""
     if n_lease_key:
         pos += n_source + n_reference + n_encoding + n_kind
         lease_key = bytes(raw[pos : pos + n_lease_key]).decode()
+    if flags & _FLAG_GROUP:
+        group_key = group_of(raw)
     # tuple.__new__ directly: NamedTuple's generated __new__ is Python and doubles the cost
     # of this function, which runs for every item a lease or an ack touches.
     leased, run = bool(flags & _FLAG_LEASED), bool(flags & _FLAG_EXPIRY_RUN)
     return _new_tuple(
-        ItemState, (leased, attempts, created, expire, lease_deadline, enqueue_at, leased_at, source, lease_key, run)
+        ItemState,
+        (leased, attempts, created, expire, lease_deadline, enqueue_at, leased_at, source, lease_key, run, group_key),
     )
+
+
+def group_of(raw: bytes) -> str:
+    """The group key of a record ("" for an item of no group)."""
+    if not raw[0] & _FLAG_GROUP:
+        return ""
+    pos = _HEADER.size + sum(_STRING_LENGTHS.unpack_from(raw, _STATE_FIXED.size))
+    (n_group,) = _GROUP_LEN.unpack_from(raw, pos)
+    pos += _GROUP_LEN.size
+    return bytes(raw[pos : pos + n_group]).decode()
 
 
 _new_tuple = tuple.__new__
@@ -431,7 +479,7 @@ def plain_leaser(*, now: int, max_attempts: int, deadline: int, key_bytes: bytes
         if raw[_LENGTHS] != _NO_STRINGS:
             return None
         flags, attempts, created, expire, _deadline, _enqueue_at, _leased_at = unpack(raw)
-        if expire <= now or flags & _FLAG_HISTORY or (max_attempts and attempts >= max_attempts):
+        if expire <= now or flags & _NOT_PLAIN or (max_attempts and attempts >= max_attempts):
             return None
         attempts += 1
         payload = raw[_HEADER.size :]
