@@ -21,8 +21,8 @@ from ..storage.keyed import LeaseKeyRecord
 from ..storage.ordered_groups import group_partition
 from ..storage.record import (
     DEAD_RETRIED,
-    FLAG_GROUP,
     ItemState,
+    grouped,
     plain_leaser,
     read_state,
     scheduled_key,
@@ -468,7 +468,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             for seq, raw in taken:
                 self.store.put_raw(txn, p, seq, raw)
                 v.ready_hint = min(v.ready_hint, seq)
-                if raw[0] & FLAG_GROUP:
+                if grouped(raw):
                     v.groups_in_flight -= 1
             v.ready += len(taken)
             v.leased -= len(taken)

@@ -37,7 +37,7 @@ from ..faults import MAP_FULL, NO_SPACE, write_fault
 from . import ordered_groups
 from .record import (
     _FLAG_EXPIRY_RUN,
-    _FLAG_GROUP,
+    _FLAG_HISTORY,
     _FLAG_LEASED,
     _HEADER,
     _LENGTHS,
@@ -59,6 +59,7 @@ from .record import (
     expiry_key,
     expiry_prefix,
     group_of,
+    grouped,
     item_key,
     outbox_key,
     parse_expiry_key,
@@ -578,9 +579,10 @@ class QueueStore:
         singles: list[bytes] = []
         seq = first
         for raw in cursor.iternext(keys=False, values=True):
-            if raw[_LENGTHS] != _NO_STRINGS or raw[0] & (_FLAG_LEASED | _FLAG_GROUP) != _FLAG_LEASED:
-                return None  # (a key past the items, e.g. ``n``, has a shorter value; a
-                # grouped item's completion releases its group: the item-by-item path)
+            if raw[_LENGTHS] != _NO_STRINGS or not raw[0] & _FLAG_LEASED:
+                return None  # (a key past the items, e.g. ``n``, has a shorter value)
+            if raw[0] & _FLAG_HISTORY and grouped(raw):
+                return None  # its completion releases its group: the item-by-item path
             flags, _attempts, created_at, expire, _deadline, _enqueue_at, at = unpack(raw)
             created += created_at
             leased_at += at
@@ -965,8 +967,9 @@ class QueueStore:
                 for key, raw in cursor:
                     if key[:1] != tag:
                         break
-                    if raw[0] & _FLAG_GROUP:
-                        heads.add(group_of(raw))
+                    key_of_group = group_of(raw)
+                    if key_of_group:
+                        heads.add(key_of_group)
         return heads
 
     def _index_keys(
@@ -1000,7 +1003,7 @@ class QueueStore:
                 result.created_sum += created
                 if flags & 1:
                     result.leased += 1
-                    if flags & _FLAG_GROUP:
+                    if flags & _FLAG_HISTORY and grouped(raw):
                         result.groups_in_flight += 1
                     result.leased_at_sum += leased_at
                     result.leases.append((lease_deadline, seq))

@@ -33,10 +33,11 @@ An item that failed with a text (RetryItem.error, or a lease that ran out) carri
 without it (all those written before format 5) read as before, with no error. Catalog
 format 5 marks a data directory whose records may hold it.
 
-An item of an ordered group (ProduceItem.group_key) carries its group key in a *group
-block* between the metadata and the history, marked by a third flag bit: records
-without it read as before. Catalog format 6 marks a data directory whose records may
-hold it. Where a group's items wait is storage/ordered_groups.py.
+An item of an ordered group (ProduceItem.group_key) carries its group key in its
+history block, after the message id and before any error, marked by the top bit of the
+block's dead-reason byte (reasons are below 128; the flags byte has no bit to spare):
+records without it read as before. Catalog format 6 marks a data directory whose
+records may hold it. Where a group's items wait is storage/ordered_groups.py.
 """
 
 from __future__ import annotations
@@ -78,13 +79,11 @@ _FLAG_HISTORY = 4
 # The history block ends with the last error (_ERROR and its text); set only with
 # _FLAG_HISTORY, so every path that passes over history-less records skips it too.
 _FLAG_ERROR = 8
-# A group block (_GROUP_LEN and the group key) follows the metadata, before any history.
-_FLAG_GROUP = 16
-FLAG_GROUP = _FLAG_GROUP
 # Flags a lease rewrite keeps as they were.
-_KEPT_FLAGS = _FLAG_EXPIRY_RUN | _FLAG_HISTORY | _FLAG_ERROR | _FLAG_GROUP
-# Flags that send a record off the plain lease path.
-_NOT_PLAIN = _FLAG_HISTORY | _FLAG_GROUP
+_KEPT_FLAGS = _FLAG_EXPIRY_RUN | _FLAG_HISTORY | _FLAG_ERROR
+# In the history block's dead-reason byte: a group block (_GROUP_LEN and the group key)
+# follows the message id.
+_HISTORY_GROUP = 0x80
 _GROUP_LEN = struct.Struct("<H")
 # dead_reason, dead_at, dead_attempts, byte length of the message id.
 _HISTORY = struct.Struct("<BqII")
@@ -190,9 +189,13 @@ class Item:
     def encode(self) -> bytes:
         history = b""
         error = bool(self.last_error or self.last_error_at)
-        if self.message_id or self.dead_reason or self.dead_at or self.dead_attempts or error:
+        if self.message_id or self.dead_reason or self.dead_at or self.dead_attempts or error or self.group_key:
             message_id = self.message_id.encode()
-            history = _HISTORY.pack(self.dead_reason, self.dead_at, self.dead_attempts, len(message_id)) + message_id
+            reason = self.dead_reason | (_HISTORY_GROUP if self.group_key else 0)
+            history = _HISTORY.pack(reason, self.dead_at, self.dead_attempts, len(message_id)) + message_id
+            if self.group_key:
+                group = self.group_key.encode()
+                history += _GROUP_LEN.pack(len(group)) + group
             if error:
                 text = self.last_error.encode()
                 history += _ERROR.pack(self.last_error_at, len(text)) + text
@@ -200,8 +203,7 @@ class Item:
             (_FLAG_LEASED if self.is_leased else 0)
             | (_FLAG_EXPIRY_RUN if self.expiry_run else 0)
             | (_FLAG_HISTORY if history else 0)
-            | (_FLAG_ERROR if error else 0)
-            | (_FLAG_GROUP if self.group_key else 0),
+            | (_FLAG_ERROR if error else 0),
             self.attempts,
             self.created_at,
             self.expire_deadline,
@@ -209,9 +211,6 @@ class Item:
             self.enqueue_at,
             self.leased_at,
         )
-        if self.group_key:
-            group = self.group_key.encode()
-            history = _GROUP_LEN.pack(len(group)) + group + history
         if not (self.source_id or self.reference or self.encoding or self.kind or self.lease_key or self.metadata):
             # Most items carry only a payload: skip six encodes and an eight-part join.
             return _HEADER.pack(*fixed, 0, 0, 0, 0, 0, 0) + history + self.payload
@@ -261,7 +260,7 @@ class Item:
             pos += n_lease_key
             metadata = json.loads(view[pos : pos + n_metadata]) if n_metadata else {}
             pos += n_metadata
-        if flags & _NOT_PLAIN:
+        if flags & _FLAG_HISTORY:
             return cls._with_history(view, pos, flags, (created_at, expire_deadline, enqueue_at, attempts),
                                      (lease_deadline, leased_at), (source, reference, encoding, kind, lease_key), metadata)
         return cls(
@@ -293,21 +292,19 @@ class Item:
         strings: tuple[str, str, str, str, str],
         metadata: dict[str, str],
     ) -> Item:
-        """``decode`` of a record with a group or history block at ``pos`` (apart, so
-        that the records without one pay no more than they did)."""
+        """``decode`` of a record with a history block at ``pos`` (apart, so that the
+        records without one pay no more than they did)."""
+        dead_reason, dead_at, dead_attempts, n_message_id = _HISTORY.unpack_from(view, pos)
+        pos += _HISTORY.size
+        message_id = view[pos : pos + n_message_id].decode()
+        pos += n_message_id
         group_key = ""
-        if flags & _FLAG_GROUP:
+        if dead_reason & _HISTORY_GROUP:
+            dead_reason &= ~_HISTORY_GROUP
             (n_group,) = _GROUP_LEN.unpack_from(view, pos)
             pos += _GROUP_LEN.size
             group_key = view[pos : pos + n_group].decode()
             pos += n_group
-        dead_reason = dead_at = dead_attempts = 0
-        message_id = ""
-        if flags & _FLAG_HISTORY:
-            dead_reason, dead_at, dead_attempts, n_message_id = _HISTORY.unpack_from(view, pos)
-            pos += _HISTORY.size
-            message_id = view[pos : pos + n_message_id].decode()
-            pos += n_message_id
         last_error, last_error_at = "", 0
         if flags & _FLAG_ERROR:
             last_error_at, n_error = _ERROR.unpack_from(view, pos)
@@ -381,7 +378,7 @@ def read_state(raw: bytes) -> ItemState:
     if n_lease_key:
         pos += n_source + n_reference + n_encoding + n_kind
         lease_key = bytes(raw[pos : pos + n_lease_key]).decode()
-    if flags & _FLAG_GROUP:
+    if flags & _FLAG_HISTORY:
         group_key = group_of(raw)
     # tuple.__new__ directly: NamedTuple's generated __new__ is Python and doubles the cost
     # of this function, which runs for every item a lease or an ack touches.
@@ -392,11 +389,24 @@ def read_state(raw: bytes) -> ItemState:
     )
 
 
+def _history_at(raw: bytes) -> int:
+    """Where a record's history block starts (after the header and the strings)."""
+    return _HEADER.size + sum(_STRING_LENGTHS.unpack_from(raw, _STATE_FIXED.size))
+
+
+def grouped(raw: bytes) -> bool:
+    """Whether a record is of an ordered group."""
+    return bool(raw[0] & _FLAG_HISTORY and raw[_history_at(raw)] & _HISTORY_GROUP)
+
+
 def group_of(raw: bytes) -> str:
     """The group key of a record ("" for an item of no group)."""
-    if not raw[0] & _FLAG_GROUP:
+    if not raw[0] & _FLAG_HISTORY:
         return ""
-    pos = _HEADER.size + sum(_STRING_LENGTHS.unpack_from(raw, _STATE_FIXED.size))
+    pos = _history_at(raw)
+    if not raw[pos] & _HISTORY_GROUP:
+        return ""
+    pos += _HISTORY.size + _HISTORY.unpack_from(raw, pos)[3]
     (n_group,) = _GROUP_LEN.unpack_from(raw, pos)
     pos += _GROUP_LEN.size
     return bytes(raw[pos : pos + n_group]).decode()
@@ -479,7 +489,7 @@ def plain_leaser(*, now: int, max_attempts: int, deadline: int, key_bytes: bytes
         if raw[_LENGTHS] != _NO_STRINGS:
             return None
         flags, attempts, created, expire, _deadline, _enqueue_at, _leased_at = unpack(raw)
-        if expire <= now or flags & _NOT_PLAIN or (max_attempts and attempts >= max_attempts):
+        if expire <= now or flags & _FLAG_HISTORY or (max_attempts and attempts >= max_attempts):
             return None
         attempts += 1
         payload = raw[_HEADER.size :]
