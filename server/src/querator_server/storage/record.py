@@ -391,7 +391,7 @@ def read_state(raw: bytes) -> ItemState:
 
 def _history_at(raw: bytes) -> int:
     """Where a record's history block starts (after the header and the strings)."""
-    return _HEADER.size + sum(_STRING_LENGTHS.unpack_from(raw, _STATE_FIXED.size))
+    return _HEADER.size + int(sum(_STRING_LENGTHS.unpack_from(raw, _STATE_FIXED.size)))
 
 
 def grouped(raw: bytes) -> bool:
