@@ -80,6 +80,7 @@ class _LeasedBase:
         "dead_attempts",
         "last_error",
         "last_error_at",
+        "group_key",
         "_state",
         "_lock",
     )
@@ -106,6 +107,7 @@ class _LeasedBase:
         dead_attempts: int = 0,
         last_error: str = "",
         last_error_at: datetime | None = None,
+        group_key: str = "",
     ) -> None:
         self.queue_name = queue_name
         self.partition = partition
@@ -137,6 +139,9 @@ class _LeasedBase:
         #: the error that killed it. "" and None when it never failed with a text.
         self.last_error = last_error
         self.last_error_at = last_error_at
+        #: The item's ordered group (``Item.group_key``); "" for none. No other item of
+        #: the group is leased until this one is completed, dead-lettered or deleted.
+        self.group_key = group_key
         self._state: str | None = None
         self._lock = threading.Lock()
         self._client = client
