@@ -372,3 +372,34 @@ def test_kill9_under_load_of_ranked_produce_lease_and_retry(process_server: Proc
             assert all(i.is_leased for i in _stored(stubs, name))
         finally:
             channel.close()
+
+
+def test_priorities_order_group_heads_and_ungrouped_items_never_a_group_inside(stubs: Stubs) -> None:
+    """Groups and priorities together: FIFO and one in flight within a group always
+    win; priority orders what is eligible (group heads and items of no group), FIFO
+    within a priority. A group's later item of a high priority waits for its turn, and
+    goes first once it is its group's head."""
+    stubs.create("both", requested_partitions=1)
+
+    def item(payload: bytes, priority: int, group: str = "") -> queue_pb2.ProduceItem:
+        return queue_pb2.ProduceItem(payload=payload, priority=priority, group_key=group)
+
+    produce = [item(b"A1", 0, "A"), item(b"A2", 9, "A"), item(b"B1", 5, "B"), item(b"B2", 0, "B"), item(b"U", 0), item(b"V", 7)]
+    stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name="both", items=produce), timeout=10)
+    first = _lease(stubs, "both", 10)
+    assert [(i.payload, i.priority) for i in first.items] == [(b"V", 7), (b"B1", 5), (b"A1", 0), (b"U", 0)]
+    _produce(stubs, "both", [(b"W", 3), (b"Z", 0)])
+    by_payload = {i.payload: i.id for i in first.items}
+    stubs.complete("both", 0, [by_payload[b"A1"]])  # A2 (9) becomes A's head
+    second = _lease(stubs, "both", 10)
+    assert [(i.payload, i.priority) for i in second.items] == [(b"A2", 9), (b"W", 3), (b"Z", 0)]
+    # B1 given back (Retry now): it stays B's head, in the priority index again, and
+    # comes before everything of a lower priority; B2 still waits behind it.
+    stubs.queue.Retry(
+        queue_pb2.RetryRequest(queue_name="both", partition=0, items=[queue_pb2.RetryItem(id=by_payload[b"B1"])]), timeout=10
+    )
+    _produce(stubs, "both", [(b"late", 4)])
+    third = _lease(stubs, "both", 10)
+    assert [(i.payload, i.priority) for i in third.items] == [(b"B1", 5), (b"late", 4)]
+    stubs.complete("both", 0, [i.id for i in third.items if i.payload == b"B1"])
+    assert [i.payload for i in _lease(stubs, "both", 10).items] == [b"B2"]

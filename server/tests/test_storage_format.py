@@ -18,7 +18,7 @@ from querator_server.storage.record import expiry_key, item_key, read_state, wit
 
 from conftest import Stubs, ThreadServer
 
-CURRENT = b"querator-catalog-5"
+CURRENT = b"querator-catalog-6"
 
 
 def _stamp(path: Path, version: bytes) -> None:
@@ -36,7 +36,9 @@ def _format(path: Path) -> bytes | None:
     return found
 
 
-@pytest.mark.parametrize("older", [b"querator-catalog-1", b"querator-catalog-2", b"querator-catalog-3", b"querator-catalog-4"])
+@pytest.mark.parametrize(
+    "older", [b"querator-catalog-1", b"querator-catalog-2", b"querator-catalog-3", b"querator-catalog-4", b"querator-catalog-5"]
+)
 def test_an_older_catalog_is_read_and_stamped_with_the_current_format(tmp_path: Path, older: bytes) -> None:
     path = tmp_path / "catalog"
     Catalog(str(path)).env.close()

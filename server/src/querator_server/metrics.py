@@ -185,7 +185,8 @@ class QueueCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         items = GaugeMetricFamily(
             "querator_queue_items",
-            "Items of the queue by state: ready (leasable now), leased, scheduled (exact).",
+            "Items of the queue by state: ready (leasable now), leased, scheduled, waiting_in_group "
+            "(behind the first item of their ordered group) (exact).",
             labels=["queue", "state"],
         )
         partitions = GaugeMetricFamily("querator_queue_partitions", "Partitions of the queue.", labels=["queue"])
@@ -211,6 +212,11 @@ class QueueCollector(Collector):
         )
         produce_waiting = GaugeMetricFamily(
             "querator_queue_produce_waiting", "Produce calls waiting for the next cycle.", labels=["queue"]
+        )
+        groups = GaugeMetricFamily(
+            "querator_queue_groups_in_flight",
+            "Ordered groups (ProduceItem.group_key) of the queue whose first item is leased right now.",
+            labels=["queue"],
         )
         paused = GaugeMetricFamily(
             "querator_queue_paused",
@@ -239,7 +245,9 @@ class QueueCollector(Collector):
             items.add_metric([name, "scheduled"], totals.scheduled)
             partitions.add_metric([name], totals.partitions)
             faulty.add_metric([name], totals.faulty)
-            held = totals.ready + totals.leased
+            items.add_metric([name, "waiting_in_group"], totals.waiting)
+            groups.add_metric([name], totals.groups_in_flight)
+            held = totals.ready + totals.leased + totals.waiting
             avg_age.add_metric([name], max(0.0, now_us - totals.created_sum / held) / 1e6 if held else 0.0)
             lease_waiting.add_metric([name], totals.lease_waiting)
             produce_waiting.add_metric([name], totals.produce_waiting)
@@ -257,7 +265,9 @@ class QueueCollector(Collector):
             "querator_queues_failed", "Queues not served because their storage failed (GetQueue says why)."
         )
         failed.add_metric([], self._manager.failed_queues())
-        yield from (queues, failed, items, partitions, faulty, head_age, avg_age, lease_waiting, produce_waiting, paused, map_used, map_size)
+        yield from (
+            queues, failed, items, partitions, faulty, head_age, avg_age, lease_waiting, produce_waiting, groups, paused, map_used, map_size
+        )
 
 
 class ReplicaState(Protocol):

@@ -133,6 +133,8 @@ class NewItem:
     enqueue_at_us: int = 0
     idempotency_key: str = ""
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The ordered group (storage/ordered_groups.py); "" for none.
+    group_key: str = ""
     # 0 to 9, higher leased first (MAX_PRIORITY).
     priority: int = 0
 
@@ -188,6 +190,10 @@ class PartitionStats:
     # Items produced and completed since the partition was loaded (counters).
     produced: int = 0
     completed: int = 0
+    # Ordered groups whose first item is leased, and when the item waiting longest
+    # behind its group's first was produced (wall µs; 0: none waits).
+    groups_in_flight: int = 0
+    oldest_waiting_at_us: int = 0
 
 
 @dataclass(slots=True)
@@ -198,10 +204,13 @@ class QueueTotals:
     ready: int
     leased: int
     scheduled: int
-    created_sum: int  # of the ready and leased items' created_at, for their average age
+    created_sum: int  # of the ready, leased and waiting items' created_at, for their average age
     lease_waiting: int
     produce_waiting: int
     faulty: int = 0  # partitions
+    # Items of ordered groups waiting behind their group's first; groups with one leased.
+    waiting: int = 0
+    groups_in_flight: int = 0
 
 
 @dataclass(slots=True)

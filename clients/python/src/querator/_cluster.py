@@ -399,7 +399,9 @@ class ClusterMap:
         queue = getattr(request, "queue_name", "")
         method = call.method
         if call.service == QUEUE and method == "Produce":
-            key = next((item.idempotency_key for item in request.items if item.idempotency_key), "")
+            # A group lives at its key's home (the server refuses groups of two homes).
+            key = next((item.group_key for item in request.items if item.group_key), "")
+            key = key or next((item.idempotency_key for item in request.items if item.idempotency_key), "")
             if key:  # dedup is exact at the key's one home
                 return self._to(queue, self.home_of_key(queue, key), "home")
             node = self.produce_node(queue, now)

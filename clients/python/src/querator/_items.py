@@ -80,6 +80,7 @@ class _LeasedBase:
         "dead_attempts",
         "last_error",
         "last_error_at",
+        "group_key",
         "priority",
         "_state",
         "_lock",
@@ -107,6 +108,7 @@ class _LeasedBase:
         dead_attempts: int = 0,
         last_error: str = "",
         last_error_at: datetime | None = None,
+        group_key: str = "",
         priority: int = 0,
     ) -> None:
         self.queue_name = queue_name
@@ -139,6 +141,9 @@ class _LeasedBase:
         #: the error that killed it. "" and None when it never failed with a text.
         self.last_error = last_error
         self.last_error_at = last_error_at
+        #: The item's ordered group (``Item.group_key``); "" for none. No other item of
+        #: the group is leased until this one is completed, dead-lettered or deleted.
+        self.group_key = group_key
         #: 0 to 9, as given at produce (``Item.priority``): leases hand out higher first.
         self.priority = priority
         self._state: str | None = None

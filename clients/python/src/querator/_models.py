@@ -40,6 +40,12 @@ class Item:
     ``metadata``: string pairs handed to whoever leases the item (``LeasedItem.metadata``),
     e.g. trace context; at most 64 pairs and 16 KB in all, keys 1 to 256 characters.
 
+    ``group_key`` (at most 512 bytes; not with ``enqueue_at``) puts the item in an ordered
+    group: the items of a group are leased one at a time, in the order they were produced
+    (the next only once the one before is completed, dead-lettered or deleted). Grouped
+    items of one request must belong to one partition: a ``Producer`` batches each group
+    apart and keeps a group's batches in order.
+
     ``priority``: 0 (the default) to 9. A lease takes the ready items of a partition
     highest priority first, FIFO within a priority. No aging: lower priorities wait
     while higher ones are ready. Outside 0 to 9 the server answers INVALID_ARGUMENT
@@ -53,6 +59,7 @@ class Item:
     enqueue_at: datetime | None = None
     idempotency_key: str = ""
     metadata: Mapping[str, str] = field(default_factory=dict, hash=False)
+    group_key: str = ""
     priority: int = 0
 
     def __post_init__(self) -> None:
@@ -167,6 +174,11 @@ class PartitionStats:
     #: queue: counters (0 at the server's start) whose growth over time is the rate.
     produced: int = 0
     completed: int = 0
+    #: Ordered groups whose first item is leased now, and how long the item that has
+    #: waited longest behind the first of its group has been in the queue (None: none
+    #: waits). Items waiting so are counted in ``total`` (and so in ``ready``).
+    groups_in_flight: int = 0
+    oldest_waiting_in_group: timedelta | None = None
 
     @property
     def ready(self) -> int:
@@ -237,6 +249,8 @@ class StoredItem:
     #: the error that killed it. Empty / None when it never failed with a text.
     last_error: str = ""
     last_error_at: datetime | None = None
+    #: The item's ordered group (``Item.group_key``); "" for none. Not imported.
+    group_key: str = ""
     #: 0 to 9, as given at produce (``Item.priority``); import keeps it.
     priority: int = 0
 

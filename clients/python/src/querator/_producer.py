@@ -14,6 +14,12 @@ An item may carry an idempotency key (``Item(..., idempotency_key=k)`` or
 (``duplicates`` counts them). A batch whose every item has a key is retried after
 UNAVAILABLE even without ``retry=True``: repeating it cannot store anything twice.
 
+An item may belong to an ordered group (``Item(..., group_key=g)`` or ``produce(item,
+group_key=g)``): a batch holds items of at most one group (and items of none), and a
+group's next batch is sent only once the one before it is answered, so the group's
+items are stored in the order ``produce()`` was called. A batch that fails (its futures
+raise) leaves the group's later items stored without it.
+
 An item may carry metadata (``Item(..., metadata={...})`` or ``produce(item,
 metadata={...})``). With the client's ``tracing=True`` each item also gets the trace
 context current where ``produce()`` was called (:mod:`querator.tracing`).
@@ -58,6 +64,8 @@ class _Batch(Generic[F]):
     started: float = 0.0
     attempt: int = 0
     not_before: float = 0.0
+    # The ordered group of its grouped items ("" for none; at most one per batch).
+    group: str = ""
 
 
 class _Settings:
@@ -92,11 +100,21 @@ class _Settings:
         self.bare = not (encoding or kind or reference or enqueue_at is not None or priority or tracing)
 
     def message(
-        self, item: p.ProduceArg, idempotency_key: str | None, metadata: Mapping[str, str] | None
+        self,
+        item: p.ProduceArg,
+        idempotency_key: str | None,
+        metadata: Mapping[str, str] | None,
+        group_key: str | None = None,
     ) -> tuple[p.ProduceEntry, int]:
         """The item's message (in the caller's context: that is the trace context added),
         or only its payload when that is all it carries (the compact form of the batch)."""
-        if self.bare and idempotency_key is None and not metadata and isinstance(item, (bytes, bytearray, memoryview, str)):
+        if (
+            self.bare
+            and idempotency_key is None
+            and group_key is None
+            and not metadata
+            and isinstance(item, (bytes, bytearray, memoryview, str))
+        ):
             payload = payload_bytes(item)
             return payload, len(payload) + 6
         if metadata:
@@ -105,10 +123,23 @@ class _Settings:
         message = p.produce_item(item, self.defaults, _tracing._carrier() if self.tracing else None)
         if idempotency_key is not None:
             message.idempotency_key = idempotency_key
+        if group_key is not None:
+            message.group_key = group_key
         return message, message.ByteSize() + 6
+
+    def fits(self, batch: _Batch[Any], message: p.ProduceEntry, cost: int) -> bool:
+        """Whether ``message`` may join ``batch``: room, and no second group."""
+        if batch.items and (len(batch.items) >= self.max_items or batch.size + cost > self.max_bytes):
+            return False
+        group = _group_of(message)
+        return not (group and batch.group and batch.group != group)
 
     def full(self, batch: _Batch[Any], cost: int) -> bool:
         return bool(batch.items) and (len(batch.items) >= self.max_items or batch.size + cost > self.max_bytes)
+
+
+def _group_of(message: p.ProduceEntry) -> str:
+    return "" if isinstance(message, bytes) else message.group_key
 
 
 C = TypeVar("C", "Client", "AsyncClient")
@@ -174,6 +205,8 @@ class Producer(_Producing["Client"]):
         self._batch: _Batch[concurrent.futures.Future[str]] = _Batch()
         self._ready: collections.deque[_Batch[concurrent.futures.Future[str]]] = collections.deque()
         self._in_flight = 0
+        # Groups with a batch in flight: the next batch of one waits for its answer.
+        self._sending: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="querator-producer", daemon=True)
         self._thread.start()
 
@@ -184,14 +217,15 @@ class Producer(_Producing["Client"]):
         idempotency_key: str | None = None,
         metadata: Mapping[str, str] | None = None,
         timeout: Seconds | None = None,
+        group_key: str | None = None,
     ) -> concurrent.futures.Future[str]:
         """Queue one item (bytes, str or Item); blocks while ``max_pending`` items wait.
 
-        ``idempotency_key`` overrides the item's own; ``metadata`` pairs are added to the
-        item's own (these win). ``timeout`` bounds the wait (then
+        ``idempotency_key`` and ``group_key`` override the item's own; ``metadata`` pairs
+        are added to the item's own (these win). ``timeout`` bounds the wait (then
         :class:`~querator.Overloaded` is raised).
         """
-        message, cost = self._s.message(item, idempotency_key, metadata)
+        message, cost = self._s.message(item, idempotency_key, metadata, group_key)
         future: concurrent.futures.Future[str] = concurrent.futures.Future()
         limit = None if timeout is None else time.monotonic() + seconds(timeout)
         with self._cond:
@@ -202,10 +236,11 @@ class Producer(_Producing["Client"]):
                 self._cond.wait(remaining)
             if self._closed:
                 raise RuntimeError("the producer is closed")
-            if self._s.full(self._batch, cost):
+            if not self._s.fits(self._batch, message, cost):
                 self._seal()
             if not self._batch.items:
                 self._batch.started = time.monotonic()
+            self._batch.group = self._batch.group or _group_of(message)
             self._batch.items.append(message)
             self._batch.futures.append(future)
             self._batch.size += cost
@@ -225,10 +260,16 @@ class Producer(_Producing["Client"]):
                 now = time.monotonic()
                 if self._batch.items and (self._closed or now - self._batch.started >= self._s.max_latency):
                     self._seal()
-                sendable = self._ready and self._in_flight < self._s.max_in_flight
+                sendable = (
+                    self._ready
+                    and self._in_flight < self._s.max_in_flight
+                    and self._ready[0].group not in self._sending
+                )
                 if sendable and self._ready[0].not_before <= now:
                     batch = self._ready.popleft()
                     self._in_flight += 1
+                    if batch.group:
+                        self._sending.add(batch.group)
                     self._send(batch)
                     continue
                 if self._closed and not self._ready and not self._batch.items and self._in_flight == 0:
@@ -260,6 +301,7 @@ class Producer(_Producing["Client"]):
             error = QueratorError(f"produce failed: {exc!r}")
         with self._cond:
             self._in_flight -= 1
+            self._sending.discard(batch.group)
             # Retried from the sender thread after the policy's delay, not slept on here
             # (this runs on a gRPC callback thread).
             delay = self._transport.retry_policy.delay(batch.attempt + 1, error) if error and call.retry else None
@@ -343,6 +385,8 @@ class AsyncProducer(_Producing["AsyncClient"]):
         self._flusher: asyncio.Task[None] | None = None
         self._slots: asyncio.Semaphore | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # Each group's last batch sent: the group's next batch waits for it.
+        self._group_tail: dict[str, asyncio.Future[None]] = {}
 
     def _start(self) -> asyncio.Condition:
         if self._changed is None:
@@ -352,20 +396,26 @@ class AsyncProducer(_Producing["AsyncClient"]):
         return self._changed
 
     async def produce(
-        self, item: Item | Payload, *, idempotency_key: str | None = None, metadata: Mapping[str, str] | None = None
+        self,
+        item: Item | Payload,
+        *,
+        idempotency_key: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        group_key: str | None = None,
     ) -> asyncio.Future[str]:
         """Queue one item; waits while ``max_pending`` items are pending (see :meth:`Producer.produce`)."""
         if self._closed:
             raise RuntimeError("the producer is closed")
-        message, cost = self._s.message(item, idempotency_key, metadata)
+        message, cost = self._s.message(item, idempotency_key, metadata, group_key)
         changed = self._start()
         async with changed:
             await changed.wait_for(lambda: self._pending < self._s.max_pending)
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        if self._s.full(self._batch, cost):
+        if not self._s.fits(self._batch, message, cost):
             await self._seal()
         if not self._batch.items:
             self._batch.started = time.monotonic()
+        self._batch.group = self._batch.group or _group_of(message)
         self._batch.items.append(message)
         self._batch.futures.append(future)
         self._batch.size += cost
@@ -380,7 +430,11 @@ class AsyncProducer(_Producing["AsyncClient"]):
             return
         assert self._slots is not None
         await self._slots.acquire()
-        task = asyncio.create_task(self._send(batch))
+        after = mine = None
+        if batch.group:  # sent once the group's batch before it is answered
+            after = self._group_tail.get(batch.group)
+            mine = self._group_tail[batch.group] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._send(batch, after, mine))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -395,9 +449,16 @@ class AsyncProducer(_Producing["AsyncClient"]):
             else:
                 await asyncio.sleep(self._s.max_latency or 0.001)
 
-    async def _send(self, batch: _Batch[asyncio.Future[str]]) -> None:
+    async def _send(
+        self,
+        batch: _Batch[asyncio.Future[str]],
+        after: asyncio.Future[None] | None = None,
+        mine: asyncio.Future[None] | None = None,
+    ) -> None:
         assert self._slots is not None and self._changed is not None
         try:
+            if after is not None:
+                await asyncio.shield(after)
             request = p.produce_request(self._s.queue_name, batch.items, self._timeout)
             try:
                 response = await self._transport.invoke(ops.produce_call(request, self._timeout, self._retry))
@@ -411,6 +472,10 @@ class AsyncProducer(_Producing["AsyncClient"]):
                     if not future.done():
                         future.set_result(item_id)
         finally:
+            if mine is not None:
+                mine.set_result(None)
+                if self._group_tail.get(batch.group) is mine:
+                    del self._group_tail[batch.group]
             self._slots.release()
             self._pending -= len(batch.items)
             async with self._changed:

@@ -101,6 +101,7 @@ def produce_item(
         kind=kind,
         reference=reference,
         idempotency_key=item.idempotency_key,
+        group_key=item.group_key,
         priority=priority,
     )
     if enqueue_at is not None:
@@ -240,6 +241,7 @@ def leased_fields(response: queue_pb2.LeaseResponse) -> Iterator[dict[str, Any]]
     dead_attempts = list(columns.dead_attempts) or [0] * n
     last_errors = list(columns.last_errors) or blank
     last_error_at = [c.from_micros(us) if us else None for us in columns.last_error_at_us] or [None] * n
+    group_keys = list(columns.group_keys) or blank
     priorities = list(columns.priorities) or [0] * n
     # The items of one reply share their lease deadline, and those produced together
     # their creation time: each distinct time is converted once (a datetime built from
@@ -263,6 +265,7 @@ def leased_fields(response: queue_pb2.LeaseResponse) -> Iterator[dict[str, Any]]
             "dead_attempts": dead_attempts[i],
             "last_error": last_errors[i],
             "last_error_at": last_error_at[i],
+            "group_key": group_keys[i],
             "priority": priorities[i],
             "queue_name": queue_name,
             "partition": partition,
@@ -416,6 +419,10 @@ def queue_stats(response: queues_pb2.GetQueueStatsResponse) -> QueueStats:
                 faulty_since=c.optional_timestamp(p, "faulty_since"),
                 produced=p.produced,
                 completed=p.completed,
+                groups_in_flight=p.groups_in_flight,
+                oldest_waiting_in_group=(
+                    c.from_duration(p.oldest_waiting_in_group) if p.HasField("oldest_waiting_in_group") else None
+                ),
             )
             for p in response.partitions
         ],
@@ -450,6 +457,7 @@ def stored_item(item: storage_pb2.StorageItem, partition: int) -> StoredItem:
         dead_attempts=item.dead_attempts,
         last_error=item.last_error,
         last_error_at=c.optional_timestamp(item, "last_error_at"),
+        group_key=item.group_key,
         priority=item.priority,
     )
 

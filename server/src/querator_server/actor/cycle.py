@@ -14,13 +14,15 @@ from functools import partial
 
 import lmdb
 
-from ..errors import FailedPrecondition, NotFound, quote
+from ..errors import FailedPrecondition, InvalidArgument, NotFound, quote
 from ..model import ITEM_REPLY_OVERHEAD, MAX_METADATA_PAIRS, METADATA_PAIR_OVERHEAD, SCHEDULE_MIN_US, NewItem
 from ..storage import Item
 from ..storage.keyed import LeaseKeyRecord
+from ..storage.ordered_groups import group_partition
 from ..storage.record import (
     DEAD_RETRIED,
     ItemState,
+    grouped,
     plain_leaser,
     priority_of,
     read_state,
@@ -53,6 +55,7 @@ FENCE_MARGIN_US = 2_000
 # plus the most its reply entry and metadata can add (see model.py).
 _DETAILED_ITEM_OVERHEAD = ITEM_REPLY_OVERHEAD + METADATA_PAIR_OVERHEAD * MAX_METADATA_PAIRS
 _HEX_DIGITS = "0123456789abcdef"
+_NO_FLOOR = 1 << 64
 
 
 class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
@@ -64,10 +67,13 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         if self.config.produce_paused:
             raise FailedPrecondition(f"queue {quote(self.config.name)} is paused for produce; ResumeQueue ends the pause")
         store, now = self.store, self.now
-        p = self._produce_partition(request, now + SCHEDULE_MIN_US)
+        grouped = not request.payloads and any(new.group_key for new in request.items)
+        p = self._group_partition(txn, request) if grouped else self._produce_partition(request, now + SCHEDULE_MIN_US)
         self.at = p  # self.enter(p), inlined: once per request
         if self.faulty or self.broken:
             self.refuse(p)
+        if grouped:  # (only the first grouped produce writes it)
+            store.record_group_partitions(txn, len(self._base))
         v = self.view(p)
         expire = now + self.config.expire_timeout_us
         if request.payloads:
@@ -77,6 +83,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             self._produce_bare(txn, request, p, v, expire)
             return
         scheduled_before = v.scheduled
+        waiting_before = v.waiting
         ids: list[str] = []
         duplicates = 0
         since = now - self.config.dedup_window_us
@@ -101,15 +108,23 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 created_at=now,
                 expire_deadline=expire,
                 metadata=new.metadata,
+                group_key=new.group_key,
                 priority=new.priority,
             )
-            if new.enqueue_at_us >= now + SCHEDULE_MIN_US:
+            if new.group_key and store.has_group_head(txn, p, new.group_key):
+                store.put_waiting(txn, p, seq, item)  # behind its group's head
+                v.waiting += 1
+                v.created_sum += now
+                ids.append(item_id(self.uid, p, seq))
+            elif new.enqueue_at_us >= now + SCHEDULE_MIN_US:
                 item.enqueue_at = new.enqueue_at_us
                 store.put_scheduled(txn, p, new.enqueue_at_us, seq, item)
                 v.scheduled += 1
                 v.note_due(new.enqueue_at_us)
                 ids.append(scheduled_id(self.uid, p, seq, new.enqueue_at_us))
             else:
+                if new.group_key:  # the first of its group: its head
+                    store.set_group_head(txn, p, new.group_key)
                 if run and run_first + len(run) != seq:
                     store.append_new(txn, p, run_first, run, expire)
                     run = []
@@ -124,7 +139,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 self.dedup_added = True
         if run:
             store.append_new(txn, p, run_first, run, expire)
-        ready = len(request.items) - duplicates - (v.scheduled - scheduled_before)
+        ready = len(request.items) - duplicates - (v.scheduled - scheduled_before) - (v.waiting - waiting_before)
         v.ready += ready
         v.created_sum += now * ready
         v.produced += len(request.items) - duplicates
@@ -147,6 +162,26 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         else:
             counts = [self._peek(p).ready + self._peek(p).scheduled for p in parts]
         return parts[counts.index(min(counts))]
+
+    def _group_partition(self, txn: lmdb.Transaction[bytes], request: ProduceRequest) -> int:
+        """The partition of the request's groups (storage/ordered_groups.py); every
+        grouped item of a request must belong to the same one (ProduceResponse names one
+        partition), else INVALID_ARGUMENT naming the first that does not."""
+        count = self.store.group_partitions(txn) or len(self._base)
+        p = -1
+        for index, new in enumerate(request.items):
+            if not new.group_key:
+                continue
+            q = group_partition(new.group_key, count)
+            if p < 0:
+                p, first = q, index
+            elif q != p:
+                raise InvalidArgument(
+                    f"items[{index}].group_key",
+                    f"group {quote(new.group_key)} belongs to partition {q}, and items[{first}]'s group to partition "
+                    f"{p}: a request's grouped items go to one partition; produce them in separate requests",
+                )
+        return p
 
     def _produce_payloads(
         self, txn: lmdb.Transaction[bytes], request: ProduceRequest, p: int, v: PartitionView, expire: int
@@ -290,6 +325,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         result = LeaseResult(p)
         ids, payloads, attempts, created_at = result.ids, result.payloads, result.attempts, result.created_at
         last_seq = v.ready_hint - 1
+        floor = _NO_FLOOR  # the lowest seq a dead head's group moved into the FIFO
         leaser = plain_leaser(
             now=now, max_attempts=self.config.max_attempts, deadline=deadline, key_bytes=request.lease_key.encode()
         )
@@ -334,7 +370,9 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 if not ranked:
                     last_seq = seq - 1  # it stays ready, where the next lease starts
                 break
-            used += self._lease_declined(txn, p, v, request, seq, raw, deadline, result, taken)
+            cost, low = self._lease_declined(txn, p, v, request, seq, raw, deadline, result, taken)
+            used += cost
+            floor = min(floor, low)
         if not ids:
             return None
         if ranked_at_start or result.priorities:
@@ -347,7 +385,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         v.ready -= count
         v.leased += count
         v.leased_at_sum += now * count
-        v.ready_hint = last_seq + 1
+        v.ready_hint = min(floor, last_seq + 1)
         if request.lease_key and self.keyed is not None:
             record = LeaseKeyRecord(now, p, tuple(seq for seq, _ in taken))
             self.keyed.put_lease_key(txn, request.lease_key, record, new=True)
@@ -370,10 +408,11 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         deadline: int,
         result: LeaseResult,
         taken: list[tuple[int, bytes]],
-    ) -> int:
+    ) -> tuple[int, int]:
         """Lease the ready item the plain leaser declined (strings, a lease key, a
-        history), or dead-letter it if it may not be leased again; what it adds to the
-        lease's byte budget."""
+        history, a group), or dead-letter it if it may not be leased again. Returns
+        what it adds to the lease's byte budget, and the seq at which a dead head's
+        group moved its next item into the FIFO behind the scan (``_NO_FLOOR``: none)."""
         now = self.now
         state = read_state(raw)
         reason = self._death_reason(state)
@@ -382,8 +421,9 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             self.store.delete(txn, p, seq, item)
             v.ready -= 1
             v.created_sum -= item.created_at
+            hint = v.ready_hint
             self._dead_letter(txn, p, seq, item, item_id(self.uid, p, seq), reason, DEATH_CODES[reason])
-            return 0
+            return 0, (v.ready_hint if v.ready_hint < hint else _NO_FLOOR)
         if state.lease_key or request.lease_key:
             # Tagged items change their tag (and their old key loses them).
             if state.lease_key and state.lease_key != request.lease_key:
@@ -393,12 +433,14 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             )
         else:
             leased = with_lease(raw, state, attempts=state.attempts + 1, deadline=deadline, leased_at=now)
+        if state.group_key:
+            v.groups_in_flight += 1
         self.store.put_raw(txn, p, seq, leased)
         self.store.unrank(txn, p, seq, raw)
         taken.append((seq, raw))
         result.add(item_id(self.uid, p, seq), Item.decode(leased))
         self.lease_deadlines.append((deadline, p, seq))
-        return len(raw) + _DETAILED_ITEM_OVERHEAD
+        return len(raw) + _DETAILED_ITEM_OVERHEAD, _NO_FLOOR
 
     def _replay(self, txn: lmdb.Transaction[bytes], request: LeaseRequest, record: LeaseKeyRecord) -> None:
         """Answer a repeated lease key with the items still leased under it.
@@ -430,6 +472,8 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 self.store.unrank(txn, p, seq, raw)
                 raw = with_lease_key(raw, attempts=state.attempts + 1, deadline=deadline, leased_at=now, lease_key=key)
                 self.store.put_raw(txn, p, seq, raw)
+                if state.group_key:
+                    v.groups_in_flight += 1
                 v.ready -= 1
                 v.leased += 1
                 v.leased_at_sum += now
@@ -470,6 +514,8 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             for seq, raw in taken:
                 v.ranked += self.store.put_ready(txn, p, seq, raw)
                 v.ready_hint = min(v.ready_hint, seq)
+                if grouped(raw):
+                    v.groups_in_flight -= 1
             v.ready += len(taken)
             v.leased -= len(taken)
             v.leased_at_sum -= self.now * len(taken)
@@ -505,6 +551,8 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 self._requeue(txn, p, item, seq)
                 continue
             v.ranked += self.store.put_ready(txn, p, seq, without_lease(raw, state, attempts=attempts))
+            if state.group_key:
+                v.groups_in_flight -= 1
             self.lease_ends.append((p, seq))
             v.ready += 1
             v.leased -= 1
@@ -734,6 +782,14 @@ def _bare(items: Sequence[NewItem], schedule_from: int) -> bool:
     """Whether every item is a payload to store now (idempotency keys allowed; no
     strings, metadata, priority or schedule)."""
     for new in items:
-        if new.encoding or new.kind or new.reference or new.metadata or new.priority or new.enqueue_at_us >= schedule_from:
+        if (
+            new.encoding
+            or new.kind
+            or new.reference
+            or new.metadata
+            or new.group_key
+            or new.priority
+            or new.enqueue_at_us >= schedule_from
+        ):
             return False
     return bool(items)

@@ -43,7 +43,7 @@ from ..storage import Item, PartitionScan, QueueStore
 from ..storage.capture import begin_child
 from ..storage.change_set import ChangeSet
 from ..storage.keyed import KeyedIndex
-from ..storage.record import DEAD_EXPIRED, DEAD_MAX_ATTEMPTS, ItemState
+from ..storage.record import DEAD_EXPIRED, DEAD_MAX_ATTEMPTS, ItemState, priority_of, read_state
 from .requests import LeaseRequest, Request
 from .view import PartitionView
 
@@ -390,6 +390,25 @@ class CycleBase:
             v.completed += count
             v.created_sum -= created
             v.leased_at_sum -= leased_at
+            for _seq, state in found:
+                if state.group_key:
+                    v.groups_in_flight -= 1
+                    self._release_group(txn, p, state.group_key)
+
+    def _release_group(self, txn: lmdb.Transaction[bytes], p: int, key: str) -> None:
+        """Group ``key``'s head left partition ``p`` (completed, dead-lettered, deleted):
+        its next item, if one waits, becomes ready where produce order puts it."""
+        promoted = self.store.release_group(txn, p, key)
+        if promoted is None:
+            return
+        seq, raw = promoted
+        v = self.view(p)
+        v.waiting -= 1
+        v.ready += 1
+        if priority_of(raw):
+            v.ranked += 1  # the store indexed it (QueueStore.release_group)
+        v.ready_hint = min(v.ready_hint, seq)
+        v.note_expiry(read_state(raw).expire_deadline)
 
     def _untag(self, txn: lmdb.Transaction[bytes], key: str, seq: int) -> None:
         """Take item ``seq`` out of lease key ``key`` (forgetting the key once empty)."""

@@ -40,6 +40,8 @@ class LifecycleSteps(CycleBase):
         v.leased -= 1
         v.created_sum -= item.created_at
         v.leased_at_sum -= item.leased_at
+        if item.group_key:  # still its group's head, wherever it goes next
+            v.groups_in_flight -= 1
         item.is_leased = False
         item.lease_deadline = 0
         item.leased_at = 0
@@ -88,6 +90,8 @@ class LifecycleSteps(CycleBase):
         if item.lease_key:
             self._untag(txn, item.lease_key, seq)
             item.lease_key = ""
+        if item.group_key:  # (it was its group's head) the group's next item goes on
+            self._release_group(txn, p, item.group_key)
         if not self.config.dead_queue:
             self.dropped.append((old_id, reason, item.last_error))
             return
@@ -201,6 +205,7 @@ class LifecycleSteps(CycleBase):
             if item.source_id and self.store.has_source(txn, item.source_id, self.faulty):
                 continue  # sent before a crash; already here
             item.attempts = 0
+            item.group_key = ""  # a dead letter leaves its group: this queue has its own
             item.is_leased = False
             item.lease_deadline = 0
             item.leased_at = 0

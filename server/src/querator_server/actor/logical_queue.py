@@ -80,6 +80,9 @@ T = TypeVar("T")
 log = get_logger("queue")
 
 DEFAULT_MAX_INBOX = 10_000
+# GetQueueStats looks at the first waiting item of this many ordered groups per
+# partition at most (one lookup each) for the oldest waiting item's age.
+OLDEST_WAITING_GROUPS = 10_000
 # How long a primary stepping down waits for its replicas to acknowledge what it committed.
 STEP_DOWN_GRACE_S = 2.0
 # After a failed lifecycle step, the next try waits this long (as a failed hand-over does).
@@ -293,6 +296,10 @@ class LogicalQueue:
         if faulty_call.get():
             raise InjectedFault("injected into GetQueueStats")
         parts = [v.stats(p, now_us(), *self._health.failure_of(p)) for p, v in enumerate(self._views)]
+        grouped = [p for p, v in enumerate(self._views) if v.waiting and p not in self._health.faulty]
+        if grouped:  # read only for partitions where items wait in groups
+            for p, at in self.store.oldest_waiting(grouped, OLDEST_WAITING_GROUPS).items():
+                parts[p].oldest_waiting_at_us = at
         waiting, producing = self._waiting_calls()
         return QueueStats(parts, lease_waiting=waiting, produce_waiting=producing, in_flight=self._in_flight)
 
@@ -300,15 +307,28 @@ class LogicalQueue:
         """The in-memory counts summed over the partitions; reads no storage. Safe to call
         from another thread (the metrics endpoint's): it only reads ints, and a view
         swapped meanwhile is read before or after the swap, never torn."""
-        ready = leased = scheduled = created = 0
+        ready = leased = scheduled = created = in_groups = in_flight = 0
         views = list(self._views)
         for v in views:
             ready += v.ready
             leased += v.leased
             scheduled += v.scheduled
             created += v.created_sum
+            in_groups += v.waiting
+            in_flight += v.groups_in_flight
         waiting, producing = self._waiting_calls()
-        return QueueTotals(len(views), ready, leased, scheduled, created, waiting, producing, faulty=self._health.faulty_count())
+        return QueueTotals(
+            len(views),
+            ready,
+            leased,
+            scheduled,
+            created,
+            waiting,
+            producing,
+            faulty=self._health.faulty_count(),
+            waiting=in_groups,
+            groups_in_flight=in_flight,
+        )
 
     def ready_heads(self, partitions: Iterable[int]) -> dict[int, int | None]:
         """created_at (us) of the first ready item of each of ``partitions`` (0: none
@@ -341,7 +361,9 @@ class LogicalQueue:
     def holds_items(self) -> bool:
         # What a faulty partition holds is not known for sure (nothing, if it failed at
         # start): deleting the queue then takes force.
-        return bool(self._health.faulty or self._redrive.entries) or any(v.ready or v.leased or v.scheduled for v in self._views)
+        return bool(self._health.faulty or self._redrive.entries) or any(
+            v.ready or v.leased or v.scheduled or v.waiting for v in self._views
+        )
 
     # -- the loop ----------------------------------------------------------------------
 

@@ -115,6 +115,9 @@ class RedriveSteps(LifecycleSteps):
         if item.lease_key:
             self._untag(txn, item.lease_key, seq)
             item.lease_key = ""
+        if item.group_key:  # it leaves its group, which goes on without it
+            self._release_group(txn, p, item.group_key)
+            item.group_key = ""
         self.store.put_redrive(txn, p, seq, target, item)
         self.redrive_added.append((p, seq, target, item))
 
@@ -129,6 +132,7 @@ class RedriveSteps(LifecycleSteps):
                 continue  # handed over before a crash; already here
             item.expire_deadline = expire
             item.created_at = item.created_at or self.now
+            item.group_key = ""
             self._requeue(txn, p, item)
         self._ok(request, None)
 

@@ -212,7 +212,16 @@ class LeaseResult:
         return len(self.ids)
 
     def add(self, item_id: str, item: Item) -> None:
-        if item.encoding or item.kind or item.reference or item.metadata or item.source_id or item.message_id or item.last_error:
+        if (
+            item.encoding
+            or item.kind
+            or item.reference
+            or item.metadata
+            or item.source_id
+            or item.message_id
+            or item.last_error
+            or item.group_key
+        ):
             self.details[len(self.ids)] = item
         if item.priority or self.priorities:
             if not self.priorities:

@@ -105,6 +105,8 @@ class StorageSteps(CycleBase):
                 if item is not None:
                     self.store.delete_scheduled(txn, p, ref.due, ref.seq, item)
                     v.scheduled -= 1
+                    if item.group_key:  # a head held by a delayed retry
+                        self._release_group(txn, p, item.group_key)
                 continue
             item = self.store.get(txn, p, ref.seq)
             if item is None:
@@ -115,8 +117,12 @@ class StorageSteps(CycleBase):
                 v.leased -= 1
                 v.leased_at_sum -= item.leased_at
                 self.lease_ends.append((p, ref.seq))
+                if item.group_key:
+                    v.groups_in_flight -= 1
             else:
                 v.ready -= 1
+            if item.group_key:
+                self._release_group(txn, p, item.group_key)
         self._ok(request, None)
 
     def clear(self, txn: lmdb.Transaction[bytes], request: ClearRequest) -> None:

@@ -33,6 +33,11 @@ class PartitionView:
     # Items produced and completed since the view was built (GetQueueStats' counters).
     produced: int = 0
     completed: int = 0
+    # Ordered groups (storage/ordered_groups.py): items waiting behind their group's
+    # head (not ready: a Lease never sees them; in created_sum), and groups whose head
+    # is leased.
+    waiting: int = 0
+    groups_in_flight: int = 0
     # At least the entries of the priority index (ready items of priority 1 to 9):
     # while 0, a lease does not look at it. Counted up as entries go in, down as a
     # lease takes them, and set to 0 by a lease that finds the index empty; entries
@@ -51,6 +56,8 @@ class PartitionView:
             ready_hint=scan.first_ready_seq,
             first_due=scan.first_due,
             first_expiry=scan.first_expiry,
+            waiting=scan.waiting,
+            groups_in_flight=scan.groups_in_flight,
             ranked=scan.ranked,
         )
 
@@ -68,12 +75,14 @@ class PartitionView:
             self.first_expiry,
             self.produced,
             self.completed,
+            self.waiting,
+            self.groups_in_flight,
             self.ranked,
         )
 
     def stats(self, p: int, now: int, failure: str, faulty_since_us: int) -> PartitionStats:
         """Partition ``p``'s counts and ages at ``now`` (wall µs), and why it is faulty."""
-        total = self.ready + self.leased
+        total = self.ready + self.leased + self.waiting
         return PartitionStats(
             partition=p,
             total=total,
@@ -85,6 +94,7 @@ class PartitionView:
             faulty_since_us=faulty_since_us,
             produced=self.produced,
             completed=self.completed,
+            groups_in_flight=self.groups_in_flight,
         )
 
     def take_seq(self) -> int:

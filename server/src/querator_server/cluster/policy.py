@@ -114,6 +114,21 @@ def _key_home(entry: QueueEntry, here: str, live: Collection[str], key: str, wha
 def _produce(entry: QueueEntry, here: str, live: Collection[str], request: Any, forwarded: bool) -> Where:
     if forwarded:
         return Where(parts=(Part(here),))
+    # A group's items live in one partition: a request with group keys goes to its
+    # first group's home (its node keeps each group in one partition of its own, by
+    # the same rule: storage/ordered_groups.py); its other groups must live there too.
+    group = next((item.group_key for item in request.items if item.group_key), "")
+    if group:
+        node = _key_home(entry, here, live, group, "group key")
+        for index, item in enumerate(request.items):
+            for what, key in (("group_key", item.group_key), ("idempotency_key", item.idempotency_key)):
+                if key and entry.home_of_key(key).node != node:
+                    raise InvalidArgument(
+                        f"items[{index}].{what}",
+                        f"{what.replace('_', ' ')} {key!r} lives on node {entry.home_of_key(key).node!r} and the "
+                        f"request's first group {group!r} on node {node!r}: produce them in separate requests",
+                    )
+        return Where(parts=(Part(node),))
     # Dedup is exact at one home: a request with keys goes to its first key's.
     key = next((item.idempotency_key for item in request.items if item.idempotency_key), "")
     if key:

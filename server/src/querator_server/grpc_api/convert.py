@@ -6,6 +6,7 @@ import base64
 import hashlib
 import hmac
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
@@ -130,6 +131,18 @@ def source_id(value: str, field: str) -> str:
     """An imported item's source_id: at most MAX_SOURCE_ID_BYTES bytes of UTF-8 (a storage key)."""
     if len(value) > MAX_SOURCE_ID_BYTES // 4 and len(value.encode()) > MAX_SOURCE_ID_BYTES:
         raise InvalidArgument(field, f"must be at most {MAX_SOURCE_ID_BYTES} bytes, got {len(value.encode())}")
+    return value
+
+
+def group_key(item: Any, field: str) -> str:
+    """A ProduceItem's group_key: a key as idempotency keys are, never with enqueue_at
+    (a group's order is produce order; a scheduled item would have to jump its queue)."""
+    value = str(item.group_key)
+    if not value:
+        return ""
+    check_key(value, field)
+    if item.HasField("enqueue_at"):
+        raise InvalidArgument(field, "cannot be combined with enqueue_at (a group's items go in produce order)")
     return value
 
 

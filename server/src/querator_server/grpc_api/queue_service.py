@@ -292,6 +292,7 @@ def _new_item(index: int, item: pb.ProduceItem) -> NewItem:
         ),
         idempotency_key=c.key(item.idempotency_key, f"items[{index}].idempotency_key"),
         metadata=c.metadata(item.metadata, f"items[{index}].metadata"),
+        group_key=c.group_key(item, f"items[{index}].group_key"),
         priority=c.priority(item.priority, f"items[{index}].priority") if item.priority else 0,
     )
 
@@ -324,6 +325,7 @@ def _lease_response(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
                 payload=payload,
                 message_id=detail.message_id or item_id,
                 source_id=detail.source_id,
+                group_key=detail.group_key,
             )
             if detail.metadata:
                 out.metadata.update(detail.metadata)
@@ -387,6 +389,7 @@ def _lease_columns(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
             ("encoding", columns.encodings),
             ("kind", columns.kinds),
             ("reference", columns.references),
+            ("group_key", columns.group_keys),
         ):
             if any(getattr(detail, attribute) for detail in details.values()):
                 column.extend([getattr(details[i], attribute) if i in details else "" for i in indexes])

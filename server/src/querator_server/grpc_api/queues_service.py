@@ -11,6 +11,7 @@ from querator.v1 import queues_pb2 as pb
 
 from .. import actor as a
 from ..auth import Action
+from ..clock import now_us
 from ..errors import InvalidArgument
 from ..manager import QueuesManager
 from ..model import (
@@ -245,6 +246,7 @@ class QueuesService:
     ) -> pb.GetQueueStatsResponse:
         name = c.queue_name(request.queue_name)
         stats = self.manager.actor(name).stats()
+        now = now_us()
         return pb.GetQueueStatsResponse(
             queue_name=name,
             partitions=[
@@ -260,6 +262,10 @@ class QueuesService:
                     faulty_since=c.to_timestamp(s.faulty_since_us) if s.faulty_since_us else None,
                     produced=s.produced,
                     completed=s.completed,
+                    groups_in_flight=s.groups_in_flight,
+                    oldest_waiting_in_group=(
+                        c.to_duration(max(0, now - s.oldest_waiting_at_us)) if s.oldest_waiting_at_us else None
+                    ),
                 )
                 for s in stats.partitions
             ],

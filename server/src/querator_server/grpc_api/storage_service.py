@@ -56,6 +56,7 @@ def storage_item(stored: a.StoredItem) -> pb.StorageItem:
         message_id=item.message_id or stored.item_id,
         dead_reason=item.dead_reason,  # type: ignore[arg-type]
         dead_attempts=item.dead_attempts,
+        group_key=item.group_key,
         priority=item.priority,
     )
     if item.expire_deadline < NEVER_US:  # unset: it never expires

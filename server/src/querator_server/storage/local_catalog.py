@@ -40,10 +40,18 @@ _CLUSTER_IDENTITY = b"cluster_identity"
 # would read as the start of the payload.
 # 5: a record's history block may end with the item's last error (record.py), which a
 # server of format 4 would read as the start of the payload.
-_FORMAT_VERSION = b"querator-catalog-5"
+# 6: a record may carry a group block (record.py), and a partition ordered groups' keys
+# (ordered_groups.py), which a server of format 5 would misread or hand out out of turn.
+_FORMAT_VERSION = b"querator-catalog-6"
 # Formats this server reads as they are; opening one stamps it with _FORMAT_VERSION, so
 # an older server then refuses the directory instead of misreading it.
-_UPGRADABLE_FORMATS = (b"querator-catalog-1", b"querator-catalog-2", b"querator-catalog-3", b"querator-catalog-4")
+_UPGRADABLE_FORMATS = (
+    b"querator-catalog-1",
+    b"querator-catalog-2",
+    b"querator-catalog-3",
+    b"querator-catalog-4",
+    b"querator-catalog-5",
+)
 
 
 class CatalogError(StorageError):

@@ -34,8 +34,10 @@ from typing import Any, TypeVar
 import lmdb
 
 from ..faults import MAP_FULL, NO_SPACE, write_fault
+from . import ordered_groups
 from .record import (
     _FLAG_EXPIRY_RUN,
+    _FLAG_HISTORY,
     _FLAG_LEASED,
     _HEADER,
     _LENGTHS,
@@ -43,11 +45,13 @@ from .record import (
     _STATE_FIXED,
     KEY_NEXT_SEQ,
     TAG_EXPIRY,
+    TAG_GROUP_HEAD,
     TAG_ITEM,
     TAG_OUTBOX,
     TAG_PRIORITY,
     TAG_REDRIVE,
     TAG_SCHEDULED,
+    TAG_WAITING,
     Item,
     ItemState,
     PlainLeaser,
@@ -55,6 +59,8 @@ from .record import (
     encode_u64,
     expiry_key,
     expiry_prefix,
+    group_of,
+    grouped,
     item_key,
     outbox_key,
     parse_expiry_key,
@@ -257,6 +263,10 @@ class PartitionScan:
     leases: list[tuple[int, int]] = field(default_factory=list)  # (deadline, seq)
     first_due: int = 0
     first_expiry: int = 0
+    # Ordered groups: items waiting behind their group's head (their created_at are in
+    # created_sum), and groups whose head is leased.
+    waiting: int = 0
+    groups_in_flight: int = 0
     # Entries of the priority index (ready items of priority 1 to 9).
     ranked: int = 0
 
@@ -598,6 +608,8 @@ class QueueStore:
         for raw in cursor.iternext(keys=False, values=True):
             if raw[_LENGTHS] != _NO_STRINGS or not raw[0] & _FLAG_LEASED:
                 return None  # (a key past the items, e.g. ``n``, has a shorter value)
+            if raw[0] & _FLAG_HISTORY and grouped(raw):
+                return None  # its completion releases its group: the item-by-item path
             flags, _attempts, created_at, expire, _deadline, _enqueue_at, at = unpack(raw)
             created += created_at
             leased_at += at
@@ -758,6 +770,38 @@ class QueueStore:
         run.size = sum(map(len, records)) + len(records) * item_overhead
         return run
 
+    # -- ordered groups (ordered_groups.py) -------------------------------------------
+
+    def group_partitions(self, txn: lmdb.Transaction[bytes]) -> int:
+        """The partition count that places group keys (0: none kept yet)."""
+        return ordered_groups.recorded_partitions(txn, self._dbs[0])
+
+    def record_group_partitions(self, txn: lmdb.Transaction[bytes], count: int) -> None:
+        ordered_groups.record_partitions(txn, self._dbs[0], count)
+
+    def has_group_head(self, txn: lmdb.Transaction[bytes], p: int, key: str) -> bool:
+        return ordered_groups.has_head(txn, self._dbs[p], key)
+
+    def set_group_head(self, txn: lmdb.Transaction[bytes], p: int, key: str) -> None:
+        ordered_groups.set_head(txn, self._dbs[p], key)
+
+    def put_waiting(self, txn: lmdb.Transaction[bytes], p: int, seq: int, item: Item) -> None:
+        ordered_groups.put_waiting(txn, self._dbs[p], seq, item)
+
+    def release_group(self, txn: lmdb.Transaction[bytes], p: int, key: str) -> tuple[int, bytes] | None:
+        """``ordered_groups.release``; a next item of priority 1 to 9, ready now, also
+        enters the priority index."""
+        promoted = ordered_groups.release(txn, self._dbs[p], key)
+        if promoted is not None and priority_of(promoted[1]):
+            seq, raw = promoted
+            txn.put(priority_key(priority_of(raw), seq), b"", db=self._dbs[p])
+        return promoted
+
+    def oldest_waiting(self, partitions: Iterable[int], limit: int) -> dict[int, int]:
+        """created_at of the longest-waiting grouped item of each partition (0: none);
+        one read transaction, for stats."""
+        with self.env.begin() as txn:
+            return {p: ordered_groups.oldest_waiting(txn, self._dbs[p], limit) for p in partitions}
     def lease_ranked(
         self,
         txn: lmdb.Transaction[bytes],
@@ -1004,7 +1048,23 @@ class QueueStore:
         for key in doomed:
             txn.delete(key, db=db)
         self._drop_empty_runs(txn, db, runs)
+        if (ready or scheduled) and cursor.set_range(TAG_WAITING) and cursor.key()[:1] in (TAG_WAITING, TAG_GROUP_HEAD):
+            ordered_groups.clear(txn, db, self._group_heads(txn, p), waiting=ready)
         return removed_leases
+
+    def _group_heads(self, txn: lmdb.Transaction[bytes], p: int) -> set[str]:
+        """The groups whose head is stored in partition ``p`` (ready, leased or scheduled)."""
+        cursor = txn.cursor(db=self._dbs[p])
+        heads: set[str] = set()
+        for tag in (TAG_ITEM, TAG_SCHEDULED):
+            if cursor.set_range(tag):
+                for key, raw in cursor:
+                    if key[:1] != tag:
+                        break
+                    key_of_group = group_of(raw)
+                    if key_of_group:
+                        heads.add(key_of_group)
+        return heads
 
     def _index_keys(
         self, key: bytes, raw: bytes, db: Any, txn: lmdb.Transaction[bytes], runs: list[tuple[int, int]]
@@ -1039,6 +1099,8 @@ class QueueStore:
                 result.created_sum += created
                 if flags & 1:
                     result.leased += 1
+                    if flags & _FLAG_HISTORY and grouped(raw):
+                        result.groups_in_flight += 1
                     result.leased_at_sum += leased_at
                     result.leases.append((lease_deadline, seq))
                 else:
@@ -1052,6 +1114,13 @@ class QueueStore:
                 _due, seq = parse_scheduled_key(key)
                 max_seq = max(max_seq, seq)
                 result.scheduled += 1
+        result.waiting, waiting_created = ordered_groups.count_waiting(txn, self._dbs[p])
+        result.created_sum += waiting_created
+        if result.waiting and cursor.set_range(TAG_WAITING):
+            for key in cursor.iternext(keys=True, values=False):
+                if key[:1] != TAG_WAITING:
+                    break
+                max_seq = max(max_seq, ordered_groups.seq_of_waiting_key(key))
         for seq, _item in self.outbox(txn, p):
             max_seq = max(max_seq, seq)
         for seq, _uid, _item in self.redrive_outbox(txn, p):

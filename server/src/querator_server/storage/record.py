@@ -40,6 +40,12 @@ An item that failed with a text (RetryItem.error, or a lease that ran out) carri
 without it (all those written before format 5) read as before, with no error. Catalog
 format 5 marks a data directory whose records may hold it.
 
+An item of an ordered group (ProduceItem.group_key) carries its group key in its
+history block, after the message id and before any error, marked by the top bit of the
+block's dead-reason byte (reasons are below 128; the flags byte has no bit to spare):
+records without it read as before. Catalog format 6 marks a data directory whose
+records may hold it. Where a group's items wait is storage/ordered_groups.py.
+
 An item's *priority* (0 to 9) is the top four bits of the flags byte: records written
 before priorities have them clear and read as priority 0. An older server reading a
 record with them set serves it as priority 0, FIFO (it ignores the ``o`` keys), so no
@@ -62,6 +68,12 @@ TAG_SOURCE = b"u"
 TAG_REDRIVE = b"r"
 TAG_PRIORITY = b"o"
 KEY_NEXT_SEQ = b"n"
+# Ordered groups (storage/ordered_groups.py): ``g`` + group + seq, an item waiting behind its
+# group's head; ``h`` + group, a group that has a head (ready, leased or held by a
+# delayed retry); ``k``, the partition count that places group keys (partition 0).
+TAG_WAITING = b"g"
+TAG_GROUP_HEAD = b"h"
+KEY_GROUP_PARTITIONS = b"k"
 
 _U64 = struct.Struct(">Q")
 _ITEM_KEY = struct.Struct(">cQ")
@@ -86,6 +98,10 @@ _PRIORITY_SHIFT = 4
 _PRIORITY_MASK = 0xF0
 # Flags a lease rewrite keeps as they were.
 _KEPT_FLAGS = _FLAG_EXPIRY_RUN | _FLAG_HISTORY | _FLAG_ERROR | _PRIORITY_MASK
+# In the history block's dead-reason byte: a group block (_GROUP_LEN and the group key)
+# follows the message id.
+_HISTORY_GROUP = 0x80
+_GROUP_LEN = struct.Struct("<H")
 # dead_reason, dead_at, dead_attempts, byte length of the message id.
 _HISTORY = struct.Struct("<BqII")
 # last_error_at, byte length of the last error's text.
@@ -199,15 +215,21 @@ class Item:
     # What went wrong the last time the item failed (model.cut_error applied), and when.
     last_error: str = ""
     last_error_at: int = 0
+    # The ordered group the item belongs to ("" for none).
+    group_key: str = ""
     # 0 to 9, higher leased first (stored in the flags byte).
     priority: int = 0
 
     def encode(self) -> bytes:
         history = b""
         error = bool(self.last_error or self.last_error_at)
-        if self.message_id or self.dead_reason or self.dead_at or self.dead_attempts or error:
+        if self.message_id or self.dead_reason or self.dead_at or self.dead_attempts or error or self.group_key:
             message_id = self.message_id.encode()
-            history = _HISTORY.pack(self.dead_reason, self.dead_at, self.dead_attempts, len(message_id)) + message_id
+            reason = self.dead_reason | (_HISTORY_GROUP if self.group_key else 0)
+            history = _HISTORY.pack(reason, self.dead_at, self.dead_attempts, len(message_id)) + message_id
+            if self.group_key:
+                group = self.group_key.encode()
+                history += _GROUP_LEN.pack(len(group)) + group
             if error:
                 text = self.last_error.encode()
                 history += _ERROR.pack(self.last_error_at, len(text)) + text
@@ -312,6 +334,13 @@ class Item:
         pos += _HISTORY.size
         message_id = view[pos : pos + n_message_id].decode()
         pos += n_message_id
+        group_key = ""
+        if dead_reason & _HISTORY_GROUP:
+            dead_reason &= ~_HISTORY_GROUP
+            (n_group,) = _GROUP_LEN.unpack_from(view, pos)
+            pos += _GROUP_LEN.size
+            group_key = view[pos : pos + n_group].decode()
+            pos += n_group
         last_error, last_error_at = "", 0
         if flags & _FLAG_ERROR:
             last_error_at, n_error = _ERROR.unpack_from(view, pos)
@@ -342,6 +371,7 @@ class Item:
             dead_attempts=dead_attempts,
             last_error=last_error,
             last_error_at=last_error_at,
+            group_key=group_key,
             priority=flags >> _PRIORITY_SHIFT,
         )
 
@@ -359,6 +389,8 @@ class ItemState(NamedTuple):
     source_id: str
     lease_key: str
     expiry_run: bool
+    # The item's ordered group ("" for none).
+    group_key: str = ""
 
 
 def read_state(raw: bytes) -> ItemState:
@@ -375,20 +407,46 @@ def read_state(raw: bytes) -> ItemState:
         n_encoding,
         n_kind,
         n_lease_key,
-        _n_metadata,
+        n_metadata,
     ) = _HEADER.unpack_from(raw)
     pos = _HEADER.size
     source = bytes(raw[pos : pos + n_source]).decode() if n_source else ""
-    lease_key = ""
+    lease_key = group_key = ""
     if n_lease_key:
         pos += n_source + n_reference + n_encoding + n_kind
         lease_key = bytes(raw[pos : pos + n_lease_key]).decode()
+    if flags & _FLAG_HISTORY:
+        group_key = group_of(raw)
     # tuple.__new__ directly: NamedTuple's generated __new__ is Python and doubles the cost
     # of this function, which runs for every item a lease or an ack touches.
     leased, run = bool(flags & _FLAG_LEASED), bool(flags & _FLAG_EXPIRY_RUN)
     return _new_tuple(
-        ItemState, (leased, attempts, created, expire, lease_deadline, enqueue_at, leased_at, source, lease_key, run)
+        ItemState,
+        (leased, attempts, created, expire, lease_deadline, enqueue_at, leased_at, source, lease_key, run, group_key),
     )
+
+
+def _history_at(raw: bytes) -> int:
+    """Where a record's history block starts (after the header and the strings)."""
+    return _HEADER.size + int(sum(_STRING_LENGTHS.unpack_from(raw, _STATE_FIXED.size)))
+
+
+def grouped(raw: bytes) -> bool:
+    """Whether a record is of an ordered group."""
+    return bool(raw[0] & _FLAG_HISTORY and raw[_history_at(raw)] & _HISTORY_GROUP)
+
+
+def group_of(raw: bytes) -> str:
+    """The group key of a record ("" for an item of no group)."""
+    if not raw[0] & _FLAG_HISTORY:
+        return ""
+    pos = _history_at(raw)
+    if not raw[pos] & _HISTORY_GROUP:
+        return ""
+    pos += _HISTORY.size + _HISTORY.unpack_from(raw, pos)[3]
+    (n_group,) = _GROUP_LEN.unpack_from(raw, pos)
+    pos += _GROUP_LEN.size
+    return bytes(raw[pos : pos + n_group]).decode()
 
 
 _new_tuple = tuple.__new__

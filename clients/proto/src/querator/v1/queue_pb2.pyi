@@ -229,6 +229,7 @@ class ProduceItem(_message.Message):
     ENQUEUE_AT_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    GROUP_KEY_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     encoding: _builtins.str
     """A free-form label describing how the payload is encoded, for example
@@ -253,6 +254,24 @@ class ProduceItem(_message.Message):
     items[i].idempotency_key): a second produce of an item with the same
     key into the same queue within the queue's dedup_window stores nothing
     and answers the first item's id (counted in ProduceResponse.duplicates).
+    """
+    group_key: _builtins.str
+    """Optional, at most 512 bytes of UTF-8 (longer, or set together with
+    enqueue_at: INVALID_ARGUMENT naming items[i].group_key): the item's
+    ordered group. Items of one group are handed out one at a time, in the
+    order they were produced: a Lease never returns an item while an earlier
+    item of its group is leased, and groups do not wait for each other. An
+    item whose lease runs out, or that is retried without a delay, stays first
+    in its group; a retry with a delay holds the group until it is due;
+    Complete, dead-lettering and DeleteItems let the next item go. A group's
+    items live in one partition, chosen from the key (crc32 of its UTF-8 bytes
+    modulo the queue's partition count when its first group was produced, so
+    partitions added later never move a group): every grouped item of one
+    request must belong to the same partition (else INVALID_ARGUMENT naming
+    items[i].group_key), and its items of no group go there too. Items
+    waiting behind their group's first are counted in PartitionStats.total,
+    and are not listed by ListItems (nor found by DeleteItems) until they are
+    first in their group.
     """
     priority: _builtins.int
     """Optional, 0 to 9 (default 0; outside: INVALID_ARGUMENT naming
@@ -287,11 +306,12 @@ class ProduceItem(_message.Message):
         enqueue_at: _timestamp_pb2.Timestamp | None = ...,
         idempotency_key: _builtins.str = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        group_key: _builtins.str = ...,
         priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["enqueue_at", b"enqueue_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "enqueue_at", b"enqueue_at", "idempotency_key", b"idempotency_key", "kind", b"kind", "metadata", b"metadata", "payload", b"payload", "priority", b"priority", "reference", b"reference", "utf8", b"utf8"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "enqueue_at", b"enqueue_at", "group_key", b"group_key", "idempotency_key", b"idempotency_key", "kind", b"kind", "metadata", b"metadata", "payload", b"payload", "priority", b"priority", "reference", b"reference", "utf8", b"utf8"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -502,6 +522,7 @@ class LeaseItem(_message.Message):
     DEAD_ATTEMPTS_FIELD_NUMBER: _builtins.int
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     LAST_ERROR_AT_FIELD_NUMBER: _builtins.int
+    GROUP_KEY_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The item's id for this lease: pass it to Complete, Retry or Extend."""
@@ -544,6 +565,11 @@ class LeaseItem(_message.Message):
     sees the previous attempt's error and a dead letter the error that killed
     it. Empty when the item never failed with a text.
     """
+    group_key: _builtins.str
+    """As given at produce (ProduceItem.group_key); empty for an item of no
+    group. The item is the only one of its group leased until it is
+    completed, dead-lettered or deleted.
+    """
     priority: _builtins.int
     """As given at produce (ProduceItem.priority), 0 to 9."""
     @_builtins.property
@@ -585,11 +611,12 @@ class LeaseItem(_message.Message):
         dead_attempts: _builtins.int = ...,
         last_error: _builtins.str = ...,
         last_error_at: _timestamp_pb2.Timestamp | None = ...,
+        group_key: _builtins.str = ...,
         priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dead_at", b"dead_at", "last_error_at", b"last_error_at", "lease_deadline", b"lease_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "dead_at", b"dead_at", "dead_attempts", b"dead_attempts", "dead_reason", b"dead_reason", "encoding", b"encoding", "id", b"id", "kind", b"kind", "last_error", b"last_error", "last_error_at", b"last_error_at", "lease_deadline", b"lease_deadline", "message_id", b"message_id", "metadata", b"metadata", "payload", b"payload", "priority", b"priority", "reference", b"reference", "source_id", b"source_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "dead_at", b"dead_at", "dead_attempts", b"dead_attempts", "dead_reason", b"dead_reason", "encoding", b"encoding", "group_key", b"group_key", "id", b"id", "kind", b"kind", "last_error", b"last_error", "last_error_at", b"last_error_at", "lease_deadline", b"lease_deadline", "message_id", b"message_id", "metadata", b"metadata", "payload", b"payload", "priority", b"priority", "reference", b"reference", "source_id", b"source_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -662,6 +689,7 @@ class LeaseColumns(_message.Message):
     DEAD_ATTEMPTS_FIELD_NUMBER: _builtins.int
     LAST_ERRORS_FIELD_NUMBER: _builtins.int
     LAST_ERROR_AT_US_FIELD_NUMBER: _builtins.int
+    GROUP_KEYS_FIELD_NUMBER: _builtins.int
     PRIORITIES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -738,6 +766,12 @@ class LeaseColumns(_message.Message):
         """
 
     @_builtins.property
+    def group_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Empty when no item of the batch has a group_key; else one per item
+        (empty for those of no group).
+        """
+
+    @_builtins.property
     def priorities(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Empty when every item of the batch has priority 0; else one per item."""
 
@@ -760,11 +794,12 @@ class LeaseColumns(_message.Message):
         dead_attempts: _abc.Iterable[_builtins.int] | None = ...,
         last_errors: _abc.Iterable[_builtins.str] | None = ...,
         last_error_at_us: _abc.Iterable[_builtins.int] | None = ...,
+        group_keys: _abc.Iterable[_builtins.str] | None = ...,
         priorities: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at_us", b"created_at_us", "dead_at_us", b"dead_at_us", "dead_attempts", b"dead_attempts", "dead_reasons", b"dead_reasons", "encodings", b"encodings", "ids", b"ids", "kinds", b"kinds", "last_error_at_us", b"last_error_at_us", "last_errors", b"last_errors", "lease_deadlines_us", b"lease_deadlines_us", "message_ids", b"message_ids", "metadata", b"metadata", "payloads", b"payloads", "priorities", b"priorities", "references", b"references", "source_ids", b"source_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at_us", b"created_at_us", "dead_at_us", b"dead_at_us", "dead_attempts", b"dead_attempts", "dead_reasons", b"dead_reasons", "encodings", b"encodings", "group_keys", b"group_keys", "ids", b"ids", "kinds", b"kinds", "last_error_at_us", b"last_error_at_us", "last_errors", b"last_errors", "lease_deadlines_us", b"lease_deadlines_us", "message_ids", b"message_ids", "metadata", b"metadata", "payloads", b"payloads", "priorities", b"priorities", "references", b"references", "source_ids", b"source_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

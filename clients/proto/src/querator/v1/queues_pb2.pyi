@@ -539,10 +539,14 @@ class PartitionStats(_message.Message):
     FAULTY_SINCE_FIELD_NUMBER: _builtins.int
     PRODUCED_FIELD_NUMBER: _builtins.int
     COMPLETED_FIELD_NUMBER: _builtins.int
+    GROUPS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    OLDEST_WAITING_IN_GROUP_FIELD_NUMBER: _builtins.int
     partition: _builtins.int
     """The partition number."""
     total: _builtins.int
-    """Ready plus leased items."""
+    """Ready plus leased items, and items of ordered groups waiting behind the
+    first of their group.
+    """
     total_leased: _builtins.int
     """Leased items."""
     scheduled: _builtins.int
@@ -578,6 +582,10 @@ class PartitionStats(_message.Message):
     """Items completed in this partition (by Complete, Lease's complete_ids and
     lease keys) since the server loaded the queue; a counter like produced.
     """
+    groups_in_flight: _builtins.int
+    """Ordered groups (ProduceItem.group_key) of this partition whose first item
+    is leased right now: one item in flight each.
+    """
     @_builtins.property
     def average_age(self) -> _duration_pb2.Duration:
         """The mean time since the ready and leased items were produced."""
@@ -589,6 +597,13 @@ class PartitionStats(_message.Message):
     @_builtins.property
     def faulty_since(self) -> _timestamp_pb2.Timestamp:
         """Since when the partition is faulty; unset while it serves."""
+
+    @_builtins.property
+    def oldest_waiting_in_group(self) -> _duration_pb2.Duration:
+        """How long the item that has waited longest behind the first item of its
+        group has been in the queue (since it was produced); unset when no item
+        waits. Items waiting so are counted in total (not in total_leased).
+        """
 
     def __init__(
         self,
@@ -604,10 +619,12 @@ class PartitionStats(_message.Message):
         faulty_since: _timestamp_pb2.Timestamp | None = ...,
         produced: _builtins.int = ...,
         completed: _builtins.int = ...,
+        groups_in_flight: _builtins.int = ...,
+        oldest_waiting_in_group: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["average_age", b"average_age", "average_leased_age", b"average_leased_age", "faulty_since", b"faulty_since"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["average_age", b"average_age", "average_leased_age", b"average_leased_age", "faulty_since", b"faulty_since", "oldest_waiting_in_group", b"oldest_waiting_in_group"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["average_age", b"average_age", "average_leased_age", b"average_leased_age", "completed", b"completed", "failure", b"failure", "faulty", b"faulty", "faulty_since", b"faulty_since", "partition", b"partition", "produced", b"produced", "scheduled", b"scheduled", "total", b"total", "total_leased", b"total_leased"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["average_age", b"average_age", "average_leased_age", b"average_leased_age", "completed", b"completed", "failure", b"failure", "faulty", b"faulty", "faulty_since", b"faulty_since", "groups_in_flight", b"groups_in_flight", "oldest_waiting_in_group", b"oldest_waiting_in_group", "partition", b"partition", "produced", b"produced", "scheduled", b"scheduled", "total", b"total", "total_leased", b"total_leased"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

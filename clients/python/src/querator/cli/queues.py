@@ -92,12 +92,15 @@ def cmd_stats(args: argparse.Namespace, client: Client) -> int:
         emit_json({**plain(stats), "total": stats.total, "total_leased": stats.total_leased, "scheduled": stats.scheduled}, sys.stdout)
         return 0
     faulty = any(p.faulty for p in stats.partitions)  # the column only when it says something
+    groups = any(p.groups_in_flight or p.oldest_waiting_in_group is not None for p in stats.partitions)
     rows = [
         [p.partition, p.total, p.ready, p.total_leased, p.scheduled, p.average_age, p.average_leased_age]
+        + ([p.groups_in_flight, p.oldest_waiting_in_group or "-"] if groups else [])
         + ([p.failure or "-"] if faulty else [])
         for p in stats.partitions
     ]
     headers = ["PARTITION", "TOTAL", "READY", "LEASED", "SCHEDULED", "AVG_AGE", "AVG_LEASED_AGE"]
+    headers += ["GROUPS_IN_FLIGHT", "OLDEST_WAITING_IN_GROUP"] if groups else []
     emit_table(headers + (["FAULTY"] if faulty else []), rows, sys.stdout)
     print(f"lease_waiting={stats.lease_waiting} produce_waiting={stats.produce_waiting} in_flight={stats.in_flight}")
     return 0
