@@ -279,7 +279,9 @@ class ProduceItem(_message.Message):
     highest priority first, and items of one priority in produce (FIFO)
     order. There is no aging: while items of a higher priority are ready,
     lower ones wait, however long. A scheduled, re-queued or expired-lease
-    item keeps its priority; a dead letter keeps it too.
+    item keeps its priority; a dead letter keeps it too. Within an ordered
+    group (group_key) the group's order wins: priority orders only the items
+    that may go, group heads and items of no group.
     """
     @_builtins.property
     def enqueue_at(self) -> _timestamp_pb2.Timestamp:
