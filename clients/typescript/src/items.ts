@@ -57,6 +57,9 @@ export class LeasedItem implements ItemRef, ItemHistory {
   readonly lastError: string;
   /** When lastError was recorded (undefined without one). */
   readonly lastErrorAt: Date | undefined;
+  /** The item's ordered group ("" for none): no other item of the group is leased until
+   * this one is completed, dead-lettered or deleted. */
+  readonly groupKey: string;
   #state: LeaseState = "leased";
   readonly #settler: Settler;
 
@@ -81,6 +84,7 @@ export class LeasedItem implements ItemRef, ItemHistory {
     this.deadAttempts = fields.deadAttempts;
     this.lastError = fields.lastError;
     this.lastErrorAt = fields.lastErrorAt;
+    this.groupKey = fields.groupKey;
   }
 
   /** The payload decoded as UTF-8. */
