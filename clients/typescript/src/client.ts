@@ -35,6 +35,7 @@ import {
   storedItem,
 } from "./operations.js";
 import type { CallOptions, ClientOptions } from "./options.js";
+import type { ProduceResponse } from "./gen/querator/v1/queue_pb.js";
 import { Pager } from "./paging.js";
 import { targetOf } from "./routing.js";
 import { type RetryPolicy, sleep } from "./retry.js";
@@ -134,6 +135,9 @@ export class Client implements Settler {
     let duplicates = 0;
     let failure: QueratorError | undefined;
     const pending = new Set<Promise<void>>();
+    // Each ordered group's last request: the group's next one is sent after its answer,
+    // so the server stores a group's items in the order given.
+    const groupTail = new Map<string, Promise<void>>();
     let index = 0;
     for (const batch of produceBatches(produceInputs(items), batchSize, options)) {
       while (pending.size >= window) await Promise.race(pending);
@@ -141,8 +145,13 @@ export class Client implements Settler {
       const at = index++;
       const { request, keyed } = produceRequest(queueName, requestTimeout, batch);
       ids[at] = new Array<string>(batch.length).fill("");
-      const sent: Promise<void> = this.#conn
-        .produce(request, options, keyed || retryProduce)
+      const group = request.items.find((i) => i.groupKey)?.groupKey ?? "";
+      const before = group ? groupTail.get(group) : undefined;
+      const send = (): Promise<ProduceResponse> => {
+        if (failure) throw failure; // a group's items after a failed request are not sent
+        return this.#conn.produce(request, options, keyed || retryProduce);
+      };
+      const sent: Promise<void> = (before ? before.then(send) : send())
         .then(
           (response) => {
             ids[at] = response.ids;
@@ -153,8 +162,12 @@ export class Client implements Settler {
             failure ??= error instanceof QueratorError ? error : fromConnectError(error);
           },
         )
-        .finally(() => pending.delete(sent));
+        .finally(() => {
+          pending.delete(sent);
+          if (groupTail.get(group) === sent) groupTail.delete(group);
+        });
       pending.add(sent);
+      if (group) groupTail.set(group, sent);
     }
     await Promise.all(pending);
     const result: ProduceResult = {

@@ -57,6 +57,9 @@ export class LeasedItem implements ItemRef, ItemHistory {
   readonly lastError: string;
   /** When lastError was recorded (undefined without one). */
   readonly lastErrorAt: Date | undefined;
+  /** The item's ordered group ("" for none): no other item of the group is leased until
+   * this one is completed, dead-lettered or deleted. */
+  readonly groupKey: string;
   /** 0 to 9, as given at produce: leases hand out higher priorities first. */
   readonly priority: number;
   #state: LeaseState = "leased";
@@ -83,6 +86,7 @@ export class LeasedItem implements ItemRef, ItemHistory {
     this.deadAttempts = fields.deadAttempts;
     this.lastError = fields.lastError;
     this.lastErrorAt = fields.lastErrorAt;
+    this.groupKey = fields.groupKey;
     this.priority = fields.priority;
   }
 

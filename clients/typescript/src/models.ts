@@ -21,6 +21,12 @@ export interface Item {
   /** String pairs handed to whoever leases the item (e.g. trace context); at most 64
    * pairs and 16 KB in all. */
   metadata?: Record<string, string>;
+  /** An ordered group (at most 512 bytes; not with enqueueAt): the items of a group are
+   * leased one at a time, in produce order, the next once the one before is completed,
+   * dead-lettered or deleted. A group's items live in one partition: produce() sends
+   * each group's items in requests of their own and a group's next request only once
+   * the one before it is answered. */
+  groupKey?: string;
   /** 0 (the default) to 9: a lease takes a partition's ready items highest priority
    * first, FIFO within a priority. No aging: lower priorities wait while higher ones
    * are ready. Outside 0 to 9: InvalidArgument naming items[i].priority. */
@@ -98,6 +104,11 @@ export interface PartitionStats {
    * queue: counters (0 at the server's start) whose growth over time is the rate. */
   produced: number;
   completed: number;
+  /** Ordered groups whose first item is leased now. */
+  groupsInFlight: number;
+  /** How long the item that has waited longest behind the first item of its group has
+   * been in the queue, in ms (undefined: none waits). Such items count in total. */
+  oldestWaitingInGroupMs: number | undefined;
 }
 
 /** A queue's counts now, per partition and summed. */
@@ -157,6 +168,8 @@ export interface StoredItem extends ItemHistory {
    * dead letter, the error that killed it. "" when it never failed with a text. */
   lastError: string;
   lastErrorAt: Date | undefined;
+  /** The item's ordered group ("" for none); not imported. */
+  groupKey?: string;
   /** 0 to 9, as given at produce (importItems keeps it). */
   priority: number;
 }

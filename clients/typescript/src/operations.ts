@@ -87,6 +87,7 @@ export function produceItem(item: Item, defaults: ProduceDefaults): ProduceItemI
     kind: item.kind ?? defaults.kind ?? "",
     reference: item.reference ?? defaults.reference ?? "",
     idempotencyKey: item.idempotencyKey ?? "",
+    groupKey: item.groupKey ?? "",
     metadata: item.metadata ?? {},
     priority: item.priority ?? defaults.priority ?? 0,
     ...(enqueueAt ? { enqueueAt: toTimestamp(enqueueAt) } : {}),
@@ -95,7 +96,7 @@ export function produceItem(item: Item, defaults: ProduceDefaults): ProduceItemI
 
 /** A bound on an item's encoded size, for batching under the request byte limit. */
 function approxItemBytes(item: ProduceItemInit): number {
-  let n = (item.payload?.length ?? 0) + 3 * ((item.encoding?.length ?? 0) + (item.kind?.length ?? 0) + (item.reference?.length ?? 0)) + 3 * (item.idempotencyKey?.length ?? 0) + 40;
+  let n = (item.payload?.length ?? 0) + 3 * ((item.encoding?.length ?? 0) + (item.kind?.length ?? 0) + (item.reference?.length ?? 0)) + 3 * ((item.idempotencyKey?.length ?? 0) + (item.groupKey?.length ?? 0)) + 40;
   for (const [k, v] of Object.entries(item.metadata ?? {})) n += 3 * (k.length + v.length) + 8;
   return n;
 }
@@ -109,6 +110,7 @@ export function* produceBatches(inputs: Iterable<ProduceInput>, batchSize: numbe
   const shared = Boolean(defaults.encoding || defaults.kind || defaults.reference || defaults.enqueueAt || defaults.priority);
   let batch: ProduceEntry[] = [];
   let size = 0;
+  let group = ""; // the batch's ordered group: at most one per request
   for (const value of inputs) {
     let entry: ProduceEntry;
     let cost: number;
@@ -119,13 +121,16 @@ export function* produceBatches(inputs: Iterable<ProduceInput>, batchSize: numbe
       entry = produceItem(isItem(value) ? value : { payload: value }, defaults);
       cost = approxItemBytes(entry) + 6;
     }
-    if (batch.length && (batch.length >= batchSize || size + cost > BATCH_BYTES)) {
+    const itsGroup = entry instanceof Uint8Array ? "" : (entry.groupKey ?? "");
+    if (batch.length && (batch.length >= batchSize || size + cost > BATCH_BYTES || (itsGroup && group && itsGroup !== group))) {
       yield batch;
       batch = [];
       size = 0;
+      group = "";
     }
     batch.push(entry);
     size += cost;
+    group ||= itsGroup;
   }
   if (batch.length) yield batch;
 }
@@ -231,6 +236,7 @@ export function leasedItems(settler: Settler, response: LeaseResponse): LeasedIt
           deadAttempts: columns.deadAttempts[i] ?? 0,
           lastError: columns.lastErrors[i] ?? "",
           lastErrorAt: columns.lastErrorAtUs[i] ? fromMicros(columns.lastErrorAtUs[i]!) : undefined,
+          groupKey: columns.groupKeys[i] ?? "",
           priority: columns.priorities[i] ?? 0,
         }),
     );
@@ -256,6 +262,7 @@ export function leasedItems(settler: Settler, response: LeaseResponse): LeasedIt
         deadAttempts: item.deadAttempts,
         lastError: item.lastError,
         lastErrorAt: fromTimestamp(item.lastErrorAt),
+        groupKey: item.groupKey,
         priority: item.priority,
       }),
   );
@@ -401,6 +408,8 @@ export function queueStats(r: GetQueueStatsResponse): QueueStats {
     faultySince: p.faulty ? fromTimestamp(p.faultySince) : undefined,
     produced: Number(p.produced),
     completed: Number(p.completed),
+    groupsInFlight: Number(p.groupsInFlight),
+    oldestWaitingInGroupMs: p.oldestWaitingInGroup ? fromDuration(p.oldestWaitingInGroup) : undefined,
   }));
   const sum = (f: (p: PartitionStats) => number): number => partitions.reduce((n, p) => n + f(p), 0);
   return {
@@ -440,6 +449,7 @@ export function storedItem(i: StorageItem, partition: number): StoredItem {
     deadAttempts: i.deadAttempts,
     lastError: i.lastError,
     lastErrorAt: fromTimestamp(i.lastErrorAt),
+    groupKey: i.groupKey,
     priority: i.priority,
   };
 }

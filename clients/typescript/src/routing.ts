@@ -57,7 +57,7 @@ export interface RoutedRequest {
   queueName?: string;
   partition?: number;
   ids?: readonly string[];
-  items?: readonly ({ idempotencyKey?: string } | object)[];
+  items?: readonly ({ idempotencyKey?: string; groupKey?: string } | object)[];
   leaseKey?: string;
   leaseKeys?: readonly string[];
   completeIds?: readonly string[];
@@ -71,7 +71,10 @@ const HOME_CALLS = new Set(["Complete", "Retry", "Extend", "ListItems", "ListSch
 export function targetOf(method: string, request: RoutedRequest): Target {
   const queue = request.queueName ?? "";
   if (method === "Produce") {
-    const key = request.items?.map((i) => ("idempotencyKey" in i ? i.idempotencyKey : "")).find(Boolean);
+    // A group lives at its key's home (the server refuses groups of two homes); else
+    // dedup is exact at the first idempotency key's home.
+    const group = request.items?.map((i) => ("groupKey" in i ? i.groupKey : "")).find(Boolean);
+    const key = group || request.items?.map((i) => ("idempotencyKey" in i ? i.idempotencyKey : "")).find(Boolean);
     return key ? { to: "key", queue, key } : { to: "produce", queue };
   }
   if (method === "Lease") {
