@@ -122,6 +122,11 @@ class ReplicationGate:
             return
         if then is not None:
             then()
+        if change is not None:
+            # One line per acknowledged cycle, at debug level: which epoch's primary
+            # answered what, and when (the network-fault tests check that no two epochs'
+            # acknowledgements overlap in time).
+            log.debug("replicated_answers", queue=self.name, epoch=change.epoch, lsn=change.lsn, answers=len(results))
         self._answer(results)
 
     def _fail(self, results: list[tuple[Request, object]]) -> None:

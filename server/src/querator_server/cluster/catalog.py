@@ -59,6 +59,10 @@ class Keys:
     def retired(self, node: str) -> bytes:
         return self.prefix + b"retired/" + node.encode()
 
+    def shard(self, uid: str) -> bytes:
+        """A replicated queue's shard record (shard_record.py; "" for the prefix of all)."""
+        return self.prefix + b"shards/" + uid.encode()
+
     def binding(self, node: str) -> bytes:
         """Which data directory node id ``node`` is bound to (cluster/identity.py); no lease."""
         return self.prefix + b"bindings/" + node.encode()

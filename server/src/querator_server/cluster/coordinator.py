@@ -115,7 +115,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
                     f"node {self.node!r} was retired from the cluster (its partitions were recreated "
                     "elsewhere); start it with a new node id and an empty data directory"
                 )
-            self.identity = await identity.check(self.manager, self.etcd, self.keys, self.node, self.settings.url)
+            self.identity = await identity.check(self.manager, self.etcd, self.keys, self.node, self.settings.url, timeout)
             self.membership.data_dir = self.identity.data_dir
             await self.membership.register(timeout=timeout)
             await self._share_token_secret()

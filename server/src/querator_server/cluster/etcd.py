@@ -113,6 +113,20 @@ class Txn:
         )
         return self
 
+    def unchanged_since(self, prefix: bytes, revision: int) -> Txn:
+        """No key under ``prefix`` was created or changed after ``revision`` (deleted
+        keys are not seen)."""
+        self.compare.append(
+            rpc.Compare(
+                key=prefix,
+                range_end=prefix_end(prefix),
+                target=rpc.Compare.MOD,
+                result=rpc.Compare.LESS,
+                mod_revision=revision + 1,
+            )
+        )
+        return self
+
     def put(self, key: bytes, value: bytes, lease: int = 0) -> Txn:
         self.success.append(rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease)))
         return self

@@ -96,7 +96,9 @@ async def run(
         return None  # the more advanced one elects itself; the watch brings its record
     isr = [(best.node, best.incarnation)] + [(c.node, c.incarnation) for c in candidates if c.node != best.node]
     try:
-        elected = await table.elect(record, best.node, isr)
+        # Taking over from another node: only while it is still gone (its membership
+        # lapsed), so its acknowledgements under the old epoch have surely ended.
+        elected = await table.elect(record, best.node, isr, primary_gone=record.primary != node)
     except EtcdError as exc:
         log.warning("failover_elect_failed", uid=record.uid, error=str(exc)[:200])
         return None

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..logging import get_logger
 from ..manager import QueuesManager
+from . import rebind
 from .catalog import Keys
 from .etcd import Etcd, Txn
 from .placement import QueueEntry
@@ -101,6 +102,39 @@ async def _bind(etcd: Etcd, keys: Keys, node: str, data_dir: str) -> str:
     return data_dir if bound is None else bound
 
 
+async def _rebind(
+    manager: QueuesManager, etcd: Etcd, keys: Keys, node: str, prefix: str, etcd_id: int, bound: str | None, timeout: float
+) -> Identity:
+    path = manager.data_dir
+    try:
+        data_dir, _ = await rebind.rebind(etcd, keys, node, timeout)
+    except rebind.Refused as exc:
+        if exc.held is None:
+            raise IdentityError(str(exc)) from None
+        if bound is None:  # a node id from before bindings
+            homed = sum(exc.held.one_copy.values())
+            raise IdentityError(
+                f"node id {node!r} homes {homed} partition(s) in the cluster, but data directory {path} holds none; "
+                f"refusing to start: it would lose {exc}. Start {node!r} on its own data directory (or a restored "
+                f"backup of it), or, if that data is lost for good, retire {node!r} (querator cluster retire) and "
+                "join with a new node id"
+            ) from None
+        raise IdentityError(
+            f"node id {node!r} is bound to data directory {bound} in the cluster, and this one ({path}) never joined "
+            f"the cluster; refusing to start empty: it would lose {exc}. Start {node!r} on its own data directory "
+            f"(or a restored backup of it), or, if that data is lost for good, retire {node!r} "
+            "(querator cluster retire) and join with a new node id"
+        ) from None
+    cluster = await _cluster_uuid(etcd, keys, create=False)
+    if cluster is None:
+        raise IdentityError(f"etcd holds no cluster under {prefix!r} any more; refusing to start")
+    # etcd first, then the data directory: a crash in between leaves an empty data
+    # directory under a binding to a uuid nobody has, which the next start rebinds.
+    identity = Identity(cluster, etcd_id, prefix, node, data_dir)
+    await manager.put_cluster_identity(identity.record())
+    return identity
+
+
 def _other_data_dir(node: str, bound: str, here: str | None, path: str) -> IdentityError:
     this = f"this one ({path}) is {here}" if here else f"this one ({path}) never joined the cluster"
     return IdentityError(
@@ -110,15 +144,18 @@ def _other_data_dir(node: str, bound: str, here: str | None, path: str) -> Ident
     )
 
 
-async def check(manager: QueuesManager, etcd: Etcd, keys: Keys, node: str, url: str) -> Identity:
+async def check(manager: QueuesManager, etcd: Etcd, keys: Keys, node: str, url: str, timeout: float = 30.0) -> Identity:
     """Check (or, at a first join, record) that the data directory is ``node``'s of the
-    cluster at ``url``; raise IdentityError, which names both sides, when it is not."""
+    cluster at ``url``; raise IdentityError, which names both sides, when it is not.
+    An empty data directory under a node id that holds data is bound to it when every
+    copy the id held has another in-sync copy (rebind.py; waiting up to ``timeout`` for
+    the id's previous process to let go of it), and refused otherwise."""
     prefix = keys.prefix.decode()
     path = manager.data_dir
     etcd_id = await etcd.cluster_id(keys.cluster_uuid)
     stored = manager.cluster_identity()
     if stored is None:
-        return await _first_join(manager, etcd, keys, node, prefix, etcd_id)
+        return await _first_join(manager, etcd, keys, node, prefix, etcd_id, timeout)
     local = Identity.from_record(stored)
     if local.prefix != prefix:
         raise IdentityError(
@@ -160,19 +197,15 @@ async def check(manager: QueuesManager, etcd: Etcd, keys: Keys, node: str, url: 
 
 
 async def _first_join(
-    manager: QueuesManager, etcd: Etcd, keys: Keys, node: str, prefix: str, etcd_id: int
+    manager: QueuesManager, etcd: Etcd, keys: Keys, node: str, prefix: str, etcd_id: int, timeout: float
 ) -> Identity:
     bound = await _bound_to(etcd, keys, node)
+    if not manager.queue_count() and (bound is not None or await _partitions_homed(etcd, keys, node)):
+        # An empty data directory under a node id that joined before: its data is gone
+        # from here. Accepted only when nothing is lost by it (rebind.py).
+        return await _rebind(manager, etcd, keys, node, prefix, etcd_id, bound, timeout)
     if bound is not None:
         raise _other_data_dir(node, bound, None, manager.data_dir)
-    if not manager.queue_count() and (homed := await _partitions_homed(etcd, keys, node)):
-        # A node id from before bindings whose data directory is not this empty one.
-        raise IdentityError(
-            f"node id {node!r} homes {homed} partition(s) in the cluster, but data directory {manager.data_dir} "
-            f"holds none; refusing to start (its partitions would read as empty). Start {node!r} on its own "
-            f"data directory (or a restored backup of it), or, if that data is lost for good, retire {node!r} "
-            "(querator cluster retire) and join with a new node id"
-        )
     cluster = await _cluster_uuid(etcd, keys, create=True)
     assert cluster is not None
     # The data directory first: a crash before etcd's binding leaves a record the next

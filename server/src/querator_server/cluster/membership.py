@@ -70,6 +70,15 @@ class Membership:
     def fenced(self) -> bool:
         return not self.create_revision or time.monotonic() > self._renewed_at + self.ttl_s - self._margin
 
+    def held_until(self) -> tuple[int, float]:
+        """This node's registration (its member key's create revision; 0: none) and the
+        monotonic time until which etcd surely keeps it: a renewal's send time + TTL
+        (etcd counts the TTL from when it took the renewal, later). Before then no
+        other node can see this one gone, so none can have taken its shards over."""
+        if not self.create_revision:
+            return 0, 0.0
+        return self.create_revision, self._renewed_at + self.ttl_s
+
     def check(self) -> None:
         """Raise unless this node may make admin writes now."""
         if self.fenced:

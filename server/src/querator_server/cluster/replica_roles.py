@@ -241,6 +241,8 @@ class ShardRoles:
             shard.ring,
             self.lag_s,
             on_deposed=self._deposed,
+            lease=getattr(self.table.writer, "held_until", None),
+            on_newer_epoch=self._newer_epoch,
         )
         shard.primary = replication
         try:

@@ -52,18 +52,25 @@ async def read(etcd: Etcd, key: bytes, uid: int) -> ShardRecord | None:
     return None if kv is None else ShardRecord.decode(uid, kv.value, kv.mod_revision, kv.create_revision)
 
 
-async def swap(etcd: Etcd, key: bytes, member_key: bytes, writer: Writer, old: ShardRecord, new: ShardRecord) -> ShardRecord:
+async def swap(
+    etcd: Etcd,
+    key: bytes,
+    member_key: bytes,
+    writer: Writer,
+    old: ShardRecord,
+    new: ShardRecord,
+    absent: bytes | None = None,
+) -> ShardRecord:
     """Write ``new`` in place of ``old`` if neither the record nor the writer's
-    membership changed since; the written record (its new mod revision)."""
+    membership changed since (and, given ``absent``, that key does not exist); the
+    written record (its new mod revision)."""
     if not writer.create_revision:
         raise Deposed(f"node {writer.node!r} holds no cluster membership now; shard {old.uid} unchanged", None)
     new = dataclasses.replace(new, generation=old.generation)
-    txn = (
-        Txn()
-        .modified_at(key, old.mod_revision)
-        .created_at(member_key, writer.create_revision)
-        .put(key, new.encode())
-    )
+    txn = Txn().modified_at(key, old.mod_revision).created_at(member_key, writer.create_revision)
+    if absent is not None:
+        txn = txn.created_at(absent, 0)
+    txn = txn.put(key, new.encode())
     try:
         ok, revision = await etcd.txn(txn)
     except EtcdError as exc:
@@ -80,6 +87,13 @@ async def swap(etcd: Etcd, key: bytes, member_key: bytes, writer: Writer, old: S
         )
     if current is None:
         raise Deposed(f"shard {old.uid} is gone (its queue was deleted) or etcd did not answer", None)
+    if absent is not None:
+        try:
+            _, there = await etcd.get(absent)
+        except EtcdError:
+            there = None
+        if there is not None:
+            raise Deposed(f"shard {old.uid} unchanged: {absent.decode(errors='replace')} exists again", current)
     raise Deposed(f"node {writer.node!r} lost its cluster membership; shard {old.uid} unchanged", current)
 
 

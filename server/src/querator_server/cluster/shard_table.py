@@ -105,10 +105,10 @@ class ShardTable:
         """The record as etcd holds it now (after an Unavailable of unknown outcome)."""
         return await shard_cas.read(self._etcd, self.key(uid), uid)
 
-    async def _swap(self, old: ShardRecord, new: ShardRecord) -> ShardRecord:
+    async def _swap(self, old: ShardRecord, new: ShardRecord, absent: bytes | None = None) -> ShardRecord:
         writer = self._writer()
         member = self._prefix + b"members/" + writer.node.encode()
-        return await shard_cas.swap(self._etcd, self.key(old.uid), member, writer, old, new)
+        return await shard_cas.swap(self._etcd, self.key(old.uid), member, writer, old, new, absent)
 
     def _writer(self) -> Writer:
         if self.writer is None:
@@ -125,9 +125,15 @@ class ShardTable:
         entry with its incarnation)."""
         return await self._swap(record, shard_cas.expanded(record, add))
 
-    async def elect(self, record: ShardRecord, primary: str, isr: Sequence[tuple[str, str]]) -> ShardRecord:
-        """Epoch + 1 with ``primary`` serving and ``isr`` in sync."""
-        return await self._swap(record, shard_cas.elected(record, primary, isr))
+    async def elect(
+        self, record: ShardRecord, primary: str, isr: Sequence[tuple[str, str]], primary_gone: bool = False
+    ) -> ShardRecord:
+        """Epoch + 1 with ``primary`` serving and ``isr`` in sync. ``primary_gone``: only
+        while the record's primary holds no membership (a failover): one that registered
+        again meanwhile may be acknowledging under its own epoch, which its membership
+        lease lets it do only while no failover can have happened (shipper.py)."""
+        absent = self._prefix + b"members/" + record.primary.encode() if primary_gone else None
+        return await self._swap(record, shard_cas.elected(record, primary, isr), absent)
 
     async def drop_copy(self, record: ShardRecord, node: str) -> ShardRecord:
         """Remove ``node``'s copy (a node retired for good); never the primary's."""

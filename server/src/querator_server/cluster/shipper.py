@@ -134,7 +134,9 @@ class ReplicaLink:
 
     def _check(self, state: CopyState) -> None:
         if state.fenced_epoch > self.shard.epoch:
-            self.shard.deposed(f"node {self.node!r} promised epoch {state.fenced_epoch} (> {self.shard.epoch})")
+            self.shard.newer_epoch(
+                state.fenced_epoch, f"node {self.node!r} promised epoch {state.fenced_epoch} (> {self.shard.epoch})"
+            )
             raise Unavailable(f"shard {self.shard.uid}: deposed")
         if state.primary:
             raise Unavailable(f"node {self.node!r} still runs shard {self.shard.uid} as primary")
@@ -202,6 +204,8 @@ class ShardReplication:
         ring: ChangeRing,
         lag_s: float = REPLICA_LAG_S,
         on_deposed: Callable[[int], None] | None = None,
+        lease: Callable[[], tuple[int, float]] | None = None,
+        on_newer_epoch: Callable[[int, int], None] | None = None,
     ) -> None:
         self.node = node
         self.uid = record.uid
@@ -214,6 +218,7 @@ class ShardReplication:
         self.ring = ring
         self.lag_s = lag_s
         self._on_deposed = on_deposed
+        self._on_newer_epoch = on_newer_epoch
         self.failure: Unavailable | None = None
         # The members waited on: the record's ISR (less this node) and any being added.
         self.counted: set[str] = {n for n in isr_nodes(record) if n != node}
@@ -228,6 +233,15 @@ class ShardReplication:
         self.below_min = ""  # why a lagging copy could not be dropped (the minimum), if so
         self.shrinks = 0
         self.expands = 0
+        # This node's membership: (registration, monotonic time etcd surely keeps it
+        # until). A change is answered only before then, under the registration this
+        # primary confirmed: a failover needs this node's membership gone (failover.py),
+        # so no other epoch can have begun acknowledging yet. Without it, an answer its
+        # replica sent before an election, held on the way (a partition), would release
+        # a cycle after the new primary began acknowledging. None: no such bound.
+        self._lease = lease
+        self._registration = lease()[0] if lease is not None else 0
+        self._leased = True
 
     # -- life ---------------------------------------------------------------------------
 
@@ -290,7 +304,42 @@ class ShardReplication:
     def _done(self, lsn: int) -> bool:
         if 1 + len(self.counted) < self.record.min_isr:
             return False
-        return all(self.links[n].acked >= lsn for n in self.counted if n in self.links)
+        return all(self.links[n].acked >= lsn for n in self.counted if n in self.links) and self._within_lease()
+
+    def _within_lease(self) -> bool:
+        if self._lease is None:
+            return True
+        registration, until = self._lease()
+        return registration == self._registration and time.monotonic() < until
+
+    async def _check_lease(self) -> None:
+        """While this node's membership may have lapsed, answers wait; once it holds one
+        again, go on if the record (read from etcd, after the registration) still names
+        this node at this epoch, else this primary was deposed."""
+        leased = self._within_lease()
+        if leased:
+            if not self._leased:
+                self._leased = True
+                self.notify()
+            return
+        self._leased = False
+        assert self._lease is not None
+        registration, until = self._lease()
+        if not registration or registration == self._registration or time.monotonic() >= until:
+            return  # not registered again yet
+        try:
+            current = await self.table.fetch(self.uid)
+        except Exception as exc:  # etcd away: the next turn asks again
+            log.info("shard_lease_check_failed", uid=self.uid, error=str(exc)[:200])
+            return
+        if current is None or current.epoch != self.epoch or current.primary != self.node:
+            where = "gone" if current is None else f"names {current.primary!r} at epoch {current.epoch}"
+            self.deposed(f"its membership lapsed and the record {where}")
+            return
+        self._registration = registration
+        log.info("shard_lease_renewed", uid=self.uid, epoch=self.epoch, registration=registration)
+        self._leased = True
+        self.notify()
 
     def notify(self) -> None:
         async def wake() -> None:
@@ -320,6 +369,15 @@ class ShardReplication:
             if self._on_deposed is not None:
                 self._on_deposed(self.uid)
 
+    def newer_epoch(self, epoch: int, why: str) -> None:
+        """A replica promised ``epoch`` (> this one's): an election began. Deposed; the
+        node's own copy promises it too (``on_newer_epoch``), so that, should that
+        election not complete (it needs this node's membership gone), this node runs
+        one itself rather than serve again under an epoch its replicas refuse."""
+        self.deposed(why)
+        if self._on_newer_epoch is not None:
+            self._on_newer_epoch(self.uid, epoch)
+
     def record_changed(self, record: ShardRecord) -> None:
         """The shard's record as the catalog watch saw it."""
         if record.epoch != self.epoch or record.primary != self.node:
@@ -334,6 +392,7 @@ class ShardReplication:
         while self.failure is None:
             await asyncio.sleep(min(0.25, self.lag_s / 4))
             try:
+                await self._check_lease()
                 await self._adjust()
             except Exception:
                 log.exception("isr_adjust_failed", uid=self.uid)
