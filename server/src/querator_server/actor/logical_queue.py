@@ -74,12 +74,16 @@ from .requests import (
 )
 from .transaction import Body, answer, run_grouped, run_own
 from .view import PartitionView
+from .wake import Wake
 
 T = TypeVar("T")
 
 log = get_logger("queue")
 
 DEFAULT_MAX_INBOX = 10_000
+# Request kinds a cycle sorts into its batch (tuples: a union would be built per request).
+_ACKS = (CompleteRequest, RetryRequest, ExtendRequest)
+_CONTROL = (Reconfigure, DeleteQueue)
 # GetQueueStats looks at the first waiting item of this many ordered groups per
 # partition at most (one lookup each) for the oldest waiting item's age.
 OLDEST_WAITING_GROUPS = 10_000
@@ -131,7 +135,7 @@ class LogicalQueue:
         self._inbox: list[Request] = []
         self._waiting: list[LeaseRequest] = []
         self._clients: set[str] = set()
-        self._wake = asyncio.Event()
+        self._wake = Wake()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0  # when the armed timer fires (wall µs)
         self._task: asyncio.Task[None] | None = None
@@ -403,16 +407,26 @@ class LogicalQueue:
         views = self._views
         if self._health.faulty:  # nothing of theirs is due until they work again
             views = [v for p, v in enumerate(views) if p not in self._health.faulty]
-        times = [v.first_due for v in views if v.first_due]
-        times.extend(v.first_expiry for v in views if v.first_expiry)
-        if self._dedup_at:
-            times.append(self._dedup_at + self.config.dedup_window_us)
-        if self._lease_keys_at:
-            times.append(self._lease_keys_at + self.config.lease_key_ttl_us)
-        first_lease_end = self._leases.first() if exact else self._leases.first_bound()
-        if first_lease_end:
-            times.append(first_lease_end)
-        return min(times, default=0)
+        # One pass and no list: a queue of one request per cycle asks this two or three
+        # times per request (before it sleeps, for its timer, and in the cycle).
+        first = 0
+        for v in views:
+            at = v.first_due
+            if at and (not first or at < first):
+                first = at
+            at = v.first_expiry
+            if at and (not first or at < first):
+                first = at
+        at = self._dedup_at and self._dedup_at + self.config.dedup_window_us
+        if at and (not first or at < first):
+            first = at
+        at = self._lease_keys_at and self._lease_keys_at + self.config.lease_key_ttl_us
+        if at and (not first or at < first):
+            first = at
+        at = self._leases.first() if exact else self._leases.first_bound()
+        if at and (not first or at < first):
+            first = at
+        return first
 
     def _lifecycle_due(self) -> bool:
         if self._lifecycle_after and now_us() < self._lifecycle_after:
@@ -470,9 +484,9 @@ class LogicalQueue:
                 batch.produces.append(request)
             elif isinstance(request, LeaseRequest):
                 batch.leases.append(request)
-            elif isinstance(request, CompleteRequest | RetryRequest | ExtendRequest):
+            elif isinstance(request, _ACKS):
                 batch.acks.append(request)
-            elif isinstance(request, Reconfigure | DeleteQueue):
+            elif isinstance(request, _CONTROL):
                 control.append(request)
             else:
                 batch.others.append(request)
@@ -684,8 +698,9 @@ class LogicalQueue:
     async def _transaction(
         self, batch: Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]], *, isolated: bool = False
     ) -> Cycle:
-        body = self._body(batch, now, lifecycle, expired, isolated=isolated)
-        if not self._writes(batch, lifecycle):
+        writable = self._writes(batch, lifecycle)
+        body = self._body(batch, now, lifecycle, expired, writable, isolated=isolated)
+        if not writable:
             # Only listings: a read transaction, no commit and no fsync.
             return self.store.read(body)
         early = self._gate is None
@@ -746,9 +761,15 @@ class LogicalQueue:
             self._on_deposed(self.name, reason)
 
     def _body(
-        self, batch: Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]], *, isolated: bool = False
+        self,
+        batch: Batch,
+        now: int,
+        lifecycle: bool,
+        expired: list[tuple[int, int, int]],
+        writable: bool,
+        *,
+        isolated: bool = False,
     ) -> Body:
-        writable = self._writes(batch, lifecycle)
         work = CycleWork(
             lifecycle=lifecycle,
             expired=expired,

@@ -40,7 +40,6 @@ from .queue_store import (
     MapFull,
     StorageError,
     StorageFull,
-    aborted_on_failure,
     inject_write_fault,
     write_failure,
 )
@@ -86,7 +85,10 @@ class CommitGroup:
         # The members (their keys) whose cycles joined the pending commit, and the last one.
         self._joining: set[object] = set()
         self._last_commit: set[object] = set()
-        self._busy: asyncio.Future[None] | None = None
+        # A job of the lane's is running; who waits for its end (one future each, so
+        # that a waiter cancelled cancels nobody else's wait).
+        self._busy = False
+        self._idle_waiters: list[asyncio.Future[None]] = []
         self._flush_scheduled = False
         self._requests = 0  # in the cycles that joined
         self._closed = False
@@ -113,7 +115,9 @@ class CommitGroup:
         Raises ``MapFull`` (call ``grow``) or ``StorageError`` with nothing written;
         any exception of the body aborts only its own writes.
         """
-        while True:
+        # The common case (a held transaction, no job running) checks three fields:
+        # a cycle of a quiet queue of a busy group pays this path once per request.
+        while self._busy or self._parent is None or self._closed:
             await self._idle()
             if self._closed:
                 raise StorageError("the storage group is closed")
@@ -123,17 +127,36 @@ class CommitGroup:
             if outcome.hold_error is not None:
                 raise StorageError(f"storage write failed: {outcome.hold_error}")
         child = self.env.begin(write=True, parent=self._parent)
-        with aborted_on_failure(child, self.path):
+        # As aborted_on_failure, without a generator per cycle.
+        try:
             result = body(child)
             child.commit()
+        except lmdb.MapFullError as exc:
+            child.abort()
+            raise MapFull() from exc
+        except lmdb.Error as exc:
+            child.abort()
+            raise StorageError(write_failure(exc, self.path)) from exc
+        except BaseException:
+            child.abort()
+            raise
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         self._joined.append((done, on_commit, None if on_durable is None else partial(on_durable, result)))
         self._requests += requests
-        alone = member is not None and self._last_commit <= {member} and not self._joining - {member}
+        if self.members <= 1:
+            self._flush()
+            return result, done
+        # Alone: the last commit and the one pending hold no other member's cycles.
+        joining, last = self._joining, self._last_commit
+        alone = (
+            member is not None
+            and not (last and (len(last) > 1 or member not in last))
+            and not (joining and (len(joining) > 1 or member not in joining))
+        )
         if member is not None:
-            self._joining.add(member)
-        if self.members <= 1 or (alone and _nothing_ready(loop)):
+            joining.add(member)
+        if alone and _nothing_ready(loop):
             self._flush()
         elif not self._flush_scheduled:
             self._flush_scheduled = True
@@ -142,7 +165,7 @@ class CommitGroup:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        if self._joined and self._busy is None:
+        if self._joined and not self._busy:
             requests = self._requests
             self._hand(None)
             if requests >= HAND_OVER_AT:
@@ -194,9 +217,12 @@ class CommitGroup:
     # -- the lane's side -------------------------------------------------------------
 
     async def _idle(self) -> None:
-        # Shielded: a caller cancelled while it waits must not cancel what others wait on.
-        while self._busy is not None:
-            await asyncio.shield(self._busy)
+        # A future of its own per waiter: a caller cancelled while it waits cancels only
+        # its own wait (asyncio.shield would make two futures and a turn more per wait).
+        while self._busy:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._idle_waiters.append(waiter)
+            await waiter
 
     def _hand(self, extra: Callable[[], Any] | None, *, hold: bool = True) -> asyncio.Future[_Outcome]:
         """Give the lane one job: commit what joined, run ``extra``, hold the next
@@ -210,9 +236,8 @@ class CommitGroup:
         self._last_commit, self._joining = self._joining, set()
         self._requests = 0
         parent, self._parent = self._parent, None
-        busy: asyncio.Future[None] = loop.create_future()
         ended: asyncio.Future[_Outcome] = loop.create_future()
-        self._busy = busy
+        self._busy = True
 
         def finished(result: _Outcome | None, error: BaseException | None) -> None:
             if error is not None or result is None:
@@ -221,8 +246,11 @@ class CommitGroup:
             else:
                 outcome = result
             self._parent = outcome.held
-            self._busy = None
-            busy.set_result(None)
+            self._busy = False
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
             for done, on_commit, on_durable in joined:
                 if done.done():
                     continue
