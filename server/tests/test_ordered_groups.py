@@ -17,7 +17,7 @@ import pytest
 from querator.v1 import queue_pb2, queues_pb2
 from querator_server.model import MAX_KEY_BYTES
 
-from conftest import Stubs, bad_request_fields, dur, secs, wait_until
+from conftest import Stubs, ThreadServer, bad_request_fields, dur, secs, wait_until
 
 
 def produce(stubs: Stubs, name: str, items: list[tuple[str, bytes]], **kw: object) -> queue_pb2.ProduceResponse:
@@ -244,3 +244,48 @@ def test_stats_oldest_waiting_age(stubs: Stubs) -> None:
     stats = stubs.stats("g").partitions[0]
     assert stats.groups_in_flight == 1
     assert secs(stats.oldest_waiting_in_group) >= 0.3
+
+
+def test_clearing_a_queue_drops_waiting_items_and_leaves_no_group_blocked(stubs: Stubs) -> None:
+    stubs.create("g", lease_timeout=dur(60))
+    produce(stubs, "g", [("A", b"A1"), ("A", b"A2"), ("B", b"B1"), ("B", b"B2")])
+    got = lease(stubs, "g", batch=1)
+    assert payloads(got) == [b"A1"]
+    # Ready items go (B1, and A2 and B2 behind their heads); the leased A1 stays.
+    stubs.queues.ClearQueue(queues_pb2.ClearQueueRequest(queue_name="g", queue=True), timeout=10)
+    stats = stubs.stats("g").partitions[0]
+    assert (stats.total, stats.total_leased, stats.groups_in_flight) == (1, 1, 1)
+    # A still waits behind A1; B starts afresh.
+    produce(stubs, "g", [("A", b"A3"), ("B", b"B3")])
+    assert payloads(lease(stubs, "g")) == [b"B3"]
+    stubs.complete("g", got.partition, [got.items[0].id])
+    assert payloads(lease(stubs, "g")) == [b"A3"]
+
+
+def test_clearing_the_scheduled_head_of_a_group_lets_the_next_go(stubs: Stubs) -> None:
+    stubs.create("g", lease_timeout=dur(60))
+    produce(stubs, "g", [("B", b"B1"), ("B", b"B2")])
+    got = lease(stubs, "g")
+    later = queue_pb2.RetryItem(id=got.items[0].id)
+    later.retry_at.FromMicroseconds(int(time.time() * 1e6) + 60_000_000)
+    stubs.queue.Retry(queue_pb2.RetryRequest(queue_name="g", partition=got.partition, items=[later]), timeout=10)
+    assert payloads(lease(stubs, "g")) == []  # B is held by its delayed head
+    stubs.queues.ClearQueue(queues_pb2.ClearQueueRequest(queue_name="g", scheduled=True), timeout=10)
+    assert payloads(lease(stubs, "g")) == [b"B2"]
+
+
+def test_metrics_count_waiting_items_and_groups_in_flight(server: ThreadServer, stubs: Stubs) -> None:
+    from querator_server.metrics import QueueCollector
+
+    stubs.create("g", lease_timeout=dur(60))
+    produce(stubs, "g", [("A", b"A1"), ("A", b"A2"), ("A", b"A3"), ("B", b"B1")])
+    lease(stubs, "g", batch=1)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in QueueCollector(server.server.manager).collect()
+        for s in family.samples
+        if s.labels.get("queue") == "g"
+    }
+    assert samples[("querator_queue_items", (("queue", "g"), ("state", "waiting_in_group")))] == 2
+    assert samples[("querator_queue_items", (("queue", "g"), ("state", "ready")))] == 1
+    assert samples[("querator_queue_groups_in_flight", (("queue", "g"),))] == 1
