@@ -172,6 +172,16 @@ def test_items_are_paged_and_filtered(url: str, admin: querator.Client) -> None:
     assert second.text.count('class="item"') == 50 and '"i": 48' in html.unescape(second.text)
 
 
+def test_the_item_view_shows_each_items_priority(url: str, admin: querator.Client) -> None:
+    admin.create_queue("ranked", partitions=1)
+    admin.produce("ranked", [querator.Item("urgent", priority=7), "plain"])
+    v = Visitor(url)
+    v.log_in(ADMIN)
+    page = v.get("/q/ranked/items").text
+    assert "<th class=\"n\">Priority</th>" in page
+    assert sorted(re.findall(r'<td class="n priority">(\d+)</td>', page)) == ["0", "7"]
+
+
 def test_payload_preview_forms() -> None:
     assert preview(b'{"a": [1, 2]}').form == "json"
     assert preview("héllo\nworld".encode()).text == "héllo\nworld"

@@ -146,7 +146,7 @@ def test_the_worker_records_the_exception_on_every_retry_and_dead_letter(
     assert main(["items", "list", dlq, "--address", srv.address]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == [
-        "PARTITION", "ID", "STATE", "KIND", "ATTEMPTS", "LEASE_DEADLINE", "REASON", "ERROR", "PAYLOAD"
+        "PARTITION", "ID", "STATE", "KIND", "PRIORITY", "ATTEMPTS", "LEASE_DEADLINE", "REASON", "ERROR", "PAYLOAD"
     ]  # fmt: skip
     row = next(line for line in table if line.rstrip().endswith("flaky"))
     assert f" {flaky.dead_reason} " in row and "ConnectionError: upstream refused flaky on atte..." in row

@@ -55,8 +55,8 @@ def test_both_forms_store_the_same(client: querator.Client, queue: str) -> None:
 def test_producers_keep_bare_payloads_bare() -> None:
     from querator._producer import _Settings
 
-    def settings(kind: str = "", tracing: bool = False) -> _Settings:
-        return _Settings("q", 100, 1 << 20, 0.01, 2, 1000, "", kind, "", None, tracing)
+    def settings(kind: str = "", tracing: bool = False, priority: int = 0) -> _Settings:
+        return _Settings("q", 100, 1 << 20, 0.01, 2, 1000, "", kind, "", None, priority, tracing)
 
     assert settings().message(b"x", None, None) == (b"x", 7)
     assert settings().message("y", None, None) == (b"y", 7)
@@ -65,5 +65,6 @@ def test_producers_keep_bare_payloads_bare() -> None:
         settings().message(b"x", None, {"a": "b"}),
         settings().message(Item(b"x"), None, None),
         settings(kind="k").message(b"x", None, None),
+        settings(priority=3).message(b"x", None, None),
     ):
         assert not isinstance(made[0], bytes)

@@ -116,6 +116,8 @@ export class Client implements Settler {
       kind?: string;
       reference?: string;
       enqueueAt?: Date;
+      /** 0 to 9, for items that set none (see Item.priority). */
+      priority?: number;
       batchSize?: number;
       maxInFlight?: number;
       /** Retry after UNAVAILABLE even when a batch may have been stored (default: the

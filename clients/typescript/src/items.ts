@@ -60,6 +60,8 @@ export class LeasedItem implements ItemRef, ItemHistory {
   /** The item's ordered group ("" for none): no other item of the group is leased until
    * this one is completed, dead-lettered or deleted. */
   readonly groupKey: string;
+  /** 0 to 9, as given at produce: leases hand out higher priorities first. */
+  readonly priority: number;
   #state: LeaseState = "leased";
   readonly #settler: Settler;
 
@@ -85,6 +87,7 @@ export class LeasedItem implements ItemRef, ItemHistory {
     this.lastError = fields.lastError;
     this.lastErrorAt = fields.lastErrorAt;
     this.groupKey = fields.groupKey;
+    this.priority = fields.priority;
   }
 
   /** The payload decoded as UTF-8. */

@@ -27,6 +27,10 @@ export interface Item {
    * each group's items in requests of their own and a group's next request only once
    * the one before it is answered. */
   groupKey?: string;
+  /** 0 (the default) to 9: a lease takes a partition's ready items highest priority
+   * first, FIFO within a priority. No aging: lower priorities wait while higher ones
+   * are ready. Outside 0 to 9: InvalidArgument naming items[i].priority. */
+  priority?: number;
 }
 
 /** What produce accepts per item. */
@@ -166,6 +170,8 @@ export interface StoredItem extends ItemHistory {
   lastErrorAt: Date | undefined;
   /** The item's ordered group ("" for none); not imported. */
   groupKey?: string;
+  /** 0 to 9, as given at produce (importItems keeps it). */
+  priority: number;
 }
 
 /** What redriveItems did: how many items it moved, their message ids, and how many

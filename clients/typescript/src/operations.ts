@@ -67,6 +67,7 @@ export interface ProduceDefaults {
   kind?: string;
   reference?: string;
   enqueueAt?: Date;
+  priority?: number;
 }
 
 export function isItem(value: ProduceInput): value is Item {
@@ -88,6 +89,7 @@ export function produceItem(item: Item, defaults: ProduceDefaults): ProduceItemI
     idempotencyKey: item.idempotencyKey ?? "",
     groupKey: item.groupKey ?? "",
     metadata: item.metadata ?? {},
+    priority: item.priority ?? defaults.priority ?? 0,
     ...(enqueueAt ? { enqueueAt: toTimestamp(enqueueAt) } : {}),
   };
 }
@@ -105,7 +107,7 @@ function approxItemBytes(item: ProduceItemInit): number {
  * form, ProduceRequest.payloads).
  */
 export function* produceBatches(inputs: Iterable<ProduceInput>, batchSize: number, defaults: ProduceDefaults): Generator<ProduceEntry[], void, undefined> {
-  const shared = Boolean(defaults.encoding || defaults.kind || defaults.reference || defaults.enqueueAt);
+  const shared = Boolean(defaults.encoding || defaults.kind || defaults.reference || defaults.enqueueAt || defaults.priority);
   let batch: ProduceEntry[] = [];
   let size = 0;
   let group = ""; // the batch's ordered group: at most one per request
@@ -235,6 +237,7 @@ export function leasedItems(settler: Settler, response: LeaseResponse): LeasedIt
           lastError: columns.lastErrors[i] ?? "",
           lastErrorAt: columns.lastErrorAtUs[i] ? fromMicros(columns.lastErrorAtUs[i]!) : undefined,
           groupKey: columns.groupKeys[i] ?? "",
+          priority: columns.priorities[i] ?? 0,
         }),
     );
   }
@@ -260,6 +263,7 @@ export function leasedItems(settler: Settler, response: LeaseResponse): LeasedIt
         lastError: item.lastError,
         lastErrorAt: fromTimestamp(item.lastErrorAt),
         groupKey: item.groupKey,
+        priority: item.priority,
       }),
   );
 }
@@ -446,6 +450,7 @@ export function storedItem(i: StorageItem, partition: number): StoredItem {
     lastError: i.lastError,
     lastErrorAt: fromTimestamp(i.lastErrorAt),
     groupKey: i.groupKey,
+    priority: i.priority,
   };
 }
 
@@ -465,6 +470,7 @@ export function storageItem(i: Partial<StoredItem>): StorageItem {
     deadAttempts: i.deadAttempts ?? 0,
     ...(i.deadAt ? { deadAt: ts(i.deadAt)!.timestamp } : {}),
     lastError: i.lastError ?? "",
+    priority: i.priority ?? 0,
     ...(i.lastErrorAt ? { lastErrorAt: ts(i.lastErrorAt)!.timestamp } : {}),
     ...(i.leaseDeadline ? { leaseDeadline: ts(i.leaseDeadline)!.timestamp } : {}),
     ...(i.expireDeadline ? { expireDeadline: ts(i.expireDeadline)!.timestamp } : {}),

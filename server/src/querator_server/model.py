@@ -18,6 +18,8 @@ MAX_KEY_BYTES = 512
 # and LMDB refuses keys over 511 bytes: a longer one used to fail the whole cycle.
 MAX_SOURCE_ID_BYTES = 510
 MAX_METADATA_PAIRS = 64
+# Item priorities are 0 (the default) to this, higher leased first.
+MAX_PRIORITY = 9
 MAX_METADATA_BYTES = 16 * 1024
 MAX_ATTEMPTS_LIMIT = 65_536
 MAX_PARTITIONS = 1024
@@ -133,6 +135,8 @@ class NewItem:
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
     # The ordered group (storage/ordered_groups.py); "" for none.
     group_key: str = ""
+    # 0 to 9, higher leased first (MAX_PRIORITY).
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -158,6 +162,7 @@ class ImportedItem:
     dead_attempts: int = 0
     last_error: str = ""
     last_error_at_us: int = 0
+    priority: int = 0
 
 
 @dataclass(slots=True)

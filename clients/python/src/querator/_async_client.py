@@ -79,6 +79,7 @@ class AsyncClient(BaseClient):
         kind: str = "",
         reference: str = "",
         enqueue_at: datetime | None = None,
+        priority: int = 0,
         timeout: Seconds | None = None,
         retry: bool | None = None,
         batch_size: int = 1000,
@@ -103,7 +104,9 @@ class AsyncClient(BaseClient):
 
         pending: set[asyncio.Task[None]] = set()
         try:
-            plan = self._produce_plan(queue_name, items, encoding, kind, reference, enqueue_at, timeout, retry, batch_size)
+            plan = self._produce_plan(
+                queue_name, items, encoding, kind, reference, enqueue_at, priority, timeout, retry, batch_size
+            )
             for index, call, size in plan:
                 while len(pending) >= window:
                     _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)

@@ -106,12 +106,13 @@ class BaseClient:
         kind: str,
         reference: str,
         enqueue_at: datetime | None,
+        priority: int,
         timeout: Seconds | None,
         retry: bool | None,
         batch_size: int,
     ) -> Iterator[tuple[int, ops.Call, int]]:
         """The Produce calls of a ``produce()``, lazily: (index, call, number of items)."""
-        defaults = Item(b"", encoding=encoding, kind=kind, reference=reference, enqueue_at=enqueue_at)
+        defaults = Item(b"", encoding=encoding, kind=kind, reference=reference, enqueue_at=enqueue_at, priority=priority)
         call_timeout = self._config.call_timeout(timeout)
         retry = self._config.retry_produce if retry is None else retry
         for index, batch in enumerate(p.produce_batches(items, defaults, max_items=batch_size, trace=self._trace())):

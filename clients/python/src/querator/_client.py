@@ -79,6 +79,7 @@ class Client(BaseClient):
         kind: str = "",
         reference: str = "",
         enqueue_at: datetime | None = None,
+        priority: int = 0,
         timeout: Seconds | None = None,
         retry: bool | None = None,
         batch_size: int = 1000,
@@ -89,8 +90,8 @@ class Client(BaseClient):
 
         They are sent in requests of at most ``batch_size`` (<= 1,000) items and ~4 MB,
         ``max_in_flight`` at a time; each request's items go to one partition, in order.
-        ``encoding``/``kind``/``reference``/``enqueue_at`` apply to items that do not set
-        their own. Returns every id in the order given (``duplicates`` counts the items
+        ``encoding``/``kind``/``reference``/``enqueue_at``/``priority`` apply to items that
+        do not set their own (``priority``: 0 to 9, higher leased first; see :class:`Item`). Returns every id in the order given (``duplicates`` counts the items
         whose ``Item.idempotency_key`` was seen before). ``retry=True`` retries a request
         after UNAVAILABLE, at the risk of storing it twice if only its reply was lost
         (unless every item carries an idempotency key: then a repeat stores nothing).
@@ -98,7 +99,9 @@ class Client(BaseClient):
         client's ``tracing=True`` each item's metadata also gets the current trace
         context (:mod:`querator.tracing`).
         """
-        plan = self._produce_plan(queue_name, items, encoding, kind, reference, enqueue_at, timeout, retry, batch_size)
+        plan = self._produce_plan(
+            queue_name, items, encoding, kind, reference, enqueue_at, priority, timeout, retry, batch_size
+        )
         window = max_in_flight or self._config.max_in_flight
         collector = ProduceCollector(on_progress)
         inflight: collections.deque[tuple[int, ops.Call, grpc.Future[queue_pb2.ProduceResponse]]] = collections.deque()

@@ -81,6 +81,7 @@ class _LeasedBase:
         "last_error",
         "last_error_at",
         "group_key",
+        "priority",
         "_state",
         "_lock",
     )
@@ -108,6 +109,7 @@ class _LeasedBase:
         last_error: str = "",
         last_error_at: datetime | None = None,
         group_key: str = "",
+        priority: int = 0,
     ) -> None:
         self.queue_name = queue_name
         self.partition = partition
@@ -142,6 +144,8 @@ class _LeasedBase:
         #: The item's ordered group (``Item.group_key``); "" for none. No other item of
         #: the group is leased until this one is completed, dead-lettered or deleted.
         self.group_key = group_key
+        #: 0 to 9, as given at produce (``Item.priority``): leases hand out higher first.
+        self.priority = priority
         self._state: str | None = None
         self._lock = threading.Lock()
         self._client = client

@@ -45,6 +45,11 @@ class Item:
     (the next only once the one before is completed, dead-lettered or deleted). Grouped
     items of one request must belong to one partition: a ``Producer`` batches each group
     apart and keeps a group's batches in order.
+
+    ``priority``: 0 (the default) to 9. A lease takes the ready items of a partition
+    highest priority first, FIFO within a priority. No aging: lower priorities wait
+    while higher ones are ready. Outside 0 to 9 the server answers INVALID_ARGUMENT
+    (``items[i].priority``).
     """
 
     payload: Payload
@@ -55,6 +60,7 @@ class Item:
     idempotency_key: str = ""
     metadata: Mapping[str, str] = field(default_factory=dict, hash=False)
     group_key: str = ""
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.metadata:
@@ -245,6 +251,8 @@ class StoredItem:
     last_error_at: datetime | None = None
     #: The item's ordered group (``Item.group_key``); "" for none. Not imported.
     group_key: str = ""
+    #: 0 to 9, as given at produce (``Item.priority``); import keeps it.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.metadata:

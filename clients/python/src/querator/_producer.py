@@ -81,6 +81,7 @@ class _Settings:
         kind: str,
         reference: str,
         enqueue_at: datetime | None,
+        priority: int,
         tracing: bool,
     ) -> None:
         if not 1 <= max_items <= MAX_BATCH:
@@ -93,10 +94,10 @@ class _Settings:
         self.max_latency = seconds(max_latency)
         self.max_in_flight = max_in_flight
         self.max_pending = max_pending
-        self.defaults = Item(b"", encoding=encoding, kind=kind, reference=reference, enqueue_at=enqueue_at)
+        self.defaults = Item(b"", encoding=encoding, kind=kind, reference=reference, enqueue_at=enqueue_at, priority=priority)
         self.tracing = tracing
         # Values that are only a payload need no message: nothing to add to them.
-        self.bare = not (encoding or kind or reference or enqueue_at is not None or tracing)
+        self.bare = not (encoding or kind or reference or enqueue_at is not None or priority or tracing)
 
     def message(
         self,
@@ -163,10 +164,11 @@ class _Producing(abc.ABC, Generic[C]):
         kind: str = "",
         reference: str = "",
         enqueue_at: datetime | None = None,
+        priority: int = 0,
     ) -> None:
         self._s = _Settings(
             queue_name, max_items, max_bytes, max_latency, max_in_flight, max_pending,
-            encoding, kind, reference, enqueue_at, client.config.tracing,
+            encoding, kind, reference, enqueue_at, priority, client.config.tracing,
         )  # fmt: skip
         self._retry = client.config.retry_produce if retry is None else retry
         self._timeout = client.config.call_timeout(timeout)

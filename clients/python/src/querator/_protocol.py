@@ -88,11 +88,13 @@ def produce_item(
     (the keys the item sets itself win)."""
     item = value if isinstance(value, Item) else Item(value)
     encoding, kind, reference, enqueue_at = item.encoding, item.kind, item.reference, item.enqueue_at
+    priority = item.priority
     if defaults is not None:
         encoding = encoding or defaults.encoding
         kind = kind or defaults.kind
         reference = reference or defaults.reference
         enqueue_at = enqueue_at or defaults.enqueue_at
+        priority = priority or defaults.priority
     out = queue_pb2.ProduceItem(
         payload=c.payload_bytes(item.payload),
         encoding=encoding,
@@ -100,6 +102,7 @@ def produce_item(
         reference=reference,
         idempotency_key=item.idempotency_key,
         group_key=item.group_key,
+        priority=priority,
     )
     if enqueue_at is not None:
         out.enqueue_at.CopyFrom(c.to_timestamp(enqueue_at))
@@ -131,7 +134,9 @@ def produce_batches(
     max_items = max(1, min(max_items, MAX_BATCH))
     bare = trace is None and (
         defaults is None
-        or not (defaults.encoding or defaults.kind or defaults.reference or defaults.enqueue_at is not None)
+        or not (
+            defaults.encoding or defaults.kind or defaults.reference or defaults.enqueue_at is not None or defaults.priority
+        )
     )
     batch: list[ProduceEntry] = []
     size = 0
@@ -237,6 +242,7 @@ def leased_fields(response: queue_pb2.LeaseResponse) -> Iterator[dict[str, Any]]
     last_errors = list(columns.last_errors) or blank
     last_error_at = [c.from_micros(us) if us else None for us in columns.last_error_at_us] or [None] * n
     group_keys = list(columns.group_keys) or blank
+    priorities = list(columns.priorities) or [0] * n
     # The items of one reply share their lease deadline, and those produced together
     # their creation time: each distinct time is converted once (a datetime built from
     # microseconds was most of the SDK's CPU per leased item).
@@ -260,6 +266,7 @@ def leased_fields(response: queue_pb2.LeaseResponse) -> Iterator[dict[str, Any]]
             "last_error": last_errors[i],
             "last_error_at": last_error_at[i],
             "group_key": group_keys[i],
+            "priority": priorities[i],
             "queue_name": queue_name,
             "partition": partition,
             "id": item_id,
@@ -451,6 +458,7 @@ def stored_item(item: storage_pb2.StorageItem, partition: int) -> StoredItem:
         last_error=item.last_error,
         last_error_at=c.optional_timestamp(item, "last_error_at"),
         group_key=item.group_key,
+        priority=item.priority,
     )
 
 
@@ -516,6 +524,7 @@ def storage_item(item: StoredItem | Item | Payload) -> storage_pb2.StorageItem:
             reference=item.reference,
             enqueue_at=item.enqueue_at,
             metadata=item.metadata,
+            priority=item.priority,
         )
     elif not isinstance(item, StoredItem):
         item = StoredItem(payload=c.payload_bytes(item))
@@ -531,6 +540,7 @@ def storage_item(item: StoredItem | Item | Payload) -> storage_pb2.StorageItem:
         dead_reason=dead_reason_value(item.dead_reason),
         dead_attempts=item.dead_attempts,
         last_error=item.last_error,
+        priority=item.priority,
     )
     if item.metadata:
         out.metadata.update(item.metadata)

@@ -24,6 +24,7 @@ from ..storage.record import (
     ItemState,
     grouped,
     plain_leaser,
+    priority_of,
     read_state,
     scheduled_key,
     with_lease,
@@ -108,6 +109,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 expire_deadline=expire,
                 metadata=new.metadata,
                 group_key=new.group_key,
+                priority=new.priority,
             )
             if new.group_key and store.has_group_head(txn, p, new.group_key):
                 store.put_waiting(txn, p, seq, item)  # behind its group's head
@@ -130,6 +132,8 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                     run_first = seq
                 run.append(item)
                 ids.append(item_id(self.uid, p, seq))
+                if new.priority:
+                    v.ranked += 1
             if key and self.keyed is not None:
                 self.keyed.remember(txn, key, now, ids[-1], last_at=last_at)
                 self.dedup_added = True
@@ -327,10 +331,19 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         )
         id_format = item_id(self.uid, p, 0)[:-1] + "%x"
         deadlines = self.lease_deadlines
+        # Items of priority 1 to 9 first, from the priority index, while it holds any;
+        # then (and for a queue that never used priorities, only) the FIFO walk.
+        ranked = ranked_at_start = v.ranked > 0
         while len(ids) < quota:
-            run = self.store.lease_run(
-                txn, p, last_seq + 1, quota - len(ids), leaser, budget - used, ITEM_REPLY_OVERHEAD, take_first=not ids
-            )
+            if ranked:
+                run = self.store.lease_ranked(
+                    txn, p, quota - len(ids), leaser, budget - used, ITEM_REPLY_OVERHEAD, take_first=not ids
+                )
+                v.ranked = max(0, v.ranked - len(run.seqs))
+            else:
+                run = self.store.lease_run(
+                    txn, p, last_seq + 1, quota - len(ids), leaser, budget - used, ITEM_REPLY_OVERHEAD, take_first=not ids
+                )
             used += run.size
             if run.seqs:
                 ids.extend(map(id_format.__mod__, run.seqs))
@@ -339,44 +352,31 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 created_at.extend(run.created_at)
                 taken.extend(zip(run.seqs, run.records))
                 deadlines.extend([(deadline, p, seq) for seq in run.seqs])
-            last_seq = max(last_seq, run.last_seq)
-            if run.other is None:
-                break
+            if ranked:
+                if run.other is None:
+                    if run.full or len(ids) >= quota:
+                        break
+                    # The index ran out: nothing above priority 0 is ready.
+                    ranked = False
+                    v.ranked = 0
+                    continue
+            else:
+                last_seq = max(last_seq, run.last_seq)
+                if run.other is None:
+                    break
             seq, raw = run.other
             cost = len(raw) + _DETAILED_ITEM_OVERHEAD
             if ids and used + cost > budget:
-                last_seq = seq - 1  # it stays ready, where the next lease starts
+                if not ranked:
+                    last_seq = seq - 1  # it stays ready, where the next lease starts
                 break
-            state = read_state(raw)
-            reason = self._death_reason(state)
-            if reason:  # expired or out of attempts: never leased again
-                item = Item.decode(raw)
-                self.store.delete(txn, p, seq, item)
-                v.ready -= 1
-                v.created_sum -= item.created_at
-                hint = v.ready_hint
-                self._dead_letter(txn, p, seq, item, item_id(self.uid, p, seq), reason, DEATH_CODES[reason])
-                if v.ready_hint < hint:  # its group's next item, behind the scan: kept below
-                    floor = min(floor, v.ready_hint)
-                continue
-            if state.lease_key or request.lease_key:
-                # Tagged items change their tag (and their old key loses them).
-                if state.lease_key and state.lease_key != request.lease_key:
-                    self._untag(txn, state.lease_key, seq)
-                leased = with_lease_key(
-                    raw, attempts=state.attempts + 1, deadline=deadline, leased_at=now, lease_key=request.lease_key
-                )
-            else:
-                leased = with_lease(raw, state, attempts=state.attempts + 1, deadline=deadline, leased_at=now)
-            if state.group_key:
-                v.groups_in_flight += 1
-            self.store.put_raw(txn, p, seq, leased)
-            taken.append((seq, raw))
-            result.add(item_id(self.uid, p, seq), Item.decode(leased))
-            deadlines.append((deadline, p, seq))
+            cost, low = self._lease_declined(txn, p, v, request, seq, raw, deadline, result, taken)
             used += cost
+            floor = min(floor, low)
         if not ids:
             return None
+        if ranked_at_start or result.priorities:
+            _note_priorities(result, taken)
         if room is not None and not request.future.done():  # a gone caller settles nothing
             room.take(used)
             request.charged += used
@@ -396,6 +396,51 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             self._granted.append((request, p, taken))
         self._ok(request, result)
         return result
+
+    def _lease_declined(
+        self,
+        txn: lmdb.Transaction[bytes],
+        p: int,
+        v: PartitionView,
+        request: LeaseRequest,
+        seq: int,
+        raw: bytes,
+        deadline: int,
+        result: LeaseResult,
+        taken: list[tuple[int, bytes]],
+    ) -> tuple[int, int]:
+        """Lease the ready item the plain leaser declined (strings, a lease key, a
+        history, a group), or dead-letter it if it may not be leased again. Returns
+        what it adds to the lease's byte budget, and the seq at which a dead head's
+        group moved its next item into the FIFO behind the scan (``_NO_FLOOR``: none)."""
+        now = self.now
+        state = read_state(raw)
+        reason = self._death_reason(state)
+        if reason:  # expired or out of attempts: never leased again
+            item = Item.decode(raw)
+            self.store.delete(txn, p, seq, item)
+            v.ready -= 1
+            v.created_sum -= item.created_at
+            hint = v.ready_hint
+            self._dead_letter(txn, p, seq, item, item_id(self.uid, p, seq), reason, DEATH_CODES[reason])
+            return 0, (v.ready_hint if v.ready_hint < hint else _NO_FLOOR)
+        if state.lease_key or request.lease_key:
+            # Tagged items change their tag (and their old key loses them).
+            if state.lease_key and state.lease_key != request.lease_key:
+                self._untag(txn, state.lease_key, seq)
+            leased = with_lease_key(
+                raw, attempts=state.attempts + 1, deadline=deadline, leased_at=now, lease_key=request.lease_key
+            )
+        else:
+            leased = with_lease(raw, state, attempts=state.attempts + 1, deadline=deadline, leased_at=now)
+        if state.group_key:
+            v.groups_in_flight += 1
+        self.store.put_raw(txn, p, seq, leased)
+        self.store.unrank(txn, p, seq, raw)
+        taken.append((seq, raw))
+        result.add(item_id(self.uid, p, seq), Item.decode(leased))
+        self.lease_deadlines.append((deadline, p, seq))
+        return len(raw) + _DETAILED_ITEM_OVERHEAD, _NO_FLOOR
 
     def _replay(self, txn: lmdb.Transaction[bytes], request: LeaseRequest, record: LeaseKeyRecord) -> None:
         """Answer a repeated lease key with the items still leased under it.
@@ -424,6 +469,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 if self.config.paused:  # stays the key's, leased again by a replay after the resume
                     kept.append(seq)
                     continue
+                self.store.unrank(txn, p, seq, raw)
                 raw = with_lease_key(raw, attempts=state.attempts + 1, deadline=deadline, leased_at=now, lease_key=key)
                 self.store.put_raw(txn, p, seq, raw)
                 if state.group_key:
@@ -466,7 +512,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 continue
             v = self.view(p)
             for seq, raw in taken:
-                self.store.put_raw(txn, p, seq, raw)
+                v.ranked += self.store.put_ready(txn, p, seq, raw)
                 v.ready_hint = min(v.ready_hint, seq)
                 if grouped(raw):
                     v.groups_in_flight -= 1
@@ -504,7 +550,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 item.attempts = attempts
                 self._requeue(txn, p, item, seq)
                 continue
-            self.store.put_raw(txn, p, seq, without_lease(raw, state, attempts=attempts))
+            v.ranked += self.store.put_ready(txn, p, seq, without_lease(raw, state, attempts=attempts))
             if state.group_key:
                 v.groups_in_flight -= 1
             self.lease_ends.append((p, seq))
@@ -700,6 +746,12 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         return deadline
 
 
+def _note_priorities(result: LeaseResult, taken: list[tuple[int, bytes]]) -> None:
+    """Set ``result.priorities`` from the leased records (left empty when all are 0)."""
+    priorities = [priority_of(raw) for _, raw in taken]
+    result.priorities = priorities if any(priorities) else []
+
+
 def _water_fill(wanted: list[int], total: int) -> list[int]:
     """Split ``total`` items round-robin among requests wanting ``wanted`` each."""
     quotas = [0] * len(wanted)
@@ -728,8 +780,16 @@ def _listing(reason: str, entries: list[str], limit: int = 10) -> str:
 
 def _bare(items: Sequence[NewItem], schedule_from: int) -> bool:
     """Whether every item is a payload to store now (idempotency keys allowed; no
-    strings, metadata or schedule)."""
+    strings, metadata, priority or schedule)."""
     for new in items:
-        if new.encoding or new.kind or new.reference or new.metadata or new.group_key or new.enqueue_at_us >= schedule_from:
+        if (
+            new.encoding
+            or new.kind
+            or new.reference
+            or new.metadata
+            or new.group_key
+            or new.priority
+            or new.enqueue_at_us >= schedule_from
+        ):
             return False
     return bool(items)

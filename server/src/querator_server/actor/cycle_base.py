@@ -43,7 +43,7 @@ from ..storage import Item, PartitionScan, QueueStore
 from ..storage.capture import begin_child
 from ..storage.change_set import ChangeSet
 from ..storage.keyed import KeyedIndex
-from ..storage.record import DEAD_EXPIRED, DEAD_MAX_ATTEMPTS, ItemState, read_state
+from ..storage.record import DEAD_EXPIRED, DEAD_MAX_ATTEMPTS, ItemState, priority_of, read_state
 from .requests import LeaseRequest, Request
 from .view import PartitionView
 
@@ -405,6 +405,8 @@ class CycleBase:
         v = self.view(p)
         v.waiting -= 1
         v.ready += 1
+        if priority_of(raw):
+            v.ranked += 1  # the store indexed it (QueueStore.release_group)
         v.ready_hint = min(v.ready_hint, seq)
         v.note_expiry(read_state(raw).expire_deadline)
 

@@ -58,6 +58,8 @@ class LifecycleSteps(CycleBase):
             self._follow(txn, item.lease_key, old_seq, new_seq)
         self.store.append(txn, p, new_seq, item)
         v.ready += 1
+        if item.priority:
+            v.ranked += 1
         v.created_sum += item.created_at
         v.note_expiry(item.expire_deadline)
 

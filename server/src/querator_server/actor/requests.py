@@ -203,6 +203,8 @@ class LeaseResult:
     # The items that carry more than a payload (encoding, kind, reference, metadata, a
     # source id or a history), by index.
     details: dict[int, Item] = field(default_factory=dict)
+    # Empty when every item has priority 0, else each item's priority.
+    priorities: list[int] = field(default_factory=list)
     # Nothing leased because the lease's ReplyRoom was used up.
     no_room: bool = False
 
@@ -221,6 +223,10 @@ class LeaseResult:
             or item.group_key
         ):
             self.details[len(self.ids)] = item
+        if item.priority or self.priorities:
+            if not self.priorities:
+                self.priorities = [0] * len(self.ids)
+            self.priorities.append(item.priority)
         self.ids.append(item_id)
         self.payloads.append(item.payload)
         self.attempts.append(item.attempts)

@@ -68,6 +68,7 @@ class StorageSteps(CycleBase):
                 dead_attempts=given.dead_attempts,
                 last_error=given.last_error,
                 last_error_at=given.last_error_at_us,
+                priority=given.priority,
             )
             v.note_expiry(item.expire_deadline)
             if given.enqueue_at_us >= now + SCHEDULE_MIN_US:
@@ -85,6 +86,7 @@ class StorageSteps(CycleBase):
                 self.lease_deadlines.append((item.lease_deadline, p, seq))
             else:
                 v.ready += 1
+                v.ranked += 1 if item.priority else 0
             v.created_sum += item.created_at
             self.store.append(txn, p, seq, item)
             ids.append(item_id(self.uid, p, seq))

@@ -38,6 +38,11 @@ class PartitionView:
     # is leased.
     waiting: int = 0
     groups_in_flight: int = 0
+    # At least the entries of the priority index (ready items of priority 1 to 9):
+    # while 0, a lease does not look at it. Counted up as entries go in, down as a
+    # lease takes them, and set to 0 by a lease that finds the index empty; entries
+    # deleted otherwise (expiry, deletion) leave it high until then.
+    ranked: int = 0
 
     @classmethod
     def from_scan(cls, scan: PartitionScan) -> PartitionView:
@@ -53,6 +58,7 @@ class PartitionView:
             first_expiry=scan.first_expiry,
             waiting=scan.waiting,
             groups_in_flight=scan.groups_in_flight,
+            ranked=scan.ranked,
         )
 
     def copy(self) -> PartitionView:
@@ -71,6 +77,7 @@ class PartitionView:
             self.completed,
             self.waiting,
             self.groups_in_flight,
+            self.ranked,
         )
 
     def stats(self, p: int, now: int, failure: str, faulty_since_us: int) -> PartitionStats:

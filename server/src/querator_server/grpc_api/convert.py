@@ -19,6 +19,7 @@ from ..model import (
     MAX_METADATA_BYTES,
     MAX_METADATA_PAIRS,
     MAX_PAGE_SIZE,
+    MAX_PRIORITY,
     MAX_QUEUE_NAME,
     MAX_REFERENCE_BYTES,
     MAX_SOURCE_ID_BYTES,
@@ -156,6 +157,13 @@ def item_labels(item: object, field: str) -> None:
     """Check an item's encoding, kind and reference (``field`` names the item)."""
     for name, limit in (("encoding", MAX_LABEL_BYTES), ("kind", MAX_LABEL_BYTES), ("reference", MAX_REFERENCE_BYTES)):
         text(getattr(item, name), f"{field}.{name}", limit)
+
+
+def priority(value: int, field: str) -> int:
+    """An item's priority: 0 to MAX_PRIORITY."""
+    if not 0 <= value <= MAX_PRIORITY:
+        raise InvalidArgument(field, f"must be 0 to {MAX_PRIORITY}, got {value}")
+    return value
 
 
 def metadata(pairs: Mapping[str, str], field: str) -> dict[str, str]:

@@ -293,6 +293,7 @@ def _new_item(index: int, item: pb.ProduceItem) -> NewItem:
         idempotency_key=c.key(item.idempotency_key, f"items[{index}].idempotency_key"),
         metadata=c.metadata(item.metadata, f"items[{index}].metadata"),
         group_key=c.group_key(item, f"items[{index}].group_key"),
+        priority=c.priority(item.priority, f"items[{index}].priority") if item.priority else 0,
     )
 
 
@@ -308,6 +309,7 @@ def _lease_response(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
     response = pb.LeaseResponse(queue_name=name, partition=result.partition)
     add = response.items.add
     details = result.details
+    priorities = result.priorities
     shared: dict[tuple[int, int], bytes] = {}  # (attempts, deadline): their bytes
     whole: dict[tuple[int, int, int], bytes] = {}  # (attempts, deadline, created)
     last: tuple[int, int, int] | None = None
@@ -338,6 +340,8 @@ def _lease_response(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
                 out.last_error_at.nanos = micros * 1000
         else:  # most items: fewer keyword arguments to parse
             out = add(id=item_id, payload=payload, message_id=item_id)
+        if priorities and priorities[index]:
+            out.priority = priorities[index]
         key = (result.attempts[index], result.lease_deadlines[index], result.created_at[index])
         stamps = whole.get(key)
         if stamps is None and key == last:
@@ -376,6 +380,8 @@ def _lease_columns(name: str, result: a.LeaseResult) -> pb.LeaseResponse:
     columns.attempts.extend(result.attempts)
     columns.lease_deadlines_us.extend(result.lease_deadlines)
     columns.created_at_us.extend(result.created_at)
+    if result.priorities:
+        columns.priorities.extend(result.priorities)
     details = result.details
     if details:
         indexes = range(len(result.ids))

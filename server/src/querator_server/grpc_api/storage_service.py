@@ -57,6 +57,7 @@ def storage_item(stored: a.StoredItem) -> pb.StorageItem:
         dead_reason=item.dead_reason,  # type: ignore[arg-type]
         dead_attempts=item.dead_attempts,
         group_key=item.group_key,
+        priority=item.priority,
     )
     if item.expire_deadline < NEVER_US:  # unset: it never expires
         out.expire_deadline.CopyFrom(ts(item.expire_deadline))
@@ -177,6 +178,7 @@ class StorageService:
                     dead_attempts=item.dead_attempts,
                     last_error=error,
                     last_error_at_us=error_at or (now if error else 0),
+                    priority=c.priority(item.priority, f"{field}.priority"),
                 )
             )
         ids: list[str] = await self.manager.actor(name).submit(a.ImportItemsRequest(partition, items))

@@ -48,6 +48,7 @@ from .record import (
     TAG_GROUP_HEAD,
     TAG_ITEM,
     TAG_OUTBOX,
+    TAG_PRIORITY,
     TAG_REDRIVE,
     TAG_SCHEDULED,
     TAG_WAITING,
@@ -63,8 +64,11 @@ from .record import (
     item_key,
     outbox_key,
     parse_expiry_key,
+    parse_priority_key,
     parse_scheduled_key,
     plain_header,
+    priority_key,
+    priority_of,
     read_state,
     redrive_key,
     scheduled_key,
@@ -263,6 +267,8 @@ class PartitionScan:
     # created_sum), and groups whose head is leased.
     waiting: int = 0
     groups_in_flight: int = 0
+    # Entries of the priority index (ready items of priority 1 to 9).
+    ranked: int = 0
 
 
 class QueueStore:
@@ -489,6 +495,8 @@ class QueueStore:
         txn.put(expiry_key(item.expire_deadline, key), b"", db=db)
         if item.source_id:
             txn.put(source_key(item.source_id), key, db=db)
+        if item.priority and not item.is_leased:
+            txn.put(priority_key(item.priority, seq), b"", db=db)
 
     def append_new(self, txn: lmdb.Transaction[bytes], p: int, first_seq: int, items: list[Item], expire_deadline: int) -> None:
         """Store freshly produced items at first_seq, first_seq + 1, ... (no source ids),
@@ -501,6 +509,8 @@ class QueueStore:
         for seq, item in enumerate(items, first_seq):
             item.expiry_run = True
             put(item_key(seq), item.encode(), db=db)
+            if item.priority:
+                put(priority_key(item.priority, seq), b"", db=db)
 
     def append_payloads(
         self, txn: lmdb.Transaction[bytes], p: int, first_seq: int, payloads: list[bytes], created_at: int, expire_deadline: int
@@ -530,6 +540,23 @@ class QueueStore:
 
     def put_raw(self, txn: lmdb.Transaction[bytes], p: int, seq: int, raw: bytes) -> None:
         txn.put(item_key(seq), raw, db=self._dbs[p])
+
+    def put_ready(self, txn: lmdb.Transaction[bytes], p: int, seq: int, raw: bytes) -> bool:
+        """Store ``raw``, a record that is ready again (a lease undone), at ``seq`` and
+        index its priority. True when it has one (one more entry in the index)."""
+        db = self._dbs[p]
+        txn.put(item_key(seq), raw, db=db)
+        priority = priority_of(raw)
+        if priority:
+            txn.put(priority_key(priority, seq), b"", db=db)
+        return bool(priority)
+
+    def unrank(self, txn: lmdb.Transaction[bytes], p: int, seq: int, raw: bytes) -> None:
+        """Take the item at ``seq`` (``raw``: its ready record) out of the priority index,
+        as it is leased by another path than ``lease_ranked``."""
+        priority = priority_of(raw)
+        if priority:
+            txn.delete(priority_key(priority, seq), db=self._dbs[p])
 
     def delete(self, txn: lmdb.Transaction[bytes], p: int, seq: int, item: Item | ItemState) -> None:
         self._forget(txn, p, item_key(seq), item)
@@ -646,6 +673,8 @@ class QueueStore:
             txn.delete(expiry_key(item.expire_deadline, key), db=db)
         if item.source_id:
             self._forget_source(txn, db, key, item.source_id)
+        if isinstance(item, Item) and item.priority and not item.is_leased and key[:1] == TAG_ITEM:
+            txn.delete(priority_key(item.priority, seq_of_item_key(key)), db=db)
 
     @staticmethod
     def _drop_empty_runs(txn: lmdb.Transaction[bytes], db: Any, left: Iterable[tuple[int, int]]) -> None:
@@ -760,13 +789,78 @@ class QueueStore:
         ordered_groups.put_waiting(txn, self._dbs[p], seq, item)
 
     def release_group(self, txn: lmdb.Transaction[bytes], p: int, key: str) -> tuple[int, bytes] | None:
-        return ordered_groups.release(txn, self._dbs[p], key)
+        """``ordered_groups.release``; a next item of priority 1 to 9, ready now, also
+        enters the priority index."""
+        promoted = ordered_groups.release(txn, self._dbs[p], key)
+        if promoted is not None and priority_of(promoted[1]):
+            seq, raw = promoted
+            txn.put(priority_key(priority_of(raw), seq), b"", db=self._dbs[p])
+        return promoted
 
     def oldest_waiting(self, partitions: Iterable[int], limit: int) -> dict[int, int]:
         """created_at of the longest-waiting grouped item of each partition (0: none);
         one read transaction, for stats."""
         with self.env.begin() as txn:
             return {p: ordered_groups.oldest_waiting(txn, self._dbs[p], limit) for p in partitions}
+    def lease_ranked(
+        self,
+        txn: lmdb.Transaction[bytes],
+        p: int,
+        quota: int,
+        lease: PlainLeaser,
+        max_bytes: int,
+        item_overhead: int,
+        *,
+        take_first: bool,
+    ) -> LeasedRun:
+        """``lease_run`` over the priority index of partition ``p``: ready items of
+        priority 1 to 9, highest first, FIFO within a priority. Each item leased leaves
+        the index; ``other`` (declined) stays in it, for the caller to lease or drop.
+        ``last_seq`` is 0 when the index ran out (nothing of priority above 0 is
+        ready), else the seq the run stopped at.
+
+        An entry whose item is gone, leased or of another priority is dropped.
+        """
+        run = LeasedRun(last_seq=-1)
+        db = self._dbs[p]
+        index, items = txn.cursor(db=db), txn.cursor(db=db)
+        seqs, records, payloads, attempts, created_at = run.seqs, run.records, run.payloads, run.attempts, run.created_at
+        size = 0
+        found = index.set_range(TAG_PRIORITY)
+        while found:
+            key = index.key()
+            if key[:1] != TAG_PRIORITY:
+                break
+            priority, seq = parse_priority_key(key)
+            raw = items.value() if items.set_key(item_key(seq)) else None
+            if raw is None or raw[0] & _FLAG_LEASED or priority_of(raw) != priority:
+                found = index.delete()
+                continue
+            cost = len(raw) + item_overhead
+            if size + cost > max_bytes and (seqs or not take_first):
+                run.full = True
+                run.last_seq = seq
+                break
+            leased = lease(raw)
+            if leased is None:
+                run.other = (seq, raw)
+                run.last_seq = seq
+                break
+            size += cost
+            items.put(item_key(seq), leased[0])
+            seqs.append(seq)
+            records.append(raw)
+            payloads.append(leased[1])
+            attempts.append(leased[2])
+            created_at.append(leased[3])
+            found = index.delete()
+            if len(seqs) >= quota:
+                run.last_seq = seq
+                break
+        if run.last_seq < 0:
+            run.last_seq = 0  # the index ran out
+        run.size = size
+        return run
 
     def page_items(self, txn: lmdb.Transaction[bytes], p: int, after_seq: int, limit: int) -> list[tuple[int, Item]]:
         cursor = txn.cursor(db=self._dbs[p])
@@ -985,6 +1079,8 @@ class QueueStore:
             keys = [expiry_key(item.expire_deadline, key)]
         if item.source_id and txn.get(source_key(item.source_id), db=db) == key:
             keys.append(source_key(item.source_id))
+        if item.priority and not item.is_leased and key[:1] == TAG_ITEM:
+            keys.append(priority_key(item.priority, seq_of_item_key(key)))
         return keys
 
     def scan(self, txn: lmdb.Transaction[bytes], p: int) -> PartitionScan:
@@ -1034,6 +1130,11 @@ class QueueStore:
             result.first_ready_seq = result.next_seq
         result.first_due = self.first_due(txn, p)
         result.first_expiry = self.first_expiry(txn, p)
+        if cursor.set_range(TAG_PRIORITY):
+            for key in cursor.iternext(keys=True, values=False):
+                if key[:1] != TAG_PRIORITY:
+                    break
+                result.ranked += 1
         return result
 
 

@@ -16,6 +16,13 @@ A partition is one named LMDB database whose keys start with a one-byte tag:
   has durably taken the item.
 - ``u`` + source id: the key of the item that came from that source item (dead-letter
   queues only), so a dead letter sent twice across a crash is stored once.
+- ``o`` + (255 - priority) (1 byte) + seq (8): the priority index, empty values. One
+  entry per *ready* item of priority 1 to 9 (its record at ``i`` + seq); key order is
+  highest priority first, then FIFO. A lease takes from it first, and only when it
+  holds entries; priority-0 items are never in it, so a queue that uses no priorities
+  has no such key and leases exactly as before. An entry whose item is gone, leased or
+  of another priority (left by an older server, which knows no priorities) is dropped
+  by the lease that meets it.
 - ``n``: the next sequence number, so a seq (and hence an id) is never reused.
 
 Times are microseconds since the epoch; big-endian unsigned integers sort like numbers.
@@ -38,6 +45,11 @@ history block, after the message id and before any error, marked by the top bit 
 block's dead-reason byte (reasons are below 128; the flags byte has no bit to spare):
 records without it read as before. Catalog format 6 marks a data directory whose
 records may hold it. Where a group's items wait is storage/ordered_groups.py.
+
+An item's *priority* (0 to 9) is the top four bits of the flags byte: records written
+before priorities have them clear and read as priority 0. An older server reading a
+record with them set serves it as priority 0, FIFO (it ignores the ``o`` keys), so no
+catalog format marks them.
 """
 
 from __future__ import annotations
@@ -54,6 +66,7 @@ TAG_EXPIRY = b"x"
 TAG_OUTBOX = b"d"
 TAG_SOURCE = b"u"
 TAG_REDRIVE = b"r"
+TAG_PRIORITY = b"o"
 KEY_NEXT_SEQ = b"n"
 # Ordered groups (storage/ordered_groups.py): ``g`` + group + seq, an item waiting behind its
 # group's head; ``h`` + group, a group that has a head (ready, leased or held by a
@@ -65,6 +78,7 @@ KEY_GROUP_PARTITIONS = b"k"
 _U64 = struct.Struct(">Q")
 _ITEM_KEY = struct.Struct(">cQ")
 _SCHED_KEY = struct.Struct(">cQQ")
+_PRIORITY_KEY = struct.Struct(">cBQ")
 _EXPIRY_PREFIX = struct.Struct(">cQ")
 
 # flags, attempts, created_at, expire_deadline, lease_deadline, enqueue_at, leased_at,
@@ -79,8 +93,11 @@ _FLAG_HISTORY = 4
 # The history block ends with the last error (_ERROR and its text); set only with
 # _FLAG_HISTORY, so every path that passes over history-less records skips it too.
 _FLAG_ERROR = 8
+# The item's priority, 0 to 9 (see the module docstring).
+_PRIORITY_SHIFT = 4
+_PRIORITY_MASK = 0xF0
 # Flags a lease rewrite keeps as they were.
-_KEPT_FLAGS = _FLAG_EXPIRY_RUN | _FLAG_HISTORY | _FLAG_ERROR
+_KEPT_FLAGS = _FLAG_EXPIRY_RUN | _FLAG_HISTORY | _FLAG_ERROR | _PRIORITY_MASK
 # In the history block's dead-reason byte: a group block (_GROUP_LEN and the group key)
 # follows the message id.
 _HISTORY_GROUP = 0x80
@@ -126,6 +143,21 @@ def expiry_key(expire_deadline_us: int, key: bytes) -> bytes:
 def expiry_prefix(expire_deadline_us: int) -> bytes:
     """The start of every expiry key with this deadline (``expiry_key`` minus the item key)."""
     return _EXPIRY_PREFIX.pack(TAG_EXPIRY, expire_deadline_us)
+
+
+def priority_key(priority: int, seq: int) -> bytes:
+    return _PRIORITY_KEY.pack(TAG_PRIORITY, 255 - priority, seq)
+
+
+def parse_priority_key(key: bytes) -> tuple[int, int]:
+    """(priority, seq) of a priority index key."""
+    _, inverted, seq = _PRIORITY_KEY.unpack(key)
+    return 255 - inverted, seq
+
+
+def priority_of(raw: bytes) -> int:
+    """The priority of a stored record, from its flags byte."""
+    return raw[0] >> _PRIORITY_SHIFT
 
 
 def seq_of_item_key(key: bytes) -> int:
@@ -185,6 +217,8 @@ class Item:
     last_error_at: int = 0
     # The ordered group the item belongs to ("" for none).
     group_key: str = ""
+    # 0 to 9, higher leased first (stored in the flags byte).
+    priority: int = 0
 
     def encode(self) -> bytes:
         history = b""
@@ -203,7 +237,8 @@ class Item:
             (_FLAG_LEASED if self.is_leased else 0)
             | (_FLAG_EXPIRY_RUN if self.expiry_run else 0)
             | (_FLAG_HISTORY if history else 0)
-            | (_FLAG_ERROR if error else 0),
+            | (_FLAG_ERROR if error else 0)
+            | (self.priority << _PRIORITY_SHIFT),
             self.attempts,
             self.created_at,
             self.expire_deadline,
@@ -279,6 +314,7 @@ class Item:
             lease_key=lease_key,
             metadata=metadata,
             expiry_run=bool(flags & _FLAG_EXPIRY_RUN),
+            priority=flags >> _PRIORITY_SHIFT,
         )
 
     @classmethod
@@ -336,6 +372,7 @@ class Item:
             last_error=last_error,
             last_error_at=last_error_at,
             group_key=group_key,
+            priority=flags >> _PRIORITY_SHIFT,
         )
 
 
@@ -466,6 +503,9 @@ _CREATED_EXPIRE = slice(_FLAGS_ATTEMPTS.size, _FLAGS_ATTEMPTS.size + 16)
 _ENQUEUE_AT = slice(_CREATED_EXPIRE.stop + 8, _CREATED_EXPIRE.stop + 16)
 assert _ENQUEUE_AT.stop + 8 == _STATE_FIXED.size and _STRING_LENGTHS.size == _HEADER.size - _STATE_FIXED.size
 
+# Flags a plain lease keeps (a plain record has no history or error).
+_PLAIN_KEPT = _FLAG_EXPIRY_RUN | _PRIORITY_MASK
+
 PlainLeaser = Callable[[bytes], "tuple[bytes, bytes, int, int] | None"]
 
 
@@ -493,7 +533,7 @@ def plain_leaser(*, now: int, max_attempts: int, deadline: int, key_bytes: bytes
             return None
         attempts += 1
         payload = raw[_HEADER.size :]
-        flags = _FLAG_LEASED | (flags & _FLAG_EXPIRY_RUN)
+        flags = _FLAG_LEASED | (flags & _PLAIN_KEPT)
         parts = (head(flags, attempts), raw[_CREATED_EXPIRE], deadline_bytes, raw[_ENQUEUE_AT], at_bytes, tail, payload)
         return join(parts), payload, attempts, created
 

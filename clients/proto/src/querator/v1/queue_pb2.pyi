@@ -230,6 +230,7 @@ class ProduceItem(_message.Message):
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     GROUP_KEY_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     encoding: _builtins.str
     """A free-form label describing how the payload is encoded, for example
     "application/json". Stored and returned as given. At most 256 bytes.
@@ -272,6 +273,16 @@ class ProduceItem(_message.Message):
     and are not listed by ListItems (nor found by DeleteItems) until they are
     first in their group.
     """
+    priority: _builtins.int
+    """Optional, 0 to 9 (default 0; outside: INVALID_ARGUMENT naming
+    items[i].priority). A Lease hands out the ready items of a partition
+    highest priority first, and items of one priority in produce (FIFO)
+    order. There is no aging: while items of a higher priority are ready,
+    lower ones wait, however long. A scheduled, re-queued or expired-lease
+    item keeps its priority; a dead letter keeps it too. Within an ordered
+    group (group_key) the group's order wins: priority orders only the items
+    that may go, group heads and items of no group.
+    """
     @_builtins.property
     def enqueue_at(self) -> _timestamp_pb2.Timestamp:
         """When set at least 100 ms in the future the item is scheduled and becomes
@@ -298,10 +309,11 @@ class ProduceItem(_message.Message):
         idempotency_key: _builtins.str = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         group_key: _builtins.str = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["enqueue_at", b"enqueue_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "enqueue_at", b"enqueue_at", "group_key", b"group_key", "idempotency_key", b"idempotency_key", "kind", b"kind", "metadata", b"metadata", "payload", b"payload", "reference", b"reference", "utf8", b"utf8"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "enqueue_at", b"enqueue_at", "group_key", b"group_key", "idempotency_key", b"idempotency_key", "kind", b"kind", "metadata", b"metadata", "payload", b"payload", "priority", b"priority", "reference", b"reference", "utf8", b"utf8"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -513,6 +525,7 @@ class LeaseItem(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     LAST_ERROR_AT_FIELD_NUMBER: _builtins.int
     GROUP_KEY_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The item's id for this lease: pass it to Complete, Retry or Extend."""
     encoding: _builtins.str
@@ -559,6 +572,8 @@ class LeaseItem(_message.Message):
     group. The item is the only one of its group leased until it is
     completed, dead-lettered or deleted.
     """
+    priority: _builtins.int
+    """As given at produce (ProduceItem.priority), 0 to 9."""
     @_builtins.property
     def lease_deadline(self) -> _timestamp_pb2.Timestamp:
         """When the lease ends unless completed, retried or extended first."""
@@ -599,10 +614,11 @@ class LeaseItem(_message.Message):
         last_error: _builtins.str = ...,
         last_error_at: _timestamp_pb2.Timestamp | None = ...,
         group_key: _builtins.str = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dead_at", b"dead_at", "last_error_at", b"last_error_at", "lease_deadline", b"lease_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "dead_at", b"dead_at", "dead_attempts", b"dead_attempts", "dead_reason", b"dead_reason", "encoding", b"encoding", "group_key", b"group_key", "id", b"id", "kind", b"kind", "last_error", b"last_error", "last_error_at", b"last_error_at", "lease_deadline", b"lease_deadline", "message_id", b"message_id", "metadata", b"metadata", "payload", b"payload", "reference", b"reference", "source_id", b"source_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "dead_at", b"dead_at", "dead_attempts", b"dead_attempts", "dead_reason", b"dead_reason", "encoding", b"encoding", "group_key", b"group_key", "id", b"id", "kind", b"kind", "last_error", b"last_error", "last_error_at", b"last_error_at", "lease_deadline", b"lease_deadline", "message_id", b"message_id", "metadata", b"metadata", "payload", b"payload", "priority", b"priority", "reference", b"reference", "source_id", b"source_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -676,6 +692,7 @@ class LeaseColumns(_message.Message):
     LAST_ERRORS_FIELD_NUMBER: _builtins.int
     LAST_ERROR_AT_US_FIELD_NUMBER: _builtins.int
     GROUP_KEYS_FIELD_NUMBER: _builtins.int
+    PRIORITIES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The items' ids for this lease: pass them to Complete, Retry or Extend."""
@@ -756,6 +773,10 @@ class LeaseColumns(_message.Message):
         (empty for those of no group).
         """
 
+    @_builtins.property
+    def priorities(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Empty when every item of the batch has priority 0; else one per item."""
+
     def __init__(
         self,
         *,
@@ -776,10 +797,11 @@ class LeaseColumns(_message.Message):
         last_errors: _abc.Iterable[_builtins.str] | None = ...,
         last_error_at_us: _abc.Iterable[_builtins.int] | None = ...,
         group_keys: _abc.Iterable[_builtins.str] | None = ...,
+        priorities: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at_us", b"created_at_us", "dead_at_us", b"dead_at_us", "dead_attempts", b"dead_attempts", "dead_reasons", b"dead_reasons", "encodings", b"encodings", "group_keys", b"group_keys", "ids", b"ids", "kinds", b"kinds", "last_error_at_us", b"last_error_at_us", "last_errors", b"last_errors", "lease_deadlines_us", b"lease_deadlines_us", "message_ids", b"message_ids", "metadata", b"metadata", "payloads", b"payloads", "references", b"references", "source_ids", b"source_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at_us", b"created_at_us", "dead_at_us", b"dead_at_us", "dead_attempts", b"dead_attempts", "dead_reasons", b"dead_reasons", "encodings", b"encodings", "group_keys", b"group_keys", "ids", b"ids", "kinds", b"kinds", "last_error_at_us", b"last_error_at_us", "last_errors", b"last_errors", "lease_deadlines_us", b"lease_deadlines_us", "message_ids", b"message_ids", "metadata", b"metadata", "payloads", b"payloads", "priorities", b"priorities", "references", b"references", "source_ids", b"source_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from querator.v1 import queue_pb2 as querator_dot_v1_dot_queue__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19querator/v1/storage.proto\x12\x0bquerator.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17querator/v1/queue.proto\"\xa9\x05\n\x0bStorageItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\tis_leased\x18\x02 \x01(\x08\x12\x32\n\x0elease_deadline\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x33\n\x0f\x65xpire_deadline\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nenqueue_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\ncreated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08\x61ttempts\x18\x07 \x01(\x05\x12\x11\n\treference\x18\x08 \x01(\t\x12\x10\n\x08\x65ncoding\x18\t \x01(\t\x12\x0c\n\x04kind\x18\n \x01(\t\x12\x0f\n\x07payload\x18\x0b \x01(\x0c\x12\x11\n\tsource_id\x18\x0c \x01(\t\x12\x38\n\x08metadata\x18\r \x03(\x0b\x32&.querator.v1.StorageItem.MetadataEntry\x12\x12\n\nmessage_id\x18\x0e \x01(\t\x12,\n\x0b\x64\x65\x61\x64_reason\x18\x0f \x01(\x0e\x32\x17.querator.v1.DeadReason\x12+\n\x07\x64\x65\x61\x64_at\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rdead_attempts\x18\x11 \x01(\x05\x12\x12\n\nlast_error\x18\x12 \x01(\t\x12\x31\n\rlast_error_at\x18\x13 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tgroup_key\x18\x14 \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"`\n\x10ListItemsRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"U\n\x11ListItemsResponse\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.querator.v1.StorageItem\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"i\n\x19ListScheduledItemsRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"^\n\x1aListScheduledItemsResponse\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.querator.v1.StorageItem\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"d\n\x12ImportItemsRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\'\n\x05items\x18\x03 \x03(\x0b\x32\x18.querator.v1.StorageItem\"\"\n\x13ImportItemsResponse\x12\x0b\n\x03ids\x18\x01 \x03(\t\"H\n\x12\x44\x65leteItemsRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0b\n\x03ids\x18\x03 \x03(\t\"\x15\n\x13\x44\x65leteItemsResponse\"\xa2\x01\n\x13RedriveItemsRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x14\n\x0ctarget_queue\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12,\n\x0b\x64\x65\x61\x64_reason\x18\x04 \x01(\x0e\x32\x17.querator.v1.DeadReason\x12\x11\n\tmax_items\x18\x05 \x01(\x05\x12\x12\n\npage_token\x18\x06 \x01(\t\"d\n\x14RedriveItemsResponse\x12\r\n\x05moved\x18\x01 \x01(\x05\x12\x13\n\x0bmessage_ids\x18\x02 \x03(\t\x12\x0f\n\x07skipped\x18\x03 \x01(\x05\x12\x17\n\x0fnext_page_token\x18\x04 \x01(\t2\xbc\x03\n\x0eStorageService\x12J\n\tListItems\x12\x1d.querator.v1.ListItemsRequest\x1a\x1e.querator.v1.ListItemsResponse\x12\x65\n\x12ListScheduledItems\x12&.querator.v1.ListScheduledItemsRequest\x1a\'.querator.v1.ListScheduledItemsResponse\x12P\n\x0bImportItems\x12\x1f.querator.v1.ImportItemsRequest\x1a .querator.v1.ImportItemsResponse\x12P\n\x0b\x44\x65leteItems\x12\x1f.querator.v1.DeleteItemsRequest\x1a .querator.v1.DeleteItemsResponse\x12S\n\x0cRedriveItems\x12 .querator.v1.RedriveItemsRequest\x1a!.querator.v1.RedriveItemsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19querator/v1/storage.proto\x12\x0bquerator.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17querator/v1/queue.proto\"\xbb\x05\n\x0bStorageItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\tis_leased\x18\x02 \x01(\x08\x12\x32\n\x0elease_deadline\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x33\n\x0f\x65xpire_deadline\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nenqueue_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\ncreated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08\x61ttempts\x18\x07 \x01(\x05\x12\x11\n\treference\x18\x08 \x01(\t\x12\x10\n\x08\x65ncoding\x18\t \x01(\t\x12\x0c\n\x04kind\x18\n \x01(\t\x12\x0f\n\x07payload\x18\x0b \x01(\x0c\x12\x11\n\tsource_id\x18\x0c \x01(\t\x12\x38\n\x08metadata\x18\r \x03(\x0b\x32&.querator.v1.StorageItem.MetadataEntry\x12\x12\n\nmessage_id\x18\x0e \x01(\t\x12,\n\x0b\x64\x65\x61\x64_reason\x18\x0f \x01(\x0e\x32\x17.querator.v1.DeadReason\x12+\n\x07\x64\x65\x61\x64_at\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rdead_attempts\x18\x11 \x01(\x05\x12\x12\n\nlast_error\x18\x12 \x01(\t\x12\x31\n\rlast_error_at\x18\x13 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tgroup_key\x18\x14 \x01(\t\x12\x10\n\x08priority\x18\x15 \x01(\x05\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"`\n\x10ListItemsRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"U\n\x11ListItemsResponse\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.querator.v1.StorageItem\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"i\n\x19ListScheduledItemsRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"^\n\x1aListScheduledItemsResponse\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.querator.v1.StorageItem\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"d\n\x12ImportItemsRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\'\n\x05items\x18\x03 \x03(\x0b\x32\x18.querator.v1.StorageItem\"\"\n\x13ImportItemsResponse\x12\x0b\n\x03ids\x18\x01 \x03(\t\"H\n\x12\x44\x65leteItemsRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0b\n\x03ids\x18\x03 \x03(\t\"\x15\n\x13\x44\x65leteItemsResponse\"\xa2\x01\n\x13RedriveItemsRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x14\n\x0ctarget_queue\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12,\n\x0b\x64\x65\x61\x64_reason\x18\x04 \x01(\x0e\x32\x17.querator.v1.DeadReason\x12\x11\n\tmax_items\x18\x05 \x01(\x05\x12\x12\n\npage_token\x18\x06 \x01(\t\"d\n\x14RedriveItemsResponse\x12\r\n\x05moved\x18\x01 \x01(\x05\x12\x13\n\x0bmessage_ids\x18\x02 \x03(\t\x12\x0f\n\x07skipped\x18\x03 \x01(\x05\x12\x17\n\x0fnext_page_token\x18\x04 \x01(\t2\xbc\x03\n\x0eStorageService\x12J\n\tListItems\x12\x1d.querator.v1.ListItemsRequest\x1a\x1e.querator.v1.ListItemsResponse\x12\x65\n\x12ListScheduledItems\x12&.querator.v1.ListScheduledItemsRequest\x1a\'.querator.v1.ListScheduledItemsResponse\x12P\n\x0bImportItems\x12\x1f.querator.v1.ImportItemsRequest\x1a .querator.v1.ImportItemsResponse\x12P\n\x0b\x44\x65leteItems\x12\x1f.querator.v1.DeleteItemsRequest\x1a .querator.v1.DeleteItemsResponse\x12S\n\x0cRedriveItems\x12 .querator.v1.RedriveItemsRequest\x1a!.querator.v1.RedriveItemsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,29 +36,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STORAGEITEM_METADATAENTRY']._loaded_options = None
   _globals['_STORAGEITEM_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_STORAGEITEM']._serialized_start=101
-  _globals['_STORAGEITEM']._serialized_end=782
-  _globals['_STORAGEITEM_METADATAENTRY']._serialized_start=735
-  _globals['_STORAGEITEM_METADATAENTRY']._serialized_end=782
-  _globals['_LISTITEMSREQUEST']._serialized_start=784
-  _globals['_LISTITEMSREQUEST']._serialized_end=880
-  _globals['_LISTITEMSRESPONSE']._serialized_start=882
-  _globals['_LISTITEMSRESPONSE']._serialized_end=967
-  _globals['_LISTSCHEDULEDITEMSREQUEST']._serialized_start=969
-  _globals['_LISTSCHEDULEDITEMSREQUEST']._serialized_end=1074
-  _globals['_LISTSCHEDULEDITEMSRESPONSE']._serialized_start=1076
-  _globals['_LISTSCHEDULEDITEMSRESPONSE']._serialized_end=1170
-  _globals['_IMPORTITEMSREQUEST']._serialized_start=1172
-  _globals['_IMPORTITEMSREQUEST']._serialized_end=1272
-  _globals['_IMPORTITEMSRESPONSE']._serialized_start=1274
-  _globals['_IMPORTITEMSRESPONSE']._serialized_end=1308
-  _globals['_DELETEITEMSREQUEST']._serialized_start=1310
-  _globals['_DELETEITEMSREQUEST']._serialized_end=1382
-  _globals['_DELETEITEMSRESPONSE']._serialized_start=1384
-  _globals['_DELETEITEMSRESPONSE']._serialized_end=1405
-  _globals['_REDRIVEITEMSREQUEST']._serialized_start=1408
-  _globals['_REDRIVEITEMSREQUEST']._serialized_end=1570
-  _globals['_REDRIVEITEMSRESPONSE']._serialized_start=1572
-  _globals['_REDRIVEITEMSRESPONSE']._serialized_end=1672
-  _globals['_STORAGESERVICE']._serialized_start=1675
-  _globals['_STORAGESERVICE']._serialized_end=2119
+  _globals['_STORAGEITEM']._serialized_end=800
+  _globals['_STORAGEITEM_METADATAENTRY']._serialized_start=753
+  _globals['_STORAGEITEM_METADATAENTRY']._serialized_end=800
+  _globals['_LISTITEMSREQUEST']._serialized_start=802
+  _globals['_LISTITEMSREQUEST']._serialized_end=898
+  _globals['_LISTITEMSRESPONSE']._serialized_start=900
+  _globals['_LISTITEMSRESPONSE']._serialized_end=985
+  _globals['_LISTSCHEDULEDITEMSREQUEST']._serialized_start=987
+  _globals['_LISTSCHEDULEDITEMSREQUEST']._serialized_end=1092
+  _globals['_LISTSCHEDULEDITEMSRESPONSE']._serialized_start=1094
+  _globals['_LISTSCHEDULEDITEMSRESPONSE']._serialized_end=1188
+  _globals['_IMPORTITEMSREQUEST']._serialized_start=1190
+  _globals['_IMPORTITEMSREQUEST']._serialized_end=1290
+  _globals['_IMPORTITEMSRESPONSE']._serialized_start=1292
+  _globals['_IMPORTITEMSRESPONSE']._serialized_end=1326
+  _globals['_DELETEITEMSREQUEST']._serialized_start=1328
+  _globals['_DELETEITEMSREQUEST']._serialized_end=1400
+  _globals['_DELETEITEMSRESPONSE']._serialized_start=1402
+  _globals['_DELETEITEMSRESPONSE']._serialized_end=1423
+  _globals['_REDRIVEITEMSREQUEST']._serialized_start=1426
+  _globals['_REDRIVEITEMSREQUEST']._serialized_end=1588
+  _globals['_REDRIVEITEMSRESPONSE']._serialized_start=1590
+  _globals['_REDRIVEITEMSRESPONSE']._serialized_end=1690
+  _globals['_STORAGESERVICE']._serialized_start=1693
+  _globals['_STORAGESERVICE']._serialized_end=2137
 # @@protoc_insertion_point(module_scope)

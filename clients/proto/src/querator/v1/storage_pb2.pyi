@@ -66,6 +66,7 @@ class StorageItem(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     LAST_ERROR_AT_FIELD_NUMBER: _builtins.int
     GROUP_KEY_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The item's current id."""
     is_leased: _builtins.bool
@@ -105,6 +106,10 @@ class StorageItem(_message.Message):
     group_key: _builtins.str
     """The item's ordered group (ProduceItem.group_key); empty for none. Output
     only: ImportItems does not take it, and a dead letter leaves its group.
+    """
+    priority: _builtins.int
+    """As given at produce (ProduceItem.priority), 0 to 9. ImportItems keeps it;
+    outside 0 to 9 is INVALID_ARGUMENT naming items[i].priority.
     """
     @_builtins.property
     def lease_deadline(self) -> _timestamp_pb2.Timestamp:
@@ -159,10 +164,11 @@ class StorageItem(_message.Message):
         last_error: _builtins.str = ...,
         last_error_at: _timestamp_pb2.Timestamp | None = ...,
         group_key: _builtins.str = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "dead_at", b"dead_at", "enqueue_at", b"enqueue_at", "expire_deadline", b"expire_deadline", "last_error_at", b"last_error_at", "lease_deadline", b"lease_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "dead_at", b"dead_at", "dead_attempts", b"dead_attempts", "dead_reason", b"dead_reason", "encoding", b"encoding", "enqueue_at", b"enqueue_at", "expire_deadline", b"expire_deadline", "group_key", b"group_key", "id", b"id", "is_leased", b"is_leased", "kind", b"kind", "last_error", b"last_error", "last_error_at", b"last_error_at", "lease_deadline", b"lease_deadline", "message_id", b"message_id", "metadata", b"metadata", "payload", b"payload", "reference", b"reference", "source_id", b"source_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "dead_at", b"dead_at", "dead_attempts", b"dead_attempts", "dead_reason", b"dead_reason", "encoding", b"encoding", "enqueue_at", b"enqueue_at", "expire_deadline", b"expire_deadline", "group_key", b"group_key", "id", b"id", "is_leased", b"is_leased", "kind", b"kind", "last_error", b"last_error", "last_error_at", b"last_error_at", "lease_deadline", b"lease_deadline", "message_id", b"message_id", "metadata", b"metadata", "payload", b"payload", "priority", b"priority", "reference", b"reference", "source_id", b"source_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -86,6 +86,7 @@ def produce_items(lines: Iterable[str], name: str, jsonl: bool) -> Iterator[Item
             enqueue_at=_time_field(obj, "enqueue_at", where),
             idempotency_key=str(obj.get("idempotency_key", "")),
             metadata=_metadata_of(obj, where),
+            priority=int(obj.get("priority", 0)),
         )
 
 
@@ -110,6 +111,7 @@ def import_items(lines: Iterable[str], name: str) -> Iterator[StoredItem]:
             dead_attempts=int(obj.get("dead_attempts", 0)),
             last_error=str(obj.get("last_error") or ""),
             last_error_at=_time_field(obj, "last_error_at", where),
+            priority=int(obj.get("priority", 0)),
         )
 
 

@@ -104,6 +104,7 @@ def leased_json(item: LeasedItem) -> dict[str, Any]:
         "message_id": item.message_id,
         "last_error": item.last_error,
         "last_error_at": item.last_error_at.isoformat() if item.last_error_at else None,
+        "priority": item.priority,
         **payload_fields(item.payload),
     }
 

@@ -45,11 +45,11 @@ def _list_items(args: argparse.Namespace, client: Client, scheduled: bool) -> in
     when = "ENQUEUE_AT" if scheduled else "LEASE_DEADLINE"
     rows = [
         [i.partition, i.id, "leased" if i.is_leased else ("scheduled" if scheduled else "ready"), i.kind or None,
-         i.attempts, i.enqueue_at if scheduled else i.lease_deadline, i.dead_reason, error_cell(i.last_error, 50),
+         i.priority, i.attempts, i.enqueue_at if scheduled else i.lease_deadline, i.dead_reason, error_cell(i.last_error, 50),
          payload_cell(i.payload, 40)]
         for i in found
     ]  # fmt: skip
-    headers = ["PARTITION", "ID", "STATE", "KIND", "ATTEMPTS", when, "REASON", "ERROR", "PAYLOAD"]
+    headers = ["PARTITION", "ID", "STATE", "KIND", "PRIORITY", "ATTEMPTS", when, "REASON", "ERROR", "PAYLOAD"]
     emit_table(headers, rows, sys.stdout)
     return 0
 

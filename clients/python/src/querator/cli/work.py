@@ -41,6 +41,7 @@ def cmd_produce(args: argparse.Namespace, client: Client) -> int:
             kind=args.kind,
             reference=args.reference,
             enqueue_at=enqueue_at,
+            priority=args.priority,
             batch_size=args.batch_size,
             max_in_flight=args.in_flight,
             on_progress=progress,
@@ -128,6 +129,9 @@ def register(commands: Commands) -> None:
     p.add_argument("--kind", default="", help="kind of every item (JSON lines may set their own)")
     p.add_argument("--encoding", default="", help="encoding label of every item")
     p.add_argument("--reference", default="", help="reference of every item")
+    p.add_argument(
+        "--priority", type=int, default=0, help="priority of every item, 0-9, higher leased first (JSON lines may set their own)"
+    )
     p.add_argument("--at", type=parse_time, help="schedule the items for this time (ISO 8601, UTC if no zone)")
     p.add_argument("--delay", type=parse_duration, help="schedule the items this long from now")
     p.add_argument("--batch-size", type=int, default=1000, help="items per request (at most 1000)")

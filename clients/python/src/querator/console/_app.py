@@ -631,6 +631,7 @@ def _handed_over(item: storage_pb2.StorageItem) -> storage_pb2.StorageItem:
         message_id=item.message_id or item.id,
         last_error=item.last_error,
         last_error_at=item.last_error_at if item.last_error else None,
+        priority=item.priority,
     )
 
 
