@@ -74,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="with --nodes: cores to plan client processes for, max(nodes, cores / 2) per role (default: this machine's)")
     p.add_argument("--no-forwarding", action="store_true", help="with --nodes: skip the forwarding-hop figures")
     p.add_argument("--no-kill", action="store_true", help="with --nodes: skip the node killed during W2")
+    p.add_argument("--replicas", metavar="R,R,...", help="with --nodes: replicated queues instead: W1, W2 and Produce/Lease latency on the cluster alone, once per R in each round (e.g. 1,2,3; replication_bench.py)")
     p.add_argument("--sdk", action="store_true", help="with --nodes: W1, W2 and W4's client processes use the Python SDK (AsyncClient given every node's address, routing itself) instead of raw routing stubs, on every side; the forwarding and node-kill figures keep the raw stubs")
     p.add_argument("--time-limit", type=float, default=d.time_limit_s, help=f"seconds per phase before it is stopped as failed (default {d.time_limit_s:.0f})")
     args = p.parse_args(argv)
@@ -83,6 +84,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown workload {bad[0]!r}; choose from {', '.join(WORKLOADS)}")
     if args.nodes < 0 or args.cores < 1:
         p.error("--nodes must be >= 1 and --cores >= 1")
+    if args.replicas is not None:
+        if not args.nodes:
+            p.error("--replicas applies to the cluster benchmark: give --nodes N")
+        try:
+            args.replicas = [int(r) for r in args.replicas.split(",") if r.strip()]
+        except ValueError:
+            p.error(f"--replicas: a comma-separated list of copy counts, not {args.replicas!r}")
+        if not args.replicas or 1 not in args.replicas or any(r < 1 or r > args.nodes for r in args.replicas):
+            p.error(f"--replicas: counts between 1 and --nodes ({args.nodes}), 1 among them (the ratios are to R = 1)")
     if args.sdk and not args.nodes:
         p.error("--sdk applies to the cluster benchmark: give --nodes N")
     args.peers = [] if args.peers.strip().lower() == "none" else [x.strip().lower() for x in args.peers.split(",") if x.strip()]
@@ -484,6 +494,8 @@ def run_cluster(args: argparse.Namespace, s: Settings, workdir: str, source_dir:
     """``--nodes N``: W1, W2, W4 on one server, on N nodes and on N independent servers, interleaved; see cluster_bench.py."""
     import cluster_bench
 
+    if args.replicas:
+        return run_replicas(args, s, workdir, source_dir, commit, started, load_start, argv)
     out, plan = cluster_bench.run(args, s, workdir, source_dir)
     print()
     print("----- results (markdown, for bench/RESULTS.md) -----")
@@ -495,6 +507,25 @@ def run_cluster(args: argparse.Namespace, s: Settings, workdir: str, source_dir:
           f"{(time.monotonic() - started) / 60:.1f} min; 1-minute load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")
     print()
     print(cluster_bench.report(out, plan, s, args))
+    return 0
+
+
+def run_replicas(args: argparse.Namespace, s: Settings, workdir: str, source_dir: str | None, commit: str, started: float, load_start: float, argv: list[str] | None) -> int:
+    """``--nodes N --replicas 1,2,3``: W1, W2 and Produce/Lease latency per R on one cluster, interleaved; see replication_bench.py."""
+    import replication_bench
+
+    out = replication_bench.run(args, s, workdir, source_dir)
+    print()
+    print("----- results (markdown, for bench/RESULTS.md) -----")
+    print()
+    print(f"## Replicated queues, R = {', '.join(map(str, args.replicas))} on {args.nodes} nodes (`bench/run.py --nodes --replicas`)")
+    print()
+    print("Command: `.venv/bin/python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`. "
+          f"Run {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit {commit}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+          f"{(time.monotonic() - started) / 60:.1f} min; 1-minute load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end. "
+          "The machine is shared and noisy: read the ratios of this run, not the absolute figures.")
+    print()
+    print(replication_bench.report(out, s, args))
     return 0
 
 
