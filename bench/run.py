@@ -74,14 +74,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="with --nodes: cores to plan client processes for, max(nodes, cores / 2) per role (default: this machine's)")
     p.add_argument("--no-forwarding", action="store_true", help="with --nodes: skip the forwarding-hop figures")
     p.add_argument("--no-kill", action="store_true", help="with --nodes: skip the node killed during W2")
-    p.add_argument("--replicas", metavar="R,R,...", help="with --nodes: replicated queues instead: W1, W2 and Produce/Lease latency on the cluster alone, once per R in each round (e.g. 1,2,3; replication_bench.py)")
+    p.add_argument("--replicas", metavar="R,R,...", help="with --nodes: replicated queues instead: W1, W2 and Produce/Lease latency on the cluster alone, once per R in each round (e.g. 1,2,3; replication_bench.py); --only W1,W2,latency picks them (latency runs with W1 unless --only names it alone)")
+    p.add_argument("--node-nice", type=int, default=0, help="with --replicas: run etcd, the nodes and the latency client at this nice value (e.g. -15, as root: ahead of other work on a shared machine, roughly what a core of their own would give)")
     p.add_argument("--sdk", action="store_true", help="with --nodes: W1, W2 and W4's client processes use the Python SDK (AsyncClient given every node's address, routing itself) instead of raw routing stubs, on every side; the forwarding and node-kill figures keep the raw stubs")
     p.add_argument("--time-limit", type=float, default=d.time_limit_s, help=f"seconds per phase before it is stopped as failed (default {d.time_limit_s:.0f})")
     args = p.parse_args(argv)
     args.only = [w.strip().upper() for w in args.only.split(",") if w.strip()]
-    bad = [w for w in args.only if w not in WORKLOADS]
+    bad = [w for w in args.only if w not in WORKLOADS and not (w == "LATENCY" and args.replicas is not None)]
     if bad:
-        p.error(f"unknown workload {bad[0]!r}; choose from {', '.join(WORKLOADS)}")
+        p.error(f"unknown workload {bad[0]!r}; choose from {', '.join(WORKLOADS)} (with --replicas also latency)")
     if args.nodes < 0 or args.cores < 1:
         p.error("--nodes must be >= 1 and --cores >= 1")
     if args.replicas is not None:
