@@ -164,6 +164,11 @@ class Node:
         self.stubs: Stubs
 
     def start(self, timeout: float = 60) -> None:
+        self.launch()
+        self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to serve (``wait_ready`` does)."""
         if self._stderr is not None:
             self._stderr.close()
         self._stderr = tempfile.TemporaryFile()
@@ -184,6 +189,10 @@ class Node:
             stdout=subprocess.DEVNULL,
             stderr=self._stderr,
         )
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        """Until the launched process serves; then the test's channel and stubs."""
+        assert self.proc is not None
         if self.credentials is None:
             wait_for_server(self.address, self.proc, timeout, self.stderr_text)
         else:  # TLS: wait for the port with a TLS channel of our own
@@ -288,12 +297,16 @@ class Cluster:
 
     def start(self) -> Cluster:
         self.etcd.start()
+        # Every node's process at once, then wait for each: their starts (mostly imports)
+        # overlap instead of adding up. Nothing depends on which registers first.
         for i in range(1, self.size + 1):
             node = Node(
                 f"n{i}", os.path.join(self.root, f"n{i}"), self.url, self.ttl, self.env, self.args, self.credentials, self.metrics
             )
             self.nodes.append(node)
-            node.start()
+            node.launch()
+        for node in self.nodes:
+            node.wait_ready()
         return self
 
     def __enter__(self) -> Cluster:

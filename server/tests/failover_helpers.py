@@ -24,6 +24,7 @@ from querator.v1 import cluster_pb2, cluster_pb2_grpc, queues_pb2, queues_pb2_gr
 
 __all__ = [
     "LEASE_TIMEOUT_S",
+    "LOAD_S",
     "QUEUE",
     "Run",
     "create_queue",
@@ -34,6 +35,12 @@ __all__ = [
     "primary_of",
     "wait_primary",
 ]
+
+
+# Seconds of recorded load before a fault (and on a new primary before the next step):
+# hundreds of acknowledged calls even on a loaded 2-core machine, which each case checks;
+# short, so the cases fit the suite's time. bench/replication_chaos.py runs them at length.
+LOAD_S = 1.5
 
 
 def create_queue(node: Node, replicas: int, partitions: int = 2, min_in_sync: int = 0) -> None:
