@@ -37,10 +37,13 @@ __all__ = [
 ]
 
 
-# Seconds of recorded load before a fault (and on a new primary before the next step):
-# hundreds of acknowledged calls even on a loaded 2-core machine, which each case checks;
-# short, so the cases fit the suite's time. bench/replication_chaos.py runs them at length.
+# A load phase (before a fault, and on a new primary before the next step): at least
+# LOAD_S seconds and LOAD_CALLS acknowledged Produce calls, at most LOAD_BOUND_S seconds.
+# Short where the machine is quick, as long as needed where it is loaded, so the cases
+# fit the suite's time; bench/replication_chaos.py runs them at length.
 LOAD_S = 1.5
+LOAD_CALLS = 100
+LOAD_BOUND_S = 10.0
 
 
 def create_queue(node: Node, replicas: int, partitions: int = 2, min_in_sync: int = 0) -> None:
@@ -143,6 +146,14 @@ class Run:
         for thread in self.threads:
             if thread.ident is None:  # not the direct Produces' (produce_to), started already
                 thread.start()
+
+    def load_for(self, seconds: float = LOAD_S, calls: int = LOAD_CALLS, bound: float = LOAD_BOUND_S) -> None:
+        """Let the load run ``seconds``, then on until ``calls`` Produce calls sent since
+        were acknowledged, ``bound`` seconds at most in all."""
+        started = time.monotonic()
+        time.sleep(seconds)
+        while self.acknowledged_since(started) < calls and time.monotonic() < started + bound:
+            time.sleep(0.1)
 
     def stop(self) -> None:
         self.load.stop.set()

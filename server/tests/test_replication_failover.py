@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 from cluster_helpers import Cluster, Node
-from failover_helpers import LOAD_S, QUEUE, Run, create_queue, digests, events, in_sync, placement, wait_in_sync, wait_primary
+from failover_helpers import QUEUE, Run, create_queue, digests, events, in_sync, placement, wait_in_sync, wait_primary
 
 from querator.v1 import queue_pb2
 
@@ -57,7 +57,7 @@ def test_kill_9_of_the_primary_under_load_loses_nothing_and_the_queue_serves_aga
         primary, epoch = wait_primary(cluster, cluster.nodes[0])
         run = Run(cluster)
         run.start()
-        time.sleep(LOAD_S)
+        run.load_for()
         assert run.acknowledged_since(0) > 20, "no load before the fault"
         victim = _node(cluster, primary)
         victim.kill9()
@@ -65,7 +65,7 @@ def test_kill_9_of_the_primary_under_load_loses_nothing_and_the_queue_serves_aga
         observer = _other(cluster, primary)
         new_primary, new_epoch = wait_primary(cluster, observer, not_on=primary, timeout=GAP_BOUND_S + 10)
         assert new_epoch == epoch + 1
-        time.sleep(LOAD_S)  # the new primary under load
+        run.load_for()  # the new primary under load
         gap = run.gap_after(killed_at)
         record_property("failover_gap_s", round(gap, 3))
         victim.start()  # back as a replica: caught up by the new primary (its copy diverged: a snapshot)
@@ -90,7 +90,7 @@ def test_a_primary_paused_past_its_ttl_acknowledges_nothing_under_its_old_epoch_
         primary, epoch = wait_primary(cluster, cluster.nodes[0])
         run = Run(cluster)
         run.start()
-        time.sleep(LOAD_S)
+        run.load_for()
         victim = _node(cluster, primary)
         victim.signal(signal.SIGSTOP)
         paused_at = time.monotonic()
@@ -207,7 +207,7 @@ def test_a_rapid_double_failover_loses_nothing_and_leaves_the_copies_equal(
         wait_in_sync(cluster, cluster.nodes[0], 3)
         run = Run(cluster)
         run.start()
-        time.sleep(LOAD_S)
+        run.load_for()
         _node(cluster, first).kill9()
         killed = time.monotonic()
         second, second_epoch = wait_primary(cluster, _other(cluster, first), not_on=first, timeout=GAP_BOUND_S + 10)
@@ -295,7 +295,7 @@ def test_a_replica_whose_storage_was_truncated_or_wiped_is_refused_rebuilt_and_n
         wait_in_sync(cluster, primary, 2)
         run = Run(cluster)
         run.start()
-        time.sleep(LOAD_S)
+        run.load_for()
         before = _isr(cluster)[replica.node_id]
         replica.kill9()
         damaged = _damage(replica, how)
@@ -406,7 +406,7 @@ def test_sigterm_of_the_primary_hands_the_queue_over_to_a_replica_losing_nothing
         wait_in_sync(cluster, cluster.nodes[0], 2)
         run = Run(cluster)
         run.start()
-        time.sleep(LOAD_S)
+        run.load_for()
         primary = _node(cluster, primary_id)
         observer = _other(cluster, primary_id)
         primary.signal(signal.SIGTERM)
