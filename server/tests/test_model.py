@@ -72,7 +72,11 @@ class QueueMachine(RuleBasedStateMachine):
         self.leased: dict[str, Entry] = {}  # id -> entry (attempts as the lease reported it)
         self.scheduled: list[bytes] = []
         self.dead: list[bytes] = []  # payloads the DLQ must hold
-        self.gone: list[str] = []  # ids that no longer name anything
+        self.gone: list[str] = []  # ids that no longer name a leased item
+        # Of those, the ids completed, and the ids retried (-> whether they went dead):
+        # within the lease timeout (600 s here) a Complete / Retry sent again of them is done.
+        self.completed: set[str] = set()
+        self.retried: dict[str, bool] = {}
         self.made = 0
 
     def teardown(self) -> None:
@@ -148,6 +152,7 @@ class QueueMachine(RuleBasedStateMachine):
         for i in ids:
             del self.leased[i]
         self.gone += ids
+        self.completed.update(ids)
 
     @precondition(lambda self: self.leased)
     @rule(indexes=st.lists(st.integers(0, 50), min_size=1, max_size=3), batch=st.integers(1, 4))
@@ -160,26 +165,53 @@ class QueueMachine(RuleBasedStateMachine):
         for i in ids:
             del self.leased[i]
         self.gone += ids
+        self.completed.update(ids)
         self._take_lease(reply, batch)
 
     @precondition(lambda self: self.gone)
     @rule(index=st.integers(0, 1000), with_live=st.booleans())
     def complete_a_stale_id(self, index: int, with_live: bool) -> None:
-        """A completed, retried or expired id is NOT_FOUND, and takes the whole request down."""
-        ids = [self.gone[index % len(self.gone)]]
-        if with_live and self.leased:
-            ids.insert(0, min(self.leased, key=seq_of))
-        assert self._code(lambda: self.stubs.complete(Q, 0, ids)) == grpc.StatusCode.NOT_FOUND
+        """A retried or expired id is NOT_FOUND, and takes the whole request down; a
+        completed one is done (the Complete was sent again), and the rest completes."""
+        stale = self.gone[index % len(self.gone)]
+        ids = [stale]
+        live = min(self.leased, key=seq_of) if with_live and self.leased else None
+        if live is not None:
+            ids.insert(0, live)
+        request = queue_pb2.CompleteRequest(queue_name=Q, partition=0, ids=ids)
+        if stale not in self.completed:
+            assert self._code(lambda: self.stubs.queue.Complete(request, timeout=10)) == grpc.StatusCode.NOT_FOUND
+            return
+        assert list(self.stubs.queue.Complete(request, timeout=10).already_completed) == [stale]
+        if live is not None:
+            del self.leased[live]
+            self.gone.append(live)
+            self.completed.add(live)
+
+    @precondition(lambda self: self.gone)
+    @rule(index=st.integers(0, 1000))
+    def retry_a_stale_id(self, index: int) -> None:
+        """A retried id is done (named in dead_ids again if it went dead); a completed or
+        expired one is NOT_FOUND."""
+        stale = self.gone[index % len(self.gone)]
+        request = queue_pb2.RetryRequest(queue_name=Q, partition=0, items=[queue_pb2.RetryItem(id=stale)])
+        if stale not in self.retried:
+            assert self._code(lambda: self.stubs.queue.Retry(request, timeout=10)) == grpc.StatusCode.NOT_FOUND
+            return
+        reply = self.stubs.queue.Retry(request, timeout=10)
+        assert list(reply.already_retried) == [stale]
+        assert list(reply.dead_ids) == ([stale] if self.retried[stale] else [])
 
     @precondition(lambda self: self.leased)
     @rule(indexes=st.lists(st.integers(0, 50), min_size=1, max_size=4), dead=st.lists(st.booleans(), min_size=4, max_size=4))
     def retry(self, indexes: list[int], dead: list[bool]) -> None:
         ids = self._pick(indexes)
         items = [queue_pb2.RetryItem(id=i, dead=d) for i, d in zip(ids, dead, strict=False)]
-        self.stubs.queue.Retry(queue_pb2.RetryRequest(queue_name=Q, partition=0, items=items), timeout=10)
+        reply = self.stubs.queue.Retry(queue_pb2.RetryRequest(queue_name=Q, partition=0, items=items), timeout=10)
         for item in items:
             self._back_in_line(self.leased.pop(item.id), dead=item.dead)
             self.gone.append(item.id)
+            self.retried[item.id] = item.id in reply.dead_ids
 
     @precondition(lambda self: self.leased)
     @rule(indexes=st.lists(st.integers(0, 50), min_size=1, max_size=3))

@@ -298,13 +298,14 @@ def test_garbage_ids_are_not_found(stubs: Stubs, garbage: str) -> None:
     assert leased_count(stubs, "q") == 1
 
 
-def test_complete_twice_is_not_found_the_second_time(stubs: Stubs) -> None:
+def test_complete_twice_is_done_the_second_time_and_other_calls_not_found(stubs: Stubs) -> None:
     stubs.create("q")
     stubs.produce("q", [b"x"])
     item = lease_now(stubs, "q").items[0]
     stubs.complete("q", 0, [item.id])
     q = stubs.queue
-    expect_code(NOT_FOUND, q.Complete, complete_req("q", 0, [item.id]), timeout=5)
+    again = q.Complete(complete_req("q", 0, [item.id]), timeout=5)
+    assert list(again.already_completed) == [item.id]
     expect_code(NOT_FOUND, q.Retry, retry_req("q", 0, [item.id]), timeout=5)
     expect_code(NOT_FOUND, q.Extend, extend_req("q", 0, [item.id]), timeout=5)
 
@@ -606,19 +607,29 @@ def test_waiting_leases_share_arriving_items(stubs: Stubs, produced: int) -> Non
     assert stubs.stats("q").partitions[0].total_leased == produced
 
 
-def test_racing_completes_and_retries_of_one_id_succeed_once(stubs: Stubs) -> None:
+def test_racing_completes_and_retries_of_one_id_apply_once(stubs: Stubs) -> None:
+    """The first to arrive applies; the others of its kind answer OK as already done
+    (they may be sends again of it), the other kind NOT_FOUND."""
     stubs.create("q")
     stubs.produce("q", [b"a"])
     item = lease_now(stubs, "q").items[0]
     q = stubs.queue
-    calls: list[grpc.Future] = [q.Complete.future(complete_req("q", 0, [item.id]), timeout=10) for _ in range(4)]
-    calls += [q.Retry.future(retry_req("q", 0, [item.id]), timeout=10) for _ in range(4)]
-    errors = [c.exception(timeout=10) for c in calls]  # type: ignore[call-arg]
-    codes = [None if e is None else e.code() for e in errors]  # type: ignore[attr-defined]
-    assert codes.count(None) == 1, codes
-    assert set(codes) == {None, NOT_FOUND}, codes
+    completes: list[grpc.Future] = [q.Complete.future(complete_req("q", 0, [item.id]), timeout=10) for _ in range(4)]
+    retries: list[grpc.Future] = [q.Retry.future(retry_req("q", 0, [item.id]), timeout=10) for _ in range(4)]
+    outcomes = []
+    for call, already in [(c, "already_completed") for c in completes] + [(r, "already_retried") for r in retries]:
+        error = call.exception(timeout=10)  # type: ignore[call-arg]
+        if error is not None:
+            outcomes.append(error.code())  # type: ignore[attr-defined]
+        else:
+            outcomes.append("again" if list(getattr(call.result(), already)) == [item.id] else "applied")
+    assert outcomes.count("applied") == 1, outcomes
+    complete_won = "applied" in outcomes[:4]
+    mine, theirs = (outcomes[:4], outcomes[4:]) if complete_won else (outcomes[4:], outcomes[:4])
+    assert sorted(mine) == ["again", "again", "again", "applied"], outcomes
+    assert set(theirs) == {NOT_FOUND}, outcomes
     stats = stubs.stats("q").partitions[0]
-    assert stats.total_leased == 0 and stats.total in (0, 1)
+    assert stats.total_leased == 0 and stats.total == (0 if complete_won else 1)
 
 
 def test_same_client_id_concurrently_is_refused_at_once(stubs: Stubs) -> None:
@@ -816,7 +827,10 @@ def test_retry_now_moves_the_item_to_the_tail_with_a_new_id(stubs: Stubs) -> Non
     assert again[1].id == requeued.id
     assert again[1].created_at == first.created_at
     expect_code(NOT_FOUND, stubs.queue.Complete, complete_req("q", 0, [first.id]), timeout=5)
-    expect_code(NOT_FOUND, stubs.queue.Retry, retry_req("q", 0, [first.id]), timeout=5)
+    # The same Retry sent again is answered as done, and retries nothing a second time.
+    resent = stubs.queue.Retry(retry_req("q", 0, [first.id]), timeout=5)
+    assert (list(resent.already_retried), list(resent.dead_ids)) == ([first.id], [])
+    assert stubs.stats("q").partitions[0].total_leased == 2
     stubs.complete("q", 0, [i.id for i in again])
     assert stubs.stats("q").partitions[0].total == 0
 

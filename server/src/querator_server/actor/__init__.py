@@ -4,6 +4,7 @@ from .logical_queue import LogicalQueue
 from .requests import (
     ClearRequest,
     CompleteRequest,
+    CompleteResult,
     DeleteItemsRequest,
     ExtendRequest,
     ExtendResult,
@@ -18,12 +19,14 @@ from .requests import (
     RedriveRequest,
     RedriveResult,
     RetryRequest,
+    RetryResult,
     StoredItem,
 )
 
 __all__ = [
     "ClearRequest",
     "CompleteRequest",
+    "CompleteResult",
     "DeleteItemsRequest",
     "ExtendRequest",
     "ExtendResult",
@@ -39,5 +42,6 @@ __all__ = [
     "RedriveRequest",
     "RedriveResult",
     "RetryRequest",
+    "RetryResult",
     "StoredItem",
 ]

@@ -16,7 +16,7 @@ import lmdb
 
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, quote
 from ..model import ITEM_REPLY_OVERHEAD, MAX_METADATA_PAIRS, METADATA_PAIR_OVERHEAD, SCHEDULE_MIN_US, NewItem
-from ..storage import Item
+from ..storage import Item, done_runs
 from ..storage.keyed import LeaseKeyRecord
 from ..storage.ordered_groups import group_partition
 from ..storage.record import (
@@ -37,6 +37,7 @@ from .lifecycle import LifecycleSteps
 from .redrive import RedriveSteps
 from .requests import (
     CompleteRequest,
+    CompleteResult,
     ExtendRequest,
     ExtendResult,
     GiveBackRequest,
@@ -45,6 +46,7 @@ from .requests import (
     ProduceRequest,
     ProduceResult,
     RetryRequest,
+    RetryResult,
 )
 from .storage_steps import StorageSteps
 from .view import PartitionView
@@ -570,11 +572,16 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         *,
         check_deadline: bool = False,
         field: str = "ids",
+        done: tuple[int, ...] = (),
+        already: list[tuple[str, int]] | None = None,
     ) -> list[tuple[int, bytes, ItemState]]:
         """Look up every id as a leased item of ``partition``: (seq, raw, state) for
-        all of them, or an error naming each id that is not."""
+        all of them, or an error naming each id that is not. With ``done``, an id
+        this partition recently ended in one of those ways (done_runs.py) is no error:
+        it goes to ``already`` as (id, how)."""
         found: list[tuple[int, bytes, ItemState]] = []
         missing: list[str] = []
+        gone: list[tuple[int, str, int]] = []  # (index, id, seq) of ids not stored
         unleased: list[str] = []
         lost: list[str] = []
         read = self.store.reader(txn, partition)
@@ -584,14 +591,18 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         for index, text in enumerate(ids):
             seq_hex = text[start:]
             if text.startswith(prefix) and len(seq_hex) <= 16 and seq_hex and not seq_hex.strip(_HEX_DIGITS):
-                seq, due = int(seq_hex, 16), 0
+                seq, due, ref = int(seq_hex, 16), 0, None
                 raw = read(seq)  # the common case, without parse_id's and _lookup's work
             else:
                 ref = parse_id(text)
                 seq, due = (ref.seq, ref.due) if ref is not None else (0, 0)
                 raw = self._lookup(txn, partition, ref)
             if raw is None:
-                missing.append(f"{field}[{index}] {quote(text)}")
+                ours = ref is None or (ref.uid == self.uid and ref.partition == partition and not ref.due)
+                if done and seq and ours:
+                    gone.append((index, text, seq))
+                else:
+                    missing.append(f"{field}[{index}] {quote(text)}")
                 continue
             state = read_state(raw)
             if due or not state.is_leased:
@@ -600,6 +611,14 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 lost.append(f"{field}[{index}] {quote(text)}")
             else:
                 found.append((seq, raw, state))
+        if gone:  # only an id sent again pays for this look
+            ended = done_runs.find(txn, self.store.db(partition), [seq for _i, _t, seq in gone])
+            for index, text, seq in gone:
+                how = ended.get(seq, 0)
+                if how in done and already is not None:
+                    already.append((text, how))
+                else:
+                    missing.append(f"{field}[{index}] {quote(text)}")
         if missing:
             raise NotFound(_listing("no such item (completed, moved or never produced)", missing))
         if unleased:
@@ -619,22 +638,35 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
     def complete(self, txn: lmdb.Transaction[bytes], request: CompleteRequest) -> None:
         if self.faulty and request.lease_keys:
             self._refuse_faulty_keys(txn, request.lease_keys)
+        already: list[str] = []
         if request.ids:
-            self._complete(txn, request.partition, request.ids)
-        self._complete_keys(txn, request.lease_keys)
-        self._ok(request, None)
+            already = self._complete(txn, request.partition, request.ids)
+        by_keys = self._complete_keys(txn, request.lease_keys)
+        self._ok(request, CompleteResult(already, by_keys))
 
-    def _complete(self, txn: lmdb.Transaction[bytes], p: int, ids: Sequence[str], field: str = "ids") -> None:
+    def _complete(self, txn: lmdb.Transaction[bytes], p: int, ids: Sequence[str], field: str = "ids") -> list[str]:
+        """Complete ``ids``; the ones completed before (a Complete sent again)."""
         self.at = p  # self.enter(p), inlined
         if self.faulty or self.broken:
             self.refuse(p)
         if self._complete_run(txn, p, ids):
-            return
-        found = self._leased_items(txn, p, ids, field=field)
+            return []
+        already: list[tuple[str, int]] = []
+        found = self._leased_items(txn, p, ids, field=field, done=(done_runs.COMPLETED,), already=already)
         self._remove_leased(txn, p, [(seq, state) for seq, _raw, state in found])
+        self._note_done(txn, p, [seq for seq, _raw, _state in found], done_runs.COMPLETED)
         for seq, _raw, state in found:
             if state.lease_key:
                 self._untag(txn, state.lease_key, seq)
+        return [text for text, _how in already]
+
+    def _note_done(self, txn: lmdb.Transaction[bytes], p: int, seqs: Sequence[int], how: int) -> None:
+        """Remember how items ``seqs`` of ``p`` ended, one record per run (done_runs.py)."""
+        db = self.store.db(p)
+        for first, last in done_runs.runs(seqs):
+            done_runs.put(txn, db, first, last, self.now, how)
+        if seqs:
+            self.done_added = True
 
     def _complete_run(self, txn: lmdb.Transaction[bytes], p: int, ids: Sequence[str]) -> bool:
         """Complete ``ids`` in one pass if they are what a plain lease hands out: the ids
@@ -657,6 +689,8 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         done = self.store.complete_run(txn, p, first, last)
         if done is None:
             return False
+        done_runs.put(txn, self.store.db(p), first, last, self.now, done_runs.COMPLETED)
+        self.done_added = True
         created, leased_at = done
         self.lease_ends.extend([(p, seq) for seq in range(first, last + 1)])
         v = self.view(p)
@@ -666,10 +700,12 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         v.leased_at_sum -= leased_at
         return True
 
-    def _complete_keys(self, txn: lmdb.Transaction[bytes], keys: Sequence[str]) -> None:
-        """Complete every item still leased under each key; forget the keys. Idempotent."""
+    def _complete_keys(self, txn: lmdb.Transaction[bytes], keys: Sequence[str]) -> int:
+        """Complete every item still leased under each key; forget the keys. Idempotent.
+        Returns how many items that completed."""
         if self.keyed is None:
-            return
+            return 0
+        count = 0
         for key in keys:
             record = self.keyed.lease_key(txn, key)
             if record is None:
@@ -677,8 +713,12 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             p = record.partition
             if p < len(self._base):
                 self.enter(p)
-                self._remove_leased(txn, p, self.store.leased_under(txn, p, record.seqs, key))
+                found = self.store.leased_under(txn, p, record.seqs, key)
+                self._remove_leased(txn, p, found)
+                self._note_done(txn, p, [seq for seq, _state in found], done_runs.COMPLETED)
+                count += len(found)
             self.keyed.drop_lease_key(txn, key)
+        return count
 
     def _refuse_faulty_keys(self, txn: lmdb.Transaction[bytes], keys: Sequence[str]) -> None:
         """Answer UNAVAILABLE, before anything is written, if a key's items are on a
@@ -693,9 +733,15 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
     def retry(self, txn: lmdb.Transaction[bytes], request: RetryRequest) -> None:
         p = request.partition
         self.enter(p)
-        found = self._leased_items(txn, p, [o.item_id for o in request.orders])
+        already: list[tuple[str, int]] = []
+        found = self._leased_items(
+            txn, p, [o.item_id for o in request.orders], done=(done_runs.RETRIED, done_runs.RETRIED_DEAD), already=already
+        )
+        sent_again = {text for text, _how in already}
+        orders = [o for o in request.orders if o.item_id not in sent_again] if already else request.orders
         dead: list[str] = []
-        for (seq, raw, _state), order in zip(found, request.orders):
+        dead_seqs: list[int] = []
+        for (seq, raw, _state), order in zip(found, orders):
             item = Item.decode(raw)
             old_id = item_id(self.uid, p, seq)
             self._end_lease(txn, p, seq, item)
@@ -704,12 +750,18 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             reason = "retried as dead" if order.dead else self._death_reason(item)
             if reason:
                 dead.append(order.item_id)
+                dead_seqs.append(seq)
                 self._dead_letter(txn, p, seq, item, old_id, reason, DEAD_RETRIED if order.dead else DEATH_CODES[reason])
             elif order.retry_at_us >= self.now + SCHEDULE_MIN_US:
                 self._schedule(txn, p, item, order.retry_at_us, seq)
             else:
                 self._requeue(txn, p, item, seq)
-        self._ok(request, dead)
+        dead_set = set(dead_seqs)
+        self._note_done(txn, p, [seq for seq, _raw, _state in found if seq not in dead_set], done_runs.RETRIED)
+        self._note_done(txn, p, dead_seqs, done_runs.RETRIED_DEAD)
+        # Sent again: answered as the first time (those that went dead are named again).
+        dead.extend(text for text, how in already if how == done_runs.RETRIED_DEAD)
+        self._ok(request, RetryResult(dead, [text for text, _how in already]))
 
     def extend(self, txn: lmdb.Transaction[bytes], request: ExtendRequest) -> None:
         p = request.partition

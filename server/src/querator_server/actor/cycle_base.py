@@ -157,6 +157,9 @@ class CycleBase:
         self.lease_keys_next: int | None = None
         self.dedup_added = False
         self.lease_keys_added = False
+        # The same for the records of completed and retried items (done_runs.py).
+        self.done_next: int | None = None
+        self.done_added = False
         # Leases that ran out in this cycle's lifecycle (for metrics).
         self.lease_expirations = 0
         # Whether ``touch`` wrote.

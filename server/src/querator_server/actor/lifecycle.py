@@ -14,7 +14,7 @@ import lmdb
 
 from ..faults import FAULT_FILE_ENV, InjectedFault, lifecycle_fault
 from ..model import NEVER_US
-from ..storage import Item
+from ..storage import Item, done_runs
 from ..storage.record import DEAD_EXPIRED, TAG_ITEM, parse_scheduled_key, seq_of_item_key
 from .cycle_base import DEATH_CODES, CycleBase
 from .ids import item_id, scheduled_id
@@ -24,6 +24,16 @@ from .requests import DeadLetterRequest, OutboxDoneRequest
 # follows at once, so client requests never queue behind a huge backlog.
 LIFECYCLE_BATCH = 1000
 LIMIT_PLUS_ONE = LIFECYCLE_BATCH + 1
+
+
+def done_retention_us(lease_timeout_us: int) -> int:
+    """How long a partition remembers an item it completed or retried (a Complete or
+    Retry sent again within it is answered as done), and the least time between two
+    sweeps of those records (forgetting them a little late, not once per cycle)."""
+    return lease_timeout_us
+
+
+DONE_SWEEP_GAP_US = 1_000_000
 
 
 def lease_expired_error(attempts: int) -> str:
@@ -118,6 +128,8 @@ class LifecycleSteps(CycleBase):
             )
             if n == LIFECYCLE_BATCH or m == LIFECYCLE_BATCH:
                 self.more_lifecycle = True
+        if forget_keys:
+            self._forget_done(txn)
         faulty = self.faulty
         for deadline, p, seq in expired_leases:
             if faulty and p in faulty:
@@ -150,6 +162,21 @@ class LifecycleSteps(CycleBase):
                 self._expire(txn, p)
         if os.environ.get(FAULT_FILE_ENV) and lifecycle_fault(self.store.path):
             raise InjectedFault("injected into the lifecycle step")
+
+    def _forget_done(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Forget completed and retried items past their retention (done_runs.py)."""
+        before = self.now - done_retention_us(self.config.lease_timeout_us)
+        firsts: list[int] = []
+        for p in range(len(self._base)):
+            if self.faulty and p in self.faulty:
+                continue
+            self.enter(p)
+            n, first = done_runs.forget_before(txn, self.store.db(p), before, LIFECYCLE_BATCH)
+            if n == LIFECYCLE_BATCH:
+                self.more_lifecycle = True
+            if first:
+                firsts.append(first)
+        self.done_next = min(firsts, default=0)
 
     def _promote(self, txn: lmdb.Transaction[bytes], p: int) -> None:
         v = self.view(p)

@@ -38,7 +38,7 @@ from ..faults import (
 )
 from ..logging import get_logger
 from ..model import QueueConfig, QueueStats, QueueTotals
-from ..storage import Item, QueueStore, StorageError
+from ..storage import Item, QueueStore, StorageError, done_runs
 from ..storage.change_set import Fenced
 from ..storage.commit_group import CommitGroup
 from ..storage.keyed import KeyedIndex
@@ -53,7 +53,7 @@ from .handover import RETRY_S as HANDOVER_RETRY_S
 from .handover import HandOver
 from .health import StorageHealth, storage_error
 from .leases import LeaseDeadlines
-from .lifecycle import LIFECYCLE_BATCH
+from .lifecycle import DONE_SWEEP_GAP_US, LIFECYCLE_BATCH, done_retention_us
 from .loading import broken_partitions, load
 from .redrive import handed_over
 from .replication import Replication, ReplicationGate
@@ -163,6 +163,7 @@ class LogicalQueue:
         # When the oldest remembered idempotency key and lease key were taken (0: none).
         self._dedup_at = 0
         self._lease_keys_at = 0
+        self._done_at = 0  # done_at of the first record of completed items (done_runs.py)
         # Metrics hook (metrics.QueueProbe) when --metrics-address is set.
         self.observer: Any = None
         # A replicated queue's primary: its cycles are recorded as change sets under
@@ -204,6 +205,7 @@ class LogicalQueue:
         self._leases = LeaseDeadlines(loaded.leases)
         self._keyed = keyed or await self._storage_job(partial(KeyedIndex, self.store))
         self._dedup_at, self._lease_keys_at = await self._storage_job(self._load_key_times)
+        self._done_at = await self._storage_job(self._load_done_time)
         if self._gate is not None:
             keyed_index = self._keyed
             self.replica = replica or await self._storage_job(lambda: ReplicaState(self.store, keyed_index, self.config.uid))
@@ -215,6 +217,11 @@ class LogicalQueue:
         assert self._keyed is not None
         with self.store.env.begin() as txn:
             return self._keyed.first_dedup_at(txn), self._keyed.first_lease_key_at(txn)
+
+    def _load_done_time(self) -> int:
+        with self.store.env.begin() as txn:
+            times = [done_runs.first_at(txn, self.store.db(p)) for p in range(len(self._views))]
+        return min((t for t in times if t), default=0)
 
     def kick_outboxes(self) -> None:
         """Start handing over what the outboxes hold (a promoted copy's, left by the
@@ -421,6 +428,9 @@ class LogicalQueue:
         if at and (not first or at < first):
             first = at
         at = self._lease_keys_at and self._lease_keys_at + self.config.lease_key_ttl_us
+        if at and (not first or at < first):
+            first = at
+        at = self._done_at and self._done_at + done_retention_us(self.config.lease_timeout_us)
         if at and (not first or at < first):
             first = at
         at = self._leases.first() if exact else self._leases.first_bound()
@@ -631,6 +641,13 @@ class LogicalQueue:
             self._lease_keys_at = cycle.lease_keys_next
         if cycle.lease_keys_added and not self._lease_keys_at:
             self._lease_keys_at = cycle.now
+        if cycle.done_next is not None:
+            # Not due again within the gap: a drain's records expire one by one, and a
+            # sweep per cycle would cost a seek per partition each time.
+            retention = done_retention_us(self.config.lease_timeout_us)
+            self._done_at = max(cycle.done_next, cycle.now + DONE_SWEEP_GAP_US - retention) if cycle.done_next else 0
+        if cycle.done_added and not self._done_at:
+            self._done_at = cycle.now
         for lease in cycle.completed_by_lease:
             lease.complete_ids = []  # committed: a lease that keeps waiting must not repeat it
         self._leases.end_all(cycle.lease_ends)
@@ -776,6 +793,7 @@ class LogicalQueue:
             forget_keys=bool(
                 (self._dedup_at and self._dedup_at + self.config.dedup_window_us <= now)
                 or (self._lease_keys_at and self._lease_keys_at + self.config.lease_key_ttl_us <= now)
+                or (self._done_at and self._done_at + done_retention_us(self.config.lease_timeout_us) <= now)
             ),
             probes=self._health.probing,
             touch=writable and bool(self._health.failure),

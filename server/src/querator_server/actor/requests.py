@@ -242,6 +242,20 @@ class ProduceResult:
 
 
 @dataclass(slots=True)
+class CompleteResult:
+    # The ids (as sent) completed by an earlier request: this one was sent again.
+    already_completed: list[str]
+    key_items_completed: int = 0
+
+
+@dataclass(slots=True)
+class RetryResult:
+    dead_ids: list[str]
+    # The ids (as sent) retried by an earlier request under the same lease.
+    already_retried: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class ExtendResult:
     deadlines: list[int]
     key_items_extended: int = 0

@@ -270,8 +270,9 @@ class Router:
         response = response_type()
         if last.ids:
             response = await self._part(entry, method, request, response_type, context, local, last)
-        if hasattr(response, "key_items_extended"):
-            response.key_items_extended += sum(a.key_items_extended for a in answers if a is not response)  # type: ignore[union-attr]
+        for counted in ("key_items_extended", "key_items_completed"):
+            if hasattr(response, counted):
+                setattr(response, counted, getattr(response, counted) + sum(getattr(a, counted) for a in answers))
         return response
 
     async def _part(

@@ -218,8 +218,10 @@ class QueueService:
         name = c.queue_name(request.queue_name)
         ids, partition, keys = self._ids_and_keys(name, request)
         deadline = _request_deadline_us(request, context, now_us())
-        await self.manager.actor(name).submit(a.CompleteRequest(partition, ids, keys, deadline_us=deadline))
-        return pb.CompleteResponse()
+        result: a.CompleteResult = await self.manager.actor(name).submit(
+            a.CompleteRequest(partition, ids, keys, deadline_us=deadline)
+        )
+        return pb.CompleteResponse(already_completed=result.already_completed, key_items_completed=result.key_items_completed)
 
     async def retry(self, request: pb.RetryRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.RetryResponse:
         name = c.queue_name(request.queue_name)
@@ -238,8 +240,8 @@ class QueueService:
             for index, item in enumerate(request.items)
         ]
         deadline = _request_deadline_us(request, context, now_us())
-        dead: list[str] = await self.manager.actor(name).submit(a.RetryRequest(partition, orders, deadline_us=deadline))
-        return pb.RetryResponse(dead_ids=dead)
+        result: a.RetryResult = await self.manager.actor(name).submit(a.RetryRequest(partition, orders, deadline_us=deadline))
+        return pb.RetryResponse(dead_ids=result.dead_ids, already_retried=result.already_retried)
 
     async def extend(self, request: pb.ExtendRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ExtendResponse:
         name = c.queue_name(request.queue_name)

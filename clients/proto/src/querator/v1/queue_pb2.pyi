@@ -459,7 +459,8 @@ class LeaseRequest(_message.Message):
         fails with Complete's status, and nothing is completed or leased. An OK
         answer means the completion is durable, even when no items were leased.
         The completion is applied once, before any waiting; if the reply is lost,
-        a retry of the same ids answers NOT_FOUND for the ones already completed.
+        the same ids sent again (within the queue's lease_timeout) count as done,
+        as for Complete (CompleteResponse).
         """
 
     def __init__(
@@ -916,16 +917,38 @@ Global___CompleteRequest: _TypeAlias = CompleteRequest  # noqa: Y015
 
 @_typing.final
 class CompleteResponse(_message.Message):
-    """CompleteResponse is sent once the items are durably removed."""
+    """CompleteResponse is sent once the items are durably removed.
+
+    A Complete is safe to send again (after a lost answer or UNAVAILABLE): an id
+    its partition completed within the queue's lease_timeout is answered as done
+    rather than NOT_FOUND, and the rest of the request is applied as usual. An id
+    never leased, unknown, re-queued under a new id or completed longer ago still
+    fails the whole request (NOT_FOUND), which then changes nothing.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    ALREADY_COMPLETED_FIELD_NUMBER: _builtins.int
+    KEY_ITEMS_COMPLETED_FIELD_NUMBER: _builtins.int
+    key_items_completed: _builtins.int
+    """How many items lease_keys completed (0 when each key was already done or
+    forgotten).
+    """
+    @_builtins.property
+    def already_completed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The ids (as sent) that an earlier request already completed (this one
+        was sent again). Empty on a first send.
+        """
+
     def __init__(
         self,
+        *,
+        already_completed: _abc.Iterable[_builtins.str] | None = ...,
+        key_items_completed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_completed", b"already_completed", "key_items_completed", b"key_items_completed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1033,6 +1056,7 @@ class RetryResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DEAD_IDS_FIELD_NUMBER: _builtins.int
+    ALREADY_RETRIED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def dead_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The ids (as sent) of the items that went to the dead-letter queue, or were
@@ -1041,14 +1065,23 @@ class RetryResponse(_message.Message):
         expiry. Empty when every item was retried.
         """
 
+    @_builtins.property
+    def already_retried(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The ids (as sent) that were already retried under the same lease by an
+        earlier request (this one was sent again within the queue's
+        lease_timeout): they are not retried twice. Those that went to the
+        dead-letter queue then are in dead_ids again.
+        """
+
     def __init__(
         self,
         *,
         dead_ids: _abc.Iterable[_builtins.str] | None = ...,
+        already_retried: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead_ids", b"dead_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_retried", b"already_retried", "dead_ids", b"dead_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
