@@ -96,6 +96,11 @@ class ClientConfig:
     #: Retry Produce after UNAVAILABLE too. Off by default: the lost reply of a stored
     #: batch would store it twice.
     retry_produce: bool = False
+    #: Retry Complete, Retry and a Lease that completes items (``complete=``) after
+    #: UNAVAILABLE. Safe with servers that answer an id sent again as done
+    #: (``CompleteResponse.already_completed``); turn it off against older servers,
+    #: whose answer to a repeat after a lost reply is NOT_FOUND.
+    retry_complete: bool = True
     #: Produce requests a single ``produce()`` call keeps in flight.
     max_in_flight: int = 4
     #: Wait for the channel to connect instead of failing at once when the server is down.

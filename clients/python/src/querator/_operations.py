@@ -90,11 +90,13 @@ def lease(
     lease_key: str,
 ) -> Operation[list[T]]:
     """Lease, each item made by ``make(**fields)``. A Lease that completes items first is
-    not repeated: the caller could not know whether the completion happened."""
+    repeated as a Complete is (``retry_complete``): the server answers its ids as done
+    the second time."""
     completing = p.lease_completions(queue_name, complete)
     request, wait_s = p.lease_request(queue_name, batch_size, wait, client_id, completing, lease_key)
     deadline = wait_s + config.lease_margin.total_seconds()
-    response = yield Call(QUEUE, "Lease", request, deadline, not completing, item_call=bool(completing))
+    again = config.retry_complete or not completing
+    response = yield Call(QUEUE, "Lease", request, deadline, again, item_call=bool(completing))
     p.mark(completing, COMPLETED)
     return [make(**fields) for fields in p.leased_fields(response)]
 
@@ -109,7 +111,8 @@ def complete(
     call_timeout = config.call_timeout(timeout)
     for queue, partition, members in p.group_refs(items):
         request = p.complete_request(queue, partition, members, call_timeout)
-        yield Call(QUEUE, "Complete", request, call_timeout, False, item_call=True)
+        # Sent again, ids the first send completed are answered as done (already_completed).
+        yield Call(QUEUE, "Complete", request, call_timeout, config.retry_complete, item_call=True)
         p.mark(members, COMPLETED)
     queue, key_chunks = p.lease_keys(lease_keys, queue_name)
     for keys in key_chunks:
@@ -128,7 +131,8 @@ def retry(config: ClientConfig, orders: list[RetryOrder], timeout: Seconds | Non
     for (queue, partition), group in grouped.items():
         for chunk in p.chunks(group):
             request = p.retry_request(queue, partition, chunk, call_timeout)
-            response = yield Call(QUEUE, "Retry", request, call_timeout, False, item_call=True)
+            # Sent again, ids the first send retried are answered as done (already_retried).
+            response = yield Call(QUEUE, "Retry", request, call_timeout, config.retry_complete, item_call=True)
             dead = set(response.dead_ids)
             for ref, *_ in chunk:
                 p.mark([ref], DEAD if ref.id in dead else RETRIED)
