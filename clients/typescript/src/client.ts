@@ -62,11 +62,13 @@ export class Client implements Settler {
   readonly #leaseMarginMs: number;
   readonly #maxInFlight: number;
   readonly #retryProduce: boolean;
+  readonly #retryComplete: boolean;
 
   constructor(options: ClientOptions = {}) {
     this.#leaseMarginMs = options.leaseMarginMs ?? 5_000;
     this.#maxInFlight = options.maxInFlight ?? 4;
     this.#retryProduce = options.retryProduce ?? false;
+    this.#retryComplete = options.retryComplete ?? true;
     if (this.#maxInFlight < 1) throw new RangeError("maxInFlight must be at least 1");
     this.#conn = new Connection(options);
   }
@@ -188,7 +190,7 @@ export class Client implements Settler {
    * queue) in the same call.
    */
   async lease(queueName: string, options: LeaseOptions & CallOptions = {}): Promise<LeasedItem[]> {
-    const call = leaseCall(queueName, options, this.#leaseMarginMs);
+    const call = leaseCall(queueName, options, this.#leaseMarginMs, this.#retryComplete);
     const response = await this.#conn.lease(call, options);
     markAll(call.completing, "completed");
     return leasedItems(this, response);
@@ -235,7 +237,8 @@ export class Client implements Settler {
     items: ItemRef | readonly ItemRef[] = [],
     options: { leaseKeys?: readonly string[]; queueName?: string } & CallOptions = {},
   ): Promise<void> {
-    const how = { retry: false, kind: { itemCall: true } };
+    // Sent again, the ids a first send completed are answered as done (alreadyCompleted).
+    const how = { retry: this.#retryComplete, kind: { itemCall: true } };
     for (const [queueName, partition, members] of groupRefs(items)) {
       const request = { queueName, partition, ids: members.map((m) => m.id) };
       await this.#conn.call((c, o) => c.queue.complete(request, o), options, { ...how, target: targetOf("Complete", request) });
@@ -259,7 +262,9 @@ export class Client implements Settler {
     const error = options.error === undefined || typeof options.error === "string" ? (options.error ?? "") : failureText(options.error);
     for (const [queueName, partition, members] of groupRefs(items)) {
       const request = { queueName, partition, items: retryItems(members, at, dead, error) };
-      await this.#conn.call((c, o) => c.queue.retry(request, o), options, { retry: false, kind: { itemCall: true }, target: targetOf("Retry", request) });
+      // Sent again, the ids a first send retried are answered as done (alreadyRetried).
+      const how = { retry: this.#retryComplete, kind: { itemCall: true }, target: targetOf("Retry", request) };
+      await this.#conn.call((c, o) => c.queue.retry(request, o), options, how);
       markAll(members, dead ? "dead" : "retried");
     }
   }

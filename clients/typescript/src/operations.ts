@@ -175,7 +175,12 @@ export interface LeaseCall {
   completing: readonly ItemRef[];
 }
 
-export function leaseCall(queueName: string, options: LeaseOptions & { timeoutMs?: number }, leaseMarginMs: number): LeaseCall {
+export function leaseCall(
+  queueName: string,
+  options: LeaseOptions & { timeoutMs?: number },
+  leaseMarginMs: number,
+  retryComplete = true,
+): LeaseCall {
   const timeoutMs = options.timeoutMs ?? (options.waitMs ?? 30_000) + leaseMarginMs;
   // A call deadline shorter than the wait bounds it: the answer (OK, maybe no items)
   // comes a little before the deadline. The server does this itself for a unary call;
@@ -200,7 +205,8 @@ export function leaseCall(queueName: string, options: LeaseOptions & { timeoutMs
   // Completing items: at their home, which leases from its own partitions (or, empty,
   // from the others'), so the completion takes no hop; with a lease key, at its home.
   const target = targetOf("Lease", request);
-  return { request, timeoutMs, retry: completing.length === 0, kind: { itemCall: completing.length > 0 }, target, completing };
+  // Completing too, sent again: the server answers the ids it completed the first time as done.
+  return { request, timeoutMs, retry: retryComplete || completing.length === 0, kind: { itemCall: completing.length > 0 }, target, completing };
 }
 
 /** How many items a Lease reply holds. */

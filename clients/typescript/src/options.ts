@@ -41,6 +41,11 @@ export interface ClientOptions {
    * Produce that never reached a server, or whose items all carry idempotency keys, is
    * retried. */
   retryProduce?: boolean;
+  /** Retry Complete, Retry and a Lease with `complete` after UNAVAILABLE. Default true:
+   * the server answers ids a first send already settled as done
+   * (`CompleteResponse.alreadyCompleted`); set false against older servers, which
+   * answer such a repeat NOT_FOUND. */
+  retryComplete?: boolean;
   /** Deadline of each call in milliseconds (Lease: its wait plus leaseMarginMs). Default 30 s. */
   timeoutMs?: number;
   /** Extra time a Lease call gets over its wait before the client gives up. Default 5 s. */
