@@ -7,15 +7,17 @@ real gRPC, real LMDB; the crash test really ``kill -9``s a ``querator serve`` ch
 
 from __future__ import annotations
 
+import tarfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 
 from querator.v1 import queue_pb2
 
-from conftest import ProcessServer, Stubs, dur, wait_until
+from conftest import ProcessServer, Stubs, ThreadServer, dur, wait_until
 
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
 LONG_LEASE = {"seconds": 600}
@@ -191,3 +193,31 @@ def test_what_each_path_remembers_survives_kill9(proc: ProcessServer) -> None:
         assert [i.payload for i in stubs.list_items("q")] == [b"i6"]
     finally:
         stubs.channel.close()
+
+
+FIXTURE = Path(__file__).resolve().parents[2] / "testdata" / "storage" / "before-done-records.tar.gz"
+
+
+def test_a_data_directory_from_before_the_records_serves_unchanged(tmp_path: Path) -> None:
+    """A queue written by the server before records of completed items existed (the
+    fixture's README) opens and serves: its items are all there, an id it completed
+    then is unknown (nothing remembered it), and what is completed now is remembered."""
+    data = tmp_path / "data"
+    with tarfile.open(FIXTURE) as archive:
+        archive.extractall(data, filter="data")
+    server = ThreadServer(str(data))
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stubs = Stubs(channel)
+            items = stubs.list_items("old")
+            assert sorted(i.payload for i in items) == [b"leased-before", b"ready-before"]
+            not_found(stubs.queue.Complete, queue_pb2.CompleteRequest(queue_name="old", partition=0, ids=["1.0.1"]))
+            # Whatever is leased now (the fixture's lease, unless its 24 h ran out), then the rest.
+            held = [i.id for i in items if i.is_leased]
+            taken = held + [i.id for i in lease(stubs, "old", 10).items]
+            assert len(taken) == 2
+            assert list(complete(stubs, "old", 0, taken).already_completed) == []
+            assert list(complete(stubs, "old", 0, taken).already_completed) == taken
+            assert stubs.stats("old").partitions[0].total == 0
+    finally:
+        server.stop()
