@@ -14,10 +14,10 @@ import pytest
 
 from querator_server.actor.cycle import Cycle
 from querator_server.actor.ids import item_id
-from querator_server.actor.requests import CompleteRequest, ExtendRequest, LeaseRequest, ProduceRequest
+from querator_server.actor.requests import CompleteRequest, CompleteResult, ExtendRequest, LeaseRequest, ProduceRequest, RetryRequest
 from querator_server.actor.view import PartitionView
 from querator_server.errors import FailedPrecondition, NotFound
-from querator_server.model import NewItem, QueueConfig
+from querator_server.model import NewItem, QueueConfig, RetryOrder
 from querator_server.storage import Item, QueueStore
 from querator_server.storage.keyed import KeyedIndex
 from querator_server.storage.record import item_key
@@ -58,7 +58,7 @@ def test_complete_after_the_deadline_but_before_the_requeue_succeeds(store: Queu
         cycle.lifecycle(txn, [(deadline, 0, _seq(leased))])  # type: ignore[arg-type]
 
     cycle = _run(store, config, views, late, steps)
-    assert cycle.results == [(complete, None)]
+    assert cycle.results == [(complete, CompleteResult([], 0))]
     assert (views[0].ready, views[0].leased) == (0, 0)
 
 
@@ -110,7 +110,7 @@ def test_completions_in_any_order_remove_exactly_their_items_and_expiry_keys(sto
     chosen = rng.sample(ids, 45)  # gaps, in shuffled order
     complete = _request(CompleteRequest(0, chosen, ["batch-1"]))
     cycle = _run(store, config, views, T0 + 4 * SECOND, lambda c, t: c.complete(t, complete), keyed)
-    assert cycle.results == [(complete, None)]
+    assert cycle.results == [(complete, CompleteResult([], 50))]
 
     gone = {_seq(text) for text in chosen} | set(by_key)
     left = set(deadline_of) - gone
@@ -121,7 +121,7 @@ def test_completions_in_any_order_remove_exactly_their_items_and_expiry_keys(sto
 
     rest = _request(CompleteRequest(0, [text for text in ids if text not in chosen], []))
     cycle = _run(store, config, views, T0 + 5 * SECOND, lambda c, t: c.complete(t, rest), keyed)
-    assert cycle.results == [(rest, None)]
+    assert cycle.results == [(rest, CompleteResult([], 0))]
     assert _stored_keys(store) == (set(), {}, 0)  # the runs went with their last items
     assert (views[0].ready, views[0].leased) == (0, 0)
 
@@ -282,7 +282,7 @@ def test_a_leased_batch_completed_as_it_was_handed_out_goes_in_one_pass(store: Q
     store.complete_run = counted  # type: ignore[method-assign]
     complete = _request(CompleteRequest(0, ids[1:5]))
     cycle = _run(store, config, views, T0 + SECOND, lambda c, t: c.complete(t, complete))
-    assert cycle.results == [(complete, None)]
+    assert cycle.results == [(complete, CompleteResult([], 0))]
     assert calls == [(2, 5)]
     assert _stored_keys(store)[:2] == ({1, 6, 7, 8, 9, 10}, dict.fromkeys((1, 6, 7, 8, 9, 10), T0 + 3600 * SECOND))
     assert (views[0].ready, views[0].leased, views[0].created_sum) == (4, 2, 6 * T0)
@@ -293,7 +293,7 @@ def test_a_leased_batch_completed_as_it_was_handed_out_goes_in_one_pass(store: Q
     ("case", "error", "named"),
     [
         ("one of them is ready", FailedPrecondition, "ids[5]"),
-        ("one of them is gone", NotFound, "ids[2]"),
+        ("one of them was retried", NotFound, "ids[2]"),
     ],
 )
 def test_a_run_of_ids_with_one_bad_id_completes_nothing_and_names_it(
@@ -305,9 +305,9 @@ def test_a_run_of_ids_with_one_bad_id_completes_nothing_and_names_it(
         run = _produce_and_lease(store, config, views, 10, 5) + [item_id(1, 0, 6)]  # 6 was never leased
     else:
         ids = _produce_and_lease(store, config, views, 10, 8)
-        done = _request(CompleteRequest(0, [ids[2]]))
-        _run(store, config, views, T0, lambda c, t: c.complete(t, done))
-        run = ids[:6]  # seqs 1..6 in order, 3 gone; 7 is leased too and must stay
+        done = _request(RetryRequest(0, [RetryOrder(item_id=ids[2])]))
+        _run(store, config, views, T0, lambda c, t: c.retry(t, done))
+        run = ids[:6]  # seqs 1..6 in order, 3 gone (a completed one would count as done); 7 is leased too and must stay
     before = (_stored_keys(store), views[0].leased, views[0].ready)
     with pytest.raises(error, match=re.escape(named)):
         _run(store, config, views, T0 + SECOND, lambda c, t: c.complete(t, _request(CompleteRequest(0, run))))
