@@ -14,7 +14,14 @@ import pytest
 
 from querator_server.actor.cycle import Cycle
 from querator_server.actor.ids import item_id
-from querator_server.actor.requests import CompleteRequest, CompleteResult, ExtendRequest, LeaseRequest, ProduceRequest, RetryRequest
+from querator_server.actor.requests import (
+    CompleteRequest,
+    CompleteResult,
+    ExtendRequest,
+    LeaseRequest,
+    ProduceRequest,
+    RetryRequest,
+)
 from querator_server.actor.view import PartitionView
 from querator_server.errors import FailedPrecondition, NotFound
 from querator_server.model import NewItem, QueueConfig, RetryOrder
