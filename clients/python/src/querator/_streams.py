@@ -23,7 +23,8 @@ A Lease would lease items nobody receives until their lease ran out, so its stre
 cancelled, which the server treats as a cancelled call for every request in flight on
 it: leases not yet committed take nothing. The others in flight on it fail UNAVAILABLE
 and are retried on a new stream as after any UNAVAILABLE (a Lease that completes items
-is not: as with a unary call, the caller cannot know whether the completion happened).
+too, as a unary one is, unless ``retry_complete`` is off: the server answers the ids it
+completed the first time as done).
 """
 
 from __future__ import annotations
