@@ -221,3 +221,22 @@ def test_a_data_directory_from_before_the_records_serves_unchanged(tmp_path: Pat
             assert stubs.stats("old").partitions[0].total == 0
     finally:
         server.stop()
+
+
+def test_records_left_at_a_kill9_are_still_forgotten_after_the_restart(proc: ProcessServer) -> None:
+    """The sweep's timer is set again from the records found at start, so what a kill -9
+    left is forgotten on time with no new completion to wake it."""
+    stubs = Stubs(grpc.insecure_channel(proc.address))
+    stubs.create("q", lease_timeout={"seconds": 2})
+    stubs.produce("q", [b"a"])
+    (item,) = lease(stubs, "q", 1).items
+    complete(stubs, "q", 0, [item.id])
+    assert list(complete(stubs, "q", 0, [item.id]).already_completed) == [item.id]
+    stubs.channel.close()
+    proc.kill9()
+    proc.start()
+    stubs = Stubs(grpc.insecure_channel(proc.address))
+    try:
+        wait_until(lambda: _forgotten(stubs, item.id), timeout=15)
+    finally:
+        stubs.channel.close()
