@@ -164,6 +164,46 @@ def test_a_partial_failure_names_what_was_done_and_what_was_not() -> None:
     )
 
 
+def test_a_complete_sent_again_through_other_nodes_answers_the_done_ids_as_done(cluster: Cluster) -> None:
+    """A Complete (ids and lease keys on several homes) whose answer was lost, sent again
+    through nodes that do not home the ids: the keys and ids done the first time are no
+    error, the rest is completed; the same for a Retry."""
+    n1 = cluster.nodes[0]
+    n1.stubs.create("sent-again", requested_partitions=3, lease_timeout={"seconds": 600})
+    homes = _homes(cluster, "sent-again")
+    keys = []
+    for node_id in sorted(set(homes)):
+        node = next(n for n in cluster.nodes if n.node_id == node_id)
+        node.stubs.produce("sent-again", [f"{node_id}-{i}".encode() for i in range(2)])
+        keys.append(_key_homed_on(homes, node_id, "worker"))
+        assert len(n1.stubs.lease("sent-again", 5, lease_key=keys[-1]).items) == 2
+    home = next(n for n in cluster.nodes if n.node_id == homes[0])
+    home.stubs.produce("sent-again", [b"a", b"b", b"c"])
+    leased = home.stubs.lease("sent-again", 3)
+    assert homes[leased.partition] == home.node_id
+    a, b, c = (i.id for i in leased.items)
+    away, other = [n for n in cluster.nodes if n is not home][:2]  # neither homes the ids
+    first = away.stubs.queue.Complete(
+        queue_pb2.CompleteRequest(queue_name="sent-again", partition=leased.partition, ids=[a], lease_keys=keys),
+        timeout=10,
+    )
+    assert (first.key_items_completed, list(first.already_completed)) == (2 * len(keys), [])
+    again = other.stubs.queue.Complete(
+        queue_pb2.CompleteRequest(queue_name="sent-again", partition=leased.partition, ids=[a, b], lease_keys=keys),
+        timeout=10,
+    )
+    assert (again.key_items_completed, list(again.already_completed)) == (0, [a])
+    retry = queue_pb2.RetryRequest(queue_name="sent-again", partition=leased.partition, items=[queue_pb2.RetryItem(id=c)])
+    assert list(away.stubs.queue.Retry(retry, timeout=10).already_retried) == []
+    assert list(other.stubs.queue.Retry(retry, timeout=10).already_retried) == [c]
+    assert _total(cluster, "sent-again") == 1  # c, back once
+    with pytest.raises(grpc.RpcError) as never:
+        away.stubs.queue.Complete(
+            queue_pb2.CompleteRequest(queue_name="sent-again", partition=leased.partition, ids=[a, f"{c}0"]), timeout=10
+        )
+    assert never.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 # Last in the module: it kills n3.
 def test_lease_keys_with_a_home_down_fail_naming_it_and_change_nothing_elsewhere(cluster: Cluster) -> None:
     n1, n2, n3 = cluster.nodes
@@ -179,34 +219,3 @@ def test_lease_keys_with_a_home_down_fail_naming_it_and_change_nothing_elsewhere
     # Nothing was completed on the live homes: their keys' items are still leased.
     extended = n1.stubs.queue.Extend(queue_pb2.ExtendRequest(queue_name="keys-down", lease_keys=keys[:2]), timeout=10)
     assert extended.key_items_extended == 4
-
-
-def test_a_complete_sent_again_through_other_nodes_answers_the_done_ids_as_done(cluster: Cluster) -> None:
-    """A Complete (ids and lease keys on three homes) whose answer was lost, sent again
-    through another node: the keys and ids done the first time are no error, the rest
-    is completed; the same for a Retry."""
-    n1, n2, n3 = cluster.nodes
-    n1.stubs.create("sent-again", requested_partitions=3, lease_timeout={"seconds": 600})
-    keys = _leased_under_keys(cluster, "sent-again")
-    n1.stubs.produce("sent-again", [b"a", b"b", b"c"])
-    leased = n1.stubs.lease("sent-again", 3)
-    a, b, c = (i.id for i in leased.items)
-    first = n2.stubs.queue.Complete(
-        queue_pb2.CompleteRequest(queue_name="sent-again", partition=leased.partition, ids=[a], lease_keys=keys),
-        timeout=10,
-    )
-    assert (first.key_items_completed, list(first.already_completed)) == (6, [])
-    again = n3.stubs.queue.Complete(
-        queue_pb2.CompleteRequest(queue_name="sent-again", partition=leased.partition, ids=[a, b], lease_keys=keys),
-        timeout=10,
-    )
-    assert (again.key_items_completed, list(again.already_completed)) == (0, [a])
-    retry = queue_pb2.RetryRequest(queue_name="sent-again", partition=leased.partition, items=[queue_pb2.RetryItem(id=c)])
-    assert list(n2.stubs.queue.Retry(retry, timeout=10).already_retried) == []
-    assert list(n3.stubs.queue.Retry(retry, timeout=10).already_retried) == [c]
-    assert _total(cluster, "sent-again") == 1  # c, back once
-    with pytest.raises(grpc.RpcError) as never:
-        n2.stubs.queue.Complete(
-            queue_pb2.CompleteRequest(queue_name="sent-again", partition=leased.partition, ids=[a, f"{c}0"]), timeout=10
-        )
-    assert never.value.code() == grpc.StatusCode.NOT_FOUND
