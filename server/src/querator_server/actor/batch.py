@@ -122,6 +122,7 @@ class CycleWork:
     forget_keys: bool  # idempotency or lease keys are due to be forgotten
     probes: list[int]  # faulty partitions to read again
     touch: bool  # write something, so the commit proves a failing storage works again
+    forget_done: bool = False  # records of completed items are due to be forgotten
 
 
 def cycle_body(batch: Batch, new_cycle: Callable[[], Cycle], work: CycleWork) -> Body:
@@ -141,7 +142,13 @@ def cycle_body(batch: Batch, new_cycle: Callable[[], Cycle], work: CycleWork) ->
         for request in batch.others:
             cycle.apply(txn, request, partial(_OTHER[type(request)], cycle, request=request))
         if work.lifecycle:
-            cycle.apply(txn, None, partial(cycle.lifecycle, expired_leases=work.expired, forget_keys=work.forget_keys))
+            cycle.apply(
+                txn,
+                None,
+                partial(
+                    cycle.lifecycle, expired_leases=work.expired, forget_keys=work.forget_keys, forget_done=work.forget_done
+                ),
+            )
         for p in work.probes:
             cycle.probe(txn, p)
         if cycle.unserved and cycle.ready_total():

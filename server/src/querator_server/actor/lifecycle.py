@@ -117,9 +117,11 @@ class LifecycleSteps(CycleBase):
         expired_leases: Sequence[tuple[int, int, int]],
         *,
         forget_keys: bool = False,
+        forget_done: bool = False,
     ) -> None:
         """Expired leases, due scheduled items and expired items, as of ``self.now``;
-        with ``forget_keys``, idempotency and lease keys past their window."""
+        with ``forget_keys``, idempotency and lease keys past their window; with
+        ``forget_done``, records of completed and retried items past theirs."""
         now = self.now
         if forget_keys and self.keyed is not None:
             n, self.dedup_next = self.keyed.forget_dedup_before(txn, now - self.config.dedup_window_us, LIFECYCLE_BATCH)
@@ -128,7 +130,7 @@ class LifecycleSteps(CycleBase):
             )
             if n == LIFECYCLE_BATCH or m == LIFECYCLE_BATCH:
                 self.more_lifecycle = True
-        if forget_keys:
+        if forget_done:
             self._forget_done(txn)
         faulty = self.faulty
         for deadline, p, seq in expired_leases:

@@ -793,8 +793,8 @@ class LogicalQueue:
             forget_keys=bool(
                 (self._dedup_at and self._dedup_at + self.config.dedup_window_us <= now)
                 or (self._lease_keys_at and self._lease_keys_at + self.config.lease_key_ttl_us <= now)
-                or (self._done_at and self._done_at + done_retention_us(self.config.lease_timeout_us) <= now)
             ),
+            forget_done=bool(self._done_at and self._done_at + done_retention_us(self.config.lease_timeout_us) <= now),
             probes=self._health.probing,
             touch=writable and bool(self._health.failure),
         )
