@@ -113,3 +113,25 @@ def test_with_retry_complete_off_the_lost_answer_surfaces(client: querator.Clien
         _lose_the_answer(proxy, lambda: client.queue_stats(name).partitions[0].total_leased == 0)
         thread.join(20)
         assert len(out) == 1 and isinstance(out[0], querator.Unavailable), out
+
+
+def test_a_worker_whose_completion_answer_was_lost_counts_it_completed_once(
+    client: querator.Client, proxy: Proxy
+) -> None:
+    """The worker sends the completion again and the server answers it as done (against a
+    server that answered NOT_FOUND, the worker never counted the item completed)."""
+    name = unique()
+    client.create_queue(name, lease_timeout=600)
+    client.produce(name, ["job"])
+    calls: list[str] = []
+
+    def handler(item: querator.LeasedItem) -> None:
+        calls.append(item.text)
+        proxy.drop_replies()  # the answer to the completion that follows is lost
+
+    with querator.Client(proxy.address, retries=5) as far:
+        with querator.Worker(far, name, handler, concurrency=1, batch_size=1, lease_wait=1) as worker:
+            _lose_the_answer(proxy, lambda: calls == ["job"] and client.queue_stats(name).total == 0)
+            wait_until(lambda: worker.stats.completed == 1, timeout=20)
+            stats = worker.stats
+    assert (stats.completed, stats.lost, stats.errors, calls) == (1, 0, 0, ["job"]), stats
