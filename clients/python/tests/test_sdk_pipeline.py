@@ -40,9 +40,10 @@ def test_lease_completes_the_previous_batch(client: querator.Client, queue: str)
     assert [i.text for i in second] == ["item-2", "item-3"]
     assert all(i.state == "completed" for i in first) and client.queue_stats(queue).total == 3
 
-    # All or nothing: one lost id fails the call, nothing is completed or leased.
+    # All or nothing: one lost id (never leased) fails the call, nothing is completed or leased.
+    never = querator.ItemRef(queue, 0, first[0].id.rsplit(".", 1)[0] + ".fffffff")
     with pytest.raises(querator.ItemNotFound):
-        client.lease(queue, batch_size=5, wait=0, complete=[*second, first[0]])
+        client.lease(queue, batch_size=5, wait=0, complete=[*second, never])
     assert second[0].state is None and client.queue_stats(queue).total_leased == 2
 
     # The completion is durable even when nothing is leased (wait=0, queue drained).
