@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 from cluster_helpers import Cluster, Node
-from failover_helpers import QUEUE, create_queue, digests, in_sync, wait_in_sync, wait_primary
+from failover_helpers import QUEUE, digests, in_sync, wait_in_sync, wait_primary
 
-from querator.v1 import queue_pb2
+from querator.v1 import queue_pb2, queues_pb2
 
 TTL = 2
 
@@ -24,7 +24,10 @@ def _node(cluster: Cluster, node_id: str) -> Node:
 @pytest.mark.timeout(150)
 def test_a_complete_and_a_retry_sent_again_to_the_new_primary_answer_as_done(tmp_path: Path) -> None:
     with Cluster(str(tmp_path), size=3, ttl=TTL) as cluster:
-        create_queue(cluster.nodes[0], 2, partitions=1)
+        # A lease timeout longer than the test: the records are kept that long, and no
+        # lease may run out (re-queuing its item under a new id) across the failover.
+        info = queues_pb2.QueueInfo(queue_name=QUEUE, lease_timeout={"seconds": 600}, requested_partitions=1, replicas=2)
+        cluster.nodes[0].stubs.queues.CreateQueue(queues_pb2.CreateQueueRequest(queue=info), timeout=20)
         primary, epoch = wait_primary(cluster, cluster.nodes[0])
         victim = _node(cluster, primary)
         observer = next(n for n in cluster.nodes if n.node_id != primary)
