@@ -684,6 +684,43 @@ class QueuesManager:
             log.warning("shard_copy_reset", queue=name, uid=config.uid, incarnation=copy.incarnation)
             return copy
 
+    def copy_configs(self) -> builtins.list[QueueConfig]:
+        """The copies of replicated queues this node keeps (served, passive or failed)."""
+        return [config for config in self._configs.values() if config.shard_copy]
+
+    async def drop_copy(self, name: str, uid: int) -> bool:
+        """Remove this node's copy of shard ``uid`` (queue ``name``) for good, storage
+        and all: the queue was deleted, or the copy left the shard (moved, retired). A
+        copy served here is demoted first. False when there is no such copy here."""
+        async with self._lock:
+            self._check_open()
+            config = self._configs.get(name)
+            if config is None or not config.shard_copy or config.uid != uid:
+                return False
+            await self._demote(name, "its copy leaves this node")
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(self._executor, self._require_catalog().delete, name)
+            except (StorageError, OSError) as exc:
+                raise _storage_failed(exc) from exc
+            # A crash from here on leaves storage the catalog no longer knows, which
+            # start-up removes (a directory of its own, or databases of a group).
+            del self._configs[name]
+            self._names.remove(name)
+            self._failed.pop(name, None)
+            copy = self._copies.pop(name, None)
+            if copy is not None:
+                await self._destroy_copy(copy)
+            elif config.group < 0:
+                await loop.run_in_executor(
+                    self._executor, partial(shutil.rmtree, self._queue_path(config.uid), ignore_errors=True)
+                )
+            self._lane_of.pop(config.uid, None)
+            if self.observer is not None:
+                self.observer.detach(name)
+            log.info("shard_copy_dropped", queue=name, uid=uid)
+            return True
+
     async def open_copy(self, config: QueueConfig) -> ReplicaCopy:
         """A passive copy of a replicated queue's shard, ``config.uid`` being the shard's
         (the same on every node, so item ids stay valid on any copy): made empty, or

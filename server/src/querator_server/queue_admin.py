@@ -50,11 +50,11 @@ def check_update(current: QueueConfig, updated: QueueConfig) -> None:
         raise FailedPrecondition(f"requested_partitions cannot be lowered from {current.partitions} to {updated.partitions}")
     if updated.replicas < current.replicas:
         raise InvalidArgument("queue.replicas", f"cannot be lowered (from {current.replicas} to {updated.replicas})")
-    if updated.replicas > current.replicas:
+    if updated.replicas > current.replicas and current.replicas < 2:
         raise InvalidArgument(
             "queue.replicas",
-            f"cannot be raised on an existing queue yet (from {current.replicas} to {updated.replicas}): "
-            "create a queue with the copies it needs",
+            f"a queue of one copy cannot gain copies (from {current.replicas} to {updated.replicas}): its partitions "
+            "are spread over nodes, not copied; create a queue with the copies it needs",
         )
     if updated.min_in_sync != current.min_in_sync:
         if updated.replicas < 2:

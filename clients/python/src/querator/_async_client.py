@@ -326,12 +326,14 @@ class AsyncClient(BaseClient):
         """The answering node's view of its cluster; see :meth:`querator.Client.cluster_info`."""
         return await self._transport.run(ops.cluster_info(self._config, check_members, timeout))
 
-    async def move_queue(self, queue: str, node_id: str, *, timeout: Seconds | None = None) -> ReplicaSet:
-        """Hand a replicated queue's primary over; see :meth:`querator.Client.move_queue`."""
-        return await self._transport.run(ops.move_queue(self._config, queue, node_id, timeout))
+    async def move_queue(
+        self, queue: str, node_id: str, *, from_node_id: str = "", timeout: Seconds | None = None
+    ) -> ReplicaSet:
+        """Move a replicated queue's primary or a copy; see :meth:`querator.Client.move_queue`."""
+        return await self._transport.run(ops.move_queue(self._config, queue, node_id, timeout, from_node_id))
 
     async def drain_node(self, node_id: str, *, timeout: Seconds | None = None) -> tuple[list[str], list[str]]:
-        """Move a node's primaries off it; see :meth:`querator.Client.drain_node`."""
+        """Move a node's primaries and copies off it; see :meth:`querator.Client.drain_node`."""
         return await self._transport.run(ops.drain_node(self._config, node_id, timeout))
 
     async def retire_node_discarding_data(self, node_id: str, *, timeout: Seconds | None = None) -> int:

@@ -377,15 +377,21 @@ class Client(BaseClient):
         whether it is fenced (up to 2 s for one that does not answer)."""
         return self._transport.run(ops.cluster_info(self._config, check_members, timeout))
 
-    def move_queue(self, queue: str, node_id: str, *, timeout: Seconds | None = None) -> ReplicaSet:
-        """Hand replicated ``queue``'s primary over to ``node_id``, a live node holding an
-        in-sync copy (docs/cluster.md, Replication); returns where it is kept now. Needs
-        an admin key for "*". Not retried."""
-        return self._transport.run(ops.move_queue(self._config, queue, node_id, timeout))
+    def move_queue(
+        self, queue: str, node_id: str, *, from_node_id: str = "", timeout: Seconds | None = None
+    ) -> ReplicaSet:
+        """Make ``node_id`` serve replicated ``queue``: the primary is handed over to its
+        in-sync copy there, or, on a node without a copy, the primary's copy moves there
+        (added, caught up, then the old one dropped). With ``from_node_id``, that node's
+        copy moves to ``node_id`` instead (the primary moving with it if it was the
+        primary). See docs/cluster.md, Replication; returns where it is kept now. Needs
+        an admin key for "*". Not retried; calling it again finishes a move cut short."""
+        return self._transport.run(ops.move_queue(self._config, queue, node_id, timeout, from_node_id))
 
     def drain_node(self, node_id: str, *, timeout: Seconds | None = None) -> tuple[list[str], list[str]]:
-        """Hand every replicated queue whose primary is ``node_id`` over to another live
-        in-sync copy: (queues moved, queues kept with why). Needs an admin key for "*"."""
+        """Move every replicated queue's primary and copy off ``node_id``: primaries to
+        another live in-sync copy, copies to live nodes without one (caught up first):
+        (queues moved, queues kept with why). Needs an admin key for "*"."""
         return self._transport.run(ops.drain_node(self._config, node_id, timeout))
 
     def retire_node_discarding_data(self, node_id: str, *, timeout: Seconds | None = None) -> int:

@@ -348,8 +348,10 @@ def cluster_info(config: ClientConfig, check_members: bool, timeout: Seconds | N
     return p.cluster_view(response)
 
 
-def move_queue(config: ClientConfig, queue: str, node_id: str, timeout: Seconds | None) -> Operation[ReplicaSet]:
-    request = cluster_pb2.MoveQueueRequest(queue_name=queue, node_id=node_id)
+def move_queue(
+    config: ClientConfig, queue: str, node_id: str, timeout: Seconds | None, from_node_id: str = ""
+) -> Operation[ReplicaSet]:
+    request = cluster_pb2.MoveQueueRequest(queue_name=queue, node_id=node_id, from_node_id=from_node_id)
     response = yield Call(CLUSTER, "MoveQueue", request, config.call_timeout(timeout), False)
     q = response.placement
     return ReplicaSet(q.primary, q.epoch, list(q.replicas), list(q.in_sync), q.min_in_sync)

@@ -8,11 +8,12 @@ node has applied its own change (reconcile_backend.py).
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import dataclasses
 import json
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 from ..auth import ApiKey, Role, new_key
 from ..clock import now_us
@@ -20,8 +21,10 @@ from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFoun
 from ..logging import get_logger
 from ..model import QueueConfig
 from ..queue_admin import check_dead_queue, check_deletable, check_update, key_record
+from . import shard_cas
 from .catalog import APPLY_TIMEOUT_S as _APPLY_TIMEOUT_S
 from .catalog import CatalogCache, Keys
+from .copy_moves import CATCH_UP_S, CopyMoves
 from .etcd import Etcd, EtcdError, Txn
 from .membership import Membership
 from .placement import Home, QueueEntry, place, place_shard
@@ -34,7 +37,7 @@ log = get_logger("cluster")
 _TXN_OPS = 100
 
 
-class AdminFrontend:
+class AdminFrontend(CopyMoves):
     """Part of Coordinator (coordinator.py holds the state and the wiring)."""
 
     node: str
@@ -205,7 +208,7 @@ class AdminFrontend:
         new = dataclasses.replace(entry, config=updated, homes=homes)
         key = self.keys.queue(name)
         txn.modified_at(key, entry.mod_revision).put(key, new.encode())
-        if entry.shard and updated.min_in_sync != current.min_in_sync:
+        if entry.shard and (updated.min_in_sync != current.min_in_sync or updated.replicas != current.replicas):
             # The record is what the primary's gate reads: changed in the same Txn, from
             # the version read (a concurrent ISR change makes this one retry).
             record = self.catalog.shards.get(entry.shard)
@@ -213,6 +216,9 @@ class AdminFrontend:
                 raise Unavailable(f"queue {name!r}: its shard record is not known here yet; retry")
             shard = self.catalog.shards.key(entry.shard)
             changed = dataclasses.replace(record, min_isr=updated.min_in_sync)
+            for node in self._copies_to_add(record, updated.replicas):
+                # Out of the in-sync set: the primary fills each and counts it once caught up.
+                changed = shard_cas.with_copy(changed, node)
             txn.modified_at(shard, record.mod_revision).put(shard, changed.encode())
         self._with_dead_queue(txn, updated, homes)
         await self._commit(
@@ -222,6 +228,21 @@ class AdminFrontend:
             ),
         )
         return self.get(name)
+
+    def _copies_to_add(self, record: ShardRecord, replicas: int) -> builtins.list[str]:
+        """The live nodes that take the copies raising a queue to ``replicas`` needs;
+        FAILED_PRECONDITION naming the counts when the live nodes without a copy are too few."""
+        wanted = replicas - len(record.replicas)
+        if wanted <= 0:
+            return []
+        spare = self._spare_nodes(record)
+        if len(spare) < wanted:
+            live = self._live()
+            raise FailedPrecondition(
+                f"queue {record.queue!r} needs {replicas} live nodes for its replicas, the cluster has {len(live)} live "
+                f"({', '.join(live)}), {len(spare)} of them without a copy"
+            )
+        return spare[:wanted]
 
     async def delete(self, name: str, force: bool, visible: Callable[[str], bool] | None = None) -> None:
         """Delete the queue everywhere (Router.delete checked first that it is empty,
@@ -255,8 +276,10 @@ class AdminFrontend:
         txn = self._fenced_txn().delete(name)
         await self._commit(txn, lambda: NotFound(f"key {key_id!r} does not exist"))
 
-    async def retire(self, node: str) -> int:
-        """Recreate ``node``'s partitions, empty, on the live nodes; its items are lost."""
+    async def retire(self, node: str) -> tuple[int, int]:
+        """Recreate ``node``'s partitions, empty, on the live nodes (its items are lost),
+        and its copies of replicated queues from their other copies: (partitions
+        recreated, copies made again)."""
         if not node:
             raise InvalidArgument("node_id", "is required")
         if node == self.node or node in self.catalog.members:
@@ -265,7 +288,7 @@ class AdminFrontend:
         owned = [e for e in self.catalog.queues.values() if not e.shard and any(h.node == node for h in e.homes)]
         copies = sorted((r for r in self.catalog.shards.records() if node in r.replicas), key=lambda r: r.queue)
         if not owned and not copies and node in self.catalog.retired:
-            return 0
+            return 0, 0
         if not owned and not copies:
             # Retiring bans the id for ever: an id the catalog does not know (a typo) must
             # not be banned, and a node that homes nothing has nothing to give up.
@@ -276,14 +299,16 @@ class AdminFrontend:
         live = self._live()
         if not live:
             raise Unavailable("no live node to recreate the partitions on")
-        await self._drop_copies(node, copies)
+        remade = await self._drop_copies(node, copies)
         if not owned:
             await self._commit(
                 self._fenced_txn().created_at(self.keys.member(node), 0).put(self.keys.retired(node), b"{}"),
                 lambda: FailedPrecondition(f"node {node!r} came back meanwhile; it was not retired"),
             )
-            log.warning("cluster_node_retired_by_admin", node=node, partitions_recreated=0, copies_dropped=len(copies))
-            return 0
+            log.warning(
+                "cluster_node_retired_by_admin", node=node, partitions_recreated=0, copies_dropped=len(copies), copies_remade=remade
+            )
+            return 0, remade
         queues = self.catalog.queues
         work: dict[str, builtins.list[Home]] = {}
         moved = 0
@@ -324,14 +349,18 @@ class AdminFrontend:
                 txn, ops = self._fenced_txn().created_at(self.keys.member(node), 0), 0
         if ops:
             await self._commit(txn, lambda: FailedPrecondition("the catalog changed meanwhile (or the node came back); retry"))
-        log.warning("cluster_node_retired_by_admin", node=node, partitions_recreated=moved)
-        return moved
+        log.warning("cluster_node_retired_by_admin", node=node, partitions_recreated=moved, copies_remade=remade)
+        return moved, remade
 
-    async def _drop_copies(self, node: str, copies: builtins.list[ShardRecord]) -> None:
+    async def _drop_copies(self, node: str, copies: builtins.list[ShardRecord]) -> int:
         """Take a node being retired out of each replicated queue it keeps a copy of: a
         queue it is still primary of goes to another live in-sync copy first; one whose
         only in-sync copy it holds is refused (nothing else has what it acknowledged).
-        The queues keep one copy fewer (their min_in_sync capped at what is left)."""
+        Each copy is made again on a live node without one (added before the dead one
+        is dropped, so the queue's min_in_sync stays), filled from the survivors by its
+        primary; with no such node the queue keeps one copy fewer (its min_in_sync
+        capped at what is left). Returns the copies made again."""
+        planned: Counter[str] = Counter()
         for record in copies:
             if record.primary == node:
                 others = [n for n, i in record.isr if n != node and i and n in self.catalog.members]
@@ -341,10 +370,12 @@ class AdminFrontend:
                         "(bring the node back, or delete the queue)"
                     )
                 record = await self._hand_over(record, others[0], leaving=node)
-            try:
-                await self.catalog.shards.drop_copy(record, node)
-            except Deposed as exc:
-                raise FailedPrecondition(f"queue {record.queue!r} changed meanwhile ({exc.message}); retry") from None
+            spare = self._spare_nodes(record, planned)
+            if spare:
+                record = await self._add_copy(record, spare[0])
+                planned[spare[0]] += 1
+            await self._drop_copy(record, node)
+        return sum(planned.values())
 
     # -- replicated queues: hand-overs ------------------------------------------------
 
@@ -352,10 +383,14 @@ class AdminFrontend:
         """Whether ``node`` is live and holds a copy claimed in the record's in-sync set."""
         return node in self.catalog.members and any(n == node and i for n, i in record.isr)
 
-    async def move(self, name: str, node: str) -> ShardRecord:
-        """Hand queue ``name``'s primary over to ``node``: an election with the in-sync set
-        unchanged (every member has every acknowledged change), so nothing acknowledged
-        is lost and the old primary stays a copy."""
+    async def move(self, name: str, node: str, source: str = "", within: float = CATCH_UP_S) -> ShardRecord:
+        """Make ``node`` serve queue ``name``, or with ``source``, move ``source``'s copy to
+        ``node``. A node holding an in-sync copy: the primary is handed over (an election
+        with the in-sync set unchanged: every member has every acknowledged change, so
+        nothing acknowledged is lost and the old primary stays a copy). A node holding
+        none: a copy is added there and caught up (waited for up to ``within`` s), the
+        primary handed over to it if the moved copy (``source``, else the primary's) was
+        the primary, and the moved copy dropped."""
         if not node:
             raise InvalidArgument("node_id", "is required")
         entry = self.catalog.queues.get(name)
@@ -366,13 +401,29 @@ class AdminFrontend:
             raise FailedPrecondition(
                 f"queue {name!r} keeps one copy of each partition (replicas 1): its partitions cannot move"
             )
+        if source:
+            if source == node:
+                raise InvalidArgument("from_node_id", f"names the target node {node!r} itself")
+            if source not in record.replicas:
+                if node in record.replicas:  # this move made already (the call again): done
+                    return record
+                raise FailedPrecondition(
+                    f"from_node_id: node {source!r} holds no copy of queue {name!r} (copies: {', '.join(record.replicas)})"
+                )
+            # ``node`` holding a copy while the queue has one more than it keeps: a move
+            # cut short (its deadline) after it added the copy; this call finishes it.
+            if node in record.replicas and len(record.replicas) <= entry.config.replicas:
+                raise FailedPrecondition(
+                    f"node {node!r} holds a copy of queue {name!r} already (copies: {', '.join(record.replicas)}); "
+                    "a copy moves to a node without one"
+                )
+            return await self._move_copy(record, source, node, within)
+        # A node without a copy, or one a move cut short added (the queue has a copy more
+        # than it keeps): the primary's copy moves there.
+        if node not in record.replicas or (len(record.replicas) > entry.config.replicas and record.primary != node):
+            return await self._move_copy(record, record.primary, node, within)
         if record.primary == node:
             return record
-        if node not in record.replicas:
-            raise FailedPrecondition(
-                f"node {node!r} holds no copy of queue {name!r} (copies: {', '.join(record.replicas)}); "
-                "adding a copy on another node is not supported yet"
-            )
         if not self._in_sync_here(record, node):
             state = "not live" if node not in self.catalog.members else "not in sync"
             raise FailedPrecondition(
@@ -380,6 +431,21 @@ class AdminFrontend:
                 f"(in sync: {', '.join(n for n, i in record.isr if i) or 'none'}); retry once it is"
             )
         return await self._hand_over(record, node)
+
+    async def _move_copy(self, record: ShardRecord, source: str, node: str, within: float) -> ShardRecord:
+        """Move ``source``'s copy to ``node`` (live, without one, or with the copy an
+        earlier call added): add it, wait until the primary has it in sync, hand the
+        primary over to it if ``source`` was the primary, drop ``source``'s copy."""
+        if node not in self.catalog.members:
+            raise FailedPrecondition(f"node {node!r} is not live; a copy is made only on a live node")
+        if node not in record.replicas:
+            record = await self._add_copy(record, node)
+        record = await self._caught_up(record.uid, node, within)
+        if record.primary == source:
+            record = await self._hand_over(record, node, leaving=source)
+        dropped = await self._drop_copy(record, source)
+        await self.catalog.wait_applied(dropped.mod_revision, _APPLY_TIMEOUT_S)
+        return dropped
 
     async def _hand_over(self, record: ShardRecord, node: str, leaving: str = "") -> ShardRecord:
         """Elect ``node``; ``leaving``: a node about to stop, left out of the in-sync set
@@ -397,10 +463,15 @@ class AdminFrontend:
         log.info("cluster_primary_moved", queue=record.queue, shard=record.uid, old=record.primary, new=node, epoch=elected.epoch)
         return elected
 
-    async def drain(self, node: str, leaving: bool = False) -> tuple[builtins.list[str], builtins.list[str]]:
+    async def drain(
+        self, node: str, leaving: bool = False, copies: bool = False, within: float = CATCH_UP_S
+    ) -> tuple[builtins.list[str], builtins.list[str]]:
         """Hand every replicated queue whose primary is ``node`` over to another live
         in-sync copy (the one serving the fewest primaries): (moved, kept with why).
-        ``leaving``: ``node`` is stopping, so it also leaves the in-sync sets it can."""
+        ``leaving``: ``node`` is stopping, so it also leaves the in-sync sets it can.
+        ``copies``: move its copies too, each to a live node without one (added, caught
+        up, then ``node``'s dropped; a primary with no other in-sync copy is handed to
+        its new copy); a copy stays when every live node has one already."""
         if not node:
             raise InvalidArgument("node_id", "is required")
         if node not in self.catalog.members and not any(node in r.replicas for r in self.catalog.shards.records()):
@@ -416,7 +487,8 @@ class AdminFrontend:
                 key=lambda n: (primaries[n], n),
             )
             if not others:
-                kept.append(f"{record.queue}: no other live in-sync copy")
+                if not (copies and self._spare_nodes(record)):  # else its copy's move hands it over
+                    kept.append(f"{record.queue}: no other live in-sync copy")
                 continue
             try:
                 await self._hand_over(record, others[0], node if leaving else "")
@@ -424,4 +496,29 @@ class AdminFrontend:
                 kept.append(f"{record.queue}: {exc.message}")
                 continue
             moved.append(record.queue)
-        return moved, kept
+        if copies:
+            await self._drain_copies(node, within, moved, kept)
+        return sorted(set(moved)), sorted(kept)
+
+    async def _drain_copies(self, node: str, within: float, moved: builtins.list[str], kept: builtins.list[str]) -> None:
+        """Move ``node``'s copies to live nodes without one, all at once (each waits for
+        its own catch-up)."""
+        planned: Counter[str] = Counter()
+        jobs: builtins.list[tuple[str, Awaitable[ShardRecord]]] = []
+        for record in sorted(self.catalog.shards.records(), key=lambda r: r.queue):
+            if node not in record.replicas:
+                continue
+            spare = self._spare_nodes(record, planned)
+            if not spare:
+                kept.append(f"{record.queue}: its copy stays, every live node has one")
+                continue
+            planned[spare[0]] += 1
+            jobs.append((record.queue, self._move_copy(record, node, spare[0], within)))
+        results = await asyncio.gather(*(job for _, job in jobs), return_exceptions=True)
+        for (queue, _), result in zip(jobs, results, strict=True):
+            if isinstance(result, QueratorError):
+                kept.append(f"{queue}: {result.message}")
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                moved.append(queue)

@@ -51,13 +51,16 @@ class ReconcileBackend:
                 member is None or member.create_revision != registered
             ):
                 self.membership.lost()
-            for entry in _dead_queues_first(catalog.queues.values()):
-                await self._apply(entry)
             shards = {entry.shard for entry in catalog.queues.values() if entry.shard}
             for uid in self.roles.held() - shards:
                 await self.roles.forget(uid)
+            # Before the queues: a copy left over from a deleted generation of a queue
+            # must go before the current generation's copy is made under that name.
+            await self._drop_stale_copies()
+            for entry in _dead_queues_first(catalog.queues.values()):
+                await self._apply(entry)
             for config in [actor.config for actor in self.manager.queues()]:
-                if config.name in catalog.queues:
+                if config.name in catalog.queues or config.shard_copy:  # copies: _drop_stale_copies
                     continue
                 if config.name not in catalog.deleted:  # never in this cluster: kept, not served
                     if config.name not in self._foreign:
@@ -147,6 +150,25 @@ class ReconcileBackend:
                 await self._settle(config, self.manager.actor(config.name).config)
         except QueratorError as exc:
             log.error("cluster_reconcile_failed", queue=entry.config.name, shard=entry.shard, error=exc.message)
+
+    async def _drop_stale_copies(self) -> None:
+        """Remove the local copies of replicated queues the catalog no longer gives this
+        node: the queue was deleted (while this node was up or down: a copy comes back
+        with the node's data directory), created again as another shard, or this node's
+        copy left the shard (a move, a drain, a retire). A copy is kept while its shard
+        record is not known here (nothing says it is not needed)."""
+        for config in self.manager.copy_configs():
+            entry = self.catalog.queues.get(config.name)
+            if entry is not None and entry.shard == config.uid:
+                record = self.catalog.shards.get(entry.shard)
+                if record is None or self.node in record.replicas:
+                    continue
+            try:
+                await self.roles.forget(config.uid)
+                if await self.manager.drop_copy(config.name, config.uid):
+                    log.info("cluster_copy_removed", queue=config.name, shard=config.uid)
+            except QueratorError as exc:
+                log.warning("cluster_copy_remove_failed", queue=config.name, shard=config.uid, error=exc.message)
 
     async def _set_aside_or_drop(self, name: str, reason: str) -> None:
         """A local queue the catalog's entry of that name does not match: never dropped

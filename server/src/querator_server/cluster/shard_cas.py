@@ -146,6 +146,18 @@ def without_copy(record: ShardRecord, node: str) -> ShardRecord:
     return dataclasses.replace(record, replicas=replicas, isr=isr, min_isr=min(record.min_isr, len(replicas)))
 
 
+def with_copy(record: ShardRecord, node: str) -> ShardRecord:
+    """``record`` with a new, empty copy on ``node``: in the copies, not in the ISR.
+    The primary ships to it (a snapshot first) and counts it once it holds every
+    change acknowledged so far (expand_isr); until then nothing waits for it."""
+    if node in record.replicas:
+        raise ValueError(f"shard {record.uid}: {node!r} holds a copy already (copies: {list(record.replicas)})")
+    # A copy of the node left over in the ISR (it cannot be: without_copy removes it)
+    # would be counted with an incarnation that is not the new copy's.
+    isr = tuple(entry for entry in record.isr if entry[0] != node)
+    return dataclasses.replace(record, replicas=(*record.replicas, node), isr=isr)
+
+
 async def next_uid(etcd: Etcd, key: bytes) -> int:
     """A shard uid never handed out before (a CAS on the counter ``key``)."""
     for _ in range(_UID_ATTEMPTS):

@@ -139,5 +139,9 @@ class ShardTable:
         """Remove ``node``'s copy (a node retired for good); never the primary's."""
         return await self._swap(record, shard_cas.without_copy(record, node))
 
+    async def add_copy(self, record: ShardRecord, node: str) -> ShardRecord:
+        """Add an empty copy on ``node`` (out of the ISR until the primary caught it up)."""
+        return await self._swap(record, shard_cas.with_copy(record, node))
+
     async def next_uid(self) -> int:
         return await shard_cas.next_uid(self._etcd, self.counter_key)

@@ -229,6 +229,7 @@ class ShardReplication:
         self._monitor: asyncio.Task[None] | None = None
         # The highest lsn answered (replicated() returned): every counted copy holds it.
         self.released = copy.position().lsn
+        self._stopping: set[asyncio.Task[None]] = set()  # links of copies that left, stopping
         self._adding: set[str] = set()  # being added to etcd's ISR right now (counted already)
         self.below_min = ""  # why a lagging copy could not be dropped (the minimum), if so
         self.shrinks = 0
@@ -456,6 +457,12 @@ class ShardReplication:
                 if node != self.node and node not in self.links:
                     link = self.links[node] = ReplicaLink(self, node)
                     link.start()
+            # A copy that left the shard (moved, dropped): its link stops, or its stale
+            # position would hold the offered-changes bookkeeping back for ever.
+            for node in [n for n in self.links if n not in record.replicas and n not in self.counted]:
+                stopping = asyncio.get_running_loop().create_task(self.links.pop(node).stop())
+                self._stopping.add(stopping)
+                stopping.add_done_callback(self._stopping.discard)
         self.notify()
 
     async def _shrink(self, node: str, why: str) -> None:

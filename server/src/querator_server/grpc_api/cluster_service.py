@@ -11,6 +11,7 @@ import grpc
 from querator.v1 import cluster_pb2 as pb
 
 from ..auth import Action
+from ..cluster.copy_moves import CATCH_UP_S
 from ..errors import FailedPrecondition, InvalidArgument, QueratorError, Unavailable
 from ..manager import QueuesManager
 from . import convert as c
@@ -86,8 +87,8 @@ class ClusterService:
     ) -> pb.RetireNodeDiscardingDataResponse:
         if self.cluster is None:
             raise FailedPrecondition("this server is not part of a cluster")
-        moved = await self.cluster.retire(request.node_id)
-        return pb.RetireNodeDiscardingDataResponse(partitions_recreated=moved)
+        moved, remade = await self.cluster.retire(request.node_id)
+        return pb.RetireNodeDiscardingDataResponse(partitions_recreated=moved, copies_recreated=remade)
 
     # -- replicated queues: hand-overs -------------------------------------------------
 
@@ -97,7 +98,7 @@ class ClusterService:
         if self.cluster is None:
             raise FailedPrecondition("this server is not part of a cluster: a queue has one copy")
         name = c.queue_name(request.queue_name)
-        await self.cluster.move(name, request.node_id)
+        await self.cluster.move(name, request.node_id, request.from_node_id, _catch_up_within(context))
         catalog = self.cluster.catalog
         return pb.MoveQueueResponse(placement=_placement(catalog, catalog.queues[name]))
 
@@ -106,7 +107,7 @@ class ClusterService:
     ) -> pb.DrainNodeResponse:
         if self.cluster is None:
             raise FailedPrecondition("this server is not part of a cluster")
-        moved, kept = await self.cluster.drain(request.node_id)
+        moved, kept = await self.cluster.drain(request.node_id, copies=True, within=_catch_up_within(context))
         return pb.DrainNodeResponse(moved=moved, kept=kept)
 
     # -- queues set aside (manager.set_aside) -------------------------------------------
@@ -221,3 +222,12 @@ def _placement(catalog: CatalogCache, entry: QueueEntry) -> pb.QueuePlacement:
         placement.primary = record.primary
         placement.min_in_sync = record.min_isr
     return placement
+
+
+def _catch_up_within(context: grpc.aio.ServicerContext[Any, Any]) -> float:
+    """How long a move may wait for a new copy's catch-up: the caller's deadline less a
+    margin for the answer, at most CATCH_UP_S."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return CATCH_UP_S
+    return max(0.0, min(CATCH_UP_S, remaining - 1.0))

@@ -250,16 +250,22 @@ class RetireNodeDiscardingDataResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PARTITIONS_RECREATED_FIELD_NUMBER: _builtins.int
+    COPIES_RECREATED_FIELD_NUMBER: _builtins.int
     partitions_recreated: _builtins.int
     """How many partitions (over all queues) were recreated, empty, elsewhere."""
+    copies_recreated: _builtins.int
+    """How many copies of replicated queues were made again on live nodes, filled
+    from their queues' other copies (nothing lost).
+    """
     def __init__(
         self,
         *,
         partitions_recreated: _builtins.int = ...,
+        copies_recreated: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["partitions_recreated", b"partitions_recreated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copies_recreated", b"copies_recreated", "partitions_recreated", b"partitions_recreated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -419,25 +425,33 @@ Global___RemoveSetAsideQueueResponse: _TypeAlias = RemoveSetAsideQueueResponse  
 
 @_typing.final
 class MoveQueueRequest(_message.Message):
-    """MoveQueueRequest names the replicated queue and its new primary."""
+    """MoveQueueRequest names the replicated queue and where it goes."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     QUEUE_NAME_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
+    FROM_NODE_ID_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue (its replicas above 1)."""
     node_id: _builtins.str
-    """The node to serve it: live, holding an in-sync copy."""
+    """The node to serve it (live, holding an in-sync copy), or to take a copy
+    (live, holding none).
+    """
+    from_node_id: _builtins.str
+    """The copy to move to node_id, which must hold none (empty: the primary's, and
+    node_id serves the queue after the move).
+    """
     def __init__(
         self,
         *,
         queue_name: _builtins.str = ...,
         node_id: _builtins.str = ...,
+        from_node_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "queue_name", b"queue_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_node_id", b"from_node_id", "node_id", b"node_id", "queue_name", b"queue_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

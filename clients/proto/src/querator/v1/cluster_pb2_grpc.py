@@ -95,10 +95,12 @@ class ClusterServiceServicer:
         FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
         homes no partition (an id the cluster does not know is never banned);
         retiring a node already retired answers 0. A replicated queue keeping a
-        copy on the node loses that copy (one copy fewer, nothing acknowledged lost;
-        a queue it is primary of is handed over to another live in-sync copy
-        first); FAILED_PRECONDITION, nothing retired, when the node holds a queue's
-        only in-sync copy. Needs an admin key for "*".
+        copy on the node loses that copy (nothing acknowledged is lost; a queue it
+        is primary of is handed over to another live in-sync copy first), and a
+        copy is made again on a live node holding none, filled from
+        the queue's other copies; with no such node the queue keeps one copy fewer.
+        FAILED_PRECONDITION, nothing retired, when the node holds a queue's only
+        in-sync copy. Needs an admin key for "*".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -124,23 +126,33 @@ class ClusterServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def MoveQueue(self, request, context):
-        """MoveQueue hands a replicated queue's primary over to node_id, which must be
-        live and hold an in-sync copy: an election (epoch + 1) with the in-sync set
-        unchanged, so the old primary stays a copy. Calls in flight on the old
-        primary answer UNAVAILABLE; nothing acknowledged is lost. FAILED_PRECONDITION
-        for a queue of one copy, a node without a copy (adding one is not supported
-        yet) or a copy not in sync; NOT_FOUND for an unknown queue. Moving to the
-        current primary changes nothing. Needs an admin key for "*".
+        """MoveQueue moves a replicated queue's primary, or one of its copies, to
+        node_id. To a live node holding an in-sync copy: the primary is handed over,
+        an election (epoch + 1) with the in-sync set unchanged, so the old primary
+        stays a copy. To a live node holding no copy: a copy is added there, filled
+        from the primary (a snapshot) and counted in the in-sync set once it holds
+        every acknowledged change; then, if the copy moved (from_node_id's, else the
+        primary's) was the primary, the primary is handed over to the new copy, and
+        the moved copy is dropped (its node deletes it). The call waits for the catch-
+        up up to its deadline (at most 60 s): UNAVAILABLE if it is not done by then,
+        the new copy staying and catching up; the same call again finishes the move.
+        Calls in flight on the old primary answer UNAVAILABLE; nothing acknowledged is
+        lost. FAILED_PRECONDITION for a queue of one copy, a node not live, a copy not
+        in sync, or from_node_id holding no copy; NOT_FOUND for an unknown queue.
+        Moving to the current primary changes nothing. Needs an admin key for "*".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DrainNode(self, request, context):
-        """DrainNode hands every replicated queue whose primary is node_id over to
-        another live in-sync copy (the one serving the fewest primaries), as
-        MoveQueue does, e.g. before the node is stopped for maintenance. Its copies
-        stay where they are. Needs an admin key for "*".
+        """DrainNode moves everything of the replicated queues off node_id, e.g. before
+        it is decommissioned: each queue whose primary it is is handed over to
+        another live in-sync copy (the one serving the fewest primaries), and each
+        copy it keeps moves to a live node without one, as MoveQueue moves a copy
+        (added, caught up, then the node's dropped; all queues at once, waiting up to
+        the call's deadline, at most 60 s). A copy stays where every live node has
+        one already (listed in kept). Needs an admin key for "*".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

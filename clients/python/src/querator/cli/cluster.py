@@ -185,7 +185,7 @@ def cmd_retire(args: argparse.Namespace, client: Client) -> int:
 
 
 def cmd_move(args: argparse.Namespace, client: Client) -> int:
-    copies = client.move_queue(args.queue, args.node_id)
+    copies = client.move_queue(args.queue, args.node_id, from_node_id=args.from_node or "")
     return done(
         args,
         f"queue {args.queue}: primary {copies.primary}, epoch {copies.epoch}, in sync {','.join(copies.in_sync)}",
@@ -199,7 +199,7 @@ def cmd_drain(args: argparse.Namespace, client: Client) -> int:
     if args.json:
         emit_json({"node_id": args.node_id, "moved": moved, "kept": kept}, sys.stdout)
     else:
-        print(f"node {args.node_id}: {len(moved)} primar{'y' if len(moved) == 1 else 'ies'} moved off")
+        print(f"node {args.node_id}: {len(moved)} queue{'' if len(moved) == 1 else 's'} moved off")
         for name in moved:
             print(f"moved  {name}")
         for why in kept:
@@ -271,14 +271,22 @@ def register(commands: Commands) -> None:
     p = cluster.leaf(
         "move",
         cmd_move,
-        "hand a replicated queue's primary over to NODE, a live node holding an in-sync copy (nothing is lost)",
+        "make NODE serve a replicated queue: the primary is handed over to NODE's in-sync copy, or, when NODE "
+        "has none, the primary's copy moves there (a copy is added, caught up, then the old one dropped); "
+        "nothing is lost. Running it again finishes a move its deadline cut short",
     )
     p.add_argument("queue", metavar="QUEUE", help="the replicated queue")
-    p.add_argument("node_id", metavar="NODE", help="its new primary")
+    p.add_argument("node_id", metavar="NODE", help="its new primary, or with --from the node taking the copy")
+    p.add_argument(
+        "--from", dest="from_node", metavar="NODE",
+        help="move this node's copy to NODE (which holds none) instead; the primary moves with it if it was the primary",
+    )
     p = cluster.leaf(
         "drain",
         cmd_drain,
-        "hand every replicated queue whose primary is NODE over to another live in-sync copy (before maintenance)",
+        "move every replicated queue's primary and copy off NODE (before decommissioning it): primaries to "
+        "another live in-sync copy, copies to live nodes without one (caught up first); exits "
+        f"{UNHEALTHY} when something stays (listed as kept)",
     )
-    p.add_argument("node_id", metavar="NODE", help="the node to drain of primaries")
+    p.add_argument("node_id", metavar="NODE", help="the node to drain")
     register_set_aside(cluster)

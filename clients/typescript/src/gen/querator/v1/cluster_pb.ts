@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file querator/v1/cluster.proto.
  */
 export const file_querator_v1_cluster: GenFile = /*@__PURE__*/
-  fileDesc("ChlxdWVyYXRvci92MS9jbHVzdGVyLnByb3RvEgtxdWVyYXRvci52MSJAChJDbHVzdGVySW5mb1JlcXVlc3QSEwoLcXVldWVfbmFtZXMYASADKAkSFQoNY2hlY2tfbWVtYmVycxgCIAEoCCK9AQoTQ2x1c3RlckluZm9SZXNwb25zZRIRCgljbHVzdGVyZWQYASABKAgSDwoHbm9kZV9pZBgCIAEoCRIQCghyZXZpc2lvbhgDIAEoAxIrCgdtZW1iZXJzGAQgAygLMhoucXVlcmF0b3IudjEuQ2x1c3Rlck1lbWJlchIrCgZxdWV1ZXMYBSADKAsyGy5xdWVyYXRvci52MS5RdWV1ZVBsYWNlbWVudBIWCg5hZG1pbl93cml0YWJsZRgGIAEoCCJkCg1DbHVzdGVyTWVtYmVyEg8KB25vZGVfaWQYASABKAkSDwoHYWRkcmVzcxgCIAEoCRIMCgRsaXZlGAMgASgIEg4KBmZlbmNlZBgEIAEoCBITCgtjaGVja19lcnJvchgFIAEoCSKjAQoOUXVldWVQbGFjZW1lbnQSEgoKcXVldWVfbmFtZRgBIAEoCRINCgVob21lcxgCIAMoCRIWCg5rZXlfcGFydGl0aW9ucxgDIAEoBRIQCghyZXBsaWNhcxgEIAMoCRIPCgdpbl9zeW5jGAUgAygJEg0KBWVwb2NoGAYgASgDEg8KB3ByaW1hcnkYByABKAkSEwoLbWluX2luX3N5bmMYCCABKAUiMgofUmV0aXJlTm9kZURpc2NhcmRpbmdEYXRhUmVxdWVzdBIPCgdub2RlX2lkGAEgASgJIkAKIFJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YVJlc3BvbnNlEhwKFHBhcnRpdGlvbnNfcmVjcmVhdGVkGAEgASgFIiwKGUxpc3RTZXRBc2lkZVF1ZXVlc1JlcXVlc3QSDwoHbm9kZV9pZBgBIAEoCSKvAQoNU2V0QXNpZGVRdWV1ZRIPCgdub2RlX2lkGAEgASgJEhQKDHNldF9hc2lkZV9pZBgCIAEoCRISCgpxdWV1ZV9uYW1lGAMgASgJEg0KBWl0ZW1zGAQgASgDEg4KBnJlYXNvbhgFIAEoCRIwCgxzZXRfYXNpZGVfYXQYBiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhIKCnBhcnRpdGlvbnMYByABKAUiYgoaTGlzdFNldEFzaWRlUXVldWVzUmVzcG9uc2USKgoGcXVldWVzGAEgAygLMhoucXVlcmF0b3IudjEuU2V0QXNpZGVRdWV1ZRIYChB1bmFuc3dlcmVkX25vZGVzGAIgAygJIkMKGlJlbW92ZVNldEFzaWRlUXVldWVSZXF1ZXN0Eg8KB25vZGVfaWQYASABKAkSFAoMc2V0X2FzaWRlX2lkGAIgASgJIkoKG1JlbW92ZVNldEFzaWRlUXVldWVSZXNwb25zZRIrCgdyZW1vdmVkGAEgASgLMhoucXVlcmF0b3IudjEuU2V0QXNpZGVRdWV1ZSI3ChBNb3ZlUXVldWVSZXF1ZXN0EhIKCnF1ZXVlX25hbWUYASABKAkSDwoHbm9kZV9pZBgCIAEoCSJDChFNb3ZlUXVldWVSZXNwb25zZRIuCglwbGFjZW1lbnQYASABKAsyGy5xdWVyYXRvci52MS5RdWV1ZVBsYWNlbWVudCIjChBEcmFpbk5vZGVSZXF1ZXN0Eg8KB25vZGVfaWQYASABKAkiMAoRRHJhaW5Ob2RlUmVzcG9uc2USDQoFbW92ZWQYASADKAkSDAoEa2VwdBgCIAMoCTLEBAoOQ2x1c3RlclNlcnZpY2USUAoLQ2x1c3RlckluZm8SHy5xdWVyYXRvci52MS5DbHVzdGVySW5mb1JlcXVlc3QaIC5xdWVyYXRvci52MS5DbHVzdGVySW5mb1Jlc3BvbnNlEncKGFJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YRIsLnF1ZXJhdG9yLnYxLlJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YVJlcXVlc3QaLS5xdWVyYXRvci52MS5SZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXNwb25zZRJlChJMaXN0U2V0QXNpZGVRdWV1ZXMSJi5xdWVyYXRvci52MS5MaXN0U2V0QXNpZGVRdWV1ZXNSZXF1ZXN0GicucXVlcmF0b3IudjEuTGlzdFNldEFzaWRlUXVldWVzUmVzcG9uc2USaAoTUmVtb3ZlU2V0QXNpZGVRdWV1ZRInLnF1ZXJhdG9yLnYxLlJlbW92ZVNldEFzaWRlUXVldWVSZXF1ZXN0GigucXVlcmF0b3IudjEuUmVtb3ZlU2V0QXNpZGVRdWV1ZVJlc3BvbnNlEkoKCU1vdmVRdWV1ZRIdLnF1ZXJhdG9yLnYxLk1vdmVRdWV1ZVJlcXVlc3QaHi5xdWVyYXRvci52MS5Nb3ZlUXVldWVSZXNwb25zZRJKCglEcmFpbk5vZGUSHS5xdWVyYXRvci52MS5EcmFpbk5vZGVSZXF1ZXN0Gh4ucXVlcmF0b3IudjEuRHJhaW5Ob2RlUmVzcG9uc2VCpwEKDmlvLnF1ZXJhdG9yLnYxQgxDbHVzdGVyUHJvdG9QAVo6Z2l0aHViLmNvbS9xdWVyYXRvci9xdWVyYXRvci9nZW4vZ28vcXVlcmF0b3IvdjE7cXVlcmF0b3J2MaICA1FYWKoCC1F1ZXJhdG9yLlYxygILUXVlcmF0b3JcVjHiAhdRdWVyYXRvclxWMVxHUEJNZXRhZGF0YeoCDFF1ZXJhdG9yOjpWMWIGcHJvdG8z", [file_google_protobuf_timestamp]);
+  fileDesc("ChlxdWVyYXRvci92MS9jbHVzdGVyLnByb3RvEgtxdWVyYXRvci52MSJAChJDbHVzdGVySW5mb1JlcXVlc3QSEwoLcXVldWVfbmFtZXMYASADKAkSFQoNY2hlY2tfbWVtYmVycxgCIAEoCCK9AQoTQ2x1c3RlckluZm9SZXNwb25zZRIRCgljbHVzdGVyZWQYASABKAgSDwoHbm9kZV9pZBgCIAEoCRIQCghyZXZpc2lvbhgDIAEoAxIrCgdtZW1iZXJzGAQgAygLMhoucXVlcmF0b3IudjEuQ2x1c3Rlck1lbWJlchIrCgZxdWV1ZXMYBSADKAsyGy5xdWVyYXRvci52MS5RdWV1ZVBsYWNlbWVudBIWCg5hZG1pbl93cml0YWJsZRgGIAEoCCJkCg1DbHVzdGVyTWVtYmVyEg8KB25vZGVfaWQYASABKAkSDwoHYWRkcmVzcxgCIAEoCRIMCgRsaXZlGAMgASgIEg4KBmZlbmNlZBgEIAEoCBITCgtjaGVja19lcnJvchgFIAEoCSKjAQoOUXVldWVQbGFjZW1lbnQSEgoKcXVldWVfbmFtZRgBIAEoCRINCgVob21lcxgCIAMoCRIWCg5rZXlfcGFydGl0aW9ucxgDIAEoBRIQCghyZXBsaWNhcxgEIAMoCRIPCgdpbl9zeW5jGAUgAygJEg0KBWVwb2NoGAYgASgDEg8KB3ByaW1hcnkYByABKAkSEwoLbWluX2luX3N5bmMYCCABKAUiMgofUmV0aXJlTm9kZURpc2NhcmRpbmdEYXRhUmVxdWVzdBIPCgdub2RlX2lkGAEgASgJIloKIFJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YVJlc3BvbnNlEhwKFHBhcnRpdGlvbnNfcmVjcmVhdGVkGAEgASgFEhgKEGNvcGllc19yZWNyZWF0ZWQYAiABKAUiLAoZTGlzdFNldEFzaWRlUXVldWVzUmVxdWVzdBIPCgdub2RlX2lkGAEgASgJIq8BCg1TZXRBc2lkZVF1ZXVlEg8KB25vZGVfaWQYASABKAkSFAoMc2V0X2FzaWRlX2lkGAIgASgJEhIKCnF1ZXVlX25hbWUYAyABKAkSDQoFaXRlbXMYBCABKAMSDgoGcmVhc29uGAUgASgJEjAKDHNldF9hc2lkZV9hdBgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEgoKcGFydGl0aW9ucxgHIAEoBSJiChpMaXN0U2V0QXNpZGVRdWV1ZXNSZXNwb25zZRIqCgZxdWV1ZXMYASADKAsyGi5xdWVyYXRvci52MS5TZXRBc2lkZVF1ZXVlEhgKEHVuYW5zd2VyZWRfbm9kZXMYAiADKAkiQwoaUmVtb3ZlU2V0QXNpZGVRdWV1ZVJlcXVlc3QSDwoHbm9kZV9pZBgBIAEoCRIUCgxzZXRfYXNpZGVfaWQYAiABKAkiSgobUmVtb3ZlU2V0QXNpZGVRdWV1ZVJlc3BvbnNlEisKB3JlbW92ZWQYASABKAsyGi5xdWVyYXRvci52MS5TZXRBc2lkZVF1ZXVlIk0KEE1vdmVRdWV1ZVJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCRIPCgdub2RlX2lkGAIgASgJEhQKDGZyb21fbm9kZV9pZBgDIAEoCSJDChFNb3ZlUXVldWVSZXNwb25zZRIuCglwbGFjZW1lbnQYASABKAsyGy5xdWVyYXRvci52MS5RdWV1ZVBsYWNlbWVudCIjChBEcmFpbk5vZGVSZXF1ZXN0Eg8KB25vZGVfaWQYASABKAkiMAoRRHJhaW5Ob2RlUmVzcG9uc2USDQoFbW92ZWQYASADKAkSDAoEa2VwdBgCIAMoCTLEBAoOQ2x1c3RlclNlcnZpY2USUAoLQ2x1c3RlckluZm8SHy5xdWVyYXRvci52MS5DbHVzdGVySW5mb1JlcXVlc3QaIC5xdWVyYXRvci52MS5DbHVzdGVySW5mb1Jlc3BvbnNlEncKGFJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YRIsLnF1ZXJhdG9yLnYxLlJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YVJlcXVlc3QaLS5xdWVyYXRvci52MS5SZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXNwb25zZRJlChJMaXN0U2V0QXNpZGVRdWV1ZXMSJi5xdWVyYXRvci52MS5MaXN0U2V0QXNpZGVRdWV1ZXNSZXF1ZXN0GicucXVlcmF0b3IudjEuTGlzdFNldEFzaWRlUXVldWVzUmVzcG9uc2USaAoTUmVtb3ZlU2V0QXNpZGVRdWV1ZRInLnF1ZXJhdG9yLnYxLlJlbW92ZVNldEFzaWRlUXVldWVSZXF1ZXN0GigucXVlcmF0b3IudjEuUmVtb3ZlU2V0QXNpZGVRdWV1ZVJlc3BvbnNlEkoKCU1vdmVRdWV1ZRIdLnF1ZXJhdG9yLnYxLk1vdmVRdWV1ZVJlcXVlc3QaHi5xdWVyYXRvci52MS5Nb3ZlUXVldWVSZXNwb25zZRJKCglEcmFpbk5vZGUSHS5xdWVyYXRvci52MS5EcmFpbk5vZGVSZXF1ZXN0Gh4ucXVlcmF0b3IudjEuRHJhaW5Ob2RlUmVzcG9uc2VCpwEKDmlvLnF1ZXJhdG9yLnYxQgxDbHVzdGVyUHJvdG9QAVo6Z2l0aHViLmNvbS9xdWVyYXRvci9xdWVyYXRvci9nZW4vZ28vcXVlcmF0b3IvdjE7cXVlcmF0b3J2MaICA1FYWKoCC1F1ZXJhdG9yLlYxygILUXVlcmF0b3JcVjHiAhdRdWVyYXRvclxWMVxHUEJNZXRhZGF0YeoCDFF1ZXJhdG9yOjpWMWIGcHJvdG8z", [file_google_protobuf_timestamp]);
 
 /**
  * ClusterInfoRequest asks for the cluster's members and placement.
@@ -273,6 +273,14 @@ export type RetireNodeDiscardingDataResponse = Message<"querator.v1.RetireNodeDi
    * @generated from field: int32 partitions_recreated = 1;
    */
   partitionsRecreated: number;
+
+  /**
+   * How many copies of replicated queues were made again on live nodes, filled
+   * from their queues' other copies (nothing lost).
+   *
+   * @generated from field: int32 copies_recreated = 2;
+   */
+  copiesRecreated: number;
 };
 
 /**
@@ -445,7 +453,7 @@ export const RemoveSetAsideQueueResponseSchema: GenMessage<RemoveSetAsideQueueRe
   messageDesc(file_querator_v1_cluster, 10);
 
 /**
- * MoveQueueRequest names the replicated queue and its new primary.
+ * MoveQueueRequest names the replicated queue and where it goes.
  *
  * @generated from message querator.v1.MoveQueueRequest
  */
@@ -458,11 +466,20 @@ export type MoveQueueRequest = Message<"querator.v1.MoveQueueRequest"> & {
   queueName: string;
 
   /**
-   * The node to serve it: live, holding an in-sync copy.
+   * The node to serve it (live, holding an in-sync copy), or to take a copy
+   * (live, holding none).
    *
    * @generated from field: string node_id = 2;
    */
   nodeId: string;
+
+  /**
+   * The copy to move to node_id, which must hold none (empty: the primary's, and
+   * node_id serves the queue after the move).
+   *
+   * @generated from field: string from_node_id = 3;
+   */
+  fromNodeId: string;
 };
 
 /**
@@ -573,10 +590,12 @@ export const ClusterService: GenService<{
    * FAILED_PRECONDITION while the node is live, and NOT_FOUND when the node
    * homes no partition (an id the cluster does not know is never banned);
    * retiring a node already retired answers 0. A replicated queue keeping a
-   * copy on the node loses that copy (one copy fewer, nothing acknowledged lost;
-   * a queue it is primary of is handed over to another live in-sync copy
-   * first); FAILED_PRECONDITION, nothing retired, when the node holds a queue's
-   * only in-sync copy. Needs an admin key for "*".
+   * copy on the node loses that copy (nothing acknowledged is lost; a queue it
+   * is primary of is handed over to another live in-sync copy first), and a
+   * copy is made again on a live node holding none, filled from
+   * the queue's other copies; with no such node the queue keeps one copy fewer.
+   * FAILED_PRECONDITION, nothing retired, when the node holds a queue's only
+   * in-sync copy. Needs an admin key for "*".
    *
    * @generated from rpc querator.v1.ClusterService.RetireNodeDiscardingData
    */
@@ -611,13 +630,20 @@ export const ClusterService: GenService<{
     output: typeof RemoveSetAsideQueueResponseSchema;
   },
   /**
-   * MoveQueue hands a replicated queue's primary over to node_id, which must be
-   * live and hold an in-sync copy: an election (epoch + 1) with the in-sync set
-   * unchanged, so the old primary stays a copy. Calls in flight on the old
-   * primary answer UNAVAILABLE; nothing acknowledged is lost. FAILED_PRECONDITION
-   * for a queue of one copy, a node without a copy (adding one is not supported
-   * yet) or a copy not in sync; NOT_FOUND for an unknown queue. Moving to the
-   * current primary changes nothing. Needs an admin key for "*".
+   * MoveQueue moves a replicated queue's primary, or one of its copies, to
+   * node_id. To a live node holding an in-sync copy: the primary is handed over,
+   * an election (epoch + 1) with the in-sync set unchanged, so the old primary
+   * stays a copy. To a live node holding no copy: a copy is added there, filled
+   * from the primary (a snapshot) and counted in the in-sync set once it holds
+   * every acknowledged change; then, if the copy moved (from_node_id's, else the
+   * primary's) was the primary, the primary is handed over to the new copy, and
+   * the moved copy is dropped (its node deletes it). The call waits for the catch-
+   * up up to its deadline (at most 60 s): UNAVAILABLE if it is not done by then,
+   * the new copy staying and catching up; the same call again finishes the move.
+   * Calls in flight on the old primary answer UNAVAILABLE; nothing acknowledged is
+   * lost. FAILED_PRECONDITION for a queue of one copy, a node not live, a copy not
+   * in sync, or from_node_id holding no copy; NOT_FOUND for an unknown queue.
+   * Moving to the current primary changes nothing. Needs an admin key for "*".
    *
    * @generated from rpc querator.v1.ClusterService.MoveQueue
    */
@@ -627,10 +653,13 @@ export const ClusterService: GenService<{
     output: typeof MoveQueueResponseSchema;
   },
   /**
-   * DrainNode hands every replicated queue whose primary is node_id over to
-   * another live in-sync copy (the one serving the fewest primaries), as
-   * MoveQueue does, e.g. before the node is stopped for maintenance. Its copies
-   * stay where they are. Needs an admin key for "*".
+   * DrainNode moves everything of the replicated queues off node_id, e.g. before
+   * it is decommissioned: each queue whose primary it is is handed over to
+   * another live in-sync copy (the one serving the fewest primaries), and each
+   * copy it keeps moves to a live node without one, as MoveQueue moves a copy
+   * (added, caught up, then the node's dropped; all queues at once, waiting up to
+   * the call's deadline, at most 60 s). A copy stays where every live node has
+   * one already (listed in kept). Needs an admin key for "*".
    *
    * @generated from rpc querator.v1.ClusterService.DrainNode
    */
