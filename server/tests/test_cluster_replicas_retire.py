@@ -54,7 +54,7 @@ def test_retiring_a_dead_node_makes_its_copies_again_where_it_can_and_the_queues
         record = _record(cluster, name)
         assert dead.node_id not in record["replicas"] and dead.node_id not in [n for n, _ in record["isr"]], record
         assert sorted(record["replicas"]) == sorted(n.node_id for n in alive) and record["min_isr"] <= copies, record
-        wait_until(lambda name=name: len([i for _, i in _record(cluster, name)["isr"] if i]) == copies, 15)
+        wait_until(lambda name=name, copies=copies: len([i for _, i in _record(cluster, name)["isr"] if i]) == copies, 15)
         (placement,) = [q for q in alive[0].info().queues if q.queue_name == name]
         assert dead.node_id not in placement.replicas
     # The copy made again holds what the dead one held: it serves it once it is the primary.
