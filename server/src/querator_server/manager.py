@@ -193,6 +193,10 @@ class QueuesManager:
         self._closing = False
         # Metrics (metrics.Metrics) hooks each actor as it is made; None when off.
         self.observer: Any = None
+        # Where dead letters for a queue go when that is not simply its queue here (a
+        # cluster's replicated dead-letter queue is served by its primary's node): set
+        # by the cluster; None: this node's queue of that name.
+        self.dead_queue_route: Callable[[str], Any] | None = None
         self.keyring = KeyRing()
         # Signs page tokens; kept in the catalog (read at start).
         self.token_secret = b""
@@ -368,7 +372,7 @@ class QueuesManager:
             config,
             store,
             lane,
-            resolve=self.actor,
+            resolve=self._dead_queue,
             resolve_uid=self.actor_by_uid,
             max_inbox=self._max_inbox,
             group=group,
@@ -444,6 +448,11 @@ class QueuesManager:
             f"queue {name!r} has failed and is not served: {self.failure(name)}; "
             "repair or restore its storage and restart the server, or delete the queue"
         )
+    def _dead_queue(self, name: str) -> Any:
+        """What a queue hands its dead letters to (``submit(DeadLetterRequest)``)."""
+        route = self.dead_queue_route
+        return self.actor(name) if route is None else route(name)
+
     def actor_by_uid(self, uid: int) -> LogicalQueue | None:
         """The running actor of the queue whose storage uid is ``uid`` (None: none is;
         the queue was deleted)."""

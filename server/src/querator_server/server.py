@@ -147,7 +147,9 @@ class QueratorServer:
             from .grpc_api.peer_service import PeerService
 
             assert cluster is not None
-            peer_service = PeerService(router.give_backs, queue_service.give_back_here, cluster.roles.host)
+            peer_service = PeerService(
+                router.give_backs, queue_service.give_back_here, cluster.roles.host, cluster.dead_letters
+            )
             server.add_generic_rpc_handlers((peer_service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         # Serves our files with their proto comments (see reflection.py).

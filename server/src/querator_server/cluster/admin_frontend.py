@@ -79,14 +79,15 @@ class AdminFrontend(CopyMoves):
         return replicas, config.min_in_sync or min(self.default_min_in_sync, replicas) or default_min_in_sync(replicas)
 
     def _check_replicated_dead_queue(self, config: QueueConfig) -> None:
-        """Dead letters go to the dead-letter queue's part on the same node, which a
-        failover would leave behind: not yet for replicated queues, either side."""
+        """A replicated queue's dead letters are sent by whichever copy is primary: they
+        go to a replicated dead-letter queue's primary (dead_letter_route.py). A one-copy
+        dead-letter queue's part on the old primary's node would neither follow a
+        failover nor see what the new primary sends again."""
         dead = self.catalog.queues.get(config.dead_queue) if config.dead_queue else None
-        if config.replicas > 1 and config.dead_queue:
-            raise FailedPrecondition("queue.dead_queue: a replicated queue (replicas > 1) cannot have a dead_queue yet")
-        if dead is not None and dead.shard:
+        if config.replicas > 1 and dead is not None and not dead.shard and config.dead_queue != config.name:
             raise FailedPrecondition(
-                f"queue.dead_queue: queue {config.dead_queue!r} is replicated and cannot be a dead_queue yet"
+                f"queue.dead_queue: queue {config.dead_queue!r} keeps one copy; the dead_queue of a replicated queue "
+                "(replicas > 1) must be replicated too"
             )
 
     def _fenced_txn(self) -> Txn:
@@ -121,12 +122,14 @@ class AdminFrontend(CopyMoves):
         if not config.dead_queue:
             return
         target = self.catalog.queues[config.dead_queue]
+        key = self.keys.queue(config.dead_queue)
+        txn.modified_at(key, target.mod_revision)
+        if target.shard:  # served by its primary alone, wherever the users' dead letters come from
+            return
         have = {h.node for h in target.homes}
         added = list(target.homes)
         for node in sorted({h.node for h in homes} - have):
             added += place(1, [node], added)
-        key = self.keys.queue(config.dead_queue)
-        txn.modified_at(key, target.mod_revision)
         if len(added) > len(target.homes):
             grown = target.config.replace(partitions=len(added), updated_at_us=now_us())
             txn.put(key, dataclasses.replace(target, config=grown, homes=tuple(added)).encode())
@@ -326,7 +329,7 @@ class AdminFrontend(CopyMoves):
         # Dead-letter queues follow their users onto the nodes their partitions moved to.
         for entry in list(queues.values()):
             target = entry.config.dead_queue
-            if not target or target not in queues:
+            if not target or target not in queues or queues[target].shard:
                 continue
             users_nodes = {h.node for h in work.get(entry.config.name, entry.homes)}
             dead_homes = list(work.get(target, queues[target].homes))

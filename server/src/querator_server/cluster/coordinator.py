@@ -23,6 +23,7 @@ from .admin_frontend import AdminFrontend
 from .catalog import APPLY_TIMEOUT_S as _APPLY_TIMEOUT_S
 from .catalog import CatalogCache, Keys
 from .change_ring import RING_CHANGES
+from .dead_letter_route import DeadLetterRoute
 from .etcd import Access, Endpoint, Etcd, EtcdError, Txn
 from .forwarding import PeerTls
 from .membership import Membership
@@ -97,6 +98,9 @@ class Coordinator(AdminFrontend, ReconcileBackend):
             settings.replica_lag_s,
             settings.replica_ring,
         )
+        # Dead letters to a replicated dead-letter queue go to its primary's node.
+        self.dead_letters = DeadLetterRoute(self.node, self.catalog, self.router.peers, manager.actor)
+        manager.dead_queue_route = self.dead_letters
         self._reconcile_lock = asyncio.Lock()
         self.retired = False
         self._foreign: set[str] = set()  # local queues the catalog never had (warned once)

@@ -2,6 +2,8 @@
 (each checks the calling node's proof: cluster/forwarding.py). Not part of the API;
 served only with --cluster.
 
+Dead letters handed to a replicated dead-letter queue's primary (cluster/dead_letter_route.py).
+
 The give-backs of LeaseStream answers never sent (cluster/give_back.py), and the
 replication calls (cluster/replica_host.py): change sets shipped to a copy, a copy's
 position (and fencing), a snapshot streamed to a copy.
@@ -19,6 +21,7 @@ from google.protobuf.wrappers_pb2 import BytesValue
 from querator.v1 import queue_pb2 as pb
 
 from ..auth import Action
+from ..cluster.dead_letter_route import DEAD_LETTERS, DeadLetterRoute
 from ..cluster.give_back import SENT, SERVICE, UNSENT, GiveBacks, Local
 from ..cluster.replica_host import CopyHost
 from ..cluster.replica_wire import SHIP, SNAPSHOT, STATUS, Ship, SnapshotHead, StatusAsk
@@ -28,10 +31,17 @@ from .handlers import generic_handler
 
 
 class PeerService:
-    def __init__(self, give_backs: GiveBacks, give_back_here: Local, copies: CopyHost | None = None) -> None:
+    def __init__(
+        self,
+        give_backs: GiveBacks,
+        give_back_here: Local,
+        copies: CopyHost | None = None,
+        dead_letters: DeadLetterRoute | None = None,
+    ) -> None:
         self._give_backs = give_backs
         self._here = give_back_here
         self._copies = copies
+        self._dead_letters = dead_letters
 
     async def _unsent(self, request: pb.LeaseResponse, context: grpc.aio.ServicerContext[Any, Any]) -> empty_pb2.Empty:
         return await self._give_backs.served(request, False, context, self._here)
@@ -49,6 +59,14 @@ class PeerService:
     async def _ship(self, request: BytesValue, context: grpc.aio.ServicerContext[Any, Any]) -> BytesValue:
         host = self._host(context)
         return BytesValue(value=(await host.ship(Ship.decode(request.value))).encode())
+
+    async def _dead(self, request: BytesValue, context: grpc.aio.ServicerContext[Any, Any]) -> BytesValue:
+        if not self._give_backs.is_peer(context):
+            raise PermissionDenied(f"{SERVICE} is for the cluster's nodes only")
+        if self._dead_letters is None:
+            raise PermissionDenied("this node takes no dead letters from others")
+        await self._dead_letters.take(request.value)
+        return BytesValue()
 
     async def _status(self, request: BytesValue, context: grpc.aio.ServicerContext[Any, Any]) -> BytesValue:
         host = self._host(context)
@@ -84,6 +102,7 @@ class PeerService:
             SENT: (self._sent, pb.LeaseResponse, empty_pb2.Empty, Action.CONSUME),
             SHIP: (self._ship, BytesValue, BytesValue, Action.CONSUME),
             STATUS: (self._status, BytesValue, BytesValue, Action.CONSUME),
+            DEAD_LETTERS: (self._dead, BytesValue, BytesValue, Action.CONSUME),
         }
         generic = generic_handler(SERVICE, methods)
         snapshot = grpc.stream_unary_rpc_method_handler(

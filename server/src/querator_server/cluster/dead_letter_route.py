@@ -1,0 +1,88 @@
+"""Where a queue's dead letters go in a cluster, and the peer call that takes them there.
+
+A dead-letter queue of one copy has a partition on every node homing one of its users'
+partitions (admin_frontend.py gives it one), so dead letters go to its part on the
+same node, as on a single server. A replicated dead-letter queue is served by its
+shard's primary alone, so dead letters go there, over ``DeadLetters`` when that is
+another node. Its storage (and with it the deduplication by source_id) is the same on
+every copy, so a dead letter sent again after a failover of either queue (the source's
+new primary hands over what its outbox still holds) is stored once.
+
+A replicated queue's dead_queue must be replicated too: its dead letters are sent by
+whichever copy is primary, and a part of a one-copy queue on the old primary's node
+would neither move with it nor see what the new one sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from google.protobuf.wrappers_pb2 import BytesValue
+
+from ..actor.requests import DeadLetterRequest
+from ..errors import InvalidArgument, Unavailable
+from ..storage import Item
+from .catalog import CatalogCache
+from .forwarding import Peers
+from .replica_wire import pack, unpack
+
+DEAD_LETTERS = "DeadLetters"
+_SERVICE = "querator.internal.Peer"
+_CALL_S = 10.0
+
+
+def encode(queue: str, items: list[Item]) -> bytes:
+    return pack({"queue": queue}, [item.encode() for item in items])
+
+
+def decode(data: bytes) -> tuple[str, list[Item]]:
+    header, blobs = unpack(data)
+    queue = header.get("queue")
+    if not isinstance(queue, str) or not queue:
+        raise InvalidArgument("queue", "a dead-letter hand-over names its queue")
+    try:
+        return queue, [Item.decode(blob) for blob in blobs]
+    except ValueError as exc:
+        raise InvalidArgument("value", f"a dead letter of queue {queue!r}: {exc}") from None
+
+
+class RemoteDeadQueue:
+    """A replicated dead-letter queue served by another node (its primary)."""
+
+    def __init__(self, peers: Peers, node: str, queue: str) -> None:
+        self._peers = peers
+        self._node = node
+        self._queue = queue
+
+    async def submit(self, request: DeadLetterRequest) -> None:
+        data = encode(self._queue, request.items)
+        await self._peers.forward(
+            self._node, f"/{_SERVICE}/{DEAD_LETTERS}", BytesValue(value=data), BytesValue, None, _CALL_S
+        )
+
+
+class DeadLetterRoute:
+    """The manager's way to the dead-letter queue ``name`` (QueuesManager.dead_queue_route)."""
+
+    def __init__(self, node: str, catalog: CatalogCache, peers: Peers, local: Callable[[str], Any]) -> None:
+        self._node = node
+        self._catalog = catalog
+        self._peers = peers
+        self._local = local
+
+    def __call__(self, name: str) -> Any:
+        entry = self._catalog.queues.get(name)
+        record = self._catalog.shards.get(entry.shard) if entry is not None and entry.shard else None
+        if record is None or record.primary == self._node:
+            return self._local(name)
+        if record.primary not in self._catalog.members:
+            raise Unavailable(f"queue {name!r}: its primary {record.primary!r} is not live; dead letters wait")
+        return RemoteDeadQueue(self._peers, record.primary, name)
+
+    async def take(self, data: bytes) -> None:
+        """Dead letters another node sent (``DeadLetters``): stored by this node's
+        primary of their queue, once each by source_id (NotFound or UNAVAILABLE when it
+        is not the primary here: the sender tries again, routed anew)."""
+        queue, items = decode(data)
+        await self._local(queue).submit(DeadLetterRequest(items))
