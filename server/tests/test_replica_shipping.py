@@ -243,6 +243,16 @@ def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_
             await _until(lambda: all(r.store.copy and r.store.copy.position() == copy.position() for r in replicas.values()), 10, "all in step")
             digest = copy.digest()
             assert all(r.store.copy and r.store.copy.digest() == digest for r in replicas.values())
+
+            # 5. A copy leaving the shard (the other half of a move): its link stops, so no
+            #    change waits for it and its stale position holds no bookkeeping back.
+            shrunk = await table.drop_copy(replication.record, "n4")
+            replication.record_changed(shrunk)
+            await _until(lambda: "n4" not in replication.links, 5, "n4's link stopped")
+            tally = Tally()
+            await asyncio.gather(*(client(actor, random.Random(seed), 60, time.monotonic() + 1.0, tally) for seed in (40, 41)))
+            assert tally.ok > 10 and not actor.deposed, tally
+            await _until(lambda: not replication._offered, 5, "every offered change acknowledged by every link")
         finally:
             await actor.stop()
             await replication.stop()
