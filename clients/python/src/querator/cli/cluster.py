@@ -160,12 +160,13 @@ def _warning(view: ClusterView, node: str) -> str:
 
 def cmd_retire(args: argparse.Namespace, client: Client) -> int:
     node = args.node_id
-    if not args.discard_data:
-        raise UsageError("retiring a node loses the items it holds: say so with --discard-data")
     view = client.cluster_info()
-    # Nothing to lose (not a cluster, a node that homes nothing, one already retired):
-    # the server's answer says which, without a warning or a question.
+    # Nothing to lose (not a cluster, a node that homes nothing, one already retired, one
+    # keeping only copies of replicated queues, made again from their other copies): the
+    # server's answer says which, without a warning or a question.
     at_stake = view.clustered and view.partitions_of(node) > 0
+    if at_stake and not args.discard_data:
+        raise UsageError("retiring a node loses the items it holds: say so with --discard-data")
     if at_stake:
         print(_warning(view, node), file=sys.stderr)
     if at_stake and not args.yes:
@@ -261,11 +262,14 @@ def register(commands: Commands) -> None:
     p = cluster.leaf(
         "retire",
         cmd_retire,
-        "retire a dead node for good: its partitions are recreated EMPTY on the live nodes, its items are lost",
+        "retire a dead node for good: its partitions are recreated EMPTY on the live nodes, its items are lost; "
+        "its copies of replicated queues are made again on live nodes from the other copies (nothing lost)",
     )
     p.add_argument("node_id", metavar="NODE", help="the dead node's id")
     p.add_argument(
-        "--discard-data", action="store_true", help="required: acknowledges that the node's items are lost"
+        "--discard-data",
+        action="store_true",
+        help="required when the node homes partitions: acknowledges that their items are lost",
     )
     p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     p = cluster.leaf(
