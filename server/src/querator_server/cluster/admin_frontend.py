@@ -219,7 +219,7 @@ class AdminFrontend(CopyMoves):
                 raise Unavailable(f"queue {name!r}: its shard record is not known here yet; retry")
             shard = self.catalog.shards.key(entry.shard)
             changed = dataclasses.replace(record, min_isr=updated.min_in_sync)
-            for node in self._copies_to_add(record, updated.replicas):
+            for node in self._copies_to_add(record, updated.replicas) if updated.replicas > current.replicas else ():
                 # Out of the in-sync set: the primary fills each and counts it once caught up.
                 changed = shard_cas.with_copy(changed, node)
             txn.modified_at(shard, record.mod_revision).put(shard, changed.encode())
