@@ -11,7 +11,6 @@ import grpc
 from querator.v1 import cluster_pb2 as pb
 
 from ..auth import Action
-from ..cluster.copy_moves import CATCH_UP_S
 from ..errors import FailedPrecondition, InvalidArgument, QueratorError, Unavailable
 from ..manager import QueuesManager
 from . import convert as c
@@ -227,6 +226,9 @@ def _placement(catalog: CatalogCache, entry: QueueEntry) -> pb.QueuePlacement:
 def _catch_up_within(context: grpc.aio.ServicerContext[Any, Any]) -> float:
     """How long a move may wait for a new copy's catch-up: the caller's deadline less a
     margin for the answer, at most CATCH_UP_S."""
+    # Imported here: the cluster package needs the cluster extra, a single server does not.
+    from ..cluster.copy_moves import CATCH_UP_S
+
     remaining = context.time_remaining()
     if remaining is None:
         return CATCH_UP_S
