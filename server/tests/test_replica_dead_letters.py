@@ -17,8 +17,11 @@ import grpc
 import pytest
 from cluster_helpers import Cluster, Node
 from failover_helpers import LEASE_TIMEOUT_S, QUEUE, digests, wait_in_sync, wait_primary
+from test_cluster_replicas_retire import _record
 
 from querator.v1 import queue_pb2
+
+from conftest import wait_until
 
 TTL = 2
 DLQ = "dead-letters"
@@ -84,7 +87,9 @@ def test_a_replicated_queues_dead_letters_reach_its_replicated_dead_queue_once_a
         n1.stubs.create(DLQ, replicas=2)
         n1.stubs.create(QUEUE, replicas=2, requested_partitions=2, dead_queue=DLQ, lease_timeout={"seconds": LEASE_TIMEOUT_S})
         primary, epoch = wait_primary(cluster, n1)
-        wait_in_sync(cluster, n1, 2)
+        # Both copies claimed (their own incarnations in the in-sync set): else the
+        # survivor may not take over (it could lack acknowledged changes).
+        wait_until(lambda: all(i for _, i in _record(cluster, QUEUE)["isr"]), 15)
         payloads = [f"item-{i}".encode() for i in range(ITEMS)]
         for start in range(0, ITEMS, 100):
             n1.stubs.produce(QUEUE, payloads[start : start + 100])
