@@ -115,7 +115,9 @@ def test_copies_move_to_nodes_without_one_under_load_and_nothing_is_lost(
         report = json.loads(drained.stdout)
         assert drained.returncode == 0 and report["moved"] == [QUEUE] and report["kept"] == [], drained.stdout
         wait_copies(n1, QUEUE, {other, first.primary})
-        assert placed(n1).primary == other
+        # The other copy serves, or, if the load had it out of the in-sync set at the
+        # drain, the drained copy's replacement (handed the primary once caught up).
+        assert placed(n1).primary in (other, first.primary)
         time.sleep(1)
 
         # Raising replicas adds the missing copy where there is none (the drained node).
