@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import pytest
 from cluster_helpers import Cluster, Node
-from failover_helpers import QUEUE, digests, in_sync, wait_in_sync, wait_primary
+from failover_helpers import QUEUE, digests, in_sync, stop_quietly, wait_in_sync, wait_primary
 
 from querator.v1 import queue_pb2, queues_pb2
 
@@ -158,8 +158,7 @@ def test_a_groups_order_and_its_item_in_flight_hold_across_a_failover(tmp_path: 
         wait_in_sync(cluster, observer, 2)
         time.sleep(1)
         members = in_sync(cluster, observer)
-        for node in cluster.nodes:
-            node.stop()
+        stop_quietly(cluster.nodes)
         found = {n: digests(next(x for x in cluster.nodes if x.node_id == n)) for n in members}
         assert len({str(d["digest"]) for d in found.values()}) == 1, found
         assert new_primary in members

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from cluster_helpers import Cluster, Node
-from failover_helpers import QUEUE, create_queue, digests, in_sync, wait_in_sync, wait_primary
+from failover_helpers import QUEUE, create_queue, digests, in_sync, stop_quietly, wait_in_sync, wait_primary
 
 from querator.v1 import queue_pb2
 
@@ -108,7 +108,6 @@ def test_a_replicated_queue_keeps_priorities_across_a_failover(tmp_path: Path) -
         wait_in_sync(cluster, observer, 2)
         _produce(via, QUEUE, [(b"after", 3), (b"plain", 0), (b"top", 8)])
         members = in_sync(cluster, observer)
-        for node in cluster.nodes:
-            node.stop()
+        stop_quietly(cluster.nodes)
         found = {n: digests(next(x for x in cluster.nodes if x.node_id == n)) for n in members}
         assert len({str(d["digest"]) for d in found.values()}) == 1, found

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 from cluster_helpers import Cluster, Node
-from failover_helpers import QUEUE, Run, create_queue, digests, events, placement, wait_in_sync
+from failover_helpers import QUEUE, Run, create_queue, digests, events, placement, stop_quietly, wait_in_sync
 from google.protobuf import field_mask_pb2
 from test_cluster_operator import querator
 
@@ -130,10 +130,7 @@ def test_copies_move_to_nodes_without_one_under_load_and_nothing_is_lost(
         final = placement(n1)
         assert final is not None and sorted(final.in_sync) == sorted(by_id)
         time.sleep(1)  # the last acks of the drain's changes
-        # The primary last: stopped first, it would hand the queue over (SIGTERM) and the
-        # new primary's first change would miss the copies stopped before it.
-        for node in sorted(cluster.nodes, key=lambda n: n.node_id == final.primary):
-            node.stop()
+        stop_quietly(cluster.nodes)
         found = {n: digests(by_id[n]) for n in by_id}
         assert len({str(d["digest"]) for d in found.values()}) == 1, found
         assert len({str(d["position"]) for d in found.values()}) == 1, found

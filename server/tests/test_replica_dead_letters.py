@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from cluster_helpers import Cluster, Node
-from failover_helpers import LEASE_TIMEOUT_S, QUEUE, digests, wait_in_sync, wait_primary
+from failover_helpers import LEASE_TIMEOUT_S, QUEUE, digests, stop_quietly, wait_in_sync, wait_primary
 from test_cluster_replicas_retire import _record
 
 from querator.v1 import queue_pb2
@@ -127,8 +127,7 @@ def test_a_replicated_queues_dead_letters_reach_its_replicated_dead_queue_once_a
         victim.start()
         wait_in_sync(cluster, observer, 2)
         time.sleep(1)
-        for node in cluster.nodes:
-            node.stop()
+        stop_quietly(cluster.nodes)
         found = {n.node_id: digests(n) for n in cluster.nodes if n.node_id in (primary, new_primary)}
         assert len({str(d["digest"]) for d in found.values()}) == 1, found
         record_property("figures", f"{ITEMS} dead letters, the source's primary killed after {ITEMS // 3}: each stored once")

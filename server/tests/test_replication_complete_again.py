@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from cluster_helpers import Cluster, Node
-from failover_helpers import QUEUE, digests, in_sync, wait_in_sync, wait_primary
+from failover_helpers import QUEUE, digests, in_sync, stop_quietly, wait_in_sync, wait_primary
 
 from querator.v1 import queue_pb2, queues_pb2
 
@@ -72,7 +72,6 @@ def test_a_complete_and_a_retry_sent_again_to_the_new_primary_answer_as_done(tmp
         wait_in_sync(cluster, observer, 2)
         time.sleep(1)  # the last change sets shipped
         members = in_sync(cluster, observer)
-        for node in cluster.nodes:
-            node.stop()
+        stop_quietly(cluster.nodes)
         found = {n: digests(_node(cluster, n)) for n in members}
         assert len(found) == 2 and len({str(f["digest"]) for f in found.values()}) == 1, found

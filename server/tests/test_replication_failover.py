@@ -18,7 +18,18 @@ from pathlib import Path
 import grpc
 import pytest
 from cluster_helpers import Cluster, Node
-from failover_helpers import QUEUE, Run, create_queue, digests, events, in_sync, placement, wait_in_sync, wait_primary
+from failover_helpers import (
+    QUEUE,
+    Run,
+    create_queue,
+    digests,
+    events,
+    in_sync,
+    placement,
+    stop_quietly,
+    wait_in_sync,
+    wait_primary,
+)
 
 from querator.v1 import queue_pb2
 
@@ -39,8 +50,7 @@ def _check_digests(cluster: Cluster, observer: Node) -> dict[str, object]:
     """Stop every node; the copies in the in-sync set must have equal digests."""
     time.sleep(1)  # the last acks: the primary's links ship the drain's changes
     members = in_sync(cluster, observer)
-    for node in cluster.nodes:
-        node.stop()
+    stop_quietly(cluster.nodes)
     found = {n: digests(_node(cluster, n)) for n in members}
     assert len({str(d["digest"]) for d in found.values()}) == 1, found
     assert len({str(d["position"]) for d in found.values()}) == 1, found

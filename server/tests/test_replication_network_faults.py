@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from failover_helpers import QUEUE, Run, create_queue, digests, events, in_sync, wait_in_sync, wait_primary
+from failover_helpers import QUEUE, Run, create_queue, digests, events, in_sync, stop_quietly, wait_in_sync, wait_primary
 from network_chaos import Flaps, Network, apply, epochs, gaps, overlaps
 
 TTL = 2
@@ -54,8 +54,7 @@ def flap_run(root: str, seconds: float, seed: int, replicas: int = 3) -> dict[st
         found = epochs(cluster.nodes)
         bad = overlaps(found)
         assert not bad, "\n".join(bad) + "\n" + "\n".join(flaps.log)
-        for node in cluster.nodes:
-            node.stop()
+        stop_quietly(cluster.nodes)
         copies = {n: digests(next(x for x in cluster.nodes if x.node_id == n)) for n in members}
         assert len(members) == replicas, members
         assert len({str(d["digest"]) for d in copies.values()}) == 1, copies
@@ -130,7 +129,9 @@ def test_a_primary_blackholed_past_its_ttl_acknowledges_nothing_once_the_new_pri
         assert len(found) >= 3, found
         bad = overlaps(found)
         assert not bad, "\n".join(bad)
-        record_property("figures", f"epochs {[(e.epoch, sorted(e.nodes), e.cycles) for e in found]}; gaps {gaps(found)}; {verdict.figures()}")
+        record_property(
+            "figures", f"epochs {[(e.epoch, sorted(e.nodes), e.cycles) for e in found]}; gaps {gaps(found)}; {verdict.figures()}"
+        )
 
 
 def test_a_failover_election_applies_only_while_the_old_primary_holds_no_membership(tmp_path: Path) -> None:

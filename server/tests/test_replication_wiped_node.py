@@ -26,7 +26,7 @@ import grpc
 import pytest
 from aetcd import rpc  # type: ignore[import-untyped]
 from cluster_helpers import Cluster, Node
-from failover_helpers import QUEUE, Run, create_queue, digests, events, placement, wait_in_sync, wait_primary
+from failover_helpers import QUEUE, Run, create_queue, digests, events, placement, stop_quietly, wait_in_sync, wait_primary
 
 from querator.v1 import queues_pb2
 
@@ -135,7 +135,9 @@ def test_a_wiped_node_restarted_under_its_id_is_rebuilt_never_elected_before_the
         installed = [str(e["incarnation"]) for e in events(victim, "replica_snapshot_installed")]
         assert opened and installed and rebuilt == installed[-1], (opened, installed, rebuilt, victim.stderr_text())
         serving, _ = wait_primary(cluster, victim)
-        syncs = [(e["path"], e["position"]) for e in events(_node(cluster, serving), "replica_sync") if e["node"] == victim.node_id]
+        syncs = [
+            (e["path"], e["position"]) for e in events(_node(cluster, serving), "replica_sync") if e["node"] == victim.node_id
+        ]
         assert syncs and syncs[-1][0] == "snapshot", syncs
         # Before its rebuild: never primary under an epoch after the kill, and never in
         # sync but with the rebuilt copy (its empty copy never).
@@ -165,8 +167,7 @@ def test_a_wiped_node_restarted_under_its_id_is_rebuilt_never_elected_before_the
         assert verdict.ok, verdict.figures() + "\n" + "\n".join(map(str, verdict.findings[:10]))
         time.sleep(1)
         members = list(next(q for q in victim.info().queues if q.queue_name == QUEUE).in_sync)
-        for node in cluster.nodes:
-            node.stop()
+        stop_quietly(cluster.nodes)
         found = {n: digests(_node(cluster, n)) for n in members}
         assert len({str(d["digest"]) for d in found.values()}) == 1, found
         record_property(
