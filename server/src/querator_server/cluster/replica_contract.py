@@ -76,7 +76,8 @@ def why_not_electable(record: ShardRecord, node: str, incarnation: str, rebuilt:
     whose snapshot it last installed whole) may not take over from ``record``'s primary,
     "" when it may: when it holds every acknowledged change.
 
-    The copy the in-sync set names does. So does one that primary rebuilt from a
+    The copy the in-sync set names does, and any copy of a node whose entry is still
+    unclaimed (nothing was acknowledged yet). So does one that primary rebuilt from a
     snapshot while the set named the node: the snapshot held everything the primary
     held, and while the set names a node the primary counts it, so nothing was
     acknowledged afterwards without this copy's ack. Its new incarnation may not be in
@@ -90,10 +91,15 @@ def why_not_electable(record: ShardRecord, node: str, incarnation: str, rebuilt:
         return f"node {node!r} has no copy"
     if incarnation == entry:
         return ""
+    if entry == UNCLAIMED:
+        # A new queue's entry, not yet claimed: its primary acknowledged nothing while any
+        # entry was unclaimed (shipper's ack rule), so any copy of the node holds every
+        # acknowledged change (none), whatever it holds.
+        return ""
     if rebuilt and rebuilt == record.epoch:
         return ""
     rebuilt_by = f"rebuilt under epoch {rebuilt}" if rebuilt else "not rebuilt whole by a primary"
     return (
-        f"the copy on {node!r} is incarnation {incarnation}, the in-sync set names {entry or 'an unclaimed one'}, "
+        f"the copy on {node!r} is incarnation {incarnation}, the in-sync set names {entry}, "
         f"and it was {rebuilt_by}, not by the primary of epoch {record.epoch}: it may lack acknowledged changes"
     )

@@ -3,7 +3,8 @@ awaits ``replicated`` before it answers a cycle's calls) and one ordered link pe
 replica.
 
 The ack rule: a change is replicated once every copy the primary counts has acked it
-durable. It counts the in-sync set of the shard's record in etcd, plus a replica it is
+durable, and never while an entry of the in-sync set is unclaimed (a new queue's copies
+are claimed, in a tick or two, before its first answer). It counts the in-sync set of the shard's record in etcd, plus a replica it is
 adding (counted from the moment it proposes it, so no change acknowledged after that
 misses it), and drops a member only once etcd took the shrink: a replica silent or
 behind for ``lag_s`` is shrunk out through a compare-and-swap, and until that CAS
@@ -307,6 +308,12 @@ class ShardReplication:
 
     def _done(self, lsn: int) -> bool:
         if 1 + len(self.counted) < self.record.min_isr:
+            return False
+        if any(incarnation == UNCLAIMED for _, incarnation in self.record.isr):
+            # An unclaimed entry names no copy: an ack from that node may come from a copy
+            # made since (its data lost). Nothing is acknowledged until every entry names
+            # the copy that acked, so an unclaimed copy holds everything acknowledged
+            # (nothing) and may take over (replica_contract.why_not_electable).
             return False
         return all(self.links[n].acked >= lsn for n in self.counted if n in self.links) and self._within_lease()
 
