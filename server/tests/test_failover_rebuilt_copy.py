@@ -302,3 +302,62 @@ def test_a_copy_that_may_lack_acknowledged_changes_never_takes_over_and_says_why
     # membership stands (the record was left as it was: the txn above compared it).
     assert len(logged) == 1, logged
     assert f"the in-sync set names {'b' * 32}" in logged[-1] and "may lack acknowledged changes" in logged[-1], logged
+
+
+@pytest.mark.timeout(60)
+def test_nothing_is_acknowledged_while_an_entry_of_the_in_sync_set_is_unclaimed(tmp_path: Any, etcd: Etcd) -> None:
+    """n2 acks the first Produce, but the primary cannot claim n2's entry (etcd cut off):
+    the Produce waits, so an unclaimed copy never lacks an acknowledged change (and may
+    take over, why_not_electable); once etcd is back the entry is claimed and it answers."""
+    root = str(tmp_path)
+
+    async def main() -> None:
+        client = EtcdClient([etcd.endpoint])
+        revisions = await _members(client, ["n1", "n2"])
+        await client.txn(Txn().put(PREFIX + b"shards/" + str(SHARD_UID).encode(), ShardRecord.new(SHARD_UID, "q", ["n1", "n2"], 1).encode()))
+        record = await _stored_record(client)
+        members: dict[str, Member] = {}
+        manager = QueuesManager(os.path.join(root, "n2"), workers=2)
+        await manager.start()
+        peers2 = Peers("n2", lambda: members)
+        peers2.set_secret(SECRET)
+        table2 = ShardTable(client, PREFIX, Writer("n2", revisions["n2"]))
+        roles = ShardRoles("n2", manager, table2, peers2, lambda n: True, (Deposed, Fenced, Diverged), ChangeSet.decode, LAG_S)
+
+        async def never(*_: Any) -> Any:
+            raise AssertionError("no give-backs here")
+
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((PeerService(GiveBacks("n2", never, peers2), never, roles.host).handler(),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        members["n2"] = Member("n2", f"127.0.0.1:{port}", revisions["n2"])
+        proxy = Proxy(etcd.endpoint)
+        client1 = EtcdClient([proxy.address])
+        peers1 = Peers("n1", lambda: members)
+        peers1.set_secret(SECRET)
+        primary = Primary(root, record, ShardTable(client1, PREFIX, Writer("n1", revisions["n1"])), peers1)
+        try:
+            await roles.follow(record, _config())
+            await primary.start()  # claims n1's entry through the proxy
+            proxy.cut()  # before the primary's first turn (0.25 s): n2's entry cannot be claimed
+            assert primary.replication is not None
+            produce = asyncio.ensure_future(primary.produce(b"first"))
+            await _until(lambda: primary.replication.links["n2"].acked >= 1, 10, "n2 acked the change")  # type: ignore[union-attr]
+            await asyncio.sleep(1.0)
+            assert not produce.done(), "acknowledged while n2's entry was unclaimed"
+            proxy.restore()
+            await asyncio.wait_for(produce, 20)
+            assert dict(primary.replication.record.isr)["n2"] == manager.copy("q").incarnation
+        finally:
+            await primary.die()
+            proxy.close()
+            await roles.stop()
+            await server.stop(0)
+            await manager.stop()
+            await peers1.close()
+            await peers2.close()
+            await client1.close()
+            await client.close()
+
+    asyncio.run(main())
