@@ -18,7 +18,7 @@ NAME = PACKAGE.name
 # floor or below. Floor 0 holds the leaves every floor may use (no import of ours
 # beyond floor 0 either).
 FLOORS = {
-    "errors": 0, "clock": 0, "model": 0, "logging": 0, "faults": 0, "auth": 0, "config": 0,
+    "errors": 0, "clock": 0, "model": 0, "logging": 0, "faults": 0, "settled": 0, "auth": 0, "config": 0,
     "backup": 0, "reflection": 0,
     "storage": 1,
     "actor": 2,
