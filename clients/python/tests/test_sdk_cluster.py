@@ -300,3 +300,38 @@ def test_a_pause_set_through_one_node_holds_for_a_client_of_the_whole_cluster(cl
         while len(got) < 3 and time.monotonic() < deadline:
             got += [item.payload for item in client.lease(name, batch_size=10, wait=1)]
         assert sorted(got) == [b"a", b"b", b"c"]
+
+
+def test_a_complete_sent_again_through_another_node_is_ok_and_reported_done(cluster: Cluster) -> None:
+    """Items leased through a node that does not home them (the Lease is forwarded),
+    completed and retried by a client of that node, then sent again by a client of
+    another node: no error, and the server names the ids already completed; an id never
+    produced is still ItemNotFound."""
+    name = _new_queue(cluster, partitions=3, lease_timeout="600s")
+    homes = _homes(cluster, name)
+    home = cluster.nodes[1]
+    away, other = (n for n in cluster.nodes if n is not home)
+    home.stubs.produce(name, [b"a", b"b", b"c"])
+    key = next(k for k in (f"k{i}" for i in range(10_000)) if homes[zlib.crc32(k.encode()) % 3] == home.node_id)
+    leased = away.stubs.lease(name, 3, lease_key=key)  # away forwards it to home
+    assert homes[leased.partition] == home.node_id != away.node_id
+    a, b, c = (querator.ItemRef(name, leased.partition, item.id) for item in leased.items)
+    with querator.Client(away.address, timeout=10) as first, querator.Client(other.address, timeout=10) as second:
+        first.complete([a, b])
+        assert first.retry([c]) == []
+        second.complete([a, b])  # sent again: OK
+        assert second.retry([c]) == []  # sent again: OK, back once
+        with pytest.raises(querator.ItemNotFound):
+            second.complete([a, querator.ItemRef(name, leased.partition, f"{a.id}0")])
+        assert sum(p.total for p in second.queue_stats(name).partitions) == 1
+    # The SDK's complete() returns nothing; what the server answers a repeat with, asked
+    # through a node that forwards it:
+    again = other.stubs.queue.Complete(
+        queue_pb2.CompleteRequest(queue_name=name, partition=leased.partition, ids=[a.id, b.id]), timeout=10
+    )
+    assert sorted(again.already_completed) == sorted([a.id, b.id])
+    retried = other.stubs.queue.Retry(
+        queue_pb2.RetryRequest(queue_name=name, partition=leased.partition, items=[queue_pb2.RetryItem(id=c.id)]),
+        timeout=10,
+    )
+    assert list(retried.already_retried) == [c.id]

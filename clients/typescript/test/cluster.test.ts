@@ -5,13 +5,14 @@
  * but the one a call must reach. */
 import assert from "node:assert/strict";
 import { rmSync, writeFileSync } from "node:fs";
+import zlib from "node:zlib";
 import { after, before, test } from "node:test";
 
 import { createClient } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 
 import { Client, ItemNotFound, type LeasedItem, type Logger, Unavailable, Worker } from "../src/index.js";
-import { ClusterService } from "../src/v1.js";
+import { ClusterService, QueueService } from "../src/v1.js";
 import { TestCluster, etcdMissing } from "./cluster.js";
 import { ServerProcess, freePort, queueName, waitUntil } from "./server.js";
 
@@ -574,5 +575,49 @@ test("burst mode waits for the items of a killed node, then drains them once it 
     if (!cluster.node(victim).server.running) await cluster.restart(victim);
     await allLive();
     client.close();
+  }
+});
+
+test("a Complete and a Retry sent again through another node answer OK, the ids named already done", { skip }, async () => {
+  const q = queueName("again");
+  const admin = routed();
+  try {
+    await admin.createQueue(q, { partitions: 3, leaseTimeoutMs: 600_000 });
+    const placed = await homes(q);
+    assert.equal(new Set(placed).size, 3, `a partition on every node: ${placed.join(",")}`);
+    const [home, away, other] = cluster.nodes;
+    // Clients of one node alone (no routing): what they send to a partition another node
+    // homes, that node forwards.
+    const through = (address: string): Client => new Client({ transport: createGrpcTransport({ baseUrl: `http://${address}` }) });
+    const first = through(away!.server.address);
+    const second = through(other!.server.address);
+    try {
+      const producer = through(home!.server.address);
+      await producer.produce(q, ["a", "b", "c"]).finally(() => producer.close());
+      const crc32 = (zlib as { crc32?: (data: Uint8Array) => number }).crc32!;
+      const key = Array.from({ length: 10_000 }, (_, i) => `k${i}`).find((k) => placed[crc32(Buffer.from(k)) % 3] === home!.id)!;
+      const items = await first.lease(q, { batchSize: 3, waitMs: 1_000, leaseKey: key });
+      assert.deepEqual(items.map((i) => i.text), ["a", "b", "c"]);
+      assert.ok(items.every((i) => placed[i.partition] === home!.id), "leased from home's partition through away");
+      const done = items.slice(0, 2);
+      const refs = items.map(({ queueName, partition, id }) => ({ queueName, partition, id }));
+      await first.complete(done);
+      await first.retry(items[2]!);
+      await second.complete(refs.slice(0, 2)); // sent again: OK
+      await second.retry(refs[2]!); // sent again: OK, back once
+      await assert.rejects(second.complete([refs[0]!, { ...refs[0]!, id: `${refs[0]!.id}0` }]), ItemNotFound);
+      assert.equal((await admin.queueStats(q)).partitions.reduce((n, p) => n + p.total, 0), 1);
+      // complete() resolves to nothing; what the server answers a repeat with:
+      const raw = createClient(QueueService, createGrpcTransport({ baseUrl: `http://${other!.server.address}` }));
+      const again = await raw.complete({ queueName: q, partition: items[0]!.partition, ids: done.map((i) => i.id) });
+      assert.deepEqual([...again.alreadyCompleted].sort(), done.map((i) => i.id).sort());
+      const retried = await raw.retry({ queueName: q, partition: items[2]!.partition, items: [{ id: items[2]!.id }] });
+      assert.deepEqual(retried.alreadyRetried, [items[2]!.id]);
+    } finally {
+      first.close();
+      second.close();
+    }
+  } finally {
+    admin.close();
   }
 });
