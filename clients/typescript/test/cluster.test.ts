@@ -6,26 +6,18 @@
 import assert from "node:assert/strict";
 import { rmSync, writeFileSync } from "node:fs";
 import zlib from "node:zlib";
-import { after, before, test } from "node:test";
+import { test } from "node:test";
 
 import { createClient } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 
 import { Client, ItemNotFound, type LeasedItem, type Logger, Unavailable, Worker } from "../src/index.js";
 import { ClusterService } from "../src/v1.js";
-import { TestCluster, etcdMissing } from "./cluster.js";
+import { clusterFile, type TestCluster } from "./cluster.js";
 import { ServerProcess, freePort, queueName, waitUntil } from "./server.js";
 
-const skip = etcdMissing();
 let cluster: TestCluster;
-
-before(async () => {
-  if (!skip) cluster = await TestCluster.start(3);
-});
-
-after(async () => {
-  await cluster?.stop();
-});
+const skip = clusterFile((c) => (cluster = c));
 
 /** A plain Connect client of one node: no routing (for the tests' own look at things). */
 function direct(address: string): ReturnType<typeof createClient<typeof ClusterService>> {

@@ -2,25 +2,17 @@
  * timeout, rate-limited failure logs and Prometheus metrics, against a real server.
  * Deliveries are counted by payload (stable), never by the per-lease id. */
 import assert from "node:assert/strict";
-import { after, before, test } from "node:test";
+import { test } from "node:test";
 
 import { Registry } from "prom-client";
 
 import { Client, DeadLetter, FailureLog, HandlerTimeout, type LeasedItem, RetryRule, Worker, type WorkerOptions } from "../src/index.js";
-import { ServerProcess, queueName } from "./server.js";
+import { type ServerProcess, queueName, serveFile } from "./server.js";
 
 let server: ServerProcess;
 let client: Client;
 
-before(async () => {
-  server = await ServerProcess.start();
-  client = new Client({ address: server.address });
-});
-
-after(async () => {
-  client?.close();
-  await server?.stop();
-});
+serveFile((s, c) => ([server, client] = [s, c]));
 
 const quick: WorkerOptions = { leaseWaitMs: 200, retryBackoff: () => 50, hooks: {}, handleSignals: false };
 
