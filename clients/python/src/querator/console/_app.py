@@ -244,10 +244,12 @@ class Console:
             names = [q.queue_name for q in listing.queues]
             dead_names = sorted({q.dead_queue for q in listing.queues if q.dead_queue})
             stats = await _gather({n: api.stats(n) for n in names + [d for d in dead_names if d not in names]})
-            for name, got in stats.items():
-                if isinstance(got, queues_pb2.GetQueueStatsResponse):
-                    sampler.record(name, got)
-            sampler.watch([n for n in names if isinstance(stats.get(n), queues_pb2.GetQueueStatsResponse)], api)
+            # Samples of the listed queues only: one of a dead-letter queue not on the page
+            # would stay in the shared sampler, never watched and so never dropped.
+            readable = {n: s for n, s in stats.items() if n in names and isinstance(s, queues_pb2.GetQueueStatsResponse)}
+            for name, got in readable.items():
+                sampler.record(name, got)
+            sampler.watch(list(readable), api)
             oldest = await self.oldest_ready(session, api, {n: s for n, s in stats.items() if n in names})
             rows = []
             for q in listing.queues:
