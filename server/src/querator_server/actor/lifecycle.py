@@ -14,7 +14,7 @@ import lmdb
 
 from ..faults import FAULT_FILE_ENV, InjectedFault, lifecycle_fault
 from ..model import NEVER_US
-from ..storage import Item, done_runs
+from ..storage import Item, accepted_sources, done_runs
 from ..storage.record import DEAD_EXPIRED, TAG_ITEM, parse_scheduled_key, seq_of_item_key
 from .cycle_base import DEATH_CODES, CycleBase
 from .ids import item_id, scheduled_id
@@ -227,12 +227,11 @@ class LifecycleSteps(CycleBase):
         """
         partitions = self.some_healthy() if self.faulty else range(len(self._base))
         p = min(partitions, key=lambda i: self._peek(i).ready)
+        self._forget_taken(txn)
         self.enter(p)
         for item in request.items:
-            # A faulty partition is not read: an item first sent before a crash and stored
-            # there would be stored twice (only if it is resent while the partition is out).
-            if item.source_id and self.store.has_source(txn, item.source_id, self.faulty):
-                continue  # sent before a crash; already here
+            if item.source_id and self.taken_before(txn, item.source_id):
+                continue  # sent before a crash or a failover of its queue; already taken
             item.attempts = 0
             item.group_key = ""  # a dead letter leaves its group: this queue has its own
             item.is_leased = False
@@ -241,7 +240,32 @@ class LifecycleSteps(CycleBase):
             item.enqueue_at = 0
             item.expire_deadline = NEVER_US
             self._requeue(txn, p, item)
+            if item.source_id:
+                self.note_taken(txn, p, item.source_id)
         self._ok(request, None)
+
+    def taken_before(self, txn: lmdb.Transaction[bytes], source_id: str) -> bool:
+        """Whether the item from ``source_id`` was handed over here before: still held
+        (``u``), or taken within accepted_sources.WINDOW_US (completed since, maybe).
+        A faulty partition is not read: an item first sent before a crash and stored
+        there would be stored twice (only if it is resent while the partition is out)."""
+        if self.store.has_source(txn, source_id, self.faulty):
+            return True
+        dbs = (self.store.db(p) for p in range(len(self._base)) if not (self.faulty and p in self.faulty))
+        return accepted_sources.seen(txn, dbs, source_id)
+
+    def note_taken(self, txn: lmdb.Transaction[bytes], p: int, source_id: str) -> None:
+        accepted_sources.note(txn, self.store.db(p), source_id, self.now)
+
+    def _forget_taken(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Forget source ids taken before the window, a batch per partition: each
+        hand-over forgets at least as many as it can add, so they stay bounded by what
+        one window brings."""
+        before = self.now - accepted_sources.WINDOW_US
+        for p in range(len(self._base)):
+            if not (self.faulty and p in self.faulty):
+                self.enter(p)
+                accepted_sources.forget_before(txn, self.store.db(p), before, LIFECYCLE_BATCH)
 
     def outbox_done(self, txn: lmdb.Transaction[bytes], request: OutboxDoneRequest) -> None:
         for p, seq in request.entries:

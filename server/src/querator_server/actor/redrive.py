@@ -125,15 +125,17 @@ class RedriveSteps(LifecycleSteps):
         """Store items redriven here, once each by source_id, as fresh ready items."""
         partitions = self.some_healthy() if self.faulty else range(len(self._base))
         p = min(partitions, key=lambda i: self._peek(i).ready)
+        self._forget_taken(txn)
         self.enter(p)
         expire = self.now + self.config.expire_timeout_us
         for item in request.items:
-            if self.store.has_source(txn, item.source_id, self.faulty):
-                continue  # handed over before a crash; already here
+            if self.taken_before(txn, item.source_id):
+                continue  # handed over before a crash or a failover of the origin; taken
             item.expire_deadline = expire
             item.created_at = item.created_at or self.now
             item.group_key = ""
             self._requeue(txn, p, item)
+            self.note_taken(txn, p, item.source_id)
         self._ok(request, None)
 
     def redrive_done(self, txn: lmdb.Transaction[bytes], request: RedriveDoneRequest) -> None:

@@ -6,7 +6,8 @@ same node, as on a single server. A replicated dead-letter queue is served by it
 shard's primary alone, so dead letters go there, over ``DeadLetters`` when that is
 another node. Its storage (and with it the deduplication by source_id) is the same on
 every copy, so a dead letter sent again after a failover of either queue (the source's
-new primary hands over what its outbox still holds) is stored once.
+new primary hands over what its outbox still holds) is stored once, also when it was
+completed there meanwhile (storage/accepted_sources.py remembers what was taken).
 
 A replicated queue's dead_queue must be replicated too: its dead letters are sent by
 whichever copy is primary, and a part of a one-copy queue on the old primary's node
