@@ -197,6 +197,10 @@ class QueuesManager:
         # cluster's replicated dead-letter queue is served by its primary's node): set
         # by the cluster; None: this node's queue of that name.
         self.dead_queue_route: Callable[[str], Any] | None = None
+        # The same for a redrive's targets, by uid (a replicated queue's primary may be
+        # another node), and the queues a redrive may reach that are not here.
+        self.redrive_route: Callable[[int], Any] | None = None
+        self.redrive_targets: Callable[[Callable[[str], bool] | None], dict[int, str]] | None = None
         self.keyring = KeyRing()
         # Signs page tokens; kept in the catalog (read at start).
         self.token_secret = b""
@@ -373,7 +377,7 @@ class QueuesManager:
             store,
             lane,
             resolve=self._dead_queue,
-            resolve_uid=self.actor_by_uid,
+            resolve_uid=self._redrive_target,
             max_inbox=self._max_inbox,
             group=group,
             fail_after_s=self._fail_queue_after_s,
@@ -453,6 +457,12 @@ class QueuesManager:
         route = self.dead_queue_route
         return self.actor(name) if route is None else route(name)
 
+    def _redrive_target(self, uid: int) -> Any:
+        """What a redrive hands the items for queue ``uid`` to (``submit(RedriveInRequest)``),
+        or None when that queue is gone."""
+        route = self.redrive_route
+        return self.actor_by_uid(uid) if route is None else route(uid)
+
     def actor_by_uid(self, uid: int) -> LogicalQueue | None:
         """The running actor of the queue whose storage uid is ``uid`` (None: none is;
         the queue was deleted)."""
@@ -481,8 +491,10 @@ class QueuesManager:
         return [self._configs[n] for n in names[:limit]], len(names) > limit
 
     def queues_by_uid(self, visible: Callable[[str], bool] | None = None) -> dict[int, str]:
-        """The name of every queue (that is ``visible``), by storage uid."""
-        return {c.uid: c.name for c in self._configs.values() if visible is None or visible(c.name)}
+        """The name of every queue (that is ``visible``), by storage uid; with those a
+        redrive reaches elsewhere (``redrive_targets``)."""
+        here = {c.uid: c.name for c in self._configs.values() if visible is None or visible(c.name)}
+        return here if self.redrive_targets is None else {**self.redrive_targets(visible), **here}
 
     # -- admin --------------------------------------------------------------------------
 

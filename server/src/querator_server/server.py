@@ -148,7 +148,7 @@ class QueratorServer:
 
             assert cluster is not None
             peer_service = PeerService(
-                router.give_backs, queue_service.give_back_here, cluster.roles.host, cluster.dead_letters
+                router.give_backs, queue_service.give_back_here, cluster.roles.host, cluster.dead_letters, cluster.redrives
             )
             server.add_generic_rpc_handlers((peer_service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -29,6 +29,7 @@ from .forwarding import PeerTls
 from .membership import Membership
 from .placement import QueueEntry
 from .reconcile_backend import ReconcileBackend
+from .redrive_route import RedriveRoute
 from .replica_roles import ShardRoles
 from .router import Router
 from .shard_cas import Deposed
@@ -101,6 +102,10 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         # Dead letters to a replicated dead-letter queue go to its primary's node.
         self.dead_letters = DeadLetterRoute(self.node, self.catalog, self.router.peers, manager.actor)
         manager.dead_queue_route = self.dead_letters
+        # Redriven items to a replicated queue go to its primary's node.
+        self.redrives = RedriveRoute(self.node, self.catalog, self.router.peers, manager.actor_by_uid)
+        manager.redrive_route = self.redrives
+        manager.redrive_targets = self.redrives.targets
         self._reconcile_lock = asyncio.Lock()
         self.retired = False
         self._foreign: set[str] = set()  # local queues the catalog never had (warned once)

@@ -2,7 +2,8 @@
 (each checks the calling node's proof: cluster/forwarding.py). Not part of the API;
 served only with --cluster.
 
-Dead letters handed to a replicated dead-letter queue's primary (cluster/dead_letter_route.py).
+Dead letters handed to a replicated dead-letter queue's primary (cluster/dead_letter_route.py),
+and redriven items to a replicated queue's primary (cluster/redrive_route.py).
 
 The give-backs of LeaseStream answers never sent (cluster/give_back.py), and the
 replication calls (cluster/replica_host.py): change sets shipped to a copy, a copy's
@@ -23,6 +24,7 @@ from querator.v1 import queue_pb2 as pb
 from ..auth import Action
 from ..cluster.dead_letter_route import DEAD_LETTERS, DeadLetterRoute
 from ..cluster.give_back import SENT, SERVICE, UNSENT, GiveBacks, Local
+from ..cluster.redrive_route import REDRIVE_IN, RedriveRoute
 from ..cluster.replica_host import CopyHost
 from ..cluster.replica_wire import SHIP, SNAPSHOT, STATUS, Ship, SnapshotHead, StatusAsk
 from ..errors import InvalidArgument, PermissionDenied
@@ -37,11 +39,13 @@ class PeerService:
         give_back_here: Local,
         copies: CopyHost | None = None,
         dead_letters: DeadLetterRoute | None = None,
+        redrives: RedriveRoute | None = None,
     ) -> None:
         self._give_backs = give_backs
         self._here = give_back_here
         self._copies = copies
         self._dead_letters = dead_letters
+        self._redrives = redrives
 
     async def _unsent(self, request: pb.LeaseResponse, context: grpc.aio.ServicerContext[Any, Any]) -> empty_pb2.Empty:
         return await self._give_backs.served(request, False, context, self._here)
@@ -66,6 +70,14 @@ class PeerService:
         if self._dead_letters is None:
             raise PermissionDenied("this node takes no dead letters from others")
         await self._dead_letters.take(request.value)
+        return BytesValue()
+
+    async def _redriven(self, request: BytesValue, context: grpc.aio.ServicerContext[Any, Any]) -> BytesValue:
+        if not self._give_backs.is_peer(context):
+            raise PermissionDenied(f"{SERVICE} is for the cluster's nodes only")
+        if self._redrives is None:
+            raise PermissionDenied("this node takes no redriven items from others")
+        await self._redrives.take(request.value)
         return BytesValue()
 
     async def _status(self, request: BytesValue, context: grpc.aio.ServicerContext[Any, Any]) -> BytesValue:
@@ -103,6 +115,7 @@ class PeerService:
             SHIP: (self._ship, BytesValue, BytesValue, Action.CONSUME),
             STATUS: (self._status, BytesValue, BytesValue, Action.CONSUME),
             DEAD_LETTERS: (self._dead, BytesValue, BytesValue, Action.CONSUME),
+            REDRIVE_IN: (self._redriven, BytesValue, BytesValue, Action.CONSUME),
         }
         generic = generic_handler(SERVICE, methods)
         snapshot = grpc.stream_unary_rpc_method_handler(

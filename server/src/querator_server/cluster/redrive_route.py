@@ -1,0 +1,93 @@
+"""Where a redriven item goes in a cluster, and the peer call that takes it there.
+
+A redrive moves each item back to its source queue, named by the uid in its
+source_id. A replicated queue's uid is its shard's, the same on every node, and the
+queue is served by its primary alone, which may be another node than the one running
+the redrive (a replicated dead-letter queue's primary): the items go there over
+``RedriveIn``, one hop, as dead letters go to a replicated dead-letter queue
+(dead_letter_route.py). The receiver stores each once by source_id
+(storage/accepted_sources.py), so the sender's tries again (a failure, a failover of
+either queue) store nothing twice. A queue of one copy keeps its node's own uids, so
+its items go back only to a partition on the same node, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from google.protobuf.wrappers_pb2 import BytesValue
+
+from ..actor.requests import RedriveInRequest
+from ..errors import InvalidArgument, Unavailable
+from ..storage import Item
+from .catalog import CatalogCache
+from .forwarding import Peers
+from .replica_wire import pack, unpack
+
+REDRIVE_IN = "RedriveIn"
+_SERVICE = "querator.internal.Peer"
+_CALL_S = 10.0
+
+
+def encode(uid: int, items: list[Item]) -> bytes:
+    return pack({"uid": uid}, [item.encode() for item in items])
+
+
+def decode(data: bytes) -> tuple[int, list[Item]]:
+    header, blobs = unpack(data)
+    uid = header.get("uid")
+    if not isinstance(uid, int) or isinstance(uid, bool) or uid <= 0:
+        raise InvalidArgument("uid", "a redrive hand-over names its queue's uid")
+    try:
+        return uid, [Item.decode(blob) for blob in blobs]
+    except ValueError as exc:
+        raise InvalidArgument("value", f"a redriven item for queue uid {uid}: {exc}") from None
+
+
+class RemoteTarget:
+    """A replicated queue served by another node (its primary), as a redrive target."""
+
+    def __init__(self, peers: Peers, node: str, uid: int) -> None:
+        self._peers = peers
+        self._node = node
+        self._uid = uid
+
+    async def submit(self, request: RedriveInRequest) -> None:
+        data = encode(self._uid, request.items)
+        await self._peers.forward(self._node, f"/{_SERVICE}/{REDRIVE_IN}", BytesValue(value=data), BytesValue, None, _CALL_S)
+
+
+class RedriveRoute:
+    """The manager's way to a redrive's target queues (QueuesManager.redrive_route and
+    QueuesManager.redrive_targets)."""
+
+    def __init__(self, node: str, catalog: CatalogCache, peers: Peers, local: Callable[[int], Any]) -> None:
+        self._node = node
+        self._catalog = catalog
+        self._peers = peers
+        self._local = local
+
+    def __call__(self, uid: int) -> Any:
+        """The queue of ``uid``: its actor here, its primary's node, or None (gone: the
+        items go back where they came from)."""
+        record = self._catalog.shards.get(uid)
+        if record is None or record.primary == self._node:
+            return self._local(uid)
+        if record.primary not in self._catalog.members:
+            raise Unavailable(f"queue {record.queue!r}: its primary {record.primary!r} is not live; redriven items wait")
+        return RemoteTarget(self._peers, record.primary, uid)
+
+    def targets(self, visible: Callable[[str], bool] | None) -> dict[int, str]:
+        """Every replicated queue (that is ``visible``), by its shard's uid."""
+        return {r.uid: r.queue for r in self._catalog.shards.records() if visible is None or visible(r.queue)}
+
+    async def take(self, data: bytes) -> None:
+        """Items another node redrives into a queue this node is primary of
+        (``RedriveIn``), stored once each by source_id; UNAVAILABLE when it is not the
+        primary here (the sender tries again, routed anew)."""
+        uid, items = decode(data)
+        actor = self._local(uid)
+        if actor is None:
+            raise Unavailable(f"the queue of uid {uid} is not served here; send the redriven items to its primary")
+        await actor.submit(RedriveInRequest(items))
