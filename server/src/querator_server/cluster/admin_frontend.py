@@ -14,6 +14,7 @@ import dataclasses
 import json
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING
 
 from ..auth import ApiKey, Role, new_key
 from ..clock import now_us
@@ -21,15 +22,20 @@ from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFoun
 from ..logging import get_logger
 from ..model import QueueConfig
 from ..queue_admin import check_dead_queue, check_deletable, check_update, key_record
-from . import shard_cas
+from . import failover, shard_cas
 from .catalog import APPLY_TIMEOUT_S as _APPLY_TIMEOUT_S
 from .catalog import CatalogCache, Keys
 from .copy_moves import CATCH_UP_S, CopyMoves
 from .etcd import Etcd, EtcdError, Txn
 from .membership import Membership
 from .placement import Home, QueueEntry, place, place_shard
+from .replica_wire import StatusAsk
 from .shard_cas import Deposed
 from .shard_record import ShardRecord, default_min_in_sync
+
+if TYPE_CHECKING:
+    from .replica_roles import ShardRoles
+    from .router import Router
 
 log = get_logger("cluster")
 
@@ -41,6 +47,8 @@ class AdminFrontend(CopyMoves):
     """Part of Coordinator (coordinator.py holds the state and the wiring)."""
 
     node: str
+    roles: ShardRoles
+    router: Router
     etcd: Etcd
     keys: Keys
     catalog: CatalogCache
@@ -452,19 +460,50 @@ class AdminFrontend(CopyMoves):
 
     async def _hand_over(self, record: ShardRecord, node: str, leaving: str = "") -> ShardRecord:
         """Elect ``node``; ``leaving``: a node about to stop, left out of the in-sync set
-        when enough copies stay (the new primary then waits for it on no write)."""
+        when enough copies stay (the new primary then waits for it on no write).
+
+        The old primary first promises the next epoch away (``_fence_primary``): until
+        then it may answer OK a change whose copies' acknowledgements are still on their
+        way to it, and its catalog watch may tell it of the election only after the new
+        primary answered (one that no longer waits for its copy, ``leaving``, answers
+        without it): two epochs would answer at once. A primary that is not live is
+        taken over only while its membership is gone, as a failover does."""
         self.membership.check()
+        gone = await self._fence_primary(record, node)
         isr = record.isr
         rest = tuple(entry for entry in isr if entry[0] != leaving)
         if leaving and len(rest) >= record.min_isr:
             isr = rest
         try:
-            elected = await self.catalog.shards.elect(record, node, isr)
+            elected = await self.catalog.shards.elect(record, node, isr, primary_gone=gone)
         except Deposed as exc:
             raise FailedPrecondition(f"queue {record.queue!r} changed meanwhile ({exc.message}); retry") from None
         await self.catalog.wait_applied(elected.mod_revision, _APPLY_TIMEOUT_S)
         log.info("cluster_primary_moved", queue=record.queue, shard=record.uid, old=record.primary, new=node, epoch=elected.epoch)
         return elected
+
+    async def _fence_primary(self, record: ShardRecord, node: str) -> bool:
+        """Make the primary of ``record`` (unless it is ``node``) stop answering under its
+        epoch: its copy fenced at the next epoch, its serving deposed, before it replies.
+        Returns True when it is not live (the election then requires its member key
+        absent); Unavailable when it is live and does not answer (nothing changed)."""
+        old = record.primary
+        if old == node:
+            return False
+        fence = record.epoch + 1
+        if old == self.node:
+            await self.roles.host.status(StatusAsk(record.uid, fence))
+            return False
+        if old not in self.catalog.members:
+            return True
+        try:
+            await failover.ask(self.router.peers, old, record.uid, fence)
+        except QueratorError as exc:
+            raise Unavailable(
+                f"queue {record.queue!r}: its primary {old!r} did not stop serving for the hand-over ({exc.message}); "
+                "nothing was moved, retry (a primary that is down is replaced by a failover)"
+            ) from None
+        return False
 
     async def drain(
         self, node: str, leaving: bool = False, copies: bool = False, within: float = CATCH_UP_S

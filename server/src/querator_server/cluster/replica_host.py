@@ -124,12 +124,14 @@ class CopyHost:
     async def status(self, ask: StatusAsk) -> CopyState:
         shard = self._shard(ask.uid)
         if ask.fence:
+            # Deposed first, so it answers nothing more (its in-flight calls fail) rather
+            # than the fence's step-down waiting for them: the asker may be about to elect.
+            if shard.primary is not None and ask.fence > shard.primary.epoch:
+                self._on_newer_epoch(ask.uid, ask.fence)
             async with shard.lock:
                 if ask.fence > shard.copy.fenced_epoch():
                     await shard.copy.fence(ask.fence)
                     log.info("shard_fenced", uid=ask.uid, epoch=ask.fence)
-            if shard.primary is not None and ask.fence > shard.primary.epoch:
-                self._on_newer_epoch(ask.uid, ask.fence)
         return shard.state()
 
     async def install(self, head: SnapshotHead, chunks: AsyncIterator[bytes]) -> CopyState:

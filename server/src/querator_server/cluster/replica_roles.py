@@ -286,7 +286,12 @@ class ShardRoles:
 
     def _newer_epoch(self, uid: int, epoch: int) -> None:
         """A copy or a caller speaks of ``epoch``, above the one this node serves ``uid``
-        under: this node was deposed while it could not tell (paused, cut off)."""
+        under: this node was deposed while it could not tell (paused, cut off), or
+        fenced by a hand-over about to elect another copy."""
+        # Its own election (``_step``: promised a later epoch) is only the way out
+        # should the asker's election not come: not before _RETRY_RACE_S, so as not to
+        # race the asker's (a hand-over's CAS follows its fence at once).
+        self._raced_at[uid] = time.monotonic()
         shard = self.host.shards.get(uid)
         if shard is not None and shard.primary is not None:
             shard.primary.deposed(f"another node speaks of epoch {epoch}")

@@ -298,7 +298,9 @@ class ShardReplication:
             link.offered(lsn, now)
         async with self._changed:
             await self._changed.wait_for(lambda: self._done(lsn) or self.failure is not None)
-            if self._done(lsn):
+            # Deposed first: its copies' acks may have come since, but a later epoch may
+            # be answering already (a hand-over fences this primary before it elects).
+            if self.failure is None and self._done(lsn):
                 # Under the condition's lock, as _expand counts a copy: a change is either
                 # released before the copy is counted (and the copy holds it), or waits for it.
                 self.released = max(self.released, lsn)
