@@ -263,7 +263,7 @@ class LifecycleSteps(CycleBase):
         one window brings."""
         before = self.now - accepted_sources.WINDOW_US
         for p in range(len(self._base)):
-            if not (self.faulty and p in self.faulty):
+            if not ((self.faulty and p in self.faulty) or (self.broken and p in self.broken)):
                 self.enter(p)
                 accepted_sources.forget_before(txn, self.store.db(p), before, LIFECYCLE_BATCH)
 

@@ -72,8 +72,13 @@ class RedriveRoute:
         """The queue of ``uid``: its actor here, its primary's node, or None (gone: the
         items go back where they came from)."""
         record = self._catalog.shards.get(uid)
-        if record is None or record.primary == self._node:
+        if record is None:
             return self._local(uid)
+        if record.primary == self._node:
+            actor = self._local(uid)
+            if actor is None:  # elected here, not serving yet: not gone (that would put the items back)
+                raise Unavailable(f"queue {record.queue!r} is not served here yet; redriven items wait")
+            return actor
         if record.primary not in self._catalog.members:
             raise Unavailable(f"queue {record.queue!r}: its primary {record.primary!r} is not live; redriven items wait")
         return RemoteTarget(self._peers, record.primary, uid)
