@@ -172,6 +172,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
             r.primary == self.node for r in self.catalog.shards.records()
         ):
             return
+        self.roles.host.leaving = {r.uid for r in self.catalog.shards.records() if r.primary == self.node}
         try:
             moved, kept = await asyncio.wait_for(self.drain(self.node, leaving=True), _HAND_OVER_S)
         except (QueratorError, TimeoutError) as exc:

@@ -74,6 +74,10 @@ class CopyHost:
         # Told when a call names an epoch above the one this node serves a shard as
         # primary under (uid, epoch): it was deposed meanwhile.
         self._on_newer_epoch = on_newer_epoch
+        # Shards this node hands over as it stops (SIGTERM): it takes no more of their
+        # changes, so the new primary, which left it out of the in-sync set, does not
+        # catch it up and add it back just before it exits (then to wait for it).
+        self.leaving: set[int] = set()
 
     def _shard(self, uid: int) -> Shard:
         shard = self.shards.get(uid)
@@ -82,6 +86,8 @@ class CopyHost:
         return shard
 
     async def ship(self, ship: Ship) -> CopyState:
+        if ship.uid in self.leaving:
+            raise Unavailable(f"this node is stopping: it takes no more changes of shard {ship.uid}")
         shard = self._shard(ship.uid)
         if shard.primary is not None:
             if ship.epoch > shard.primary.epoch:
