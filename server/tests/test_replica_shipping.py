@@ -315,3 +315,51 @@ def test_the_replication_calls_are_for_the_clusters_nodes_only_and_name_a_bad_fi
             await caller.close()
 
     asyncio.run(main())
+
+
+def test_a_stopping_node_takes_no_more_changes_and_answers_no_catch_up(tmp_path: Any) -> None:
+    """A node stopping (SIGTERM) hands its primaries over leaving itself out of their
+    in-sync sets; until it exits its copies must not be caught up again, or the new
+    primary adds it back and then waits for it (seen: the in-sync set [n2, n1] after n1
+    stopped). Its copies answer the replication calls UNAVAILABLE, and fence nothing."""
+    from google.protobuf.wrappers_pb2 import BytesValue
+
+    from querator_server.cluster.replica_wire import SHIP, STATUS, StatusAsk, pack
+
+    async def main() -> None:
+        members: dict[str, Member] = {}
+        replica = Replica(str(tmp_path), "n2", members)
+        await replica.start()
+        members["n2"] = Member("n2", f"127.0.0.1:{replica.port}", 1)
+        caller = Peers("n1", lambda: members)
+        caller.set_secret(SECRET)
+        try:
+            async with grpc.aio.insecure_channel(members["n2"].address) as channel:
+
+                async def call(method: str, data: bytes) -> tuple[grpc.StatusCode, str]:
+                    stub = channel.unary_unary(
+                        f"/querator.internal.Peer/{method}",
+                        request_serializer=BytesValue.SerializeToString,
+                        response_deserializer=BytesValue.FromString,
+                    )
+                    try:
+                        await stub(BytesValue(value=data), metadata=caller.proof_metadata(), timeout=5)
+                    except grpc.aio.AioRpcError as exc:
+                        return exc.code(), exc.details() or ""
+                    return grpc.StatusCode.OK, ""
+
+                assert (await call(STATUS, StatusAsk(SHARD_UID).encode()))[0] == grpc.StatusCode.OK
+                replica.host.leaving = True
+                for method, data in (
+                    (STATUS, StatusAsk(SHARD_UID, fence=3).encode()),
+                    (SHIP, pack({"uid": SHARD_UID, "epoch": 2, "primary": "n1", "incarnation": ""}, [])),
+                ):
+                    code, details = await call(method, data)
+                    assert code == grpc.StatusCode.UNAVAILABLE and "stopping" in details, (method, code, details)
+                assert replica.store.copy is not None and replica.store.copy.fenced_epoch() == 0
+        finally:
+            await replica.stop()
+            await replica.store.close()
+            await caller.close()
+
+    asyncio.run(main())

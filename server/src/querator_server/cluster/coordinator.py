@@ -144,6 +144,7 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         self.router.peers.set_secret(self.manager.token_secret)  # and proves forwarded calls
 
     async def stop(self) -> None:
+        self.roles.host.leaving = True
         await self._hand_over_primaries()
         await self.roles.stop()
         await self.catalog.stop()

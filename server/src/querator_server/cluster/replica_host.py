@@ -74,6 +74,11 @@ class CopyHost:
         # Told when a call names an epoch above the one this node serves a shard as
         # primary under (uid, epoch): it was deposed meanwhile.
         self._on_newer_epoch = on_newer_epoch
+        # Set once this node is stopping (before it hands its primaries over): its
+        # copies take no more changes and answer no catch-up, so a primary it handed a
+        # queue to, leaving it out of the in-sync set, does not add it back (and then
+        # wait for it) in the moments before it exits.
+        self.leaving = False
 
     def _shard(self, uid: int) -> Shard:
         shard = self.shards.get(uid)
@@ -81,8 +86,15 @@ class CopyHost:
             raise Unavailable(f"this node holds no copy of shard {uid} (yet)")
         return shard
 
+    def _replica(self, uid: int) -> Shard:
+        """The shard, for a call that would catch its copy up (not while leaving)."""
+        shard = self._shard(uid)
+        if self.leaving and shard.primary is None:
+            raise Unavailable(f"this node is stopping: its copy of shard {uid} takes no more changes")
+        return shard
+
     async def ship(self, ship: Ship) -> CopyState:
-        shard = self._shard(ship.uid)
+        shard = self._replica(ship.uid)
         if shard.primary is not None:
             if ship.epoch > shard.primary.epoch:
                 self._on_newer_epoch(ship.uid, ship.epoch)
@@ -122,7 +134,7 @@ class CopyHost:
             shard.applied += 1
 
     async def status(self, ask: StatusAsk) -> CopyState:
-        shard = self._shard(ask.uid)
+        shard = self._replica(ask.uid)
         if ask.fence:
             async with shard.lock:
                 if ask.fence > shard.copy.fenced_epoch():
@@ -133,7 +145,7 @@ class CopyHost:
         return shard.state()
 
     async def install(self, head: SnapshotHead, chunks: AsyncIterator[bytes]) -> CopyState:
-        shard = self._shard(head.uid)
+        shard = self._replica(head.uid)
         if shard.primary is not None:
             if head.epoch > shard.primary.epoch:
                 self._on_newer_epoch(head.uid, head.epoch)
