@@ -333,6 +333,32 @@ SLOWEST_FIRST = [
 ]
 
 
+# Files whose tests each start what they need (a cluster of their own, no module-scoped
+# fixture, no order among them): under --dist loadfile each of their tests is a unit of
+# work of its own, so their cases spread over both workers instead of holding one for the
+# file's whole time (test_replication_failover.py: nine cases of 15-40 s each).
+SPREAD_TESTS = {
+    "test_replication_failover.py",
+    "test_replication_network_faults.py",
+    "test_replication_wiped_node.py",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """--dist loadfile, except that a file of SPREAD_TESTS goes out test by test."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SpreadFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if os.path.basename(path) in SPREAD_TESTS else path
+
+    return SpreadFileScheduling(config, log)  # type: ignore[arg-type]
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if not os.environ.get("PYTEST_XDIST_WORKER"):
