@@ -51,6 +51,10 @@ def spark_env() -> dict[str, str]:
         "PYSPARK_PYTHON": sys.executable,
         "PYSPARK_DRIVER_PYTHON": sys.executable,
         "SPARK_LOCAL_IP": "127.0.0.1",
+        # A driver that starts its JVM while gRPC is busy in the same process: see ./dev's
+        # note on the Spark tests (read when a process starts, so it reaches drivers started
+        # as subprocesses; ./dev sets it for the pytest process itself).
+        "GRPC_ENABLE_FORK_SUPPORT": "false",
     }
 
 
