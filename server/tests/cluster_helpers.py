@@ -8,6 +8,7 @@ in CI (CI=true), where they fail: cluster tests must never silently vanish there
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -17,14 +18,18 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from typing import IO
+from collections.abc import Awaitable, Callable
+from typing import IO, TypeVar
 
 import grpc
 import pytest
 
 from querator.v1 import cluster_pb2, cluster_pb2_grpc
+from querator_server.cluster.etcd import Etcd as EtcdClient
 
 from conftest import Stubs, free_port, wait_for_server
+
+T = TypeVar("T")
 
 
 def etcd_binary() -> str:
@@ -131,6 +136,26 @@ class Etcd:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+    def __enter__(self) -> Etcd:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def with_etcd_client(etcd: Etcd, body: Callable[[EtcdClient], Awaitable[T]]) -> T:
+    """Run ``body`` with an etcd client of ``etcd`` (the server's own), closed after."""
+
+    async def run() -> T:
+        client = EtcdClient([etcd.endpoint])
+        try:
+            return await body(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
 
 
 class Node:

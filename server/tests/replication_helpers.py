@@ -8,9 +8,13 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import grpc
+import pytest
+from cluster_helpers import Etcd
 
 from querator_server.actor import (
     CompleteRequest,
@@ -24,13 +28,20 @@ from querator_server.actor import (
     RetryRequest,
 )
 from querator_server.clock import now_us
+from querator_server.cluster.etcd import Etcd as EtcdClient
+from querator_server.cluster.etcd import Txn
+from querator_server.cluster.forwarding import Peers
+from querator_server.cluster.give_back import GiveBacks
+from querator_server.cluster.shard_record import ShardRecord
 from querator_server.errors import QueratorError
+from querator_server.grpc_api.peer_service import PeerService
 from querator_server.model import ImportedItem, NewItem, QueueConfig, RetryOrder
 from querator_server.storage import QueueStore
 from querator_server.storage.change_set import ChangeSet, Position
 from querator_server.storage.commit_group import CommitGroup
 from querator_server.storage.group_layout import open_group_env, queue_prefix
 from querator_server.storage.lane import StorageLane
+from querator_server.storage.replica_copy import ReplicaCopy
 from querator_server.storage.replica_state import ReplicaState
 
 # A shard uid as the cluster hands them out: never one of a data dir's own.
@@ -209,3 +220,87 @@ async def client(actor: LogicalQueue, rng: random.Random, calls: int, until: flo
             # else: dropped, to run out
         if rng.random() < 0.05:
             await asyncio.sleep(0.02)
+
+
+# -- A shard whose copies talk through real Peer servers, its record in a real etcd ------
+# (test_replica_shipping.py, test_failover_rebuilt_copy.py)
+
+#: The peers' shared secret, and the replica lag, of those tests' nodes.
+PEER_SECRET = b"s" * 32
+LAG_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    """A real etcd for the test module (each test keeps to a key prefix of its own)."""
+    with Etcd(str(tmp_path_factory.mktemp("etcd"))) as server:
+        yield server
+
+
+class Writer:
+    """Who changes the shard record through a ShardTable: a node and the create revision
+    of its membership key."""
+
+    def __init__(self, node: str, create_revision: int) -> None:
+        self.node = node
+        self.create_revision = create_revision
+
+
+async def poll_until(check: Callable[[], Any], timeout: float, what: str) -> None:
+    """Wait for ``check()`` to hold, polling; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.02)
+
+
+async def register_members(client: EtcdClient, prefix: bytes, nodes: list[str]) -> dict[str, int]:
+    """Each node's membership key under ``prefix``; the create revision of each, by node."""
+    revisions = {}
+    for node in nodes:
+        key = prefix + b"members/" + node.encode()
+        await client.txn(Txn().put(key, b"{}"))
+        _, kv = await client.get(key)
+        assert kv is not None
+        revisions[node] = kv.create_revision
+    return revisions
+
+
+def shard_key(prefix: bytes) -> bytes:
+    return prefix + b"shards/" + str(SHARD_UID).encode()
+
+
+async def stored_record(client: EtcdClient, prefix: bytes) -> ShardRecord:
+    """The shard record of SHARD_UID as etcd holds it."""
+    _, kv = await client.get(shard_key(prefix))
+    assert kv is not None
+    return ShardRecord.decode(SHARD_UID, kv.value, kv.mod_revision, kv.create_revision)
+
+
+async def put_record(client: EtcdClient, prefix: bytes, record: ShardRecord) -> ShardRecord:
+    """Store ``record`` as SHARD_UID's and return it as stored (with its revisions)."""
+    await client.txn(Txn().put(shard_key(prefix), record.encode()))
+    return await stored_record(client, prefix)
+
+
+async def open_copy(path: str, lane: StorageLane) -> ReplicaCopy:
+    """SHARD_UID's copy (queue "q", 2 partitions) on real LMDB in ``path``, on ``lane``."""
+    os.makedirs(path, exist_ok=True)
+    store = await lane.run(lambda: QueueStore(path, 2))
+    state = await lane.run(lambda: ReplicaState(store, None, SHARD_UID))
+    return ReplicaCopy("q", state, lane, None)
+
+
+async def start_peer_server(node: str, peers: Peers, host: Any, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """``node``'s Peer service for the copies ``host`` holds, on 127.0.0.1:``port``
+    (0: a free one); returns the started server and its port. Give-backs fail the test."""
+
+    async def never(*_: Any) -> Any:
+        raise AssertionError("no give-backs here")
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((PeerService(GiveBacks(node, never, peers), never, host).handler(),))
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, port

@@ -16,13 +16,24 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import pytest
 from cluster_helpers import Etcd, Proxy
-from replication_helpers import SHARD_UID
+from replication_helpers import (  # noqa: F401 (etcd: a fixture)
+    LAG_S,
+    PEER_SECRET,
+    SHARD_UID,
+    Writer,
+    etcd,
+    open_copy,
+    poll_until,
+    put_record,
+    register_members,
+    shard_key,
+    start_peer_server,
+    stored_record,
+)
 
 from querator_server.actor import LeaseRequest, LeaseResult, LogicalQueue, ProduceRequest
 from querator_server.cluster.catalog import Member
@@ -30,46 +41,24 @@ from querator_server.cluster.change_ring import ChangeRing
 from querator_server.cluster.etcd import Etcd as EtcdClient
 from querator_server.cluster.etcd import Txn
 from querator_server.cluster.forwarding import Peers
-from querator_server.cluster.give_back import GiveBacks
 from querator_server.cluster.replica_contract import why_not_electable
 from querator_server.cluster.replica_roles import ShardRoles
 from querator_server.cluster.shard_cas import Deposed
 from querator_server.cluster.shard_record import ShardRecord
 from querator_server.cluster.shard_table import ShardTable
 from querator_server.cluster.shipper import ShardReplication
-from querator_server.grpc_api.peer_service import PeerService
 from querator_server.manager import QueuesManager
 from querator_server.model import NewItem, QueueConfig
-from querator_server.storage import QueueStore
 from querator_server.storage.change_set import ChangeSet, Diverged, Fenced
 from querator_server.storage.lane import StorageLane
 from querator_server.storage.replica_copy import ReplicaCopy
-from querator_server.storage.replica_state import ReplicaState
 
 PREFIX = b"/rebuilt/"
-SECRET = b"s" * 32
-LAG_S = 1.0
 MS = 1000
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
-    server = Etcd(str(tmp_path_factory.mktemp("etcd")))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _config() -> QueueConfig:
     return QueueConfig(name="q", uid=SHARD_UID, partitions=2, lease_timeout_us=30_000 * MS)
-
-
-class Writer:
-    def __init__(self, node: str, create_revision: int) -> None:
-        self.node = node
-        self.create_revision = create_revision
 
 
 class Primary:
@@ -84,10 +73,8 @@ class Primary:
         self.replication: ShardReplication | None = None
 
     async def start(self) -> None:
-        os.makedirs(self.path, exist_ok=True)
-        store = await self.lane.run(lambda: QueueStore(self.path, 2))
-        state = await self.lane.run(lambda: ReplicaState(store, None, SHARD_UID))
-        copy = self.copy = ReplicaCopy("q", state, self.lane, None)
+        copy = self.copy = await open_copy(self.path, self.lane)
+        store = copy.state.store
         record = await self.table.expand_isr(self.record, ("n1", copy.incarnation))
         # Four change sets of ring: a copy that missed more is rebuilt from a snapshot.
         replication = self.replication = ShardReplication(
@@ -109,31 +96,6 @@ class Primary:
         await self.actor.stop()
         await self.copy.close()
         self.lane.shutdown()
-
-
-async def _until(check: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await asyncio.sleep(0.02)
-
-
-async def _members(client: EtcdClient, nodes: list[str]) -> dict[str, int]:
-    revisions = {}
-    for node in nodes:
-        key = PREFIX + b"members/" + node.encode()
-        await client.txn(Txn().put(key, b"{}"))
-        _, kv = await client.get(key)
-        assert kv is not None
-        revisions[node] = kv.create_revision
-    return revisions
-
-
-async def _stored_record(client: EtcdClient) -> ShardRecord:
-    _, kv = await client.get(PREFIX + b"shards/" + str(SHARD_UID).encode())
-    assert kv is not None
-    return ShardRecord.decode(SHARD_UID, kv.value, kv.mod_revision, kv.create_revision)
 
 
 async def _drain(manager: QueuesManager) -> list[bytes]:
@@ -167,9 +129,8 @@ def test_a_copy_rebuilt_just_before_the_primary_died_takes_over_with_every_ackno
 
     async def main() -> None:
         client = EtcdClient([etcd.endpoint])
-        revisions = await _members(client, ["n1", "n2"])
-        await client.txn(Txn().put(PREFIX + b"shards/" + str(SHARD_UID).encode(), ShardRecord.new(SHARD_UID, "q", ["n1", "n2"], 1).encode()))
-        record = await _stored_record(client)
+        revisions = await register_members(client, PREFIX, ["n1", "n2"])
+        record = await put_record(client, PREFIX, ShardRecord.new(SHARD_UID, "q", ["n1", "n2"], 1))
         members: dict[str, Member] = {}
         live = {"n1", "n2"}
 
@@ -178,16 +139,9 @@ def test_a_copy_rebuilt_just_before_the_primary_died_takes_over_with_every_ackno
         await manager.start()
         table2 = ShardTable(client, PREFIX, Writer("n2", revisions["n2"]))
         peers2 = Peers("n2", lambda: members)
-        peers2.set_secret(SECRET)
+        peers2.set_secret(PEER_SECRET)
         roles = ShardRoles("n2", manager, table2, peers2, lambda n: n in live, (Deposed, Fenced, Diverged), ChangeSet.decode, LAG_S)
-
-        async def never(*_: Any) -> Any:
-            raise AssertionError("no give-backs here")
-
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers((PeerService(GiveBacks("n2", never, peers2), never, roles.host).handler(),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server, port = await start_peer_server("n2", peers2, roles.host)
         members["n2"] = Member("n2", f"127.0.0.1:{port}", revisions["n2"])
         await roles.follow(record, _config())
         copy2 = manager.copy("q")
@@ -196,7 +150,7 @@ def test_a_copy_rebuilt_just_before_the_primary_died_takes_over_with_every_ackno
         proxy = Proxy(etcd.endpoint)
         client1 = EtcdClient([proxy.address])
         peers1 = Peers("n1", lambda: members)
-        peers1.set_secret(SECRET)
+        peers1.set_secret(PEER_SECRET)
         primary = Primary(root, record, ShardTable(client1, PREFIX, Writer("n1", revisions["n1"])), peers1)
         await primary.start()
         assert primary.replication is not None and primary.copy is not None
@@ -205,7 +159,7 @@ def test_a_copy_rebuilt_just_before_the_primary_died_takes_over_with_every_ackno
             for i in range(10):
                 await primary.produce(b"a%d" % i)
             first = copy2.incarnation
-            await _until(lambda: dict(primary.replication.record.isr).get("n2") == first, 10, "n2 claimed in the ISR")  # type: ignore[union-attr]
+            await poll_until(lambda: dict(primary.replication.record.isr).get("n2") == first, 10, "n2 claimed in the ISR")  # type: ignore[union-attr]
 
             # n2 stops answering; meanwhile more than the ring holds is written (each
             # produce waits for n2, which is still counted in sync).
@@ -215,10 +169,7 @@ def test_a_copy_rebuilt_just_before_the_primary_died_takes_over_with_every_ackno
                 produced.append(asyncio.ensure_future(primary.produce(b"b%d" % i)))
                 await asyncio.sleep(0.03)
             proxy.cut()  # from here on the primary cannot change the record
-            server = grpc.aio.server()
-            server.add_generic_rpc_handlers((PeerService(GiveBacks("n2", never, peers2), never, roles.host).handler(),))
-            server.add_insecure_port(f"127.0.0.1:{port}")
-            await server.start()
+            server, _ = await start_peer_server("n2", peers2, roles.host, port)
             await asyncio.wait_for(asyncio.gather(*produced), 20)  # acknowledged: on n2 too
             assert primary.replication.links["n2"].snapshots >= 1 and copy2.incarnation != first
             acknowledged = [b"a%d" % i for i in range(10)] + [b"b%d" % i for i in range(12)]
@@ -228,17 +179,17 @@ def test_a_copy_rebuilt_just_before_the_primary_died_takes_over_with_every_ackno
             alive = False
             live.discard("n1")
             await client.txn(Txn().delete(PREFIX + b"members/n1"))  # its membership lapses
-            stored = await _stored_record(client)
+            stored = await stored_record(client, PREFIX)
             assert stored.primary == "n1" and dict(stored.isr)["n2"] == first, stored
             await roles.follow(stored, _config())
             deadline = time.monotonic() + 10
-            while (await _stored_record(client)).primary != "n2" and time.monotonic() < deadline:
+            while (await stored_record(client, PREFIX)).primary != "n2" and time.monotonic() < deadline:
                 await roles.refollow(SHARD_UID)
                 await asyncio.sleep(0.2)
-            elected = await _stored_record(client)
+            elected = await stored_record(client, PREFIX)
             assert elected.primary == "n2", f"no failover to the rebuilt copy in 10 s: {elected}"
             assert dict(elected.isr) == {"n2": copy2.incarnation} and elected.epoch == 2
-            await _until(lambda: copy2.serving_epoch == 2, 10, "n2 serving")
+            await poll_until(lambda: copy2.serving_epoch == 2, 10, "n2 serving")
             assert sorted(await _drain(manager)) == sorted(acknowledged)
         finally:
             if alive:
@@ -266,11 +217,9 @@ def test_a_copy_that_may_lack_acknowledged_changes_never_takes_over_and_says_why
 
     async def main() -> None:
         client = EtcdClient([etcd.endpoint])
-        prefix_key = PREFIX + b"shards/" + str(SHARD_UID).encode()
-        revisions = await _members(client, ["n1", "n2"])
-        record = ShardRecord.new(SHARD_UID, "q", ["n1", "n2"], 1)
-        await client.txn(Txn().put(prefix_key, record.encode()))
-        stored = await _stored_record(client)
+        prefix_key = shard_key(PREFIX)
+        revisions = await register_members(client, PREFIX, ["n1", "n2"])
+        stored = await put_record(client, PREFIX, ShardRecord.new(SHARD_UID, "q", ["n1", "n2"], 1))
         manager = QueuesManager(os.path.join(root, "n2"), workers=2)
         await manager.start()
         table = ShardTable(client, PREFIX, Writer("n2", revisions["n2"]))
@@ -281,12 +230,12 @@ def test_a_copy_that_may_lack_acknowledged_changes_never_takes_over_and_says_why
             lost = dataclasses.replace(stored, isr=(("n1", "a" * 32), ("n2", "b" * 32)))
             ok, _ = await client.txn(Txn().modified_at(prefix_key, stored.mod_revision).put(prefix_key, lost.encode()))
             assert ok
-            stored = await _stored_record(client)
+            stored = await stored_record(client, PREFIX)
             await roles.follow(stored, _config())
             for _ in range(10):
                 await roles.refollow(SHARD_UID)
                 await asyncio.sleep(0.2)
-            assert (await _stored_record(client)) == stored
+            assert (await stored_record(client, PREFIX)) == stored
             assert manager.copy("q").serving_epoch == 0
         finally:
             await roles.stop()
@@ -313,29 +262,21 @@ def test_nothing_is_acknowledged_while_an_entry_of_the_in_sync_set_is_unclaimed(
 
     async def main() -> None:
         client = EtcdClient([etcd.endpoint])
-        revisions = await _members(client, ["n1", "n2"])
-        await client.txn(Txn().put(PREFIX + b"shards/" + str(SHARD_UID).encode(), ShardRecord.new(SHARD_UID, "q", ["n1", "n2"], 1).encode()))
-        record = await _stored_record(client)
+        revisions = await register_members(client, PREFIX, ["n1", "n2"])
+        record = await put_record(client, PREFIX, ShardRecord.new(SHARD_UID, "q", ["n1", "n2"], 1))
         members: dict[str, Member] = {}
         manager = QueuesManager(os.path.join(root, "n2"), workers=2)
         await manager.start()
         peers2 = Peers("n2", lambda: members)
-        peers2.set_secret(SECRET)
+        peers2.set_secret(PEER_SECRET)
         table2 = ShardTable(client, PREFIX, Writer("n2", revisions["n2"]))
         roles = ShardRoles("n2", manager, table2, peers2, lambda n: True, (Deposed, Fenced, Diverged), ChangeSet.decode, LAG_S)
-
-        async def never(*_: Any) -> Any:
-            raise AssertionError("no give-backs here")
-
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers((PeerService(GiveBacks("n2", never, peers2), never, roles.host).handler(),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server, port = await start_peer_server("n2", peers2, roles.host)
         members["n2"] = Member("n2", f"127.0.0.1:{port}", revisions["n2"])
         proxy = Proxy(etcd.endpoint)
         client1 = EtcdClient([proxy.address])
         peers1 = Peers("n1", lambda: members)
-        peers1.set_secret(SECRET)
+        peers1.set_secret(PEER_SECRET)
         primary = Primary(root, record, ShardTable(client1, PREFIX, Writer("n1", revisions["n1"])), peers1)
         try:
             await roles.follow(record, _config())
@@ -343,7 +284,7 @@ def test_nothing_is_acknowledged_while_an_entry_of_the_in_sync_set_is_unclaimed(
             proxy.cut()  # before the primary's first turn (0.25 s): n2's entry cannot be claimed
             assert primary.replication is not None
             produce = asyncio.ensure_future(primary.produce(b"first"))
-            await _until(lambda: primary.replication.links["n2"].acked >= 1, 10, "n2 acked the change")  # type: ignore[union-attr]
+            await poll_until(lambda: primary.replication.links["n2"].acked >= 1, 10, "n2 acked the change")  # type: ignore[union-attr]
             await asyncio.sleep(1.0)
             assert not produce.done(), "acknowledged while n2's entry was unclaimed"
             proxy.restore()

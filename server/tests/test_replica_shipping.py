@@ -11,14 +11,25 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import grpc
-import pytest
 from cluster_helpers import Etcd
-from replication_helpers import SHARD_UID, Tally, client
+from replication_helpers import (  # noqa: F401 (etcd: a fixture)
+    LAG_S,
+    PEER_SECRET,
+    SHARD_UID,
+    Tally,
+    Writer,
+    client,
+    etcd,
+    open_copy,
+    poll_until,
+    put_record,
+    register_members,
+    start_peer_server,
+)
 
 from querator_server.actor import LogicalQueue
 from querator_server.cluster.catalog import Member
@@ -26,44 +37,22 @@ from querator_server.cluster.change_ring import ChangeRing
 from querator_server.cluster.etcd import Etcd as EtcdClient
 from querator_server.cluster.etcd import Txn
 from querator_server.cluster.forwarding import Peers
-from querator_server.cluster.give_back import GiveBacks
 from querator_server.cluster.replica_host import CopyHost, Shard
 from querator_server.cluster.shard_cas import Deposed
 from querator_server.cluster.shard_record import ShardRecord
 from querator_server.cluster.shard_table import ShardTable
 from querator_server.cluster.shipper import ShardReplication
-from querator_server.grpc_api.peer_service import PeerService
 from querator_server.model import QueueConfig
-from querator_server.storage import QueueStore
 from querator_server.storage.change_set import ChangeSet, Diverged, Fenced
 from querator_server.storage.lane import StorageLane
 from querator_server.storage.replica_copy import ReplicaCopy
-from querator_server.storage.replica_state import ReplicaState
 
 PREFIX = b"/ship/"
-SECRET = b"s" * 32
-LAG_S = 1.0
 MS = 1000
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
-    server = Etcd(str(tmp_path_factory.mktemp("etcd")))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def config() -> QueueConfig:
     return QueueConfig(name="q", uid=SHARD_UID, partitions=2, lease_timeout_us=400 * MS, dedup_window_us=600 * MS)
-
-
-class Writer:
-    def __init__(self, node: str, create_revision: int) -> None:
-        self.node = node
-        self.create_revision = create_revision
 
 
 class Copy:
@@ -76,10 +65,7 @@ class Copy:
         self.copy: ReplicaCopy | None = None
 
     async def open(self) -> ReplicaCopy:
-        os.makedirs(self.path, exist_ok=True)
-        store = await self.lane.run(lambda: QueueStore(self.path, 2))
-        state = await self.lane.run(lambda: ReplicaState(store, None, SHARD_UID))
-        self.copy = ReplicaCopy("q", state, self.lane, None)
+        self.copy = await open_copy(self.path, self.lane)
         return self.copy
 
     async def close(self) -> None:
@@ -95,7 +81,7 @@ class Replica:
         self.node = node
         self.store = Copy(root, node)
         self.peers = Peers(node, lambda: members)
-        self.peers.set_secret(SECRET)
+        self.peers.set_secret(PEER_SECRET)
         self.host = CopyHost(ChangeSet.decode, Fenced, Diverged, lambda uid, epoch: None)
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -104,16 +90,7 @@ class Replica:
         if self.store.copy is None:
             copy = await self.store.open()
             self.host.shards[SHARD_UID] = Shard(SHARD_UID, "q", copy)
-        server = grpc.aio.server()
-
-        async def never(*_: Any) -> Any:
-            raise AssertionError("no give-backs here")
-
-        service = PeerService(GiveBacks(self.node, never, self.peers), never, self.host)
-        server.add_generic_rpc_handlers((service.handler(),))
-        self.port = server.add_insecure_port(f"127.0.0.1:{self.port}")
-        await server.start()
-        self.server = server
+        self.server, self.port = await start_peer_server(self.node, self.peers, self.host, self.port)
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -137,19 +114,8 @@ class Checked(ShardReplication):
 
 
 async def _record(client: EtcdClient, nodes: list[str], min_isr: int) -> tuple[ShardRecord, dict[str, int]]:
-    revisions = {}
-    for node in nodes:
-        key = PREFIX + b"members/" + node.encode()
-        await client.txn(Txn().put(key, b"{}"))
-        _, kv = await client.get(key)
-        assert kv is not None
-        revisions[node] = kv.create_revision
-    record = ShardRecord.new(SHARD_UID, "q", nodes, min_isr)
-    key = PREFIX + b"shards/" + str(SHARD_UID).encode()
-    await client.txn(Txn().put(key, record.encode()))
-    _, kv = await client.get(key)
-    assert kv is not None
-    return ShardRecord.decode(SHARD_UID, kv.value, kv.mod_revision, kv.create_revision), revisions
+    revisions = await register_members(client, PREFIX, nodes)
+    return await put_record(client, PREFIX, ShardRecord.new(SHARD_UID, "q", nodes, min_isr)), revisions
 
 
 async def _load(actor: LogicalQueue, seeds: tuple[int, ...], calls: int, seconds: float, ok: int, bound: float) -> Tally:
@@ -168,14 +134,6 @@ async def _load(actor: LogicalQueue, seeds: tuple[int, ...], calls: int, seconds
     return tally
 
 
-async def _until(check: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await asyncio.sleep(0.02)
-
-
 def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_dropped_then_caught_up(
     tmp_path: Any, etcd: Etcd
 ) -> None:
@@ -191,7 +149,7 @@ def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_
             members[replica.node] = Member(replica.node, f"127.0.0.1:{replica.port}", revisions[replica.node])
         table = ShardTable(client_etcd, PREFIX, Writer("n1", revisions["n1"]))
         peers = Peers("n1", lambda: members)
-        peers.set_secret(SECRET)
+        peers.set_secret(PEER_SECRET)
         primary = Copy(root, "n1")
         copy = await primary.open()
         record = await table.expand_isr(record, ("n1", copy.incarnation))  # the primary claims its own entry
@@ -206,10 +164,10 @@ def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_
             # 1. Load: every answer waits for both replicas; afterwards the three copies agree.
             tally = await _load(actor, (0, 1, 2), 300, 3.0, 100, 30.0)
             assert tally.ok > 100 and not actor.deposed, tally  # failures: a client's own (a lease run out)
-            await _until(lambda: all(r.store.copy and r.store.copy.position() == copy.position() for r in replicas.values()), 10, "replicas in step")
+            await poll_until(lambda: all(r.store.copy and r.store.copy.position() == copy.position() for r in replicas.values()), 10, "replicas in step")
             digest = copy.digest()
             assert all(r.store.copy and r.store.copy.digest() == digest for r in replicas.values())
-            await _until(lambda: {n for n, i in replication.record.isr if i} == {"n1", "n2", "n3"}, 10, "every copy claimed")
+            await poll_until(lambda: {n for n, i in replication.record.isr if i} == {"n1", "n2", "n3"}, 10, "every copy claimed")
 
             # 2. n3 stops answering: writes stall about the replica lag, then go on without it.
             await replicas["n3"].stop()
@@ -224,13 +182,13 @@ def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_
 
             # 3. n3 answers again: caught up by tail (its position is on the history) and added back.
             await replicas["n3"].start()
-            await _until(lambda: "n3" in {n for n, _ in replication.record.isr}, 15, "n3 back in the ISR")
+            await poll_until(lambda: "n3" in {n for n, _ in replication.record.isr}, 15, "n3 back in the ISR")
             link = replication.links["n3"]
             # By tail as a rule; once (1 run of about 8, cause not found) a refused batch
             # sent it a snapshot instead: either way it is back with the same contents.
             assert link.path in ("tail", "snapshot") and link.snapshots <= 1
             await _load(actor, (20, 21), 50, 1.0, 60, 20.0)
-            await _until(lambda: all(r.store.copy and r.store.copy.position() == copy.position() for r in replicas.values()), 10, "replicas in step again")
+            await poll_until(lambda: all(r.store.copy and r.store.copy.position() == copy.position() for r in replicas.values()), 10, "replicas in step again")
             digest = copy.digest()
             assert all(r.store.copy and r.store.copy.digest() == digest for r in replicas.values())
             assert replication.verified > 150
@@ -249,9 +207,9 @@ def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_
             assert ok
             replication.record_changed(replace(grown, mod_revision=revision))
             await _load(actor, (30, 31), 60, 1.0, 20, 20.0)
-            await _until(lambda: "n4" in {n for n, i in replication.record.isr if i}, 20, "n4 in the ISR")
+            await poll_until(lambda: "n4" in {n for n, i in replication.record.isr if i}, 20, "n4 in the ISR")
             assert replication.links["n4"].path in ("tail", "snapshot")  # empty: on every history
-            await _until(lambda: all(r.store.copy and r.store.copy.position() == copy.position() for r in replicas.values()), 10, "all in step")
+            await poll_until(lambda: all(r.store.copy and r.store.copy.position() == copy.position() for r in replicas.values()), 10, "all in step")
             digest = copy.digest()
             assert all(r.store.copy and r.store.copy.digest() == digest for r in replicas.values())
 
@@ -259,10 +217,10 @@ def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_
             #    change waits for it and its stale position holds no bookkeeping back.
             shrunk = await table.drop_copy(replication.record, "n4")
             replication.record_changed(shrunk)
-            await _until(lambda: "n4" not in replication.links, 5, "n4's link stopped")
+            await poll_until(lambda: "n4" not in replication.links, 5, "n4's link stopped")
             tally = await _load(actor, (40, 41), 60, 1.0, 10, 20.0)
             assert tally.ok > 10 and not actor.deposed, tally
-            await _until(lambda: not replication._offered, 5, "every offered change acknowledged by every link")
+            await poll_until(lambda: not replication._offered, 5, "every offered change acknowledged by every link")
         finally:
             await actor.stop()
             await replication.stop()
@@ -291,7 +249,7 @@ def test_the_replication_calls_are_for_the_clusters_nodes_only_and_name_a_bad_fi
         await replica.start()
         members["n2"] = Member("n2", f"127.0.0.1:{replica.port}", 1)
         caller = Peers("n1", lambda: members)
-        caller.set_secret(SECRET)
+        caller.set_secret(PEER_SECRET)
         try:
             async with grpc.aio.insecure_channel(members["n2"].address) as channel:
 
@@ -342,7 +300,7 @@ def test_a_stopping_node_takes_no_more_changes_and_answers_no_catch_up(tmp_path:
         await replica.start()
         members["n2"] = Member("n2", f"127.0.0.1:{replica.port}", 1)
         caller = Peers("n1", lambda: members)
-        caller.set_secret(SECRET)
+        caller.set_secret(PEER_SECRET)
         try:
             async with grpc.aio.insecure_channel(members["n2"].address) as channel:
 

@@ -21,6 +21,7 @@ from querator_server.cluster.placement import Home, QueueEntry, key_partition
 from querator_server.cluster.policy import Part, Where, where
 from querator_server.errors import InvalidArgument, QueratorError, Unavailable
 from querator_server.model import QueueConfig
+from querator_server.storage.ordered_groups import group_partition
 
 TABLE = json.loads((Path(__file__).parents[2] / "testdata" / "routing" / "cases.json").read_text())
 CODES: dict[type[QueratorError], str] = {InvalidArgument: "INVALID_ARGUMENT", Unavailable: "UNAVAILABLE"}
@@ -75,6 +76,20 @@ def test_the_server_routes_each_case_of_the_table(case: dict[str, Any]) -> None:
 def test_every_key_vector_of_the_table() -> None:
     for vector in TABLE["key_partitions"]:
         assert key_partition(vector["key"], vector["partitions"]) == vector["partition"], vector
+        # A node keeps an ordered group in the partition the cluster routes its key to.
+        assert group_partition(vector["key"], vector["partitions"]) == vector["partition"], vector
+
+
+def test_the_table_routes_grouped_produce_for_every_consumer() -> None:
+    """Grouped Produce cases that the server and both clients check (server and client
+    parts), an error among them."""
+    grouped = [
+        c
+        for c in TABLE["cases"]
+        if c["call"]["method"] == "Produce" and any(i.get("groupKey") for i in c["call"]["request"].get("items", ()))
+    ]
+    assert sum("server" in c and "client" in c for c in grouped) >= 5
+    assert {c["server"].get("error") for c in grouped} >= {None, "INVALID_ARGUMENT", "UNAVAILABLE"}
 
 
 def test_the_table_covers_every_routed_call() -> None:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from cluster_helpers import Etcd
+from cluster_helpers import Etcd, with_etcd_client
 
 from querator_server.cluster.etcd import Etcd as EtcdClient
 from querator_server.cluster.etcd import Txn
@@ -27,12 +27,8 @@ class Member:
 
 @pytest.fixture
 def etcd(tmp_path) -> Iterator[Etcd]:
-    server = Etcd(str(tmp_path / "etcd"))
-    server.start()
-    try:
+    with Etcd(str(tmp_path / "etcd")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 async def _member(client: EtcdClient, node: str) -> Member:
@@ -50,33 +46,29 @@ async def _shard(client: EtcdClient, table: ShardTable, copies: list[str], min_i
 
 
 def test_a_shrink_and_an_election_from_one_version_race_and_exactly_one_wins(etcd: Etcd) -> None:
-    async def run() -> list[tuple[str, object]]:
-        client = EtcdClient([etcd.endpoint])
-        try:
-            n1, n2 = await _member(client, "n1"), await _member(client, "n2")
-            await _member(client, "n3")
-            primary = ShardTable(client, PREFIX, n1)
-            candidate = ShardTable(client, PREFIX, n2)
-            outcomes: list[tuple[str, object]] = []
-            for _ in range(10):
-                record = await _shard(client, primary, ["n1", "n2", "n3"], 1)
-                results = await asyncio.gather(
-                    primary.shrink_isr(record, "n3"),
-                    candidate.elect(record, "n2", [("n2", "i2"), ("n3", "i3")]),
-                    return_exceptions=True,
-                )
-                won = [r for r in results if isinstance(r, ShardRecord)]
-                lost = [r for r in results if isinstance(r, Deposed)]
-                assert len(won) == 1 and len(lost) == 1, results
-                now = await primary.fetch(record.uid)
-                assert now == won[0], (now, won)
-                assert lost[0].current == now
-                outcomes.append(("shrink" if now.epoch == 1 else "elect", now))
-            return outcomes
-        finally:
-            await client.close()
+    async def run(client: EtcdClient) -> list[tuple[str, object]]:
+        n1, n2 = await _member(client, "n1"), await _member(client, "n2")
+        await _member(client, "n3")
+        primary = ShardTable(client, PREFIX, n1)
+        candidate = ShardTable(client, PREFIX, n2)
+        outcomes: list[tuple[str, object]] = []
+        for _ in range(10):
+            record = await _shard(client, primary, ["n1", "n2", "n3"], 1)
+            results = await asyncio.gather(
+                primary.shrink_isr(record, "n3"),
+                candidate.elect(record, "n2", [("n2", "i2"), ("n3", "i3")]),
+                return_exceptions=True,
+            )
+            won = [r for r in results if isinstance(r, ShardRecord)]
+            lost = [r for r in results if isinstance(r, Deposed)]
+            assert len(won) == 1 and len(lost) == 1, results
+            now = await primary.fetch(record.uid)
+            assert now == won[0], (now, won)
+            assert lost[0].current == now
+            outcomes.append(("shrink" if now.epoch == 1 else "elect", now))
+        return outcomes
 
-    outcomes = asyncio.run(run())
+    outcomes = with_etcd_client(etcd, run)
     for kind, record in outcomes:
         assert isinstance(record, ShardRecord)
         if kind == "shrink":
@@ -86,89 +78,69 @@ def test_a_shrink_and_an_election_from_one_version_race_and_exactly_one_wins(etc
 
 
 def test_a_change_from_a_stale_version_is_deposed_and_names_the_current_one(etcd: Etcd) -> None:
-    async def run() -> None:
-        client = EtcdClient([etcd.endpoint])
-        try:
-            n1, n2 = await _member(client, "n1"), await _member(client, "n2")
-            record = await _shard(client, ShardTable(client, PREFIX, n1), ["n1", "n2"], 1)
-            elected = await ShardTable(client, PREFIX, n2).elect(record, "n2", [("n2", "b")])
-            assert (elected.epoch, elected.primary) == (2, "n2")
-            with pytest.raises(Deposed, match="epoch 2, primary 'n2'") as caught:
-                await ShardTable(client, PREFIX, n1).shrink_isr(record, "n2")
-            assert caught.value.current == elected
-        finally:
-            await client.close()
+    async def run(client: EtcdClient) -> None:
+        n1, n2 = await _member(client, "n1"), await _member(client, "n2")
+        record = await _shard(client, ShardTable(client, PREFIX, n1), ["n1", "n2"], 1)
+        elected = await ShardTable(client, PREFIX, n2).elect(record, "n2", [("n2", "b")])
+        assert (elected.epoch, elected.primary) == (2, "n2")
+        with pytest.raises(Deposed, match="epoch 2, primary 'n2'") as caught:
+            await ShardTable(client, PREFIX, n1).shrink_isr(record, "n2")
+        assert caught.value.current == elected
 
-    asyncio.run(run())
+    with_etcd_client(etcd, run)
 
 
 def test_a_writer_whose_membership_lapsed_changes_nothing(etcd: Etcd) -> None:
-    async def run() -> None:
-        client = EtcdClient([etcd.endpoint])
-        try:
-            n1 = await _member(client, "n1")
-            record = await _shard(client, ShardTable(client, PREFIX, n1), ["n1", "n2"], 1)
-            await _member(client, "n1")  # registered again: the old create revision is gone
-            await client.txn(Txn().delete(PREFIX + b"members/n1"))
-            await _member(client, "n1")
-            with pytest.raises(Deposed, match="lost its cluster membership"):
-                await ShardTable(client, PREFIX, n1).shrink_isr(record, "n2")
-            assert await ShardTable(client, PREFIX).fetch(record.uid) == record
-        finally:
-            await client.close()
+    async def run(client: EtcdClient) -> None:
+        n1 = await _member(client, "n1")
+        record = await _shard(client, ShardTable(client, PREFIX, n1), ["n1", "n2"], 1)
+        await _member(client, "n1")  # registered again: the old create revision is gone
+        await client.txn(Txn().delete(PREFIX + b"members/n1"))
+        await _member(client, "n1")
+        with pytest.raises(Deposed, match="lost its cluster membership"):
+            await ShardTable(client, PREFIX, n1).shrink_isr(record, "n2")
+        assert await ShardTable(client, PREFIX).fetch(record.uid) == record
 
-    asyncio.run(run())
+    with_etcd_client(etcd, run)
 
 
 def test_a_shrink_below_the_minimum_is_refused_and_changes_nothing(etcd: Etcd) -> None:
-    async def run() -> None:
-        client = EtcdClient([etcd.endpoint])
-        try:
-            n1 = await _member(client, "n1")
-            table = ShardTable(client, PREFIX, n1)
-            record = await _shard(client, table, ["n1", "n2", "n3"], 2)
-            record = await table.shrink_isr(record, "n3")
-            assert record.in_sync() == ("n1", "n2")
-            with pytest.raises(BelowMinIsr, match="leave 1 in-sync copy, below its minimum of 2"):
-                await table.shrink_isr(record, "n2")
-            assert await table.fetch(record.uid) == record
-            # A copy back in sync, then its incarnation claimed: one entry per node.
-            record = await table.expand_isr(record, ("n3", "c3"))
-            record = await table.expand_isr(record, ("n2", "c2"))
-            assert record.isr == (("n1", ""), ("n3", "c3"), ("n2", "c2"))
-            assert await table.fetch(record.uid) == record
-        finally:
-            await client.close()
+    async def run(client: EtcdClient) -> None:
+        n1 = await _member(client, "n1")
+        table = ShardTable(client, PREFIX, n1)
+        record = await _shard(client, table, ["n1", "n2", "n3"], 2)
+        record = await table.shrink_isr(record, "n3")
+        assert record.in_sync() == ("n1", "n2")
+        with pytest.raises(BelowMinIsr, match="leave 1 in-sync copy, below its minimum of 2"):
+            await table.shrink_isr(record, "n2")
+        assert await table.fetch(record.uid) == record
+        # A copy back in sync, then its incarnation claimed: one entry per node.
+        record = await table.expand_isr(record, ("n3", "c3"))
+        record = await table.expand_isr(record, ("n2", "c2"))
+        assert record.isr == (("n1", ""), ("n3", "c3"), ("n2", "c2"))
+        assert await table.fetch(record.uid) == record
 
-    asyncio.run(run())
+    with_etcd_client(etcd, run)
 
 
 def test_shard_uids_are_handed_out_once_from_far_above_a_data_directorys_own(etcd: Etcd) -> None:
-    async def run() -> list[int]:
-        client = EtcdClient([etcd.endpoint])
-        try:
-            table = ShardTable(client, PREFIX)
-            return list(await asyncio.gather(*(table.next_uid() for _ in range(8))))
-        finally:
-            await client.close()
+    async def run(client: EtcdClient) -> list[int]:
+        table = ShardTable(client, PREFIX)
+        return list(await asyncio.gather(*(table.next_uid() for _ in range(8))))
 
-    uids = asyncio.run(run())
+    uids = with_etcd_client(etcd, run)
     assert sorted(uids) == list(range(SHARD_UID_BASE, SHARD_UID_BASE + 8))
 
 
 def test_a_retired_nodes_copy_leaves_the_record_never_the_primarys(etcd: Etcd) -> None:
-    async def run() -> None:
-        client = EtcdClient([etcd.endpoint])
-        try:
-            n1 = await _member(client, "n1")
-            table = ShardTable(client, PREFIX, n1)
-            record = await _shard(client, table, ["n1", "n2"], 2)
-            with pytest.raises(ValueError, match="is its primary"):
-                await table.drop_copy(record, "n1")
-            dropped = await table.drop_copy(record, "n2")
-            assert (dropped.replicas, dropped.isr, dropped.min_isr) == (("n1",), (("n1", ""),), 1)
-            assert await table.fetch(record.uid) == dropped
-        finally:
-            await client.close()
+    async def run(client: EtcdClient) -> None:
+        n1 = await _member(client, "n1")
+        table = ShardTable(client, PREFIX, n1)
+        record = await _shard(client, table, ["n1", "n2"], 2)
+        with pytest.raises(ValueError, match="is its primary"):
+            await table.drop_copy(record, "n1")
+        dropped = await table.drop_copy(record, "n2")
+        assert (dropped.replicas, dropped.isr, dropped.min_isr) == (("n1",), (("n1", ""),), 1)
+        assert await table.fetch(record.uid) == dropped
 
-    asyncio.run(run())
+    with_etcd_client(etcd, run)

@@ -305,8 +305,8 @@ def test_a_pause_set_through_one_node_holds_for_a_client_of_the_whole_cluster(cl
 def test_a_complete_sent_again_through_another_node_is_ok_and_reported_done(cluster: Cluster) -> None:
     """Items leased through a node that does not home them (the Lease is forwarded),
     completed and retried by a client of that node, then sent again by a client of
-    another node: no error, and the server names the ids already completed; an id never
-    produced is still ItemNotFound."""
+    another node: no error, and the results name the ids already completed and
+    retried; an id never produced is still ItemNotFound."""
     name = _new_queue(cluster, partitions=3, lease_timeout="600s")
     homes = _homes(cluster, name)
     home = cluster.nodes[1]
@@ -317,21 +317,13 @@ def test_a_complete_sent_again_through_another_node_is_ok_and_reported_done(clus
     assert homes[leased.partition] == home.node_id != away.node_id
     a, b, c = (querator.ItemRef(name, leased.partition, item.id) for item in leased.items)
     with querator.Client(away.address, timeout=10) as first, querator.Client(other.address, timeout=10) as second:
-        first.complete([a, b])
-        assert first.retry([c]) == []
-        second.complete([a, b])  # sent again: OK
-        assert second.retry([c]) == []  # sent again: OK, back once
+        assert first.complete([a, b]) == querator.CompleteResult()
+        retried = first.retry([c])
+        assert (retried, retried.already_retried) == ([], ())
+        # Sent again: OK, and reported done.
+        assert sorted(second.complete([a, b]).already_completed) == sorted([a.id, b.id])
+        retried = second.retry([c])
+        assert (retried, retried.already_retried) == ([], (c.id,))  # back once
         with pytest.raises(querator.ItemNotFound):
             second.complete([a, querator.ItemRef(name, leased.partition, f"{a.id}0")])
         assert sum(p.total for p in second.queue_stats(name).partitions) == 1
-    # The SDK's complete() returns nothing; what the server answers a repeat with, asked
-    # through a node that forwards it:
-    again = other.stubs.queue.Complete(
-        queue_pb2.CompleteRequest(queue_name=name, partition=leased.partition, ids=[a.id, b.id]), timeout=10
-    )
-    assert sorted(again.already_completed) == sorted([a.id, b.id])
-    retried = other.stubs.queue.Retry(
-        queue_pb2.RetryRequest(queue_name=name, partition=leased.partition, items=[queue_pb2.RetryItem(id=c.id)]),
-        timeout=10,
-    )
-    assert list(retried.already_retried) == [c.id]

@@ -64,14 +64,16 @@ def test_a_complete_whose_answer_was_lost_is_sent_again_and_succeeds(
         thread, out = _in_thread(lambda: far.complete(items[:2]))
         _lose_the_answer(proxy, lambda: client.queue_stats(name).partitions[0].total_leased == 1)
         thread.join(20)
-        assert out == [None], out
+        # The repeat is answered OK and names the ids the lost first send completed.
+        assert out == [querator.CompleteResult(already_completed=(items[0].id, items[1].id))], out
         assert [i.state for i in items[:2]] == ["completed", "completed"]
         # Retry the same way: the one left goes back once, not twice.
         proxy.drop_replies()
         thread, out = _in_thread(lambda: far.retry(items[2:]))
         _lose_the_answer(proxy, lambda: client.queue_stats(name).partitions[0].total_leased == 0)
         thread.join(20)
-        assert out == [[]], out
+        assert out == [[]], out  # nothing dead-lettered
+        assert out[0].already_retried == (items[2].id,)
         assert items[2].state == "retried"
     stats = client.queue_stats(name).partitions[0]
     assert (stats.total, stats.total_leased) == (1, 0)
@@ -93,11 +95,44 @@ def test_the_async_client_sends_a_complete_again_after_a_lost_answer(client: que
             await asyncio.to_thread(
                 _lose_the_answer, proxy, lambda: client.queue_stats(name).partitions[0].total_leased == 0
             )
-            await asyncio.wait_for(completing, 20)
+            done = await asyncio.wait_for(completing, 20)
+            assert sorted(done.already_completed) == sorted(i.id for i in items)
             assert [i.state for i in items] == ["completed", "completed"]
 
     asyncio.run(asyncio.wait_for(main(), 60))
     assert client.queue_stats(name).partitions[0].total == 0
+
+
+def test_a_first_send_reports_nothing_done_before(client: querator.Client) -> None:
+    """What complete and retry return when no answer was lost: nothing already done;
+    lease_keys count the items they completed; a retry lists only the dead."""
+    name = unique()
+    client.create_queue(name, lease_timeout=600)
+    client.produce(name, ["a", "b", "c", "d"])
+    a, b = client.lease(name, batch_size=2, wait=1)
+    assert a.complete() == querator.CompleteResult()
+    retried = client.retry([b])
+    assert (retried, retried.already_retried, b.state) == ([], (), "retried")
+    leased = client.lease(name, batch_size=2, wait=1, lease_key="k")
+    (last,) = client.lease(name, batch_size=1, wait=1)
+    dead = last.dead()
+    assert (dead, dead.already_retried, last.state) == ([last.id], (), "dead")
+    assert client.complete(lease_keys="k", queue_name=name) == querator.CompleteResult(key_items_completed=len(leased))
+    assert client.complete(lease_keys="k", queue_name=name) == querator.CompleteResult()
+
+
+async def _async_first_send(address: str, name: str) -> tuple[querator.CompleteResult, list[str], tuple[str, ...]]:
+    async with querator.AsyncClient(address) as aclient:
+        a, b = await aclient.lease(name, batch_size=2, wait=1)
+        retried = await b.retry()
+        return await a.complete(), list(retried), retried.already_retried
+
+
+def test_the_async_client_returns_the_same_results(client: querator.Client, srv: EmbeddedServer) -> None:
+    name = unique()
+    client.create_queue(name, lease_timeout=600)
+    client.produce(name, ["a", "b"])
+    assert asyncio.run(_async_first_send(srv.address, name)) == (querator.CompleteResult(), [], ())
 
 
 def test_with_retry_complete_off_the_lost_answer_surfaces(client: querator.Client, proxy: Proxy) -> None:
@@ -115,9 +150,7 @@ def test_with_retry_complete_off_the_lost_answer_surfaces(client: querator.Clien
         assert len(out) == 1 and isinstance(out[0], querator.Unavailable), out
 
 
-def test_a_worker_whose_completion_answer_was_lost_counts_it_completed_once(
-    client: querator.Client, proxy: Proxy
-) -> None:
+def test_a_worker_whose_completion_answer_was_lost_counts_it_completed_once(client: querator.Client, proxy: Proxy) -> None:
     """The worker sends the completion again and the server answers it as done (against a
     server that answered NOT_FOUND, the worker never counted the item completed)."""
     name = unique()

@@ -116,6 +116,7 @@ EXPECT = {
         "1 completed, 1 killed at the time limit",
     ],
     'import time\nfrom datetime import timedelta\n\nimport querator\n\ntasks = querator.Tasks("heartbeats")': ["beat of api for "],
+    'import querator\n\nqueue = "invoices"': ["done before: ()", "dead: [] retried before: ()", "by key: 2"],
     'import querator\n\nclient = querator.Client("127.0.0.1:2319")\nclient.create_queue("order-events")': [
         "[('order-17', 'created'), ('order-18', 'created')]\n[('order-17', 'paid')]\n",
     ],

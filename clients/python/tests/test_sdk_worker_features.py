@@ -369,6 +369,30 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _answers(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except ConnectionRefusedError:
+        return False
+    return True
+
+
+def test_the_metrics_port_binds_127_0_0_1_unless_told_another_address(client: querator.Client) -> None:
+    """Off the network by default: another loopback address (127.0.0.2) is refused,
+    which a port bound to every interface would accept."""
+    pytest.importorskip("prometheus_client")
+    name = unique()
+    client.create_queue(name)
+    client.produce(name, ["x"])
+    port = _free_port()
+    run_until_empty(querator.Worker(client, name, lambda item: None, metrics_port=port, handle_signals=False))
+    assert _answers("127.0.0.1", port) and not _answers("127.0.0.2", port)
+    port = _free_port()
+    told = querator.Worker(client, name, lambda item: None, metrics_port=port, metrics_host="127.0.0.2", handle_signals=False)
+    run_until_empty(told)
+    assert _answers("127.0.0.2", port) and not _answers("127.0.0.1", port)
+
+
 def test_prometheus_metrics_on_a_port(client: querator.Client) -> None:
     pytest.importorskip("prometheus_client")
     dlq, name = unique("dlq"), unique()

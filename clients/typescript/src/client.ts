@@ -6,7 +6,7 @@ import { Connection } from "./connection.js";
 import { QueratorError, fromConnectError } from "./errors.js";
 import { failureText } from "./failure.js";
 import type { LeasedItem, RetryOptions, Settler } from "./items.js";
-import type { ApiKey, CreatedKey, ExtendResult, ItemRef, Page, ProduceInput, ProduceResult, QueueInfo, QueueSettings, QueueStats, RedriveResult, Role, StoredItem } from "./models.js";
+import type { ApiKey, CompleteResult, CreatedKey, ExtendResult, ItemRef, Page, ProduceInput, ProduceResult, QueueInfo, QueueSettings, QueueStats, RedriveResult, RetryResult, Role, StoredItem } from "./models.js";
 import {
   type LeaseOptions,
   MAX_BATCH,
@@ -232,31 +232,39 @@ export class Client implements Settler {
   }
 
   /** Complete leased items (any mix of queues and partitions: one call per partition),
-   * or every item still leased under `leaseKeys` of `queueName`. */
+   * or every item still leased under `leaseKeys` of `queueName`. Resolves to which ids
+   * an earlier send had completed already (the request was sent again after a lost
+   * answer) and how many items the lease keys completed. */
   async complete(
     items: ItemRef | readonly ItemRef[] = [],
     options: { leaseKeys?: readonly string[]; queueName?: string } & CallOptions = {},
-  ): Promise<void> {
+  ): Promise<CompleteResult> {
+    const result: CompleteResult = { alreadyCompleted: [], keyItemsCompleted: 0 };
     // Sent again, the ids a first send completed are answered as done (alreadyCompleted).
     const how = { retry: this.#retryComplete, kind: { itemCall: true } };
     for (const [queueName, partition, members] of groupRefs(items)) {
       const request = { queueName, partition, ids: members.map((m) => m.id) };
-      await this.#conn.call((c, o) => c.queue.complete(request, o), options, { ...how, target: targetOf("Complete", request) });
+      const response = await this.#conn.call((c, o) => c.queue.complete(request, o), options, { ...how, target: targetOf("Complete", request) });
       markAll(members, "completed");
+      result.alreadyCompleted.push(...response.alreadyCompleted);
     }
     for (const keys of leaseKeyChunks(options.leaseKeys, options.queueName)) {
       const request = { queueName: options.queueName!, leaseKeys: keys };
-      await this.#conn.call((c, o) => c.queue.complete(request, o), options, { ...how, retry: true, target: targetOf("Complete", request) });
+      const response = await this.#conn.call((c, o) => c.queue.complete(request, o), options, { ...how, retry: true, target: targetOf("Complete", request) });
+      result.keyItemsCompleted += response.keyItemsCompleted;
     }
+    return result;
   }
 
   /** Give leased items back: to the queue now, at `at` / in `inMs`, or to the
    * dead-letter queue with `dead`; `error` (text, or a thrown value) becomes each
-   * item's `lastError`. */
+   * item's `lastError`. Resolves to the ids dead-lettered and those an earlier send
+   * had retried already (the request was sent again after a lost answer). */
   async retry(
     items: ItemRef | readonly ItemRef[],
     options: RetryOptions & CallOptions = {},
-  ): Promise<void> {
+  ): Promise<RetryResult> {
+    const result: RetryResult = { deadIds: [], alreadyRetried: [] };
     const at = retryAt(options);
     const dead = options.dead ?? false;
     const error = options.error === undefined || typeof options.error === "string" ? (options.error ?? "") : failureText(options.error);
@@ -264,9 +272,12 @@ export class Client implements Settler {
       const request = { queueName, partition, items: retryItems(members, at, dead, error) };
       // Sent again, the ids a first send retried are answered as done (alreadyRetried).
       const how = { retry: this.#retryComplete, kind: { itemCall: true }, target: targetOf("Retry", request) };
-      await this.#conn.call((c, o) => c.queue.retry(request, o), options, how);
+      const response = await this.#conn.call((c, o) => c.queue.retry(request, o), options, how);
       markAll(members, dead ? "dead" : "retried");
+      result.deadIds.push(...response.deadIds);
+      result.alreadyRetried.push(...response.alreadyRetried);
     }
+    return result;
   }
 
   /** Push lease deadlines of items (or of everything leased under `leaseKeys`) to

@@ -45,6 +45,7 @@ export { MAX_ERROR_BYTES, failureText } from "./failure.js";
 export { LeasedItem, type LeaseState, type RetryOptions } from "./items.js";
 export type {
   ApiKey,
+  CompleteResult,
   CreatedKey,
   DeadReason,
   ExtendResult,
@@ -60,6 +61,7 @@ export type {
   QueueSettings,
   QueueStats,
   RedriveResult,
+  RetryResult,
   Role,
   StoredItem,
 } from "./models.js";

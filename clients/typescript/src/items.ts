@@ -1,4 +1,4 @@
-import type { DeadReason, ExtendResult, ItemHistory, ItemRef } from "./models.js";
+import type { CompleteResult, DeadReason, ExtendResult, ItemHistory, ItemRef, RetryResult } from "./models.js";
 import type { CallOptions } from "./options.js";
 
 export type LeaseState = "leased" | "completed" | "retried" | "dead";
@@ -17,8 +17,8 @@ export interface RetryOptions {
 /** What finishes a lease: the Client's complete, retry and extend. A LeasedItem holds
  * this rather than the Client, so items.ts does not import the client. */
 export interface Settler {
-  complete(items: ItemRef, options?: CallOptions): Promise<void>;
-  retry(items: ItemRef, options?: RetryOptions & CallOptions): Promise<void>;
+  complete(items: ItemRef, options?: CallOptions): Promise<CompleteResult>;
+  retry(items: ItemRef, options?: RetryOptions & CallOptions): Promise<RetryResult>;
   extend(items: ItemRef, options?: { leaseTimeoutMs?: number } & CallOptions): Promise<ExtendResult>;
 }
 
@@ -114,14 +114,15 @@ export class LeasedItem implements ItemRef, ItemHistory {
     this.#state = state;
   }
 
-  /** Remove the item for good. */
-  complete(options?: CallOptions): Promise<void> {
+  /** Remove the item for good. The result's `alreadyCompleted` holds the id when a
+   * send the client repeated had completed it already. */
+  complete(options?: CallOptions): Promise<CompleteResult> {
     return this.#settler.complete(this, options);
   }
 
   /** Give the item back: now, later (`at` / `inMs`) or to the dead-letter queue
-   * (`dead`), with what went wrong (`error`). */
-  retry(options?: RetryOptions & CallOptions): Promise<void> {
+   * (`dead`), with what went wrong (`error`); resolves as the client's retry() does. */
+  retry(options?: RetryOptions & CallOptions): Promise<RetryResult> {
     return this.#settler.retry(this, options);
   }
 

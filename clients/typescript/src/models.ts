@@ -182,6 +182,25 @@ export interface RedriveResult {
   skipped: number;
 }
 
+/** What complete() resolves to. `alreadyCompleted`: the ids (as sent) an earlier send
+ * of the same request had completed already; empty on a first send, not empty when the
+ * client sent the request again after a lost answer (UNAVAILABLE, `retryComplete`):
+ * those items are done, not lost. `keyItemsCompleted`: how many items `leaseKeys`
+ * completed (0 when every key was done or forgotten already). */
+export interface CompleteResult {
+  alreadyCompleted: string[];
+  keyItemsCompleted: number;
+}
+
+/** What retry() resolves to. `deadIds`: the ids dead-lettered (sent with `dead`, out of
+ * attempts or past their expiry; empty when every item went back). `alreadyRetried`:
+ * the ids (as sent) an earlier send of the same request had retried already (the client
+ * sent it again after a lost answer): they were not retried twice. */
+export interface RetryResult {
+  deadIds: string[];
+  alreadyRetried: string[];
+}
+
 /** The new deadline of each extended item, in order, and how many items were extended
  * through lease keys. */
 export interface ExtendResult {

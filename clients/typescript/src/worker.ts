@@ -103,8 +103,8 @@ export interface WorkerOptions {
   /** Serve the metrics over HTTP on this port (0: a free one; `worker.metricsPort` tells
    * which), once per port and process; implies `metrics`. */
   metricsPort?: number;
-  /** The address the metrics port binds (default "0.0.0.0", every interface, as the
-   * Python worker's). */
+  /** The address the metrics port binds (default "127.0.0.1": this machine only, as the
+   * Python worker's metrics_host; "0.0.0.0" for every interface). */
   metricsHost?: string;
   /** Where the default hooks log (default: console). */
   logger?: Logger;
@@ -312,7 +312,7 @@ export class Worker {
     if (options.metricsPort !== undefined && !(Number.isInteger(options.metricsPort) && options.metricsPort >= 0 && options.metricsPort <= 65535)) {
       throw new RangeError(`metricsPort must be between 0 and 65535, got ${options.metricsPort}`);
     }
-    this.#metricsServe = options.metricsPort === undefined ? undefined : { port: options.metricsPort, host: options.metricsHost ?? "0.0.0.0" };
+    this.#metricsServe = options.metricsPort === undefined ? undefined : { port: options.metricsPort, host: options.metricsHost ?? "127.0.0.1" };
     this.#metricsOption = options.metrics || this.#metricsServe !== undefined;
   }
 

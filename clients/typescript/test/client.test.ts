@@ -1,5 +1,5 @@
 import assert from "node:assert/strict";
-import { after, before, describe, test } from "node:test";
+import { describe, test } from "node:test";
 
 import {
   Cancelled,
@@ -13,20 +13,12 @@ import {
   QueueNotFound,
   isLeaseLost,
 } from "../src/index.js";
-import { ServerProcess, queueName, waitUntil } from "./server.js";
+import { type ServerProcess, queueName, waitUntil, serveFile } from "./server.js";
 
 let server: ServerProcess;
 let client: Client;
 
-before(async () => {
-  server = await ServerProcess.start();
-  client = new Client({ address: server.address });
-});
-
-after(async () => {
-  client?.close();
-  await server?.stop();
-});
+serveFile((s, c) => ([server, client] = [s, c]));
 
 describe("produce, lease, complete", () => {
   test("items go through unchanged and complete for good", async () => {

@@ -6,6 +6,7 @@ import { type ChildProcess, execFileSync, spawn } from "node:child_process";
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { after, before } from "node:test";
 
 import { ServerProcess, freePort } from "./server.js";
 
@@ -19,6 +20,23 @@ export function etcdMissing(): string | false {
     if (process.env["CI"] === "true") throw new Error("the cluster tests need the etcd binary (Debian: apt-get install etcd-server)");
     return "the cluster tests need the etcd binary (Debian: apt-get install etcd-server; ./dev test installs it when run as root)";
   }
+}
+
+/** A cluster of `size` nodes (membership `ttl` seconds) of the test file's own, when
+ * etcd is installed: started before the file's tests (`use` then receives it), stopped
+ * after them. Returns etcdMissing()'s answer, for the tests' `skip`. */
+export function clusterFile(use: (cluster: TestCluster) => void, size = 3, ttl = 3): string | false {
+  const skip = etcdMissing();
+  let cluster: TestCluster | undefined;
+  before(async () => {
+    if (skip) return;
+    cluster = await TestCluster.start(size, ttl);
+    use(cluster);
+  });
+  after(async () => {
+    await cluster?.stop();
+  });
+  return skip;
 }
 
 export class Etcd {

@@ -3,26 +3,18 @@
  * items lease out in produce order. Deliveries are checked by payload. */
 import assert from "node:assert/strict";
 import { crc32 } from "node:zlib";
-import { after, before, test } from "node:test";
+import { test } from "node:test";
 
 import { createClient } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 
 import { Client } from "../src/index.js";
 import { ClusterService } from "../src/v1.js";
-import { TestCluster, etcdMissing } from "./cluster.js";
+import { clusterFile, type TestCluster } from "./cluster.js";
 import { queueName } from "./server.js";
 
-const skip = etcdMissing();
 let cluster: TestCluster;
-
-before(async () => {
-  if (!skip) cluster = await TestCluster.start(3);
-});
-
-after(async () => {
-  await cluster?.stop();
-});
+const skip = clusterFile((c) => (cluster = c));
 
 test("grouped items go to their group's home and lease out in each group's order", { skip }, async () => {
   const q = queueName("groups");

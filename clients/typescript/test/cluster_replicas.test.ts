@@ -4,28 +4,20 @@
  * and sends it straight to the new primary. The election is made through the server's
  * compare-and-swap on the shard record, as its failover makes it. */
 import assert from "node:assert/strict";
-import { after, before, test } from "node:test";
+import { test } from "node:test";
 
 import { createClient } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 
 import { Client, Unavailable } from "../src/index.js";
 import { ClusterService, QueuesService } from "../src/v1.js";
-import { TestCluster, etcdMissing } from "./cluster.js";
+import { clusterFile, type TestCluster } from "./cluster.js";
 import { python, queueName, waitUntil } from "./server.js";
 
-const skip = etcdMissing();
 let cluster: TestCluster;
-
-before(async () => {
-  // A membership TTL long enough that the survivor is out of the in-sync set (a Python
-  // process started for it) well before the killed primary's membership lapses.
-  if (!skip) cluster = await TestCluster.start(3, 10);
-});
-
-after(async () => {
-  await cluster?.stop();
-});
+// A membership TTL long enough that the survivor is out of the in-sync set (a Python
+// process started for it) well before the killed primary's membership lapses.
+const skip = clusterFile((c) => (cluster = c), 3, 10);
 
 /** The queue's shard record, or one change of it through its compare-and-swap under
  * `writer`'s membership (as a primary or a failover makes it): `shrink` drops `node`

@@ -87,14 +87,15 @@ test("a Complete and a Retry whose answers were lost are sent again and succeed"
     const completing = far.complete(items.slice(0, 2));
     await waitUntil(async () => (await leased(q)) === 1, 10_000, "the server applied the Complete");
     proxy.cut();
-    await completing; // sent again after UNAVAILABLE, answered as done
+    // Sent again after UNAVAILABLE, answered as done, the ids the lost first send completed named.
+    assert.deepEqual(await completing, { alreadyCompleted: items.slice(0, 2).map((i) => i.id), keyItemsCompleted: 0 });
     assert.deepEqual(items.map((i) => i.state), ["completed", "completed", "leased"]);
 
     proxy.dropReplies = true;
     const retrying = far.retry(items.slice(2));
     await waitUntil(async () => (await leased(q)) === 0, 10_000, "the server applied the Retry");
     proxy.cut();
-    await retrying;
+    assert.deepEqual(await retrying, { deadIds: [], alreadyRetried: [items[2]!.id] });
     assert.equal(items[2]!.state, "retried");
   } finally {
     far.close();
@@ -104,6 +105,22 @@ test("a Complete and a Retry whose answers were lost are sent again and succeed"
   const [again] = await direct.lease(q, { batchSize: 10, waitMs: 1_000 });
   assert.equal(again?.text, "c");
   assert.equal(again?.attempts, 2);
+});
+
+test("a first send reports nothing done before; lease keys count what they completed", async () => {
+  const q = queueName();
+  await direct.createQueue(q, { leaseTimeoutMs: 600_000 });
+  await direct.produce(q, ["a", "b", "c", "d"]);
+  const [a, b] = await direct.lease(q, { batchSize: 2, waitMs: 1_000 });
+  assert.deepEqual(await a!.complete(), { alreadyCompleted: [], keyItemsCompleted: 0 });
+  assert.deepEqual(await direct.retry(b!), { deadIds: [], alreadyRetried: [] });
+  const keyed = await direct.lease(q, { batchSize: 2, waitMs: 1_000, leaseKey: "k" });
+  const [last] = await direct.lease(q, { batchSize: 1, waitMs: 1_000 });
+  assert.deepEqual(await last!.retry({ dead: true }), { deadIds: [last!.id], alreadyRetried: [] });
+  assert.equal(last!.state, "dead");
+  const byKey = { leaseKeys: ["k"], queueName: q };
+  assert.deepEqual(await direct.complete([], byKey), { alreadyCompleted: [], keyItemsCompleted: keyed.length });
+  assert.deepEqual(await direct.complete([], byKey), { alreadyCompleted: [], keyItemsCompleted: 0 });
 });
 
 test("with retryComplete off, the lost answer surfaces as UNAVAILABLE", async () => {

@@ -1,25 +1,17 @@
 /** The Python SDK and this client on one queue: bytes, metadata and ids cross unchanged. */
 import assert from "node:assert/strict";
 import { randomBytes } from "node:crypto";
-import { after, before, test } from "node:test";
+import { test } from "node:test";
 
 import { Registry } from "prom-client";
 
 import { Client, DeadLetter, type Item, type LeasedItem, Worker } from "../src/index.js";
-import { ServerProcess, python, queueName } from "./server.js";
+import { type ServerProcess, python, queueName, serveFile } from "./server.js";
 
 let server: ServerProcess;
 let client: Client;
 
-before(async () => {
-  server = await ServerProcess.start();
-  client = new Client({ address: server.address });
-});
-
-after(async () => {
-  client?.close();
-  await server?.stop();
-});
+serveFile((s, c) => ([server, client] = [s, c]));
 
 interface Wire {
   id: string;

@@ -1,23 +1,15 @@
 import assert from "node:assert/strict";
 import { spawn } from "node:child_process";
 import { join } from "node:path";
-import { after, before, test } from "node:test";
+import { test } from "node:test";
 
 import { Client, DeadLetter, type LeasedItem, MAX_ERROR_BYTES, RetryRule, Worker, failureText } from "../src/index.js";
-import { ServerProcess, VENV, python, queueName, waitUntil } from "./server.js";
+import { type ServerProcess, VENV, python, queueName, waitUntil, serveFile } from "./server.js";
 
 let server: ServerProcess;
 let client: Client;
 
-before(async () => {
-  server = await ServerProcess.start();
-  client = new Client({ address: server.address });
-});
-
-after(async () => {
-  client?.close();
-  await server?.stop();
-});
+serveFile((s, c) => ([server, client] = [s, c]));
 
 // `querator dlq show QUEUE ID`, the Python command line, as an operator would run it.
 const DLQ_SHOW = `

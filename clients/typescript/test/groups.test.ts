@@ -1,22 +1,14 @@
 import assert from "node:assert/strict";
-import { after, before, describe, test } from "node:test";
+import { describe, test } from "node:test";
 
 import { Client, InvalidRequest } from "../src/index.js";
 import type { LeasedItem } from "../src/index.js";
-import { ServerProcess, queueName } from "./server.js";
+import { type ServerProcess, queueName, serveFile } from "./server.js";
 
 let server: ServerProcess;
 let client: Client;
 
-before(async () => {
-  server = await ServerProcess.start();
-  client = new Client({ address: server.address });
-});
-
-after(async () => {
-  client?.close();
-  await server?.stop();
-});
+serveFile((s, c) => ([server, client] = [s, c]));
 
 const texts = (items: LeasedItem[]): string[] => items.map((i) => i.text).sort();
 

@@ -2,23 +2,15 @@
  * against a real server. Deliveries are counted by messageId and payload, which the
  * contract keeps stable, never by the per-lease id. */
 import assert from "node:assert/strict";
-import { after, before, test } from "node:test";
+import { test } from "node:test";
 
 import { Client, InvalidRequest, type LeasedItem } from "../src/index.js";
-import { ServerProcess, queueName } from "./server.js";
+import { type ServerProcess, queueName, serveFile } from "./server.js";
 
 let server: ServerProcess;
 let client: Client;
 
-before(async () => {
-  server = await ServerProcess.start();
-  client = new Client({ address: server.address });
-});
-
-after(async () => {
-  client?.close();
-  await server?.stop();
-});
+serveFile((s, c) => ([server, client] = [s, c]));
 
 async function leaseAll(q: string, n: number): Promise<LeasedItem[]> {
   const out: LeasedItem[] = [];

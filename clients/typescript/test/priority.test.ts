@@ -1,24 +1,16 @@
 /** Item priorities through the TypeScript client: produce (per item and per call),
  * lease order, listing, import, the range check, and a cluster through any node. */
 import assert from "node:assert/strict";
-import { after, before, describe, test } from "node:test";
+import { describe, test } from "node:test";
 
 import { Client, InvalidRequest } from "../src/index.js";
 import { TestCluster, etcdMissing } from "./cluster.js";
-import { ServerProcess, queueName } from "./server.js";
+import { type ServerProcess, queueName, serveFile } from "./server.js";
 
 let server: ServerProcess;
 let client: Client;
 
-before(async () => {
-  server = await ServerProcess.start();
-  client = new Client({ address: server.address });
-});
-
-after(async () => {
-  client?.close();
-  await server?.stop();
-});
+serveFile((s, c) => ([server, client] = [s, c]));
 
 describe("priorities", () => {
   test("a lease takes higher priorities first, FIFO within one; listing and import keep them", async () => {

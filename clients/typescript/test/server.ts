@@ -6,6 +6,7 @@ import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { dirname, join, resolve } from "node:path";
 import { fileURLToPath } from "node:url";
+import { after, before } from "node:test";
 import { promisify } from "node:util";
 
 import { Client, type ClientOptions, Unauthenticated } from "../src/index.js";
@@ -126,6 +127,22 @@ export class ServerProcess {
 }
 
 const run = promisify(execFile);
+
+/** A server of the test file's own and a client of it: started before the file's tests
+ * (`use` then receives both), closed and stopped after them. */
+export function serveFile(use: (server: ServerProcess, client: Client) => void, options: ServerOptions = {}): void {
+  let server: ServerProcess | undefined;
+  let client: Client | undefined;
+  before(async () => {
+    server = await ServerProcess.start(options);
+    client = new Client({ address: server.address });
+    use(server, client);
+  });
+  after(async () => {
+    client?.close();
+    await server?.stop();
+  });
+}
 
 /** Run a Python script with the .venv's python (the Python SDK installed); its stdout. */
 export async function python(script: string, args: string[] = [], input?: string): Promise<string> {

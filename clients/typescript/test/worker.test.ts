@@ -1,21 +1,13 @@
 import assert from "node:assert/strict";
-import { after, before, test } from "node:test";
+import { test } from "node:test";
 
 import { Client, DeadLetter, type LeasedItem, QueueNotFound, Worker } from "../src/index.js";
-import { ServerProcess, queueName, waitUntil } from "./server.js";
+import { type ServerProcess, queueName, waitUntil, serveFile } from "./server.js";
 
 let server: ServerProcess;
 let client: Client;
 
-before(async () => {
-  server = await ServerProcess.start();
-  client = new Client({ address: server.address });
-});
-
-after(async () => {
-  client?.close();
-  await server?.stop();
-});
+serveFile((s, c) => ([server, client] = [s, c]));
 
 const quiet = {}; // no hooks: no console output from expected failures
 

@@ -2,25 +2,18 @@
  * timeout, rate-limited failure logs and Prometheus metrics, against a real server.
  * Deliveries are counted by payload (stable), never by the per-lease id. */
 import assert from "node:assert/strict";
-import { after, before, test } from "node:test";
+import { connect } from "node:net";
+import { test } from "node:test";
 
 import { Registry } from "prom-client";
 
 import { Client, DeadLetter, FailureLog, HandlerTimeout, type LeasedItem, RetryRule, Worker, type WorkerOptions } from "../src/index.js";
-import { ServerProcess, queueName } from "./server.js";
+import { type ServerProcess, queueName, serveFile } from "./server.js";
 
 let server: ServerProcess;
 let client: Client;
 
-before(async () => {
-  server = await ServerProcess.start();
-  client = new Client({ address: server.address });
-});
-
-after(async () => {
-  client?.close();
-  await server?.stop();
-});
+serveFile((s, c) => ([server, client] = [s, c]));
 
 const quick: WorkerOptions = { leaseWaitMs: 200, retryBackoff: () => 50, hooks: {}, handleSignals: false };
 
@@ -240,6 +233,34 @@ test("metrics: the Python worker's names and labels, scraped from a real prom-cl
   assert.equal(response.status, 200);
   assert.match(response.headers.get("content-type") ?? "", /^text\/plain/);
   assert.match(await response.text(), new RegExp(`querator_worker_handled_total\\{queue="${q2}",kind=""\\} 1`));
+});
+
+/** Whether something accepts a TCP connection at host:port. */
+async function answers(host: string, port: number): Promise<boolean> {
+  return new Promise((resolve) => {
+    const socket = connect(port, host);
+    socket.once("connect", () => {
+      socket.destroy();
+      resolve(true);
+    });
+    socket.once("error", () => resolve(false));
+  });
+}
+
+test("the metrics port binds 127.0.0.1 unless metricsHost names another address", async () => {
+  // Off the network by default: another loopback address (127.0.0.2) is refused, which a
+  // port bound to every interface would accept.
+  const q = queueName();
+  await client.createQueue(q);
+  await client.produce(q, ["x", "y"]);
+  const plain = new Worker(client, q, () => undefined, { ...quick, metrics: new Registry(), metricsPort: 0 });
+  await plain.run({ untilEmpty: true });
+  const port = plain.metricsPort!;
+  assert.deepEqual([await answers("127.0.0.1", port), await answers("127.0.0.2", port)], [true, false]);
+  const told = new Worker(client, q, () => undefined, { ...quick, metrics: new Registry(), metricsPort: 0, metricsHost: "127.0.0.2" });
+  await told.run({ untilEmpty: true });
+  const other = told.metricsPort!;
+  assert.deepEqual([await answers("127.0.0.2", other), await answers("127.0.0.1", other)], [true, false]);
 });
 
 test("a lost lease among retries settled together costs only its own item", async () => {

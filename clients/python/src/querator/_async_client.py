@@ -17,6 +17,7 @@ from ._items import AsyncLeasedItem
 from ._models import (
     ApiKey,
     ClusterView,
+    CompleteResult,
     CreatedKey,
     DeadReason,
     ExtendResult,
@@ -28,6 +29,7 @@ from ._models import (
     QueueStats,
     RedriveResult,
     ReplicaSet,
+    RetryResult,
     SetAsideQueue,
     SetAsideQueues,
     StoredItem,
@@ -145,9 +147,10 @@ class AsyncClient(BaseClient):
         lease_keys: Iterable[str] | str | None = None,
         queue_name: str | None = None,
         timeout: Seconds | None = None,
-    ) -> None:
-        """Complete leased items, or by ``lease_keys``; see :meth:`querator.Client.complete`."""
-        await self._transport.run(ops.complete(self._config, items, lease_keys, queue_name, timeout))
+    ) -> CompleteResult:
+        """Complete leased items, or by ``lease_keys``; returns which ids were done
+        already; see :meth:`querator.Client.complete`."""
+        return await self._transport.run(ops.complete(self._config, items, lease_keys, queue_name, timeout))
 
     async def retry(
         self,
@@ -158,8 +161,9 @@ class AsyncClient(BaseClient):
         dead: bool = False,
         error: str | BaseException = "",
         timeout: Seconds | None = None,
-    ) -> list[str]:
-        """Give leased items back; returns the ids dead-lettered; see :meth:`querator.Client.retry`."""
+    ) -> RetryResult:
+        """Give leased items back; returns the ids dead-lettered (and ``already_retried``);
+        see :meth:`querator.Client.retry`."""
         return await self._transport.run(ops.retry(self._config, self._orders_for_retry(items, at, in_, dead, error), timeout))
 
     async def extend(

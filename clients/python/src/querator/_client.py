@@ -19,6 +19,7 @@ from ._items import LeasedItem
 from ._models import (
     ApiKey,
     ClusterView,
+    CompleteResult,
     CreatedKey,
     DeadReason,
     ExtendResult,
@@ -30,6 +31,7 @@ from ._models import (
     QueueStats,
     RedriveResult,
     ReplicaSet,
+    RetryResult,
     SetAsideQueue,
     SetAsideQueues,
     StoredItem,
@@ -165,7 +167,7 @@ class Client(BaseClient):
         lease_keys: Iterable[str] | str | None = None,
         queue_name: str | None = None,
         timeout: Seconds | None = None,
-    ) -> None:
+    ) -> CompleteResult:
         """Complete leased items (LeasedItem or ItemRef, one or many).
 
         Each (queue, partition) group of up to 1,000 ids is one all-or-nothing request:
@@ -174,8 +176,12 @@ class Client(BaseClient):
         ``lease_keys`` (with ``queue_name``) completes every item still leased under
         each key. Idempotent: a key already completed or forgotten is no error, so these
         requests are retried after UNAVAILABLE.
+
+        Returns a :class:`~querator.CompleteResult`: ``already_completed`` names the ids
+        an earlier send had completed (the request was sent again after a lost answer,
+        ``retry_complete``), ``key_items_completed`` counts what ``lease_keys`` completed.
         """
-        self._transport.run(ops.complete(self._config, items, lease_keys, queue_name, timeout))
+        return self._transport.run(ops.complete(self._config, items, lease_keys, queue_name, timeout))
 
     def retry(
         self,
@@ -186,13 +192,15 @@ class Client(BaseClient):
         dead: bool = False,
         error: str | BaseException = "",
         timeout: Seconds | None = None,
-    ) -> list[str]:
+    ) -> RetryResult:
         """Give leased items back: to the tail now, at ``at`` / after ``in_``, or ``dead``.
 
         ``dead=True`` sends them to the dead-letter queue (deleted when there is none).
         An item out of attempts (the queue's ``max_attempts``) is dead-lettered anyway.
-        Returns the ids of the items dead-lettered (empty when every item was retried);
-        a LeasedItem's ``state`` says the same.
+        Returns the ids of the items dead-lettered (a :class:`~querator.RetryResult`,
+        a list: empty when every item was retried); a LeasedItem's ``state`` says the
+        same. Its ``already_retried`` names the ids an earlier send had retried (the
+        request was sent again after a lost answer): they were not retried twice.
 
         ``error``: what went wrong, kept as each item's ``last_error`` (the next
         lease's handler and the dead letter see it): text, or an exception, sent as

@@ -10,7 +10,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._convert import Seconds
-from ._models import DeadReason, ItemRef
+from ._models import CompleteResult, DeadReason, ItemRef, RetryResult
 from .errors import DeadLetter
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 # What a leased item needs of the client that leased it. Typed as protocols so that
 # this module need not import the clients, which import it.
 class _Settles(Protocol):
-    def complete(self, items: Any) -> None: ...
+    def complete(self, items: Any) -> CompleteResult: ...
     def retry(
         self,
         items: Any,
@@ -29,12 +29,12 @@ class _Settles(Protocol):
         in_: Seconds | None = None,
         dead: bool = False,
         error: str | BaseException = "",
-    ) -> Any: ...
+    ) -> RetryResult: ...
     def extend(self, items: Any, *, lease_timeout: Seconds | None = None) -> list[datetime]: ...
 
 
 class _AsyncSettles(Protocol):
-    async def complete(self, items: Any) -> None: ...
+    async def complete(self, items: Any) -> CompleteResult: ...
     async def retry(
         self,
         items: Any,
@@ -43,7 +43,7 @@ class _AsyncSettles(Protocol):
         in_: Seconds | None = None,
         dead: bool = False,
         error: str | BaseException = "",
-    ) -> Any: ...
+    ) -> RetryResult: ...
     async def extend(self, items: Any, *, lease_timeout: Seconds | None = None) -> list[datetime]: ...
 
 #: What happened to a leased item through this object (None: nothing yet).
@@ -209,21 +209,23 @@ class LeasedItem(_LeasedBase):
     __slots__ = ()
     _client: _Settles
 
-    def complete(self) -> None:
-        """Remove the item for good. Raises LeaseLost when the lease is no longer ours."""
-        self._client.complete(self)
+    def complete(self) -> CompleteResult:
+        """Remove the item for good. Raises LeaseLost when the lease is no longer ours.
+        The result's ``already_completed`` holds the id when a send the client repeated
+        had completed it already."""
+        return self._client.complete(self)
 
     def retry(
         self, *, at: datetime | None = None, in_: Seconds | None = None, error: str | BaseException = ""
-    ) -> None:
+    ) -> RetryResult:
         """Give the item back: now, at ``at`` or after ``in_``; ``error`` (text or an
-        exception) becomes its ``last_error``."""
-        self._client.retry(self, at=at, in_=in_, error=error)
+        exception) becomes its ``last_error``. Returns what the client's retry does."""
+        return self._client.retry(self, at=at, in_=in_, error=error)
 
-    def dead(self, error: str | BaseException = "") -> None:
+    def dead(self, error: str | BaseException = "") -> RetryResult:
         """Send the item to the queue's dead-letter queue (deleted when it has none),
         with ``error`` (text or an exception) as the dead letter's ``last_error``."""
-        self._client.retry(self, dead=True, error=error)
+        return self._client.retry(self, dead=True, error=error)
 
     def extend(self, lease_timeout: Seconds | None = None) -> datetime:
         """Push the lease deadline to now + ``lease_timeout`` (default: the queue's)."""
@@ -257,21 +259,23 @@ class AsyncLeasedItem(_LeasedBase):
     __slots__ = ()
     _client: _AsyncSettles
 
-    async def complete(self) -> None:
-        """Remove the item for good. Raises LeaseLost when the lease is no longer ours."""
-        await self._client.complete(self)
+    async def complete(self) -> CompleteResult:
+        """Remove the item for good. Raises LeaseLost when the lease is no longer ours.
+        The result's ``already_completed`` holds the id when a send the client repeated
+        had completed it already."""
+        return await self._client.complete(self)
 
     async def retry(
         self, *, at: datetime | None = None, in_: Seconds | None = None, error: str | BaseException = ""
-    ) -> None:
+    ) -> RetryResult:
         """Give the item back: now, at ``at`` or after ``in_``; ``error`` (text or an
-        exception) becomes its ``last_error``."""
-        await self._client.retry(self, at=at, in_=in_, error=error)
+        exception) becomes its ``last_error``. Returns what the client's retry does."""
+        return await self._client.retry(self, at=at, in_=in_, error=error)
 
-    async def dead(self, error: str | BaseException = "") -> None:
+    async def dead(self, error: str | BaseException = "") -> RetryResult:
         """Send the item to the queue's dead-letter queue (deleted when it has none),
         with ``error`` (text or an exception) as the dead letter's ``last_error``."""
-        await self._client.retry(self, dead=True, error=error)
+        return await self._client.retry(self, dead=True, error=error)
 
     async def extend(self, lease_timeout: Seconds | None = None) -> datetime:
         """Push the lease deadline to now + ``lease_timeout`` (default: the queue's)."""

@@ -269,6 +269,33 @@ class RedriveResult:
     skipped: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class CompleteResult:
+    """What :meth:`~querator.Client.complete` returns.
+
+    ``already_completed``: the ids (as sent) that an earlier send of the same request
+    had completed already. Empty on a first send; not empty when the client sent the
+    request again after a lost answer (UNAVAILABLE, ``retry_complete``): those items
+    are done, not lost. ``key_items_completed``: how many items ``lease_keys``
+    completed (0 when every key was done or forgotten already).
+    """
+
+    already_completed: tuple[str, ...] = ()
+    key_items_completed: int = 0
+
+
+class RetryResult(list[str]):
+    """What :meth:`~querator.Client.retry` returns: the ids dead-lettered (a list, empty
+    when every item went back).
+
+    ``already_retried`` adds the ids (as sent) that an earlier send of the same request
+    had retried already (the client sent it again after a lost answer): they were not
+    retried twice. Those the first send dead-lettered are in the list too.
+    """
+
+    already_retried: tuple[str, ...] = ()
+
+
 class ExtendResult(list[datetime]):
     """What :meth:`~querator.Client.extend` returns: the new deadline of each item, in order.
 

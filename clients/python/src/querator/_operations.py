@@ -24,6 +24,7 @@ from ._items import COMPLETED, DEAD, RETRIED
 from ._models import (
     ApiKey,
     ClusterView,
+    CompleteResult,
     CreatedKey,
     DeadReason,
     ExtendResult,
@@ -34,6 +35,7 @@ from ._models import (
     QueueStats,
     RedriveResult,
     ReplicaSet,
+    RetryResult,
     SetAsideQueue,
     SetAsideQueues,
     StoredItem,
@@ -107,27 +109,34 @@ def complete(
     lease_keys: Iterable[str] | str | None,
     queue_name: str | None,
     timeout: Seconds | None,
-) -> Operation[None]:
+) -> Operation[CompleteResult]:
     call_timeout = config.call_timeout(timeout)
+    already: list[str] = []
+    key_items = 0
     for queue, partition, members in p.group_refs(items):
         request = p.complete_request(queue, partition, members, call_timeout)
         # Sent again, ids the first send completed are answered as done (already_completed).
-        yield Call(QUEUE, "Complete", request, call_timeout, config.retry_complete, item_call=True)
+        response = yield Call(QUEUE, "Complete", request, call_timeout, config.retry_complete, item_call=True)
         p.mark(members, COMPLETED)
+        already.extend(response.already_completed)
     queue, key_chunks = p.lease_keys(lease_keys, queue_name)
     for keys in key_chunks:
         request = p.complete_keys_request(queue, keys, call_timeout)
-        yield Call(QUEUE, "Complete", request, call_timeout, True, item_call=True)
+        response = yield Call(QUEUE, "Complete", request, call_timeout, True, item_call=True)
+        key_items += response.key_items_completed
+    return CompleteResult(tuple(already), key_items)
 
 
-def retry(config: ClientConfig, orders: list[RetryOrder], timeout: Seconds | None) -> Operation[list[str]]:
+def retry(config: ClientConfig, orders: list[RetryOrder], timeout: Seconds | None) -> Operation[RetryResult]:
     """Retry requests per (queue, partition) and 1,000 items; returns the ids the server
-    dead-lettered (sent with dead=True, or out of attempts) and marks each item."""
+    dead-lettered (sent with dead=True, or out of attempts) with those an earlier send
+    had retried already, and marks each item."""
     call_timeout = config.call_timeout(timeout)
     grouped: dict[tuple[str, int], list[RetryOrder]] = {}
     for order in orders:
         grouped.setdefault((order[0].queue_name, order[0].partition), []).append(order)
-    dead_ids: list[str] = []
+    out = RetryResult()
+    already: list[str] = []
     for (queue, partition), group in grouped.items():
         for chunk in p.chunks(group):
             request = p.retry_request(queue, partition, chunk, call_timeout)
@@ -136,8 +145,10 @@ def retry(config: ClientConfig, orders: list[RetryOrder], timeout: Seconds | Non
             dead = set(response.dead_ids)
             for ref, *_ in chunk:
                 p.mark([ref], DEAD if ref.id in dead else RETRIED)
-            dead_ids.extend(response.dead_ids)
-    return dead_ids
+            out.extend(response.dead_ids)
+            already.extend(response.already_retried)
+    out.already_retried = tuple(already)
+    return out
 
 
 def extend(

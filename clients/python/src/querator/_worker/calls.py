@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _operations as ops
 from .._convert import Seconds
 from .._items import AsyncLeasedItem, LeasedItem, _LeasedBase
-from .._models import QueueInfo, QueueStats
+from .._models import CompleteResult, QueueInfo, QueueStats
 
 if TYPE_CHECKING:
     from .._async_client import AsyncClient
@@ -67,7 +67,7 @@ class WorkerCalls:
     ) -> Coroutine[Any, Any, list[_LeasedBase]]:
         return self._transport.run(ops.lease(self.config, make, queue_name, batch_size, wait, client_id, complete, ""))
 
-    def complete(self, items: Sequence[_LeasedBase]) -> Awaitable[None]:
+    def complete(self, items: Sequence[_LeasedBase]) -> Awaitable[CompleteResult]:
         return self.aclient.complete(items)
 
     def retry(self, orders: list[tuple[_LeasedBase, datetime | None, bool, str]]) -> Awaitable[object]:

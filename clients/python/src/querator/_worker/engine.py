@@ -186,7 +186,7 @@ class Engine:
         if self.o.metrics or self.o.metrics_port is not None:
             from .metrics import WorkerMetrics
 
-            self.metrics = WorkerMetrics(self.queue_name, self.o.metrics_port)
+            self.metrics = WorkerMetrics(self.queue_name, self.o.metrics_port, self.o.metrics_host)
         for route in self.dispatch.routes():
             route.start(self.policy)
         self.processes: HandlerProcesses | None = None

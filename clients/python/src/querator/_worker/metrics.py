@@ -59,7 +59,7 @@ def _shared() -> dict[str, Any]:
 class WorkerMetrics:
     """The metrics of one worker's queue, label children cached per kind."""
 
-    def __init__(self, queue_name: str, port: int | None) -> None:
+    def __init__(self, queue_name: str, port: int | None, host: str = "127.0.0.1") -> None:
         self.queue_name = queue_name
         families = _shared()
         self._families = families
@@ -67,7 +67,7 @@ class WorkerMetrics:
         self._kinds: dict[str, tuple[Any, Any, Any]] = {}
         self.port: int | None = None
         if port is not None:
-            self.port = serve(port)
+            self.port = serve(port, host)
 
     def _for(self, kind: str) -> tuple[Any, Any, Any]:
         found = self._kinds.get(kind)
@@ -96,16 +96,16 @@ class WorkerMetrics:
         self._for(kind)[1].inc()
 
 
-def serve(port: int) -> int:
-    """Serve the default registry over HTTP on ``port`` (once per port and process);
-    returns the port bound (``port=0``: a free one)."""
+def serve(port: int, host: str = "127.0.0.1") -> int:
+    """Serve the default registry over HTTP on ``host``:``port`` (once per port and
+    process); returns the port bound (``port=0``: a free one)."""
     pc = _load()
     with _lock:
         if port and port in _servers:
             return port
-        started = pc.start_http_server(port)
+        started = pc.start_http_server(port, addr=host)
         bound = int(started[0].server_port)
         _servers[bound] = started
-    logging.getLogger("querator.worker").info("serving worker metrics on port %d", bound)
+    logging.getLogger("querator.worker").info("serving worker metrics on %s port %d", host, bound)
     return bound
 

@@ -153,8 +153,11 @@ class WorkerOptions:
     #: Record Prometheus metrics (prometheus_client's default registry; the ``metrics``
     #: extra). Implied by ``metrics_port``.
     metrics: bool = False
-    #: Serve the metrics on this port (all interfaces; 0 picks a free one).
+    #: Serve the metrics on this port (0 picks a free one).
     metrics_port: int | None = None
+    #: The address the metrics port binds: this machine only unless told otherwise
+    #: ("0.0.0.0" for every interface, when a scraper on another host reads it).
+    metrics_host: str = "127.0.0.1"
     #: The Lease client_id (default: host, pid and a random suffix). A second Lease in
     #: flight uses ``<client_id>/1``, a third ``/2``: the server takes one per id.
     client_id: str | None = None

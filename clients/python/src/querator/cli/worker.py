@@ -44,6 +44,7 @@ _OPTION_FLAGS = (
     "shutdown_timeout",
     "lease_wait",
     "metrics_port",
+    "metrics_host",
     "faulty_timeout",
 )
 
@@ -88,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--lease-wait", type=parse_duration, help="long-poll time (default 30s)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (the metrics extra)")
+    parser.add_argument("--metrics-host", help="the address the metrics port binds (default 127.0.0.1: this machine only)")
     parser.add_argument(
         "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default info"
     )
