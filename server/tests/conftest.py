@@ -347,14 +347,20 @@ SLOWEST_FIRST = [
 ]
 
 
-# Files whose tests each start what they need (a cluster of their own, no module-scoped
-# fixture, no order among them): under --dist loadfile each of their tests is a unit of
-# work of its own, so their cases spread over both workers instead of holding one for the
-# file's whole time (test_replication_failover.py: ten cases, about 250 s in CI).
+# Long files whose tests each start what they need (a server or cluster of their own,
+# no module-scoped fixture, no fixed port or path, no order among them): under --dist
+# loadfile each of their tests is a unit of work of its own, so their cases spread over
+# both workers instead of holding one for the file's whole time
+# (test_replication_failover.py: ten cases, about 250 s in CI).
 SPREAD_TESTS = {
     "test_replication_failover.py",
     "test_replication_network_faults.py",
     "test_replication_wiped_node.py",
+    "test_sdk_cli.py",
+    "test_cluster_identity.py",
+    "test_server_process.py",
+    "test_durability.py",
+    "test_crash_loop.py",
 }
 
 
