@@ -17,6 +17,7 @@ import struct
 import sys
 
 from querator_server.actor import CompleteRequest, LeaseRequest, ProduceRequest
+from querator_server.actor.replication import Replication
 from querator_server.errors import QueratorError
 from querator_server.manager import QueuesManager
 from querator_server.model import NewItem, QueueConfig
@@ -27,7 +28,7 @@ SHARD_UID = (1 << 40) + 5
 CONFIG = QueueConfig(name="q", uid=SHARD_UID, partitions=2, lease_timeout_us=300_000, dedup_window_us=500_000)
 
 
-class Logged:
+class Logged(Replication):
     def __init__(self, target: ReplicaCopy, fd: int) -> None:
         self.target = target
         self.fd = fd

@@ -27,6 +27,7 @@ from querator_server.actor import (
     ProduceRequest,
     RetryRequest,
 )
+from querator_server.actor.replication import Replication
 from querator_server.clock import now_us
 from querator_server.cluster.etcd import Etcd as EtcdClient
 from querator_server.cluster.etcd import Txn
@@ -113,7 +114,7 @@ async def apply_to(home: Home, state: ReplicaState, change: ChangeSet) -> Positi
 
 
 @dataclass
-class Mirror:
+class Mirror(Replication):
     """A ``Replication`` that applies every change set to copies before it returns,
     one at a time in the order handed, and checks after each that every copy's digest
     is the primary's as it was when the change was handed over (whenever the primary

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from test_security import Authed, _code, _key
+from security_helpers import Authed, new_key, status_of
 
 from querator.v1 import keys_pb2
 
@@ -74,11 +74,11 @@ def test_the_token_warns_while_keys_exist(data_dir: str, channels: list[grpc.Cha
         admin = Authed(channel, STRONG)
         admin.create("jobs")  # no key yet: no warning
         assert "bootstrap_token" not in srv.stderr_text()
-        _key(admin, keys_pb2.ROLE_PRODUCER, "jobs")  # the first key: warned at once
+        new_key(admin, keys_pb2.ROLE_PRODUCER, "jobs")  # the first key: warned at once
         wait_until(lambda: "bootstrap_token_active" in srv.stderr_text(), timeout=20)
         admin.create("more")  # the token used while a key exists
         wait_until(lambda: "bootstrap_token_used" in srv.stderr_text(), timeout=20)
-        _key(admin, keys_pb2.ROLE_CONSUMER, "jobs")
+        new_key(admin, keys_pb2.ROLE_CONSUMER, "jobs")
         admin.create("again")
         log = srv.stderr_text()
         assert log.count("bootstrap_token_used") == 1 and log.count("bootstrap_token_active") == 1  # once each
@@ -95,9 +95,9 @@ def test_the_token_retires_once_an_admin_key_for_every_queue_exists(
     srv, channel = _start(data_dir, channels, QUERATOR_ADMIN_TOKEN_UNTIL_KEY="true")
     try:
         bootstrap = Authed(channel, STRONG)
-        narrow = _key(bootstrap, keys_pb2.ROLE_ADMIN, "team-*")  # not for every queue: still usable
+        narrow = new_key(bootstrap, keys_pb2.ROLE_ADMIN, "team-*")  # not for every queue: still usable
         bootstrap.create("jobs")
-        root_token = _key(bootstrap, keys_pb2.ROLE_ADMIN, "*")
+        root_token = new_key(bootstrap, keys_pb2.ROLE_ADMIN, "*")
         with pytest.raises(grpc.RpcError) as err:
             bootstrap.create("refused")
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -111,7 +111,7 @@ def test_the_token_retires_once_an_admin_key_for_every_queue_exists(
         channel = grpc.insecure_channel(srv.address)
         channels.append(channel)
         bootstrap, root = Authed(channel, STRONG), Authed(channel, root_token)
-        assert _code(lambda: bootstrap.create("refused")) == grpc.StatusCode.UNAUTHENTICATED
+        assert status_of(lambda: bootstrap.create("refused")) == grpc.StatusCode.UNAUTHENTICATED
         assert "bootstrap_token_active" not in srv.stderr_text()  # retired, so no warning at start
         # Revoking the last such key brings the token back: a way in is never lost.
         root.keys.RevokeKey(keys_pb2.RevokeKeyRequest(key_id=root_token.split("_")[1]), timeout=10)

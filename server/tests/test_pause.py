@@ -270,7 +270,7 @@ def test_a_lease_that_completes_while_paused_completes_and_then_waits(stubs: Stu
 
 
 def test_pausing_takes_an_admin_key(data_dir: str) -> None:
-    from test_security import BOOTSTRAP, Authed, _key
+    from security_helpers import BOOTSTRAP, Authed, new_key
 
     from querator.v1 import keys_pb2
 
@@ -280,12 +280,12 @@ def test_pausing_takes_an_admin_key(data_dir: str) -> None:
             admin = Authed(channel, BOOTSTRAP)
             admin.create("jobs")
             for role in (keys_pb2.ROLE_PRODUCER, keys_pb2.ROLE_CONSUMER):
-                other = Authed(channel, _key(admin, role, "jobs"))
+                other = Authed(channel, new_key(admin, role, "jobs"))
                 for call in (pause, resume):
                     with pytest.raises(grpc.RpcError) as err:
                         call(other, "jobs")
                     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-            scoped = Authed(channel, _key(admin, keys_pb2.ROLE_ADMIN, "jobs*"))
+            scoped = Authed(channel, new_key(admin, keys_pb2.ROLE_ADMIN, "jobs*"))
             assert pause(scoped, "jobs").paused is True
             admin.create("billing")
             with pytest.raises(grpc.RpcError) as err:

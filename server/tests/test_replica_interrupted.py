@@ -14,6 +14,7 @@ import pytest
 from replication_helpers import MS, SHARD_UID
 
 from querator_server.actor import ProduceRequest
+from querator_server.actor.replication import Replication
 from querator_server.cluster.replica_host import CopyHost, Shard
 from querator_server.cluster.replica_wire import Ship
 from querator_server.cluster.shard_record import ShardRecord
@@ -29,7 +30,7 @@ def _config() -> QueueConfig:
 
 
 @dataclass
-class Kept:
+class Kept(Replication):
     """A ``Replication`` that keeps every change set (encoded) and acknowledges it."""
 
     changes: list[bytes] = field(default_factory=list)
@@ -39,7 +40,7 @@ class Kept:
 
 
 @dataclass
-class ToCopy:
+class ToCopy(Replication):
     target: ReplicaCopy
 
     async def replicated(self, change: ChangeSet) -> None:

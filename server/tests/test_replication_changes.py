@@ -17,6 +17,7 @@ import pytest
 from replication_helpers import SHARD_UID, Home, Mirror, Tally, client, make_home, shard_config
 
 from querator_server.actor import LeaseRequest, LogicalQueue, ProduceRequest
+from querator_server.actor.replication import Replication
 from querator_server.errors import Unavailable
 from querator_server.model import NewItem
 from querator_server.storage import QueueStore, StorageError
@@ -266,7 +267,7 @@ def test_answers_waiting_for_replicas_all_fail_unavailable_when_abandoned_even_b
     from querator_server.actor.replication import ReplicationGate
     from querator_server.actor.transaction import answer
 
-    class Silent:
+    class Silent(Replication):
         async def replicated(self, change: ChangeSet) -> None:
             await asyncio.Event().wait()  # never acknowledged
 

@@ -18,6 +18,7 @@ import pytest
 from replication_helpers import MS, SHARD_UID
 
 from querator_server.actor import CompleteRequest, LeaseRequest, LeaseResult, ProduceRequest
+from querator_server.actor.replication import Replication
 from querator_server.errors import QueratorError, Unavailable
 from querator_server.manager import QueuesManager
 from querator_server.model import NewItem, QueueConfig
@@ -32,7 +33,7 @@ def _config(partitions: int = 2) -> QueueConfig:
 
 
 @dataclass
-class ToCopy:
+class ToCopy(Replication):
     """A ``Replication`` that ships every change set, as bytes, to another node's copy."""
 
     target: ReplicaCopy
@@ -206,7 +207,7 @@ def test_a_later_epoch_reaching_a_serving_primary_makes_it_step_down_and_fences_
 
 
 @dataclass
-class Holding:
+class Holding(Replication):
     """A ``Replication`` that ships to another node's copy until ``hold``, then keeps
     the change sets back (a replica that missed the old primary's last changes)."""
 
@@ -335,7 +336,7 @@ def test_kill9_leaves_every_copy_at_a_position_that_matches_its_contents(tmp_pat
 
 
 @dataclass
-class Kept:
+class Kept(Replication):
     """A ``Replication`` that keeps the change sets and ships none."""
 
     log: list[ChangeSet] = field(default_factory=list)
@@ -441,7 +442,7 @@ def test_a_damaged_copy_is_refused_at_start_then_made_anew_and_filled_from_a_sna
 
 
 @dataclass
-class Gated:
+class Gated(Replication):
     """Ships to a copy, holding every change set from ``hold_from`` on until ``open``."""
 
     target: ReplicaCopy
@@ -538,7 +539,7 @@ def test_a_primary_gets_at_most_a_bounded_number_of_cycles_ahead_of_its_replicas
 
 
 def test_a_server_stopping_while_its_replicas_never_answer_stops_and_fails_those_calls(tmp_path: Any) -> None:
-    class Silent:
+    class Silent(Replication):
         async def replicated(self, change: ChangeSet) -> None:
             await asyncio.Event().wait()
 

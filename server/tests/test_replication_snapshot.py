@@ -14,6 +14,7 @@ import pytest
 from replication_helpers import MS, SHARD_UID
 
 from querator_server.actor import CompleteRequest, LeaseRequest, LeaseResult, ProduceRequest
+from querator_server.actor.replication import Replication
 from querator_server.manager import QueuesManager
 from querator_server.model import NewItem, QueueConfig
 from querator_server.storage.change_set import ChangeSet, Diverged, Fenced, Position
@@ -24,7 +25,7 @@ CONFIG = QueueConfig(name="q", uid=SHARD_UID, partitions=3, lease_timeout_us=300
 
 
 @dataclass
-class Shipped:
+class Shipped(Replication):
     """Ships to one copy and keeps every change set (the ring a primary would keep)."""
 
     target: ReplicaCopy

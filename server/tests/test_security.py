@@ -10,31 +10,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from security_helpers import BOOTSTRAP, Authed, new_key, status_of
 
-from querator.v1 import keys_pb2, keys_pb2_grpc, queue_pb2, queue_pb2_grpc, queues_pb2, storage_pb2
+from querator.v1 import keys_pb2, queue_pb2, queue_pb2_grpc, queues_pb2, storage_pb2
 
 from conftest import Stubs, ThreadServer, wait_until
-
-BOOTSTRAP = "bootstrap-admin-token-for-tests"
-
-
-class Authed(Stubs):
-    """Stubs whose calls carry a bearer token."""
-
-    def __init__(self, channel: grpc.Channel, token: str) -> None:
-        self.token = token
-        super().__init__(grpc.intercept_channel(channel, _Bearer(token)))
-        self.keys = keys_pb2_grpc.KeysServiceStub(self.channel)
-
-
-class _Bearer(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    def __init__(self, token: str) -> None:
-        self.token = token
-
-    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
-        metadata = list(details.metadata or []) + [("authorization", f"Bearer {self.token}")]
-        details = details._replace(metadata=metadata)
-        return continuation(details, request)
 
 
 @pytest.fixture
@@ -51,24 +31,12 @@ def channel(auth_server: ThreadServer) -> Iterator[grpc.Channel]:
     ch.close()
 
 
-def _code(call: object) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as err:
-        call()  # type: ignore[operator]
-    return err.value.code()  # type: ignore[no-any-return]
-
-
-def _key(admin: Authed, role: int, *queues: str) -> str:
-    response = admin.keys.CreateKey(keys_pb2.CreateKeyRequest(role=role, queues=list(queues)), timeout=10)
-    assert response.token.startswith("qk_")
-    return str(response.token)
-
-
 def test_calls_without_a_valid_key_are_unauthenticated(channel: grpc.Channel) -> None:
     anonymous = Stubs(channel)
-    assert _code(lambda: anonymous.create("q")) == grpc.StatusCode.UNAUTHENTICATED
-    assert _code(lambda: anonymous.produce("q", [b"x"])) == grpc.StatusCode.UNAUTHENTICATED
+    assert status_of(lambda: anonymous.create("q")) == grpc.StatusCode.UNAUTHENTICATED
+    assert status_of(lambda: anonymous.produce("q", [b"x"])) == grpc.StatusCode.UNAUTHENTICATED
     bogus = Authed(channel, "qk_0123456789abcdef_" + "A" * 43)
-    assert _code(lambda: bogus.stats("q")) == grpc.StatusCode.UNAUTHENTICATED
+    assert status_of(lambda: bogus.stats("q")) == grpc.StatusCode.UNAUTHENTICATED
     # Health and reflection stay open for load balancers and grpcurl.
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -80,25 +48,25 @@ def test_roles_and_queue_patterns(channel: grpc.Channel) -> None:
     admin = Authed(channel, BOOTSTRAP)
     admin.create("orders-eu")
     admin.create("billing")
-    producer = Authed(channel, _key(admin, keys_pb2.ROLE_PRODUCER, "orders*"))
-    consumer = Authed(channel, _key(admin, keys_pb2.ROLE_CONSUMER, "orders*"))
+    producer = Authed(channel, new_key(admin, keys_pb2.ROLE_PRODUCER, "orders*"))
+    consumer = Authed(channel, new_key(admin, keys_pb2.ROLE_CONSUMER, "orders*"))
 
     producer.produce("orders-eu", [b"a"])
-    assert _code(lambda: producer.produce("billing", [b"x"])) == grpc.StatusCode.PERMISSION_DENIED
-    assert _code(lambda: producer.lease("orders-eu")) == grpc.StatusCode.PERMISSION_DENIED
-    assert _code(lambda: producer.create("orders-new")) == grpc.StatusCode.PERMISSION_DENIED
+    assert status_of(lambda: producer.produce("billing", [b"x"])) == grpc.StatusCode.PERMISSION_DENIED
+    assert status_of(lambda: producer.lease("orders-eu")) == grpc.StatusCode.PERMISSION_DENIED
+    assert status_of(lambda: producer.create("orders-new")) == grpc.StatusCode.PERMISSION_DENIED
 
     leased = consumer.lease("orders-eu", batch_size=5)
     assert [i.payload for i in leased.items] == [b"a"]
     consumer.complete("orders-eu", leased.partition, [leased.items[0].id])
-    assert _code(lambda: consumer.produce("orders-eu", [b"x"])) == grpc.StatusCode.PERMISSION_DENIED
-    assert _code(lambda: consumer.list_items("orders-eu")) == grpc.StatusCode.PERMISSION_DENIED
+    assert status_of(lambda: consumer.produce("orders-eu", [b"x"])) == grpc.StatusCode.PERMISSION_DENIED
+    assert status_of(lambda: consumer.list_items("orders-eu")) == grpc.StatusCode.PERMISSION_DENIED
     assert consumer.stats("orders-eu").queue_name == "orders-eu"
     # Listing shows only the queues the key matches.
     listed = consumer.queues.ListQueues(queues_pb2.ListQueuesRequest(), timeout=5)
     assert [q.queue_name for q in listed.queues] == ["orders-eu"]
     # Only an admin key for "*" manages keys.
-    assert _code(lambda: consumer.keys.ListKeys(keys_pb2.ListKeysRequest(), timeout=5)) == (
+    assert status_of(lambda: consumer.keys.ListKeys(keys_pb2.ListKeysRequest(), timeout=5)) == (
         grpc.StatusCode.PERMISSION_DENIED
     )
 
@@ -106,15 +74,15 @@ def test_roles_and_queue_patterns(channel: grpc.Channel) -> None:
 def test_authorization_comes_before_the_queue_lookup(channel: grpc.Channel) -> None:
     admin = Authed(channel, BOOTSTRAP)
     admin.create("orders-1")
-    outsider = Authed(channel, _key(admin, keys_pb2.ROLE_ADMIN, "team-a*"))
+    outsider = Authed(channel, new_key(admin, keys_pb2.ROLE_ADMIN, "team-a*"))
     # Existing and missing queues outside the key's patterns answer the same.
     for name in ("orders-1", "orders-missing"):
-        assert _code(lambda n=name: outsider.stats(n)) == grpc.StatusCode.PERMISSION_DENIED
-        assert _code(lambda n=name: outsider.produce(n, [b"x"])) == grpc.StatusCode.PERMISSION_DENIED
+        assert status_of(lambda n=name: outsider.stats(n)) == grpc.StatusCode.PERMISSION_DENIED
+        assert status_of(lambda n=name: outsider.produce(n, [b"x"])) == grpc.StatusCode.PERMISSION_DENIED
     # Naming a dead_queue outside the patterns is refused too.
-    assert _code(lambda: outsider.create("team-a-jobs", dead_queue="orders-1")) == grpc.StatusCode.PERMISSION_DENIED
+    assert status_of(lambda: outsider.create("team-a-jobs", dead_queue="orders-1")) == grpc.StatusCode.PERMISSION_DENIED
     outsider.create("team-a-jobs")
-    assert _code(
+    assert status_of(
         lambda: outsider.storage.ListItems(storage_pb2.ListItemsRequest(queue_name="orders-1"), timeout=5)
     ) == grpc.StatusCode.PERMISSION_DENIED
 
@@ -123,7 +91,7 @@ def test_every_message_of_a_stream_is_checked_against_the_key(channel: grpc.Chan
     admin = Authed(channel, BOOTSTRAP)
     admin.create("orders-eu")
     admin.create("billing")
-    token = _key(admin, keys_pb2.ROLE_PRODUCER, "orders*")
+    token = new_key(admin, keys_pb2.ROLE_PRODUCER, "orders*")
     stub = queue_pb2_grpc.QueueServiceStub(channel)
 
     def message(queue: str) -> queue_pb2.ProduceStreamRequest:
@@ -144,7 +112,7 @@ def test_a_key_refused_a_queue_keeps_its_stream_for_the_queues_it_may_touch(chan
     admin.create("billing")
     admin.produce("orders-eu", [b"a"])
     admin.produce("billing", [b"b"])
-    token = _key(admin, keys_pb2.ROLE_CONSUMER, "orders*")
+    token = new_key(admin, keys_pb2.ROLE_CONSUMER, "orders*")
     stub = queue_pb2_grpc.QueueServiceStub(channel)
 
     def lease(queue: str) -> queue_pb2.LeaseStreamRequest:
@@ -177,7 +145,7 @@ def test_a_stream_whose_keys_role_may_never_do_its_action_ends_at_once(
 ) -> None:
     admin = Authed(channel, BOOTSTRAP)
     admin.create("orders")
-    token = _key(admin, role, "orders")
+    token = new_key(admin, role, "orders")
     key_id = token.split("_")[1]
     stub = queue_pb2_grpc.QueueServiceStub(channel)
     auth = [("authorization", f"Bearer {token}")]
@@ -210,7 +178,7 @@ def test_a_stream_whose_keys_role_may_never_do_its_action_ends_at_once(
 def test_a_stream_refused_for_its_role_ends_before_any_message(channel: grpc.Channel, method: str) -> None:
     admin = Authed(channel, BOOTSTRAP)
     role = keys_pb2.ROLE_PRODUCER if method == "LeaseStream" else keys_pb2.ROLE_CONSUMER
-    token = _key(admin, role, "*")
+    token = new_key(admin, role, "*")
     stub = queue_pb2_grpc.QueueServiceStub(channel)
     messages = _Messages()  # sends nothing and never ends by itself
     try:
@@ -228,7 +196,7 @@ def test_admin_keys_and_the_bootstrap_token_open_both_streams(channel: grpc.Chan
     stub = queue_pb2_grpc.QueueServiceStub(channel)
     produce = queue_pb2.ProduceRequest(queue_name="orders", items=[queue_pb2.ProduceItem(payload=b"x")])
     lease = queue_pb2.LeaseRequest(queue_name="orders", batch_size=1)
-    for token in (BOOTSTRAP, _key(admin, keys_pb2.ROLE_ADMIN, "orders")):
+    for token in (BOOTSTRAP, new_key(admin, keys_pb2.ROLE_ADMIN, "orders")):
         auth = [("authorization", f"Bearer {token}")]
         produced = list(stub.ProduceStream(iter([queue_pb2.ProduceStreamRequest(request=produce)]), metadata=auth, timeout=10))
         assert produced[0].WhichOneof("result") == "response"
@@ -250,7 +218,7 @@ def test_answers_and_errors_name_no_queue_outside_the_keys_patterns(channel: grp
     root.create("a1", dead_queue="a-dlq")
     root.create("a-src", dead_queue="b-dlq")  # a visible queue whose dead_queue is hidden
     root.create("a-mid", dead_queue="b-dlq")
-    narrow = Authed(channel, _key(root, keys_pb2.ROLE_ADMIN, "a*"))
+    narrow = Authed(channel, new_key(root, keys_pb2.ROLE_ADMIN, "a*"))
 
     # Delete: the refusal says why without naming b1.
     code, text = _refusal(lambda: narrow.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="a-dlq"), timeout=5))
@@ -327,7 +295,7 @@ def test_a_stream_without_a_valid_key_is_ended_at_once(channel: grpc.Channel, me
 def test_a_stream_ends_unauthenticated_once_its_key_is_revoked(channel: grpc.Channel) -> None:
     admin = Authed(channel, BOOTSTRAP)
     admin.create("orders")
-    token = _key(admin, keys_pb2.ROLE_PRODUCER, "orders")
+    token = new_key(admin, keys_pb2.ROLE_PRODUCER, "orders")
     stub = queue_pb2_grpc.QueueServiceStub(channel)
     request = queue_pb2.ProduceRequest(queue_name="orders", items=[queue_pb2.ProduceItem(payload=b"x")])
     messages = _Messages()
@@ -353,13 +321,13 @@ def test_revoked_keys_stop_working_and_keys_survive_restart(data_dir: str) -> No
         channel = grpc.insecure_channel(srv.address)
         admin = Authed(channel, BOOTSTRAP)
         admin.create("jobs")
-        kept = _key(admin, keys_pb2.ROLE_PRODUCER, "jobs")
-        dropped = _key(admin, keys_pb2.ROLE_PRODUCER, "jobs")
+        kept = new_key(admin, keys_pb2.ROLE_PRODUCER, "jobs")
+        dropped = new_key(admin, keys_pb2.ROLE_PRODUCER, "jobs")
         dropped_id = dropped.split("_")[1]
         listed = admin.keys.ListKeys(keys_pb2.ListKeysRequest(), timeout=5).keys
         assert dropped_id in {k.key_id for k in listed}
         admin.keys.RevokeKey(keys_pb2.RevokeKeyRequest(key_id=dropped_id), timeout=5)
-        assert _code(lambda: Authed(channel, dropped).produce("jobs", [b"x"])) == grpc.StatusCode.UNAUTHENTICATED
+        assert status_of(lambda: Authed(channel, dropped).produce("jobs", [b"x"])) == grpc.StatusCode.UNAUTHENTICATED
         channel.close()
     finally:
         srv.stop()
@@ -368,8 +336,8 @@ def test_revoked_keys_stop_working_and_keys_survive_restart(data_dir: str) -> No
     try:
         channel = grpc.insecure_channel(srv.address)
         Authed(channel, kept).produce("jobs", [b"after restart"])
-        assert _code(lambda: Authed(channel, dropped).produce("jobs", [b"x"])) == grpc.StatusCode.UNAUTHENTICATED
-        assert _code(lambda: Authed(channel, BOOTSTRAP).create("x")) == grpc.StatusCode.UNAUTHENTICATED
+        assert status_of(lambda: Authed(channel, dropped).produce("jobs", [b"x"])) == grpc.StatusCode.UNAUTHENTICATED
+        assert status_of(lambda: Authed(channel, BOOTSTRAP).create("x")) == grpc.StatusCode.UNAUTHENTICATED
         channel.close()
     finally:
         srv.stop()
@@ -382,13 +350,13 @@ def test_revoked_keys_stop_working_and_keys_survive_restart(data_dir: str) -> No
 
 def test_create_key_validation(channel: grpc.Channel) -> None:
     admin = Authed(channel, BOOTSTRAP)
-    assert _code(lambda: admin.keys.CreateKey(keys_pb2.CreateKeyRequest(role=0, queues=["*"]), timeout=5)) == (
+    assert status_of(lambda: admin.keys.CreateKey(keys_pb2.CreateKeyRequest(role=0, queues=["*"]), timeout=5)) == (
         grpc.StatusCode.INVALID_ARGUMENT
     )
-    assert _code(lambda: admin.keys.CreateKey(keys_pb2.CreateKeyRequest(role=1), timeout=5)) == (
+    assert status_of(lambda: admin.keys.CreateKey(keys_pb2.CreateKeyRequest(role=1), timeout=5)) == (
         grpc.StatusCode.INVALID_ARGUMENT
     )
-    assert _code(lambda: admin.keys.RevokeKey(keys_pb2.RevokeKeyRequest(key_id="nope"), timeout=5)) == (
+    assert status_of(lambda: admin.keys.RevokeKey(keys_pb2.RevokeKeyRequest(key_id="nope"), timeout=5)) == (
         grpc.StatusCode.NOT_FOUND
     )
 
@@ -429,7 +397,7 @@ def test_tls_serves_encrypted_and_refuses_plaintext(data_dir: str, pki: Path) ->
         with _tls_channel(srv.address, pki, client_cert=False) as ch:
             Stubs(ch).create("secure")
         with grpc.insecure_channel(srv.address) as plain:
-            assert _code(lambda: Stubs(plain).stats("secure")) == grpc.StatusCode.UNAVAILABLE
+            assert status_of(lambda: Stubs(plain).stats("secure")) == grpc.StatusCode.UNAVAILABLE
     finally:
         srv.stop()
 
@@ -446,7 +414,7 @@ def test_mutual_tls_requires_a_client_certificate(data_dir: str, pki: Path) -> N
             Stubs(ch).create("mtls")
             assert Stubs(ch).stats("mtls").queue_name == "mtls"
         with _tls_channel(srv.address, pki, client_cert=False) as ch:
-            assert _code(lambda: Stubs(ch).stats("mtls")) == grpc.StatusCode.UNAVAILABLE
+            assert status_of(lambda: Stubs(ch).stats("mtls")) == grpc.StatusCode.UNAVAILABLE
     finally:
         srv.stop()
 
@@ -465,7 +433,7 @@ def test_produce_lease_round_trip_with_auth_and_tls(data_dir: str, pki: Path) ->
         with _tls_channel(srv.address, pki, client_cert=False) as ch:
             admin = Authed(ch, BOOTSTRAP)
             admin.create("both")
-            worker = Authed(ch, _key(admin, keys_pb2.ROLE_ADMIN, "both"))
+            worker = Authed(ch, new_key(admin, keys_pb2.ROLE_ADMIN, "both"))
             worker.produce("both", [b"p"])
             leased = worker.lease("both")
             worker.queue.Complete(
@@ -486,13 +454,13 @@ def test_a_redrive_moves_items_only_into_queues_the_key_may_touch(channel: grpc.
         retry = [queue_pb2.RetryItem(id=leased.items[0].id, dead=True)]
         admin.queue.Retry(queue_pb2.RetryRequest(queue_name=name, partition=0, items=retry), timeout=5)
     wait_until(lambda: len(admin.list_items("team-dlq")) == 2)
-    team = Authed(channel, _key(admin, keys_pb2.ROLE_ADMIN, "team-*"))
+    team = Authed(channel, new_key(admin, keys_pb2.ROLE_ADMIN, "team-*"))
 
     def redrive(**kw: object) -> storage_pb2.RedriveItemsResponse:
         request = storage_pb2.RedriveItemsRequest(queue_name="team-dlq", **kw)  # type: ignore[arg-type]
         return team.storage.RedriveItems(request, timeout=10)
 
-    assert _code(lambda: redrive(target_queue="other-b")) == grpc.StatusCode.PERMISSION_DENIED
+    assert status_of(lambda: redrive(target_queue="other-b")) == grpc.StatusCode.PERMISSION_DENIED
     answer = redrive()
     assert (answer.moved, answer.skipped) == (1, 1)  # other-b's item stays: the key may not touch it
     assert [i.payload for i in admin.list_items("team-a")] == [b"team-a"]

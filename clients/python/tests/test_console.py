@@ -226,7 +226,7 @@ def test_rates_come_from_the_servers_counters() -> None:
 
     from querator.console._sampler import Sample, Sampler
 
-    sampler = Sampler(None)  # type: ignore[arg-type]
+    sampler = Sampler()
     # Two partitions over 20 s: 30 + 10 produced, 20 completed, and partition 1's node
     # restarted between the last two samples (its counter fell from 10 to 4: 4 since).
     sampler._series["q"] = deque(
@@ -260,6 +260,72 @@ def test_the_queue_page_shows_produce_and_complete_rates(url: str, admin: querat
     produced, completed = float(rates.group(1)), float(rates.group(2))
     # 30 and 10 items over the span between the two samples (a little over a second).
     assert 0 < produced < 30 * 60 and produced == pytest.approx(3 * completed, rel=0.01)
+
+
+def test_visitors_with_different_keys_share_one_sampler_and_see_only_queues_their_key_reads(
+    url: str, admin: querator.Client
+) -> None:
+    admin.create_queue("shared-rates")
+    admin.create_queue("hidden-rates")
+    first, second = Visitor(url), Visitor(url)
+    first.log_in(ADMIN)  # its queue list: a sample of each, taken with the first visitor's key
+    admin.produce("shared-rates", [str(i) for i in range(30)])
+    admin.produce("hidden-rates", [str(i) for i in range(30)])
+    time.sleep(1.1)  # a page keeps at most one sample a second
+    # The second visitor's first pages: the rates already span the first visitor's sample.
+    second.log_in(admin.create_key("consumer", ["shared-*"]).token)
+    page = second.get("/q/shared-rates")
+    rates = re.search(r'id="rates">([\d.]+) / ([\d.]+)<', page.text)
+    assert rates is not None, page.text
+    assert float(rates.group(1)) > 0 and float(rates.group(2)) == 0
+    # A queue outside the key's patterns: no page, no row, whatever the sampler holds.
+    hidden = second.get("/q/hidden-rates")
+    assert hidden.status in (403, 404) and 'id="rates"' not in hidden.text
+    assert "hidden-rates" not in second.get("/").text
+    assert 'data-queue="hidden-rates"' in first.get("/").text
+
+
+def test_the_shared_sampler_goes_on_with_the_remaining_sessions_key_when_one_ends(
+    srv: EmbeddedServer, admin: querator.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from querator import AsyncClient
+    from querator.console import _sampler
+    from querator.console._sessions import Sessions
+
+    monkeypatch.setattr(_sampler, "INTERVAL", 0.2)
+    admin.create_queue("polled")
+    narrow = admin.create_key("consumer", ["polled"]).token
+
+    async def main() -> None:
+        sampler = _sampler.Sampler()
+        sessions = Sessions(lambda token: AsyncClient(srv.address, bearer_token=token), sampler)
+
+        async def check(api: object) -> None:
+            return None
+
+        try:
+            first = await sessions.log_in(await sessions.new(), narrow, check)
+            second = await sessions.log_in(await sessions.new(), ADMIN, check)
+            assert first.sampler is sampler and second.sampler is sampler
+            assert first.api is not None and second.api is not None
+            sampler.watch(["polled"], first.api)
+            sampler.watch(["polled"], second.api)  # the last to show it: polled with its key
+            await sessions.drop(second)  # its client closed: the first one's key takes over
+            sampler.record("polled", await first.api.stats("polled"))  # as its page would
+            before = len(sampler.series("polled"))
+            await asyncio.to_thread(admin.produce, "polled", ["a", "b", "c"])
+            deadline = time.monotonic() + 20
+            while (rates := sampler.rates("polled")) is None or rates.in_per_min == 0:
+                assert time.monotonic() < deadline, sampler.series("polled")
+                await asyncio.sleep(0.1)
+            assert len(sampler.series("polled")) > before  # taken by the loop: no page read them
+        finally:
+            await sessions.close()
+            await sampler.stop()
+
+    asyncio.run(main())
 
 
 def test_an_action_returns_only_to_a_page_of_the_console(url: str, admin: querator.Client) -> None:

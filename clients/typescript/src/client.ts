@@ -273,7 +273,10 @@ export class Client implements Settler {
       // Sent again, the ids a first send retried are answered as done (alreadyRetried).
       const how = { retry: this.#retryComplete, kind: { itemCall: true }, target: targetOf("Retry", request) };
       const response = await this.#conn.call((c, o) => c.queue.retry(request, o), options, how);
-      markAll(members, dead ? "dead" : "retried");
+      // The server's answer decides: an item out of attempts is dead-lettered even
+      // though it was not sent with `dead`.
+      const deadIds = new Set(response.deadIds);
+      for (const member of members) markAll([member], deadIds.has(member.id) ? "dead" : "retried");
       result.deadIds.push(...response.deadIds);
       result.alreadyRetried.push(...response.alreadyRetried);
     }

@@ -171,6 +171,29 @@ describe("retry", () => {
     assert.equal((await client.queueStats(q)).total, 0);
   });
 
+  test("an item the server dead-letters for running out of attempts is marked dead, its neighbour retried", async () => {
+    const dlq = queueName("dlq");
+    const q = queueName();
+    await client.createQueue(dlq);
+    await client.createQueue(q, { deadQueue: dlq, maxAttempts: 2 });
+    await client.produce(q, "spent");
+    const [first] = await client.lease(q, { batchSize: 1, waitMs: 1000 });
+    await first!.retry();
+    await client.produce(q, "fresh");
+    const both = await client.lease(q, { batchSize: 2, waitMs: 1000 });
+    const spent = both.find((i) => i.text === "spent")!;
+    const fresh = both.find((i) => i.text === "fresh")!;
+    assert.equal(spent.attempts, 2);
+    assert.equal(fresh.attempts, 1);
+
+    const result = await client.retry(both);
+    assert.deepEqual(result.deadIds, [spent.id]);
+    assert.equal(spent.state, "dead");
+    assert.equal(fresh.state, "retried");
+    const dead = await client.lease(dlq, { batchSize: 10, waitMs: 2000 });
+    assert.deepEqual(dead.map((i) => i.text), ["spent"]);
+  });
+
   test("retry later schedules the item", async () => {
     const q = queueName();
     await client.createQueue(q);

@@ -993,7 +993,7 @@ class QueuesManager:
         log.info("key_revoked", key_id=key_id)
 
 
-class _Alone:
+class _Alone(Replication):
     """The replication of a primary with no other copy to wait for."""
 
     async def replicated(self, change: ChangeSet) -> None:

@@ -32,17 +32,19 @@ MAX_UNREPLICATED = 32
 
 
 class Replication(Protocol):
-    """Where a replicated queue's change sets go (the cluster's data path)."""
+    """Where a replicated queue's change sets go (the cluster's data path). A class that
+    names ``Replication`` as its base inherits the ``writable`` that refuses nothing."""
 
     async def replicated(self, change: ChangeSet) -> None:
         """Return once every member of the in-sync set holds ``change`` durably; raise
         (``Unavailable``) when that cannot be had: deposed, below the minimum in-sync
-        count. Called in lsn order; calls overlap.
+        count. Called in lsn order; calls overlap."""
 
-        A ``Replication`` may also have ``writable() -> None``, raising ``Unavailable``
-        while a change made now could not be acknowledged (fewer copies in sync than the
-        queue's minimum): the actor then refuses the cycle's writes before storing them
-        (``ReplicationGate.refusal``). Without it, nothing is refused up front."""
+    def writable(self) -> None:
+        """Raise ``Unavailable`` while a change made now could not be acknowledged (fewer
+        copies in sync than the queue's minimum): the actor then refuses the cycle's
+        writes before storing them (``ReplicationGate.refusal``)."""
+        return None
 
 
 class ReplicationGate:
@@ -86,11 +88,8 @@ class ReplicationGate:
         in-sync count a write is refused UNAVAILABLE before it is stored, rather than
         stored and left waiting for an acknowledgement until its deadline (its caller
         then could not tell whether it was applied)."""
-        writable = getattr(self.replication, "writable", None)
-        if writable is None:
-            return None
         try:
-            writable()
+            self.replication.writable()
         except Unavailable as exc:
             return exc
         return None

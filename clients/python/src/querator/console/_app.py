@@ -75,7 +75,9 @@ class _State:
 class Console:
     def __init__(self, settings: ConsoleSettings) -> None:
         self.settings = settings
-        self.sessions = Sessions(settings.make_client)
+        # One sampler for every visitor: each queue polled once, the same rates for all.
+        self.sampler = Sampler()
+        self.sessions = Sessions(settings.make_client, self.sampler)
         self.env = jinja2.Environment(
             loader=jinja2.FileSystemLoader(HERE / "templates"),
             autoescape=jinja2.select_autoescape(["html"]),
@@ -139,7 +141,7 @@ class Console:
         except BaseException:
             await api.client.close()
             raise
-        self._open = (api, Sampler(api))
+        self._open = (api, self.sampler)
         return self._open
 
     async def session(self, request: Request) -> tuple[Session, Api, Sampler] | Response:
@@ -165,10 +167,9 @@ class Console:
 
     async def close(self) -> None:
         await self.sessions.close()
+        await self.sampler.stop()
         if self._open is not None:
-            api, sampler = self._open
-            await sampler.stop()
-            await api.client.close()
+            await self._open[0].client.close()
 
     # -- login ---------------------------------------------------------------------------------
 
@@ -243,10 +244,12 @@ class Console:
             names = [q.queue_name for q in listing.queues]
             dead_names = sorted({q.dead_queue for q in listing.queues if q.dead_queue})
             stats = await _gather({n: api.stats(n) for n in names + [d for d in dead_names if d not in names]})
-            for name, got in stats.items():
-                if isinstance(got, queues_pb2.GetQueueStatsResponse):
-                    sampler.record(name, got)
-            sampler.watch(names)
+            # Samples of the listed queues only: one of a dead-letter queue not on the page
+            # would stay in the shared sampler, never watched and so never dropped.
+            readable = {n: s for n, s in stats.items() if n in names and isinstance(s, queues_pb2.GetQueueStatsResponse)}
+            for name, got in readable.items():
+                sampler.record(name, got)
+            sampler.watch(list(readable), api)
             oldest = await self.oldest_ready(session, api, {n: s for n, s in stats.items() if n in names})
             rows = []
             for q in listing.queues:
@@ -260,7 +263,8 @@ class Console:
                         "counts": _counts(s),
                         "dead": _counts(d)["depth"] if isinstance(d, queues_pb2.GetQueueStatsResponse) else None,
                         "oldest": oldest.get(q.queue_name, ""),
-                        "rates": sampler.rates(q.queue_name),
+                        # Only of a queue this key just read: the history is everyone's.
+                        "rates": sampler.rates(q.queue_name) if isinstance(s, queues_pb2.GetQueueStatsResponse) else None,
                     }
                 )
             return self.render(
@@ -311,7 +315,7 @@ class Console:
         async def draw(session: Session, api: Api, sampler: Sampler) -> Response:
             info, stats = await asyncio.gather(api.get_queue(name), api.stats(name))
             sampler.record(name, stats)
-            sampler.watch([name])
+            sampler.watch([name], api)
             placement: dict[int, str] = {}
             live: dict[str, bool] = {}
             clustered = False

@@ -8,7 +8,14 @@ each. The produce and complete rates are the counters' growth over the last
 RATE_WINDOW seconds; a counter that went down (its node restarted) counts from 0.
 Items dead-lettered into a queue or redriven out of it are neither produced nor
 completed: they show in the depth, not in the rates. The history lives as long as
-the process and the session; nothing is stored.
+the process; nothing is stored.
+
+One sampler serves every visitor of the console (which talks to one server), so two
+people logged in poll each queue once between them and see the same figures. Each
+queue is polled with the key of the session that last showed it (a key that may read
+that queue's stats), and with the one before once that session ends. A page shows a queue's rates and chart only once it has read the
+queue's stats with the visitor's own key, so a shared history never shows a queue to
+a key that cannot read it.
 """
 
 from __future__ import annotations
@@ -69,24 +76,43 @@ def _growth(before: tuple[int, ...], after: tuple[int, ...]) -> int:
 
 
 class Sampler:
-    def __init__(self, api: Api) -> None:
-        self._api = api
+    def __init__(self) -> None:
         self._series: dict[str, deque[Sample]] = {}
         self._watched: dict[str, float] = {}
+        # The clients that showed each watched queue, most recent last: it is polled with
+        # the last, and with the one before once that one's session ends.
+        self._pollers: dict[str, list[Api]] = {}
         self._task: asyncio.Task[None] | None = None
 
-    def watch(self, names: list[str]) -> None:
-        """Keep sampling ``names`` for the next WATCH_SECONDS (starts the loop)."""
+    def watch(self, names: list[str], api: Api) -> None:
+        """Keep sampling ``names`` for the next WATCH_SECONDS, with ``api`` (the client
+        whose key just read their stats; starts the loop)."""
         now = time.monotonic()
         for name in names:
             self._watched.pop(name, None)
             self._watched[name] = now  # most recent last
+            pollers = self._pollers.setdefault(name, [])
+            if api in pollers:
+                pollers.remove(api)
+            pollers.append(api)
         while len(self._watched) > MAX_WATCHED:
-            oldest = next(iter(self._watched))
-            del self._watched[oldest]
-            self._series.pop(oldest, None)
+            self._unwatch(next(iter(self._watched)))
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def forget(self, api: Api) -> None:
+        """Stop polling with ``api`` (its session ended): each of its queues goes on with
+        the client that showed it before, if any; else it waits for a page to show it."""
+        for name, pollers in list(self._pollers.items()):
+            if api in pollers:
+                pollers.remove(api)
+            if not pollers:
+                del self._pollers[name]
+
+    def _unwatch(self, name: str) -> None:
+        self._watched.pop(name, None)
+        self._pollers.pop(name, None)
+        self._series.pop(name, None)
 
     def record(self, name: str, stats: queues_pb2.GetQueueStatsResponse) -> None:
         """A sample from stats a page read anyway (at most one per second kept)."""
@@ -128,10 +154,10 @@ class Sampler:
     async def _run(self) -> None:
         limit = asyncio.Semaphore(_CONCURRENCY)
 
-        async def one(name: str) -> None:
+        async def one(name: str, api: Api) -> None:
             async with limit:
                 try:
-                    self.record(name, await self._api.stats(name))
+                    self.record(name, await api.stats(name))
                 except QueratorError:
                     pass  # deleted, refused or unreachable: the chart shows a gap
 
@@ -139,6 +165,6 @@ class Sampler:
             await asyncio.sleep(INTERVAL)
             cutoff = time.monotonic() - WATCH_SECONDS
             for name in [n for n, seen in self._watched.items() if seen < cutoff]:
-                del self._watched[name]
-                self._series.pop(name, None)
-            await asyncio.gather(*(one(name) for name in list(self._watched)))
+                self._unwatch(name)
+            polls = [one(name, pollers[-1]) for name, pollers in list(self._pollers.items())]
+            await asyncio.gather(*polls, return_exceptions=True)  # a session closing mid-call: a gap

@@ -1,7 +1,7 @@
 """Server-side sessions: the browser holds only a random session id (an HttpOnly,
 SameSite=Strict cookie); the API key, the session's gRPC client and its CSRF token
 stay in this process. Nothing secret is ever put in a URL, a page's script or the
-browser's storage.
+browser's storage. Every session shares the console's one stats sampler.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ class Session:
         return bool(token) and hmac.compare_digest(self.csrf.encode(), token.encode())
 
     async def close(self) -> None:
-        if self.sampler is not None:
-            await self.sampler.stop()
+        if self.sampler is not None and self.api is not None:
+            self.sampler.forget(self.api)  # shared: it goes on for the other sessions
         if self.api is not None:
             await self.api.client.close()
         self.api = None
@@ -50,8 +50,9 @@ class Session:
 
 
 class Sessions:
-    def __init__(self, make_client: Callable[[str | None], AsyncClient]) -> None:
+    def __init__(self, make_client: Callable[[str | None], AsyncClient], sampler: Sampler) -> None:
         self._make_client = make_client
+        self._sampler = sampler
         self._by_id: dict[str, Session] = {}
 
     def get(self, sid: str | None) -> Session | None:
@@ -86,7 +87,7 @@ class Sessions:
         await self.drop(session)
         fresh = await self.new()
         fresh.api = api
-        fresh.sampler = Sampler(api)
+        fresh.sampler = self._sampler
         return fresh
 
     async def drop(self, session: Session) -> None:
