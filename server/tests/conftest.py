@@ -310,27 +310,73 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 # How `./dev test` spreads the suite over its two xdist workers (--dist loadfile
-# --no-loadscope-reorder): each file is one unit of work, handed out in collection order
-# as a worker runs low. The slowest files (measured per file with --durations on 2
-# cores) go first, so that the many short ones even the workers out at the end rather
-# than one long file starting last on one worker while the other idles.
+# --no-loadscope-reorder): each file is one unit of work (each test, for SPREAD_TESTS),
+# handed out in collection order as a worker runs low. The slowest files go first, so
+# that the many short ones even the workers out at the end rather than one long file
+# starting last on one worker while the other idles. Measured per file in one full run
+# on 2 busy cores (seconds there, about 2.5 times CI's): first the long files that use
+# CPU rather than wait and bound no time (the Spark JVM and the TypeScript build start
+# meanwhile), then the failover cases, then the rest by time.
 SLOWEST_FIRST = [
-    "test_replication_failover.py",
-    "test_failover_rebuilt_copy.py",
-    "test_replication_wiped_node.py",
-    "test_replication_network_faults.py",
-    "test_audit.py",
-    "test_crash_loop.py",
-    "test_sdk_cli.py",
-    "test_sdk_cli_docs.py",
-    "test_disk_faults.py",
+    "test_console_scale.py",  # 185 s, one test
+    "test_sdk_cli.py",  # 185 s
+    "test_disk_faults.py",  # 177 s
+    "test_replication_failover.py",  # 550 s in 10 tests of 26-96 s (SPREAD_TESTS)
+    "test_cluster_identity.py",  # 140 s
+    "test_replication_network_faults.py",  # 133 s in 5 tests (SPREAD_TESTS)
+    "test_replication_wiped_node.py",  # 117 s in 3 tests (SPREAD_TESTS)
+    "test_audit.py",  # 111 s, one test
+    "test_dev_script.py",  # 106 s, one test
     "test_server_process.py",
-    "test_cluster_identity.py",
-    "test_sdk_cluster_faults.py",
+    "test_durability.py",
+    "test_sdk_cli_docs.py",
     "test_cluster_faults.py",
-    "test_dev_script.py",
-    "test_console_scale.py",
+    "test_crash_loop.py",
+    "test_lifecycle.py",
+    "test_model.py",  # 83 s, one test
+    "test_cluster.py",
+    "test_cluster_etcd_access.py",
+    "test_cluster_operator.py",
+    "test_cluster_peers.py",
+    "test_storage_model.py",
+    "test_fuzz.py",
+    "test_cluster_redrive.py",
+    "test_replica_copies_added.py",
+    "test_overload.py",
+    "test_sdk_cluster_faults.py",
 ]
+
+
+# Long files whose tests each start what they need (a server or cluster of their own,
+# no module-scoped fixture, no fixed port or path, no order among them): under --dist
+# loadfile each of their tests is a unit of work of its own, so their cases spread over
+# both workers instead of holding one for the file's whole time
+# (test_replication_failover.py: ten cases, about 250 s in CI).
+SPREAD_TESTS = {
+    "test_replication_failover.py",
+    "test_replication_network_faults.py",
+    "test_replication_wiped_node.py",
+    "test_sdk_cli.py",
+    "test_cluster_identity.py",
+    "test_server_process.py",
+    "test_durability.py",
+    "test_crash_loop.py",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """--dist loadfile, except that a file of SPREAD_TESTS goes out test by test."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SpreadFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if os.path.basename(path) in SPREAD_TESTS else path
+
+    return SpreadFileScheduling(config, log)  # type: ignore[arg-type]
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -118,6 +118,22 @@ async def _record(client: EtcdClient, nodes: list[str], min_isr: int) -> tuple[S
     return await put_record(client, PREFIX, ShardRecord.new(SHARD_UID, "q", nodes, min_isr)), revisions
 
 
+async def _load(actor: LogicalQueue, seeds: tuple[int, ...], calls: int, seconds: float, ok: int, bound: float) -> Tally:
+    """A load phase: the clients for ``seconds``, then on (new seeds) until more than ``ok``
+    calls were answered OK, ``bound`` seconds at most from the start. A phase bounded by
+    time alone answered too few calls for its check on a loaded machine (10 in step 5's
+    second: every answer waits for the replicas)."""
+    tally = Tally()
+    started = time.monotonic()
+    until = started + seconds
+    for round_ in range(100):
+        await asyncio.gather(*(client(actor, random.Random(seed + 1000 * round_), calls, until, tally) for seed in seeds))
+        if tally.ok > ok or time.monotonic() >= started + bound:
+            break
+        until = min(time.monotonic() + 1.0, started + bound)
+    return tally
+
+
 def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_dropped_then_caught_up(
     tmp_path: Any, etcd: Etcd
 ) -> None:
@@ -146,9 +162,7 @@ def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_
         replication.start()
         try:
             # 1. Load: every answer waits for both replicas; afterwards the three copies agree.
-            tally = Tally()
-            until = time.monotonic() + 3.0
-            await asyncio.gather(*(client(actor, random.Random(seed), 300, until, tally) for seed in range(3)))
+            tally = await _load(actor, (0, 1, 2), 300, 3.0, 100, 30.0)
             assert tally.ok > 100 and not actor.deposed, tally  # failures: a client's own (a lease run out)
             await poll_until(lambda: all(r.store.copy and r.store.copy.position() == copy.position() for r in replicas.values()), 10, "replicas in step")
             digest = copy.digest()
@@ -158,9 +172,8 @@ def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_
             # 2. n3 stops answering: writes stall about the replica lag, then go on without it.
             await replicas["n3"].stop()
             started = time.monotonic()
-            tally = Tally()
-            until = time.monotonic() + LAG_S + 2.0
-            await asyncio.gather(*(client(actor, random.Random(seed), 200, until, tally) for seed in range(10, 12)))
+            # Bounded within the time checked below: writes must go on within it.
+            tally = await _load(actor, (10, 11), 200, LAG_S + 2.0, 20, LAG_S + 4.5)
             assert tally.ok > 20 and not actor.deposed, tally
             assert replication.shrinks == 1 and "n3" not in {n for n, _ in replication.record.isr}
             _, kv = await client_etcd.get(table.key(SHARD_UID))
@@ -174,8 +187,7 @@ def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_
             # By tail as a rule; once (1 run of about 8, cause not found) a refused batch
             # sent it a snapshot instead: either way it is back with the same contents.
             assert link.path in ("tail", "snapshot") and link.snapshots <= 1
-            tally = Tally()
-            await asyncio.gather(*(client(actor, random.Random(seed), 50, time.monotonic() + 1.0, tally) for seed in (20, 21)))
+            await _load(actor, (20, 21), 50, 1.0, 60, 20.0)
             await poll_until(lambda: all(r.store.copy and r.store.copy.position() == copy.position() for r in replicas.values()), 10, "replicas in step again")
             digest = copy.digest()
             assert all(r.store.copy and r.store.copy.digest() == digest for r in replicas.values())
@@ -194,8 +206,7 @@ def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_
             ok, revision = await client_etcd.txn(Txn().modified_at(key, replication.record.mod_revision).put(key, grown.encode()))
             assert ok
             replication.record_changed(replace(grown, mod_revision=revision))
-            tally = Tally()
-            await asyncio.gather(*(client(actor, random.Random(seed), 60, time.monotonic() + 1.0, tally) for seed in (30, 31)))
+            await _load(actor, (30, 31), 60, 1.0, 20, 20.0)
             await poll_until(lambda: "n4" in {n for n, i in replication.record.isr if i}, 20, "n4 in the ISR")
             assert replication.links["n4"].path in ("tail", "snapshot")  # empty: on every history
             await poll_until(lambda: all(r.store.copy and r.store.copy.position() == copy.position() for r in replicas.values()), 10, "all in step")
@@ -207,8 +218,7 @@ def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_
             shrunk = await table.drop_copy(replication.record, "n4")
             replication.record_changed(shrunk)
             await poll_until(lambda: "n4" not in replication.links, 5, "n4's link stopped")
-            tally = Tally()
-            await asyncio.gather(*(client(actor, random.Random(seed), 60, time.monotonic() + 1.0, tally) for seed in (40, 41)))
+            tally = await _load(actor, (40, 41), 60, 1.0, 10, 20.0)
             assert tally.ok > 10 and not actor.deposed, tally
             await poll_until(lambda: not replication._offered, 5, "every offered change acknowledged by every link")
         finally:
@@ -267,6 +277,54 @@ def test_the_replication_calls_are_for_the_clusters_nodes_only_and_name_a_bad_fi
                 assert await call(SHIP, bad, proof) == grpc.StatusCode.INVALID_ARGUMENT
                 assert await call(STATUS, status, proof) == grpc.StatusCode.OK
                 assert replica.store.copy.fenced_epoch() == 9
+        finally:
+            await replica.stop()
+            await replica.store.close()
+            await caller.close()
+
+    asyncio.run(main())
+
+
+def test_a_stopping_node_takes_no_more_changes_and_answers_no_catch_up(tmp_path: Any) -> None:
+    """A node stopping (SIGTERM) hands its primaries over leaving itself out of their
+    in-sync sets; until it exits its copies must not be caught up again, or the new
+    primary adds it back and then waits for it (seen: the in-sync set [n2, n1] after n1
+    stopped). Its copies answer the replication calls UNAVAILABLE, and fence nothing."""
+    from google.protobuf.wrappers_pb2 import BytesValue
+
+    from querator_server.cluster.replica_wire import SHIP, STATUS, StatusAsk, pack
+
+    async def main() -> None:
+        members: dict[str, Member] = {}
+        replica = Replica(str(tmp_path), "n2", members)
+        await replica.start()
+        members["n2"] = Member("n2", f"127.0.0.1:{replica.port}", 1)
+        caller = Peers("n1", lambda: members)
+        caller.set_secret(PEER_SECRET)
+        try:
+            async with grpc.aio.insecure_channel(members["n2"].address) as channel:
+
+                async def call(method: str, data: bytes) -> tuple[grpc.StatusCode, str]:
+                    stub = channel.unary_unary(
+                        f"/querator.internal.Peer/{method}",
+                        request_serializer=BytesValue.SerializeToString,
+                        response_deserializer=BytesValue.FromString,
+                    )
+                    try:
+                        await stub(BytesValue(value=data), metadata=caller.proof_metadata(), timeout=5)
+                    except grpc.aio.AioRpcError as exc:
+                        return exc.code(), exc.details() or ""
+                    return grpc.StatusCode.OK, ""
+
+                assert (await call(STATUS, StatusAsk(SHARD_UID).encode()))[0] == grpc.StatusCode.OK
+                replica.host.leaving = {SHARD_UID}
+                for method, data in (
+                    (STATUS, StatusAsk(SHARD_UID, fence=3).encode()),
+                    (SHIP, pack({"uid": SHARD_UID, "epoch": 2, "primary": "n1", "incarnation": ""}, [])),
+                ):
+                    code, details = await call(method, data)
+                    assert code == grpc.StatusCode.UNAVAILABLE and "stopping" in details, (method, code, details)
+                assert replica.store.copy is not None and replica.store.copy.fenced_epoch() == 0
         finally:
             await replica.stop()
             await replica.store.close()

@@ -38,9 +38,11 @@ class Shipped(Replication):
             await self.target.apply(self.log[-1])
 
 
-async def _load(manager: QueuesManager, until: float, seed: int) -> None:
+async def _load(manager: QueuesManager, until: float, seed: int, at_least: int = 0) -> None:
+    """Produce, lease and complete until ``until`` (monotonic), and on until ``at_least``
+    items were produced."""
     n = 0
-    while time.monotonic() < until:
+    while time.monotonic() < until or n < at_least:
         actor = manager.actor("q")
         items = [NewItem(payload=bytes(200) + b"%d-%d" % (seed, n + i), idempotency_key=f"k{seed}.{n + i}") for i in range(20)]
         n += 20
@@ -73,7 +75,9 @@ def test_a_snapshot_taken_under_writes_then_the_later_change_sets_make_an_identi
         c1, c2, c3 = [await m.open_copy(CONFIG) for m in (m1, m2, m3)]
         shipped = Shipped(c2)
         await m1.promote("q", 1, shipped)
-        await _load(m1, time.monotonic() + 1.0, 99)  # something to copy
+        # Something to copy: at least 1,200 items, about 160 kB kept, 10 chunks of 16 kB (a
+        # loaded machine once wrote too few in the second for the 5 chunks checked below).
+        await _load(m1, time.monotonic() + 1.0, 99, at_least=1200)
         before = c3.incarnation
 
         until = time.monotonic() + 3.0

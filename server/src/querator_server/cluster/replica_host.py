@@ -74,9 +74,10 @@ class CopyHost:
         # Told when a call names an epoch above the one this node serves a shard as
         # primary under (uid, epoch): it was deposed meanwhile.
         self._on_newer_epoch = on_newer_epoch
-        # Shards this node hands over as it stops (SIGTERM): it takes no more of their
-        # changes, so the new primary, which left it out of the in-sync set, does not
-        # catch it up and add it back just before it exits (then to wait for it).
+        # Shards this node hands over as it stops (SIGTERM): its copies of them take no
+        # more changes and answer no catch-up, so the new primary, which left it out of
+        # the in-sync set, does not catch it up and add it back just before it exits
+        # (then to wait for it; seen: the in-sync set [n2, n1] after n1 stopped).
         self.leaving: set[int] = set()
 
     def _shard(self, uid: int) -> Shard:
@@ -85,10 +86,15 @@ class CopyHost:
             raise Unavailable(f"this node holds no copy of shard {uid} (yet)")
         return shard
 
+    def _replica(self, uid: int) -> Shard:
+        """The shard, for a call that would catch its copy up (not while leaving)."""
+        shard = self._shard(uid)
+        if uid in self.leaving and shard.primary is None:
+            raise Unavailable(f"this node is stopping: its copy of shard {uid} takes no more changes")
+        return shard
+
     async def ship(self, ship: Ship) -> CopyState:
-        if ship.uid in self.leaving:
-            raise Unavailable(f"this node is stopping: it takes no more changes of shard {ship.uid}")
-        shard = self._shard(ship.uid)
+        shard = self._replica(ship.uid)
         if shard.primary is not None:
             if ship.epoch > shard.primary.epoch:
                 self._on_newer_epoch(ship.uid, ship.epoch)
@@ -128,7 +134,7 @@ class CopyHost:
             shard.applied += 1
 
     async def status(self, ask: StatusAsk) -> CopyState:
-        shard = self._shard(ask.uid)
+        shard = self._replica(ask.uid)
         if ask.fence:
             # Deposed first, so it answers nothing more (its in-flight calls fail) rather
             # than the fence's step-down waiting for them: the asker may be about to elect.
@@ -141,7 +147,7 @@ class CopyHost:
         return shard.state()
 
     async def install(self, head: SnapshotHead, chunks: AsyncIterator[bytes]) -> CopyState:
-        shard = self._shard(head.uid)
+        shard = self._replica(head.uid)
         if shard.primary is not None:
             if head.epoch > shard.primary.epoch:
                 self._on_newer_epoch(head.uid, head.epoch)
