@@ -170,7 +170,7 @@ def spy_table(path: str, windows: list[tuple[str, float, float, int]]) -> list[s
         lines.append(f"{shape}: {total} busy samples of the loop thread, {total / SPY_RATE / drained * 1e6:.2f} µs/item")
         for name, n in layers.most_common():
             lines.append(f"  {n / total:6.1%}  {n / SPY_RATE / drained * 1e6:6.2f} µs/item  {name}")
-        for name, n in functions.most_common(16):
+        for name, n in functions.most_common(30):
             lines.append(f"      {n / total:6.1%}  {name}")
     return lines
 

@@ -53,6 +53,11 @@ T = TypeVar("T")
 HAND_OVER_AT = 2
 
 
+def _tell(thens: list[Callable[[BaseException | None], None]], error: BaseException | None) -> None:
+    for then in thens:
+        then(error)
+
+
 def _nothing_ready(loop: asyncio.AbstractEventLoop) -> bool:
     """Whether no callback waits to run on ``loop`` (known of asyncio's own loops only)."""
     ready = getattr(loop, "_ready", None)
@@ -138,8 +143,10 @@ class CommitGroup:
         member: object = None,
     ) -> T:
         """As ``run``, without a future: ``then`` is called with the commit's failure
-        (None: durable) as the last of the commit's callbacks, in the same turn of the
-        loop, so that a caller needing only the outcome pays no task wake-up for it."""
+        (None: durable) once the commit's callbacks have run and the callers its answers
+        woke have had their turn (one callback for every ``then`` of the commit), so
+        that a caller needing only the outcome pays no task wake-up for it and delays
+        no reply."""
         return await self._nested(body, on_commit, requests, on_durable, member, None, then)
 
     async def _nested(
@@ -287,6 +294,7 @@ class CommitGroup:
             for waiter in waiters:
                 if not waiter.done():
                     waiter.set_result(None)
+            thens = []
             for done, on_commit, on_durable, then in joined:
                 if done is not None and done.done():
                     continue
@@ -300,7 +308,10 @@ class CommitGroup:
                 elif done is not None:
                     done.set_exception(outcome.error)
                 if then is not None:
-                    then(outcome.error)
+                    thens.append(then)
+            if thens:
+                # After the callers woken by the answers: their replies go out first.
+                loop.call_soon(_tell, thens, outcome.error)
             ended.set_result(outcome)
             if self._joined:
                 self._flush()
