@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar, cast
 
@@ -73,7 +72,7 @@ from .requests import (
     Request,
     RetryRequest,
 )
-from .transaction import Body, answer, join_grouped, run_grouped, run_own
+from .transaction import Body, answer, run_grouped, run_own
 from .view import PartitionView
 from .wake import Wake
 
@@ -92,23 +91,6 @@ OLDEST_WAITING_GROUPS = 10_000
 STEP_DOWN_GRACE_S = 2.0
 # After a failed lifecycle step, the next try waits this long (as a failed hand-over does).
 OUTBOX_RETRY_S = HANDOVER_RETRY_S
-
-
-@dataclass(eq=False, slots=True)
-class _Joined:
-    """A cycle of a grouped queue whose commit has not yet been heard of: what its
-    bookkeeping needs, filled in as the cycle joins and as the commit ends."""
-
-    batch: Batch
-    now: int
-    lifecycle: bool
-    expired: list[tuple[int, int, int]]
-    started: float
-    joined: bool = False  # the cycle is in the group's next commit
-    cycle: Cycle | None = None
-    adds_refused: bool = False
-    ended: bool = False  # the commit's callback ran
-    error: BaseException | None = None  # of the commit
 
 
 class LogicalQueue:
@@ -157,12 +139,6 @@ class LogicalQueue:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0  # when the armed timer fires (wall µs)
         self._task: asyncio.Task[None] | None = None
-        # A grouped queue's cycle waiting on the group's commit, whose callback does the
-        # cycle's bookkeeping (no cycle starts before: it would see the old views); a
-        # commit that failed, for the task to handle; a bookkeeping that raised.
-        self._joined: _Joined | None = None
-        self._commit_failure: _Joined | None = None
-        self._crashed: Exception | None = None
         self._closed: QueratorError | None = None
         self._in_flight = 0
         # Dead letters committed to the outbox but not yet stored by the DLQ.
@@ -405,16 +381,6 @@ class LogicalQueue:
     async def _run(self) -> None:
         try:
             while True:
-                if self._joined is not None:
-                    # The commit's callback wakes the task if there is more to do.
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                if self._crashed is not None:
-                    raise self._crashed
-                if self._commit_failure is not None:
-                    await self._commit_failed(self._commit_failure)
-                    continue
                 if not self._inbox and not self._lifecycle_due() and not self._health.probe_due():
                     if self._closed is not None:
                         break
@@ -546,8 +512,7 @@ class LogicalQueue:
         # leases in every cycle would otherwise keep one due).
         probe_storage = self._health.take_storage_probe(now)
         if len(batch) or lifecycle or probing or probe_storage:
-            # With a delete to answer after it, the cycle's commit is awaited here.
-            await self._apply(batch, now, lifecycle, defer=not control)
+            await self._apply(batch, now, lifecycle)
         for request in control:
             if isinstance(request, DeleteQueue):
                 self._apply_delete(request)
@@ -567,86 +532,20 @@ class LogicalQueue:
             self._outbox.kick()
             self._redrive.kick()
 
-    async def _apply(self, batch: Batch, now: int, lifecycle: bool, *, defer: bool = False) -> None:
+    async def _apply(self, batch: Batch, now: int, lifecycle: bool) -> None:
         self._in_flight = len(batch)
         expired: list[tuple[int, int, int]] = []
         if lifecycle:
             self._lifecycle_pending = False
             expired = self._leases.pop_due(now, LIFECYCLE_BATCH)
         started = time.perf_counter()
-        # A grouped queue of one copy leaves its bookkeeping to the commit's callback:
-        # the task is not woken by the commit (one wake-up per cycle, not two).
-        joined = _Joined(batch, now, lifecycle, expired, started) if defer and self._gate is None else None
         try:
-            committed = await self._commit(batch, now, lifecycle, expired, joined)
+            committed = await self._commit(batch, now, lifecycle, expired)
         finally:
-            if joined is None or not joined.joined:
-                self._in_flight = 0
+            self._in_flight = 0
         if committed is None:
             return
         cycle, batch, adds_refused = committed
-        if joined is not None and joined.joined:
-            joined.cycle, joined.batch, joined.adds_refused = cycle, batch, adds_refused
-            if joined.ended:  # the group's lane refused the commit as the cycle joined
-                self._commit_ended(joined)
-            else:
-                self._joined = joined
-            return
-        self._adopt(cycle, batch, adds_refused, lifecycle, expired, started)
-
-    def _commit_done(self, joined: _Joined, error: BaseException | None) -> None:
-        """The group's commit holding ``joined`` ended (its answers are out if it is durable)."""
-        joined.ended, joined.error = True, error
-        if joined.cycle is not None:
-            self._commit_ended(joined)
-
-    def _commit_ended(self, joined: _Joined) -> None:
-        # Run in the group's callback, among other queues' cycles: nothing may escape.
-        self._joined = None
-        self._in_flight = 0
-        try:
-            if joined.error is not None:
-                self._commit_failure = joined
-            else:
-                assert joined.cycle is not None
-                self._adopt(joined.cycle, joined.batch, joined.adds_refused, joined.lifecycle, joined.expired, joined.started)
-            if (
-                self._inbox
-                or self._commit_failure is not None
-                or self._closed is not None
-                or self._lifecycle_due()
-                or self._health.probe_due()
-            ):
-                self._wake.set()
-            else:
-                self._arm_timer()
-        except Exception as exc:  # the task raises it, as it would have done itself
-            self._crashed = exc
-            self._wake.set()
-
-    async def _commit_failed(self, joined: _Joined) -> None:
-        """The commit of a cycle whose bookkeeping was left to it failed: as if the
-        cycle's own ``_commit`` had seen the failure."""
-        self._commit_failure = None
-        assert joined.error is not None
-        self._in_flight = len(joined.batch)
-        try:
-            committed = await self._commit(joined.batch, joined.now, joined.lifecycle, joined.expired, failed=joined.error)
-        finally:
-            self._in_flight = 0
-        if committed is not None:
-            self._adopt(*committed, joined.lifecycle, joined.expired, joined.started)
-
-    def _adopt(
-        self,
-        cycle: Cycle,
-        batch: Batch,
-        adds_refused: bool,
-        lifecycle: bool,
-        expired: list[tuple[int, int, int]],
-        started: float,
-    ) -> None:
-        """A committed cycle's bookkeeping: its views, keys, leases, outboxes, answers."""
         if self._health.failure and not adds_refused:
             self._health.storage_works(cycle)
         for p, view in cycle.views.items():
@@ -684,28 +583,14 @@ class LogicalQueue:
                 answer(lease, LeaseResult(0))
 
     async def _commit(
-        self,
-        batch: Batch,
-        now: int,
-        lifecycle: bool,
-        expired: list[tuple[int, int, int]],
-        joined: _Joined | None = None,
-        *,
-        failed: BaseException | None = None,
+        self, batch: Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]]
     ) -> tuple[Cycle, Batch, bool] | None:
         """The committed cycle, the batch it applied, and whether a full disk refused the
-        requests that add items first; None when it failed (every request answered).
-
-        With ``joined``, a grouped cycle may return as it joins the group's commit
-        (``joined.joined``), which then calls ``_commit_done``. With ``failed``, the
-        cycle's commit failed so (a cycle that had joined): handled as here.
-        """
+        requests that add items first; None when it failed (every request answered)."""
         adds_refused = False
         try:
             try:
-                if failed is not None:
-                    raise failed
-                cycle = await self._attempt(batch, now, lifecycle, expired, joined)
+                cycle = await self._attempt(batch, now, lifecycle, expired)
             except StorageError as exc:
                 if not disk_full(exc) or not batch.adds_items():
                     raise
@@ -788,16 +673,14 @@ class LogicalQueue:
                     self._redrive.wait_for(result.entries, result.delivered)
             self._redrive.kick()
 
-    async def _attempt(
-        self, batch: Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]], joined: _Joined | None = None
-    ) -> Cycle:
+    async def _attempt(self, batch: Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]]) -> Cycle:
         try:
-            return await self._transaction(batch, now, lifecycle, expired, joined)
+            return await self._transaction(batch, now, lifecycle, expired)
         except StepFailed as failed:
             # One step failed half-way: run the cycle again with every step in a
             # nested transaction of its own, so that one fails alone (cycle_base.py).
             log.warning("cycle_isolated", queue=self.name, step=str(failed), requests=len(batch))
-            return await self._transaction(batch, now, lifecycle, expired, joined, isolated=True)
+            return await self._transaction(batch, now, lifecycle, expired, isolated=True)
 
     def _report_step_failures(self, cycle: Cycle, batch: Batch, expired: list[tuple[int, int, int]]) -> None:
         """Log the steps that failed alone; a failed lifecycle is tried again in a second."""
@@ -830,14 +713,7 @@ class LogicalQueue:
             self._on_failed(self.name, why)
 
     async def _transaction(
-        self,
-        batch: Batch,
-        now: int,
-        lifecycle: bool,
-        expired: list[tuple[int, int, int]],
-        joined: _Joined | None = None,
-        *,
-        isolated: bool = False,
+        self, batch: Batch, now: int, lifecycle: bool, expired: list[tuple[int, int, int]], *, isolated: bool = False
     ) -> Cycle:
         writable = self._writes(batch, lifecycle)
         body = self._body(batch, now, lifecycle, expired, writable, isolated=isolated)
@@ -847,10 +723,6 @@ class LogicalQueue:
         early = self._gate is None
         if not early:
             body = self._recorded(body)
-        if self.group is not None and joined is not None and early:
-            cycle = await join_grouped(self.group, self.store, body, len(batch), self, partial(self._commit_done, joined))
-            joined.joined = True
-            return cycle
         if self.group is not None:
             return await run_grouped(self.group, self.store, body, len(batch), self, answer_early=early)
         return await run_own(self.store, self._lane, body, len(batch), answer_early=early)

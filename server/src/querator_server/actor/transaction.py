@@ -64,25 +64,6 @@ async def run_grouped(
     raise StorageFull("storage is full: the LMDB map could not grow enough")
 
 
-async def join_grouped(
-    group: CommitGroup,
-    store: QueueStore,
-    body: Body,
-    requests: int,
-    member: Any,
-    then: Callable[[BaseException | None], None],
-) -> Cycle:
-    """``body`` in a nested transaction of the group's, returned once it has joined
-    the next commit: the commit answers the cycle's requests, then calls ``then`` with
-    its failure (None: durable)."""
-    for _ in range(MAX_GROWTHS):
-        try:
-            return await group.join(body, then, store.on_commit, requests, on_durable=answer_results, member=member)
-        except MapFull:
-            await group.grow()
-    raise StorageFull("storage is full: the LMDB map could not grow enough")
-
-
 def answer_results(cycle: Cycle) -> None:
     """Answer a cycle's requests as its commit is known durable: one turn of the loop
     before the actor itself resumes (which answers whatever is left)."""

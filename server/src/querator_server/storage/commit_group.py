@@ -53,25 +53,10 @@ T = TypeVar("T")
 HAND_OVER_AT = 2
 
 
-def _tell(thens: list[Callable[[BaseException | None], None]], error: BaseException | None) -> None:
-    for then in thens:
-        then(error)
-
-
 def _nothing_ready(loop: asyncio.AbstractEventLoop) -> bool:
     """Whether no callback waits to run on ``loop`` (known of asyncio's own loops only)."""
     ready = getattr(loop, "_ready", None)
     return ready is not None and not ready
-
-
-# A cycle waiting on the commit: its future (None: told by its ``then``), on_commit,
-# on_durable (bound to the cycle's result), then.
-_Joined = tuple[
-    asyncio.Future[None] | None,
-    Callable[[float], None] | None,
-    Callable[[], None] | None,
-    Callable[[BaseException | None], None] | None,
-]
 
 
 @dataclass(slots=True)
@@ -96,7 +81,7 @@ class CommitGroup:
         # Queues whose actors use the group (kept by the manager): one commits at once.
         self.members = 0
         self._parent: lmdb.Transaction[bytes] | None = None
-        self._joined: list[_Joined] = []
+        self._joined: list[tuple[asyncio.Future[None], Callable[[float], None] | None, Callable[[], None] | None]] = []
         # The members (their keys) whose cycles joined the pending commit, and the last one.
         self._joining: set[object] = set()
         self._last_commit: set[object] = set()
@@ -130,35 +115,6 @@ class CommitGroup:
         Raises ``MapFull`` (call ``grow``) or ``StorageError`` with nothing written;
         any exception of the body aborts only its own writes.
         """
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        return await self._nested(body, on_commit, requests, on_durable, member, done, None), done
-
-    async def join(
-        self,
-        body: Callable[[lmdb.Transaction[bytes]], T],
-        then: Callable[[BaseException | None], None],
-        on_commit: Callable[[float], None] | None = None,
-        requests: int = 1,
-        on_durable: Callable[[T], None] | None = None,
-        member: object = None,
-    ) -> T:
-        """As ``run``, without a future: ``then`` is called with the commit's failure
-        (None: durable) once the commit's callbacks have run and the callers its answers
-        woke have had their turn (one callback for every ``then`` of the commit), so
-        that a caller needing only the outcome pays no task wake-up for it and delays
-        no reply."""
-        return await self._nested(body, on_commit, requests, on_durable, member, None, then)
-
-    async def _nested(
-        self,
-        body: Callable[[lmdb.Transaction[bytes]], T],
-        on_commit: Callable[[float], None] | None,
-        requests: int,
-        on_durable: Callable[[T], None] | None,
-        member: object,
-        done: asyncio.Future[None] | None,
-        then: Callable[[BaseException | None], None] | None,
-    ) -> T:
         # The common case (a held transaction, no job running) checks three fields:
         # a cycle of a quiet queue of a busy group pays this path once per request.
         while self._busy or self._parent is None or self._closed:
@@ -185,11 +141,12 @@ class CommitGroup:
             child.abort()
             raise
         loop = asyncio.get_running_loop()
-        self._joined.append((done, on_commit, None if on_durable is None else partial(on_durable, result), then))
+        done: asyncio.Future[None] = loop.create_future()
+        self._joined.append((done, on_commit, None if on_durable is None else partial(on_durable, result)))
         self._requests += requests
         if self.members <= 1:
             self._flush()
-            return result
+            return result, done
         # Alone: the last commit and the one pending hold no other member's cycles.
         joining, last = self._joining, self._last_commit
         alone = (
@@ -204,7 +161,7 @@ class CommitGroup:
         elif not self._flush_scheduled:
             self._flush_scheduled = True
             loop.call_soon(loop.call_soon, self._flush)
-        return result
+        return result, done
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -294,24 +251,17 @@ class CommitGroup:
             for waiter in waiters:
                 if not waiter.done():
                     waiter.set_result(None)
-            thens = []
-            for done, on_commit, on_durable, then in joined:
-                if done is not None and done.done():
+            for done, on_commit, on_durable in joined:
+                if done.done():
                     continue
                 if outcome.error is None:
                     if on_durable is not None:
                         on_durable()
-                    if done is not None:
-                        done.set_result(None)
+                    done.set_result(None)
                     if on_commit is not None:
                         on_commit(outcome.took)
-                elif done is not None:
+                else:
                     done.set_exception(outcome.error)
-                if then is not None:
-                    thens.append(then)
-            if thens:
-                # After the callers woken by the answers: their replies go out first.
-                loop.call_soon(_tell, thens, outcome.error)
             ended.set_result(outcome)
             if self._joined:
                 self._flush()
