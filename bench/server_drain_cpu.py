@@ -19,7 +19,9 @@ and as µs per drained item (samples ÷ rate).
 The client is ``bench/run.py``'s (``--streams --complete-in-lease``: a LeaseStream per
 queue, each batch completed by the loop's next Lease), in a process of its own: W1 is
 one queue drained by 8 loops, W4 ten queues drained by one loop each. Items are produced
-first (not measured): 100,000 of 256 bytes over all queues.
+first (not measured): 100,000 of 256 bytes over all queues. Each drain also reports the
+commits it took (every LMDB environment's last transaction id, before and after) and
+the Leases per commit.
 """
 
 from __future__ import annotations
@@ -175,6 +177,22 @@ def spy_table(path: str, windows: list[tuple[str, float, float, int]]) -> list[s
     return lines
 
 
+def _commits(data: str) -> int:
+    """Write transactions committed so far in every LMDB environment under ``data``
+    (the last transaction id of each, read from its meta pages beside the server)."""
+    import lmdb
+
+    total = 0
+    for root, _dirs, files in os.walk(data):
+        if "data.mdb" in files:
+            env = lmdb.open(root, readonly=True, lock=False, max_dbs=0)
+            try:
+                total += env.info()["last_txnid"]
+            finally:
+                env.close()
+    return total
+
+
 def _child(pid: int) -> int:
     """The process py-spy started (the server)."""
     for _ in range(100):
@@ -225,11 +243,11 @@ def measure(
                     f.write(f"{profile}.{shape}.{index}")
                 os.kill(pid, signal.SIGUSR1)
                 time.sleep(0.2)
-            cpu0, loop0 = _cpu(pid), _cpu(pid, pid)
+            cpu0, loop0, commits0 = _cpu(pid), _cpu(pid, pid), _commits(data)
             began = time.monotonic() - launched
             go.put(None)
             elapsed = out.get(timeout=600)
-            cpu1, loop1 = _cpu(pid), _cpu(pid, pid)
+            cpu1, loop1, commits = _cpu(pid), _cpu(pid, pid), _commits(data) - commits0
             if profile:
                 os.kill(pid, signal.SIGUSR2)
                 time.sleep(1.0)
@@ -238,7 +256,8 @@ def measure(
             windows.append((f"{shape}.{index}", began, began + elapsed, drained))
             lines.append(
                 f"{shape}: server {(cpu1 - cpu0) / drained * 1e6:.2f} µs CPU/item, its loop thread "
-                f"{(loop1 - loop0) / drained * 1e6:.2f}; {drained / elapsed:,.0f} items/s"
+                f"{(loop1 - loop0) / drained * 1e6:.2f}; {drained / elapsed:,.0f} items/s; "
+                f"{commits} commits, {drained / 100 / max(commits, 1):.2f} Leases per commit"
             )
         proc.join(120)
     finally:
