@@ -402,3 +402,22 @@ def test_items_leased_in_the_older_layout_complete_and_run_out_as_before(store: 
     _run(store, CONFIG, views, T0 + LEASE + 1, lambda c, t: c.lifecycle(t, ends))
     assert _state(store) == {5: (False, 1, 0), 6: (False, 1, 0)}
     _agrees(store, views)
+
+
+def test_a_record_whose_item_is_missing_is_refused_and_nothing_past_it_is_deleted(store: QueueStore) -> None:
+    views = [PartitionView()]
+    _produce(store, views, 5)
+    _lease(store, views, 3)
+    (record,) = _records(store)
+    db = store.db(0)
+    with store.env.begin(write=True) as txn:
+        txn.delete(item_key(2), db=db)  # what no path may do: an item of an open record gone
+        with pytest.raises(lease_records.BrokenLease, match=r"\(1\.\.3\) is not stored"):
+            lease_records.complete(txn, db, record)
+        assert txn.get(item_key(4), db=db) is not None  # the walk stopped at the segment's end
+        txn.abort()
+    with store.env.begin(write=True) as txn:
+        txn.put(item_key(2), b"\x01" + txn.get(item_key(1), db=db)[1:], db=db)  # flagged leased
+        with pytest.raises(lease_records.BrokenLease, match="flagged leased"):
+            lease_records.write_out(txn, db, record)
+        txn.abort()

@@ -107,6 +107,8 @@ def decode(first: int, value: bytes) -> LeaseRecord:
 
 def build(seqs: list[int], expires: list[int], created_sum: int, deadline: int, leased_at: int) -> LeaseRecord:
     """The record of a lease of ``seqs`` (ascending) with these expire deadlines."""
+    if seqs[-1] - seqs[0] == len(seqs) - 1 and expires.count(expires[0]) == len(expires):
+        return LeaseRecord(seqs[0], deadline, leased_at, created_sum, ((seqs[0], seqs[-1], expires[0]),))  # the usual one run
     segments: list[tuple[int, int, int]] = []
     first = last = seqs[0]
     expire = expires[0]
@@ -195,15 +197,18 @@ def complete(txn: lmdb.Transaction[bytes], db: Any, record: LeaseRecord) -> None
     """Delete the items of ``record`` (all of them: its lease completed whole), their
     expiry runs once empty, and the record, without reading the items."""
     cursor = txn.cursor(db=db)
+    remove = cursor.delete
     for first, last, _expire in record.segments:
-        key = item_key(first)
-        if not (cursor.key() == key or cursor.set_key(key)):
+        if not cursor.set_key(item_key(first)):
             raise BrokenLease(f"item {first} of the lease record at {record.first} is not stored")
-        remove = cursor.delete
-        for seq in range(first, last + 1):
-            if cursor.key() != item_key(seq):
-                raise BrokenLease(f"item {seq} of the lease record at {record.first} is not stored")
+        # Keys between two item keys are item keys, at most one per seq: if the one left
+        # after deleting all but one is ``last``, every seq was stored and nothing past
+        # the segment was touched (else the step fails and its transaction is dropped).
+        for _ in range(last - first):
             remove()
+        if cursor.key() != item_key(last):
+            raise BrokenLease(f"an item of the lease record at {record.first} ({first}..{last}) is not stored")
+        remove()
     delete(txn, db, record.first)
     for first, last, expire in record.segments:
         drop_empty_runs_over(txn, db, expire, first, last)
