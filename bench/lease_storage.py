@@ -1,21 +1,23 @@
-"""What a drained item costs in storage today, against one lease record per lease.
+"""What a drained item costs in storage: rewriting every leased record against one
+lease record per lease (storage/lease_records.py).
 
-Today a plain lease rewrites every record it hands out (flag, attempts, deadline,
-lease time) through its cursor, and the completion reads each record again to check
-it is leased before deleting it. The alternative measured here leaves the records
-as they are and writes one record per lease naming its items, deadline and time;
-the completion deletes the items and that one record. (Anything else that reads a
-leased item would then have to consult the lease records, or have them written out
-first: that is the work this figure would have to pay for; see RESULTS.md.)
+A rewriting lease (a keyed one, and every lease before catalog format 7) rewrites each
+record it hands out (flag, attempts, deadline, lease time) through its cursor, and the
+completion reads each record again to check it is leased before deleting it. A lease
+of plain items now leaves their records as they are and writes one record naming its
+items, deadline and time; the exact completion deletes the items and that record
+unread. (Every other path writes the lease out into its items first; see RESULTS.md.)
 
 Both run on the same LMDB environment, a partition of 256-byte plain items, 100
 items a lease, each step in a transaction of its own (committed without fsync, as
 the fsync is the same for both). "Today" is the server's own code: a Cycle that
 completes the previous batch and leases the next, as a LeaseStream request with
-``complete_ids`` does, and the storage calls alone (``QueueStore.lease_run`` and
-``complete_run``) inside it.
+``complete_ids`` does (by lease record where the server has them: run this file at
+an older commit for the cycle before), and the storage calls alone of both ways:
+``QueueStore.lease_run`` rewriting and ``complete_run``, or ``lease_run`` leaving the
+records with ``lease_records.put``, and ``lease_records.complete``.
 
-    .venv/bin/python bench/lease_storage.py [--batches 2000] [--rounds 3]
+    .venv/bin/python bench/lease_storage.py [--batches 2000] [--rounds 3] [--cpu]
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import struct
 import sys
 import tempfile
 import time
@@ -31,24 +32,18 @@ import time
 from querator_server.actor.requests import LeaseRequest, ProduceRequest
 from querator_server.actor.view import PartitionView
 from querator_server.model import ITEM_REPLY_OVERHEAD, REPLY_ITEMS_BYTES, QueueConfig
-from querator_server.storage import QueueStore
-from querator_server.storage.record import (
-    _FLAG_LEASED,
-    _HEADER,
-    _STATE_FIXED,
-    TAG_ITEM,
-    item_key,
-    plain_leaser,
-    seq_of_item_key,
-)
+from querator_server.storage import QueueStore, lease_records
+from querator_server.storage.record import TAG_ITEM, plain_leaser, seq_of_item_key
 
 # The test suite's way of driving a Cycle on a real store, shared rather than copied.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "server", "tests"))
 from cycle_helpers import SECOND, T0, request, run_cycle  # noqa: E402
 
 BATCH = 100
+# Wall time, or with --cpu this thread's CPU time (a machine busy with other work
+# stretches the wall time of both sides by whatever it runs meanwhile).
+_clock = time.perf_counter
 HOUR = 3600 * SECOND
-_RUN = struct.Struct("<qq")
 
 
 def fill(store: QueueStore, config: QueueConfig, views: list[PartitionView], items: int) -> None:
@@ -61,13 +56,13 @@ def fill(store: QueueStore, config: QueueConfig, views: list[PartitionView], ite
 def cycles(store: QueueStore, config: QueueConfig, views: list[PartitionView], batches: int) -> float:
     """Seconds for ``batches`` cycles, each completing the last batch and leasing the next."""
     previous: list[str] = []
-    start = time.perf_counter()
+    start = _clock()
     for _ in range(batches):
         lease = request(LeaseRequest(BATCH, "", 0, complete_ids=previous))
         cycle = run_cycle(store, config, views, T0, lambda c, t, r=lease: c.lease(t, c.complete_before_lease(t, [r])))
         (_, result), *_ = cycle.results
         previous = result.ids  # type: ignore[attr-defined]
-    return time.perf_counter() - start
+    return _clock() - start
 
 
 def storage_calls(store: QueueStore, batches: int) -> tuple[float, float]:
@@ -77,58 +72,40 @@ def storage_calls(store: QueueStore, batches: int) -> tuple[float, float]:
     from_seq = _first_ready(store)
     for _ in range(batches):
         with store.env.begin(write=True) as txn:
-            a = time.perf_counter()
+            a = _clock()
             run = store.lease_run(
                 txn, 0, from_seq, BATCH, leaser, REPLY_ITEMS_BYTES, ITEM_REPLY_OVERHEAD, take_first=True
             )
-            leasing += time.perf_counter() - a
+            leasing += _clock() - a
         with store.env.begin(write=True) as txn:
-            a = time.perf_counter()
+            a = _clock()
             assert store.complete_run(txn, 0, run.seqs[0], run.seqs[-1]) is not None
-            completing += time.perf_counter() - a
+            completing += _clock() - a
         from_seq = run.last_seq + 1
     return leasing, completing
 
 
-def lease_records(store: QueueStore, batches: int) -> tuple[float, float]:
+def by_records(store: QueueStore, batches: int) -> tuple[float, float]:
     """The same leases, with one lease record each and the items left unwritten."""
     leasing = completing = 0.0
     db = store.db(0)
-    unpack, pack_run = _STATE_FIXED.unpack_from, _RUN.pack
+    leaser = lease_records.record_leaser(now=T0, max_attempts=0)
     from_seq = _first_ready(store)
+    held: dict[int, int] = {}  # as the actor passes its book (empty: nothing before the walk)
     for _ in range(batches):
         with store.env.begin(write=True) as txn:
-            a = time.perf_counter()
-            cursor = txn.cursor(db=db)
-            cursor.set_range(item_key(from_seq))
-            seqs: list[int] = []
-            payloads: list[bytes] = []
-            attempts: list[int] = []
-            created_at: list[int] = []
-            for key, raw in cursor:
-                if key[:1] != TAG_ITEM:
-                    break
-                flags, tries, created, expire, *_ = unpack(raw)
-                if expire <= T0 or flags & _FLAG_LEASED:
-                    continue
-                seqs.append(seq_of_item_key(key))
-                payloads.append(raw[_HEADER.size :])
-                attempts.append(tries + 1)
-                created_at.append(created)
-                if len(seqs) >= BATCH:
-                    break
-            txn.put(b"L" + item_key(seqs[0]), pack_run(T0 + HOUR, T0) + struct.pack(f"<{len(seqs)}q", *seqs), db=db)
-            leasing += time.perf_counter() - a
+            a = _clock()
+            run = store.lease_run(
+                txn, 0, from_seq, BATCH, leaser, REPLY_ITEMS_BYTES, ITEM_REPLY_OVERHEAD, take_first=True, skip=held, write=False
+            )
+            record = lease_records.build(run.seqs, run.expires, sum(run.created_at), T0 + HOUR, T0)
+            lease_records.put(txn, db, record)
+            leasing += _clock() - a
         with store.env.begin(write=True) as txn:
-            a = time.perf_counter()
-            cursor = txn.cursor(db=db)
-            cursor.set_key(item_key(seqs[0]))
-            delete = cursor.delete
-            for _ in seqs:
-                delete()
-            txn.delete(b"L" + item_key(seqs[0]), db=db)
-            completing += time.perf_counter() - a
-        from_seq = seqs[-1] + 1
+            a = _clock()
+            lease_records.complete(txn, db, record)
+            completing += _clock() - a
+        from_seq = run.last_seq + 1
     return leasing, completing
 
 
@@ -143,11 +120,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cpu", action="store_true", help="this thread's CPU time instead of wall time")
     args = parser.parse_args()
+    if args.cpu:
+        global _clock
+        _clock = time.thread_time
     items = args.batches * BATCH
     config = QueueConfig(name="bench", uid=1, lease_timeout_us=HOUR, expire_timeout_us=100 * HOUR)
-    print(f"µs per drained item, {args.batches} leases of {BATCH} (each line one round)")
-    print(f"{'cycle today':>12} {'lease_run':>10} {'complete_run':>13} {'lease record':>13} {'its completion':>15}")
+    print(f"µs per drained item ({'CPU' if args.cpu else 'wall'}), {args.batches} leases of {BATCH} (each line one round)")
+    print(f"{'cycle':>12} {'lease_run':>10} {'complete_run':>13} {'lease record':>13} {'its completion':>15}")
     for _ in range(args.rounds):
         figures = []
         for step in ("cycle", "calls", "records"):
@@ -160,7 +141,7 @@ def main() -> None:
             elif step == "calls":
                 figures.extend(storage_calls(store, args.batches))
             else:
-                figures.extend(lease_records(store, args.batches))
+                figures.extend(by_records(store, args.batches))
             store.close()
             shutil.rmtree(path, ignore_errors=True)
         us = [f * 1e6 / items for f in figures]

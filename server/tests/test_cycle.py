@@ -25,7 +25,7 @@ from querator_server.actor.requests import (
 from querator_server.actor.view import PartitionView
 from querator_server.errors import FailedPrecondition, NotFound
 from querator_server.model import NewItem, QueueConfig, RetryOrder
-from querator_server.storage import Item, QueueStore
+from querator_server.storage import Item, QueueStore, lease_records
 from querator_server.storage.keyed import KeyedIndex
 from querator_server.storage.record import item_key
 
@@ -359,7 +359,22 @@ def test_a_lease_takes_plain_and_other_items_in_fifo_order_and_drops_the_dying(s
     assert {index: item.kind for index, item in result.details.items()} == {1: "k"}  # type: ignore[attr-defined]
     assert cycle.dropped == [(item_id(1, 0, 2), "expired", ""), (item_id(1, 0, 3), "expired", "")]
     assert (views[0].ready, views[0].leased, views[0].ready_hint) == (0, 5, 8)
+    # The plain items are one lease record, their records untouched; the item of a
+    # kind is rewritten as leased.
+    with store.env.begin() as txn:
+        records = lease_records.read_all(txn, store.db(0))
+        plain = [Item.decode(txn.get(item_key(seq), db=store.db(0))) for seq in (1, 5, 6, 7)]
+        other = Item.decode(txn.get(item_key(4), db=store.db(0)))
+    assert [(r.first, r.deadline, r.leased_at, [s[:2] for s in r.segments]) for r in records] == [
+        (1, T0 + 66 * SECOND, T0 + 6 * SECOND, [(1, 1), (5, 7)])
+    ]
+    assert set(views[0].leases.held) == {1, 5, 6, 7}
+    assert not any(item.is_leased or item.attempts for item in plain)
+    assert other.is_leased and other.attempts == 1 and other.lease_deadline == T0 + 66 * SECOND
+    # Written out, they read as a lease that rewrites its items leaves them.
+    store.write(lambda txn: lease_records.write_out(txn, store.db(0), records[0]))
     with store.env.begin() as txn:
         stored = [Item.decode(txn.get(item_key(seq), db=store.db(0))) for seq in (1, 4, 5, 6, 7)]
+        assert lease_records.read_all(txn, store.db(0)) == []
     assert all(item.is_leased and item.attempts == 1 and item.leased_at == T0 + 6 * SECOND for item in stored)
     assert [item.lease_deadline for item in stored] == [T0 + 66 * SECOND] * 5

@@ -113,8 +113,8 @@ def test_every_cycle_of_a_random_workload_leaves_the_copies_identical(tmp_path: 
     assert {"p0", "p1", "dedup", "dedup_by_time", "lease_keys", "lease_keys_by_time"} <= mirror.roles
     # Items stored, rewritten and deleted; scheduled ones stored and falling due; dead
     # letters into the outbox and out once handed over; source ids of imported items;
-    # expiry entries; next seqs.
-    kinds = {(tag, deleted) for tag in (b"i", b"s", b"d", b"u") for deleted in (False, True)} | {(b"x", False), (b"x", True), (b"n", False)}
+    # expiry entries; next seqs; lease records written and deleted (storage/lease_records.py).
+    kinds = {(tag, deleted) for tag in (b"i", b"s", b"d", b"u", b"l") for deleted in (False, True)} | {(b"x", False), (b"x", True), (b"n", False)}
     assert kinds <= mirror.tags, kinds - mirror.tags
     assert CALLS_CHECKED <= tally.kinds, CALLS_CHECKED - tally.kinds
     assert tally.dead_lettered > 0

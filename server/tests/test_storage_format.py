@@ -18,7 +18,7 @@ from querator_server.storage.record import expiry_key, item_key, read_state, wit
 
 from conftest import Stubs, ThreadServer
 
-CURRENT = b"querator-catalog-6"
+CURRENT = b"querator-catalog-7"
 
 
 def _stamp(path: Path, version: bytes) -> None:
@@ -37,7 +37,15 @@ def _format(path: Path) -> bytes | None:
 
 
 @pytest.mark.parametrize(
-    "older", [b"querator-catalog-1", b"querator-catalog-2", b"querator-catalog-3", b"querator-catalog-4", b"querator-catalog-5"]
+    "older",
+    [
+        b"querator-catalog-1",
+        b"querator-catalog-2",
+        b"querator-catalog-3",
+        b"querator-catalog-4",
+        b"querator-catalog-5",
+        b"querator-catalog-6",
+    ],
 )
 def test_an_older_catalog_is_read_and_stamped_with_the_current_format(tmp_path: Path, older: bytes) -> None:
     path = tmp_path / "catalog"

@@ -8,8 +8,11 @@ LMDB partition through ``Cycle``. After every step the stored items, their lease
 state and attempts, the expiry index (every item indexed exactly once, no entry left
 without items) and the partition's counters must agree with the model.
 
-The runs of completions, leases and expiry entries are shortcuts of the item-by-item
-rules; this checks that both ways leave the same queue. The same runs again with the
+The runs of completions, leases and expiry entries, and one lease record per lease of
+plain items, are shortcuts of the item-by-item rules; this checks that both ways leave
+the same queue: an item held by a lease record reads as its record written out would,
+the actor's book of lease records is what storage holds, and a restart (the views read
+again from storage) finds the same counts and leases. The same runs again with the
 queue's databases in a commit group's shared environment, next to another queue's.
 """
 
@@ -24,11 +27,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from querator_server.actor.ids import item_id
+from querator_server.actor.loading import load
 from querator_server.actor.requests import CompleteRequest, LeaseRequest, ProduceRequest, RetryRequest
 from querator_server.actor.view import PartitionView
 from querator_server.errors import QueratorError
 from querator_server.model import NewItem, QueueConfig, RetryOrder
-from querator_server.storage import Item, QueueStore
+from querator_server.storage import Item, QueueStore, lease_records
 from querator_server.storage.group_layout import open_group_env, queue_prefix
 from querator_server.storage.record import item_key
 
@@ -196,6 +200,20 @@ class QueueModel(RuleBasedStateMachine):
                 del self.items[seq]
         assert sorted(text for text, _reason, _error in cycle.dropped) == sorted(dropped)  # type: ignore[attr-defined]
 
+    @rule()
+    def restart(self) -> None:
+        before = self.views[0]
+        self.views = load(self.store).views
+        after = self.views[0]
+        assert (after.ready, after.leased, after.created_sum, after.leased_at_sum) == (
+            before.ready,
+            before.leased,
+            before.created_sum,
+            before.leased_at_sum,
+        )
+        assert after.leases.records == before.leases.records
+        assert after.ready_hint <= min((seq for seq, item in self.items.items() if not item.lease_deadline), default=1 << 62)
+
     @rule(seconds=st.integers(1, 40))
     def tick(self, seconds: int) -> None:
         self.now += seconds * SECOND
@@ -208,8 +226,14 @@ class QueueModel(RuleBasedStateMachine):
         assert seqs == set(self.items)
         assert indexed == {seq: item.expire for seq, item in self.items.items()}
         with self.store.env.begin() as txn:
+            records = lease_records.read_all(txn, self.store.db(0))
+            held = {seq: record for record in records for seq in record.seqs()}
             for seq, item in self.items.items():
                 stored = Item.decode(txn.get(item_key(seq), db=self.store.db(0)))
+                record = held.get(seq)
+                if record is not None:  # read as the record written out
+                    assert not stored.is_leased and not stored.kind and stored.expiry_run
+                    stored.is_leased, stored.attempts, stored.lease_deadline = True, stored.attempts + 1, record.deadline
                 assert (stored.payload, stored.attempts, stored.is_leased) == (
                     item.payload,
                     item.attempts,
@@ -218,6 +242,8 @@ class QueueModel(RuleBasedStateMachine):
                 if item.lease_deadline:
                     assert stored.lease_deadline == item.lease_deadline
         v = self.views[0]
+        assert v.leases.records == {record.first: record for record in records}
+        assert v.leases.held == {seq: record.first for seq, record in held.items()}
         leased = sum(1 for item in self.items.values() if item.lease_deadline)
         assert (v.ready, v.leased) == (len(self.items) - leased, leased)
 

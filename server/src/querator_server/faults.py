@@ -59,6 +59,16 @@ REDRIVE_TAKEN = "redrive-taken"
 REDRIVE_STORED = "redrive-stored"
 """A redrive's target committed the items, before the origin dropped them from its outbox."""
 
+LEASE_RECORDED = "lease-recorded"
+"""A cycle that wrote a lease record (storage/lease_records.py) committed, before its
+answers were adopted."""
+
+LEASE_COMPLETED = "lease-completed"
+"""A cycle that completed a whole lease by its record committed."""
+
+LEASE_WRITTEN_OUT = "lease-written-out"
+"""A cycle that wrote a lease record out into its items' records committed."""
+
 MOVE_COPIED = "move-copied"
 """Moving a queue out of its commit group: its copy is durable, the catalog not yet changed."""
 

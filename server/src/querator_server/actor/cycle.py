@@ -16,8 +16,9 @@ import lmdb
 
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, quote
 from ..model import ITEM_REPLY_OVERHEAD, MAX_METADATA_PAIRS, METADATA_PAIR_OVERHEAD, SCHEDULE_MIN_US, NewItem
-from ..storage import Item, done_runs
+from ..storage import Item, done_runs, lease_records
 from ..storage.keyed import LeaseKeyRecord
+from ..storage.lease_records import LeaseRecord, record_leaser
 from ..storage.ordered_groups import group_partition
 from ..storage.record import (
     DEAD_RETRIED,
@@ -331,6 +332,15 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         leaser = plain_leaser(
             now=now, max_attempts=self.config.max_attempts, deadline=deadline, key_bytes=request.lease_key.encode()
         )
+        # An unkeyed lease takes plain items by one lease record (storage/lease_records.py),
+        # leaving their records as they are; the other items, and a keyed lease's, are
+        # rewritten as leased.
+        by_record = not request.lease_key
+        fifo_leaser = record_leaser(now=now, max_attempts=self.config.max_attempts) if by_record else leaser
+        held = v.leases.held
+        recorded: list[int] = []
+        expires: list[int] = []
+        recorded_created = 0
         id_format = item_id(self.uid, p, 0)[:-1] + "%x"
         deadlines = self.lease_deadlines
         # Items of priority 1 to 9 first, from the priority index, while it holds any;
@@ -344,8 +354,21 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 v.ranked = max(0, v.ranked - len(run.seqs))
             else:
                 run = self.store.lease_run(
-                    txn, p, last_seq + 1, quota - len(ids), leaser, budget - used, ITEM_REPLY_OVERHEAD, take_first=not ids
+                    txn,
+                    p,
+                    last_seq + 1,
+                    quota - len(ids),
+                    fifo_leaser,
+                    budget - used,
+                    ITEM_REPLY_OVERHEAD,
+                    take_first=not ids,
+                    skip=held,
+                    write=not by_record,
                 )
+                if by_record and run.seqs:
+                    recorded.extend(run.seqs)
+                    expires.extend(run.expires)
+                    recorded_created += sum(run.created_at)
             used += run.size
             if run.seqs:
                 ids.extend(map(id_format.__mod__, run.seqs))
@@ -377,6 +400,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             floor = min(floor, low)
         if not ids:
             return None
+        record = self._open_record(txn, p, v, recorded, expires, recorded_created, deadline) if recorded else None
         if ranked_at_start or result.priorities:
             _note_priorities(result, taken)
         if room is not None and not request.future.done():  # a gone caller settles nothing
@@ -389,15 +413,32 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         v.leased_at_sum += now * count
         v.ready_hint = min(floor, last_seq + 1)
         if request.lease_key and self.keyed is not None:
-            record = LeaseKeyRecord(now, p, tuple(seq for seq, _ in taken))
-            self.keyed.put_lease_key(txn, request.lease_key, record, new=True)
+            keyed = LeaseKeyRecord(now, p, tuple(seq for seq, _ in taken))
+            self.keyed.put_lease_key(txn, request.lease_key, keyed, new=True)
             self.lease_keys_added = True
         else:
             # A keyed lease is not taken back when its caller vanishes: the caller
             # replays the key and gets the same items.
-            self._granted.append((request, p, taken))
+            self._granted.append((request, p, taken, record))
         self._ok(request, result)
         return result
+
+    def _open_record(
+        self,
+        txn: lmdb.Transaction[bytes],
+        p: int,
+        v: PartitionView,
+        seqs: list[int],
+        expires: list[int],
+        created: int,
+        deadline: int,
+    ) -> LeaseRecord:
+        """Write the lease record of the plain items ``seqs`` a lease took."""
+        record = lease_records.build(seqs, expires, created, deadline, self.now)
+        lease_records.put(txn, self.store.db(p), record)
+        v.leases.open(record)
+        self.records_written += 1
+        return record
 
     def _lease_declined(
         self,
@@ -508,14 +549,21 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
 
     def fence_leases(self, txn: lmdb.Transaction[bytes], now: int) -> None:
         """Take back leases whose caller hung up or ran out of time before the commit."""
-        for request, p, taken in self._granted:
+        for request, p, taken, record in self._granted:
             gone = request.future.done() or (request.deadline_us and now >= request.deadline_us - FENCE_MARGIN_US)
             if not gone:
                 continue
             v = self.view(p)
+            recorded: set[int] = set()
+            if record is not None:  # its items' records are as they were: the record goes
+                lease_records.delete(txn, self.store.db(p), record.first)
+                v.leases.close(record.first)
+                recorded.update(record.seqs())
             for seq, raw in taken:
-                v.ranked += self.store.put_ready(txn, p, seq, raw)
                 v.ready_hint = min(v.ready_hint, seq)
+                if seq in recorded:
+                    continue
+                v.ranked += self.store.put_ready(txn, p, seq, raw)
                 if grouped(raw):
                     v.groups_in_flight -= 1
             v.ready += len(taken)
@@ -533,6 +581,8 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         v = self.view(p)
         prefix = f"{self.uid:x}.{p:x}."
         given = 0
+        if v.leases:
+            self._write_out(txn, p, _seqs_of(request.ids, self.uid, p))
         for text in request.ids:
             seq_hex = text[len(prefix) :]
             if not text.startswith(prefix) or not seq_hex or len(seq_hex) > 16 or seq_hex.strip(_HEX_DIGITS):
@@ -584,6 +634,8 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         gone: list[tuple[int, str, int]] = []  # (index, id, seq) of ids not stored
         unleased: list[str] = []
         lost: list[str] = []
+        if self._peek(partition).leases:
+            self._write_out(txn, partition, _seqs_of(ids, self.uid, partition))
         read = self.store.reader(txn, partition)
         # The ids we issue for this partition's items: the prefix, then the seq in hex.
         prefix = f"{self.uid:x}.{partition:x}."
@@ -686,6 +738,12 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         # The ids a lease of first..last issues, exactly (one string compare each, in C).
         if last - first + 1 != len(ids) or list(ids) != list(map((prefix + "%x").__mod__, range(first, last + 1))):
             return False
+        book = self._peek(p).leases
+        if book:
+            record = book.records.get(first)
+            if record is not None and record.last == last and record.contiguous:
+                self._complete_lease(txn, p, record)
+                return True
         done = self.store.complete_run(txn, p, first, last)
         if done is None:
             return False
@@ -699,6 +757,22 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         v.created_sum -= created
         v.leased_at_sum -= leased_at
         return True
+
+    def _complete_lease(self, txn: lmdb.Transaction[bytes], p: int, record: LeaseRecord) -> None:
+        """Complete the whole lease of ``record``: its items and the record go unread."""
+        db = self.store.db(p)
+        lease_records.complete(txn, db, record)
+        done_runs.put(txn, db, record.first, record.last, self.now, done_runs.COMPLETED)
+        self.done_added = True
+        self.records_completed += 1
+        count = record.count
+        self.lease_ends.extend([(p, seq) for seq in range(record.first, record.last + 1)])
+        v = self.view(p)
+        v.leases.close(record.first)
+        v.leased -= count
+        v.completed += count
+        v.created_sum -= record.created_sum
+        v.leased_at_sum -= record.leased_at * count
 
     def _complete_keys(self, txn: lmdb.Transaction[bytes], keys: Sequence[str]) -> int:
         """Complete every item still leased under each key; forget the keys. Idempotent.
@@ -802,6 +876,22 @@ def _note_priorities(result: LeaseResult, taken: list[tuple[int, bytes]]) -> Non
     """Set ``result.priorities`` from the leased records (left empty when all are 0)."""
     priorities = [priority_of(raw) for _, raw in taken]
     result.priorities = priorities if any(priorities) else []
+
+
+def _seqs_of(ids: Sequence[str], uid: int, p: int) -> list[int]:
+    """The seqs of partition ``p`` that ``ids`` name (ids of other kinds left out)."""
+    prefix = f"{uid:x}.{p:x}."
+    start = len(prefix)
+    seqs: list[int] = []
+    for text in ids:
+        seq_hex = text[start:]
+        if text.startswith(prefix) and seq_hex and len(seq_hex) <= 16 and not seq_hex.strip(_HEX_DIGITS):
+            seqs.append(int(seq_hex, 16))
+            continue
+        ref = parse_id(text)
+        if ref is not None and ref.uid == uid and ref.partition == p and not ref.due:
+            seqs.append(ref.seq)
+    return seqs
 
 
 def _water_fill(wanted: list[int], total: int) -> list[int]:

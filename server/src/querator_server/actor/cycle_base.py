@@ -39,10 +39,11 @@ from ..errors import Internal, NoHealthyPartition, QueratorError, Unavailable
 from ..faults import InjectedFault, InjectedPartitionFault
 from ..logging import get_logger
 from ..model import QueueConfig
-from ..storage import Item, PartitionScan, QueueStore
+from ..storage import Item, PartitionScan, QueueStore, lease_records
 from ..storage.capture import begin_child
 from ..storage.change_set import ChangeSet
 from ..storage.keyed import KeyedIndex
+from ..storage.lease_records import LeaseRecord
 from ..storage.record import DEAD_EXPIRED, DEAD_MAX_ATTEMPTS, ItemState, priority_of, read_state
 from .requests import LeaseRequest, Request
 from .view import PartitionView
@@ -131,8 +132,9 @@ class CycleBase:
         self._base = views
         self.views: dict[int, PartitionView] = {}
         self.results: list[tuple[Request, object]] = []
-        # Leases granted this cycle: (request, partition, [(seq, raw before lease)]).
-        self._granted: list[tuple[LeaseRequest, int, list[tuple[int, bytes]]]] = []
+        # Leases granted this cycle: (request, partition, [(seq, raw before lease)], the
+        # lease record written for its plain items or None).
+        self._granted: list[tuple[LeaseRequest, int, list[tuple[int, bytes]], LeaseRecord | None]] = []
         # Lease deadlines to track once committed: (deadline, partition, seq).
         self.lease_deadlines: list[tuple[int, int, int]] = []
         # Leases that ended before their deadline (completed, retried, deleted), so
@@ -160,6 +162,8 @@ class CycleBase:
         # The same for the records of completed and retried items (done_runs.py).
         self.done_next: int | None = None
         self.done_added = False
+        # Lease records written, completed whole and written out by this cycle.
+        self.records_written = self.records_completed = self.records_written_out = 0
         # Leases that ran out in this cycle's lifecycle (for metrics).
         self.lease_expirations = 0
         # Whether ``touch`` wrote.
@@ -365,6 +369,40 @@ class CycleBase:
             if v.seq_dirty:
                 self.store.write_next_seq(txn, p, v.next_seq)
                 v.seq_dirty = False
+
+    # -- lease records (storage/lease_records.py) ---------------------------------------
+
+    def _write_out(self, txn: lmdb.Transaction[bytes], p: int, seqs: Iterable[int]) -> None:
+        """Write out the lease records holding any of ``seqs`` into their items' records,
+        so that a path reading those items finds them as a rewriting lease left them.
+        A write-out changes how a lease is stored, not what a request sees, so a step
+        may still fail with a domain error after it (storage and book stay alike)."""
+        if not self._peek(p).leases:
+            return
+        records = self._peek(p).leases.holding(seqs)
+        if not records:
+            return
+        book, db = self.view(p).leases, self.store.db(p)
+        for record in records:
+            lease_records.write_out(txn, db, record)
+            book.close(record.first)
+        self.records_written_out += len(records)
+
+    def _as_leased(self, p: int, page: list[tuple[int, Item]]) -> list[tuple[int, Item]]:
+        """``page`` (items of partition ``p`` as stored) with the items of lease records
+        shown as their written-out records would show them (a listing writes nothing)."""
+        book = self._peek(p).leases
+        if not book:
+            return page
+        for seq, item in page:
+            first = book.held.get(seq)
+            if first is not None:
+                record = book.records[first]
+                item.is_leased = True
+                item.attempts += 1
+                item.lease_deadline = record.deadline
+                item.leased_at = record.leased_at
+        return page
 
     # -- shared item rules ----------------------------------------------------------
 

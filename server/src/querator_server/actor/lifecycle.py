@@ -137,6 +137,7 @@ class LifecycleSteps(CycleBase):
             if faulty and p in faulty:
                 continue  # its leases are read again when it works again
             self.enter(p)
+            self._write_out(txn, p, (seq,))
             item = self.store.get(txn, p, seq)
             if item is None or not item.is_leased or item.lease_deadline != deadline:
                 continue  # completed, retried or extended since
@@ -198,7 +199,7 @@ class LifecycleSteps(CycleBase):
 
     def _expire(self, txn: lmdb.Transaction[bytes], p: int) -> None:
         v = self.view(p)
-        entries, next_deadline = self.store.expired(txn, p, self.now, LIFECYCLE_BATCH)
+        entries, next_deadline = self.store.expired(txn, p, self.now, LIFECYCLE_BATCH, v.leases.held)
         for key, item in entries:
             if key[:1] == TAG_ITEM:
                 seq = seq_of_item_key(key)

@@ -30,6 +30,9 @@ from ..errors import (
 )
 from ..faults import (
     DEAD_LETTER_STORED,
+    LEASE_COMPLETED,
+    LEASE_RECORDED,
+    LEASE_WRITTEN_OUT,
     REDRIVE_STORED,
     REDRIVE_TAKEN,
     InjectedFault,
@@ -348,7 +351,7 @@ class LogicalQueue:
         views = self._views
         asked = [p for p in partitions if p not in self._health.faulty]
         out: dict[int, int | None] = {p: 0 for p in asked if not views[p].ready}
-        starts = [(p, views[p].ready_hint) for p in asked if views[p].ready]
+        starts = [(p, views[p].ready_hint, views[p].leases.held) for p in asked if views[p].ready]
         if starts:
             out.update(self.store.ready_heads(starts))
         return out
@@ -650,6 +653,8 @@ class LogicalQueue:
             self._done_at = cycle.now
         for lease in cycle.completed_by_lease:
             lease.complete_ids = []  # committed: a lease that keeps waiting must not repeat it
+        if cycle.records_written or cycle.records_completed or cycle.records_written_out:
+            _lease_record_crash_points(cycle)
         self._leases.end_all(cycle.lease_ends)
         self._leases.add_all(cycle.lease_deadlines)
         if cycle.more_lifecycle or len(expired) >= LIFECYCLE_BATCH:
@@ -911,3 +916,13 @@ class LogicalQueue:
             return
         self._closed = NotFound(f"queue {self.name!r} was deleted")
         answer(request, None)
+
+
+def _lease_record_crash_points(cycle: Cycle) -> None:
+    """The kill -9 points of lease records (faults.py), once the cycle committed."""
+    if cycle.records_written:
+        crash_point(LEASE_RECORDED)
+    if cycle.records_completed:
+        crash_point(LEASE_COMPLETED)
+    if cycle.records_written_out:
+        crash_point(LEASE_WRITTEN_OUT)

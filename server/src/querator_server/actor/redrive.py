@@ -77,7 +77,7 @@ class RedriveSteps(LifecycleSteps):
             self.enter(p)
             after = first_after if p == first_p else 0
             while next_after is None:
-                page = self.store.page_items(txn, p, after, _PAGE)
+                page = self._as_leased(p, self.store.page_items(txn, p, after, _PAGE))
                 for seq, item in page:
                     if len(moved) >= request.limit or examined >= REDRIVE_SCAN_LIMIT:
                         next_after = (p, after)

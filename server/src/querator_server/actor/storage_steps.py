@@ -31,7 +31,7 @@ class StorageSteps(CycleBase):
             rows = self.store.page_scheduled(txn, p, request.after, request.limit + 1)
             listed = [(scheduled_id(self.uid, p, seq, due), item, (due, seq)) for due, seq, item in rows]
         else:
-            page = self.store.page_items(txn, p, request.after[0], request.limit + 1)
+            page = self._as_leased(p, self.store.page_items(txn, p, request.after[0], request.limit + 1))
             listed = [(item_id(self.uid, p, seq), item, (seq, 0)) for seq, item in page]
         size = 0
         for stored_id, item, cursor in listed[: request.limit]:
@@ -108,6 +108,7 @@ class StorageSteps(CycleBase):
                     if item.group_key:  # a head held by a delayed retry
                         self._release_group(txn, p, item.group_key)
                 continue
+            self._write_out(txn, p, (ref.seq,))
             item = self.store.get(txn, p, ref.seq)
             if item is None:
                 continue

@@ -7,10 +7,11 @@ transaction leaves the view untouched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..model import NEVER_US, PartitionStats
 from ..storage import PartitionScan
+from .lease_book import LeaseBook
 
 
 @dataclass(slots=True)
@@ -43,6 +44,8 @@ class PartitionView:
     # lease takes them, and set to 0 by a lease that finds the index empty; entries
     # deleted otherwise (expiry, deletion) leave it high until then.
     ranked: int = 0
+    # The partition's open lease records (lease_book.py).
+    leases: LeaseBook = field(default_factory=LeaseBook)
 
     @classmethod
     def from_scan(cls, scan: PartitionScan) -> PartitionView:
@@ -59,6 +62,7 @@ class PartitionView:
             waiting=scan.waiting,
             groups_in_flight=scan.groups_in_flight,
             ranked=scan.ranked,
+            leases=LeaseBook(scan.lease_records),
         )
 
     def copy(self) -> PartitionView:
@@ -78,6 +82,7 @@ class PartitionView:
             self.waiting,
             self.groups_in_flight,
             self.ranked,
+            self.leases.copy(),
         )
 
     def stats(self, p: int, now: int, failure: str, faulty_since_us: int) -> PartitionStats:

@@ -42,7 +42,9 @@ _CLUSTER_IDENTITY = b"cluster_identity"
 # server of format 4 would read as the start of the payload.
 # 6: a record may carry a group block (record.py), and a partition ordered groups' keys
 # (ordered_groups.py), which a server of format 5 would misread or hand out out of turn.
-_FORMAT_VERSION = b"querator-catalog-6"
+# 7: a lease may be one record (lease_records.py) whose items' records still read as
+# ready, which a server of format 6 would hand out again.
+_FORMAT_VERSION = b"querator-catalog-7"
 # Formats this server reads as they are; opening one stamps it with _FORMAT_VERSION, so
 # an older server then refuses the directory instead of misreading it.
 _UPGRADABLE_FORMATS = (
@@ -51,6 +53,7 @@ _UPGRADABLE_FORMATS = (
     b"querator-catalog-3",
     b"querator-catalog-4",
     b"querator-catalog-5",
+    b"querator-catalog-6",
 )
 
 

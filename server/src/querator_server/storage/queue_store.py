@@ -25,16 +25,32 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Container, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
 import lmdb
 
-from ..faults import MAP_FULL, NO_SPACE, write_fault
-from . import ordered_groups
+from . import lease_records, ordered_groups
+from .environment import (
+    DIR_MODE,
+    FILE_MODE,
+    MapFull,
+    StorageError,
+    StorageFull,
+    aborted_on_failure,
+    check_data_file,
+    database_names,
+    disk_full,
+    free_bytes,
+    inject_write_fault,
+    low_on_space,
+    make_private_dir,
+    write_failure,
+)
+from .expiry_runs import drop_empty_runs
+from .lease_records import LeaseRecord
 from .record import (
     _FLAG_EXPIRY_RUN,
     _FLAG_HISTORY,
@@ -58,7 +74,6 @@ from .record import (
     decode_u64,
     encode_u64,
     expiry_key,
-    expiry_prefix,
     group_of,
     grouped,
     item_key,
@@ -78,32 +93,32 @@ from .record import (
 
 T = TypeVar("T")
 
+# The environment's failures and checks (environment.py) stay importable from here.
+__all__ = [
+    "DEFAULT_MAP_SIZE",
+    "DIR_MODE",
+    "FILE_MODE",
+    "MAX_GROWTHS",
+    "LeasedRun",
+    "MapFull",
+    "PartitionScan",
+    "QueueStore",
+    "StorageError",
+    "StorageFull",
+    "aborted_on_failure",
+    "check_data_file",
+    "database_names",
+    "disk_full",
+    "free_bytes",
+    "inject_write_fault",
+    "low_on_space",
+    "make_private_dir",
+    "write_failure",
+]
+
 
 def _by_seq(entry: tuple[int, ItemState]) -> int:
     return entry[0]
-
-
-_RUN_KEY_SIZE = len(expiry_key(0, item_key(0)))
-
-
-def _find_run(cursor: Any, deadline: int, seq: int) -> tuple[int, int] | None:
-    """(first, last) of the expiry run with this deadline that holds ``seq``, leaving
-    ``cursor`` on its entry; None when there is none."""
-    start = expiry_prefix(deadline) + TAG_ITEM
-    # The run holding seq is the last entry at or before (deadline, seq).
-    if cursor.set_range(start + encode_u64(seq + 1)):
-        if not cursor.prev():
-            return None
-    elif not cursor.last():
-        return None
-    key = cursor.key()
-    if len(key) != _RUN_KEY_SIZE or not key.startswith(start):
-        return None
-    value = cursor.value()
-    if len(value) != 8:
-        return None  # one item's own entry, not a run
-    first, last = decode_u64(key[len(start) :]), decode_u64(value)
-    return (first, last) if first <= seq <= last else None
 
 
 @dataclass(slots=True)
@@ -111,6 +126,8 @@ class LeasedRun:
     """What ``lease_run`` leased, oldest first, as parallel lists."""
 
     seqs: list[int] = field(default_factory=list)
+    # For a lease by record (``write=False``): each item's expire deadline.
+    expires: list[int] = field(default_factory=list)
     # Each item's record as it was before the lease (put back if the lease is fenced).
     records: list[bytes] = field(default_factory=list)
     payloads: list[bytes] = field(default_factory=list)
@@ -134,121 +151,6 @@ MAX_GROWTHS = 12
 _MAX_DBS_HEADROOM = 8
 
 
-class StorageError(Exception):
-    """The storage failed (I/O error, full disk); the operation did not happen."""
-
-
-class StorageFull(StorageError):
-    """The LMDB map cannot grow any further."""
-
-
-class MapFull(Exception):
-    """The held transaction ran out of map: call ``grow`` and run the cycle again."""
-
-
-def inject_write_fault(storage: str = "") -> None:
-    """Fail this commit of the storage in directory ``storage`` as ``QUERATOR_FAULT_FILE``
-    asks (reliability tests; see faults.py)."""
-    fault = write_fault(storage)
-    if not fault:
-        return
-    if fault == MAP_FULL:
-        raise StorageFull("storage is full: the LMDB map cannot grow (injected fault)")
-    if fault == NO_SPACE:
-        raise StorageError("storage write failed: No space left on device (injected fault)")
-    raise StorageError("storage write failed: Input/output error (injected fault)")
-
-
-def disk_full(exc: BaseException) -> bool:
-    """Whether a storage failure is a full map or file system, which clears up once space
-    is freed, rather than a failing or damaged disk. LMDB reports only errno texts."""
-    return isinstance(exc, StorageFull) or "No space left on device" in str(exc)
-
-
-# Below this much free space a failed write is reported as a full file system.
-_LOW_SPACE_BYTES = 1 << 20
-
-
-def free_bytes(path: str) -> int | None:
-    """The bytes of the file system holding ``path`` that this process may still use
-    (None: unknown)."""
-    try:
-        fs = os.statvfs(path)
-    except OSError:
-        return None
-    return fs.f_bavail * fs.f_frsize
-
-
-def low_on_space(path: str) -> bool:
-    """Whether the file system holding ``path`` counts as full (as a failed write says)."""
-    free = free_bytes(path)
-    return free is not None and free < _LOW_SPACE_BYTES
-
-
-def write_failure(exc: lmdb.Error, path: str) -> str:
-    """What a failed commit tells the caller. LMDB reports a short write as EIO, and a
-    file system that fills up in the middle of a commit causes exactly that."""
-    text = f"storage write failed: {exc}"
-    free = free_bytes(path)
-    if free is None:
-        return text
-    if free < _LOW_SPACE_BYTES and "space" not in text.lower():
-        return f"storage write failed: No space left on device ({free} bytes free; LMDB said: {exc})"
-    return text
-
-
-@contextmanager
-def aborted_on_failure(txn: lmdb.Transaction[bytes], path: str) -> Iterator[None]:
-    """Abort ``txn`` if the block fails; LMDB errors become MapFull or StorageError."""
-    try:
-        yield
-    except lmdb.MapFullError as exc:
-        txn.abort()
-        raise MapFull() from exc
-    except lmdb.Error as exc:
-        txn.abort()
-        raise StorageError(write_failure(exc, path)) from exc
-    except BaseException:
-        txn.abort()
-        raise
-
-
-# Queue data is the users' data: readable by the server's user alone. LMDB creates its
-# files with the mode it is given (py-lmdb's default is 0o755, 0o644 after the umask).
-FILE_MODE = 0o600
-DIR_MODE = 0o700
-
-
-def make_private_dir(path: str) -> None:
-    """Create ``path`` and its parent (groups/, queues/) readable by this user alone."""
-    os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
-    os.makedirs(path, mode=DIR_MODE, exist_ok=True)
-
-
-def check_data_file(env: lmdb.Environment, path: str) -> None:
-    """Refuse an LMDB file shorter than its own header says (truncated or damaged).
-
-    Reading a page past the end of the file would kill the process with SIGBUS.
-    """
-    data = os.path.join(path, "data.mdb")
-    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    size = os.path.getsize(data)
-    if size < need:
-        raise StorageError(f"{data}: the file is {size} bytes but its LMDB header needs {need}: truncated or damaged")
-
-
-def database_names(env: lmdb.Environment, txn: lmdb.Transaction[bytes], prefix: bytes) -> list[bytes]:
-    """The names of the named databases in ``env`` that start with ``prefix`` (not empty)."""
-    cursor = txn.cursor()
-    names: list[bytes] = []
-    if cursor.set_range(prefix):
-        for key in cursor.iternext(keys=True, values=False):
-            if not key.startswith(prefix):
-                break
-            names.append(bytes(key))
-    return names
-
-
 @dataclass(slots=True)
 class PartitionScan:
     """What a full read of a partition finds: the basis of the actor's counters."""
@@ -269,6 +171,8 @@ class PartitionScan:
     groups_in_flight: int = 0
     # Entries of the priority index (ready items of priority 1 to 9).
     ranked: int = 0
+    # The open lease records (lease_records.py).
+    lease_records: list[LeaseRecord] = field(default_factory=list)
 
 
 class QueueStore:
@@ -440,14 +344,15 @@ class QueueStore:
         except lmdb.Error as exc:
             raise StorageFull(f"storage is full and cannot grow past {size} bytes: {exc}") from exc
 
-    def ready_heads(self, starts: Iterable[tuple[int, int]]) -> dict[int, int | None]:
-        """For each (partition, seq): created_at (us) of its first ready item at or after
-        that seq (0: none), or None when more than ``HEAD_SCAN_LIMIT`` leased items come
-        first. One read transaction; for the metrics' oldest-ready age."""
+    def ready_heads(self, starts: Iterable[tuple[int, int, Container[int]]]) -> dict[int, int | None]:
+        """For each (partition, seq, seqs held by lease records): created_at (us) of its
+        first ready item at or after that seq (0: none), or None when more than
+        ``HEAD_SCAN_LIMIT`` leased items come first. One read transaction; for the
+        metrics' oldest-ready age."""
         out: dict[int, int | None] = {}
         with self.env.begin() as txn:
-            for p, from_seq in starts:
-                out[p] = _ready_head(txn.cursor(db=self.db(p)), from_seq)
+            for p, from_seq, held in starts:
+                out[p] = _ready_head(txn.cursor(db=self.db(p)), from_seq, held)
         return out
 
     def map_usage(self) -> tuple[int, int]:
@@ -676,22 +581,7 @@ class QueueStore:
         if isinstance(item, Item) and item.priority and not item.is_leased and key[:1] == TAG_ITEM:
             txn.delete(priority_key(item.priority, seq_of_item_key(key)), db=db)
 
-    @staticmethod
-    def _drop_empty_runs(txn: lmdb.Transaction[bytes], db: Any, left: Iterable[tuple[int, int]]) -> None:
-        """Delete the expiry runs of these items, (deadline, seq) each, that no longer
-        hold any stored item. Items of one run in a row cost one lookup."""
-        index, items = txn.cursor(db=db), txn.cursor(db=db)
-        run_deadline = run_first = 0
-        run_last = -1
-        for deadline, seq in left:
-            if deadline == run_deadline and run_first <= seq <= run_last:
-                continue
-            found = _find_run(index, deadline, seq)
-            if found is None:
-                continue
-            run_deadline, (run_first, run_last) = deadline, found
-            if not (items.set_range(item_key(run_first)) and items.key() <= item_key(run_last)):
-                index.delete()
+    _drop_empty_runs = staticmethod(drop_empty_runs)
 
     @staticmethod
     def _forget_source(txn: lmdb.Transaction[bytes], db: Any, key: bytes, source_id: str) -> None:
@@ -712,11 +602,13 @@ class QueueStore:
         p: int,
         from_seq: int,
         quota: int,
-        lease: PlainLeaser,
+        lease: Callable[[bytes], tuple[Any, bytes, int, int] | None],
         max_bytes: int,
         item_overhead: int,
         *,
         take_first: bool,
+        skip: Container[int] = (),
+        write: bool = True,
     ) -> LeasedRun:
         """Lease up to ``quota`` ready items of partition ``p`` from ``from_seq`` on, in
         FIFO order, as ``lease`` rewrites them, until one it declines (``other``) or
@@ -725,14 +617,17 @@ class QueueStore:
         whatever its size).
 
         Each record is rewritten through the cursor that found it, which needs no
-        search of the tree, and leased items on the way are skipped by their flag.
+        search of the tree, and leased items on the way are skipped by their flag, or,
+        when held by a lease record (lease_records.py), by being in ``skip``. With
+        ``write`` False the records stay as they are (the caller writes a lease record)
+        and ``expires`` gets what ``lease`` answers first: each item's expire deadline.
         """
         run = LeasedRun()
         cursor = txn.cursor(db=self._dbs[p])
         if not cursor.set_range(item_key(from_seq)):
             return run
         seqs, records, payloads, attempts, created_at = run.seqs, run.records, run.payloads, run.attempts, run.created_at
-        put, seq_of = cursor.put, seq_of_item_key
+        put, seq_of, expires = cursor.put, seq_of_item_key, run.expires
         seq = 0
         # ``quota`` records of at most ``small`` bytes stay within ``max_bytes``: the sum
         # is kept item by item only from the first longer one on (most runs never see one).
@@ -742,7 +637,7 @@ class QueueStore:
         for key, raw in cursor:
             if key[:1] != TAG_ITEM:
                 break
-            if raw[0] & _FLAG_LEASED:
+            if raw[0] & _FLAG_LEASED or (skip and seq_of(key) in skip):
                 continue
             if counting or len(raw) > small:
                 if not counting:
@@ -758,7 +653,10 @@ class QueueStore:
             if leased is None:
                 run.other = (seq, raw)
                 break
-            put(key, leased[0])
+            if write:
+                put(key, leased[0])
+            else:
+                expires.append(leased[0])
             seqs.append(seq)
             records.append(raw)
             payloads.append(leased[1])
@@ -959,10 +857,13 @@ class QueueStore:
 
     # -- expiry index ------------------------------------------------------------
 
-    def expired(self, txn: lmdb.Transaction[bytes], p: int, now: int, limit: int) -> tuple[list[tuple[bytes, Item]], int]:
+    def expired(
+        self, txn: lmdb.Transaction[bytes], p: int, now: int, limit: int, held: Container[int] = ()
+    ) -> tuple[list[tuple[bytes, Item]], int]:
         """Up to ``limit`` expired items that are not leased, and the next deadline to check.
 
-        Leased items are skipped: they are dead-lettered when their lease ends. The
+        Leased items are skipped: they are dead-lettered when their lease ends (those
+        of lease records, ``held``, as well as those flagged leased). The
         next deadline is 0 when nothing else is indexed, or ``now`` when more expired
         items remain than ``limit``.
         """
@@ -982,13 +883,13 @@ class QueueStore:
                 if len(out) >= limit:
                     return out, now
                 if value:
-                    if self._expired_in_run(items, target, decode_u64(value), now, out, limit):
+                    if self._expired_in_run(items, target, decode_u64(value), now, out, limit, held):
                         empty_runs.append(key)
                     elif len(out) >= limit:
                         return out, now  # the rest of this run, next time
                     continue
                 raw = txn.get(target, db=db)
-                if raw is None or (target[:1] == TAG_ITEM and raw[0] & 1):
+                if raw is None or (target[:1] == TAG_ITEM and (raw[0] & 1 or seq_of_item_key(target) in held)):
                     continue
                 out.append((target, Item.decode(raw)))
             return out, 0
@@ -997,7 +898,9 @@ class QueueStore:
                 txn.delete(key, db=db)
 
     @staticmethod
-    def _expired_in_run(items: Any, first_key: bytes, last: int, now: int, out: list[tuple[bytes, Item]], limit: int) -> bool:
+    def _expired_in_run(
+        items: Any, first_key: bytes, last: int, now: int, out: list[tuple[bytes, Item]], limit: int, held: Container[int]
+    ) -> bool:
         """Add the run's expired ready items to ``out`` (up to ``limit`` in all); True
         when the run holds no item at all any more (its entry can go)."""
         last_key = item_key(last)
@@ -1006,7 +909,7 @@ class QueueStore:
         for key, raw in items:
             if key > last_key or len(out) >= limit:
                 break
-            if raw[0] & 1:
+            if raw[0] & 1 or (held and seq_of_item_key(key) in held):
                 continue  # leased: dead-lettered when its lease ends
             item = Item.decode(raw)
             if item.expire_deadline <= now:
@@ -1022,8 +925,11 @@ class QueueStore:
     # -- whole-partition operations ------------------------------------------------
 
     def clear(self, txn: lmdb.Transaction[bytes], p: int, *, ready: bool, leased: bool, scheduled: bool) -> list[int]:
-        """Delete the chosen kinds of items; return the seqs of deleted leased items."""
+        """Delete the chosen kinds of items; return the seqs of deleted leased items.
+        Lease records are written out first, so their items are leased ones here."""
         db = self._dbs[p]
+        for record in lease_records.read_all(txn, db):
+            lease_records.write_out(txn, db, record)
         removed_leases: list[int] = []
         cursor = txn.cursor(db=db)
         doomed: list[bytes] = []
@@ -1086,6 +992,8 @@ class QueueStore:
     def scan(self, txn: lmdb.Transaction[bytes], p: int) -> PartitionScan:
         """Read a whole partition once to rebuild the actor's in-memory view of it."""
         result = PartitionScan(next_seq=self.read_next_seq(txn, p))
+        result.lease_records = lease_records.read_all(txn, self._dbs[p])
+        held = {seq: record for record in result.lease_records for seq in record.seqs()}
         cursor = txn.cursor(db=self._dbs[p])
         unpack = _HEADER.unpack_from
         max_seq = 0
@@ -1097,7 +1005,12 @@ class QueueStore:
                 max_seq = seq
                 flags, _att, created, _exp, lease_deadline, _enq, leased_at = unpack(raw)[:7]
                 result.created_sum += created
-                if flags & 1:
+                record = held.get(seq) if held else None
+                if record is not None:  # as the lease would have rewritten it
+                    result.leased += 1
+                    result.leased_at_sum += record.leased_at
+                    result.leases.append((record.deadline, seq))
+                elif flags & 1:
                     result.leased += 1
                     if flags & _FLAG_HISTORY and grouped(raw):
                         result.groups_in_flight += 1
@@ -1143,13 +1056,13 @@ class QueueStore:
 HEAD_SCAN_LIMIT = 1000
 
 
-def _ready_head(cursor: Any, from_seq: int) -> int | None:
+def _ready_head(cursor: Any, from_seq: int, held: Container[int]) -> int | None:
     if not cursor.set_range(item_key(from_seq)):
         return 0
     for n, (key, raw) in enumerate(cursor):
         if key[:1] != TAG_ITEM:
             return 0
-        if not raw[0] & _FLAG_LEASED:
+        if not raw[0] & _FLAG_LEASED and not (held and seq_of_item_key(key) in held):
             return int(read_state(raw).created_at)
         if n >= HEAD_SCAN_LIMIT:
             return None
