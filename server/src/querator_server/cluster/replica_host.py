@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgument, Unavailable
@@ -27,6 +27,14 @@ if TYPE_CHECKING:
     from .shipper import ShardReplication
 
 log = get_logger("cluster")
+
+
+def _stats(copy: CopyLike) -> dict[str, object]:
+    """Where the copy's last install spent its time, rounded, for the log."""
+    stats = getattr(copy, "install_stats", None)
+    if stats is None:
+        return {}
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(stats).items()}
 
 
 @dataclass(slots=True)
@@ -167,5 +175,6 @@ class CopyHost:
                 lsn=position.lsn,
                 primary=head.primary,
                 incarnation=shard.copy.incarnation,
+                **_stats(shard.copy),
             )
         return shard.state()

@@ -148,9 +148,20 @@ class ReplicaLink:
         log.info("replica_snapshot_sent", uid=shard.uid, node=self.node, epoch=shard.epoch)
         head = BytesValue(value=SnapshotHead(shard.uid, shard.epoch, shard.node).encode())
 
+        started = time.monotonic()
+        read = {"s": 0.0, "chunks": 0, "bytes": 0}
+
         async def messages() -> AsyncIterator[BytesValue]:
             yield head
-            async for chunk in shard.copy.snapshot_chunks():
+            chunks = aiter(shard.copy.snapshot_chunks())
+            while True:
+                at = time.monotonic()
+                chunk = await anext(chunks, None)
+                read["s"] += time.monotonic() - at
+                if chunk is None:
+                    return
+                read["chunks"] += 1
+                read["bytes"] += len(chunk)
                 yield BytesValue(value=chunk)
 
         channel = shard.peers.channel(self.node)
@@ -161,6 +172,15 @@ class ReplicaLink:
         )
         metadata = shard.peers.proof_metadata()
         reply: BytesValue = await call(messages(), timeout=_SNAPSHOT_S, metadata=metadata)
+        log.info(
+            "replica_snapshot_done",
+            uid=shard.uid,
+            node=self.node,
+            seconds=round(time.monotonic() - started, 3),
+            read_s=round(read["s"], 3),
+            chunks=read["chunks"],
+            bytes=read["bytes"],
+        )
         return CopyState.decode(reply.value)
 
     def _acked(self, lsn: int) -> None:
@@ -510,5 +530,3 @@ class ShardReplication:
             self._adopt(record)
             log.info("isr_expanded", uid=self.uid, queue=record.queue, node=node, isr=isr_nodes(record))
             self.notify()
-
-

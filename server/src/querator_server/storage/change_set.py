@@ -77,6 +77,22 @@ class ChangeSet:
         head = _HEAD.pack(_VERSION, self.uid, self.epoch, self.lsn, len(roles), len(self.ops))
         return b"".join([head, *names, *body])
 
+    @staticmethod
+    def encode_runs(uid: int, epoch: int, lsn: int, runs: list[tuple[str, list[tuple[bytes, bytes]]]]) -> bytes:
+        """``encode`` of a change set of puts only, given as runs of one role's
+        (key, value) pairs: the same bytes, without a tuple per op (a snapshot's chunks)."""
+        roles: dict[str, int] = {}
+        body: list[bytes] = []
+        extend, pack = body.extend, _OP.pack
+        count = 0
+        for role, run in runs:
+            index = roles.setdefault(role, len(roles))
+            for key, value in run:
+                extend((pack(index, len(key), len(value)), key, value))
+            count += len(run)
+        names = [bytes((len(name),)) + name.encode() for name in roles]
+        return b"".join([_HEAD.pack(_VERSION, uid, epoch, lsn, len(roles), count), *names, *body])
+
     @classmethod
     def decode(cls, data: bytes) -> ChangeSet:
         data = bytes(data)

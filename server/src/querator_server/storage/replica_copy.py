@@ -15,7 +15,9 @@ end even if its caller is cancelled (``settled``), so what the copy says of itse
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
@@ -26,10 +28,40 @@ from .change_set import ChangeSet, Diverged, Fenced, Position
 from .commit_group import CommitGroup
 from .lane import StorageLane
 from .queue_store import MAX_GROWTHS, MapFull, StorageFull
-from .replica_state import ReplicaState
+from .replica_state import Hasher, ReplicaState
 from .snapshot import CHUNK_BYTES, END, SnapshotHeader, SnapshotReader, data_ops, decode_end
 
 T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class InstallStats:
+    """Where the last snapshot install's time went (seconds), for its log event."""
+
+    chunks: int = 0
+    entries: int = 0
+    waited_s: float = 0.0  # for the next chunk from the primary
+    written_s: float = 0.0  # decoding and storing chunks
+    seconds: float = 0.0
+
+
+def _take_chunk(state: ReplicaState, chunk: bytes, received: Hasher) -> list[tuple[str, bytes, bytes | None]]:
+    """A snapshot chunk's entries, their databases opened and the entries hashed (a
+    job, off the loop)."""
+    ops = data_ops(chunk, state.uid)
+    state.prepare_roles({role for role, _, _ in ops})
+    run_role, run = "", list[tuple[bytes, bytes]]()
+    for role, key, value in ops:
+        if value is None:
+            raise Diverged(f"a snapshot chunk of queue uid {state.uid} deletes an entry")
+        if role != run_role and run:
+            received.add_run(run_role, run)
+            run = []
+        run_role = role
+        run.append((key, value))
+    if run:
+        received.add_run(run_role, run)
+    return ops
 
 
 class ReplicaCopy:
@@ -45,6 +77,7 @@ class ReplicaCopy:
         self.serving_epoch = 0
         # Stops the primary here before a later epoch's change or fence is taken.
         self.step_down: Callable[[int], Awaitable[None]] | None = None
+        self.install_stats = InstallStats()
 
     @property
     def incarnation(self) -> str:
@@ -108,7 +141,9 @@ class ReplicaCopy:
             if self.serving_epoch:
                 raise Fenced(f"queue {self.name!r} is served here already, under epoch {self.serving_epoch}")
             if epoch < self.state.fenced_epoch():
-                raise Fenced(f"queue {self.name!r}: epoch {epoch} is below the epoch {self.state.fenced_epoch()} this copy promised")
+                raise Fenced(
+                    f"queue {self.name!r}: epoch {epoch} is below the epoch {self.state.fenced_epoch()} this copy promised"
+                )
             await settled(self._fence(epoch))
             self.serving_epoch = epoch
             try:
@@ -152,25 +187,42 @@ class ReplicaCopy:
             async def begin() -> None:
                 state.installing(await self._write(state.begin_install))
 
+            stats = self.install_stats = InstallStats()
+            # The entries as received, hashed as the sender hashed them: the end chunk's
+            # digest checks the stream. The store holds exactly them: begin emptied every
+            # database in the transaction that marked the install, and each chunk's
+            # entries are stored in order (put_entries). Reading the installed copy back
+            # for its digest instead took a quarter of the install (1.1 s of 200,000 items).
+            received = Hasher()
+            started = time.monotonic()
             await settled(begin())
             end: tuple[int, str] | None = None
-            async for chunk in stream:
+            while True:
+                at = time.monotonic()
+                chunk = await anext(stream, None)
+                stats.waited_s += time.monotonic() - at
+                if chunk is None:
+                    break
                 if chunk[:1] == END:
                     end = decode_end(chunk)
                     break
-                ops = data_ops(chunk, state.uid)
-                await self._job(partial(state.prepare_roles, [role for role, _, _ in ops]))
+                at = time.monotonic()
+                ops = await self._job(partial(_take_chunk, state, chunk, received))
                 await self._write(partial(state.put_entries, ops=ops))
+                stats.written_s += time.monotonic() - at
+                stats.chunks += 1
+                stats.entries += len(ops)
             if end is None:
                 raise Diverged(f"the snapshot of queue {self.name!r} ended before its end chunk")
-            _position, digest = await self._read(state.digest)
-            if digest != end[1]:
-                raise Diverged(f"the snapshot of queue {self.name!r} installed with digest {digest}, not {end[1]}")
+            stats.seconds = time.monotonic() - started
+            if (received.count, received.hexdigest()) != end:
+                raise Diverged(
+                    f"the snapshot of queue {self.name!r} arrived as {received.count} entries of digest "
+                    f"{received.hexdigest()}, not the {end[0]} of digest {end[1]} it was sent as"
+                )
 
             async def finish() -> None:
-                await self._write(
-                    partial(state.finish_install, position=header.position, history=header.history, sender=sender)
-                )
+                await self._write(partial(state.finish_install, position=header.position, history=header.history, sender=sender))
                 state.installed(header.position, header.history, sender)
 
             await settled(finish())
@@ -223,4 +275,3 @@ class ReplicaCopy:
         async with self._lock:
             if self.group is None:
                 await self.lane.run(self.state.store.close)
-

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import struct
 import uuid
 from collections.abc import Iterable
@@ -44,6 +45,7 @@ _REBUILT = b"rebuilt"
 _PAIR = struct.Struct(">QQ")
 _U64 = struct.Struct(">Q")
 _SIZE = struct.Struct(">I")
+_HASH_RUN = 4096  # entries hashed in one update (bounds the memory of one)
 
 
 class Hasher:
@@ -55,12 +57,22 @@ class Hasher:
         self.count = 0
 
     def add(self, role: str, key: bytes, value: bytes) -> None:
-        h = self._h
-        if role != self._role:
-            h.update(b"\x00" + role.encode() + b"\x00")
+        self.add_run(role, ((key, value),))
+
+    def add_run(self, role: str, entries: Iterable[tuple[bytes, bytes]]) -> None:
+        """``add`` for a run of one role's entries, hashed in one update (per-entry
+        updates cost a call and a concatenation each: most of a snapshot's reading)."""
+        parts: list[bytes] = [b""]
+        extend, pack = parts.extend, _SIZE.pack
+        for key, value in entries:
+            extend((pack(len(key)), key, pack(len(value)), value))
+        if len(parts) == 1:
+            return
+        if role != self._role:  # a role is named once, before its first entry
+            parts[0] = b"\x00" + role.encode() + b"\x00"
             self._role = role
-        h.update(_SIZE.pack(len(key)) + key + _SIZE.pack(len(value)) + value)
-        self.count += 1
+        self.count += (len(parts) - 1) // 4
+        self._h.update(b"".join(parts))
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
@@ -83,6 +95,16 @@ def _write_ops(txn: lmdb.Transaction[bytes], ops: list[tuple[str, bytes, bytes |
             run.append((key, value))
     if run:
         txn.cursor(db=dbs[run_role]).putmulti(run)
+
+
+def _append(txn: lmdb.Transaction[bytes], db: Any, run: list[tuple[bytes, bytes]]) -> None:
+    """Append ``run`` (sorted keys, each above the database's last) to ``db``; by plain
+    puts from the first key that does not follow."""
+    consumed, added = txn.cursor(db=db).putmulti(run, append=True)
+    if added < len(run):
+        put = txn.put
+        for key, value in run[added:]:
+            put(key, value, db=db)
 
 
 def _partition_role(role: str) -> int | None:
@@ -250,7 +272,9 @@ class ReplicaState:
                 )
             return False
         if change.lsn != held.lsn + 1:
-            raise Diverged(f"queue uid {self.uid}: change {change.lsn} does not follow {held.lsn} (a gap): the copy must be rebuilt")
+            raise Diverged(
+                f"queue uid {self.uid}: change {change.lsn} does not follow {held.lsn} (a gap): the copy must be rebuilt"
+            )
         return True
 
     def apply(self, txn: lmdb.Transaction[bytes], change: ChangeSet, sender: int = 0) -> bool:
@@ -296,8 +320,9 @@ class ReplicaState:
         with self.store.env.begin() as txn:
             position = self.stored_position(txn)
             for role, db in sorted(self.roles_by_name().items()):
-                for key, value in txn.cursor(db=db):
-                    hasher.add(role, key, value)
+                entries = iter(txn.cursor(db=db))
+                while run := list(itertools.islice(entries, _HASH_RUN)):
+                    hasher.add_run(role, run)
         return position, hasher.hexdigest()
 
     def stored(self) -> tuple[Position, int, str]:
@@ -354,12 +379,26 @@ class ReplicaState:
         self._rebuilt = 0
 
     def put_entries(self, txn: lmdb.Transaction[bytes], ops: list[tuple[str, bytes, bytes | None]]) -> None:
-        """Store a snapshot's entries (``prepare`` first)."""
+        """Store a snapshot's entries (``prepare`` first).
+
+        A snapshot gives each database's entries in key order, after those of the
+        chunks before (begin_install emptied them), so each run of one database is
+        appended (``MDB_APPEND``, in C): no search of the tree and no Python call per
+        entry (200,000 entries: 0.57 s against 0.99 s put one by one). A run out of
+        order (a stream not from snapshot.py) is stored by plain puts."""
         dbs = {role: self.handle(role) for role in {op[0] for op in ops}}
-        put = txn.put
+        run: list[tuple[bytes, bytes]] = []
+        run_role = ""
         for role, key, value in ops:
-            if value is not None:
-                put(key, value, db=dbs[role])
+            if value is None:
+                continue
+            if run and role != run_role:
+                _append(txn, dbs[run_role], run)
+                run = []
+            run_role = role
+            run.append((key, value))
+        if run:
+            _append(txn, dbs[run_role], run)
 
     def finish_install(
         self, txn: lmdb.Transaction[bytes], position: Position, history: list[tuple[int, int]], sender: int = 0
@@ -386,5 +425,3 @@ class ReplicaState:
     def roles_by_name(self) -> dict[str, Any]:
         self.roles()
         return dict(self._handles)
-
-

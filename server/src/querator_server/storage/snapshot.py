@@ -104,29 +104,38 @@ class SnapshotReader:
             ) from exc
 
     def _chunk(self, txn: lmdb.Transaction[bytes]) -> bytes | None:
-        ops: list[tuple[str, bytes, bytes | None]] = []
+        # Runs of one database's entries, read by the cursor's iterator (in C) and
+        # hashed and encoded a run at a time: a snapshot reads every entry of a queue.
+        runs: list[tuple[str, list[tuple[bytes, bytes]]]] = []
         size = 0
-        add = self._hasher.add
-        while self._at < len(self._roles) and size < self._chunk_bytes:
+        limit = self._chunk_bytes
+        while self._at < len(self._roles) and size < limit:
             role, db = self._roles[self._at]
             cursor = txn.cursor(db=db)
             found = cursor.set_range(self._after) if self._after is not None else cursor.first()
             if found and self._after is not None and cursor.key() == self._after:
                 found = cursor.next()
-            while found and size < self._chunk_bytes:
-                key, value = cursor.item()
-                ops.append((role, key, value))
-                add(role, key, value)
-                size += len(key) + len(value) + 8
-                self._after = key
-                found = cursor.next()
+            run: list[tuple[bytes, bytes]] = []
+            if found:
+                append = run.append
+                for key, value in cursor.iternext():
+                    append((key, value))
+                    size += len(key) + len(value) + 8
+                    if size >= limit:
+                        break
+                else:
+                    found = False
+            if run:
+                runs.append((role, run))
+                self._hasher.add_run(role, run)
+                self._after = run[-1][0]
             if not found:
                 self._at += 1
                 self._after = None
-        if not ops:
+        if not runs:
             return None
         position = self.header.position
-        return DATA + ChangeSet(self.header.uid, position.epoch, position.lsn, ops).encode()
+        return DATA + ChangeSet.encode_runs(self.header.uid, position.epoch, position.lsn, runs)
 
     def end(self) -> bytes:
         return END + _END.pack(self._hasher.count) + self._hasher.hexdigest().encode()
