@@ -384,13 +384,16 @@ class ReplicaSet:
     """Where a replicated queue (replicas > 1) is kept: ``primary`` serves every
     partition under ``epoch`` (it grows by one with each election); ``replicas``, every
     copy's node, the primary included; ``in_sync``, the copies every acknowledged change
-    is durable on; writes need at least ``min_in_sync`` of them."""
+    is durable on; writes need at least ``min_in_sync`` of them. ``failover_blocked``:
+    why no live copy can take over from a primary that is not live (asked with
+    ``cluster_info(check_members=True)``; empty otherwise)."""
 
     primary: str
     epoch: int
     replicas: list[str] = field(default_factory=list)
     in_sync: list[str] = field(default_factory=list)
     min_in_sync: int = 0
+    failover_blocked: str = ""
 
 
 @dataclass(frozen=True, slots=True)

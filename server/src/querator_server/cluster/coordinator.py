@@ -18,7 +18,7 @@ from ..errors import FailedPrecondition, NotFound, QueratorError
 from ..logging import get_logger
 from ..manager import QueuesManager
 from ..storage.change_set import ChangeSet, Diverged, Fenced
-from . import identity
+from . import failover, identity
 from .admin_frontend import AdminFrontend
 from .catalog import APPLY_TIMEOUT_S as _APPLY_TIMEOUT_S
 from .catalog import CatalogCache, Keys
@@ -33,6 +33,7 @@ from .redrive_route import RedriveRoute
 from .replica_roles import ShardRoles
 from .router import Router
 from .shard_cas import Deposed
+from .shard_record import ShardRecord
 from .shipper import REPLICA_LAG_S
 from .standing import Standing, check_members
 
@@ -233,6 +234,11 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         routed = self.catalog.routed
         down = sum(1 for entry in list(self.catalog.queues.values()) for home in routed(entry).homes if home.node not in live)
         return len(live), self.membership.fenced, down
+
+    async def failover_blocked(self, record: ShardRecord) -> str:
+        """Why no live copy can take over from the record's primary ("" when none is
+        needed or one may): failover.why_blocked, for ClusterInfo."""
+        return await failover.why_blocked(record, self.node, self.roles.host.shards, self.router.peers, self.router.live)
 
     async def check_members(self) -> dict[str, Standing]:
         """Whether each other live member is fenced, as it says itself."""

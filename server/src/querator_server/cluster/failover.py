@@ -59,6 +59,45 @@ async def ask(peers: Peers, node: str, uid: int, fence: int, timeout: float = _G
     return CopyState.decode(reply.value)
 
 
+async def why_blocked(
+    record: ShardRecord, node: str, shards: dict[int, Shard], peers: Peers, live: Callable[[str], bool]
+) -> str:
+    """Why no live copy can take over from ``record``'s primary, asked of each live
+    copy (``node``: this node, whose copy is read here): "" while the primary is live or
+    some live copy may (``why_not_electable``). For an operator: the election itself
+    runs on the copies' nodes (replica_roles.py), which log the same reasons."""
+    if live(record.primary):
+        return ""
+    others = [n for n in record.replicas if n != record.primary]
+    copies = [n for n in others if live(n)]
+    if not copies:
+        gone = ", ".join(others)
+        return f"no copy is live (copies on {gone})" if others else "the queue has no other copy"
+
+    async def state(copy: str) -> CopyState:
+        if copy == node:
+            shard = shards.get(record.uid)
+            if shard is None:
+                raise QueratorError(f"this node holds no copy of shard {record.uid} (yet)")
+            return shard.state()
+        return await ask(peers, copy, record.uid, 0)
+
+    answers = await asyncio.gather(*(state(n) for n in copies), return_exceptions=True)
+    reasons: list[str] = []
+    for copy, answer in zip(copies, answers, strict=True):
+        if isinstance(answer, BaseException):
+            reasons.append(f"node {copy!r} did not answer: {str(answer)[:120]}")
+            continue
+        why = why_not_electable(record, copy, answer.incarnation, answer.rebuilt)
+        if not why:
+            return ""  # it may take over: a failover is under way
+        reasons.append(why)
+    down = [n for n in others if n not in copies]
+    if down:
+        reasons.append(f"not live: {', '.join(down)}")
+    return "; ".join(reasons)
+
+
 async def run(
     node: str,
     record: ShardRecord,

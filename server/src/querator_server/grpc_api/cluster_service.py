@@ -72,14 +72,26 @@ class ClusterService:
             )
             for n in sorted(nodes)
         ]
+        queues = [_placement(catalog, catalog.queues[n]) for n in self._names(request, list(catalog.queues))]
+        if request.check_members:
+            await self._failover_blocked(cluster, queues)
         return pb.ClusterInfoResponse(
             clustered=True,
             node_id=cluster.node,
             revision=catalog.revision,
             members=members,
-            queues=[_placement(catalog, catalog.queues[n]) for n in self._names(request, list(catalog.queues))],
+            queues=queues,
             admin_writable=not cluster.membership.fenced,
         )
+
+    @staticmethod
+    async def _failover_blocked(cluster: Coordinator, queues: list[pb.QueuePlacement]) -> None:
+        """Fill failover_blocked of each replicated queue whose primary is not live."""
+        down = [q for q in queues if q.primary and q.primary not in cluster.catalog.members]
+        records = [cluster.catalog.shards.get(cluster.catalog.queues[q.queue_name].shard) for q in down]
+        reasons = await asyncio.gather(*(cluster.failover_blocked(r) for r in records if r is not None))
+        for placement, why in zip([q for q, r in zip(down, records, strict=True) if r is not None], reasons, strict=True):
+            placement.failover_blocked = why
 
     async def retire(
         self, request: pb.RetireNodeDiscardingDataRequest, context: grpc.aio.ServicerContext[Any, Any]

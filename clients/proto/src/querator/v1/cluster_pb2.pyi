@@ -166,6 +166,7 @@ class QueuePlacement(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     PRIMARY_FIELD_NUMBER: _builtins.int
     MIN_IN_SYNC_FIELD_NUMBER: _builtins.int
+    FAILOVER_BLOCKED_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue."""
     key_partitions: _builtins.int
@@ -184,6 +185,16 @@ class QueuePlacement(_message.Message):
     """The node serving the queue now (the same as each homes[p])."""
     min_in_sync: _builtins.int
     """The fewest in-sync copies the queue accepts writes with."""
+    failover_blocked: _builtins.str
+    """Why no live copy can take over from a primary that is not live, so the
+    queue waits (UNAVAILABLE) for the primary or an in-sync copy to come back:
+    for each live copy, why it may lack acknowledged changes (not in the
+    in-sync set; a copy made again since its node's data was lost, waiting to
+    be rebuilt; ...), or that no copy is live. Empty while the primary is live
+    or a live copy may take over (a failover is under way). Filled only when
+    ClusterInfoRequest.check_members is set: the answering node asks each
+    live copy's node (at most 2 s) what its copy is.
+    """
     @_builtins.property
     def homes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The node id homing each partition: homes[p] is partition p's node."""
@@ -212,10 +223,11 @@ class QueuePlacement(_message.Message):
         epoch: _builtins.int = ...,
         primary: _builtins.str = ...,
         min_in_sync: _builtins.int = ...,
+        failover_blocked: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "homes", b"homes", "in_sync", b"in_sync", "key_partitions", b"key_partitions", "min_in_sync", b"min_in_sync", "primary", b"primary", "queue_name", b"queue_name", "replicas", b"replicas"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "failover_blocked", b"failover_blocked", "homes", b"homes", "in_sync", b"in_sync", "key_partitions", b"key_partitions", "min_in_sync", b"min_in_sync", "primary", b"primary", "queue_name", b"queue_name", "replicas", b"replicas"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

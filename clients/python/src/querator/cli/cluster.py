@@ -80,12 +80,12 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
     for name, copies in sorted(view.replicated.items()):
         if copies.primary not in live_nodes:
             problems.append(f"queue {name}: its primary {copies.primary} is not live")
-            if not any(n in live_nodes for n in copies.in_sync if n != copies.primary):
+            if copies.failover_blocked or not any(n in live_nodes for n in copies.in_sync if n != copies.primary):
                 # Only an in-sync copy holds every acknowledged write: none may take over.
                 waiting = ",".join(n for n in copies.in_sync if n not in live_nodes) or copies.primary
                 problems.append(
                     f"queue {name}: no live in-sync copy can take over without losing acknowledged writes; "
-                    f"it waits for {waiting}"
+                    f"it waits for {waiting}" + (f" ({copies.failover_blocked})" if copies.failover_blocked else "")
                 )
         if len(copies.in_sync) < copies.min_in_sync:
             problems.append(

@@ -1,0 +1,75 @@
+"""Replicated queues left short of copies, with real etcd and node processes.
+
+A module-scoped cluster of two nodes goes through one story: a queue of two copies
+whose copy node is killed, so the primary goes on alone (the copy leaves the in-sync
+set), then whose primary is killed and whose copy comes back. No live copy can take
+over: ``querator cluster status`` says why (the copy is not in the in-sync set), and a
+plain retire of the dead primary is refused; the explicit data-loss retire promotes
+the surviving copy, saying at which position. A cluster of its own: a node retired
+leaves a queue of two copies with one, and a node that joins later gets its copy back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+from cluster_helpers import Cluster, Node
+from failover_helpers import QUEUE, create_queue, placement
+from test_cluster_operator import querator
+
+from querator.v1 import cluster_pb2, cluster_pb2_grpc
+
+from conftest import wait_until
+
+TTL = 2
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with Cluster(str(tmp_path_factory.mktemp("short")), size=2, ttl=TTL) as c:
+        yield c
+
+
+def _by_id(cluster: Cluster) -> dict[str, Node]:
+    return {n.node_id: n for n in cluster.nodes}
+
+
+def _blocked(node: Node) -> cluster_pb2.QueuePlacement:
+    stub = cluster_pb2_grpc.ClusterServiceStub(node.channel)
+    info = stub.ClusterInfo(cluster_pb2.ClusterInfoRequest(queue_names=[QUEUE], check_members=True), timeout=10)
+    (found,) = info.queues
+    return found
+
+
+@pytest.mark.timeout(90)
+def test_status_says_why_a_live_copy_cannot_take_over_from_a_dead_primary(cluster: Cluster) -> None:
+    by_id = _by_id(cluster)
+    create_queue(cluster.nodes[0], replicas=2, partitions=1)
+    wait_until(lambda: len((placement(cluster.nodes[0]) or cluster_pb2.QueuePlacement()).in_sync) == 2, 15)
+    found = placement(cluster.nodes[0])
+    assert found is not None
+    primary, copy = by_id[found.primary], by_id[next(n for n in found.replicas if n != found.primary)]
+    primary.stubs.produce(QUEUE, [b"both-1", b"both-2"])
+    copy.kill9()
+    # The primary waits for the silent copy up to the lag bound, then drops it from the
+    # in-sync set and acknowledges alone: "alone" is on the primary only.
+    primary.stubs.produce(QUEUE, [b"alone"])
+    wait_until(lambda: list((placement(primary) or cluster_pb2.QueuePlacement()).in_sync) == [primary.node_id], 15)
+    assert _blocked(primary).failover_blocked == ""  # the primary is live: nothing is blocked
+    primary.kill9()
+    copy.start()
+    wait_until(lambda: copy.node_id in cluster.live(copy) and primary.node_id not in cluster.live(copy), 30)
+    reason = _blocked(copy).failover_blocked
+    assert f"node {copy.node_id!r} is not in the in-sync set" in reason, reason
+    status = querator("--address", copy.address, "cluster", "status")
+    assert status.returncode == 3, status.stderr
+    assert "is not in the in-sync set" in status.stderr and "no live in-sync copy can take over" in status.stderr, status.stderr
+    as_json = json.loads(querator("--address", copy.address, "cluster", "status", "--json").stdout)
+    (replicated,) = as_json["replicated"]
+    assert replicated["failover_blocked"] == reason
+    # Still blocked a few ticks later: nothing elects a copy that may lack acknowledged writes.
+    time.sleep(1.5)
+    assert _blocked(copy).primary == primary.node_id
