@@ -12,12 +12,14 @@ leaves a queue of two copies with one, and a node that joins later gets its copy
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from cluster_helpers import Cluster, Node
-from failover_helpers import QUEUE, create_queue, placement
+from failover_helpers import QUEUE, create_queue, digests, events, placement
 from test_cluster_operator import querator
 
 from querator.v1 import cluster_pb2, cluster_pb2_grpc
@@ -73,3 +75,42 @@ def test_status_says_why_a_live_copy_cannot_take_over_from_a_dead_primary(cluste
     # Still blocked a few ticks later: nothing elects a copy that may lack acknowledged writes.
     time.sleep(1.5)
     assert _blocked(copy).primary == primary.node_id
+
+
+@pytest.mark.timeout(120)
+def test_a_node_that_joins_gets_the_copy_a_retire_left_a_queue_short_of(tmp_path: Path) -> None:
+    with Cluster(str(tmp_path), size=2, ttl=TTL) as cluster:
+        by_id = _by_id(cluster)
+        create_queue(cluster.nodes[0], replicas=2, partitions=2)
+        wait_until(lambda: len((placement(cluster.nodes[0]) or cluster_pb2.QueuePlacement()).in_sync) == 2, 15)
+        found = placement(cluster.nodes[0])
+        assert found is not None
+        primary, dead = by_id[found.primary], by_id[next(n for n in found.replicas if n != found.primary)]
+        primary.stubs.produce(QUEUE, [b"before-%d" % i for i in range(50)])
+        dead.kill9()
+        wait_until(lambda: dead.node_id not in cluster.live(primary), 20)
+        retired = querator("--address", primary.address, "cluster", "retire", dead.node_id)
+        assert retired.returncode == 0, retired.stderr
+        # No live node without a copy: the queue keeps one copy, fewer than its replicas.
+        short = placement(primary)
+        assert short is not None and list(short.replicas) == [primary.node_id], short
+        primary.stubs.produce(QUEUE, [b"short-%d" % i for i in range(50)])
+
+        joined = Node("n3", str(tmp_path / "n3"), cluster.url, TTL)
+        cluster.nodes.append(joined)
+        joined.start()
+        both = {primary.node_id, "n3"}
+
+        def restored() -> bool:
+            now = placement(primary)
+            return now is not None and set(now.replicas) == both and set(now.in_sync) == both
+
+        wait_until(restored, 30)
+        assert len([e for n in cluster.nodes for e in events(n, "cluster_copy_restored")]) == 1
+        primary.stubs.produce(QUEUE, [b"after-%d" % i for i in range(50)])  # acknowledged by both copies
+        for node in (primary, joined):
+            node.signal(signal.SIGKILL)
+        for node in (primary, joined):
+            node.stop()
+        one, two = digests(primary), digests(joined)
+        assert one["digest"] == two["digest"] and one["position"] == two["position"], (one, two)

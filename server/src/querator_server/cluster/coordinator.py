@@ -23,6 +23,7 @@ from .admin_frontend import AdminFrontend
 from .catalog import APPLY_TIMEOUT_S as _APPLY_TIMEOUT_S
 from .catalog import CatalogCache, Keys
 from .change_ring import RING_CHANGES
+from .copies_restore import CopiesRestore
 from .dead_letter_route import DeadLetterRoute
 from .etcd import Access, Endpoint, Etcd, EtcdError, Txn
 from .forwarding import PeerTls
@@ -66,7 +67,7 @@ class ClusterSettings:
     replica_ring: int = RING_CHANGES
 
 
-class Coordinator(AdminFrontend, ReconcileBackend):
+class Coordinator(AdminFrontend, ReconcileBackend, CopiesRestore):
     def __init__(
         self,
         manager: QueuesManager,
@@ -114,6 +115,8 @@ class Coordinator(AdminFrontend, ReconcileBackend):
         # Cluster queues this node cannot serve: its data directory has an older queue of
         # the same name (from before it joined).
         self._blocked: set[str] = set()
+        self._restoring: asyncio.Task[None] | None = None  # copies_restore.py
+        self._restore_again = False
 
     # -- start and stop ------------------------------------------------------------
 
@@ -149,7 +152,15 @@ class Coordinator(AdminFrontend, ReconcileBackend):
             self.manager.token_secret = kv.value
         self.router.peers.set_secret(self.manager.token_secret)  # and proves forwarded calls
 
+    async def reconcile(self) -> None:
+        await super().reconcile()
+        # A node that joined may take the copy a queue left short by a retire lacks.
+        self.restore_copies_soon()
+
     async def stop(self) -> None:
+        if self._restoring is not None:
+            self._restoring.cancel()
+            await asyncio.gather(self._restoring, return_exceptions=True)
         await self._hand_over_primaries()
         await self.roles.stop()
         await self.catalog.stop()

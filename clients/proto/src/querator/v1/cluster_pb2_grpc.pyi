@@ -54,7 +54,9 @@ class ClusterServiceStub:
     copy on the node loses that copy (nothing acknowledged is lost; a queue it
     is primary of is handed over to another live in-sync copy first), and a
     copy is made again on a live node holding none, filled from
-    the queue's other copies; with no such node the queue keeps one copy fewer.
+    the queue's other copies; with no such node the queue keeps one copy fewer
+    until a live node without one is there (a node that joins later), where its
+    primary then makes it.
     FAILED_PRECONDITION, nothing retired, when the node holds a queue's only
     in-sync copy. Needs an admin key for "*".
     """
@@ -121,7 +123,9 @@ class ClusterServiceAsyncStub(ClusterServiceStub):
     copy on the node loses that copy (nothing acknowledged is lost; a queue it
     is primary of is handed over to another live in-sync copy first), and a
     copy is made again on a live node holding none, filled from
-    the queue's other copies; with no such node the queue keeps one copy fewer.
+    the queue's other copies; with no such node the queue keeps one copy fewer
+    until a live node without one is there (a node that joins later), where its
+    primary then makes it.
     FAILED_PRECONDITION, nothing retired, when the node holds a queue's only
     in-sync copy. Needs an admin key for "*".
     """
@@ -197,7 +201,9 @@ class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
         copy on the node loses that copy (nothing acknowledged is lost; a queue it
         is primary of is handed over to another live in-sync copy first), and a
         copy is made again on a live node holding none, filled from
-        the queue's other copies; with no such node the queue keeps one copy fewer.
+        the queue's other copies; with no such node the queue keeps one copy fewer
+        until a live node without one is there (a node that joins later), where its
+        primary then makes it.
         FAILED_PRECONDITION, nothing retired, when the node holds a queue's only
         in-sync copy. Needs an admin key for "*".
         """

@@ -1,0 +1,85 @@
+"""Copies made again when a node becomes available (part of the coordinator).
+
+A retire with no live node to take a dead node's copy leaves a replicated queue with
+fewer copies than its ``replicas`` (admin_frontend.py, ``_drop_copies``). Once a live
+node holding no copy of it is there (one that joined, or came back), the queue's
+primary adds one there, as a retire would have (copy_moves.py: one CAS appending it to
+the record's copies; the primary fills it and counts it in sync once caught up).
+
+Run by the primary only (one node per shard), after each catalog change (a node
+joining is one), one pass at a time, one copy per shard and pass: the CAS on the
+record's revision makes a pass that raced another change (a retire, a move, an
+UpdateQueue) fail harmlessly, and the next pass reads the record again. A queue with
+as many copies as its ``replicas`` or more (a move under way) is left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..errors import QueratorError
+from ..logging import get_logger
+from .copy_moves import CopyMoves
+from .replica_roles import ShardRoles
+
+log = get_logger("cluster")
+
+
+class CopiesRestore(CopyMoves):
+    """Part of Coordinator (coordinator.py holds the state and the wiring)."""
+
+    roles: ShardRoles
+    retired: bool
+    _restoring: asyncio.Task[None] | None
+    _restore_again: bool
+
+    def restore_copies_soon(self) -> None:
+        """Run a pass in the background (a catalog change must not wait for CASes); a
+        change seen while one runs makes it run once more."""
+        if self._restoring is not None and not self._restoring.done():
+            self._restore_again = True
+            return
+        self._restoring = asyncio.get_running_loop().create_task(self._restore_passes(), name="querator-copies-restore")
+
+    async def _restore_passes(self) -> None:
+        self._restore_again = True
+        while self._restore_again:
+            self._restore_again = False
+            try:
+                await self.restore_copies()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("cluster_copy_restore_failed")
+
+    async def restore_copies(self) -> int:
+        """One pass: a copy added for each short queue this node is primary of, where a
+        live node holds none; the copies added."""
+        if self.retired or self.membership.fenced or self.node not in self.catalog.members:
+            return 0
+        added = 0
+        for entry in list(self.catalog.queues.values()):
+            record = self.catalog.shards.get(entry.shard) if entry.shard else None
+            if record is None or record.primary != self.node or len(record.replicas) >= entry.config.replicas:
+                continue
+            shard = self.roles.host.shards.get(record.uid)
+            if shard is None or shard.primary is None or shard.primary.epoch != record.epoch:
+                continue  # not serving it (yet): the copy it adds must be filled by it
+            spare = self._spare_nodes(record)
+            if not spare:
+                continue
+            try:
+                await self._add_copy(record, spare[0])
+            except QueratorError as exc:  # the record moved on, or this node is fenced: next pass
+                log.info("cluster_copy_restore_skipped", queue=record.queue, node=spare[0], reason=exc.message[:200])
+                continue
+            added += 1
+            log.warning(
+                "cluster_copy_restored",
+                queue=record.queue,
+                shard=record.uid,
+                node=spare[0],
+                copies=len(record.replicas) + 1,
+                replicas=entry.config.replicas,
+            )
+        return added
