@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from cluster_helpers import Cluster, Node
 from failover_helpers import QUEUE, create_queue, digests, events, placement
@@ -24,7 +25,7 @@ from test_cluster_operator import querator
 
 from querator.v1 import cluster_pb2, cluster_pb2_grpc
 
-from conftest import wait_until
+from conftest import dur, wait_until
 
 TTL = 2
 
@@ -114,3 +115,39 @@ def test_a_node_that_joins_gets_the_copy_a_retire_left_a_queue_short_of(tmp_path
             node.stop()
         one, two = digests(primary), digests(joined)
         assert one["digest"] == two["digest"] and one["position"] == two["position"], (one, two)
+
+
+@pytest.mark.timeout(90)
+def test_a_plain_retire_of_a_node_holding_the_only_in_sync_copy_is_refused_the_data_loss_retire_promotes_the_copy_behind(
+    cluster: Cluster,
+) -> None:
+    """After the test above: the primary is dead, its copy live and out of the in-sync set."""
+    found = placement(cluster.nodes[0] if cluster.nodes[0].proc and cluster.nodes[0].proc.poll() is None else cluster.nodes[1])
+    by_id = _by_id(cluster)
+    assert found is not None
+    dead = by_id[found.primary]
+    copy = by_id[next(n for n in found.replicas if n != found.primary)]
+    stub = cluster_pb2_grpc.ClusterServiceStub(copy.channel)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.RetireNodeDiscardingData(cluster_pb2.RetireNodeDiscardingDataRequest(node_id=dead.node_id), timeout=20)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"node {dead.node_id!r} holds its only in-sync copy; nothing was retired" in (refused.value.details() or "")
+    assert dead.node_id in {m.node_id for m in copy.info().members}  # not retired
+    assert placement(copy).primary == dead.node_id  # type: ignore[union-attr]
+
+    retired = querator("--address", copy.address, "cluster", "retire", dead.node_id, "--discard-data", "--yes", "--json")
+    assert retired.returncode == 0, retired.stderr
+    answer = json.loads(retired.stdout)
+    (promoted,) = answer["copies_promoted"]
+    assert promoted["queue_name"] == QUEUE and promoted["node_id"] == copy.node_id, answer
+    assert promoted["epoch"] == found.epoch and promoted["lsn"] > 0 and promoted["new_epoch"] == found.epoch + 1, answer
+    now = placement(copy)
+    assert now is not None and now.primary == copy.node_id and list(now.replicas) == [copy.node_id], now
+    # The copy serves what it held: both acknowledged by both copies; "alone" (acknowledged
+    # by the dead primary after the copy left the in-sync set) is the loss the answer named.
+    got: list[bytes] = []
+    wait_until(lambda: got.extend(i.payload for i in copy.stubs.lease(QUEUE, 10, timeout=5, request_timeout=dur(0.3)).items) or len(got) >= 2, 20)
+    time.sleep(0.5)
+    got += [i.payload for i in copy.stubs.lease(QUEUE, 10, timeout=5, request_timeout=dur(0.3)).items]
+    assert sorted(got) == [b"both-1", b"both-2"]
+    assert copy.stubs.produce(QUEUE, [b"after"]).ids

@@ -29,6 +29,7 @@ from ._models import (
     QueueStats,
     RedriveResult,
     ReplicaSet,
+    RetiredNode,
     RetryResult,
     SetAsideQueue,
     SetAsideQueues,
@@ -343,6 +344,12 @@ class AsyncClient(BaseClient):
     async def retire_node_discarding_data(self, node_id: str, *, timeout: Seconds | None = None) -> int:
         """Retire a dead node, losing its items; see :meth:`querator.Client.retire_node_discarding_data`."""
         return await self._transport.run(ops.retire_node_discarding_data(self._config, node_id, timeout))
+
+    async def retire_node(
+        self, node_id: str, *, promote_copies_behind: bool = False, timeout: Seconds | None = None
+    ) -> RetiredNode:
+        """Retire a dead node, answering all it did; see :meth:`querator.Client.retire_node`."""
+        return await self._transport.run(ops.retire_node(self._config, node_id, promote_copies_behind, timeout))
 
 
 __all__ = ["AsyncClient"]

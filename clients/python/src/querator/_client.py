@@ -31,6 +31,7 @@ from ._models import (
     QueueStats,
     RedriveResult,
     ReplicaSet,
+    RetiredNode,
     RetryResult,
     SetAsideQueue,
     SetAsideQueues,
@@ -408,6 +409,14 @@ class Client(BaseClient):
         key for "*"; raises FailedPrecondition while the node is live, NotFound when it
         homes no partition. Returns how many partitions were recreated. Not retried."""
         return self._transport.run(ops.retire_node_discarding_data(self._config, node_id, timeout))
+
+    def retire_node(self, node_id: str, *, promote_copies_behind: bool = False, timeout: Seconds | None = None) -> RetiredNode:
+        """``retire_node_discarding_data`` answering all it did. ``promote_copies_behind``:
+        a replicated queue whose only in-sync copy the node held gets its most advanced
+        other copy as primary, LOSING the changes acknowledged after that copy's
+        position (``RetiredNode.copies_promoted``); without it such a retire raises
+        FailedPrecondition and retires nothing. Not retried."""
+        return self._transport.run(ops.retire_node(self._config, node_id, promote_copies_behind, timeout))
 
 
 __all__ = ["Client"]

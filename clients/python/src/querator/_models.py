@@ -397,6 +397,29 @@ class ReplicaSet:
 
 
 @dataclass(frozen=True, slots=True)
+class PromotedCopy:
+    """A copy out of the in-sync set that a retire made its queue's primary
+    (``retire_node(..., promote_copies_behind=True)``): every change acknowledged after
+    its position (``epoch``, ``lsn``) is lost; ``new_epoch`` is the queue's epoch since."""
+
+    queue_name: str
+    node_id: str
+    epoch: int
+    lsn: int
+    new_epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class RetiredNode:
+    """What retiring a node did: partitions recreated empty, copies of replicated
+    queues made again from the others, and copies promoted although behind."""
+
+    partitions_recreated: int
+    copies_recreated: int = 0
+    copies_promoted: list[PromotedCopy] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterView:
     """A node's view of its cluster at catalog ``revision`` (a single server: one member,
     ``clustered`` false). ``homes[queue][p]`` is the node id homing partition ``p``."""

@@ -31,10 +31,12 @@ from ._models import (
     Item,
     Page,
     Payload,
+    PromotedCopy,
     QueueInfo,
     QueueStats,
     RedriveResult,
     ReplicaSet,
+    RetiredNode,
     RetryResult,
     SetAsideQueue,
     SetAsideQueues,
@@ -375,6 +377,15 @@ def drain_node(config: ClientConfig, node_id: str, timeout: Seconds | None) -> O
 
 
 def retire_node_discarding_data(config: ClientConfig, node_id: str, timeout: Seconds | None) -> Operation[int]:
-    request = cluster_pb2.RetireNodeDiscardingDataRequest(node_id=node_id)
+    retired = yield from retire_node(config, node_id, False, timeout)
+    return retired.partitions_recreated
+
+
+def retire_node(config: ClientConfig, node_id: str, promote_copies_behind: bool, timeout: Seconds | None) -> Operation[RetiredNode]:
+    request = cluster_pb2.RetireNodeDiscardingDataRequest(node_id=node_id, promote_copies_behind=promote_copies_behind)
     response = yield Call(CLUSTER, "RetireNodeDiscardingData", request, config.call_timeout(timeout), False)
-    return int(response.partitions_recreated)
+    return RetiredNode(
+        int(response.partitions_recreated),
+        int(response.copies_recreated),
+        [PromotedCopy(c.queue_name, c.node_id, c.epoch, c.lsn, c.new_epoch) for c in response.copies_promoted],
+    )

@@ -27,6 +27,7 @@ from .catalog import APPLY_TIMEOUT_S as _APPLY_TIMEOUT_S
 from .catalog import CatalogCache, Keys
 from .copy_moves import CATCH_UP_S, CopyMoves
 from .etcd import Etcd, EtcdError, Txn
+from .failover import Promoted
 from .membership import Membership
 from .placement import Home, QueueEntry, place, place_shard
 from .replica_wire import StatusAsk
@@ -287,10 +288,13 @@ class AdminFrontend(CopyMoves):
         txn = self._fenced_txn().delete(name)
         await self._commit(txn, lambda: NotFound(f"key {key_id!r} does not exist"))
 
-    async def retire(self, node: str) -> tuple[int, int]:
+    async def retire(self, node: str, promote_behind: bool = False) -> tuple[int, int, builtins.list[Promoted]]:
         """Recreate ``node``'s partitions, empty, on the live nodes (its items are lost),
         and its copies of replicated queues from their other copies: (partitions
-        recreated, copies made again)."""
+        recreated, copies made again, copies promoted). ``promote_behind``: a queue
+        whose only in-sync copy ``node`` held gets its most advanced surviving copy as
+        primary (failover.promote_behind: what ``node`` acknowledged after it is lost);
+        without it such a queue makes the retire refuse."""
         if not node:
             raise InvalidArgument("node_id", "is required")
         if node == self.node or node in self.catalog.members:
@@ -299,7 +303,7 @@ class AdminFrontend(CopyMoves):
         owned = [e for e in self.catalog.queues.values() if not e.shard and any(h.node == node for h in e.homes)]
         copies = sorted((r for r in self.catalog.shards.records() if node in r.replicas), key=lambda r: r.queue)
         if not owned and not copies and node in self.catalog.retired:
-            return 0, 0
+            return 0, 0, []
         if not owned and not copies:
             # Retiring bans the id for ever: an id the catalog does not know (a typo) must
             # not be banned, and a node that homes nothing has nothing to give up.
@@ -310,7 +314,8 @@ class AdminFrontend(CopyMoves):
         live = self._live()
         if not live:
             raise Unavailable("no live node to recreate the partitions on")
-        remade = await self._drop_copies(node, copies)
+        promoted: builtins.list[Promoted] = []
+        remade = await self._drop_copies(node, copies, promote_behind, promoted)
         if not owned:
             await self._commit(
                 self._fenced_txn().created_at(self.keys.member(node), 0).put(self.keys.retired(node), b"{}"),
@@ -319,7 +324,7 @@ class AdminFrontend(CopyMoves):
             log.warning(
                 "cluster_node_retired_by_admin", node=node, partitions_recreated=0, copies_dropped=len(copies), copies_remade=remade
             )
-            return 0, remade
+            return 0, remade, promoted
         queues = self.catalog.queues
         work: dict[str, builtins.list[Home]] = {}
         moved = 0
@@ -361,26 +366,44 @@ class AdminFrontend(CopyMoves):
         if ops:
             await self._commit(txn, lambda: FailedPrecondition("the catalog changed meanwhile (or the node came back); retry"))
         log.warning("cluster_node_retired_by_admin", node=node, partitions_recreated=moved, copies_remade=remade)
-        return moved, remade
+        return moved, remade, promoted
 
-    async def _drop_copies(self, node: str, copies: builtins.list[ShardRecord]) -> int:
+    async def _drop_copies(
+        self, node: str, copies: builtins.list[ShardRecord], promote_behind: bool, promoted: builtins.list[Promoted]
+    ) -> int:
         """Take a node being retired out of each replicated queue it keeps a copy of: a
         queue it is still primary of goes to another live in-sync copy first; one whose
-        only in-sync copy it holds is refused (nothing else has what it acknowledged).
-        Each copy is made again on a live node without one (added before the dead one
-        is dropped, so the queue's min_in_sync stays), filled from the survivors by its
-        primary; with no such node the queue keeps one copy fewer (its min_in_sync
-        capped at what is left). Returns the copies made again."""
+        only in-sync copy it holds is refused (nothing else has what it acknowledged)
+        before anything changes, unless ``promote_behind`` (its most advanced surviving
+        copy is elected, listed in ``promoted``). Each copy is made again on a live node
+        without one (added before the dead one is dropped, so the queue's min_in_sync
+        stays), filled from the survivors by its primary; with no such node the queue
+        keeps one copy fewer (its min_in_sync capped at what is left). Returns the
+        copies made again."""
+
+        def in_sync_elsewhere(record: ShardRecord) -> builtins.list[str]:
+            return [n for n, i in record.isr if n != node and i and n in self.catalog.members]
+
+        alone = [r for r in copies if r.primary == node and not in_sync_elsewhere(r)]
+        if alone and not promote_behind:
+            raise FailedPrecondition(
+                f"queue {alone[0].queue!r}: node {node!r} holds its only in-sync copy; nothing was retired "
+                "(bring the node back, or delete the queue; or retire it with promote_copies_behind "
+                "(cluster retire --discard-data), which makes the most advanced other copy the primary and "
+                "loses what the node acknowledged after that copy's position)"
+            )
         planned: Counter[str] = Counter()
         for record in copies:
             if record.primary == node:
-                others = [n for n, i in record.isr if n != node and i and n in self.catalog.members]
-                if not others:
-                    raise FailedPrecondition(
-                        f"queue {record.queue!r}: node {node!r} holds its only in-sync copy; nothing was retired "
-                        "(bring the node back, or delete the queue)"
+                others = in_sync_elsewhere(record)
+                if others:
+                    record = await self._hand_over(record, others[0], leaving=node)
+                else:
+                    record, copy = await failover.promote_behind(
+                        record, node, self.node, self.roles.host.shards, self.catalog.shards, self.router.peers, self.router.live
                     )
-                record = await self._hand_over(record, others[0], leaving=node)
+                    promoted.append(copy)
+                    await self.catalog.wait_applied(record.mod_revision, _APPLY_TIMEOUT_S)
             spare = self._spare_nodes(record, planned)
             if spare:
                 record = await self._add_copy(record, spare[0])

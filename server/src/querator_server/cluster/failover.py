@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from google.protobuf.wrappers_pb2 import BytesValue
 
-from ..errors import QueratorError
+from ..errors import FailedPrecondition, QueratorError
 from ..logging import get_logger
 from .etcd import EtcdError
 from .forwarding import Peers
@@ -50,6 +50,17 @@ class Candidate:
     def rank(self) -> tuple[int, int, str]:
         # Higher position first; among equals the lowest node id (negated for max()).
         return (self.epoch, self.lsn, "".join(chr(0x10FFFF - ord(c)) for c in self.node))
+
+
+@dataclass(frozen=True, slots=True)
+class Promoted:
+    """A copy out of the in-sync set made primary by a retire (``promote_behind``)."""
+
+    queue: str
+    node: str
+    epoch: int  # its position: every change acknowledged after it is lost
+    lsn: int
+    new_epoch: int
 
 
 async def ask(peers: Peers, node: str, uid: int, fence: int, timeout: float = _GATHER_S) -> CopyState:
@@ -96,6 +107,72 @@ async def why_blocked(
     if down:
         reasons.append(f"not live: {', '.join(down)}")
     return "; ".join(reasons)
+
+
+async def promote_behind(
+    record: ShardRecord,
+    leaving: str,
+    node: str,
+    shards: dict[int, Shard],
+    table: ShardTable,
+    peers: Peers,
+    live: Callable[[str], bool],
+) -> tuple[ShardRecord, Promoted]:
+    """Elect the most advanced live copy of ``record``'s queue other than ``leaving``'s
+    although none is in the in-sync set: ``leaving`` (dead, being retired) held the
+    only in-sync copy, so every change it acknowledged after that copy's position is
+    lost. An operator's explicit choice (a retire with promote_copies_behind), never a
+    failover's. Each copy is fenced at the new epoch first, as an election fences, so
+    the positions compared cannot move. The new record and the promoted copy; raises
+    FailedPrecondition when no live copy holds anything."""
+    fence = record.epoch + 1
+    copies = [n for n in record.replicas if n != leaving and live(n)]
+
+    async def state(copy: str) -> CopyState:
+        if copy == node:
+            shard = shards.get(record.uid)
+            if shard is None:
+                raise QueratorError(f"this node holds no copy of shard {record.uid} (yet)")
+            async with shard.lock:
+                if shard.copy.fenced_epoch() < fence:
+                    await shard.copy.fence(fence)
+            return shard.state()
+        return await ask(peers, copy, record.uid, fence)
+
+    answers = await asyncio.gather(*(state(n) for n in copies), return_exceptions=True)
+    candidates: list[Candidate] = []
+    left_out: list[str] = [f"{n}: not live" for n in record.replicas if n != leaving and n not in copies]
+    for copy, answer in zip(copies, answers, strict=True):
+        if isinstance(answer, BaseException):
+            left_out.append(f"{copy}: did not answer ({str(answer)[:120]})")
+        elif answer.primary:
+            left_out.append(f"{copy}: serves the queue as primary already")
+        elif not answer.incarnation or answer.lsn <= 0:
+            # Empty, or half-way through installing a snapshot (its position is 0 then).
+            left_out.append(f"{copy}: holds nothing")
+        else:
+            candidates.append(Candidate(copy, answer.incarnation, answer.epoch, answer.lsn))
+    if not candidates:
+        raise FailedPrecondition(
+            f"queue {record.queue!r}: node {leaving!r} held its only in-sync copy and no other copy can be promoted "
+            f"({'; '.join(left_out) or 'it has no other copy'}); nothing was retired (bring the node back, or delete the queue)"
+        )
+    best = max(candidates, key=lambda c: c.rank)
+    try:
+        elected = await table.elect(record, best.node, [(best.node, best.incarnation)], primary_gone=True)
+    except (EtcdError, QueratorError) as exc:
+        raise FailedPrecondition(f"queue {record.queue!r} changed meanwhile ({str(exc)[:200]}); retry") from None
+    log.error(
+        "shard_promoted_behind",
+        uid=record.uid,
+        queue=record.queue,
+        old_primary=leaving,
+        primary=best.node,
+        epoch=elected.epoch,
+        position=[best.epoch, best.lsn],
+        detail="the retired node held the only in-sync copy: changes it acknowledged after this position are lost",
+    )
+    return elected, Promoted(record.queue, best.node, best.epoch, best.lsn, elected.epoch)
 
 
 async def run(

@@ -98,8 +98,15 @@ class ClusterService:
     ) -> pb.RetireNodeDiscardingDataResponse:
         if self.cluster is None:
             raise FailedPrecondition("this server is not part of a cluster")
-        moved, remade = await self.cluster.retire(request.node_id)
-        return pb.RetireNodeDiscardingDataResponse(partitions_recreated=moved, copies_recreated=remade)
+        moved, remade, promoted = await self.cluster.retire(request.node_id, request.promote_copies_behind)
+        return pb.RetireNodeDiscardingDataResponse(
+            partitions_recreated=moved,
+            copies_recreated=remade,
+            copies_promoted=[
+                pb.PromotedCopy(queue_name=p.queue, node_id=p.node, epoch=p.epoch, lsn=p.lsn, new_epoch=p.new_epoch)
+                for p in promoted
+            ],
+        )
 
     # -- replicated queues: hand-overs -------------------------------------------------
 

@@ -240,16 +240,29 @@ class RetireNodeDiscardingDataRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NODE_ID_FIELD_NUMBER: _builtins.int
+    PROMOTE_COPIES_BEHIND_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node to retire; it must not be live."""
+    promote_copies_behind: _builtins.bool
+    """Also retire the node when it holds a replicated queue's only in-sync copy
+    while another copy of the queue survives out of the in-sync set (it fell
+    behind and was dropped): the most advanced live copy (highest epoch, then
+    lsn) becomes the queue's primary, an election (epoch + 1), and every change
+    the retired node acknowledged after that copy's position is LOST (how many
+    is not known: only the retired node knew). copies_promoted in the answer
+    names each such copy and its position. Without it such a retire answers
+    FAILED_PRECONDITION and retires nothing. A queue with no live copy beside
+    the node's is refused either way.
+    """
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
+        promote_copies_behind: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "promote_copies_behind", b"promote_copies_behind"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -263,25 +276,74 @@ class RetireNodeDiscardingDataResponse(_message.Message):
 
     PARTITIONS_RECREATED_FIELD_NUMBER: _builtins.int
     COPIES_RECREATED_FIELD_NUMBER: _builtins.int
+    COPIES_PROMOTED_FIELD_NUMBER: _builtins.int
     partitions_recreated: _builtins.int
     """How many partitions (over all queues) were recreated, empty, elsewhere."""
     copies_recreated: _builtins.int
     """How many copies of replicated queues were made again on live nodes, filled
     from their queues' other copies (nothing lost).
     """
+    @_builtins.property
+    def copies_promoted(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromotedCopy]:
+        """The copies promote_copies_behind made primaries, one per queue: the changes
+        acknowledged after each one's position are lost.
+        """
+
     def __init__(
         self,
         *,
         partitions_recreated: _builtins.int = ...,
         copies_recreated: _builtins.int = ...,
+        copies_promoted: _abc.Iterable[Global___PromotedCopy] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["copies_recreated", b"copies_recreated", "partitions_recreated", b"partitions_recreated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copies_promoted", b"copies_promoted", "copies_recreated", b"copies_recreated", "partitions_recreated", b"partitions_recreated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RetireNodeDiscardingDataResponse: _TypeAlias = RetireNodeDiscardingDataResponse  # noqa: Y015
+
+@_typing.final
+class PromotedCopy(_message.Message):
+    """PromotedCopy is a copy a retire made a replicated queue's primary although it
+    was out of the in-sync set (RetireNodeDiscardingDataRequest.promote_copies_behind).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_NAME_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    LSN_FIELD_NUMBER: _builtins.int
+    NEW_EPOCH_FIELD_NUMBER: _builtins.int
+    queue_name: _builtins.str
+    """The queue."""
+    node_id: _builtins.str
+    """The node of the copy, now the queue's primary."""
+    epoch: _builtins.int
+    """The copy's position when it was promoted: the epoch and lsn of the last
+    change it held. Every change acknowledged after it is lost.
+    """
+    lsn: _builtins.int
+    new_epoch: _builtins.int
+    """The queue's new epoch (the election's)."""
+    def __init__(
+        self,
+        *,
+        queue_name: _builtins.str = ...,
+        node_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        lsn: _builtins.int = ...,
+        new_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "lsn", b"lsn", "new_epoch", b"new_epoch", "node_id", b"node_id", "queue_name", b"queue_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromotedCopy: _TypeAlias = PromotedCopy  # noqa: Y015
 
 @_typing.final
 class ListSetAsideQueuesRequest(_message.Message):

@@ -154,7 +154,8 @@ def _warning(view: ClusterView, node: str) -> str:
         f"{' (queues: ' + shown + ')' if queues else ''}: each is recreated, empty, on a live node, and the items "
         f"left in {node}'s data directory are never served again. The id {node} can never join the cluster again.\n"
         f"If {node}'s data directory can be recovered, restore it on a new host under the same --node-id "
-        f"instead: nothing is lost that way ({DIED_FOR_GOOD})."
+        f"instead: nothing is lost that way ({DIED_FOR_GOOD}). A replicated queue whose only in-sync copy {node} "
+        f"held gets its most advanced other copy as primary: what {node} acknowledged after that copy's position is lost."
     )
 
 
@@ -176,12 +177,23 @@ def cmd_retire(args: argparse.Namespace, client: Client) -> int:
         if answer != node:
             print("not retired", file=sys.stderr)
             return 1
-    moved = client.retire_node_discarding_data(node)
+    # --discard-data also accepts losing what the node alone acknowledged: a replicated
+    # queue whose only in-sync copy it held gets its most advanced other copy as primary.
+    retired = client.retire_node(node, promote_copies_behind=bool(args.discard_data))
+    moved = retired.partitions_recreated
+    lines = [f"retired node {node}: {moved} partition{'s' if moved != 1 else ''} recreated, empty, on the live nodes"]
+    lines += [
+        f"queue {c.queue_name}: {node} held its only in-sync copy; the copy on {c.node_id} (epoch {c.epoch}, lsn {c.lsn}) "
+        f"is its primary now (epoch {c.new_epoch}): the changes {node} acknowledged after that position are LOST"
+        for c in retired.copies_promoted
+    ]
     return done(
         args,
-        f"retired node {node}: {moved} partition{'s' if moved != 1 else ''} recreated, empty, on the live nodes",
+        "\n".join(lines),
         node_id=node,
         partitions_recreated=moved,
+        copies_recreated=retired.copies_recreated,
+        copies_promoted=[asdict(c) for c in retired.copies_promoted],
     )
 
 

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file querator/v1/cluster.proto.
  */
 export const file_querator_v1_cluster: GenFile = /*@__PURE__*/
-  fileDesc("ChlxdWVyYXRvci92MS9jbHVzdGVyLnByb3RvEgtxdWVyYXRvci52MSJAChJDbHVzdGVySW5mb1JlcXVlc3QSEwoLcXVldWVfbmFtZXMYASADKAkSFQoNY2hlY2tfbWVtYmVycxgCIAEoCCK9AQoTQ2x1c3RlckluZm9SZXNwb25zZRIRCgljbHVzdGVyZWQYASABKAgSDwoHbm9kZV9pZBgCIAEoCRIQCghyZXZpc2lvbhgDIAEoAxIrCgdtZW1iZXJzGAQgAygLMhoucXVlcmF0b3IudjEuQ2x1c3Rlck1lbWJlchIrCgZxdWV1ZXMYBSADKAsyGy5xdWVyYXRvci52MS5RdWV1ZVBsYWNlbWVudBIWCg5hZG1pbl93cml0YWJsZRgGIAEoCCJkCg1DbHVzdGVyTWVtYmVyEg8KB25vZGVfaWQYASABKAkSDwoHYWRkcmVzcxgCIAEoCRIMCgRsaXZlGAMgASgIEg4KBmZlbmNlZBgEIAEoCBITCgtjaGVja19lcnJvchgFIAEoCSK9AQoOUXVldWVQbGFjZW1lbnQSEgoKcXVldWVfbmFtZRgBIAEoCRINCgVob21lcxgCIAMoCRIWCg5rZXlfcGFydGl0aW9ucxgDIAEoBRIQCghyZXBsaWNhcxgEIAMoCRIPCgdpbl9zeW5jGAUgAygJEg0KBWVwb2NoGAYgASgDEg8KB3ByaW1hcnkYByABKAkSEwoLbWluX2luX3N5bmMYCCABKAUSGAoQZmFpbG92ZXJfYmxvY2tlZBgJIAEoCSIyCh9SZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXF1ZXN0Eg8KB25vZGVfaWQYASABKAkiWgogUmV0aXJlTm9kZURpc2NhcmRpbmdEYXRhUmVzcG9uc2USHAoUcGFydGl0aW9uc19yZWNyZWF0ZWQYASABKAUSGAoQY29waWVzX3JlY3JlYXRlZBgCIAEoBSIsChlMaXN0U2V0QXNpZGVRdWV1ZXNSZXF1ZXN0Eg8KB25vZGVfaWQYASABKAkirwEKDVNldEFzaWRlUXVldWUSDwoHbm9kZV9pZBgBIAEoCRIUCgxzZXRfYXNpZGVfaWQYAiABKAkSEgoKcXVldWVfbmFtZRgDIAEoCRINCgVpdGVtcxgEIAEoAxIOCgZyZWFzb24YBSABKAkSMAoMc2V0X2FzaWRlX2F0GAYgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBISCgpwYXJ0aXRpb25zGAcgASgFImIKGkxpc3RTZXRBc2lkZVF1ZXVlc1Jlc3BvbnNlEioKBnF1ZXVlcxgBIAMoCzIaLnF1ZXJhdG9yLnYxLlNldEFzaWRlUXVldWUSGAoQdW5hbnN3ZXJlZF9ub2RlcxgCIAMoCSJDChpSZW1vdmVTZXRBc2lkZVF1ZXVlUmVxdWVzdBIPCgdub2RlX2lkGAEgASgJEhQKDHNldF9hc2lkZV9pZBgCIAEoCSJKChtSZW1vdmVTZXRBc2lkZVF1ZXVlUmVzcG9uc2USKwoHcmVtb3ZlZBgBIAEoCzIaLnF1ZXJhdG9yLnYxLlNldEFzaWRlUXVldWUiTQoQTW92ZVF1ZXVlUmVxdWVzdBISCgpxdWV1ZV9uYW1lGAEgASgJEg8KB25vZGVfaWQYAiABKAkSFAoMZnJvbV9ub2RlX2lkGAMgASgJIkMKEU1vdmVRdWV1ZVJlc3BvbnNlEi4KCXBsYWNlbWVudBgBIAEoCzIbLnF1ZXJhdG9yLnYxLlF1ZXVlUGxhY2VtZW50IiMKEERyYWluTm9kZVJlcXVlc3QSDwoHbm9kZV9pZBgBIAEoCSIwChFEcmFpbk5vZGVSZXNwb25zZRINCgVtb3ZlZBgBIAMoCRIMCgRrZXB0GAIgAygJMsQECg5DbHVzdGVyU2VydmljZRJQCgtDbHVzdGVySW5mbxIfLnF1ZXJhdG9yLnYxLkNsdXN0ZXJJbmZvUmVxdWVzdBogLnF1ZXJhdG9yLnYxLkNsdXN0ZXJJbmZvUmVzcG9uc2USdwoYUmV0aXJlTm9kZURpc2NhcmRpbmdEYXRhEiwucXVlcmF0b3IudjEuUmV0aXJlTm9kZURpc2NhcmRpbmdEYXRhUmVxdWVzdBotLnF1ZXJhdG9yLnYxLlJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YVJlc3BvbnNlEmUKEkxpc3RTZXRBc2lkZVF1ZXVlcxImLnF1ZXJhdG9yLnYxLkxpc3RTZXRBc2lkZVF1ZXVlc1JlcXVlc3QaJy5xdWVyYXRvci52MS5MaXN0U2V0QXNpZGVRdWV1ZXNSZXNwb25zZRJoChNSZW1vdmVTZXRBc2lkZVF1ZXVlEicucXVlcmF0b3IudjEuUmVtb3ZlU2V0QXNpZGVRdWV1ZVJlcXVlc3QaKC5xdWVyYXRvci52MS5SZW1vdmVTZXRBc2lkZVF1ZXVlUmVzcG9uc2USSgoJTW92ZVF1ZXVlEh0ucXVlcmF0b3IudjEuTW92ZVF1ZXVlUmVxdWVzdBoeLnF1ZXJhdG9yLnYxLk1vdmVRdWV1ZVJlc3BvbnNlEkoKCURyYWluTm9kZRIdLnF1ZXJhdG9yLnYxLkRyYWluTm9kZVJlcXVlc3QaHi5xdWVyYXRvci52MS5EcmFpbk5vZGVSZXNwb25zZUKnAQoOaW8ucXVlcmF0b3IudjFCDENsdXN0ZXJQcm90b1ABWjpnaXRodWIuY29tL3F1ZXJhdG9yL3F1ZXJhdG9yL2dlbi9nby9xdWVyYXRvci92MTtxdWVyYXRvcnYxogIDUVhYqgILUXVlcmF0b3IuVjHKAgtRdWVyYXRvclxWMeICF1F1ZXJhdG9yXFYxXEdQQk1ldGFkYXRh6gIMUXVlcmF0b3I6OlYxYgZwcm90bzM", [file_google_protobuf_timestamp]);
+  fileDesc("ChlxdWVyYXRvci92MS9jbHVzdGVyLnByb3RvEgtxdWVyYXRvci52MSJAChJDbHVzdGVySW5mb1JlcXVlc3QSEwoLcXVldWVfbmFtZXMYASADKAkSFQoNY2hlY2tfbWVtYmVycxgCIAEoCCK9AQoTQ2x1c3RlckluZm9SZXNwb25zZRIRCgljbHVzdGVyZWQYASABKAgSDwoHbm9kZV9pZBgCIAEoCRIQCghyZXZpc2lvbhgDIAEoAxIrCgdtZW1iZXJzGAQgAygLMhoucXVlcmF0b3IudjEuQ2x1c3Rlck1lbWJlchIrCgZxdWV1ZXMYBSADKAsyGy5xdWVyYXRvci52MS5RdWV1ZVBsYWNlbWVudBIWCg5hZG1pbl93cml0YWJsZRgGIAEoCCJkCg1DbHVzdGVyTWVtYmVyEg8KB25vZGVfaWQYASABKAkSDwoHYWRkcmVzcxgCIAEoCRIMCgRsaXZlGAMgASgIEg4KBmZlbmNlZBgEIAEoCBITCgtjaGVja19lcnJvchgFIAEoCSK9AQoOUXVldWVQbGFjZW1lbnQSEgoKcXVldWVfbmFtZRgBIAEoCRINCgVob21lcxgCIAMoCRIWCg5rZXlfcGFydGl0aW9ucxgDIAEoBRIQCghyZXBsaWNhcxgEIAMoCRIPCgdpbl9zeW5jGAUgAygJEg0KBWVwb2NoGAYgASgDEg8KB3ByaW1hcnkYByABKAkSEwoLbWluX2luX3N5bmMYCCABKAUSGAoQZmFpbG92ZXJfYmxvY2tlZBgJIAEoCSJRCh9SZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXF1ZXN0Eg8KB25vZGVfaWQYASABKAkSHQoVcHJvbW90ZV9jb3BpZXNfYmVoaW5kGAIgASgIIo4BCiBSZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXNwb25zZRIcChRwYXJ0aXRpb25zX3JlY3JlYXRlZBgBIAEoBRIYChBjb3BpZXNfcmVjcmVhdGVkGAIgASgFEjIKD2NvcGllc19wcm9tb3RlZBgDIAMoCzIZLnF1ZXJhdG9yLnYxLlByb21vdGVkQ29weSJiCgxQcm9tb3RlZENvcHkSEgoKcXVldWVfbmFtZRgBIAEoCRIPCgdub2RlX2lkGAIgASgJEg0KBWVwb2NoGAMgASgDEgsKA2xzbhgEIAEoAxIRCgluZXdfZXBvY2gYBSABKAMiLAoZTGlzdFNldEFzaWRlUXVldWVzUmVxdWVzdBIPCgdub2RlX2lkGAEgASgJIq8BCg1TZXRBc2lkZVF1ZXVlEg8KB25vZGVfaWQYASABKAkSFAoMc2V0X2FzaWRlX2lkGAIgASgJEhIKCnF1ZXVlX25hbWUYAyABKAkSDQoFaXRlbXMYBCABKAMSDgoGcmVhc29uGAUgASgJEjAKDHNldF9hc2lkZV9hdBgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEgoKcGFydGl0aW9ucxgHIAEoBSJiChpMaXN0U2V0QXNpZGVRdWV1ZXNSZXNwb25zZRIqCgZxdWV1ZXMYASADKAsyGi5xdWVyYXRvci52MS5TZXRBc2lkZVF1ZXVlEhgKEHVuYW5zd2VyZWRfbm9kZXMYAiADKAkiQwoaUmVtb3ZlU2V0QXNpZGVRdWV1ZVJlcXVlc3QSDwoHbm9kZV9pZBgBIAEoCRIUCgxzZXRfYXNpZGVfaWQYAiABKAkiSgobUmVtb3ZlU2V0QXNpZGVRdWV1ZVJlc3BvbnNlEisKB3JlbW92ZWQYASABKAsyGi5xdWVyYXRvci52MS5TZXRBc2lkZVF1ZXVlIk0KEE1vdmVRdWV1ZVJlcXVlc3QSEgoKcXVldWVfbmFtZRgBIAEoCRIPCgdub2RlX2lkGAIgASgJEhQKDGZyb21fbm9kZV9pZBgDIAEoCSJDChFNb3ZlUXVldWVSZXNwb25zZRIuCglwbGFjZW1lbnQYASABKAsyGy5xdWVyYXRvci52MS5RdWV1ZVBsYWNlbWVudCIjChBEcmFpbk5vZGVSZXF1ZXN0Eg8KB25vZGVfaWQYASABKAkiMAoRRHJhaW5Ob2RlUmVzcG9uc2USDQoFbW92ZWQYASADKAkSDAoEa2VwdBgCIAMoCTLEBAoOQ2x1c3RlclNlcnZpY2USUAoLQ2x1c3RlckluZm8SHy5xdWVyYXRvci52MS5DbHVzdGVySW5mb1JlcXVlc3QaIC5xdWVyYXRvci52MS5DbHVzdGVySW5mb1Jlc3BvbnNlEncKGFJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YRIsLnF1ZXJhdG9yLnYxLlJldGlyZU5vZGVEaXNjYXJkaW5nRGF0YVJlcXVlc3QaLS5xdWVyYXRvci52MS5SZXRpcmVOb2RlRGlzY2FyZGluZ0RhdGFSZXNwb25zZRJlChJMaXN0U2V0QXNpZGVRdWV1ZXMSJi5xdWVyYXRvci52MS5MaXN0U2V0QXNpZGVRdWV1ZXNSZXF1ZXN0GicucXVlcmF0b3IudjEuTGlzdFNldEFzaWRlUXVldWVzUmVzcG9uc2USaAoTUmVtb3ZlU2V0QXNpZGVRdWV1ZRInLnF1ZXJhdG9yLnYxLlJlbW92ZVNldEFzaWRlUXVldWVSZXF1ZXN0GigucXVlcmF0b3IudjEuUmVtb3ZlU2V0QXNpZGVRdWV1ZVJlc3BvbnNlEkoKCU1vdmVRdWV1ZRIdLnF1ZXJhdG9yLnYxLk1vdmVRdWV1ZVJlcXVlc3QaHi5xdWVyYXRvci52MS5Nb3ZlUXVldWVSZXNwb25zZRJKCglEcmFpbk5vZGUSHS5xdWVyYXRvci52MS5EcmFpbk5vZGVSZXF1ZXN0Gh4ucXVlcmF0b3IudjEuRHJhaW5Ob2RlUmVzcG9uc2VCpwEKDmlvLnF1ZXJhdG9yLnYxQgxDbHVzdGVyUHJvdG9QAVo6Z2l0aHViLmNvbS9xdWVyYXRvci9xdWVyYXRvci9nZW4vZ28vcXVlcmF0b3IvdjE7cXVlcmF0b3J2MaICA1FYWKoCC1F1ZXJhdG9yLlYxygILUXVlcmF0b3JcVjHiAhdRdWVyYXRvclxWMVxHUEJNZXRhZGF0YeoCDFF1ZXJhdG9yOjpWMWIGcHJvdG8z", [file_google_protobuf_timestamp]);
 
 /**
  * ClusterInfoRequest asks for the cluster's members and placement.
@@ -266,6 +266,21 @@ export type RetireNodeDiscardingDataRequest = Message<"querator.v1.RetireNodeDis
    * @generated from field: string node_id = 1;
    */
   nodeId: string;
+
+  /**
+   * Also retire the node when it holds a replicated queue's only in-sync copy
+   * while another copy of the queue survives out of the in-sync set (it fell
+   * behind and was dropped): the most advanced live copy (highest epoch, then
+   * lsn) becomes the queue's primary, an election (epoch + 1), and every change
+   * the retired node acknowledged after that copy's position is LOST (how many
+   * is not known: only the retired node knew). copies_promoted in the answer
+   * names each such copy and its position. Without it such a retire answers
+   * FAILED_PRECONDITION and retires nothing. A queue with no live copy beside
+   * the node's is refused either way.
+   *
+   * @generated from field: bool promote_copies_behind = 2;
+   */
+  promoteCopiesBehind: boolean;
 };
 
 /**
@@ -295,6 +310,14 @@ export type RetireNodeDiscardingDataResponse = Message<"querator.v1.RetireNodeDi
    * @generated from field: int32 copies_recreated = 2;
    */
   copiesRecreated: number;
+
+  /**
+   * The copies promote_copies_behind made primaries, one per queue: the changes
+   * acknowledged after each one's position are lost.
+   *
+   * @generated from field: repeated querator.v1.PromotedCopy copies_promoted = 3;
+   */
+  copiesPromoted: PromotedCopy[];
 };
 
 /**
@@ -303,6 +326,55 @@ export type RetireNodeDiscardingDataResponse = Message<"querator.v1.RetireNodeDi
  */
 export const RetireNodeDiscardingDataResponseSchema: GenMessage<RetireNodeDiscardingDataResponse> = /*@__PURE__*/
   messageDesc(file_querator_v1_cluster, 5);
+
+/**
+ * PromotedCopy is a copy a retire made a replicated queue's primary although it
+ * was out of the in-sync set (RetireNodeDiscardingDataRequest.promote_copies_behind).
+ *
+ * @generated from message querator.v1.PromotedCopy
+ */
+export type PromotedCopy = Message<"querator.v1.PromotedCopy"> & {
+  /**
+   * The queue.
+   *
+   * @generated from field: string queue_name = 1;
+   */
+  queueName: string;
+
+  /**
+   * The node of the copy, now the queue's primary.
+   *
+   * @generated from field: string node_id = 2;
+   */
+  nodeId: string;
+
+  /**
+   * The copy's position when it was promoted: the epoch and lsn of the last
+   * change it held. Every change acknowledged after it is lost.
+   *
+   * @generated from field: int64 epoch = 3;
+   */
+  epoch: bigint;
+
+  /**
+   * @generated from field: int64 lsn = 4;
+   */
+  lsn: bigint;
+
+  /**
+   * The queue's new epoch (the election's).
+   *
+   * @generated from field: int64 new_epoch = 5;
+   */
+  newEpoch: bigint;
+};
+
+/**
+ * Describes the message querator.v1.PromotedCopy.
+ * Use `create(PromotedCopySchema)` to create a new message.
+ */
+export const PromotedCopySchema: GenMessage<PromotedCopy> = /*@__PURE__*/
+  messageDesc(file_querator_v1_cluster, 6);
 
 /**
  * ListSetAsideQueuesRequest names the node to ask.
@@ -323,7 +395,7 @@ export type ListSetAsideQueuesRequest = Message<"querator.v1.ListSetAsideQueuesR
  * Use `create(ListSetAsideQueuesRequestSchema)` to create a new message.
  */
 export const ListSetAsideQueuesRequestSchema: GenMessage<ListSetAsideQueuesRequest> = /*@__PURE__*/
-  messageDesc(file_querator_v1_cluster, 6);
+  messageDesc(file_querator_v1_cluster, 7);
 
 /**
  * SetAsideQueue is one queue a node set aside.
@@ -387,7 +459,7 @@ export type SetAsideQueue = Message<"querator.v1.SetAsideQueue"> & {
  * Use `create(SetAsideQueueSchema)` to create a new message.
  */
 export const SetAsideQueueSchema: GenMessage<SetAsideQueue> = /*@__PURE__*/
-  messageDesc(file_querator_v1_cluster, 7);
+  messageDesc(file_querator_v1_cluster, 8);
 
 /**
  * ListSetAsideQueuesResponse lists set-aside queues, sorted by node and name.
@@ -415,7 +487,7 @@ export type ListSetAsideQueuesResponse = Message<"querator.v1.ListSetAsideQueues
  * Use `create(ListSetAsideQueuesResponseSchema)` to create a new message.
  */
 export const ListSetAsideQueuesResponseSchema: GenMessage<ListSetAsideQueuesResponse> = /*@__PURE__*/
-  messageDesc(file_querator_v1_cluster, 8);
+  messageDesc(file_querator_v1_cluster, 9);
 
 /**
  * RemoveSetAsideQueueRequest names the set-aside queue to delete.
@@ -443,7 +515,7 @@ export type RemoveSetAsideQueueRequest = Message<"querator.v1.RemoveSetAsideQueu
  * Use `create(RemoveSetAsideQueueRequestSchema)` to create a new message.
  */
 export const RemoveSetAsideQueueRequestSchema: GenMessage<RemoveSetAsideQueueRequest> = /*@__PURE__*/
-  messageDesc(file_querator_v1_cluster, 9);
+  messageDesc(file_querator_v1_cluster, 10);
 
 /**
  * RemoveSetAsideQueueResponse says what was deleted.
@@ -464,7 +536,7 @@ export type RemoveSetAsideQueueResponse = Message<"querator.v1.RemoveSetAsideQue
  * Use `create(RemoveSetAsideQueueResponseSchema)` to create a new message.
  */
 export const RemoveSetAsideQueueResponseSchema: GenMessage<RemoveSetAsideQueueResponse> = /*@__PURE__*/
-  messageDesc(file_querator_v1_cluster, 10);
+  messageDesc(file_querator_v1_cluster, 11);
 
 /**
  * MoveQueueRequest names the replicated queue and where it goes.
@@ -501,7 +573,7 @@ export type MoveQueueRequest = Message<"querator.v1.MoveQueueRequest"> & {
  * Use `create(MoveQueueRequestSchema)` to create a new message.
  */
 export const MoveQueueRequestSchema: GenMessage<MoveQueueRequest> = /*@__PURE__*/
-  messageDesc(file_querator_v1_cluster, 11);
+  messageDesc(file_querator_v1_cluster, 12);
 
 /**
  * MoveQueueResponse says where the queue is served now.
@@ -522,7 +594,7 @@ export type MoveQueueResponse = Message<"querator.v1.MoveQueueResponse"> & {
  * Use `create(MoveQueueResponseSchema)` to create a new message.
  */
 export const MoveQueueResponseSchema: GenMessage<MoveQueueResponse> = /*@__PURE__*/
-  messageDesc(file_querator_v1_cluster, 12);
+  messageDesc(file_querator_v1_cluster, 13);
 
 /**
  * DrainNodeRequest names the node whose primaries move.
@@ -543,7 +615,7 @@ export type DrainNodeRequest = Message<"querator.v1.DrainNodeRequest"> & {
  * Use `create(DrainNodeRequestSchema)` to create a new message.
  */
 export const DrainNodeRequestSchema: GenMessage<DrainNodeRequest> = /*@__PURE__*/
-  messageDesc(file_querator_v1_cluster, 13);
+  messageDesc(file_querator_v1_cluster, 14);
 
 /**
  * DrainNodeResponse says which queues moved and which could not.
@@ -572,7 +644,7 @@ export type DrainNodeResponse = Message<"querator.v1.DrainNodeResponse"> & {
  * Use `create(DrainNodeResponseSchema)` to create a new message.
  */
 export const DrainNodeResponseSchema: GenMessage<DrainNodeResponse> = /*@__PURE__*/
-  messageDesc(file_querator_v1_cluster, 14);
+  messageDesc(file_querator_v1_cluster, 15);
 
 /**
  * ClusterService describes the cluster a server belongs to, so a client can
