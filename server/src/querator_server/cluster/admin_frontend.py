@@ -392,6 +392,12 @@ class AdminFrontend(CopyMoves):
                 "(cluster retire --discard-data), which makes the most advanced other copy the primary and "
                 "loses what the node acknowledged after that copy's position)"
             )
+        for record in alone:  # checked for all before any is changed
+            if not [n for n in record.replicas if n != node and n in self.catalog.members]:
+                raise FailedPrecondition(
+                    f"queue {record.queue!r}: node {node!r} holds its only in-sync copy and no other copy of it is "
+                    "live; nothing was retired (bring the node back, or delete the queue)"
+                )
         planned: Counter[str] = Counter()
         for record in copies:
             if record.primary == node:
