@@ -10,7 +10,9 @@ Run by the primary only (one node per shard), after each catalog change (a node
 joining is one), one pass at a time, one copy per shard and pass: the CAS on the
 record's revision makes a pass that raced another change (a retire, a move, an
 UpdateQueue) fail harmlessly, and the next pass reads the record again. A queue with
-as many copies as its ``replicas`` or more (a move under way) is left alone.
+as many copies as its ``replicas`` or more (a move under way) is left alone. Once
+enough of its copies are in sync, its in-sync minimum (capped by the retire at the
+copies left) is raised back to its ``min_in_sync``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ..errors import QueratorError
 from ..logging import get_logger
 from .copy_moves import CopyMoves
 from .replica_roles import ShardRoles
+from .shard_record import ShardRecord
 
 log = get_logger("cluster")
 
@@ -60,11 +63,14 @@ class CopiesRestore(CopyMoves):
         added = 0
         for entry in list(self.catalog.queues.values()):
             record = self.catalog.shards.get(entry.shard) if entry.shard else None
-            if record is None or record.primary != self.node or len(record.replicas) >= entry.config.replicas:
+            if record is None or record.primary != self.node:
                 continue
             shard = self.roles.host.shards.get(record.uid)
             if shard is None or shard.primary is None or shard.primary.epoch != record.epoch:
                 continue  # not serving it (yet): the copy it adds must be filled by it
+            await self._restore_minimum(record, entry.config.min_in_sync)
+            if len(record.replicas) >= entry.config.replicas:
+                continue
             spare = self._spare_nodes(record)
             if not spare:
                 continue
@@ -83,3 +89,16 @@ class CopiesRestore(CopyMoves):
                 replicas=entry.config.replicas,
             )
         return added
+
+    async def _restore_minimum(self, record: ShardRecord, wanted: int) -> None:
+        """The queue's min_in_sync again once enough copies are in sync (a retire capped
+        it at the copies it left): until then writes were acknowledged on fewer copies
+        than the queue asks for."""
+        if not record.min_isr < wanted <= sum(1 for _, incarnation in record.isr if incarnation):
+            return
+        try:
+            raised = await self.catalog.shards.raise_min_isr(record, wanted)
+        except QueratorError as exc:  # the record moved on (an ISR change): next pass
+            log.info("cluster_min_in_sync_restore_skipped", queue=record.queue, reason=exc.message[:200])
+            return
+        log.warning("cluster_min_in_sync_restored", queue=record.queue, shard=record.uid, min_in_sync=raised.min_isr)

@@ -8,6 +8,7 @@ version written, or raises ``Deposed`` (another writer won) or ``BelowMinIsr``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -142,6 +143,14 @@ class ShardTable:
     async def add_copy(self, record: ShardRecord, node: str) -> ShardRecord:
         """Add an empty copy on ``node`` (out of the ISR until the primary caught it up)."""
         return await self._swap(record, shard_cas.with_copy(record, node))
+
+    async def raise_min_isr(self, record: ShardRecord, min_isr: int) -> ShardRecord:
+        """Raise the minimum back (a retire capped it at the copies left), once the
+        in-sync set holds that many claimed copies again."""
+        claimed = sum(1 for _, incarnation in record.isr if incarnation)
+        if not record.min_isr < min_isr <= claimed:
+            raise ValueError(f"shard {record.uid}: a minimum of {min_isr} needs that many claimed in-sync copies ({claimed})")
+        return await self._swap(record, dataclasses.replace(record, min_isr=min_isr))
 
     async def next_uid(self) -> int:
         return await shard_cas.next_uid(self._etcd, self.counter_key)
