@@ -490,11 +490,26 @@ class QueuesManager:
                         break
         return [self._configs[n] for n in names[:limit]], len(names) > limit
 
-    def queues_by_uid(self, visible: Callable[[str], bool] | None = None) -> dict[int, str]:
-        """The name of every queue (that is ``visible``), by storage uid; with those a
-        redrive reaches elsewhere (``redrive_targets``)."""
+    def queues_by_uid(
+        self, visible: Callable[[str], bool] | None = None, origin: QueueConfig | None = None
+    ) -> dict[int, str]:
+        """The name of every queue (that is ``visible``) a redrive out of ``origin`` may
+        move items back to, by storage uid; with those it reaches elsewhere
+        (``redrive_targets``).
+
+        A replicated origin's items were dead-lettered on whichever node was its primary
+        then, or sent there from another node: a one-copy queue's uid in their source_id
+        is the uid on *that* node, and here it may name another queue. Only the uids the
+        cluster hands out (replicated queues') name a source safely there; the others'
+        items stay and are counted skipped.
+        """
         here = {c.uid: c.name for c in self._configs.values() if visible is None or visible(c.name)}
-        return here if self.redrive_targets is None else {**self.redrive_targets(visible), **here}
+        if self.redrive_targets is None:
+            return here
+        elsewhere = self.redrive_targets(visible)
+        if origin is not None and origin.replicas > 1:
+            return elsewhere
+        return {**elsewhere, **here}
 
     # -- admin --------------------------------------------------------------------------
 

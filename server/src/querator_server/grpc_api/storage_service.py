@@ -242,7 +242,7 @@ class StorageService:
             targets = {target_uid: target}
         else:
             principal = current_principal.get()
-            targets = self.manager.queues_by_uid(None if principal is None else principal.matches)
+            targets = self.manager.queues_by_uid(None if principal is None else principal.matches, config)
         actor = self.manager.actor(name)
         result: a.RedriveResult = await actor.submit(
             a.RedriveRequest(

@@ -1,0 +1,96 @@
+"""RedriveItems from a replicated dead-letter queue, with real etcd and node processes:
+where the items of one-copy sources go, and an explicit target_queue whose primary is
+on another node.
+
+A one-copy queue's item ids (and so its dead letters' source_ids) carry its node's own
+storage uid, counted from 1 on every node: the same uid names another queue on the
+dead-letter queue's primary. Such a dead letter must never be moved into that queue.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from cluster_helpers import Cluster, Node
+from test_replica_redrive import _claimed, _dead_letter, _placement, _total
+
+from querator.v1 import cluster_pb2, cluster_pb2_grpc, storage_pb2
+
+from conftest import wait_until
+
+TTL = 2
+DLQ = "shared-dead-letters"
+SOURCE = "one-copy-source"
+OTHER = "one-copy-bystander"
+
+
+def _uid(node: Node, queue: str) -> str:
+    """The storage uid in the ids of ``queue``'s items (it holds one, at least)."""
+    items = node.stubs.list_items(queue)
+    assert items, f"{queue} holds no item"
+    return items[0].id.split(".")[0]
+
+
+def _redrive(node: Node, queue: str, target: str = "") -> tuple[list[str], int]:
+    moved: list[str] = []
+    skipped = 0
+    token = ""
+    for _ in range(10):
+        answer = node.stubs.storage.RedriveItems(
+            storage_pb2.RedriveItemsRequest(queue_name=queue, target_queue=target, page_token=token), timeout=20
+        )
+        moved += answer.message_ids
+        skipped += answer.skipped
+        token = answer.next_page_token
+        if not token:
+            break
+    return moved, skipped
+
+
+def _payloads(node: Node, queue: str) -> Counter[bytes]:
+    return Counter(i.payload for i in node.stubs.list_items(queue))
+
+
+def _move_primary(cluster: Cluster, queue: str, to: str) -> None:
+    n1 = cluster.nodes[0]
+    if _placement(n1, queue).primary != to:
+        cluster_pb2_grpc.ClusterServiceStub(n1.channel).MoveQueue(
+            cluster_pb2.MoveQueueRequest(queue_name=queue, node_id=to), timeout=20
+        )
+        wait_until(lambda: _placement(n1, queue).primary == to, 10)
+
+
+@pytest.mark.timeout(120)
+def test_a_one_copy_sources_dead_letter_in_a_replicated_queue_never_goes_to_a_queue_of_the_same_local_uid(
+    tmp_path: Path,
+) -> None:
+    with Cluster(str(tmp_path), size=2, ttl=TTL) as cluster:
+        n1 = cluster.nodes[0]
+        n1.stubs.create(DLQ, replicas=2)
+        wait_until(lambda: _claimed(cluster, DLQ), 15)
+        # Two one-copy queues of one partition: the second goes to the node holding fewer.
+        n1.stubs.create(SOURCE, requested_partitions=1, dead_queue=DLQ)
+        n1.stubs.create(OTHER, requested_partitions=1)
+        here = _placement(n1, SOURCE).homes[0]
+        there = _placement(n1, OTHER).homes[0]
+        assert here != there, "the two one-copy queues are on one node"
+        _move_primary(cluster, DLQ, there)  # the dead letters are held where OTHER lives
+
+        n1.stubs.produce(OTHER, [b"bystander"])
+        payloads = [f"dead-{i}".encode() for i in range(5)]
+        n1.stubs.produce(SOURCE, payloads)
+        # The premise: both queues' items carry the same uid (each the first one-copy
+        # queue of its node).
+        assert _uid(n1, SOURCE) == _uid(n1, OTHER)
+        assert _dead_letter(n1, SOURCE, len(payloads)) == Counter(payloads)
+        wait_until(lambda: _total(n1, DLQ) == len(payloads), 15)
+
+        moved, skipped = _redrive(n1, DLQ)
+        # Nothing may reach OTHER; what moved went back to SOURCE, the rest stayed.
+        assert _payloads(n1, OTHER) == Counter([b"bystander"])
+        back = _payloads(n1, SOURCE)
+        held = Counter(i.payload for i in n1.stubs.list_items(DLQ))
+        assert back + held == Counter(payloads), (back, held)
+        assert len(moved) == sum(back.values()) and skipped == sum(held.values()), (moved, skipped, back, held)
