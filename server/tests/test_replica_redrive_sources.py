@@ -9,9 +9,11 @@ dead-letter queue's primary. Such a dead letter must never be moved into that qu
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
+import grpc
 import pytest
 from cluster_helpers import Cluster, Node
 from test_replica_redrive import _claimed, _dead_letter, _placement, _total
@@ -24,6 +26,7 @@ TTL = 2
 DLQ = "shared-dead-letters"
 SOURCE = "one-copy-source"
 OTHER = "one-copy-bystander"
+TARGET = "replicated-target"
 
 
 def _uid(node: Node, queue: str) -> str:
@@ -94,3 +97,44 @@ def test_a_one_copy_sources_dead_letter_in_a_replicated_queue_never_goes_to_a_qu
         held = Counter(i.payload for i in n1.stubs.list_items(DLQ))
         assert back + held == Counter(payloads), (back, held)
         assert len(moved) == sum(back.values()) and skipped == sum(held.values()), (moved, skipped, back, held)
+
+
+@pytest.mark.timeout(120)
+def test_redrive_to_an_explicit_target_queue_whose_primary_is_on_another_node(tmp_path: Path) -> None:
+    with Cluster(str(tmp_path), size=3, ttl=TTL) as cluster:
+        n1 = cluster.nodes[0]
+        n1.stubs.create(DLQ, replicas=2)
+        n1.stubs.create(TARGET, replicas=2)
+        n1.stubs.create(SOURCE, replicas=2, dead_queue=DLQ)
+        wait_until(lambda: all(_claimed(cluster, q) for q in (DLQ, TARGET, SOURCE)), 15)
+        # The DLQ's primary holds no copy of TARGET: it knows TARGET from the catalog
+        # alone, and reaches it only through TARGET's primary.
+        target = _placement(n1, TARGET)
+        away = [n for n in _placement(n1, DLQ).replicas if n not in target.replicas]
+        assert away, "the two queues' copies are on the same nodes"
+        _move_primary(cluster, DLQ, away[0])
+        by_id = {n.node_id: n for n in cluster.nodes}
+        # Taken by a node that is not the DLQ's primary: forwarded there.
+        via = by_id[target.primary]
+
+        payloads = [f"item-{i}".encode() for i in range(10)]
+        n1.stubs.produce(SOURCE, payloads)
+        assert _dead_letter(n1, SOURCE, len(payloads)) == Counter(payloads)
+        wait_until(lambda: _total(n1, DLQ) == len(payloads), 15)
+
+        moved, skipped = _redrive(via, DLQ, TARGET)
+        assert skipped == 0 and len(set(moved)) == len(payloads), (moved, skipped)
+        assert _total(n1, DLQ) == 0 and _total(n1, SOURCE) == 0
+
+        back: Counter[bytes] = Counter()
+        deadline = time.monotonic() + 20
+        while sum(back.values()) < len(payloads) and time.monotonic() < deadline:
+            try:
+                leased = n1.stubs.lease(TARGET, 10, request_timeout={"nanos": 200_000_000})
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+                continue
+            back.update(i.payload for i in leased.items)
+            if leased.items:
+                n1.stubs.complete(TARGET, leased.partition, [i.id for i in leased.items])
+        assert back == Counter(payloads)

@@ -511,6 +511,18 @@ class QueuesManager:
             return elsewhere
         return {**elsewhere, **here}
 
+    def uid_of(self, name: str) -> int:
+        """The storage uid of queue ``name`` here, or of a replicated queue whose primary
+        is another node (a redrive's target_queue); NotFound when neither."""
+        config = self._configs.get(name)
+        if config is not None:
+            return config.uid
+        elsewhere = {} if self.redrive_targets is None else self.redrive_targets(None)
+        uid = next((u for u, n in elsewhere.items() if n == name), 0)
+        if not uid:
+            raise NotFound(f"queue {name!r} does not exist")
+        return uid
+
     # -- admin --------------------------------------------------------------------------
 
     async def create(self, config: QueueConfig, visible: Callable[[str], bool] | None = None) -> QueueConfig:

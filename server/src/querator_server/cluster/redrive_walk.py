@@ -70,7 +70,11 @@ class RedriveWalk:
 
 def check_target(entry: QueueEntry, target: QueueEntry, nodes: Iterable[str]) -> None:
     """Items move within their node only: refuse, before anything moves there, a target
-    that lacks a partition on one of ``nodes`` (nodes homing the queue)."""
+    that lacks a partition on one of ``nodes`` (nodes homing the queue). A replicated
+    target is served by its primary alone and reached from every node over
+    ``RedriveIn`` (redrive_route.py), as a replicated source is."""
+    if target.shard:
+        return
     missing = sorted(set(nodes) - set(target.nodes()))
     if not missing:
         return

@@ -238,7 +238,7 @@ class StorageService:
         target_uid = 0
         if request.target_queue:
             target = c.queue_name(request.target_queue, "target_queue")
-            target_uid = self.manager.get(target).uid
+            target_uid = self.manager.uid_of(target)
             targets = {target_uid: target}
         else:
             principal = current_principal.get()

@@ -106,9 +106,13 @@ class StorageServiceServicer:
         On a cluster any node takes the call and runs the redrive on each node
         homing partitions of queue_name, in node id order, until max_items moved:
         items move within their node (a dead letter's source partition is on the
-        node of its dead-letter partition), so a target_queue must have a
-        partition on every node homing queue_name, else FAILED_PRECONDITION names
-        the nodes that lack one and nothing moves. The next_page_token goes on
+        node of its dead-letter partition), so a target_queue of one copy must
+        have a partition on every node homing queue_name, else
+        FAILED_PRECONDITION names the nodes that lack one and nothing moves. A
+        replicated queue (source or target_queue) is reached from any node at its
+        primary. In a replicated queue_name, dead letters of one-copy sources stay
+        (counted in skipped): their source_id names the source by the uid of the
+        node it died on; move them with target_queue. The next_page_token goes on
         where the call stopped, on whichever node gets it. A node that is down, or
         does not answer a health check within a second (paused), is passed over and
         visited last; while it still is, the call answers what the live nodes moved
