@@ -201,6 +201,9 @@ class QueuesManager:
         # another node), and the queues a redrive may reach that are not here.
         self.redrive_route: Callable[[int], Any] | None = None
         self.redrive_targets: Callable[[Callable[[str], bool] | None], dict[int, str]] | None = None
+        # What the source ids of this node's one-copy queues start with in a replicated
+        # dead-letter queue (cluster/dead_letter_source.py); "" on a single server.
+        self.own_source_prefix = ""
         self.keyring = KeyRing()
         # Signs page tokens; kept in the catalog (read at start).
         self.token_secret = b""
@@ -510,6 +513,16 @@ class QueuesManager:
         if origin is not None and origin.replicas > 1:
             return elsewhere
         return {**elsewhere, **here}
+
+    def own_sources(
+        self, visible: Callable[[str], bool] | None, origin: QueueConfig
+    ) -> tuple[str, dict[int, str]]:
+        """For a redrive out of a replicated ``origin``: the prefix naming this node's
+        one-copy sources there, and those queues by uid (``RedriveRequest.own``)."""
+        if not self.own_source_prefix or origin.replicas <= 1:
+            return "", {}
+        mine = {c.uid: c.name for c in self._configs.values() if c.replicas <= 1 and (visible is None or visible(c.name))}
+        return self.own_source_prefix, mine
 
     def uid_of(self, name: str) -> int:
         """The storage uid of queue ``name`` here, or of a replicated queue whose primary

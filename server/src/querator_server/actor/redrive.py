@@ -88,8 +88,8 @@ class RedriveSteps(LifecycleSteps):
                         continue
                     if request.dead_reason and item.dead_reason != request.dead_reason:
                         continue
-                    target = request.target_uid or self._source_uid(item)
-                    if target not in request.targets or target == self.uid:
+                    target = request.target_uid or self._source_uid(item, request)
+                    if not target or target == self.uid:
                         skipped += 1
                         continue
                     self._take_for_redrive(txn, p, seq, item, target)
@@ -103,9 +103,13 @@ class RedriveSteps(LifecycleSteps):
         self._ok(request, RedriveResult(moved, entries, skipped, next_after, delivered))
 
     @staticmethod
-    def _source_uid(item: Item) -> int:
-        ref = parse_id(item.source_id) if item.source_id else None
-        return ref.uid if ref is not None else 0
+    def _source_uid(item: Item, request: RedriveRequest) -> int:
+        """The uid of the queue ``item`` goes back to, or 0: none it may go to."""
+        text, targets = item.source_id, request.targets
+        if request.own_prefix and text.startswith(request.own_prefix):
+            text, targets = text[len(request.own_prefix) :], request.own
+        ref = parse_id(text) if text else None
+        return ref.uid if ref is not None and ref.uid in targets else 0
 
     def _take_for_redrive(self, txn: lmdb.Transaction[bytes], p: int, seq: int, item: Item, target: int) -> None:
         self.store.delete(txn, p, seq, item)

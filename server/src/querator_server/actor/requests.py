@@ -147,7 +147,9 @@ class RedriveRequest(Request):
 
     ``targets`` maps the uid of each queue an item may go to onto that queue: the
     uid of an item's source queue (from its source_id) for a redrive to the sources,
-    or, with ``target_uid``, that one queue for every item.
+    or, with ``target_uid``, that one queue for every item. ``own`` maps the uids of
+    the queues an item may go to only when its source_id starts with ``own_prefix``
+    (a cluster node's one-copy queues, named so in a replicated dead-letter queue).
     """
 
     targets: dict[int, str]
@@ -156,6 +158,8 @@ class RedriveRequest(Request):
     kind: str = ""
     dead_reason: int = 0
     target_uid: int = 0
+    own_prefix: str = ""
+    own: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

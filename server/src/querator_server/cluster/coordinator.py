@@ -25,6 +25,7 @@ from .catalog import CatalogCache, Keys
 from .change_ring import RING_CHANGES
 from .copies_restore import CopiesRestore
 from .dead_letter_route import DeadLetterRoute
+from .dead_letter_source import prefix as own_prefix
 from .etcd import Access, Endpoint, Etcd, EtcdError, Txn
 from .forwarding import PeerTls
 from .membership import Membership
@@ -108,6 +109,7 @@ class Coordinator(AdminFrontend, ReconcileBackend, CopiesRestore):
         self.redrives = RedriveRoute(self.node, self.catalog, self.router.peers, manager.actor_by_uid)
         manager.redrive_route = self.redrives
         manager.redrive_targets = self.redrives.targets
+        manager.own_source_prefix = own_prefix(self.node)
         self._reconcile_lock = asyncio.Lock()
         self.retired = False
         self._foreign: set[str] = set()  # local queues the catalog never had (warned once)

@@ -12,6 +12,12 @@ completed there meanwhile (storage/accepted_sources.py remembers what was taken)
 A replicated queue's dead_queue must be replicated too: its dead letters are sent by
 whichever copy is primary, and a part of a one-copy queue on the old primary's node
 would neither move with it nor see what the new one sends.
+
+A dead letter of a one-copy queue names its source by this node's own storage uid,
+which another node's counter hands out too: sent to a replicated dead-letter queue
+(whose primary may be, or after a failover become, another node) its source_id is the
+node's id, "/", and the item's id (dead_letter_source.py), so a redrive there tells
+this node's queue from another one of the same uid.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from ..actor.requests import DeadLetterRequest
 from ..errors import InvalidArgument, Unavailable
 from ..storage import Item
 from .catalog import CatalogCache
+from .dead_letter_source import qualify
 from .forwarding import Peers
 from .replica_wire import pack, unpack
 
@@ -75,11 +82,13 @@ class DeadLetterRoute:
     def __call__(self, name: str) -> Any:
         entry = self._catalog.queues.get(name)
         record = self._catalog.shards.get(entry.shard) if entry is not None and entry.shard else None
-        if record is None or record.primary == self._node:
+        if record is None:
             return self._local(name)
+        if record.primary == self._node:
+            return _Qualified(self._local(name), self._node)
         if record.primary not in self._catalog.members:
             raise Unavailable(f"queue {name!r}: its primary {record.primary!r} is not live; dead letters wait")
-        return RemoteDeadQueue(self._peers, record.primary, name)
+        return _Qualified(RemoteDeadQueue(self._peers, record.primary, name), self._node)
 
     async def take(self, data: bytes) -> None:
         """Dead letters another node sent (``DeadLetters``): stored by this node's
@@ -87,3 +96,17 @@ class DeadLetterRoute:
         is not the primary here: the sender tries again, routed anew)."""
         queue, items = decode(data)
         await self._local(queue).submit(DeadLetterRequest(items))
+
+
+class _Qualified:
+    """A replicated dead-letter queue, given dead letters whose one-copy sources are
+    named with this node's id (the items are the sender's copies)."""
+
+    def __init__(self, target: Any, node: str) -> None:
+        self._target = target
+        self._node = node
+
+    async def submit(self, request: DeadLetterRequest) -> None:
+        for item in request.items:
+            item.source_id = qualify(self._node, item.source_id)
+        await self._target.submit(request)

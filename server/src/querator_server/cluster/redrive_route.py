@@ -9,10 +9,10 @@ the redrive (a replicated dead-letter queue's primary): the items go there over
 (storage/accepted_sources.py), so the sender's tries again (a failure, a failover of
 either queue) store nothing twice. An explicit target_queue that is replicated is
 reached the same way. A queue of one copy keeps its node's own uids, so its items go
-back only to a partition on the same node, and only out of a one-copy dead-letter
-queue, whose part on a node holds that node's dead letters alone: a replicated one
-holds dead letters from every node, whose uids it cannot tell apart
-(QueuesManager.queues_by_uid).
+back only to a partition on the same node: out of a one-copy dead-letter queue, whose
+part on a node holds that node's dead letters alone, or out of a replicated one whose
+primary is their node, which names them (dead_letter_source.py;
+QueuesManager.queues_by_uid and own_sources).
 """
 
 from __future__ import annotations

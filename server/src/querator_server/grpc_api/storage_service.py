@@ -240,9 +240,12 @@ class StorageService:
             target = c.queue_name(request.target_queue, "target_queue")
             target_uid = self.manager.uid_of(target)
             targets = {target_uid: target}
+            own_prefix, own = "", dict[int, str]()
         else:
             principal = current_principal.get()
-            targets = self.manager.queues_by_uid(None if principal is None else principal.matches, config)
+            visible = None if principal is None else principal.matches
+            targets = self.manager.queues_by_uid(visible, config)
+            own_prefix, own = self.manager.own_sources(visible, config)
         actor = self.manager.actor(name)
         result: a.RedriveResult = await actor.submit(
             a.RedriveRequest(
@@ -252,6 +255,8 @@ class StorageService:
                 kind=request.kind,
                 dead_reason=request.dead_reason,
                 target_uid=target_uid,
+                own_prefix=own_prefix,
+                own=own,
             )
         )
         # Answer once the items are stored in their targets and gone from here.

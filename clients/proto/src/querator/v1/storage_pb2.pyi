@@ -83,6 +83,9 @@ class StorageItem(_message.Message):
     """As given at produce."""
     source_id: _builtins.str
     """For items moved to a dead-letter queue: the item's id in its source queue.
+    On a cluster, a dead letter of a queue of one copy held in a replicated
+    dead-letter queue: the source's node id, "/", then that id (one-copy
+    queues' ids are node-local; see docs/cluster.md, "Dead letters").
     ImportItems: optional, at most 510 bytes of UTF-8 (it becomes part of a
     storage key, which LMDB caps at 511 bytes); longer is INVALID_ARGUMENT
     naming items[i].source_id. A dead-letter queue stores an item with a given

@@ -110,9 +110,10 @@ class StorageServiceServicer:
         have a partition on every node homing queue_name, else
         FAILED_PRECONDITION names the nodes that lack one and nothing moves. A
         replicated queue (source or target_queue) is reached from any node at its
-        primary. In a replicated queue_name, dead letters of one-copy sources stay
-        (counted in skipped): their source_id names the source by the uid of the
-        node it died on; move them with target_queue. The next_page_token goes on
+        primary. In a replicated queue_name, dead letters of one-copy sources go
+        back only while its primary is their source's node (their source_id names
+        that node); the others stay, counted in skipped (move them with
+        target_queue, or move queue_name's primary). The next_page_token goes on
         where the call stopped, on whichever node gets it. A node that is down, or
         does not answer a health check within a second (paused), is passed over and
         visited last; while it still is, the call answers what the live nodes moved

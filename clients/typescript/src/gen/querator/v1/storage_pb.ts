@@ -102,6 +102,9 @@ export type StorageItem = Message<"querator.v1.StorageItem"> & {
 
   /**
    * For items moved to a dead-letter queue: the item's id in its source queue.
+   * On a cluster, a dead letter of a queue of one copy held in a replicated
+   * dead-letter queue: the source's node id, "/", then that id (one-copy
+   * queues' ids are node-local; see docs/cluster.md, "Dead letters").
    * ImportItems: optional, at most 510 bytes of UTF-8 (it becomes part of a
    * storage key, which LMDB caps at 511 bytes); longer is INVALID_ARGUMENT
    * naming items[i].source_id. A dead-letter queue stores an item with a given
@@ -618,9 +621,10 @@ export const StorageService: GenService<{
    * have a partition on every node homing queue_name, else
    * FAILED_PRECONDITION names the nodes that lack one and nothing moves. A
    * replicated queue (source or target_queue) is reached from any node at its
-   * primary. In a replicated queue_name, dead letters of one-copy sources stay
-   * (counted in skipped): their source_id names the source by the uid of the
-   * node it died on; move them with target_queue. The next_page_token goes on
+   * primary. In a replicated queue_name, dead letters of one-copy sources go
+   * back only while its primary is their source's node (their source_id names
+   * that node); the others stay, counted in skipped (move them with
+   * target_queue, or move queue_name's primary). The next_page_token goes on
    * where the call stopped, on whichever node gets it. A node that is down, or
    * does not answer a health check within a second (paused), is passed over and
    * visited last; while it still is, the call answers what the live nodes moved
