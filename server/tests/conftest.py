@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -118,10 +119,47 @@ def stubs(server: ThreadServer) -> Iterator[Stubs]:
     channel.close()
 
 
+def _port_slice() -> range:
+    """The ports this test process hands out: below the kernel's ephemeral range (so
+    neither a bind to port 0 nor an outgoing connection is ever given one), split
+    between the xdist workers (and one more share for a process outside xdist) so two
+    workers never pick the same port."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    low = 12000
+    high = max(ephemeral, low + 2000)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else count
+    share = (high - low) // (count + 1)
+    start = low + min(index, count) * share
+    return range(start, start + share)
+
+
+_ports = _port_slice()
+_next_port = random.Random(os.getpid()).randrange(len(_ports))
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now that stays this process's: a node restarted on it later finds it
+    free. A port picked by binding 0 and released comes from the ephemeral range, where
+    the kernel may give it to any other socket meanwhile (a restarted node once found
+    its port taken while it was down); one of this process's share of the ports below
+    that range is given to nobody else, and each is handed out once per round."""
+    global _next_port
+    for _ in range(len(_ports)):
+        port = _ports[_next_port % len(_ports)]
+        _next_port += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_ports}")
 
 
 # Channel options that retry a refused connection every few tens of milliseconds instead

@@ -333,6 +333,15 @@ def test_a_replica_whose_storage_was_truncated_or_wiped_is_refused_rebuilt_and_n
         )
 
 
+def _renewed_since(run: Run, back: float, bound: float = 30.0) -> None:
+    """Until a Produce sent a TTL after ``back`` (etcd answering again) was acknowledged:
+    the primary answers only within a TTL of a renewal, so it renewed since ``back``."""
+    deadline = time.monotonic() + bound
+    while run.acknowledged_since(back + TTL) == 0:
+        assert time.monotonic() < deadline, f"no Produce sent {TTL} s after etcd was back acknowledged within {bound} s"
+        time.sleep(0.1)
+
+
 @pytest.mark.timeout(240)
 def test_etcd_paused_or_killed_alone_with_a_primary_kill_and_with_a_replica_kill(
     tmp_path: Path, record_property: Callable[[str, object], None]
@@ -350,13 +359,22 @@ def test_etcd_paused_or_killed_alone_with_a_primary_kill_and_with_a_replica_kill
         time.sleep(2)
         notes = []
 
-        # (a) etcd paused for a second, then killed for a second: writes go on.
+        # (a) etcd paused for a second, then killed for a second: writes go on. A primary
+        # acknowledges only while its membership surely stands: up to the TTL after its
+        # last renewal, sent every TTL / 3 while etcd answers. So each fault begins once
+        # the primary renewed since etcd was last back (a Produce sent a TTL after that
+        # was acknowledged). Begun at once after the pause, the kill could come while the
+        # last renewal was one from before the pause (the one due in it failed), leaving
+        # the primary a fraction of a second to acknowledge in (none, once, under load).
+        back = 0.0
         for fault in ("pause", "kill"):
+            _renewed_since(run, back)
             started = time.monotonic()
             cluster.etcd.pause() if fault == "pause" else cluster.etcd.kill9()
             time.sleep(1.0)
             during = run.acknowledged_since(started)
             cluster.etcd.resume() if fault == "pause" else cluster.etcd.start()
+            back = time.monotonic()
             assert during > 0, f"no write acknowledged while etcd was {fault}d"
             notes.append(f"etcd {'paused' if fault == 'pause' else 'killed'} 1 s: {during} Produces acknowledged meanwhile")
             wait_in_sync(cluster, cluster.nodes[0], 2)

@@ -101,23 +101,30 @@ def test_sigterm_mid_batch_loses_nothing(
 
 EXIT_SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import sys, threading, time
     import querator
 
     address, queue, stop = sys.argv[1:4]
+    # Events, not sleeps, order the lines: on a loaded machine the slow handler once had
+    # not started within the main's 0.5 s, or main's stop took longer than its 2 s.
+    started, main_ended = threading.Event(), threading.Event()
 
     def handler(item):
         if item.text == "slow":
-            time.sleep(2)
+            started.set()
+            main_ended.wait(30)  # still running when the main ends (a stop that waited for it: 30 s)
+            time.sleep(0.5)
             print("slow handler finished", flush=True)
 
     client = querator.Client(address)
     worker = querator.Worker(client, queue, handler, concurrency=4, shutdown_timeout=0.2, handle_signals=False)
     worker.start()
+    assert started.wait(30), "the slow handler did not start"
     time.sleep(0.5)
     if stop == "stop":
         worker.stop()  # gives up on the slow handler after 0.2 s; its thread runs on
     print("main ends", flush=True)
+    main_ended.set()
     """
 )
 
