@@ -110,36 +110,54 @@ class CopyHost:
         if ship.incarnation and ship.incarnation != shard.copy.incarnation:
             return shard.state("mismatch", f"the copy here is incarnation {shard.copy.incarnation}")
         async with shard.lock:
+            # The call's changes up to the first that does not decode or names another
+            # shard are applied (one durable write), then that one is answered, as one
+            # by one.
+            changes: list[tuple[ChangeSetLike, bytes]] = []
+            bad: InvalidArgument | str | None = None  # str: why it diverged
             for blob in ship.changes:
                 try:
                     change = self._decode(blob)
                 except ValueError as exc:
-                    raise InvalidArgument("value", f"a change set of shard {ship.uid}: {exc}") from None
+                    bad = InvalidArgument("value", f"a change set of shard {ship.uid}: {exc}")
+                    break
                 if change.uid != ship.uid:
-                    return shard.state("diverged", f"a change set of shard {change.uid} in a call for {ship.uid}")
-                try:
-                    await settled(self._apply(shard, change, blob, ship.epoch))
-                except Exception as exc:
-                    if isinstance(exc, self._fenced):
-                        return shard.state("fenced", str(exc))
-                    if isinstance(exc, self._diverged):
-                        return shard.state("diverged", str(exc))
-                    raise
+                    bad = f"a change set of shard {change.uid} in a call for {ship.uid}"
+                    break
+                changes.append((change, blob))
+            try:
+                await settled(self._apply(shard, changes, ship.epoch))
+            except Exception as exc:
+                if isinstance(exc, self._fenced):
+                    return shard.state("fenced", str(exc))
+                if isinstance(exc, self._diverged):
+                    return shard.state("diverged", str(exc))
+                raise
+            if isinstance(bad, InvalidArgument):
+                raise bad
+            if bad is not None:
+                return shard.state("diverged", bad)
         return shard.state()
 
     @staticmethod
-    async def _apply(shard: Shard, change: ChangeSetLike, blob: bytes, sender: int) -> None:
-        """Apply one change and put it in the ring, both or neither: a call cancelled in
-        between (its primary died) left the ring behind the copy, and the copy, once
-        promoted, took itself for further behind than it was (a snapshot for a copy
-        level with it: a new incarnation, out of the in-sync set)."""
-        before = shard.copy.position().lsn
+    async def _apply(shard: Shard, changes: list[tuple[ChangeSetLike, bytes]], sender: int) -> None:
+        """Apply changes (in one durable write) and put those applied in the ring, both
+        or neither: a call cancelled in between (its primary died) left the ring behind
+        the copy, and the copy, once promoted, took itself for further behind than it
+        was (a snapshot for a copy level with it: a new incarnation, out of the in-sync
+        set). A refusal after the first change comes back once those before it are in
+        the ring."""
+        if not changes:
+            return
+        blobs = {change.lsn: blob for change, blob in changes}
         # A change it holds already (resent after a lost answer) is a no-op, unless held
         # under another epoch: then Diverged (storage checks both).
-        await shard.copy.apply(change, sender)
-        if change.lsn > before:
-            shard.ring.add(change.epoch, change.lsn, blob)
+        written, refused = await shard.copy.apply_all([change for change, _ in changes], sender)
+        for change in written:
+            shard.ring.add(change.epoch, change.lsn, blobs[change.lsn])
             shard.applied += 1
+        if refused is not None:
+            raise refused
 
     async def status(self, ask: StatusAsk) -> CopyState:
         shard = self._replica(ask.uid)

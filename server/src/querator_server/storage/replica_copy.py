@@ -105,14 +105,35 @@ class ReplicaCopy:
             return await settled(self._apply(change, sender))
 
     async def _apply(self, change: ChangeSet, sender: int) -> Position:
-        await self._passive(max(change.epoch, sender), f"change {change.lsn} of epoch {change.epoch}")
-        if self.group is None:
-            state = self.state
-            return await self.lane.run(lambda: state.apply_now(change, sender))
-        await self.group.job(lambda: self.state.prepare(change))
-        if await self._grouped(lambda txn: self.state.apply(txn, change, sender)):
-            self.state.committed(change)
+        await self._apply_all([change], sender)  # one change: refused, it is raised
         return self.state.position()
+
+    async def apply_all(
+        self, changes: list[ChangeSet], sender: int = 0
+    ) -> tuple[list[ChangeSet], Fenced | Diverged | None]:
+        """``apply`` each of ``changes`` in order, all in one durable write (one fsync),
+        up to the first refused: the changes written (not those held already) and the
+        refusal, raised instead when it is the first change's (ReplicaState.apply_all)."""
+        async with self._lock:
+            return await settled(self._apply_all(changes, sender))
+
+    async def _apply_all(
+        self, changes: list[ChangeSet], sender: int
+    ) -> tuple[list[ChangeSet], Fenced | Diverged | None]:
+        if not changes:
+            return [], None
+        # The first change alone, as one by one: it steps a primary here down (after
+        # which the node serves nothing, and the rest pass) or is refused.
+        first = changes[0]
+        await self._passive(max(first.epoch, sender), f"change {first.lsn} of epoch {first.epoch}")
+        state = self.state
+        if self.group is None:
+            return await self.lane.run(lambda: state.apply_all_now(changes, sender))
+        await self.group.job(lambda: state.prepare_roles(role for c in changes for role, _, _ in c.ops))
+        written, refused = await self._grouped(lambda txn: state.apply_all(txn, changes, sender))
+        for change in written:
+            state.committed(change)
+        return written, refused
 
     async def fence(self, epoch: int) -> Position:
         """Refuse, durably, every change set and promotion under an epoch below ``epoch``;

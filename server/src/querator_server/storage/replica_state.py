@@ -107,6 +107,12 @@ def _append(txn: lmdb.Transaction[bytes], db: Any, run: list[tuple[bytes, bytes]
             put(key, value, db=db)
 
 
+def _epoch_at(history: list[tuple[int, int]], lsn: int) -> int:
+    starts = [start for _, start in history]
+    at = bisect.bisect_right(starts, lsn) - 1
+    return history[at][0] if at >= 0 else 0
+
+
 def _partition_role(role: str) -> int | None:
     """The partition a role names (``p3`` -> 3), None for the other databases."""
     if role[:1] == "p" and role[1:].isdigit():
@@ -177,9 +183,7 @@ class ReplicaState:
 
     def epoch_at(self, lsn: int) -> int:
         """The epoch under which this copy holds change ``lsn`` (0: before any)."""
-        starts = [start for _, start in self._history]
-        at = bisect.bisect_right(starts, lsn) - 1
-        return self._history[at][0] if at >= 0 else 0
+        return _epoch_at(self._history, lsn)
 
     # -- databases by role ---------------------------------------------------------------
 
@@ -234,12 +238,17 @@ class ReplicaState:
         self._fenced = max(self._fenced, change.epoch)
         self._position = change.position
 
-    def _write_position(self, txn: lmdb.Transaction[bytes], change: ChangeSet) -> None:
+    def _write_position(
+        self, txn: lmdb.Transaction[bytes], change: ChangeSet, held: Position | None = None, fenced: int | None = None
+    ) -> None:
+        """``change``'s position, over ``held`` and ``fenced`` (by default the durable ones)."""
         meta = self._meta
+        held = self._position if held is None else held
+        fenced = self._fenced if fenced is None else fenced
         txn.put(_POSITION, _PAIR.pack(change.epoch, change.lsn), db=meta)
-        if change.epoch > self._position.epoch:
+        if change.epoch > held.epoch:
             txn.put(_HISTORY + _U64.pack(change.epoch), _U64.pack(change.lsn), db=meta)
-        if change.epoch > self._fenced:
+        if change.epoch > fenced:
             txn.put(_FENCED, _U64.pack(change.epoch), db=meta)
 
     # -- a copy's side -----------------------------------------------------------------------
@@ -254,20 +263,25 @@ class ReplicaState:
         is refused. Refusing such a change made the new primary rebuild an in-sync copy
         (a new incarnation) and, were it to die before it recorded that, left no copy
         that could take over."""
+        return self._check(change, sender, self._position, self._fenced, self._history)
+
+    def _check(
+        self, change: ChangeSet, sender: int, held: Position, fenced: int, history: list[tuple[int, int]]
+    ) -> bool:
+        """``check`` against a copy that holds up to ``held`` under ``history``, fenced at ``fenced``."""
         if change.uid != self.uid:
             raise Diverged(f"a change set of queue uid {change.uid} was offered to the copy of queue uid {self.uid}")
         if self._installing:
             raise Diverged(f"queue uid {self.uid}: the copy is half-way through installing a snapshot: install one again")
-        if max(change.epoch, sender) < self._fenced:
+        if max(change.epoch, sender) < fenced:
             raise Fenced(
                 f"queue uid {self.uid}: change {change.lsn} of epoch {change.epoch} (sent under epoch "
-                f"{max(change.epoch, sender)}) is fenced (epoch {self._fenced} was promised)"
+                f"{max(change.epoch, sender)}) is fenced (epoch {fenced} was promised)"
             )
-        held = self._position
         if change.lsn <= held.lsn:
-            if self.epoch_at(change.lsn) != change.epoch:
+            if _epoch_at(history, change.lsn) != change.epoch:
                 raise Diverged(
-                    f"queue uid {self.uid}: change {change.lsn} is held under epoch {self.epoch_at(change.lsn)}, "
+                    f"queue uid {self.uid}: change {change.lsn} is held under epoch {_epoch_at(history, change.lsn)}, "
                     f"not {change.epoch}: the copy diverged"
                 )
             return False
@@ -280,11 +294,40 @@ class ReplicaState:
     def apply(self, txn: lmdb.Transaction[bytes], change: ChangeSet, sender: int = 0) -> bool:
         """Write ``change`` and its position in ``txn`` (``prepare`` first); False when
         this copy held it already (nothing written). ``committed`` once durable."""
-        if not self.check(change, sender):
-            return False
-        _write_ops(txn, change.ops, {role: self.handle(role) for role in {op[0] for op in change.ops}})
-        self._write_position(txn, change)
-        return True
+        return bool(self.apply_all(txn, [change], sender)[0])  # one change: refused, it is raised
+
+    def apply_all(
+        self, txn: lmdb.Transaction[bytes], changes: list[ChangeSet], sender: int = 0
+    ) -> tuple[list[ChangeSet], Fenced | Diverged | None]:
+        """``apply`` each of ``changes`` in order in ``txn`` (``prepare`` them first),
+        each checked against the copy as the ones before leave it, up to the first
+        refused: the changes written (those held already are skipped) and the refusal
+        (None: none); the refusal is raised when nothing was written before it (the
+        transaction is then thrown away, as for one change refused alone).
+        ``committed`` each written one, in order, once durable.
+
+        One transaction for the changes of one call: a copy catching up under load
+        applied one per transaction (one fsync each, ~50 a second), about the rate its
+        primary made new ones, and never caught up."""
+        held, fenced, history = self._position, self._fenced, list(self._history)
+        written: list[ChangeSet] = []
+        for change in changes:
+            try:
+                if not self._check(change, sender, held, fenced, history):
+                    continue
+                dbs = {role: self.handle(role) for role in {op[0] for op in change.ops}}
+            except (Fenced, Diverged) as exc:
+                if not written:
+                    raise
+                return written, exc
+            _write_ops(txn, change.ops, dbs)
+            self._write_position(txn, change, held, fenced)
+            if change.epoch > held.epoch:
+                history.append((change.epoch, change.lsn))
+            fenced = max(fenced, change.epoch)
+            held = change.position
+            written.append(change)
+        return written, None
 
     def fence_in(self, txn: lmdb.Transaction[bytes], epoch: int) -> None:
         """Promise, in ``txn``, to accept nothing under an epoch below ``epoch``;
@@ -298,10 +341,16 @@ class ReplicaState:
     def apply_now(self, change: ChangeSet, sender: int = 0) -> Position:
         """``apply`` in a durable write transaction of its own (a store with an
         environment of its own, no transaction held; blocking)."""
-        self.prepare(change)
-        if self.store.write(lambda txn: self.apply(txn, change, sender)):
-            self.committed(change)
+        self.apply_all_now([change], sender)  # one change: refused, it is raised
         return self._position
+
+    def apply_all_now(self, changes: list[ChangeSet], sender: int = 0) -> tuple[list[ChangeSet], Fenced | Diverged | None]:
+        """``apply_all`` in one durable write transaction of its own (as ``apply_now``)."""
+        self.prepare_roles(role for change in changes for role, _, _ in change.ops)
+        written, refused = self.store.write(lambda txn: self.apply_all(txn, changes, sender))
+        for change in written:
+            self.committed(change)
+        return written, refused
 
     def fence_now(self, epoch: int) -> Position:
         """``fence_in`` in a durable write transaction of its own (as ``apply_now``)."""
