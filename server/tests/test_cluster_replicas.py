@@ -188,6 +188,7 @@ def test_cluster_status_prints_each_replicated_queues_primary_epoch_and_in_sync_
         "replicas": record["replicas"],
         "in_sync": record["replicas"],
         "min_in_sync": 2,
+        "failover_blocked": "",
     }
 
 
