@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import lmdb
 
 from ..faults import MAP_FULL, NO_SPACE, write_fault
+from .lmdb_file import DamagedFile, pages_needed
 
 
 class StorageError(Exception):
@@ -104,15 +105,24 @@ def make_private_dir(path: str) -> None:
 
 
 def check_data_file(env: lmdb.Environment, path: str) -> None:
-    """Refuse an LMDB file shorter than its own header says (truncated or damaged).
+    """Refuse an LMDB file that lacks a page in use (truncated or damaged).
 
-    Reading a page past the end of the file would kill the process with SIGBUS.
+    Reading a page past the end of the file would kill the process with SIGBUS. The
+    header's last page is not the measure: LMDB leaves healthy files shorter than
+    that (see lmdb_file.py).
     """
     data = os.path.join(path, "data.mdb")
-    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    info = env.info()
     size = os.path.getsize(data)
+    psize = env.stat()["psize"]
+    if size >= (info["last_pgno"] + 1) * psize:
+        return
+    try:
+        need = pages_needed(data, psize, info["last_txnid"]) * psize
+    except DamagedFile as exc:
+        raise StorageError(f"{data}: {exc}: truncated or damaged") from exc
     if size < need:
-        raise StorageError(f"{data}: the file is {size} bytes but its LMDB header needs {need}: truncated or damaged")
+        raise StorageError(f"{data}: the file is {size} bytes but its pages in use need {need}: truncated or damaged")
 
 
 def database_names(env: lmdb.Environment, txn: lmdb.Transaction[bytes], prefix: bytes) -> list[bytes]:
