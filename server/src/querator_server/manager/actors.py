@@ -14,7 +14,6 @@ from ..actor.replication import Replication
 from ..model import QueueConfig
 from ..storage import QueueStore, StorageError
 from ..storage.change_set import ChangeSet
-from ..storage.group_placement import queue_prefix
 from ..storage.replica_copy import ReplicaCopy
 from .lookups import Lookups
 from .state import log
@@ -56,9 +55,7 @@ class Actors(Lookups):
             store, group = stopped.store, stopped.group
         elif config.group >= 0:
             group = await loop.run_in_executor(self._executor, self._groups.get, config.group)
-            store = await group.job(
-                lambda: QueueStore(group.path, config.partitions, shared=group.env, prefix=queue_prefix(config.uid))
-            )
+            store = await self._grouped_store(group, config)
         else:
             store = await loop.run_in_executor(
                 self._executor,

@@ -14,7 +14,6 @@ from ..clock import now_us
 from ..errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from ..model import QueueConfig
 from ..storage import QueueStore, StorageError
-from ..storage.group_placement import queue_prefix
 from ..storage.replica_copy import ReplicaCopy
 from ..storage.replica_state import ReplicaState
 from .actors import Actors
@@ -78,9 +77,7 @@ class Copies(Actors):
         lane = self._lane(config.uid)
         if config.group >= 0:
             group = await loop.run_in_executor(self._executor, self._groups.get, config.group)
-            store = await group.job(
-                lambda: QueueStore(group.path, config.partitions, shared=group.env, prefix=queue_prefix(config.uid))
-            )
+            store = await self._grouped_store(group, config)
             state = await group.job(lambda: ReplicaState(store, None, config.uid))
             group.members += 1
             return ReplicaCopy(config.name, state, lane, group)
@@ -121,9 +118,7 @@ class Copies(Actors):
             elif config.group >= 0:
                 group = await loop.run_in_executor(self._executor, self._groups.get, config.group)
                 try:
-                    store = await group.job(
-                        lambda: QueueStore(group.path, config.partitions, shared=group.env, prefix=queue_prefix(config.uid))
-                    )
+                    store = await self._grouped_store(group, config)
                     await group.job(store.destroy)
                 except StorageError as exc:
                     raise storage_failed(exc) from exc

@@ -10,8 +10,7 @@ from functools import partial
 
 from ..clock import now_us
 from ..errors import NotFound
-from ..storage import QueueStore, StorageError
-from ..storage.group_placement import queue_prefix
+from ..storage import StorageError
 from .actors import Actors
 from .state import SetAside, log, storage_failed
 
@@ -88,9 +87,7 @@ class SetAsideQueues(Actors):
             if config.group >= 0:
                 group = await loop.run_in_executor(self._executor, self._groups.get, config.group)
                 try:
-                    store = await group.job(
-                        lambda: QueueStore(group.path, config.partitions, shared=group.env, prefix=queue_prefix(config.uid))
-                    )
+                    store = await self._grouped_store(group, config)
                     await group.job(store.destroy)
                 except StorageError as exc:
                     log.warning("queue_storage_left", queue=config.name, error=str(exc))

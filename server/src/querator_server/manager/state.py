@@ -22,8 +22,9 @@ from ..auth import KeyRing
 from ..errors import Unavailable
 from ..logging import get_logger
 from ..model import QueueConfig
-from ..storage import Catalog
-from ..storage.group_placement import CommitGroups
+from ..storage import Catalog, QueueStore
+from ..storage.commit_group import CommitGroup
+from ..storage.group_placement import CommitGroups, queue_prefix
 from ..storage.lane import StorageLane
 from ..storage.queue_store import DEFAULT_MAP_SIZE
 from ..storage.replica_copy import ReplicaCopy
@@ -139,6 +140,13 @@ class ManagerState:
     def _stored_configs(self) -> builtins.list[QueueConfig]:
         """Every queue whose storage the data directory keeps: served or set aside."""
         return [*self._configs.values(), *(a.config for a in self._aside.values())]
+
+    async def _grouped_store(self, group: CommitGroup, config: QueueConfig) -> QueueStore:
+        """``config``'s databases in its commit group's environment, opened (made when
+        new) on the group's lane."""
+        return await group.job(
+            lambda: QueueStore(group.path, config.partitions, shared=group.env, prefix=queue_prefix(config.uid))
+        )
 
     def _lane(self, uid: int) -> StorageLane:
         if uid not in self._lane_of:
