@@ -314,17 +314,34 @@ class AdminFrontend(CopyMoves):
         live = self._live()
         if not live:
             raise Unavailable("no live node to recreate the partitions on")
+        # A queue whose primary the node was and of which no live node keeps a copy has
+        # no survivor to fill a new copy from: only the data-loss retire re-makes it.
+        lost = [r for r in copies if r.primary == node and not self._live_copies(r, node)]
+        if lost and not promote_behind:
+            raise FailedPrecondition(
+                f"queue {lost[0].queue!r}: no live node keeps a copy of it (copies on "
+                f"{', '.join(lost[0].replicas)}, none live); nothing was retired (bring one of those nodes back; "
+                "or retire with promote_copies_behind (cluster retire --discard-data), which re-makes the queue "
+                "empty on the live nodes: its items are lost, also those on the other dead nodes)"
+            )
         promoted: builtins.list[Promoted] = []
-        remade = await self._drop_copies(node, copies, promote_behind, promoted)
+        remade = await self._drop_copies(node, [r for r in copies if r not in lost], promote_behind, promoted)
+        recreated = 0
+        for record in lost:
+            recreated += await self._remake_empty(record, node)
         if not owned:
             await self._commit(
                 self._fenced_txn().created_at(self.keys.member(node), 0).put(self.keys.retired(node), b"{}"),
                 lambda: FailedPrecondition(f"node {node!r} came back meanwhile; it was not retired"),
             )
             log.warning(
-                "cluster_node_retired_by_admin", node=node, partitions_recreated=0, copies_dropped=len(copies), copies_remade=remade
+                "cluster_node_retired_by_admin",
+                node=node,
+                partitions_recreated=recreated,
+                copies_dropped=len(copies),
+                copies_remade=remade,
             )
-            return 0, remade, promoted
+            return recreated, remade, promoted
         queues = self.catalog.queues
         work: dict[str, builtins.list[Home]] = {}
         moved = 0
@@ -365,8 +382,59 @@ class AdminFrontend(CopyMoves):
                 txn, ops = self._fenced_txn().created_at(self.keys.member(node), 0), 0
         if ops:
             await self._commit(txn, lambda: FailedPrecondition("the catalog changed meanwhile (or the node came back); retry"))
-        log.warning("cluster_node_retired_by_admin", node=node, partitions_recreated=moved, copies_remade=remade)
-        return moved, remade, promoted
+        log.warning("cluster_node_retired_by_admin", node=node, partitions_recreated=moved + recreated, copies_remade=remade)
+        return moved + recreated, remade, promoted
+
+    def _live_copies(self, record: ShardRecord, node: str) -> builtins.list[str]:
+        return [n for n in record.replicas if n != node and n in self.catalog.members]
+
+    async def _remake_empty(self, record: ShardRecord, node: str) -> int:
+        """Re-make a replicated queue none of whose copies is live, empty, on the live
+        nodes (its items are lost): a new shard, as CreateQueue makes one, under a new
+        uid, so that no item id a worker still holds names an item of the new shard, and
+        so that a dead node keeping a copy of the old one drops it when it comes back
+        (reconcile: its shard is no longer the queue's). Its copies are the queue's
+        ``replicas`` or the live nodes, when fewer (copies_restore.py adds the others
+        later); the queue entry, the old record and the new one change in one
+        transaction, made only while ``node`` is still not registered. Returns the
+        queue's partitions."""
+        entry = self.catalog.queues.get(record.queue)
+        if entry is None or entry.shard != record.uid:
+            return 0  # deleted or re-made meanwhile: nothing of it left to lose
+        live = self._live()
+        count = min(entry.config.replicas, len(live))
+        copies = place_shard(count, live, *self._shard_load())
+        uid = await self.catalog.shards.next_uid()
+        fresh = dataclasses.replace(
+            ShardRecord.new(uid, record.queue, copies, min(entry.config.min_in_sync, count)),
+            generation=entry.generation,
+            epoch=record.epoch + 1,
+        )
+        homes = tuple(Home(copies[0], p) for p in range(len(entry.homes)))
+        key, old, new = self.keys.queue(record.queue), self.catalog.shards.key(record.uid), self.catalog.shards.key(uid)
+        txn = (
+            self._fenced_txn()
+            .created_at(self.keys.member(node), 0)
+            .modified_at(key, entry.mod_revision)
+            .put(key, dataclasses.replace(entry, homes=homes, shard=uid).encode())
+            .modified_at(old, record.mod_revision)
+            .delete(old)
+            .created_at(new, 0)
+            .put(new, fresh.encode())
+        )
+        await self._commit(
+            txn, lambda: FailedPrecondition(f"queue {record.queue!r} changed meanwhile (or {node!r} came back); retry")
+        )
+        log.error(
+            "shard_remade_empty",
+            queue=record.queue,
+            old_shard=record.uid,
+            shard=uid,
+            copies=copies,
+            lost_copies=list(record.replicas),
+            detail=f"no live node kept a copy when {node!r} was retired: the queue's items are lost",
+        )
+        return len(entry.homes)
 
     async def _drop_copies(
         self, node: str, copies: builtins.list[ShardRecord], promote_behind: bool, promoted: builtins.list[Promoted]
@@ -377,9 +445,9 @@ class AdminFrontend(CopyMoves):
         before anything changes, unless ``promote_behind`` (its most advanced surviving
         copy is elected, listed in ``promoted``). Each copy is made again on a live node
         without one (added before the dead one is dropped, so the queue's min_in_sync
-        stays), filled from the survivors by its primary; with no such node the queue
-        keeps one copy fewer (its min_in_sync capped at what is left). Returns the
-        copies made again."""
+        stays), filled from the survivors by its primary; with no such node, or with the
+        primary down too, the queue keeps one copy fewer (its min_in_sync capped at what
+        is left). Returns the copies made again."""
 
         def in_sync_elsewhere(record: ShardRecord) -> builtins.list[str]:
             return [n for n, i in record.isr if n != node and i and n in self.catalog.members]
@@ -392,12 +460,6 @@ class AdminFrontend(CopyMoves):
                 "(cluster retire --discard-data), which makes the most advanced other copy the primary and "
                 "loses what the node acknowledged after that copy's position)"
             )
-        for record in alone:  # checked for all before any is changed
-            if not [n for n in record.replicas if n != node and n in self.catalog.members]:
-                raise FailedPrecondition(
-                    f"queue {record.queue!r}: node {node!r} holds its only in-sync copy and no other copy of it is "
-                    "live; nothing was retired (bring the node back, or delete the queue)"
-                )
         planned: Counter[str] = Counter()
         for record in copies:
             if record.primary == node:
@@ -410,7 +472,10 @@ class AdminFrontend(CopyMoves):
                     )
                     promoted.append(copy)
                     await self.catalog.wait_applied(record.mod_revision, _APPLY_TIMEOUT_S)
-            spare = self._spare_nodes(record, planned)
+            # A copy is filled by its primary: with the primary down as well, one added now
+            # would stay empty, and be what a later retire of the primary promotes. The
+            # primary adds it once back (copies_restore.py).
+            spare = self._spare_nodes(record, planned) if record.primary in self.catalog.members else []
             if spare:
                 record = await self._add_copy(record, spare[0])
                 planned[spare[0]] += 1

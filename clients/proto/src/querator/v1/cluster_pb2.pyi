@@ -251,8 +251,13 @@ class RetireNodeDiscardingDataRequest(_message.Message):
     the retired node acknowledged after that copy's position is LOST (how many
     is not known: only the retired node knew). copies_promoted in the answer
     names each such copy and its position. Without it such a retire answers
-    FAILED_PRECONDITION and retires nothing. A queue with no live copy beside
-    the node's is refused either way.
+    FAILED_PRECONDITION and retires nothing. A queue the node is the primary of
+    and of which no live node keeps a copy (every other copy's node is down or
+    retired) is re-made, empty, on the live nodes, as a queue of one copy is:
+    all its items are LOST, those the other dead nodes keep too (a node that
+    comes back drops its copy of it); its partitions count in
+    partitions_recreated. Without promote_copies_behind such a retire answers
+    FAILED_PRECONDITION naming the queue and retires nothing.
     """
     def __init__(
         self,
@@ -278,7 +283,10 @@ class RetireNodeDiscardingDataResponse(_message.Message):
     COPIES_RECREATED_FIELD_NUMBER: _builtins.int
     COPIES_PROMOTED_FIELD_NUMBER: _builtins.int
     partitions_recreated: _builtins.int
-    """How many partitions (over all queues) were recreated, empty, elsewhere."""
+    """How many partitions (over all queues) were recreated, empty, elsewhere:
+    the node's partitions of queues of one copy, and every partition of each
+    replicated queue re-made empty (promote_copies_behind).
+    """
     copies_recreated: _builtins.int
     """How many copies of replicated queues were made again on live nodes, filled
     from their queues' other copies (nothing lost).

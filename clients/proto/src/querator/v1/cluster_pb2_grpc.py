@@ -102,7 +102,8 @@ class ClusterServiceServicer:
         until a live node without one is there (a node that joins later), where its
         primary then makes it.
         FAILED_PRECONDITION, nothing retired, when the node holds a queue's only
-        in-sync copy. Needs an admin key for "*".
+        in-sync copy, or is the primary of a queue of which no live node keeps a
+        copy; promote_copies_behind retires it anyway. Needs an admin key for "*".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

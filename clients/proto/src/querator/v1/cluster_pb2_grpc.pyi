@@ -58,7 +58,8 @@ class ClusterServiceStub:
     until a live node without one is there (a node that joins later), where its
     primary then makes it.
     FAILED_PRECONDITION, nothing retired, when the node holds a queue's only
-    in-sync copy. Needs an admin key for "*".
+    in-sync copy, or is the primary of a queue of which no live node keeps a
+    copy; promote_copies_behind retires it anyway. Needs an admin key for "*".
     """
     ListSetAsideQueues: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.ListSetAsideQueuesRequest, _cluster_pb2.ListSetAsideQueuesResponse]
     """ListSetAsideQueues lists the queues nodes have set aside: local queues that
@@ -127,7 +128,8 @@ class ClusterServiceAsyncStub(ClusterServiceStub):
     until a live node without one is there (a node that joins later), where its
     primary then makes it.
     FAILED_PRECONDITION, nothing retired, when the node holds a queue's only
-    in-sync copy. Needs an admin key for "*".
+    in-sync copy, or is the primary of a queue of which no live node keeps a
+    copy; promote_copies_behind retires it anyway. Needs an admin key for "*".
     """
     ListSetAsideQueues: _aio.UnaryUnaryMultiCallable[_cluster_pb2.ListSetAsideQueuesRequest, _cluster_pb2.ListSetAsideQueuesResponse]  # type: ignore[assignment]
     """ListSetAsideQueues lists the queues nodes have set aside: local queues that
@@ -205,7 +207,8 @@ class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
         until a live node without one is there (a node that joins later), where its
         primary then makes it.
         FAILED_PRECONDITION, nothing retired, when the node holds a queue's only
-        in-sync copy. Needs an admin key for "*".
+        in-sync copy, or is the primary of a queue of which no live node keeps a
+        copy; promote_copies_behind retires it anyway. Needs an admin key for "*".
         """
 
     @_abc_1.abstractmethod

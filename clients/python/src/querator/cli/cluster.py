@@ -155,7 +155,8 @@ def _warning(view: ClusterView, node: str) -> str:
         f"left in {node}'s data directory are never served again. The id {node} can never join the cluster again.\n"
         f"If {node}'s data directory can be recovered, restore it on a new host under the same --node-id "
         f"instead: nothing is lost that way ({DIED_FOR_GOOD}). A replicated queue whose only in-sync copy {node} "
-        f"held gets its most advanced other copy as primary: what {node} acknowledged after that copy's position is lost."
+        f"held gets its most advanced other copy as primary: what {node} acknowledged after that copy's position is lost; "
+        f"one of which {node} was the primary and no live node keeps a copy is re-made empty on the live nodes."
     )
 
 

@@ -275,8 +275,13 @@ export type RetireNodeDiscardingDataRequest = Message<"querator.v1.RetireNodeDis
    * the retired node acknowledged after that copy's position is LOST (how many
    * is not known: only the retired node knew). copies_promoted in the answer
    * names each such copy and its position. Without it such a retire answers
-   * FAILED_PRECONDITION and retires nothing. A queue with no live copy beside
-   * the node's is refused either way.
+   * FAILED_PRECONDITION and retires nothing. A queue the node is the primary of
+   * and of which no live node keeps a copy (every other copy's node is down or
+   * retired) is re-made, empty, on the live nodes, as a queue of one copy is:
+   * all its items are LOST, those the other dead nodes keep too (a node that
+   * comes back drops its copy of it); its partitions count in
+   * partitions_recreated. Without promote_copies_behind such a retire answers
+   * FAILED_PRECONDITION naming the queue and retires nothing.
    *
    * @generated from field: bool promote_copies_behind = 2;
    */
@@ -297,7 +302,9 @@ export const RetireNodeDiscardingDataRequestSchema: GenMessage<RetireNodeDiscard
  */
 export type RetireNodeDiscardingDataResponse = Message<"querator.v1.RetireNodeDiscardingDataResponse"> & {
   /**
-   * How many partitions (over all queues) were recreated, empty, elsewhere.
+   * How many partitions (over all queues) were recreated, empty, elsewhere:
+   * the node's partitions of queues of one copy, and every partition of each
+   * replicated queue re-made empty (promote_copies_behind).
    *
    * @generated from field: int32 partitions_recreated = 1;
    */
@@ -683,7 +690,8 @@ export const ClusterService: GenService<{
    * until a live node without one is there (a node that joins later), where its
    * primary then makes it.
    * FAILED_PRECONDITION, nothing retired, when the node holds a queue's only
-   * in-sync copy. Needs an admin key for "*".
+   * in-sync copy, or is the primary of a queue of which no live node keeps a
+   * copy; promote_copies_behind retires it anyway. Needs an admin key for "*".
    *
    * @generated from rpc querator.v1.ClusterService.RetireNodeDiscardingData
    */
