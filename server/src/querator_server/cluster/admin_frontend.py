@@ -42,6 +42,14 @@ log = get_logger("cluster")
 
 # etcd 3.4 refuses a transaction of more than 128 operations (--max-txn-ops).
 _TXN_OPS = 100
+# UpdateQueue's tries when only a key it compared besides the queue's entry changed
+# (a shard record's in-sync set moves on its own): bounded, each a round trip to etcd.
+_CAS_ATTEMPTS = 5
+
+
+class _UpdateConflict(FailedPrecondition):
+    """An update's transaction lost its comparisons (AdminFrontend.update tells an
+    admin's edit of the entry from a change of the other keys it compared)."""
 
 
 class AdminFrontend(CopyMoves):
@@ -201,6 +209,38 @@ class AdminFrontend(CopyMoves):
     async def update(
         self, name: str, changes: dict[str, object], visible: Callable[[str], bool] | None = None
     ) -> QueueConfig:
+        """Change the queue's settings. A replicated queue's shard record, changed in the
+        same transaction, also changes without an admin: its primary's in-sync set
+        changes, a copy restored (copies_restore.py), a copy claimed. Such a change
+        between the read and the write is no admin's conflicting edit: the call is made
+        again on the record as it is now (at most ``_CAS_ATTEMPTS`` times), rather than
+        failing the user's call."""
+        for attempt in range(1, _CAS_ATTEMPTS + 1):
+            entry = self.catalog.queues.get(name)
+            try:
+                return await self._update_once(name, changes, visible)
+            except _UpdateConflict:
+                if entry is None or attempt == _CAS_ATTEMPTS or not await self._entry_unchanged(entry):
+                    raise
+                log.info("cluster_update_retried", queue=name, attempt=attempt, detail="its shard record changed meanwhile")
+        raise AssertionError("unreachable")  # the last attempt returns or raises
+
+    async def _entry_unchanged(self, entry: QueueEntry) -> bool:
+        """Whether the queue's entry in etcd is still ``entry`` (then what changed was
+        another key the update compared: its shard record, its dead-letter queue's
+        entry); if so, once this node's catalog has caught up with etcd."""
+        try:
+            revision, kv = await self.etcd.get(self.keys.queue(entry.config.name))
+        except EtcdError as exc:
+            raise Unavailable(f"the cluster catalog (etcd) did not answer: {exc}") from None
+        if kv is None or kv.mod_revision != entry.mod_revision:
+            return False
+        await self.catalog.wait_applied(revision, _APPLY_TIMEOUT_S)
+        return True
+
+    async def _update_once(
+        self, name: str, changes: dict[str, object], visible: Callable[[str], bool] | None
+    ) -> QueueConfig:
         txn = self._fenced_txn()
         entry = self.catalog.queues.get(name)
         if entry is None:
@@ -234,10 +274,7 @@ class AdminFrontend(CopyMoves):
             txn.modified_at(shard, record.mod_revision).put(shard, changed.encode())
         self._with_dead_queue(txn, updated, homes)
         await self._commit(
-            txn,
-            lambda: FailedPrecondition(
-                f"queue {name!r} was changed by another admin meanwhile; read it again and retry"
-            ),
+            txn, lambda: _UpdateConflict(f"queue {name!r} was changed by another admin meanwhile; read it again and retry")
         )
         return self.get(name)
 
