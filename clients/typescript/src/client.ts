@@ -6,12 +6,13 @@ import { Connection } from "./connection.js";
 import { QueratorError, fromConnectError } from "./errors.js";
 import { failureText } from "./failure.js";
 import type { LeasedItem, RetryOptions, Settler } from "./items.js";
-import type { ApiKey, CompleteResult, CreatedKey, ExtendResult, ItemRef, Page, ProduceInput, ProduceResult, QueueInfo, QueueSettings, QueueStats, RedriveResult, RetryResult, Role, StoredItem } from "./models.js";
+import type { ApiKey, ClusterView, CompleteResult, CreatedKey, ExtendResult, ItemRef, Page, ProduceInput, ProduceResult, QueueInfo, QueueSettings, QueueStats, RedriveResult, ReplicaSet, RetiredNode, RetryResult, Role, StoredItem } from "./models.js";
 import {
   type LeaseOptions,
   MAX_BATCH,
   apiKey,
   chunks,
+  clusterView,
   extendedDeadlines,
   groupRefs,
   leaseCall,
@@ -28,6 +29,8 @@ import {
   type RedriveOptions,
   redriveProgress,
   redriveRequest,
+  replicaSet,
+  retiredNode,
   retryAt,
   retryItems,
   roleValue,
@@ -474,5 +477,42 @@ export class Client implements Settler {
   /** Delete a key; calls with its token fail with Unauthenticated from then on. */
   async revokeKey(keyId: string, options?: CallOptions): Promise<void> {
     await this.#conn.call((c, o) => c.keys.revokeKey({ keyId }, o), options, { retry: false, kind: { keyCall: true } });
+  }
+
+  // -- ClusterService --------------------------------------------------------------------
+
+  /** The cluster as the first address's node sees it: members, each queue's homes, and
+   * the replicated queues' copies. `checkMembers`: also ask each live member whether it
+   * is fenced, and each replicated queue whose primary is not live why no copy can take
+   * over (`ReplicaSet.failoverBlocked`). A single server answers as one node. */
+  async clusterInfo(options: { checkMembers?: boolean; queueNames?: readonly string[] } & CallOptions = {}): Promise<ClusterView> {
+    const request = { checkMembers: options.checkMembers ?? false, queueNames: [...(options.queueNames ?? [])] };
+    return clusterView(await this.#conn.call((c, o) => c.cluster.clusterInfo(request, o), options, { retry: true }));
+  }
+
+  /** Retire a dead node for good (admin key for "*"): its partitions of queues of one
+   * copy are recreated, empty, on the live nodes (their items lost), its copies of
+   * replicated queues made again from their other copies. `promoteCopiesBehind` (the
+   * CLI's --discard-data) also accepts losing what only the node had: a queue whose only
+   * in-sync copy it held gets its most advanced other copy as primary (`copiesPromoted`),
+   * and one it was the primary of with no live copy anywhere is re-made empty; without
+   * it such a retire fails with FailedPrecondition naming the queue, retiring nothing. */
+  async retireNode(nodeId: string, options: { promoteCopiesBehind?: boolean } & CallOptions = {}): Promise<RetiredNode> {
+    const request = { nodeId, promoteCopiesBehind: options.promoteCopiesBehind ?? false };
+    return retiredNode(await this.#conn.call((c, o) => c.cluster.retireNodeDiscardingData(request, o), options, { retry: false }));
+  }
+
+  /** Make `nodeId` serve replicated queue `queueName` (`fromNodeId`: move that node's copy
+   * there instead); the queue's copies once done. Admin key for "*". */
+  async moveQueue(queueName: string, nodeId: string, options: { fromNodeId?: string } & CallOptions = {}): Promise<ReplicaSet> {
+    const request = { queueName, nodeId, fromNodeId: options.fromNodeId ?? "" };
+    return replicaSet((await this.#conn.call((c, o) => c.cluster.moveQueue(request, o), options, { retry: false })).placement);
+  }
+
+  /** Move every primary and copy of replicated queues off `nodeId`: the queues moved,
+   * and those kept with why. Admin key for "*". */
+  async drainNode(nodeId: string, options?: CallOptions): Promise<{ moved: string[]; kept: string[] }> {
+    const r = await this.#conn.call((c, o) => c.cluster.drainNode({ nodeId }, o), options, { retry: false });
+    return { moved: [...r.moved], kept: [...r.kept] };
   }
 }

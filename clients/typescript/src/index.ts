@@ -45,6 +45,8 @@ export { MAX_ERROR_BYTES, failureText } from "./failure.js";
 export { LeasedItem, type LeaseState, type RetryOptions } from "./items.js";
 export type {
   ApiKey,
+  ClusterMember,
+  ClusterView,
   CompleteResult,
   CreatedKey,
   DeadReason,
@@ -57,10 +59,13 @@ export type {
   Payload,
   ProduceInput,
   ProduceResult,
+  PromotedCopy,
   QueueInfo,
   QueueSettings,
   QueueStats,
   RedriveResult,
+  ReplicaSet,
+  RetiredNode,
   RetryResult,
   Role,
   StoredItem,

@@ -226,6 +226,65 @@ export interface CreatedKey {
   token: string;
 }
 
+/** A member of a cluster as a node sees it. `fenced` and `checkError` are filled only
+ * by `clusterInfo({ checkMembers: true })`. */
+export interface ClusterMember {
+  nodeId: string;
+  address: string;
+  live: boolean;
+  fenced: boolean;
+  checkError: string;
+}
+
+/** Where a replicated queue (replicas > 1) is kept: `primary` serves every partition
+ * under `epoch` (one more with each election); `replicas`, every copy's node, the
+ * primary included; `inSync`, the copies every acknowledged change is durable on;
+ * writes need at least `minInSync` of them. `failoverBlocked`: why no live copy can
+ * take over from a primary that is not live (asked with `clusterInfo({ checkMembers:
+ * true })`; empty otherwise). */
+export interface ReplicaSet {
+  primary: string;
+  epoch: number;
+  replicas: string[];
+  inSync: string[];
+  minInSync: number;
+  failoverBlocked: string;
+}
+
+/** A node's view of its cluster at catalog `revision` (a single server: one member,
+ * `clustered` false). `homes[queue][p]` is the node id homing partition `p`;
+ * `replicated` lists the replicated queues' copies (a queue of one copy is not in it). */
+export interface ClusterView {
+  clustered: boolean;
+  nodeId: string;
+  revision: number;
+  members: ClusterMember[];
+  homes: Record<string, string[]>;
+  adminWritable: boolean;
+  replicated: Record<string, ReplicaSet>;
+}
+
+/** A copy out of the in-sync set that a retire made its queue's primary (`retireNode(id,
+ * { promoteCopiesBehind: true })`): every change acknowledged after its position
+ * (`epoch`, `lsn`) is lost; `newEpoch` is the queue's epoch since. */
+export interface PromotedCopy {
+  queueName: string;
+  nodeId: string;
+  epoch: number;
+  lsn: number;
+  newEpoch: number;
+}
+
+/** What a retire did: partitions recreated empty (their items lost: a dead node's
+ * partitions of queues of one copy, and every partition of a replicated queue re-made
+ * empty because no live node kept a copy), copies of replicated queues made again from
+ * their other copies (nothing lost), and the copies made primaries although behind. */
+export interface RetiredNode {
+  partitionsRecreated: number;
+  copiesRecreated: number;
+  copiesPromoted: PromotedCopy[];
+}
+
 /** One page of a listing; `nextPageToken` is empty on the last page. */
 export interface Page<T> {
   items: T[];

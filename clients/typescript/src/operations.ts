@@ -13,6 +13,7 @@ import { LeasedItem, type LeaseState, type Settler } from "./items.js";
 import { type Target, targetOf } from "./routing.js";
 import type {
   ApiKey,
+  ClusterView,
   DeadReason,
   Item,
   ItemRef,
@@ -22,9 +23,12 @@ import type {
   QueueSettings,
   QueueStats,
   RedriveResult,
+  ReplicaSet,
+  RetiredNode,
   Role,
   StoredItem,
 } from "./models.js";
+import type { ClusterInfoResponse, QueuePlacement, RetireNodeDiscardingDataResponse } from "./gen/querator/v1/cluster_pb.js";
 import { type ApiKey as ApiKeyMessage, Role as RoleEnum } from "./gen/querator/v1/keys_pb.js";
 import {
   DeadReason as DeadReasonEnum,
@@ -532,5 +536,38 @@ export function apiKey(k: ApiKeyMessage | undefined): ApiKey {
     queues: k?.queues ?? [],
     description: k?.description ?? "",
     createdAt: fromTimestamp(k?.createdAt),
+  };
+}
+
+// -- ClusterService ---------------------------------------------------------------------
+
+export function replicaSet(q: QueuePlacement | undefined): ReplicaSet {
+  return {
+    primary: q?.primary ?? "",
+    epoch: Number(q?.epoch ?? 0),
+    replicas: [...(q?.replicas ?? [])],
+    inSync: [...(q?.inSync ?? [])],
+    minInSync: q?.minInSync ?? 0,
+    failoverBlocked: q?.failoverBlocked ?? "",
+  };
+}
+
+export function clusterView(r: ClusterInfoResponse): ClusterView {
+  return {
+    clustered: r.clustered,
+    nodeId: r.nodeId,
+    revision: Number(r.revision),
+    members: r.members.map((m) => ({ nodeId: m.nodeId, address: m.address, live: m.live, fenced: m.fenced, checkError: m.checkError })),
+    homes: Object.fromEntries(r.queues.map((q) => [q.queueName, [...q.homes]])),
+    adminWritable: r.adminWritable,
+    replicated: Object.fromEntries(r.queues.filter((q) => q.replicas.length).map((q) => [q.queueName, replicaSet(q)])),
+  };
+}
+
+export function retiredNode(r: RetireNodeDiscardingDataResponse): RetiredNode {
+  return {
+    partitionsRecreated: r.partitionsRecreated,
+    copiesRecreated: r.copiesRecreated,
+    copiesPromoted: r.copiesPromoted.map((c) => ({ queueName: c.queueName, nodeId: c.nodeId, epoch: Number(c.epoch), lsn: Number(c.lsn), newEpoch: Number(c.newEpoch) })),
   };
 }
