@@ -1,0 +1,97 @@
+"""A move of a replicated queue's copy cut short by kill -9 of the node running it, after
+its first etcd step (the copy added to the shard record) and before its last (the old
+copy dropped), with real etcd and node processes. The node running it is the queue's
+primary, whose copy is the one moving: its death is also a failover. Each step is one
+compare-and-swap leaving a valid record, so the queue serves again from its other
+in-sync copy, the added copy is filled by the new primary, the killed node comes back
+as a copy, and the same move run again finishes it: every acknowledged item is there
+once, and the queue keeps its count of copies."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from cluster_helpers import Cluster, Node
+from test_cluster_operator import querator
+from test_cluster_replicas_retire import _record
+
+from querator.v1 import cluster_pb2, cluster_pb2_grpc
+
+from conftest import dur, wait_until
+
+QUEUE = "moving"
+TTL = 2
+ITEMS = 30_000
+
+
+def _placement(node: Node) -> cluster_pb2.QueuePlacement:
+    stub = cluster_pb2_grpc.ClusterServiceStub(node.channel)
+    (found,) = stub.ClusterInfo(cluster_pb2.ClusterInfoRequest(queue_names=[QUEUE]), timeout=10).queues
+    return found
+
+
+@pytest.mark.timeout(240)
+def test_a_move_cut_short_by_kill_9_of_its_node_loses_nothing_and_finishes_when_run_again(tmp_path: Path) -> None:
+    with Cluster(str(tmp_path), size=3, ttl=TTL) as cluster:
+        by_id = {n.node_id: n for n in cluster.nodes}
+        n1 = cluster.nodes[0]
+        n1.stubs.create(QUEUE, replicas=2, requested_partitions=2)
+        wait_until(lambda: len(_placement(n1).in_sync) == 2, 20)
+        placed = _placement(n1)
+        primary = by_id[placed.primary]
+        other = by_id[next(n for n in placed.replicas if n != placed.primary)]
+        target = next(n for n in cluster.nodes if n.node_id not in placed.replicas)
+        # Enough items that the new copy's catch-up (a snapshot) outlasts the kill below.
+        payloads = [b"item-%06d" % i + b"." * 50 for i in range(ITEMS)]
+        for start in range(0, ITEMS, 1000):
+            primary.stubs.produce(QUEUE, payloads[start : start + 1000])
+
+        answer: list[object] = []
+
+        def move() -> None:
+            stub = cluster_pb2_grpc.ClusterServiceStub(primary.channel)
+            try:
+                answer.append(stub.MoveQueue(cluster_pb2.MoveQueueRequest(queue_name=QUEUE, node_id=target.node_id), timeout=60))
+            except grpc.RpcError as exc:
+                answer.append(exc)
+
+        mover = threading.Thread(target=move, daemon=True)
+        mover.start()
+        deadline = time.monotonic() + 30
+        record = _record(cluster, QUEUE)
+        while target.node_id not in record["replicas"] and time.monotonic() < deadline:
+            time.sleep(0.005)
+            record = _record(cluster, QUEUE)
+        primary.kill9()  # the node running the move, between its first and its last step
+        assert target.node_id in record["replicas"], record
+        mover.join(30)
+        assert answer and isinstance(answer[0], grpc.RpcError), answer  # the call died with its node
+        cut = _record(cluster, QUEUE)
+        # Cut short: the copy added, the moved one (the primary's) not dropped yet.
+        assert sorted(cut["replicas"]) == sorted([primary.node_id, other.node_id, target.node_id]), cut
+        assert target.node_id not in [n for n, i in cut["isr"] if i], cut
+
+        # The other in-sync copy takes over and fills the added copy.
+        wait_until(lambda: _placement(other).primary == other.node_id, 20)
+        wait_until(lambda: target.node_id in _placement(other).in_sync, 60)
+        other.stubs.produce(QUEUE, [b"after-failover"])
+        primary.start()  # back as a copy, caught up by the new primary
+        wait_until(lambda: set(_placement(other).in_sync) == {primary.node_id, other.node_id, target.node_id}, 60)
+
+        again = querator("--address", other.address, "cluster", "move", QUEUE, target.node_id, "--json")
+        assert again.returncode == 0, again.stderr
+        final = _placement(other)
+        assert len(final.replicas) == 2 and final.primary == target.node_id, final
+        assert json.loads(again.stdout)["primary"] == target.node_id, again.stdout
+
+        got: list[bytes] = []
+        deadline = time.monotonic() + 60
+        while len(got) < ITEMS + 1 and time.monotonic() < deadline:
+            got += [i.payload for i in target.stubs.lease(QUEUE, 1000, timeout=10, request_timeout=dur(0.3)).items]
+        assert len(got) == len(set(got)) == ITEMS + 1, (len(got), len(set(got)))
+        assert set(got) == set(payloads) | {b"after-failover"}
