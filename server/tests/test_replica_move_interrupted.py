@@ -95,3 +95,43 @@ def test_a_move_cut_short_by_kill_9_of_its_node_loses_nothing_and_finishes_when_
             got += [i.payload for i in target.stubs.lease(QUEUE, 1000, timeout=10, request_timeout=dur(0.3)).items]
         assert len(got) == len(set(got)) == ITEMS + 1, (len(got), len(set(got)))
         assert set(got) == set(payloads) | {b"after-failover"}
+
+
+@pytest.mark.timeout(240)
+def test_retiring_the_source_of_a_move_cut_short_keeps_the_queues_count_of_copies(tmp_path: Path) -> None:
+    """A move cut short by its deadline leaves the queue a copy more than it keeps (the
+    new one, filled by the primary); the node it was moving from then dies and is
+    retired. Its successor is there already: the retire makes no further copy (a retire
+    cut short after its own copy was added and run again is in the same state)."""
+    with Cluster(str(tmp_path), size=4, ttl=TTL) as cluster:
+        by_id = {n.node_id: n for n in cluster.nodes}
+        n1 = cluster.nodes[0]
+        n1.stubs.create(QUEUE, replicas=2, requested_partitions=2)
+        wait_until(lambda: len(_placement(n1).in_sync) == 2, 20)
+        placed = _placement(n1)
+        primary = by_id[placed.primary]
+        source = by_id[next(n for n in placed.replicas if n != placed.primary)]
+        target, bystander = [n for n in cluster.nodes if n.node_id not in placed.replicas]
+        payloads = [b"item-%06d" % i + b"." * 50 for i in range(ITEMS)]
+        for start in range(0, ITEMS, 1000):
+            primary.stubs.produce(QUEUE, payloads[start : start + 1000])
+        stub = cluster_pb2_grpc.ClusterServiceStub(primary.channel)
+        request = cluster_pb2.MoveQueueRequest(queue_name=QUEUE, node_id=target.node_id, from_node_id=source.node_id)
+        with pytest.raises(grpc.RpcError):  # its deadline passes during the catch-up
+            stub.MoveQueue(request, timeout=0.2)
+        wait_until(lambda: target.node_id in _placement(primary).in_sync, 60)
+        assert sorted(_placement(primary).replicas) == sorted([primary.node_id, source.node_id, target.node_id])
+
+        source.kill9()
+        wait_until(lambda: source.node_id not in cluster.live(primary), 20)
+        retired = querator("--address", primary.address, "cluster", "retire", source.node_id, "--json")
+        assert retired.returncode == 0, retired.stderr
+        assert json.loads(retired.stdout)["copies_recreated"] == 0, retired.stdout
+        final = _placement(primary)
+        assert sorted(final.replicas) == sorted([primary.node_id, target.node_id]), final
+        assert bystander.node_id not in _record(cluster, QUEUE)["replicas"]
+        got: list[bytes] = []
+        deadline = time.monotonic() + 60
+        while len(got) < ITEMS and time.monotonic() < deadline:
+            got += [i.payload for i in primary.stubs.lease(QUEUE, 1000, timeout=10, request_timeout=dur(0.3)).items]
+        assert len(got) == len(set(got)) == ITEMS and set(got) == set(payloads)

@@ -511,8 +511,13 @@ class AdminFrontend(CopyMoves):
                     await self.catalog.wait_applied(record.mod_revision, _APPLY_TIMEOUT_S)
             # A copy is filled by its primary: with the primary down as well, one added now
             # would stay empty, and be what a later retire of the primary promotes. The
-            # primary adds it once back (copies_restore.py).
-            spare = self._spare_nodes(record, planned) if record.primary in self.catalog.members else []
+            # primary adds it once back (copies_restore.py). None either when the copies
+            # left keep the queue's count: a move under way (cut short by its deadline or
+            # its node's death) had added the node's successor already, or this retire,
+            # interrupted and run again, did.
+            entry = self.catalog.queues.get(record.queue)
+            short = entry is None or len(record.replicas) - 1 < entry.config.replicas
+            spare = self._spare_nodes(record, planned) if short and record.primary in self.catalog.members else []
             if spare:
                 record = await self._add_copy(record, spare[0])
                 planned[spare[0]] += 1
