@@ -58,6 +58,11 @@ def test_the_data_loss_retire_remakes_a_replicated_queue_with_no_live_copy_empty
             node.kill9()
         wait_until(lambda: cluster.live(n4) == {"n4"}, 30)
         stub = cluster_pb2_grpc.ClusterServiceStub(n4.channel)
+        status = querator("--address", n4.address, "cluster", "status")
+        assert status.returncode == 3, status.stderr
+        for name, old in before.items():
+            hint = f"queue {name}: no live node keeps a copy of it; if its nodes are gone for good, 'querator cluster retire {old.primary} --discard-data'"
+            assert hint in status.stderr, status.stderr
 
         primaries = sorted({p.primary for p in before.values()})
         for primary in primaries:

@@ -87,6 +87,11 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
                     f"queue {name}: no live in-sync copy can take over without losing acknowledged writes; "
                     f"it waits for {waiting}" + (f" ({copies.failover_blocked})" if copies.failover_blocked else "")
                 )
+            if not any(n in live_nodes for n in copies.replicas):
+                problems.append(
+                    f"queue {name}: no live node keeps a copy of it; if its nodes are gone for good, "
+                    f"'querator cluster retire {copies.primary} --discard-data' re-makes it empty (its items lost)"
+                )
         if len(copies.in_sync) < copies.min_in_sync:
             problems.append(
                 f"queue {name}: {len(copies.in_sync)} in-sync copies, below its minimum of {copies.min_in_sync} (writes refused)"
