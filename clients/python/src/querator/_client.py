@@ -414,7 +414,9 @@ class Client(BaseClient):
         """``retire_node_discarding_data`` answering all it did. ``promote_copies_behind``:
         a replicated queue whose only in-sync copy the node held gets its most advanced
         other copy as primary, LOSING the changes acknowledged after that copy's
-        position (``RetiredNode.copies_promoted``); without it such a retire raises
+        position (``RetiredNode.copies_promoted``), and one the node was the primary of
+        with no live copy anywhere is re-made empty (its items lost, its partitions in
+        ``partitions_recreated``); without it such a retire raises
         FailedPrecondition and retires nothing. Not retried."""
         return self._transport.run(ops.retire_node(self._config, node_id, promote_copies_behind, timeout))
 

@@ -411,8 +411,10 @@ class PromotedCopy:
 
 @dataclass(frozen=True, slots=True)
 class RetiredNode:
-    """What retiring a node did: partitions recreated empty, copies of replicated
-    queues made again from the others, and copies promoted although behind."""
+    """What retiring a node did: partitions recreated empty (those of queues of one
+    copy, and every partition of a replicated queue re-made empty because no live node
+    kept a copy), copies of replicated queues made again from the others, and copies
+    promoted although behind."""
 
     partitions_recreated: int
     copies_recreated: int = 0
