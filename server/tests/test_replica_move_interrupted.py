@@ -135,3 +135,44 @@ def test_retiring_the_source_of_a_move_cut_short_keeps_the_queues_count_of_copie
         while len(got) < ITEMS and time.monotonic() < deadline:
             got += [i.payload for i in primary.stubs.lease(QUEUE, 1000, timeout=10, request_timeout=dur(0.3)).items]
         assert len(got) == len(set(got)) == ITEMS and set(got) == set(payloads)
+
+
+@pytest.mark.timeout(240)
+def test_a_new_copy_killed_while_it_is_filled_comes_back_and_is_filled_again(tmp_path: Path) -> None:
+    """UpdateQueue raising replicas adds a copy (its etcd step); the copy's node is
+    killed with kill -9 right after, while the primary fills it (a snapshot of 30,000
+    items). The queue goes on with its in-sync copies; the node comes back, its copy is
+    filled again (whatever it had installed is never trusted) and counted in sync, and
+    every copy then holds the same contents."""
+    from failover_helpers import QUEUE as AUDITED
+    from failover_helpers import create_queue, digests, placement, stop_quietly
+    from test_replica_copies_added import update_replicas
+
+    with Cluster(str(tmp_path), size=3, ttl=TTL) as cluster:
+        by_id = {n.node_id: n for n in cluster.nodes}
+        n1 = cluster.nodes[0]
+        create_queue(n1, replicas=2, partitions=2)
+        wait_until(lambda: len((placement(n1) or cluster_pb2.QueuePlacement()).in_sync) == 2, 20)
+        placed = placement(n1)
+        assert placed is not None
+        primary = by_id[placed.primary]
+        added = next(n for n in cluster.nodes if n.node_id not in placed.replicas)
+        payloads = [b"item-%06d" % i + b"." * 50 for i in range(ITEMS)]
+        for start in range(0, ITEMS, 1000):
+            primary.stubs.produce(AUDITED, payloads[start : start + 1000])
+        assert update_replicas(primary, AUDITED, 3).replicas == 3
+        added.kill9()
+        assert added.node_id not in (placement(primary) or cluster_pb2.QueuePlacement()).in_sync
+        primary.stubs.produce(AUDITED, [b"while-down-%d" % i for i in range(100)])  # the two in-sync copies ack it
+        added.start()
+        wait_until(lambda: len((placement(primary) or cluster_pb2.QueuePlacement()).in_sync) == 3, 60)
+        primary.stubs.produce(AUDITED, [b"after-%d" % i for i in range(100)])
+        expected = set(payloads) | {b"while-down-%d" % i for i in range(100)} | {b"after-%d" % i for i in range(100)}
+        got: list[bytes] = []
+        deadline = time.monotonic() + 60
+        while len(got) < len(expected) and time.monotonic() < deadline:
+            got += [i.payload for i in primary.stubs.lease(AUDITED, 1000, timeout=10, request_timeout=dur(0.3)).items]
+        assert len(got) == len(set(got)) and set(got) == expected, (len(got), len(expected))
+        stop_quietly(cluster.nodes)
+        copies = {n.node_id: digests(n) for n in cluster.nodes}
+        assert len({json.dumps([d["digest"], d["position"]]) for d in copies.values()}) == 1, copies
