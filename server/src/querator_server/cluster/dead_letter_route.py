@@ -1,13 +1,14 @@
-"""Where a queue's dead letters go in a cluster, and the peer call that takes them there.
+"""Where a queue's dead letters go in a cluster, and what ``DeadLetters`` carries.
 
 A dead-letter queue of one copy has a partition on every node homing one of its users'
 partitions (admin_frontend.py gives it one), so dead letters go to its part on the
 same node, as on a single server. A replicated dead-letter queue is served by its
 shard's primary alone, so dead letters go there, over ``DeadLetters`` when that is
-another node. Its storage (and with it the deduplication by source_id) is the same on
-every copy, so a dead letter sent again after a failover of either queue (the source's
-new primary hands over what its outbox still holds) is stored once, also when it was
-completed there meanwhile (storage/accepted_sources.py remembers what was taken).
+another node (primary_hand_over.py). Its storage (and with it the deduplication by
+source_id) is the same on every copy, so a dead letter sent again after a failover of
+either queue (the source's new primary hands over what its outbox still holds) is
+stored once, also when it was completed there meanwhile (storage/accepted_sources.py
+remembers what was taken).
 
 A replicated queue's dead_queue must be replicated too: its dead letters are sent by
 whichever copy is primary, and a part of a one-copy queue on the old primary's node
@@ -25,23 +26,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from google.protobuf.wrappers_pb2 import BytesValue
-
 from ..actor.requests import DeadLetterRequest
-from ..errors import InvalidArgument, Unavailable
+from ..errors import InvalidArgument
 from ..storage import Item
 from .catalog import CatalogCache
 from .dead_letter_source import qualify
 from .forwarding import Peers
-from .replica_wire import pack, unpack
+from .primary_hand_over import PeerQueue, decode_items, remote_primary
+from .replica_wire import unpack
 
 DEAD_LETTERS = "DeadLetters"
-_SERVICE = "querator.internal.Peer"
-_CALL_S = 10.0
-
-
-def encode(queue: str, items: list[Item]) -> bytes:
-    return pack({"queue": queue}, [item.encode() for item in items])
 
 
 def decode(data: bytes) -> tuple[str, list[Item]]:
@@ -49,25 +43,7 @@ def decode(data: bytes) -> tuple[str, list[Item]]:
     queue = header.get("queue")
     if not isinstance(queue, str) or not queue:
         raise InvalidArgument("queue", "a dead-letter hand-over names its queue")
-    try:
-        return queue, [Item.decode(blob) for blob in blobs]
-    except ValueError as exc:
-        raise InvalidArgument("value", f"a dead letter of queue {queue!r}: {exc}") from None
-
-
-class RemoteDeadQueue:
-    """A replicated dead-letter queue served by another node (its primary)."""
-
-    def __init__(self, peers: Peers, node: str, queue: str) -> None:
-        self._peers = peers
-        self._node = node
-        self._queue = queue
-
-    async def submit(self, request: DeadLetterRequest) -> None:
-        data = encode(self._queue, request.items)
-        await self._peers.forward(
-            self._node, f"/{_SERVICE}/{DEAD_LETTERS}", BytesValue(value=data), BytesValue, None, _CALL_S
-        )
+    return queue, decode_items(blobs, f"a dead letter of queue {queue!r}")
 
 
 class DeadLetterRoute:
@@ -84,11 +60,10 @@ class DeadLetterRoute:
         record = self._catalog.shards.get(entry.shard) if entry is not None and entry.shard else None
         if record is None:
             return self._local(name)
-        if record.primary == self._node:
+        primary = remote_primary(self._catalog, self._node, record, "dead letters")
+        if primary is None:
             return _Qualified(self._local(name), self._node)
-        if record.primary not in self._catalog.members:
-            raise Unavailable(f"queue {name!r}: its primary {record.primary!r} is not live; dead letters wait")
-        return _Qualified(RemoteDeadQueue(self._peers, record.primary, name), self._node)
+        return _Qualified(PeerQueue(self._peers, primary, DEAD_LETTERS, {"queue": name}), self._node)
 
     async def take(self, data: bytes) -> None:
         """Dead letters another node sent (``DeadLetters``): stored by this node's

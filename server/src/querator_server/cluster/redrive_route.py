@@ -1,17 +1,17 @@
-"""Where a redriven item goes in a cluster, and the peer call that takes it there.
+"""Where a redriven item goes in a cluster, and what ``RedriveIn`` carries.
 
 A redrive moves each item back to its source queue, named by the uid in its
 source_id. A replicated queue's uid is its shard's, the same on every node, and the
 queue is served by its primary alone, which may be another node than the one running
 the redrive (a replicated dead-letter queue's primary): the items go there over
 ``RedriveIn``, one hop, as dead letters go to a replicated dead-letter queue
-(dead_letter_route.py). The receiver stores each once by source_id
-(storage/accepted_sources.py), so the sender's tries again (a failure, a failover of
-either queue) store nothing twice. An explicit target_queue that is replicated is
-reached the same way. A queue of one copy keeps its node's own uids, so its items go
-back only to a partition on the same node: out of a one-copy dead-letter queue, whose
-part on a node holds that node's dead letters alone, or out of a replicated one whose
-primary is their node, which names them (dead_letter_source.py;
+(primary_hand_over.py, dead_letter_route.py). The receiver stores each once by
+source_id (storage/accepted_sources.py), so the sender's tries again (a failure, a
+failover of either queue) store nothing twice. An explicit target_queue that is
+replicated is reached the same way. A queue of one copy keeps its node's own uids, so
+its items go back only to a partition on the same node: out of a one-copy dead-letter
+queue, whose part on a node holds that node's dead letters alone, or out of a
+replicated one whose primary is their node, which names them (dead_letter_source.py;
 QueuesManager.queues_by_uid and own_sources).
 """
 
@@ -20,22 +20,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from google.protobuf.wrappers_pb2 import BytesValue
-
 from ..actor.requests import RedriveInRequest
 from ..errors import InvalidArgument, Unavailable
 from ..storage import Item
 from .catalog import CatalogCache
 from .forwarding import Peers
-from .replica_wire import pack, unpack
+from .primary_hand_over import PeerQueue, decode_items, remote_primary
+from .replica_wire import unpack
 
 REDRIVE_IN = "RedriveIn"
-_SERVICE = "querator.internal.Peer"
-_CALL_S = 10.0
-
-
-def encode(uid: int, items: list[Item]) -> bytes:
-    return pack({"uid": uid}, [item.encode() for item in items])
 
 
 def decode(data: bytes) -> tuple[int, list[Item]]:
@@ -43,23 +36,7 @@ def decode(data: bytes) -> tuple[int, list[Item]]:
     uid = header.get("uid")
     if not isinstance(uid, int) or isinstance(uid, bool) or uid <= 0:
         raise InvalidArgument("uid", "a redrive hand-over names its queue's uid")
-    try:
-        return uid, [Item.decode(blob) for blob in blobs]
-    except ValueError as exc:
-        raise InvalidArgument("value", f"a redriven item for queue uid {uid}: {exc}") from None
-
-
-class RemoteTarget:
-    """A replicated queue served by another node (its primary), as a redrive target."""
-
-    def __init__(self, peers: Peers, node: str, uid: int) -> None:
-        self._peers = peers
-        self._node = node
-        self._uid = uid
-
-    async def submit(self, request: RedriveInRequest) -> None:
-        data = encode(self._uid, request.items)
-        await self._peers.forward(self._node, f"/{_SERVICE}/{REDRIVE_IN}", BytesValue(value=data), BytesValue, None, _CALL_S)
+    return uid, decode_items(blobs, f"a redriven item for queue uid {uid}")
 
 
 class RedriveRoute:
@@ -78,14 +55,13 @@ class RedriveRoute:
         record = self._catalog.shards.get(uid)
         if record is None:
             return self._local(uid)
-        if record.primary == self._node:
-            actor = self._local(uid)
-            if actor is None:  # elected here, not serving yet: not gone (that would put the items back)
-                raise Unavailable(f"queue {record.queue!r} is not served here yet; redriven items wait")
-            return actor
-        if record.primary not in self._catalog.members:
-            raise Unavailable(f"queue {record.queue!r}: its primary {record.primary!r} is not live; redriven items wait")
-        return RemoteTarget(self._peers, record.primary, uid)
+        primary = remote_primary(self._catalog, self._node, record, "redriven items")
+        if primary is not None:
+            return PeerQueue(self._peers, primary, REDRIVE_IN, {"uid": uid})
+        actor = self._local(uid)
+        if actor is None:  # elected here, not serving yet: not gone (that would put the items back)
+            raise Unavailable(f"queue {record.queue!r} is not served here yet; redriven items wait")
+        return actor
 
     def targets(self, visible: Callable[[str], bool] | None) -> dict[int, str]:
         """Every replicated queue (that is ``visible``), by its shard's uid."""

@@ -65,19 +65,24 @@ class PeerService:
         return BytesValue(value=(await host.ship(Ship.decode(request.value))).encode())
 
     async def _dead(self, request: BytesValue, context: grpc.aio.ServicerContext[Any, Any]) -> BytesValue:
-        if not self._give_backs.is_peer(context):
-            raise PermissionDenied(f"{SERVICE} is for the cluster's nodes only")
-        if self._dead_letters is None:
-            raise PermissionDenied("this node takes no dead letters from others")
-        await self._dead_letters.take(request.value)
-        return BytesValue()
+        return await self._hand_over(self._dead_letters, "dead letters", request, context)
 
     async def _redriven(self, request: BytesValue, context: grpc.aio.ServicerContext[Any, Any]) -> BytesValue:
+        return await self._hand_over(self._redrives, "redriven items", request, context)
+
+    async def _hand_over(
+        self,
+        route: DeadLetterRoute | RedriveRoute | None,
+        what: str,
+        request: BytesValue,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> BytesValue:
+        """Items another node hands to a queue this node is primary of (cluster/primary_hand_over.py)."""
         if not self._give_backs.is_peer(context):
             raise PermissionDenied(f"{SERVICE} is for the cluster's nodes only")
-        if self._redrives is None:
-            raise PermissionDenied("this node takes no redriven items from others")
-        await self._redrives.take(request.value)
+        if route is None:
+            raise PermissionDenied(f"this node takes no {what} from others")
+        await route.take(request.value)
         return BytesValue()
 
     async def _status(self, request: BytesValue, context: grpc.aio.ServicerContext[Any, Any]) -> BytesValue:
