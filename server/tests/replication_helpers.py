@@ -1,21 +1,28 @@
-"""Replicated queues in one process (tests only): a primary actor on real LMDB whose
-change sets go, encoded and decoded, to copies on real LMDB, and a randomized
-workload of client calls that exercises every kind of write a cycle makes."""
+"""Replicated queues in tests: in one process, a primary actor on real LMDB whose
+change sets go, encoded and decoded, to copies on real LMDB, a randomized workload of
+client calls that exercises every kind of write a cycle makes, and a shard whose copies
+talk through real Peer servers; on node processes (cluster_helpers.Cluster), where a
+queue's copies are and its items' ways in and out."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import pytest
-from cluster_helpers import Etcd
+from cluster_helpers import Cluster, Etcd, Node
+from google.protobuf.wrappers_pb2 import BytesValue
 
+from querator.v1 import cluster_pb2, cluster_pb2_grpc, queue_pb2, storage_pb2
 from querator_server.actor import (
     CompleteRequest,
     DeleteItemsRequest,
@@ -29,10 +36,11 @@ from querator_server.actor import (
 )
 from querator_server.actor.replication import Replication
 from querator_server.clock import now_us
+from querator_server.cluster.catalog import Member
 from querator_server.cluster.etcd import Etcd as EtcdClient
 from querator_server.cluster.etcd import Txn
 from querator_server.cluster.forwarding import Peers
-from querator_server.cluster.give_back import GiveBacks
+from querator_server.cluster.give_back import SERVICE, GiveBacks
 from querator_server.cluster.shard_record import ShardRecord
 from querator_server.errors import QueratorError
 from querator_server.grpc_api.peer_service import PeerService
@@ -44,6 +52,8 @@ from querator_server.storage.group_layout import open_group_env, queue_prefix
 from querator_server.storage.lane import StorageLane
 from querator_server.storage.replica_copy import ReplicaCopy
 from querator_server.storage.replica_state import ReplicaState
+
+from conftest import wait_until
 
 # A shard uid as the cluster hands them out: never one of a data dir's own.
 SHARD_UID = (1 << 40) + 5
@@ -285,12 +295,52 @@ async def put_record(client: EtcdClient, prefix: bytes, record: ShardRecord) -> 
     return await stored_record(client, prefix)
 
 
+async def new_shard(client: EtcdClient, prefix: bytes, nodes: list[str], min_isr: int = 1) -> tuple[ShardRecord, dict[str, int]]:
+    """``nodes`` registered as members, and SHARD_UID's record (queue "q") on them, as
+    stored; the create revision of each node's membership key."""
+    revisions = await register_members(client, prefix, nodes)
+    return await put_record(client, prefix, ShardRecord.new(SHARD_UID, "q", nodes, min_isr)), revisions
+
+
 async def open_copy(path: str, lane: StorageLane) -> ReplicaCopy:
     """SHARD_UID's copy (queue "q", 2 partitions) on real LMDB in ``path``, on ``lane``."""
     os.makedirs(path, exist_ok=True)
     store = await lane.run(lambda: QueueStore(path, 2))
     state = await lane.run(lambda: ReplicaState(store, None, SHARD_UID))
     return ReplicaCopy("q", state, lane, None)
+
+
+def secret_peers(node: str, members: dict[str, Member] | None = None) -> Peers:
+    """``node``'s peer calls to the nodes in ``members`` (as it fills), with the
+    cluster's shared secret (PEER_SECRET) for the callers' proof."""
+    known: dict[str, Member] = {} if members is None else members
+    peers = Peers(node, lambda: known)
+    peers.set_secret(PEER_SECRET)
+    return peers
+
+
+PeerCall = Callable[[str, bytes, Any], Awaitable[tuple[grpc.StatusCode, str]]]
+
+
+@asynccontextmanager
+async def peer_caller(address: str) -> AsyncIterator[PeerCall]:
+    """``call(method, data, metadata)``: the Peer call ``method`` sent raw to the node at
+    ``address``, and its status code and details."""
+    async with grpc.aio.insecure_channel(address) as channel:
+
+        async def call(method: str, data: bytes, metadata: Any) -> tuple[grpc.StatusCode, str]:
+            stub = channel.unary_unary(
+                f"/{SERVICE}/{method}",
+                request_serializer=BytesValue.SerializeToString,
+                response_deserializer=BytesValue.FromString,
+            )
+            try:
+                await stub(BytesValue(value=data), metadata=metadata, timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), exc.details() or ""
+            return grpc.StatusCode.OK, ""
+
+        yield call
 
 
 async def start_peer_server(node: str, peers: Peers, host: Any, port: int = 0) -> tuple[grpc.aio.Server, int]:
@@ -305,3 +355,95 @@ async def start_peer_server(node: str, peers: Peers, host: Any, port: int = 0) -
     port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return server, port
+
+
+# -- Replicated queues on node processes, a real etcd (test_replica_*.py) ------------------
+
+
+def shard_of(cluster: Cluster, queue: str) -> dict[str, Any]:
+    """The shard record of ``queue`` as etcd holds it (JSON: primary, isr, epoch...)."""
+    from aetcd import rpc  # type: ignore[import-untyped]
+
+    with cluster.etcd.channel() as channel:
+        kv = rpc.KVStub(channel)
+        entry = kv.Range(rpc.RangeRequest(key=f"/{cluster.prefix}/queues/{queue}".encode()), timeout=5).kvs[0]
+        uid = json.loads(entry.value)["shard"]
+        shard = kv.Range(rpc.RangeRequest(key=f"/{cluster.prefix}/shards/{uid}".encode()), timeout=5).kvs[0]
+    record: dict[str, Any] = json.loads(shard.value)
+    return record
+
+
+def claimed(cluster: Cluster, queue: str) -> bool:
+    """Every in-sync entry of ``queue`` names its copy's incarnation (the copy is in step)."""
+    return all(incarnation for _, incarnation in shard_of(cluster, queue)["isr"])
+
+
+def placement(node: Node, queue: str) -> cluster_pb2.QueuePlacement:
+    """Where ``queue``'s copies are, as ``node``'s ClusterInfo says."""
+    found = next((q for q in node.info().queues if q.queue_name == queue), None)
+    assert found is not None, f"{queue} is not in ClusterInfo"
+    return found
+
+
+def move_primary(cluster: Cluster, queue: str, to: str) -> None:
+    """Make ``to`` (a node holding a copy) ``queue``'s primary, unless it is already."""
+    n1 = cluster.nodes[0]
+    if placement(n1, queue).primary != to:
+        cluster_pb2_grpc.ClusterServiceStub(n1.channel).MoveQueue(
+            cluster_pb2.MoveQueueRequest(queue_name=queue, node_id=to), timeout=20
+        )
+        wait_until(lambda: placement(n1, queue).primary == to, 10)
+
+
+def total(node: Node, queue: str) -> int:
+    return sum(p.total for p in node.stubs.stats(queue).partitions)
+
+
+def dead_letter(node: Node, queue: str, count: int) -> Counter[bytes]:
+    """Lease ``count`` items of ``queue`` and retry each as dead (20 s at most); their
+    payloads, counted."""
+    dead: Counter[bytes] = Counter()
+    deadline = time.monotonic() + 20
+    while sum(dead.values()) < count and time.monotonic() < deadline:
+        leased = node.stubs.lease(queue, 10, request_timeout={"nanos": 200_000_000})
+        if leased.items:
+            items = [queue_pb2.RetryItem(id=i.id, dead=True) for i in leased.items]
+            node.stubs.queue.Retry(queue_pb2.RetryRequest(queue_name=queue, partition=leased.partition, items=items), timeout=5)
+            dead.update(i.payload for i in leased.items)
+    return dead
+
+
+def redrive(node: Node, queue: str, target: str = "", max_items: int = 0) -> tuple[list[str], int]:
+    """RedriveItems of ``queue`` through ``node``, page after page (10 at most): the
+    message ids moved, and how many were skipped."""
+    moved: list[str] = []
+    skipped = 0
+    token = ""
+    for _ in range(10):
+        answer = node.stubs.storage.RedriveItems(
+            storage_pb2.RedriveItemsRequest(queue_name=queue, target_queue=target, max_items=max_items, page_token=token),
+            timeout=20,
+        )
+        moved += answer.message_ids
+        skipped += answer.skipped
+        token = answer.next_page_token
+        if not token:
+            break
+    return moved, skipped
+
+
+def lease_back(node: Node, queue: str, count: int) -> Counter[bytes]:
+    """Lease and complete ``queue``'s items until ``count`` came (20 s at most; the
+    queue UNAVAILABLE meanwhile is tried again); their payloads, counted."""
+    back: Counter[bytes] = Counter()
+    deadline = time.monotonic() + 20
+    while sum(back.values()) < count and time.monotonic() < deadline:
+        try:
+            leased = node.stubs.lease(queue, 10, request_timeout={"nanos": 200_000_000})
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+            continue
+        back.update(i.payload for i in leased.items)
+        if leased.items:
+            node.stubs.complete(queue, leased.partition, [i.id for i in leased.items])
+    return back

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 from cluster_helpers import Cluster
+from replication_helpers import shard_of as _record
 from test_cluster_operator import querator
 
 from conftest import dur, wait_until
@@ -19,17 +20,6 @@ from conftest import dur, wait_until
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with Cluster(str(tmp_path_factory.mktemp("retire"))) as c:
         yield c
-
-
-def _record(cluster: Cluster, queue: str) -> dict:
-    from aetcd import rpc  # type: ignore[import-untyped]
-
-    with cluster.etcd.channel() as channel:
-        kv = rpc.KVStub(channel)
-        entry = kv.Range(rpc.RangeRequest(key=f"/{cluster.prefix}/queues/{queue}".encode()), timeout=5).kvs[0]
-        uid = json.loads(entry.value)["shard"]
-        shard = kv.Range(rpc.RangeRequest(key=f"/{cluster.prefix}/shards/{uid}".encode()), timeout=5).kvs[0]
-    return json.loads(shard.value)
 
 
 def test_retiring_a_dead_node_makes_its_copies_again_where_it_can_and_the_queues_go_on(cluster: Cluster) -> None:

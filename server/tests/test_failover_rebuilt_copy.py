@@ -16,20 +16,21 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
+import grpc
 import pytest
 from cluster_helpers import Etcd, Proxy
 from replication_helpers import (  # noqa: F401 (etcd: a fixture)
     LAG_S,
-    PEER_SECRET,
     SHARD_UID,
     Writer,
     etcd,
+    new_shard,
     open_copy,
     poll_until,
-    put_record,
-    register_members,
+    secret_peers,
     shard_key,
     start_peer_server,
     stored_record,
@@ -40,7 +41,6 @@ from querator_server.cluster.catalog import Member
 from querator_server.cluster.change_ring import ChangeRing
 from querator_server.cluster.etcd import Etcd as EtcdClient
 from querator_server.cluster.etcd import Txn
-from querator_server.cluster.forwarding import Peers
 from querator_server.cluster.replica_contract import why_not_electable
 from querator_server.cluster.replica_roles import ShardRoles
 from querator_server.cluster.shard_cas import Deposed
@@ -62,12 +62,17 @@ def _config() -> QueueConfig:
 
 
 class Primary:
-    """n1: the queue's primary (epoch 1), its copy on a lane of its own, a tiny ring."""
+    """n1: the queue's primary (epoch 1), its copy on a lane of its own, a tiny ring; it
+    reaches etcd through a loopback proxy (``proxy``) the test may cut."""
 
-    def __init__(self, root: str, record: ShardRecord, table: ShardTable, peers: Peers) -> None:
+    def __init__(self, root: str, record: ShardRecord, etcd: Etcd, revision: int, members: dict[str, Member]) -> None:
         self.path = os.path.join(root, "n1")
         self.lane = StorageLane("test-n1")
-        self.record, self.table, self.peers = record, table, peers
+        self.proxy = Proxy(etcd.endpoint)
+        self.client = EtcdClient([self.proxy.address])
+        self.peers = secret_peers("n1", members)
+        self.record = record
+        self.table = ShardTable(self.client, PREFIX, Writer("n1", revision))
         self.copy: ReplicaCopy | None = None
         self.actor: LogicalQueue | None = None
         self.replication: ShardReplication | None = None
@@ -96,6 +101,53 @@ class Primary:
         await self.actor.stop()
         await self.copy.close()
         self.lane.shutdown()
+
+    async def close(self) -> None:
+        """Its etcd link and peer calls closed (after ``die``, or without ``start``)."""
+        self.proxy.close()
+        await self.peers.close()
+        await self.client.close()
+
+
+class CopyNode:
+    """n2: a node's manager and ShardRoles behind a Peer server (``members`` learns its
+    address)."""
+
+    def __init__(self, root: str, client: EtcdClient, revision: int, members: dict[str, Member], live: Callable[[str], bool]) -> None:
+        self.path = os.path.join(root, "n2")
+        self.table = ShardTable(client, PREFIX, Writer("n2", revision))
+        self.peers = secret_peers("n2", members)
+        self.live = live
+        self.members = members
+        self.revision = revision
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> CopyNode:
+        self.manager = QueuesManager(self.path, workers=2)
+        await self.manager.start()
+        self.roles = ShardRoles(
+            "n2", self.manager, self.table, self.peers, self.live, (Deposed, Fenced, Diverged), ChangeSet.decode, LAG_S
+        )
+        await self.serve()
+        self.members["n2"] = Member("n2", f"127.0.0.1:{self.port}", self.revision)
+        return self
+
+    async def serve(self) -> None:
+        """Its Peer server (again, on the same port)."""
+        self.server, self.port = await start_peer_server("n2", self.peers, self.roles.host, self.port)
+
+    async def silence(self) -> None:
+        """Its Peer server stopped: it answers nothing."""
+        assert self.server is not None
+        await self.server.stop(0)
+
+    async def stop(self) -> None:
+        await self.roles.stop()
+        if self.server is not None:
+            await self.server.stop(0)
+        await self.manager.stop()
+        await self.peers.close()
 
 
 async def _drain(manager: QueuesManager) -> list[bytes]:
@@ -129,29 +181,15 @@ def test_a_copy_rebuilt_just_before_the_primary_died_takes_over_with_every_ackno
 
     async def main() -> None:
         client = EtcdClient([etcd.endpoint])
-        revisions = await register_members(client, PREFIX, ["n1", "n2"])
-        record = await put_record(client, PREFIX, ShardRecord.new(SHARD_UID, "q", ["n1", "n2"], 1))
+        record, revisions = await new_shard(client, PREFIX, ["n1", "n2"])
         members: dict[str, Member] = {}
         live = {"n1", "n2"}
-
-        # n2: a node's manager and ShardRoles behind a Peer server.
-        manager = QueuesManager(os.path.join(root, "n2"), workers=2)
-        await manager.start()
-        table2 = ShardTable(client, PREFIX, Writer("n2", revisions["n2"]))
-        peers2 = Peers("n2", lambda: members)
-        peers2.set_secret(PEER_SECRET)
-        roles = ShardRoles("n2", manager, table2, peers2, lambda n: n in live, (Deposed, Fenced, Diverged), ChangeSet.decode, LAG_S)
-        server, port = await start_peer_server("n2", peers2, roles.host)
-        members["n2"] = Member("n2", f"127.0.0.1:{port}", revisions["n2"])
+        n2 = await CopyNode(root, client, revisions["n2"], members, lambda n: n in live).start()
+        roles, manager = n2.roles, n2.manager
         await roles.follow(record, _config())
         copy2 = manager.copy("q")
 
-        # n1: the primary, reaching etcd through a proxy.
-        proxy = Proxy(etcd.endpoint)
-        client1 = EtcdClient([proxy.address])
-        peers1 = Peers("n1", lambda: members)
-        peers1.set_secret(PEER_SECRET)
-        primary = Primary(root, record, ShardTable(client1, PREFIX, Writer("n1", revisions["n1"])), peers1)
+        primary = Primary(root, record, etcd, revisions["n1"], members)
         await primary.start()
         assert primary.replication is not None and primary.copy is not None
         alive = True
@@ -163,13 +201,13 @@ def test_a_copy_rebuilt_just_before_the_primary_died_takes_over_with_every_ackno
 
             # n2 stops answering; meanwhile more than the ring holds is written (each
             # produce waits for n2, which is still counted in sync).
-            await server.stop(0)
+            await n2.silence()
             produced = []
             for i in range(12):  # each its own cycle, its own change set
                 produced.append(asyncio.ensure_future(primary.produce(b"b%d" % i)))
                 await asyncio.sleep(0.03)
-            proxy.cut()  # from here on the primary cannot change the record
-            server, _ = await start_peer_server("n2", peers2, roles.host, port)
+            primary.proxy.cut()  # from here on the primary cannot change the record
+            await n2.serve()
             await asyncio.wait_for(asyncio.gather(*produced), 20)  # acknowledged: on n2 too
             assert primary.replication.links["n2"].snapshots >= 1 and copy2.incarnation != first
             acknowledged = [b"a%d" % i for i in range(10)] + [b"b%d" % i for i in range(12)]
@@ -194,13 +232,8 @@ def test_a_copy_rebuilt_just_before_the_primary_died_takes_over_with_every_ackno
         finally:
             if alive:
                 await primary.die()
-            proxy.close()
-            await roles.stop()
-            await server.stop(0)
-            await manager.stop()
-            await peers1.close()
-            await peers2.close()
-            await client1.close()
+            await primary.close()
+            await n2.stop()
             await client.close()
 
     asyncio.run(main())
@@ -218,13 +251,9 @@ def test_a_copy_that_may_lack_acknowledged_changes_never_takes_over_and_says_why
     async def main() -> None:
         client = EtcdClient([etcd.endpoint])
         prefix_key = shard_key(PREFIX)
-        revisions = await register_members(client, PREFIX, ["n1", "n2"])
-        stored = await put_record(client, PREFIX, ShardRecord.new(SHARD_UID, "q", ["n1", "n2"], 1))
-        manager = QueuesManager(os.path.join(root, "n2"), workers=2)
-        await manager.start()
-        table = ShardTable(client, PREFIX, Writer("n2", revisions["n2"]))
-        peers = Peers("n2", dict)
-        roles = ShardRoles("n2", manager, table, peers, lambda n: n == "n2", (Deposed, Fenced, Diverged), ChangeSet.decode, LAG_S)
+        stored, revisions = await new_shard(client, PREFIX, ["n1", "n2"])
+        n2 = await CopyNode(root, client, revisions["n2"], {}, lambda n: n == "n2").start()
+        roles, manager = n2.roles, n2.manager
         try:
             await roles.follow(stored, _config())  # opens n2's copy: empty, a new incarnation
             lost = dataclasses.replace(stored, isr=(("n1", "a" * 32), ("n2", "b" * 32)))
@@ -238,9 +267,7 @@ def test_a_copy_that_may_lack_acknowledged_changes_never_takes_over_and_says_why
             assert (await stored_record(client, PREFIX)) == stored
             assert manager.copy("q").serving_epoch == 0
         finally:
-            await roles.stop()
-            await manager.stop()
-            await peers.close()
+            await n2.stop()
             await client.close()
 
     with caplog.at_level(logging.ERROR, logger="querator.server"):
@@ -262,43 +289,27 @@ def test_nothing_is_acknowledged_while_an_entry_of_the_in_sync_set_is_unclaimed(
 
     async def main() -> None:
         client = EtcdClient([etcd.endpoint])
-        revisions = await register_members(client, PREFIX, ["n1", "n2"])
-        record = await put_record(client, PREFIX, ShardRecord.new(SHARD_UID, "q", ["n1", "n2"], 1))
+        record, revisions = await new_shard(client, PREFIX, ["n1", "n2"])
         members: dict[str, Member] = {}
-        manager = QueuesManager(os.path.join(root, "n2"), workers=2)
-        await manager.start()
-        peers2 = Peers("n2", lambda: members)
-        peers2.set_secret(PEER_SECRET)
-        table2 = ShardTable(client, PREFIX, Writer("n2", revisions["n2"]))
-        roles = ShardRoles("n2", manager, table2, peers2, lambda n: True, (Deposed, Fenced, Diverged), ChangeSet.decode, LAG_S)
-        server, port = await start_peer_server("n2", peers2, roles.host)
-        members["n2"] = Member("n2", f"127.0.0.1:{port}", revisions["n2"])
-        proxy = Proxy(etcd.endpoint)
-        client1 = EtcdClient([proxy.address])
-        peers1 = Peers("n1", lambda: members)
-        peers1.set_secret(PEER_SECRET)
-        primary = Primary(root, record, ShardTable(client1, PREFIX, Writer("n1", revisions["n1"])), peers1)
+        n2 = await CopyNode(root, client, revisions["n2"], members, lambda n: True).start()
+        roles, manager = n2.roles, n2.manager
+        primary = Primary(root, record, etcd, revisions["n1"], members)
         try:
             await roles.follow(record, _config())
             await primary.start()  # claims n1's entry through the proxy
-            proxy.cut()  # before the primary's first turn (0.25 s): n2's entry cannot be claimed
+            primary.proxy.cut()  # before the primary's first turn (0.25 s): n2's entry cannot be claimed
             assert primary.replication is not None
             produce = asyncio.ensure_future(primary.produce(b"first"))
             await poll_until(lambda: primary.replication.links["n2"].acked >= 1, 10, "n2 acked the change")  # type: ignore[union-attr]
             await asyncio.sleep(1.0)
             assert not produce.done(), "acknowledged while n2's entry was unclaimed"
-            proxy.restore()
+            primary.proxy.restore()
             await asyncio.wait_for(produce, 20)
             assert dict(primary.replication.record.isr)["n2"] == manager.copy("q").incarnation
         finally:
             await primary.die()
-            proxy.close()
-            await roles.stop()
-            await server.stop(0)
-            await manager.stop()
-            await peers1.close()
-            await peers2.close()
-            await client1.close()
+            await primary.close()
+            await n2.stop()
             await client.close()
 
     asyncio.run(main())

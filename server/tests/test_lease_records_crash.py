@@ -46,6 +46,18 @@ def _crashes(proc: ProcessServer, call: object) -> None:
     assert proc.proc is not None and proc.proc.wait(20) == -9, "the crash point did not fire"
 
 
+def _ten_items(data_dir: str, crash_at: str, lease_s: int, opened: list[Stubs]) -> tuple[ProcessServer, Stubs, list[bytes]]:
+    """A server that kills itself at ``crash_at``, with queue "q" (leases of ``lease_s``)
+    holding ten items; their payloads."""
+    proc = ProcessServer(data_dir, env={"QUERATOR_CRASH_AT": crash_at})
+    proc.start()
+    stubs = _connect(proc, opened)
+    stubs.create("q", lease_timeout={"seconds": lease_s})
+    payloads = [b"i%d" % n for n in range(10)]
+    stubs.produce("q", payloads)
+    return proc, stubs, payloads
+
+
 def _leased_now(stubs: Stubs) -> dict[bytes, tuple[bool, int]]:
     """payload -> (leased, attempts) of every stored item."""
     return {i.payload: (i.is_leased, i.attempts) for items in list_all(stubs, "q").values() for i in items}
@@ -56,12 +68,7 @@ def _lease_all(stubs: Stubs) -> queue_pb2.LeaseResponse:
 
 
 def test_kill9_after_a_lease_record_is_committed_keeps_the_lease(data_dir: str, stubs_of: list[Stubs]) -> None:
-    proc = ProcessServer(data_dir, env={"QUERATOR_CRASH_AT": "lease-recorded"})
-    proc.start()
-    stubs = _connect(proc, stubs_of)
-    stubs.create("q", lease_timeout={"seconds": LEASE_S})
-    payloads = [b"i%d" % n for n in range(10)]
-    stubs.produce("q", payloads)
+    proc, stubs, payloads = _ten_items(data_dir, "lease-recorded", LEASE_S, stubs_of)
     leased_at = time.monotonic()
     _crashes(proc, lambda: stubs.lease("q", batch_size=4))
     proc.env = {}
@@ -90,12 +97,7 @@ def test_kill9_after_a_lease_record_is_committed_keeps_the_lease(data_dir: str, 
 def test_kill9_after_a_whole_lease_completes_by_its_record_loses_and_keeps_nothing(
     data_dir: str, stubs_of: list[Stubs]
 ) -> None:
-    proc = ProcessServer(data_dir, env={"QUERATOR_CRASH_AT": "lease-completed"})
-    proc.start()
-    stubs = _connect(proc, stubs_of)
-    stubs.create("q", lease_timeout={"seconds": 600})
-    payloads = [b"i%d" % n for n in range(10)]
-    stubs.produce("q", payloads)
+    proc, stubs, payloads = _ten_items(data_dir, "lease-completed", 600, stubs_of)
     lease = stubs.lease("q", batch_size=4)
     ids = [i.id for i in lease.items]
     _crashes(proc, lambda: stubs.complete("q", lease.partition, ids))
@@ -114,12 +116,7 @@ def test_kill9_after_a_whole_lease_completes_by_its_record_loses_and_keeps_nothi
 
 
 def test_kill9_after_a_lease_is_written_out_keeps_the_rest_of_it(data_dir: str, stubs_of: list[Stubs]) -> None:
-    proc = ProcessServer(data_dir, env={"QUERATOR_CRASH_AT": "lease-written-out"})
-    proc.start()
-    stubs = _connect(proc, stubs_of)
-    stubs.create("q", lease_timeout={"seconds": 600})
-    payloads = [b"i%d" % n for n in range(10)]
-    stubs.produce("q", payloads)
+    proc, stubs, payloads = _ten_items(data_dir, "lease-written-out", 600, stubs_of)
     lease = stubs.lease("q", batch_size=4)
     ids = [i.id for i in lease.items]
     deadline = lease.items[0].lease_deadline

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -15,9 +17,7 @@ from replication_helpers import SHARD_UID, Home, make_home
 
 from querator_server.cluster.replica_host import CopyHost, Shard
 from querator_server.cluster.replica_wire import Ship
-from querator_server.storage import QueueStore
 from querator_server.storage.change_set import ChangeSet, Diverged, Fenced, Position
-from querator_server.storage.group_layout import queue_prefix
 from querator_server.storage.replica_copy import ReplicaCopy
 from querator_server.storage.replica_state import ReplicaState
 
@@ -46,12 +46,9 @@ class Copy:
         home = self.home
         if home.group is None:
             os.makedirs(self.path, exist_ok=True)
-            store: QueueStore = await home.lane.run(lambda: QueueStore(self.path, 2))
+        store = await home.open(self.path, SHARD_UID, 2)
+        if home.group is None:
             store.on_commit = self._committed
-        else:
-            group = home.group
-            store = await group.job(lambda: QueueStore(group.path, 2, shared=group.env, prefix=queue_prefix(SHARD_UID)))
-            group.members += 1
         state = await home.job(lambda: ReplicaState(store, None, SHARD_UID))
         self.copy = ReplicaCopy("q", state, home.lane, home.group)
         return self
@@ -72,8 +69,14 @@ class Copy:
         await self.home.close()
 
 
-async def _copies(root: Any, grouped: bool, n: int = 2) -> list[Copy]:
-    return [await Copy(make_home(str(root), f"copy-{i}", grouped), str(root / f"copy-{i}")).open() for i in range(n)]
+@asynccontextmanager
+async def _copies(root: Any, grouped: bool, n: int = 2) -> AsyncIterator[list[Copy]]:
+    copies = [await Copy(make_home(str(root), f"copy-{i}", grouped), str(root / f"copy-{i}")).open() for i in range(n)]
+    try:
+        yield copies
+    finally:
+        for copy in copies:
+            await copy.close()
 
 
 def _same(a: Copy, b: Copy) -> None:
@@ -87,8 +90,7 @@ def _same(a: Copy, b: Copy) -> None:
 @MODES
 def test_a_batch_leaves_the_copy_as_one_by_one_and_skips_a_prefix_held(tmp_path: Any, grouped: bool) -> None:
     async def main() -> None:
-        one, batch = await _copies(tmp_path, grouped)
-        try:
+        async with _copies(tmp_path, grouped) as (one, batch):
             changes = [_change(lsn) for lsn in range(1, 8)] + [_change(lsn, epoch=2) for lsn in range(8, 13)]
             for change in changes:
                 await one.copy.apply(change)
@@ -103,9 +105,6 @@ def test_a_batch_leaves_the_copy_as_one_by_one_and_skips_a_prefix_held(tmp_path:
             # All held already: a no-op, nothing written.
             assert await batch.copy.apply_all(changes[3:], sender=2) == ([], None)
             _same(one, batch)
-        finally:
-            await one.close()
-            await batch.close()
 
     asyncio.run(main())
 
@@ -113,8 +112,7 @@ def test_a_batch_leaves_the_copy_as_one_by_one_and_skips_a_prefix_held(tmp_path:
 @MODES
 def test_a_fenced_change_in_the_middle_leaves_the_changes_before_it_durable(tmp_path: Any, grouped: bool) -> None:
     async def main() -> None:
-        one, batch = await _copies(tmp_path, grouped)
-        try:
+        async with _copies(tmp_path, grouped) as (one, batch):
             # Change 3 of epoch 1, after change 2 of epoch 2 (which promised epoch 2), sent
             # by an epoch-1 primary: fenced.
             changes = [_change(1, 2), _change(2, 2), _change(3, 1), _change(4, 2)]
@@ -133,9 +131,6 @@ def test_a_fenced_change_in_the_middle_leaves_the_changes_before_it_durable(tmp_
                 await batch.copy.apply_all(changes[2:])
             assert batch.commits() == before
             _same(one, batch)
-        finally:
-            await one.close()
-            await batch.close()
 
     asyncio.run(main())
 
@@ -143,8 +138,7 @@ def test_a_fenced_change_in_the_middle_leaves_the_changes_before_it_durable(tmp_
 @MODES
 def test_a_diverged_change_stops_the_batch_after_the_changes_before_it(tmp_path: Any, grouped: bool) -> None:
     async def main() -> None:
-        one, batch = await _copies(tmp_path, grouped)
-        try:
+        async with _copies(tmp_path, grouped) as (one, batch):
             for change in (_change(1), _change(2)):
                 await one.copy.apply(change)
             # A gap: change 4 after 2.
@@ -160,9 +154,6 @@ def test_a_diverged_change_stops_the_batch_after_the_changes_before_it(tmp_path:
                 await batch.copy.apply_all([_change(2), _change(3, epoch=2), _change(4, epoch=2)], sender=2)
             assert batch.copy.position() == Position(1, 3)
             _same(one, batch)
-        finally:
-            await one.close()
-            await batch.close()
 
     asyncio.run(main())
 
@@ -177,8 +168,7 @@ def test_a_ship_call_is_one_commit_and_its_changes_go_to_the_ring(tmp_path: Any,
     under load applied about as many a second as its primary made."""
 
     async def main() -> None:
-        (copy,) = await _copies(tmp_path, grouped, n=1)
-        try:
+        async with _copies(tmp_path, grouped, n=1) as (copy,):
             host = _host()
             shard = host.shards[SHARD_UID] = Shard(SHARD_UID, "q", copy.copy)
             blobs = tuple(_change(lsn).encode() for lsn in range(1, 21))
@@ -188,8 +178,6 @@ def test_a_ship_call_is_one_commit_and_its_changes_go_to_the_ring(tmp_path: Any,
             assert copy.commits() - before == 1
             assert shard.applied == 20 and len(shard.ring) == 20 and shard.ring.last is not None
             assert shard.ring.last.lsn == 20
-        finally:
-            await copy.close()
 
     asyncio.run(main())
 
@@ -197,8 +185,7 @@ def test_a_ship_call_is_one_commit_and_its_changes_go_to_the_ring(tmp_path: Any,
 @MODES
 def test_a_ship_call_refused_in_the_middle_answers_the_prefix_and_rings_it(tmp_path: Any, grouped: bool) -> None:
     async def main() -> None:
-        (copy,) = await _copies(tmp_path, grouped, n=1)
-        try:
+        async with _copies(tmp_path, grouped, n=1) as (copy,):
             host = _host()
             shard = host.shards[SHARD_UID] = Shard(SHARD_UID, "q", copy.copy)
             blobs = (_change(1, 2).encode(), _change(2, 2).encode(), _change(3, 1).encode())
@@ -211,7 +198,5 @@ def test_a_ship_call_refused_in_the_middle_answers_the_prefix_and_rings_it(tmp_p
             assert (state.refused, state.position) == ("diverged", (2, 3))
             assert shard.applied == 3 and shard.ring.last is not None and shard.ring.last.lsn == 3
             assert copy.copy.state.stored()[0] == Position(2, 3)
-        finally:
-            await copy.close()
 
     asyncio.run(main())

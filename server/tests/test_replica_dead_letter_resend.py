@@ -20,9 +20,9 @@ from pathlib import Path
 import grpc
 import pytest
 from cluster_helpers import Cluster, Node
-from test_cluster_replicas_retire import _record
+from replication_helpers import claimed, placement
 
-from querator.v1 import cluster_pb2, queue_pb2
+from querator.v1 import queue_pb2
 
 from conftest import wait_until
 
@@ -30,17 +30,6 @@ TTL = 2
 DLQ = "resent-dead-letters"
 SOURCE = "resent-source"
 CRASH_AFTER_HAND_OVER = {"QUERATOR_CRASH_AT": "dead-letter-stored"}
-
-
-def _placement(node: Node, queue: str) -> cluster_pb2.QueuePlacement:
-    found = next((q for q in node.info().queues if q.queue_name == queue), None)
-    assert found is not None, f"{queue} is not in ClusterInfo"
-    return found
-
-
-def _claimed(cluster: Cluster, queue: str) -> bool:
-    """Every in-sync entry names its copy's incarnation (the copy is in step)."""
-    return all(incarnation for _, incarnation in _record(cluster, queue)["isr"])
 
 
 def _lease_all(node: Node, queue: str, for_s: float) -> list[queue_pb2.LeaseResponse]:
@@ -66,7 +55,7 @@ def test_a_dead_letter_completed_before_the_sources_new_primary_sends_it_again_i
     with Cluster(str(tmp_path), size=2, ttl=TTL) as cluster:
         n1 = cluster.nodes[0]
         n1.stubs.create(DLQ, replicas=2)  # on n1 and n2, the only nodes yet
-        wait_until(lambda: _claimed(cluster, DLQ), 15)
+        wait_until(lambda: claimed(cluster, DLQ), 15)
         for name in ("n3", "n4"):
             node = Node(name, os.path.join(str(tmp_path), name), cluster.url, TTL, dict(CRASH_AFTER_HAND_OVER))
             cluster.nodes.append(node)
@@ -76,9 +65,9 @@ def test_a_dead_letter_completed_before_the_sources_new_primary_sends_it_again_i
         by_id = {n.node_id: n for n in cluster.nodes}
         # A new queue's copies go to the nodes keeping the fewest copies: n3 and n4.
         n1.stubs.create(SOURCE, replicas=2, dead_queue=DLQ)
-        source = _placement(n1, SOURCE)
+        source = placement(n1, SOURCE)
         assert set(source.replicas) == {"n3", "n4"}, source
-        wait_until(lambda: _claimed(cluster, SOURCE), 15)
+        wait_until(lambda: claimed(cluster, SOURCE), 15)
         first = by_id[source.primary]
         heir = by_id[next(n for n in source.replicas if n != source.primary)]
 
@@ -102,7 +91,7 @@ def test_a_dead_letter_completed_before_the_sources_new_primary_sends_it_again_i
         assert [i.payload for r in got for i in r.items] == [b"letter"], got
         n1.stubs.complete(DLQ, got[0].partition, [i.id for i in got[0].items])
         # Still before the failover: the resend below comes after the completion.
-        assert _placement(n1, SOURCE).primary == first.node_id
+        assert placement(n1, SOURCE).primary == first.node_id
 
         # The next primary sends the outbox entry again, and dies once it is answered.
         assert heir.proc is not None

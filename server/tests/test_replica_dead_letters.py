@@ -17,7 +17,7 @@ import grpc
 import pytest
 from cluster_helpers import Cluster, Node
 from failover_helpers import LEASE_TIMEOUT_S, QUEUE, digests, stop_quietly, wait_in_sync, wait_primary
-from test_cluster_replicas_retire import _record
+from replication_helpers import claimed
 
 from querator.v1 import queue_pb2
 
@@ -89,7 +89,7 @@ def test_a_replicated_queues_dead_letters_reach_its_replicated_dead_queue_once_a
         primary, epoch = wait_primary(cluster, n1)
         # Both copies claimed (their own incarnations in the in-sync set): else the
         # survivor may not take over (it could lack acknowledged changes).
-        wait_until(lambda: all(i for _, i in _record(cluster, QUEUE)["isr"]), 15)
+        wait_until(lambda: claimed(cluster, QUEUE), 15)
         payloads = [f"item-{i}".encode() for i in range(ITEMS)]
         for start in range(0, ITEMS, 100):
             n1.stubs.produce(QUEUE, payloads[start : start + 100])

@@ -20,7 +20,7 @@ import grpc
 import pytest
 from cluster_helpers import DOWN, HOLD, PASS, Node
 from network_chaos import Network
-from test_cluster_replicas_retire import _record
+from replication_helpers import claimed, placement, shard_of
 
 from querator.v1 import cluster_pb2, cluster_pb2_grpc
 
@@ -28,12 +28,6 @@ from conftest import wait_until
 
 TTL = 5
 QUEUE = "handed-over"
-
-
-def _placement(node: Node) -> cluster_pb2.QueuePlacement:
-    found = next((q for q in node.info().queues if q.queue_name == QUEUE), None)
-    assert found is not None, f"{QUEUE} is not in ClusterInfo"
-    return found
 
 
 def _move(via: Node, to: str, source: str, timeout: float) -> None:
@@ -48,8 +42,8 @@ def test_after_a_move_the_old_primary_answers_nothing_once_the_new_one_acknowled
         cluster = net.cluster
         n1 = cluster.nodes[0]
         n1.stubs.create(QUEUE, replicas=2)
-        wait_until(lambda: all(i for _, i in _record(cluster, QUEUE)["isr"]), 15)
-        placed = _placement(n1)
+        wait_until(lambda: claimed(cluster, QUEUE), 15)
+        placed = placement(n1, QUEUE)
         by_id = {n.node_id: n for n in cluster.nodes}
         old = by_id[placed.primary]
         other = by_id[next(n for n in placed.replicas if n != old.node_id)]
@@ -62,7 +56,7 @@ def test_after_a_move_the_old_primary_answers_nothing_once_the_new_one_acknowled
         with pytest.raises(grpc.RpcError):
             _move(other, new.node_id, old.node_id, timeout=2)
         net.proxies[(old.node_id, new.node_id)].restore()
-        wait_until(lambda: any(n == new.node_id and i for n, i in _record(cluster, QUEUE)["isr"]), 20)
+        wait_until(lambda: any(n == new.node_id and i for n, i in shard_of(cluster, QUEUE)["isr"]), 20)
 
         # The copies' acknowledgements to the old primary held, and its etcd link.
         held = [net.proxies[(old.node_id, other.node_id)], net.proxies[(old.node_id, new.node_id)]]

@@ -10,16 +10,12 @@ back only from that node, to their own queue, and never into the other one.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from pathlib import Path
 
-import grpc
 import pytest
 from cluster_helpers import Cluster, Node
-from test_replica_redrive import _claimed, _dead_letter, _placement, _total
-
-from querator.v1 import cluster_pb2, cluster_pb2_grpc, storage_pb2
+from replication_helpers import claimed, dead_letter, lease_back, move_primary, placement, redrive, total
 
 from conftest import wait_until
 
@@ -37,33 +33,8 @@ def _uid(node: Node, queue: str) -> str:
     return items[0].id.split(".")[0]
 
 
-def _redrive(node: Node, queue: str, target: str = "") -> tuple[list[str], int]:
-    moved: list[str] = []
-    skipped = 0
-    token = ""
-    for _ in range(10):
-        answer = node.stubs.storage.RedriveItems(
-            storage_pb2.RedriveItemsRequest(queue_name=queue, target_queue=target, page_token=token), timeout=20
-        )
-        moved += answer.message_ids
-        skipped += answer.skipped
-        token = answer.next_page_token
-        if not token:
-            break
-    return moved, skipped
-
-
 def _payloads(node: Node, queue: str) -> Counter[bytes]:
     return Counter(i.payload for i in node.stubs.list_items(queue))
-
-
-def _move_primary(cluster: Cluster, queue: str, to: str) -> None:
-    n1 = cluster.nodes[0]
-    if _placement(n1, queue).primary != to:
-        cluster_pb2_grpc.ClusterServiceStub(n1.channel).MoveQueue(
-            cluster_pb2.MoveQueueRequest(queue_name=queue, node_id=to), timeout=20
-        )
-        wait_until(lambda: _placement(n1, queue).primary == to, 10)
 
 
 @pytest.mark.timeout(120)
@@ -73,14 +44,14 @@ def test_a_one_copy_sources_dead_letter_in_a_replicated_queue_never_goes_to_a_qu
     with Cluster(str(tmp_path), size=2, ttl=TTL) as cluster:
         n1 = cluster.nodes[0]
         n1.stubs.create(DLQ, replicas=2)
-        wait_until(lambda: _claimed(cluster, DLQ), 15)
+        wait_until(lambda: claimed(cluster, DLQ), 15)
         # Two one-copy queues of one partition: the second goes to the node holding fewer.
         n1.stubs.create(SOURCE, requested_partitions=1, dead_queue=DLQ)
         n1.stubs.create(OTHER, requested_partitions=1)
-        here = _placement(n1, SOURCE).homes[0]
-        there = _placement(n1, OTHER).homes[0]
+        here = placement(n1, SOURCE).homes[0]
+        there = placement(n1, OTHER).homes[0]
         assert here != there, "the two one-copy queues are on one node"
-        _move_primary(cluster, DLQ, there)  # the dead letters are held where OTHER lives
+        move_primary(cluster, DLQ, there)  # the dead letters are held where OTHER lives
 
         n1.stubs.produce(OTHER, [b"bystander"])
         payloads = [f"dead-{i}".encode() for i in range(5)]
@@ -88,10 +59,10 @@ def test_a_one_copy_sources_dead_letter_in_a_replicated_queue_never_goes_to_a_qu
         # The premise: both queues' items carry the same uid (each the first one-copy
         # queue of its node).
         assert _uid(n1, SOURCE) == _uid(n1, OTHER)
-        assert _dead_letter(n1, SOURCE, len(payloads)) == Counter(payloads)
-        wait_until(lambda: _total(n1, DLQ) == len(payloads), 15)
+        assert dead_letter(n1, SOURCE, len(payloads)) == Counter(payloads)
+        wait_until(lambda: total(n1, DLQ) == len(payloads), 15)
 
-        moved, skipped = _redrive(n1, DLQ)
+        moved, skipped = redrive(n1, DLQ)
         # Nothing may reach OTHER: held on OTHER's node, the dead letters name SOURCE's
         # node, which alone can tell its queue of that uid; they stay.
         assert _payloads(n1, OTHER) == Counter([b"bystander"])
@@ -99,12 +70,12 @@ def test_a_one_copy_sources_dead_letter_in_a_replicated_queue_never_goes_to_a_qu
         assert _payloads(n1, DLQ) == Counter(payloads)
 
         # Served on SOURCE's node, the dead letters go back to SOURCE, each once.
-        _move_primary(cluster, DLQ, here)
-        moved, skipped = _redrive(n1, DLQ)
+        move_primary(cluster, DLQ, here)
+        moved, skipped = redrive(n1, DLQ)
         assert (len(set(moved)), skipped) == (len(payloads), 0), (moved, skipped)
         assert _payloads(n1, SOURCE) == Counter(payloads)
         assert _payloads(n1, OTHER) == Counter([b"bystander"])
-        assert _total(n1, DLQ) == 0
+        assert total(n1, DLQ) == 0
 
 
 @pytest.mark.timeout(120)
@@ -114,35 +85,25 @@ def test_redrive_to_an_explicit_target_queue_whose_primary_is_on_another_node(tm
         n1.stubs.create(DLQ, replicas=2)
         n1.stubs.create(TARGET, replicas=2)
         n1.stubs.create(SOURCE, replicas=2, dead_queue=DLQ)
-        wait_until(lambda: all(_claimed(cluster, q) for q in (DLQ, TARGET, SOURCE)), 15)
+        wait_until(lambda: all(claimed(cluster, q) for q in (DLQ, TARGET, SOURCE)), 15)
         # The DLQ's primary holds no copy of TARGET: it knows TARGET from the catalog
         # alone, and reaches it only through TARGET's primary.
-        target = _placement(n1, TARGET)
-        away = [n for n in _placement(n1, DLQ).replicas if n not in target.replicas]
+        target = placement(n1, TARGET)
+        away = [n for n in placement(n1, DLQ).replicas if n not in target.replicas]
         assert away, "the two queues' copies are on the same nodes"
-        _move_primary(cluster, DLQ, away[0])
+        move_primary(cluster, DLQ, away[0])
         by_id = {n.node_id: n for n in cluster.nodes}
         # Taken by a node that is not the DLQ's primary: forwarded there.
         via = by_id[target.primary]
 
         payloads = [f"item-{i}".encode() for i in range(10)]
         n1.stubs.produce(SOURCE, payloads)
-        assert _dead_letter(n1, SOURCE, len(payloads)) == Counter(payloads)
-        wait_until(lambda: _total(n1, DLQ) == len(payloads), 15)
+        assert dead_letter(n1, SOURCE, len(payloads)) == Counter(payloads)
+        wait_until(lambda: total(n1, DLQ) == len(payloads), 15)
 
-        moved, skipped = _redrive(via, DLQ, TARGET)
+        moved, skipped = redrive(via, DLQ, TARGET)
         assert skipped == 0 and len(set(moved)) == len(payloads), (moved, skipped)
-        assert _total(n1, DLQ) == 0 and _total(n1, SOURCE) == 0
+        assert total(n1, DLQ) == 0 and total(n1, SOURCE) == 0
 
-        back: Counter[bytes] = Counter()
-        deadline = time.monotonic() + 20
-        while sum(back.values()) < len(payloads) and time.monotonic() < deadline:
-            try:
-                leased = n1.stubs.lease(TARGET, 10, request_timeout={"nanos": 200_000_000})
-            except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
-                continue
-            back.update(i.payload for i in leased.items)
-            if leased.items:
-                n1.stubs.complete(TARGET, leased.partition, [i.id for i in leased.items])
+        back = lease_back(n1, TARGET, len(payloads))
         assert back == Counter(payloads)

@@ -11,6 +11,8 @@ import asyncio
 import os
 import random
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -18,16 +20,17 @@ import grpc
 from cluster_helpers import Etcd
 from replication_helpers import (  # noqa: F401 (etcd: a fixture)
     LAG_S,
-    PEER_SECRET,
     SHARD_UID,
+    PeerCall,
     Tally,
     Writer,
     client,
     etcd,
+    new_shard,
     open_copy,
+    peer_caller,
     poll_until,
-    put_record,
-    register_members,
+    secret_peers,
     start_peer_server,
 )
 
@@ -80,8 +83,7 @@ class Replica:
     def __init__(self, root: str, node: str, members: dict[str, Member]) -> None:
         self.node = node
         self.store = Copy(root, node)
-        self.peers = Peers(node, lambda: members)
-        self.peers.set_secret(PEER_SECRET)
+        self.peers = secret_peers(node, members)
         self.host = CopyHost(ChangeSet.decode, Fenced, Diverged, lambda uid, epoch: None)
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -113,11 +115,6 @@ class Checked(ShardReplication):
         self.verified += 1
 
 
-async def _record(client: EtcdClient, nodes: list[str], min_isr: int) -> tuple[ShardRecord, dict[str, int]]:
-    revisions = await register_members(client, PREFIX, nodes)
-    return await put_record(client, PREFIX, ShardRecord.new(SHARD_UID, "q", nodes, min_isr)), revisions
-
-
 async def _load(actor: LogicalQueue, seeds: tuple[int, ...], calls: int, seconds: float, ok: int, bound: float) -> Tally:
     """A load phase: the clients for ``seconds``, then on (new seeds) until more than ``ok``
     calls were answered OK, ``bound`` seconds at most from the start. A phase bounded by
@@ -134,6 +131,24 @@ async def _load(actor: LogicalQueue, seeds: tuple[int, ...], calls: int, seconds
     return tally
 
 
+@asynccontextmanager
+async def _replica_and_caller(root: str) -> AsyncIterator[tuple[Replica, Peers, PeerCall]]:
+    """n2, a replica behind its Peer server; n1, a node that may call it (it has the
+    cluster's secret); and a way to send n2 a Peer call as it is."""
+    members: dict[str, Member] = {}
+    replica = Replica(root, "n2", members)
+    await replica.start()
+    members["n2"] = Member("n2", f"127.0.0.1:{replica.port}", 1)
+    caller = secret_peers("n1", members)
+    try:
+        async with peer_caller(members["n2"].address) as call:
+            yield replica, caller, call
+    finally:
+        await replica.stop()
+        await replica.store.close()
+        await caller.close()
+
+
 def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_dropped_then_caught_up(
     tmp_path: Any, etcd: Etcd
 ) -> None:
@@ -141,15 +156,14 @@ def test_acknowledged_changes_are_on_every_in_sync_copy_and_a_silent_replica_is_
 
     async def main() -> None:
         client_etcd = EtcdClient([etcd.endpoint])
-        record, revisions = await _record(client_etcd, ["n1", "n2", "n3"], 2)
+        record, revisions = await new_shard(client_etcd, PREFIX, ["n1", "n2", "n3"], 2)
         members: dict[str, Member] = {}
         replicas = {n: Replica(root, n, members) for n in ("n2", "n3")}
         for replica in replicas.values():
             await replica.start()
             members[replica.node] = Member(replica.node, f"127.0.0.1:{replica.port}", revisions[replica.node])
         table = ShardTable(client_etcd, PREFIX, Writer("n1", revisions["n1"]))
-        peers = Peers("n1", lambda: members)
-        peers.set_secret(PEER_SECRET)
+        peers = secret_peers("n1", members)
         primary = Copy(root, "n1")
         copy = await primary.open()
         record = await table.expand_isr(record, ("n1", copy.incarnation))  # the primary claims its own entry
@@ -238,49 +252,28 @@ def test_the_replication_calls_are_for_the_clusters_nodes_only_and_name_a_bad_fi
     """Without the calling node's proof (or with a forged one) a replication call is
     refused PERMISSION_DENIED before anything is read; with it, a malformed message is
     INVALID_ARGUMENT naming the field."""
-    from google.protobuf.wrappers_pb2 import BytesValue
-
     from querator_server.cluster.forwarding import FORWARDED, PROOF
     from querator_server.cluster.replica_wire import SHIP, STATUS, StatusAsk, pack
 
     async def main() -> None:
-        members: dict[str, Member] = {}
-        replica = Replica(str(tmp_path), "n2", members)
-        await replica.start()
-        members["n2"] = Member("n2", f"127.0.0.1:{replica.port}", 1)
-        caller = Peers("n1", lambda: members)
-        caller.set_secret(PEER_SECRET)
-        try:
-            async with grpc.aio.insecure_channel(members["n2"].address) as channel:
+        async with _replica_and_caller(str(tmp_path)) as (replica, caller, raw):
 
-                async def call(method: str, data: bytes, metadata: Any) -> grpc.StatusCode:
-                    stub = channel.unary_unary(
-                        f"/querator.internal.Peer/{method}",
-                        request_serializer=BytesValue.SerializeToString,
-                        response_deserializer=BytesValue.FromString,
-                    )
-                    try:
-                        await stub(BytesValue(value=data), metadata=metadata, timeout=5)
-                    except grpc.aio.AioRpcError as exc:
-                        assert exc.code() != grpc.StatusCode.INVALID_ARGUMENT or "value" in (exc.details() or "")
-                        return exc.code()
-                    return grpc.StatusCode.OK
+            async def call(method: str, data: bytes, metadata: Any) -> grpc.StatusCode:
+                code, details = await raw(method, data, metadata)
+                assert code != grpc.StatusCode.INVALID_ARGUMENT or "value" in details
+                return code
 
-                status = StatusAsk(SHARD_UID, fence=9).encode()
-                assert await call(STATUS, status, ()) == grpc.StatusCode.PERMISSION_DENIED
-                forged = ((FORWARDED, "n1"), (PROOF, "1.2.3"))
-                assert await call(STATUS, status, forged) == grpc.StatusCode.PERMISSION_DENIED
-                assert replica.store.copy is not None and replica.store.copy.fenced_epoch() == 0  # nothing fenced
-                proof = caller.proof_metadata()
-                assert await call(SHIP, b"\x00\x00", proof) == grpc.StatusCode.INVALID_ARGUMENT
-                bad = pack({"uid": SHARD_UID, "epoch": 1, "primary": "n1", "incarnation": ""}, [b"not a change set"])
-                assert await call(SHIP, bad, proof) == grpc.StatusCode.INVALID_ARGUMENT
-                assert await call(STATUS, status, proof) == grpc.StatusCode.OK
-                assert replica.store.copy.fenced_epoch() == 9
-        finally:
-            await replica.stop()
-            await replica.store.close()
-            await caller.close()
+            status = StatusAsk(SHARD_UID, fence=9).encode()
+            assert await call(STATUS, status, ()) == grpc.StatusCode.PERMISSION_DENIED
+            forged = ((FORWARDED, "n1"), (PROOF, "1.2.3"))
+            assert await call(STATUS, status, forged) == grpc.StatusCode.PERMISSION_DENIED
+            assert replica.store.copy is not None and replica.store.copy.fenced_epoch() == 0  # nothing fenced
+            proof = caller.proof_metadata()
+            assert await call(SHIP, b"\x00\x00", proof) == grpc.StatusCode.INVALID_ARGUMENT
+            bad = pack({"uid": SHARD_UID, "epoch": 1, "primary": "n1", "incarnation": ""}, [b"not a change set"])
+            assert await call(SHIP, bad, proof) == grpc.StatusCode.INVALID_ARGUMENT
+            assert await call(STATUS, status, proof) == grpc.StatusCode.OK
+            assert replica.store.copy.fenced_epoch() == 9
 
     asyncio.run(main())
 
@@ -290,44 +283,22 @@ def test_a_stopping_node_takes_no_more_changes_and_answers_no_catch_up(tmp_path:
     in-sync sets; until it exits its copies must not be caught up again, or the new
     primary adds it back and then waits for it (seen: the in-sync set [n2, n1] after n1
     stopped). Its copies answer the replication calls UNAVAILABLE, and fence nothing."""
-    from google.protobuf.wrappers_pb2 import BytesValue
-
     from querator_server.cluster.replica_wire import SHIP, STATUS, StatusAsk, pack
 
     async def main() -> None:
-        members: dict[str, Member] = {}
-        replica = Replica(str(tmp_path), "n2", members)
-        await replica.start()
-        members["n2"] = Member("n2", f"127.0.0.1:{replica.port}", 1)
-        caller = Peers("n1", lambda: members)
-        caller.set_secret(PEER_SECRET)
-        try:
-            async with grpc.aio.insecure_channel(members["n2"].address) as channel:
+        async with _replica_and_caller(str(tmp_path)) as (replica, caller, raw):
 
-                async def call(method: str, data: bytes) -> tuple[grpc.StatusCode, str]:
-                    stub = channel.unary_unary(
-                        f"/querator.internal.Peer/{method}",
-                        request_serializer=BytesValue.SerializeToString,
-                        response_deserializer=BytesValue.FromString,
-                    )
-                    try:
-                        await stub(BytesValue(value=data), metadata=caller.proof_metadata(), timeout=5)
-                    except grpc.aio.AioRpcError as exc:
-                        return exc.code(), exc.details() or ""
-                    return grpc.StatusCode.OK, ""
+            async def call(method: str, data: bytes) -> tuple[grpc.StatusCode, str]:
+                return await raw(method, data, caller.proof_metadata())
 
-                assert (await call(STATUS, StatusAsk(SHARD_UID).encode()))[0] == grpc.StatusCode.OK
-                replica.host.leaving = {SHARD_UID}
-                for method, data in (
-                    (STATUS, StatusAsk(SHARD_UID, fence=3).encode()),
-                    (SHIP, pack({"uid": SHARD_UID, "epoch": 2, "primary": "n1", "incarnation": ""}, [])),
-                ):
-                    code, details = await call(method, data)
-                    assert code == grpc.StatusCode.UNAVAILABLE and "stopping" in details, (method, code, details)
-                assert replica.store.copy is not None and replica.store.copy.fenced_epoch() == 0
-        finally:
-            await replica.stop()
-            await replica.store.close()
-            await caller.close()
+            assert (await call(STATUS, StatusAsk(SHARD_UID).encode()))[0] == grpc.StatusCode.OK
+            replica.host.leaving = {SHARD_UID}
+            for method, data in (
+                (STATUS, StatusAsk(SHARD_UID, fence=3).encode()),
+                (SHIP, pack({"uid": SHARD_UID, "epoch": 2, "primary": "n1", "incarnation": ""}, [])),
+            ):
+                code, details = await call(method, data)
+                assert code == grpc.StatusCode.UNAVAILABLE and "stopping" in details, (method, code, details)
+            assert replica.store.copy is not None and replica.store.copy.fenced_epoch() == 0
 
     asyncio.run(main())
