@@ -318,6 +318,20 @@ def secs(value: object) -> float:
     return value.seconds + value.nanos / 1e9  # type: ignore[attr-defined, no-any-return]
 
 
+def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
+    """The error ``call`` raises (it must raise one)."""
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value
+
+
+def expect_code(call: Callable[[], object], code: grpc.StatusCode) -> grpc.RpcError:
+    """The error ``call`` raises, which must have ``code``."""
+    error = rpc_error(call)
+    assert error.code() == code, f"expected {code.name}, got {error.code().name}: {error.details()}"
+    return error
+
+
 def bad_request_fields(error: grpc.RpcError) -> list[str]:
     """The fields named by the google.rpc.BadRequest details of an INVALID_ARGUMENT."""
     status = rpc_status.from_call(error)  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ from google.protobuf import field_mask_pb2, timestamp_pb2
 
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 
-from conftest import Stubs, ThreadServer, bad_request_fields, dur, secs, wait_until
+from conftest import Stubs, ThreadServer, bad_request_fields, dur, expect_code, secs, wait_until
 
 Code = grpc.StatusCode
 HOUR = 3600
@@ -33,20 +33,6 @@ def in_future(seconds: float) -> timestamp_pb2.Timestamp:
     ts = timestamp_pb2.Timestamp()
     ts.FromNanoseconds(int((time.time() + seconds) * 1e9))
     return ts
-
-
-def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    return info.value
-
-
-
-
-def expect_code(call: Callable[[], object], code: grpc.StatusCode) -> grpc.RpcError:
-    error = rpc_error(call)
-    assert error.code() == code, f"expected {code.name}, got {error.code().name}: {error.details()}"
-    return error
 
 
 def expect_invalid(call: Callable[[], object], *fields: str) -> grpc.RpcError:

@@ -14,14 +14,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import pytest
 from google.protobuf import field_mask_pb2, timestamp_pb2
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from querator.v1 import queue_pb2, queues_pb2, storage_pb2
 
-from conftest import ProcessServer, Stubs, ThreadServer, dur, secs
+from conftest import ProcessServer, Stubs, ThreadServer, bad_request_fields, dur, expect_code, secs
 
 Code = grpc.StatusCode
 HOUR = 3600
@@ -41,29 +38,10 @@ def ts_at(seconds: float) -> timestamp_pb2.Timestamp:
     return ts
 
 
-def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    return info.value
-
-
-def expect_code(call: Callable[[], object], code: grpc.StatusCode) -> grpc.RpcError:
-    error = rpc_error(call)
-    assert error.code() == code, f"expected {code.name}, got {error.code().name}: {error.details()}"
-    return error
-
-
 def expect_invalid(call: Callable[[], object], field: str) -> grpc.RpcError:
     """The call fails INVALID_ARGUMENT with a BadRequest violation naming ``field``."""
     error = expect_code(call, Code.INVALID_ARGUMENT)
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    assert status is not None, "INVALID_ARGUMENT must carry a google.rpc.Status with details"
-    named: list[str] = []
-    for detail in status.details:
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            named.extend(v.field for v in bad.field_violations)
+    named = bad_request_fields(error)
     assert field in named, f"violations {named} do not name {field}: {error.details()}"
     return error
 
@@ -500,31 +478,44 @@ def test_a_forged_page_token_fails_alone_and_concurrent_produces_succeed(process
         uid = _uid_of(stubs)
         payload = struct.pack(">QIQQ", uid, 0, (1 << 64) - 1, 0)
         forged = [_crc_token(b"I", payload, fmt) for fmt in (1, 2)]
-        stop = time.monotonic() + 3
-        with ThreadPoolExecutor(8) as pool:
-            def produce_loop() -> int:
-                done = 0
-                while time.monotonic() < stop:
-                    stubs.produce("q", [b"p"])
-                    done += 1
-                return done
-
-            def forge_loop() -> int:
-                refused = 0
-                while time.monotonic() < stop:
-                    for token in forged:
-                        expect_invalid(lambda t=token: list_items(stubs, "q", 0, 10, t), "page_token")  # type: ignore[misc]
-                        refused += 1
-                return refused
-
-            producers = [pool.submit(produce_loop) for _ in range(6)]
-            forgers = [pool.submit(forge_loop) for _ in range(2)]
-            produced = sum(f.result(timeout=60) for f in producers)  # any failure raises here
-            refused = sum(f.result(timeout=60) for f in forgers)
+        refusals: list[tuple[str, Callable[[], object]]] = [
+            ("page_token", lambda t=token: list_items(stubs, "q", 0, 10, t)) for token in forged  # type: ignore[misc]
+        ]
+        produced, refused = _produce_while_refused(stubs, 6, refusals, 3)
         assert produced > 0 and refused > 0
         assert stubs.stats("q").partitions[0].total == 2 + produced
     finally:
         channel.close()
+
+
+def _produce_while_refused(
+    stubs: Stubs, producers: int, refusals: list[tuple[str, Callable[[], object]]], seconds: float
+) -> tuple[int, int]:
+    """For ``seconds``, ``producers`` threads produce to "q" while two others make the
+    calls of ``refusals`` over and over, each of which must fail INVALID_ARGUMENT naming
+    its field: the items produced and the calls refused (any other failure raises)."""
+    stop = time.monotonic() + seconds
+
+    def produce_loop() -> int:
+        done = 0
+        while time.monotonic() < stop:
+            stubs.produce("q", [b"p"])
+            done += 1
+        return done
+
+    def refuse_loop() -> int:
+        refused = 0
+        while time.monotonic() < stop:
+            for field, call in refusals:
+                expect_invalid(call, field)
+                refused += 1
+        return refused
+
+    with ThreadPoolExecutor(producers + 2) as pool:
+        producing = [pool.submit(produce_loop) for _ in range(producers)]
+        refusing = [pool.submit(refuse_loop) for _ in range(2)]
+        produced = sum(f.result(timeout=60) for f in producing)
+        return produced, sum(f.result(timeout=60) for f in refusing)
 
 
 def _uid_of(stubs: Stubs) -> int:
@@ -571,27 +562,8 @@ def test_keyed_fields_are_length_checked_before_the_cycle(process_server: Proces
             ("lease_keys[1]", lambda: stubs.queue.Complete(queue_pb2.CompleteRequest(queue_name="q", lease_keys=["a", "k" * 513]), timeout=10)),
             ("lease_keys[0]", lambda: stubs.queue.Extend(queue_pb2.ExtendRequest(queue_name="q", lease_keys=["k" * 513]), timeout=10)),
         ]
-        stop = time.monotonic() + 2
-        with ThreadPoolExecutor(6) as pool:
-            def produce_loop() -> int:
-                done = 0
-                while time.monotonic() < stop:
-                    stubs.produce("q", [b"p"])
-                    done += 1
-                return done
-
-            def refuse_loop() -> int:
-                refused = 0
-                while time.monotonic() < stop:
-                    for field, call in too_long:
-                        expect_invalid(call, field)
-                        refused += 1
-                return refused
-
-            producers = [pool.submit(produce_loop) for _ in range(4)]
-            refusers = [pool.submit(refuse_loop) for _ in range(2)]
-            produced = sum(f.result(timeout=60) for f in producers)
-            assert sum(f.result(timeout=60) for f in refusers) > 0
+        produced, refused = _produce_while_refused(stubs, 4, too_long, 2)
+        assert refused > 0
         assert stubs.stats("q").partitions[0].total == produced
         # At the limits, accepted and kept: a 510-byte source_id deduplicates dead letters.
         longest = "s" * 508 + "é"
