@@ -56,6 +56,18 @@ def connect(address: str) -> Stubs:
     return Stubs(grpc.insecure_channel(address))
 
 
+@contextlib.contextmanager
+def _served(data_dir: str) -> Iterator[Stubs]:
+    """A server on ``data_dir`` in this process, and stubs to it, while in the block."""
+    srv = ThreadServer(data_dir)
+    stubs = connect(srv.address)
+    try:
+        yield stubs
+    finally:
+        stubs.channel.close()
+        srv.stop()
+
+
 def status_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
     try:
         call()
@@ -105,9 +117,7 @@ def fault_switch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_a_full_disk_refuses_writes_with_unavailable_loses_nothing_and_recovers(
     data_dir: str, fault_switch: Path
 ) -> None:
-    srv = ThreadServer(data_dir)
-    stubs = connect(srv.address)
-    try:
+    with _served(data_dir) as stubs:
         stubs.create("dlq")
         stubs.create("q", dead_queue="dlq", lease_timeout=LONG_LEASE)
         acked = {f"a{i}".encode() for i in range(20)}
@@ -156,24 +166,14 @@ def test_a_full_disk_refuses_writes_with_unavailable_loses_nothing_and_recovers(
         done = {p.payload for p in lease.items}
         assert payloads == sorted((acked - done) | {b"after"})
         assert stats_total(stubs, "q") == (16, 0)
-    finally:
-        stubs.channel.close()
-        srv.stop()
 
-    srv = ThreadServer(data_dir)  # and it all holds across a restart
-    stubs = connect(srv.address)
-    try:
+    with _served(data_dir) as stubs:  # and it all holds across a restart
         assert sorted(i.payload for i in stored(stubs, "q")) == sorted((acked - done) | {b"after"})
         assert stats_total(stubs, "q") == (16, 0)
-    finally:
-        stubs.channel.close()
-        srv.stop()
 
 
 def test_admin_calls_on_a_full_disk_say_why_they_failed(data_dir: str, fault_switch: Path) -> None:
-    srv = ThreadServer(data_dir)
-    stubs = connect(srv.address)
-    try:
+    with _served(data_dir) as stubs:
         stubs.create("q")
         fault_switch.write_text("no-space")
         update = queues_pb2.UpdateQueueRequest(
@@ -194,15 +194,10 @@ def test_admin_calls_on_a_full_disk_say_why_they_failed(data_dir: str, fault_swi
         assert all(code == UNAVAILABLE for code, _ in results.values()), results
         unclear = {rpc: message for rpc, (_, message) in results.items() if "no space" not in message.lower()}
         assert not unclear, f"admin errors do not say the disk is full: {unclear}"
-    finally:
-        stubs.channel.close()
-        srv.stop()
 
 
 def test_a_delete_queue_that_storage_refuses_leaves_the_queue_working(data_dir: str, fault_switch: Path) -> None:
-    srv = ThreadServer(data_dir)
-    stubs = connect(srv.address)
-    try:
+    with _served(data_dir) as stubs:
         stubs.create("q")
         stubs.produce("q", [b"kept"])
         fault_switch.write_text("io-error")
@@ -215,16 +210,11 @@ def test_a_delete_queue_that_storage_refuses_leaves_the_queue_working(data_dir: 
         assert stubs.queues.GetQueue(queues_pb2.GetQueueRequest(queue_name="q"), timeout=10).queue.queue_name == "q"
         stubs.produce("q", [b"after"])
         assert [i.payload for i in stored(stubs, "q")] == [b"kept", b"after"]
-    finally:
-        stubs.channel.close()
-        srv.stop()
 
 
 def test_a_lease_whose_complete_ids_storage_refused_does_not_answer_ok(data_dir: str, fault_switch: Path) -> None:
     """Lease.complete_ids is all-or-nothing: an OK must mean the completions are on disk."""
-    srv = ThreadServer(data_dir)
-    stubs = connect(srv.address)
-    try:
+    with _served(data_dir) as stubs:
         stubs.create("q", lease_timeout=LONG_LEASE)
         stubs.produce("q", [b"x", b"y"])
         first = stubs.lease("q", batch_size=2)
@@ -240,15 +230,10 @@ def test_a_lease_whose_complete_ids_storage_refused_does_not_answer_ok(data_dir:
         assert code == UNAVAILABLE, (code, message)
         assert stats_total(stubs, "q") == (2, 2)  # nothing was completed; the leases still hold
         stubs.complete("q", first.partition, done)
-    finally:
-        stubs.channel.close()
-        srv.stop()
 
 
 def test_a_map_that_cannot_grow_gives_resource_exhausted_and_recovers(data_dir: str, fault_switch: Path) -> None:
-    srv = ThreadServer(data_dir)
-    stubs = connect(srv.address)
-    try:
+    with _served(data_dir) as stubs:
         stubs.create("q", lease_timeout=LONG_LEASE)
         acked = [f"m{i}".encode() for i in range(10)]
         stubs.produce("q", acked)
@@ -269,9 +254,6 @@ def test_a_map_that_cannot_grow_gives_resource_exhausted_and_recovers(data_dir: 
         stubs.complete("q", lease.partition, [i.id for i in lease.items])
         stubs.produce("q", [b"after"])
         assert [i.payload for i in stored(stubs, "q")] == acked[2:] + [b"after"]
-    finally:
-        stubs.channel.close()
-        srv.stop()
 
 
 def test_a_server_process_fails_and_recovers_by_switch_and_a_refused_produce_stores_nothing(
@@ -615,18 +597,13 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A data directory with two queues of 300 items, some leased: "q" (uid 1) in commit
     group 0, and "wide" (uid 2), too wide for a group, in an environment of its own."""
     data = str(tmp_path_factory.mktemp("template") / "data")
-    srv = ThreadServer(data)
-    stubs = connect(srv.address)
-    try:
+    with _served(data) as stubs:
         stubs.create("q", requested_partitions=2, lease_timeout=LONG_LEASE)
         stubs.create("wide", requested_partitions=40, lease_timeout=LONG_LEASE)
         for name in ("q", "wide"):
             for batch in range(3):
                 stubs.produce(name, [f"{batch}-{i}".encode() + bytes(1000) for i in range(100)])
             stubs.lease(name, batch_size=10)
-    finally:
-        stubs.channel.close()
-        srv.stop()
     return data
 
 
@@ -827,14 +804,9 @@ def test_start_up_accepts_lost_found_and_removes_queue_dirs_the_catalog_does_not
     data = str(tmp_path / "data")
     shutil.copytree(template, data)
     os.mkdir(os.path.join(data, "lost+found"))
-    srv = ThreadServer(data)
-    stubs = connect(srv.address)
-    try:
+    with _served(data) as stubs:
         stubs.create("gone")  # uid 3
         stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="gone"), timeout=10)
-    finally:
-        stubs.channel.close()
-        srv.stop()
     # A crash after the catalog forgot "gone" but before its storage was removed, and
     # queues the backed-up catalog never saw: directories, a whole group, and databases
     # inside a group that the catalog does know.
@@ -846,17 +818,12 @@ def test_start_up_accepts_lost_found_and_removes_queue_dirs_the_catalog_does_not
         for name in (b"q3.p0", b"q9.p0", b"q9.dedup"):
             txn.put(b"x", b"y", db=env.open_db(name, txn=txn))
     env.close()
-    srv = ThreadServer(data)
-    stubs = connect(srv.address)
-    try:
+    with _served(data) as stubs:
         assert sorted(os.listdir(os.path.join(data, "queues"))) == ["2"]
         assert sorted(os.listdir(os.path.join(data, "groups"))) == ["0"]
         for name in ("q", "wide"):
             assert stats_total(stubs, name) == (300, 10)
             assert len(stored(stubs, name)) == 300
-    finally:
-        stubs.channel.close()
-        srv.stop()
     # (Read once the server is gone: LMDB must not open an environment twice in one process.)
     env = lmdb.open(os.path.join(data, "groups", "0"), max_dbs=64, readonly=True, lock=False)
     with env.begin() as txn:
