@@ -42,6 +42,14 @@ def _node(cluster: Cluster, node_id: str) -> Node:
     return next(n for n in cluster.nodes if n.node_id == node_id)
 
 
+def _primary_and_replica(cluster: Cluster, primary_id: str) -> tuple[Node, Node]:
+    """The primary's node, and another node holding a copy of the queue."""
+    primary = _node(cluster, primary_id)
+    found = placement(primary)
+    assert found is not None
+    return primary, _node(cluster, next(n for n in found.replicas if n != primary_id))
+
+
 def _other(cluster: Cluster, *not_these: str) -> Node:
     return next(n for n in cluster.nodes if n.node_id not in not_these)
 
@@ -153,10 +161,7 @@ def test_a_replica_killed_stalls_writes_at_most_the_lag_and_catches_up_by_tail_o
     ) as cluster:
         create_queue(cluster.nodes[0], 2)
         primary_id, _ = wait_primary(cluster, cluster.nodes[0])
-        primary = _node(cluster, primary_id)
-        found = placement(primary)
-        assert found is not None
-        replica = _node(cluster, next(n for n in found.replicas if n != primary_id))
+        primary, replica = _primary_and_replica(cluster, primary_id)
         wait_in_sync(cluster, primary, 2)
         run = Run(cluster)
 
@@ -298,10 +303,7 @@ def test_a_replica_whose_storage_was_truncated_or_wiped_is_refused_rebuilt_and_n
     with Cluster(str(tmp_path), size=3, ttl=TTL) as cluster:
         create_queue(cluster.nodes[0], 2)
         primary_id, _ = wait_primary(cluster, cluster.nodes[0])
-        primary = _node(cluster, primary_id)
-        found = placement(primary)
-        assert found is not None
-        replica = _node(cluster, next(n for n in found.replicas if n != primary_id))
+        primary, replica = _primary_and_replica(cluster, primary_id)
         wait_in_sync(cluster, primary, 2)
         run = Run(cluster)
         run.start()
@@ -396,10 +398,7 @@ def test_etcd_paused_or_killed_alone_with_a_primary_kill_and_with_a_replica_kill
 
         # (c) etcd killed, then the replica: nothing acknowledged without it until etcd is back.
         primary_id, epoch = wait_primary(cluster, observer)
-        primary = _node(cluster, primary_id)
-        found = placement(primary)
-        assert found is not None
-        replica = _node(cluster, next(n for n in found.replicas if n != primary_id))
+        primary, replica = _primary_and_replica(cluster, primary_id)
         cluster.etcd.kill9()
         time.sleep(0.3)
         replica.kill9()
