@@ -206,6 +206,14 @@ class Generator:
                 out += [doc, ""]
         return out
 
+    def _heading(self, f: descriptor_pb2.FileDescriptorProto, path: tuple[int, ...], full: str) -> list[str]:
+        """A message's or an enum's heading (its short name: the anchor), then its comment."""
+        out = [f"### {self._short(full)}", ""]
+        doc = _comment(self._doc(f, path))
+        if doc:
+            out += [doc, ""]
+        return out
+
     def _message(
         self,
         f: descriptor_pb2.FileDescriptorProto,
@@ -213,11 +221,7 @@ class Generator:
         full: str,
         message: descriptor_pb2.DescriptorProto,
     ) -> list[str]:
-        short = self._short(full)
-        out = [f"### {short}", ""]
-        doc = _comment(self._doc(f, path))
-        if doc:
-            out += [doc, ""]
+        out = self._heading(f, path, full)
         if not message.field:
             return [*out, "No fields.", ""]
         out += ["| Field | Type | Description |", "|---|---|---|"]
@@ -238,11 +242,7 @@ class Generator:
         full: str,
         enum: descriptor_pb2.EnumDescriptorProto,
     ) -> list[str]:
-        short = self._short(full)
-        out = [f"### {short}", ""]
-        doc = _comment(self._doc(f, path))
-        if doc:
-            out += [doc, ""]
+        out = self._heading(f, path, full)
         out += ["| Value | Number | Description |", "|---|---|---|"]
         for k, value in enumerate(enum.value):
             out.append(f"| `{value.name}` | {value.number} | {_cell(self._doc(f, (*path, _ENUM_VALUE, k)))} |")
