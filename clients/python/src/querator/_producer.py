@@ -67,6 +67,14 @@ class _Batch(Generic[F]):
     # The ordered group of its grouped items ("" for none; at most one per batch).
     group: str = ""
 
+    def add(self, message: p.ProduceEntry, future: F, cost: int) -> None:
+        if not self.items:
+            self.started = time.monotonic()
+        self.group = self.group or _group_of(message)
+        self.items.append(message)
+        self.futures.append(future)
+        self.size += cost
+
 
 class _Settings:
     def __init__(
@@ -238,12 +246,7 @@ class Producer(_Producing["Client"]):
                 raise RuntimeError("the producer is closed")
             if not self._s.fits(self._batch, message, cost):
                 self._seal()
-            if not self._batch.items:
-                self._batch.started = time.monotonic()
-            self._batch.group = self._batch.group or _group_of(message)
-            self._batch.items.append(message)
-            self._batch.futures.append(future)
-            self._batch.size += cost
+            self._batch.add(message, future, cost)
             self._pending += 1
             if self._s.full(self._batch, 0):
                 self._seal()
@@ -413,12 +416,7 @@ class AsyncProducer(_Producing["AsyncClient"]):
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         if not self._s.fits(self._batch, message, cost):
             await self._seal()
-        if not self._batch.items:
-            self._batch.started = time.monotonic()
-        self._batch.group = self._batch.group or _group_of(message)
-        self._batch.items.append(message)
-        self._batch.futures.append(future)
-        self._batch.size += cost
+        self._batch.add(message, future, cost)
         self._pending += 1
         if self._s.full(self._batch, 0):
             await self._seal()
