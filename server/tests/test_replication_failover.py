@@ -50,6 +50,15 @@ def _primary_and_replica(cluster: Cluster, primary_id: str) -> tuple[Node, Node]
     return primary, _node(cluster, next(n for n in found.replicas if n != primary_id))
 
 
+def _two_copies_in_sync(cluster: Cluster) -> tuple[Node, Node]:
+    """The queue created with two copies, both in sync: its primary's node and its replica's."""
+    create_queue(cluster.nodes[0], 2)
+    primary_id, _ = wait_primary(cluster, cluster.nodes[0])
+    primary, replica = _primary_and_replica(cluster, primary_id)
+    wait_in_sync(cluster, primary, 2)
+    return primary, replica
+
+
 def _other(cluster: Cluster, *not_these: str) -> Node:
     return next(n for n in cluster.nodes if n.node_id not in not_these)
 
@@ -159,10 +168,7 @@ def test_a_replica_killed_stalls_writes_at_most_the_lag_and_catches_up_by_tail_o
     with Cluster(
         str(tmp_path), size=3, ttl=TTL, env={"QUERATOR_LOG_LEVEL": "info"}, args=["--replica-ring", str(RING)]
     ) as cluster:
-        create_queue(cluster.nodes[0], 2)
-        primary_id, _ = wait_primary(cluster, cluster.nodes[0])
-        primary, replica = _primary_and_replica(cluster, primary_id)
-        wait_in_sync(cluster, primary, 2)
+        primary, replica = _two_copies_in_sync(cluster)
         run = Run(cluster)
 
         # Tail: the replica killed and restarted at once; a few writes meanwhile.
@@ -193,7 +199,7 @@ def test_a_replica_killed_stalls_writes_at_most_the_lag_and_catches_up_by_tail_o
 
         # Then the primary dies: the replica, back in sync, takes over with everything.
         primary.kill9()
-        wait_primary(cluster, replica, not_on=primary_id, timeout=GAP_BOUND_S + 10)
+        wait_primary(cluster, replica, not_on=primary.node_id, timeout=GAP_BOUND_S + 10)
         time.sleep(2)
         primary.start()
         wait_in_sync(cluster, replica, 2)
@@ -301,10 +307,7 @@ def test_a_replica_whose_storage_was_truncated_or_wiped_is_refused_rebuilt_and_n
     the copy is dropped and made again empty under a new incarnation, stays out of the
     in-sync set until the primary rebuilt it, and then the primary dies: nothing lost."""
     with Cluster(str(tmp_path), size=3, ttl=TTL) as cluster:
-        create_queue(cluster.nodes[0], 2)
-        primary_id, _ = wait_primary(cluster, cluster.nodes[0])
-        primary, replica = _primary_and_replica(cluster, primary_id)
-        wait_in_sync(cluster, primary, 2)
+        primary, replica = _two_copies_in_sync(cluster)
         run = Run(cluster)
         run.start()
         run.load_for()
@@ -321,7 +324,7 @@ def test_a_replica_whose_storage_was_truncated_or_wiped_is_refused_rebuilt_and_n
         assert events(replica, "shard_copy_rebuilt"), replica.stderr_text()
         # Then the primary dies: the rebuilt copy takes over with everything acknowledged.
         primary.kill9()
-        wait_primary(cluster, replica, not_on=primary_id, timeout=GAP_BOUND_S + 10)
+        wait_primary(cluster, replica, not_on=primary.node_id, timeout=GAP_BOUND_S + 10)
         time.sleep(2)
         primary.start()
         wait_in_sync(cluster, replica, 2)
