@@ -8,8 +8,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster_helpers import Cluster
+from cluster_helpers import Cluster, Node
 
+from querator.v1 import queue_pb2
 from querator_server.faults import FAULT_FILE_ENV
 
 from conftest import wait_until
@@ -23,18 +24,25 @@ def _fault_line(node_dir: Path, item_id: str) -> str:
     return f"partition-error {node_dir.name}/queues/{uid} p{index}\n"
 
 
+def _queue_with_an_item_on_n1(n1: Node, payload: bytes) -> tuple[list[str], queue_pb2.ProduceResponse]:
+    """Queue "fq" with a partition on each node, and ``payload`` produced through n1, which
+    stores it in its own: the partitions' homes, and the Produce answer."""
+    n1.stubs.create("fq", requested_partitions=2)
+    homes = list(next(q for q in n1.info().queues if q.queue_name == "fq").homes)
+    first = n1.stubs.produce("fq", [payload])
+    assert homes[first.partition] == "n1"
+    return homes, first
+
+
 def test_produce_to_a_node_whose_partitions_are_faulty_lands_on_another_node(tmp_path: Path) -> None:
     fault = tmp_path / "fault"
     cluster = Cluster(str(tmp_path / "cluster"), size=2, env={FAULT_FILE_ENV: str(fault)})
     try:
         cluster.start()
         n1, n2 = cluster.nodes
-        n1.stubs.create("fq", requested_partitions=2)
-        homes = list(next(q for q in n1.info().queues if q.queue_name == "fq").homes)
+        homes, first = _queue_with_an_item_on_n1(n1, b"first")
         assert sorted(homes) == ["n1", "n2"]
-        first = n1.stubs.produce("fq", [b"first"])
         mine = first.partition
-        assert homes[mine] == "n1"
         fault.write_text(_fault_line(Path(cluster.root, "n1"), first.ids[0]))
 
         # n1's one partition of the queue fails under this produce: it is marked faulty,
@@ -62,11 +70,8 @@ def test_a_node_whose_disk_is_full_hands_produce_and_lease_to_the_others_and_sho
     try:
         cluster.start()
         n1, n2 = cluster.nodes
-        n1.stubs.create("fq", requested_partitions=2)
-        homes = list(next(q for q in n1.info().queues if q.queue_name == "fq").homes)
-        first = n1.stubs.produce("fq", [b"on-n1"])
+        homes, first = _queue_with_an_item_on_n1(n1, b"on-n1")
         mine = first.partition
-        assert homes[mine] == "n1"
         storage = next(p for p in Path(cluster.root, "n1").glob("*/*") if p.parent.name in ("groups", "queues"))
         fault.write_text(f"no-space n1/{storage.parent.name}/{storage.name}\n")
 
