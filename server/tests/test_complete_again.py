@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import tarfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -159,11 +158,9 @@ def _forgotten(stubs: Stubs, item_id: str) -> bool:
 
 
 @pytest.fixture
-def proc(data_dir: str) -> Iterator[ProcessServer]:
-    srv = ProcessServer(data_dir)
-    srv.start()
-    yield srv
-    srv.stop()
+def proc(process_server: ProcessServer) -> ProcessServer:
+    """A ``querator serve`` child, started (conftest's process_server)."""
+    return process_server
 
 
 def test_what_each_path_remembers_survives_kill9(proc: ProcessServer) -> None:

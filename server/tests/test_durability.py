@@ -12,7 +12,6 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -30,11 +29,9 @@ LONG_LEASE = {"seconds": 600}  # no lease may expire while a test runs
 
 
 @pytest.fixture
-def proc(data_dir: str) -> Iterator[ProcessServer]:
-    srv = ProcessServer(data_dir)
-    srv.start()
-    yield srv
-    srv.stop()
+def proc(process_server: ProcessServer) -> ProcessServer:
+    """A ``querator serve`` child, started (conftest's process_server)."""
+    return process_server
 
 
 def connect(address: str) -> Stubs:
