@@ -31,6 +31,7 @@ from failover_helpers import (
     wait_primary,
 )
 
+from history import Verdict
 from querator.v1 import queue_pb2
 
 TTL = 2
@@ -57,6 +58,19 @@ def _two_copies_in_sync(cluster: Cluster) -> tuple[Node, Node]:
     primary, replica = _primary_and_replica(cluster, primary_id)
     wait_in_sync(cluster, primary, 2)
     return primary, replica
+
+
+def _fail_over_to(cluster: Cluster, run: Run, replica: Node, primary: Node) -> Verdict:
+    """``primary`` killed: ``replica`` takes over; the old primary restarted and back in
+    sync; the run's history then checked, and found good."""
+    primary.kill9()
+    wait_primary(cluster, replica, not_on=primary.node_id, timeout=GAP_BOUND_S + 10)
+    time.sleep(2)
+    primary.start()
+    wait_in_sync(cluster, replica, 2)
+    verdict = run.finish()
+    assert verdict.ok, verdict.figures() + "\n" + "\n".join(map(str, verdict.findings[:10]))
+    return verdict
 
 
 def _other(cluster: Cluster, *not_these: str) -> Node:
@@ -198,13 +212,7 @@ def test_a_replica_killed_stalls_writes_at_most_the_lag_and_catches_up_by_tail_o
         assert max(snapshots) > RING, syncs
 
         # Then the primary dies: the replica, back in sync, takes over with everything.
-        primary.kill9()
-        wait_primary(cluster, replica, not_on=primary.node_id, timeout=GAP_BOUND_S + 10)
-        time.sleep(2)
-        primary.start()
-        wait_in_sync(cluster, replica, 2)
-        verdict = run.finish()
-        assert verdict.ok, verdict.figures() + "\n" + "\n".join(map(str, verdict.findings[:10]))
+        verdict = _fail_over_to(cluster, run, replica, primary)
         # Writes waited for the dead replica at most the lag (and the CAS that drops it).
         assert tail_stall <= LAG_S + 2.5 and load_stall <= LAG_S + 2.5, (tail_stall, load_stall)
         digests_found = _check_digests(cluster, replica)
@@ -323,13 +331,7 @@ def test_a_replica_whose_storage_was_truncated_or_wiped_is_refused_rebuilt_and_n
         rejoined = time.monotonic() - restarted
         assert events(replica, "shard_copy_rebuilt"), replica.stderr_text()
         # Then the primary dies: the rebuilt copy takes over with everything acknowledged.
-        primary.kill9()
-        wait_primary(cluster, replica, not_on=primary.node_id, timeout=GAP_BOUND_S + 10)
-        time.sleep(2)
-        primary.start()
-        wait_in_sync(cluster, replica, 2)
-        verdict = run.finish()
-        assert verdict.ok, verdict.figures() + "\n" + "\n".join(map(str, verdict.findings[:10]))
+        verdict = _fail_over_to(cluster, run, replica, primary)
         digests_found = _check_digests(cluster, replica)
         record_property(
             "figures",
