@@ -5,7 +5,8 @@ and listing pages are cut by bytes too."""
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -118,21 +119,36 @@ def test_lease_stream_answers_fit_and_deliver_every_item(stubs: Stubs) -> None:
     assert sorted(delivered) == sorted(produced)
 
 
-def test_list_items_pages_are_cut_by_bytes(stubs: Stubs) -> None:
-    stubs.create("q")
-    produced = _fill(stubs, "q", 1200, ITEM)
+def _pages(fetch: Callable[[str], Any], names: Callable[[Any], list[str]]) -> tuple[list[str], int]:
+    """Every page ``fetch(token)`` answers, from the first, each within what a default
+    client receives: the ``names`` on them in order, and how many pages there were."""
     seen: list[str] = []
     token = ""
     pages = 0
     while True:
-        request = storage_pb2.ListItemsRequest(queue_name="q", page_size=1000, page_token=token)
-        page = stubs.storage.ListItems(request, timeout=10)
+        page = fetch(token)
         assert page.ByteSize() <= DEFAULT_RECEIVE
-        seen.extend(item.id for item in page.items)
+        seen.extend(names(page))
         pages += 1
         token = page.next_page_token
         if not token:
-            break
+            return seen, pages
+
+
+def _list_items(stubs: Stubs) -> Callable[[str], storage_pb2.ListItemsResponse]:
+    return lambda token: stubs.storage.ListItems(
+        storage_pb2.ListItemsRequest(queue_name="q", page_size=1000, page_token=token), timeout=10
+    )
+
+
+def _ids(page: Any) -> list[str]:
+    return [item.id for item in page.items]
+
+
+def test_list_items_pages_are_cut_by_bytes(stubs: Stubs) -> None:
+    stubs.create("q")
+    produced = _fill(stubs, "q", 1200, ITEM)
+    seen, pages = _pages(_list_items(stubs), _ids)
     assert seen == produced
     assert pages >= 3
 
@@ -145,16 +161,12 @@ def test_list_scheduled_items_pages_are_cut_by_bytes(stubs: Stubs) -> None:
     produced: list[str] = []
     for _ in range(3):
         produced.extend(stubs.queue.Produce(queue_pb2.ProduceRequest(queue_name="q", items=[later] * 400), timeout=10).ids)
-    seen: list[str] = []
-    token = ""
-    while True:
-        request = storage_pb2.ListScheduledItemsRequest(queue_name="q", page_size=1000, page_token=token)
-        page = stubs.storage.ListScheduledItems(request, timeout=10)
-        assert page.ByteSize() <= DEFAULT_RECEIVE
-        seen.extend(item.id for item in page.items)
-        token = page.next_page_token
-        if not token:
-            break
+    seen, _ = _pages(
+        lambda token: stubs.storage.ListScheduledItems(
+            storage_pb2.ListScheduledItemsRequest(queue_name="q", page_size=1000, page_token=token), timeout=10
+        ),
+        _ids,
+    )
     assert sorted(seen) == sorted(produced)
 
 
@@ -170,17 +182,10 @@ def test_list_queues_pages_are_cut_by_bytes(data_dir: str) -> None:
         names = [f"{i:04d}" + "\U0001d539" * 508 for i in range(820)]
         for name in names:
             stubs.create(name, dead_queue=dead, reference="\u00e9" * 512)
-        seen: list[str] = []
-        token = ""
-        pages = 0
-        while True:
-            page = stubs.queues.ListQueues(queues_pb2.ListQueuesRequest(page_size=1000, page_token=token), timeout=30)
-            assert page.ByteSize() <= DEFAULT_RECEIVE
-            seen.extend(q.queue_name for q in page.queues)
-            pages += 1
-            token = page.next_page_token
-            if not token:
-                break
+        seen, pages = _pages(
+            lambda token: stubs.queues.ListQueues(queues_pb2.ListQueuesRequest(page_size=1000, page_token=token), timeout=30),
+            lambda page: [q.queue_name for q in page.queues],
+        )
         assert sorted(seen) == sorted([*names, dead])
         assert pages == 2
     finally:
@@ -250,14 +255,5 @@ def test_a_page_whose_entries_outgrow_the_estimate_is_cut_exactly(
     monkeypatch.setattr(storage_steps, "ITEM_REPLY_OVERHEAD", 0)
     stubs.create("q")
     produced = _fill(stubs, "q", 1200, ITEM)
-    seen: list[str] = []
-    token = ""
-    while True:
-        request = storage_pb2.ListItemsRequest(queue_name="q", page_size=1000, page_token=token)
-        page = stubs.storage.ListItems(request, timeout=10)
-        assert page.ByteSize() <= DEFAULT_RECEIVE
-        seen.extend(item.id for item in page.items)
-        token = page.next_page_token
-        if not token:
-            break
+    seen, _ = _pages(_list_items(stubs), _ids)
     assert seen == produced
