@@ -901,6 +901,13 @@ def _events(text: str, event: str) -> list[dict[str, object]]:
     return [line for line in lines if line.get("event") == event]
 
 
+def _wait_logged(proc: ProcessServer, event: str) -> None:
+    """Until the server has logged ``event`` (30 s at most: the caller checks it came)."""
+    give_up = time.monotonic() + 30
+    while not _events(proc.stderr_text(), event) and time.monotonic() < give_up:
+        time.sleep(0.1)
+
+
 def test_a_broken_dead_letter_queue_is_retried_every_second_but_logged_once_with_a_count(tmp_path: Path) -> None:
     """Dead letters aimed at a DLQ whose writes fail are retried on their cadence; the
     first failure is logged, the retries after it within the minute are not (each line
@@ -921,9 +928,7 @@ def test_a_broken_dead_letter_queue_is_retried_every_second_but_logged_once_with
             queue_pb2.RetryRequest(queue_name="q", partition=lease.partition, items=[queue_pb2.RetryItem(id=lease.items[0].id, dead=True)]),
             timeout=10,
         )
-        give_up = time.monotonic() + 30
-        while not _events(proc.stderr_text(), "dead_letter_failed") and time.monotonic() < give_up:
-            time.sleep(0.1)
+        _wait_logged(proc, "dead_letter_failed")
         first = _events(proc.stderr_text(), "dead_letter_failed")
         assert len(first) == 1, proc.stderr_text()[-2000:]
         assert first[0]["queue"] == "q" and first[0]["dead_queue"] == "dlq" and first[0]["failures"] == 1, first
@@ -932,9 +937,7 @@ def test_a_broken_dead_letter_queue_is_retried_every_second_but_logged_once_with
         assert stats_total(stubs, "dlq") == (0, 0)
 
         fault.unlink()
-        give_up = time.monotonic() + 30
-        while not _events(proc.stderr_text(), "dead_letter_recovered") and time.monotonic() < give_up:
-            time.sleep(0.1)
+        _wait_logged(proc, "dead_letter_recovered")
         recovered = _events(proc.stderr_text(), "dead_letter_recovered")
         assert len(recovered) == 1, proc.stderr_text()[-2000:]
         assert recovered[0]["queue"] == "q" and recovered[0]["dead_queue"] == "dlq", recovered
@@ -979,17 +982,13 @@ def test_a_redrive_into_a_broken_queue_is_retried_but_logged_once_with_a_count(t
         fault.write_text(f"no-space {os.path.join('queues', '1')}")
         code, _ = status_of(lambda: stubs.storage.RedriveItems(storage_pb2.RedriveItemsRequest(queue_name="dlq"), timeout=2))
         assert code == grpc.StatusCode.DEADLINE_EXCEEDED  # taken out of dlq, not yet stored in q
-        give_up = time.monotonic() + 30
-        while not _events(proc.stderr_text(), "redrive_failed") and time.monotonic() < give_up:
-            time.sleep(0.1)
+        _wait_logged(proc, "redrive_failed")
         time.sleep(5)  # about five more retries, one a second
         failed = _events(proc.stderr_text(), "redrive_failed")
         assert len(failed) == 1 and failed[0]["queue"] == "dlq" and failed[0]["failures"] == 1, proc.stderr_text()[-2000:]
 
         fault.unlink()
-        give_up = time.monotonic() + 30
-        while not _events(proc.stderr_text(), "redrive_recovered") and time.monotonic() < give_up:
-            time.sleep(0.1)
+        _wait_logged(proc, "redrive_recovered")
         recovered = _events(proc.stderr_text(), "redrive_recovered")
         assert len(recovered) == 1 and recovered[0]["queue"] == "dlq", proc.stderr_text()[-2000:]
         assert isinstance(recovered[0]["failures"], int) and recovered[0]["failures"] >= 4, recovered
