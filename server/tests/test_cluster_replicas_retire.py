@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 from cluster_helpers import Cluster
-from replication_helpers import shard_of as _record
+from replication_helpers import shard_of
 from test_cluster_operator import querator
 
 from conftest import dur, wait_until
@@ -27,8 +27,8 @@ def test_retiring_a_dead_node_makes_its_copies_again_where_it_can_and_the_queues
     n1.stubs.create("kept-two", replicas=2)
     n1.stubs.create("kept-three", replicas=3)
     for name in ("kept-two", "kept-three"):
-        wait_until(lambda name=name: all(i for _, i in _record(cluster, name)["isr"]), 15)
-    two = _record(cluster, "kept-two")
+        wait_until(lambda name=name: all(i for _, i in shard_of(cluster, name)["isr"]), 15)
+    two = shard_of(cluster, "kept-two")
     by_id = {n.node_id: n for n in cluster.nodes}
     dead = by_id[next(n for n in two["replicas"] if n != two["primary"])]  # a copy, not the primary
     alive = [n for n in cluster.nodes if n is not dead]
@@ -42,14 +42,14 @@ def test_retiring_a_dead_node_makes_its_copies_again_where_it_can_and_the_queues
     # kept-two's copy is made again on the live node that had none, filled from the
     # survivor; kept-three had a copy on every node: it keeps one fewer.
     for name, copies in (("kept-two", 2), ("kept-three", 2)):
-        record = _record(cluster, name)
+        record = shard_of(cluster, name)
         assert dead.node_id not in record["replicas"] and dead.node_id not in [n for n, _ in record["isr"]], record
         assert sorted(record["replicas"]) == sorted(n.node_id for n in alive) and record["min_isr"] <= copies, record
-        wait_until(lambda name=name, copies=copies: len([i for _, i in _record(cluster, name)["isr"] if i]) == copies, 15)
+        wait_until(lambda name=name, copies=copies: len([i for _, i in shard_of(cluster, name)["isr"] if i]) == copies, 15)
         (placement,) = [q for q in alive[0].info().queues if q.queue_name == name]
         assert dead.node_id not in placement.replicas
     # The copy made again holds what the dead one held: it serves it once it is the primary.
-    remade = next(n for n in _record(cluster, "kept-two")["replicas"] if n not in two["replicas"])
+    remade = next(n for n in shard_of(cluster, "kept-two")["replicas"] if n not in two["replicas"])
     moved = querator("--address", alive[0].address, "cluster", "move", "kept-two", remade)
     assert moved.returncode == 0, moved.stderr
     for name in ("kept-two", "kept-three"):
@@ -73,7 +73,7 @@ def test_deleting_a_replicated_queue_removes_every_copy_also_on_a_node_down_mean
     a, b = [n for n in cluster.nodes if n.proc is not None and n.proc.poll() is None]
     for name in ("everywhere", "while-away"):
         a.stubs.create(name, replicas=2)
-        wait_until(lambda name=name: all(i for _, i in _record(cluster, name)["isr"]), 15)
+        wait_until(lambda name=name: all(i for _, i in shard_of(cluster, name)["isr"]), 15)
         a.stubs.produce(name, [b"held"])
     a.stubs.queues.DeleteQueue(queues_pb2.DeleteQueueRequest(queue_name="everywhere", force=True), timeout=10)
     b.stop()
@@ -82,7 +82,7 @@ def test_deleting_a_replicated_queue_removes_every_copy_also_on_a_node_down_mean
     b.start()  # its copy of while-away comes back with its data directory, and goes
     wait_until(lambda: b.node_id in cluster.live(a), 20)
     a.stubs.create("while-away", replicas=2)  # another generation of the name: a copy of its own
-    wait_until(lambda: all(i for _, i in _record(cluster, "while-away")["isr"]), 15)
+    wait_until(lambda: all(i for _, i in shard_of(cluster, "while-away")["isr"]), 15)
     uid = _uid(cluster, "while-away")
     for node in (a, b):
         node.stop()

@@ -17,8 +17,8 @@ from pathlib import Path
 import grpc
 import pytest
 from cluster_helpers import Cluster, Node
+from replication_helpers import shard_of
 from test_cluster_operator import querator
-from test_cluster_replicas_retire import _record
 
 from querator.v1 import cluster_pb2, cluster_pb2_grpc
 
@@ -63,15 +63,15 @@ def test_a_move_cut_short_by_kill_9_of_its_node_loses_nothing_and_finishes_when_
         mover = threading.Thread(target=move, daemon=True)
         mover.start()
         deadline = time.monotonic() + 30
-        record = _record(cluster, QUEUE)
+        record = shard_of(cluster, QUEUE)
         while target.node_id not in record["replicas"] and time.monotonic() < deadline:
             time.sleep(0.005)
-            record = _record(cluster, QUEUE)
+            record = shard_of(cluster, QUEUE)
         primary.kill9()  # the node running the move, between its first and its last step
         assert target.node_id in record["replicas"], record
         mover.join(30)
         assert answer and isinstance(answer[0], grpc.RpcError), answer  # the call died with its node
-        cut = _record(cluster, QUEUE)
+        cut = shard_of(cluster, QUEUE)
         # Cut short: the copy added, the moved one (the primary's) not dropped yet.
         assert sorted(cut["replicas"]) == sorted([primary.node_id, other.node_id, target.node_id]), cut
         assert target.node_id not in [n for n, i in cut["isr"] if i], cut
@@ -129,7 +129,7 @@ def test_retiring_the_source_of_a_move_cut_short_keeps_the_queues_count_of_copie
         assert json.loads(retired.stdout)["copies_recreated"] == 0, retired.stdout
         final = _placement(primary)
         assert sorted(final.replicas) == sorted([primary.node_id, target.node_id]), final
-        assert bystander.node_id not in _record(cluster, QUEUE)["replicas"]
+        assert bystander.node_id not in shard_of(cluster, QUEUE)["replicas"]
         got: list[bytes] = []
         deadline = time.monotonic() + 60
         while len(got) < ITEMS and time.monotonic() < deadline:
