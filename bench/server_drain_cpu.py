@@ -152,7 +152,7 @@ def _samples(path: str) -> list[tuple[int, int, tuple[str, ...]]]:
     return out
 
 
-def spy_table(path: str, windows: list[tuple[str, float, float, int]]) -> list[str]:
+def spy_table(path: str, windows: list[tuple[str, float, float, int]], inclusive_top: int = 0) -> list[str]:
     """The loop thread's busy samples in each drain window, by layer."""
     samples = _samples(path)
     loop_tids = collections.Counter(tid for _, tid, stack in samples if any("run_forever" in f for f in stack))
@@ -161,6 +161,9 @@ def spy_table(path: str, windows: list[tuple[str, float, float, int]]) -> list[s
     for shape, start, end, drained in windows:
         layers: collections.Counter[str] = collections.Counter()
         functions: collections.Counter[str] = collections.Counter()
+        # Samples with the function anywhere on the stack (once each): what a call costs
+        # with everything under it.
+        inclusive: collections.Counter[str] = collections.Counter()
         for ts, tid, stack in samples:
             if tid != loop_tid or not start <= ts / 1e6 <= end:
                 continue
@@ -168,12 +171,17 @@ def spy_table(path: str, windows: list[tuple[str, float, float, int]]) -> list[s
             layers[next((name for key, name in LAYERS if key in leaf), "other")] += 1
             name, _, file = leaf.partition(" ")
             functions[f"{name} ({file.rsplit('/', 1)[-1]})"] += 1
+            inclusive.update({f"{n} ({f.rsplit('/', 1)[-1]})" for n, _, f in (frame.partition(" ") for frame in stack)})
         total = sum(layers.values()) or 1
         lines.append(f"{shape}: {total} busy samples of the loop thread, {total / SPY_RATE / drained * 1e6:.2f} µs/item")
         for name, n in layers.most_common():
             lines.append(f"  {n / total:6.1%}  {n / SPY_RATE / drained * 1e6:6.2f} µs/item  {name}")
         for name, n in functions.most_common(30):
             lines.append(f"      {n / total:6.1%}  {name}")
+        if inclusive_top:
+            lines.append(f"  with what they call (the first {inclusive_top}):")
+            for name, n in inclusive.most_common(inclusive_top):
+                lines.append(f"      {n / total:6.1%}  {name}")
     return lines
 
 
@@ -208,7 +216,7 @@ def _child(pid: int) -> int:
 
 
 def measure(
-    shapes: list[str], source: str | None, workdir: str, items: int, profile: str, py_spy: str = ""
+    shapes: list[str], source: str | None, workdir: str, items: int, profile: str, py_spy: str = "", inclusive: int = 0
 ) -> list[str]:
     """Each of ``shapes`` drained in turn against one server process."""
     env = dict(os.environ)
@@ -273,7 +281,7 @@ def measure(
             server.kill()
             server.wait()
     if py_spy:
-        lines += spy_table(trace, windows)
+        lines += spy_table(trace, windows, inclusive)
     return lines
 
 
@@ -285,6 +293,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="the shapes in turn this many times, one server")
     parser.add_argument("--profile", default="", metavar="PATH", help="cProfile stats of the loop thread to PATH.<shape>.<index>")
     parser.add_argument("--py-spy", default="", metavar="BINARY", help="sample the server with this py-spy binary")
+    parser.add_argument(
+        "--inclusive", type=int, default=0, metavar="N", help="with --py-spy: also the N functions most often on the stack"
+    )
     args = parser.parse_args()
     root = os.path.dirname(HERE)
     with tempfile.TemporaryDirectory() as workdir:
@@ -293,7 +304,9 @@ def main() -> None:
             source = os.path.join(workdir, "src")
             export_commit(args.at_commit, root, source)
         os.environ["DRAIN_WORKDIR"] = workdir
-        for line in measure(args.shape.split(",") * args.rounds, source, workdir, args.items, args.profile, args.py_spy):
+        for line in measure(
+            args.shape.split(",") * args.rounds, source, workdir, args.items, args.profile, args.py_spy, args.inclusive
+        ):
             print(line, flush=True)
 
 
