@@ -89,14 +89,22 @@ def by_records(store: QueueStore, batches: int) -> tuple[float, float]:
     """The same leases, with one lease record each and the items left unwritten."""
     leasing = completing = 0.0
     db = store.db(0)
-    leaser = lease_records.record_leaser(now=T0, max_attempts=0)
     from_seq = _first_ready(store)
     held: dict[int, int] = {}  # as the actor passes its book (empty: nothing before the walk)
     for _ in range(batches):
         with store.env.begin(write=True) as txn:
             a = _clock()
-            run = store.lease_run(
-                txn, 0, from_seq, BATCH, leaser, REPLY_ITEMS_BYTES, ITEM_REPLY_OVERHEAD, take_first=True, skip=held, write=False
+            run = lease_records.lease_walk(
+                txn,
+                db,
+                from_seq,
+                BATCH,
+                now=T0,
+                max_attempts=0,
+                max_bytes=REPLY_ITEMS_BYTES,
+                item_overhead=ITEM_REPLY_OVERHEAD,
+                take_first=True,
+                skip=held,
             )
             record = lease_records.build(run.seqs, run.expires, sum(run.created_at), T0 + HOUR, T0)
             lease_records.put(txn, db, record)

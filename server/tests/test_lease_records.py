@@ -120,7 +120,7 @@ def test_a_lease_writes_one_record_and_its_exact_completion_deletes_all_unread(s
     assert cycle.results[0][1].already_completed == []  # type: ignore[attr-defined]
     assert _records(store) == []
     assert _stored_keys(store)[0] == set(range(7, 11))
-    assert sorted(cycle.lease_ends) == [(0, seq) for seq in range(1, 7)]
+    assert cycle.lease_ends == [] and [(p, list(seqs)) for p, seqs in cycle.lease_end_runs] == [(0, list(range(1, 7)))]
     assert (views[0].ready, views[0].leased, views[0].completed) == (4, 0, 6)
     assert views[0].created_sum == 4 * T0 and views[0].leased_at_sum == 0
     _agrees(store, views)
@@ -312,7 +312,7 @@ def test_a_lease_whose_caller_left_deletes_its_record_and_the_items_are_ready_ag
         cycle.fence_leases(txn, T0)  # type: ignore[attr-defined]
 
     cycle = _run(store, CONFIG, views, T0, gone)
-    assert cycle.lease_deadlines == []
+    assert cycle.lease_deadlines == [] and all(not seqs for _d, _p, seqs in cycle.lease_deadline_runs)
     assert _records(store) == []
     assert _state(store) == {seq: (False, 0, 0) for seq in range(1, 5)}
     assert (views[0].ready, views[0].leased, views[0].ready_hint) == (4, 0, 1)

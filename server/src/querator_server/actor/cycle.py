@@ -18,11 +18,13 @@ from ..errors import FailedPrecondition, InvalidArgument, NotFound, quote
 from ..model import ITEM_REPLY_OVERHEAD, MAX_METADATA_PAIRS, METADATA_PAIR_OVERHEAD, SCHEDULE_MIN_US, NewItem
 from ..storage import Item, done_runs, lease_records
 from ..storage.keyed import LeaseKeyRecord
-from ..storage.lease_records import LeaseRecord, record_leaser
+from ..storage.lease_records import LeaseRecord, RecordRun, lease_walk
 from ..storage.ordered_groups import group_partition
+from ..storage.queue_store import LeasedRun
 from ..storage.record import (
     DEAD_RETRIED,
     ItemState,
+    PlainLeaser,
     grouped,
     plain_leaser,
     priority_of,
@@ -336,16 +338,16 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         # leaving their records as they are; the other items, and a keyed lease's, are
         # rewritten as leased.
         by_record = not request.lease_key
-        fifo_leaser = record_leaser(now=now, max_attempts=self.config.max_attempts) if by_record else leaser
         held = v.leases.held
         recorded: list[int] = []
         expires: list[int] = []
         recorded_created = 0
         id_format = item_id(self.uid, p, 0)[:-1] + "%x"
-        deadlines = self.lease_deadlines
+        deadline_runs = self.lease_deadline_runs
         # Items of priority 1 to 9 first, from the priority index, while it holds any;
         # then (and for a queue that never used priorities, only) the FIFO walk.
         ranked = ranked_at_start = v.ranked > 0
+        run: LeasedRun | RecordRun
         while len(ids) < quota:
             if ranked:
                 run = self.store.lease_ranked(
@@ -353,17 +355,8 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 )
                 v.ranked = max(0, v.ranked - len(run.seqs))
             else:
-                run = self.store.lease_run(
-                    txn,
-                    p,
-                    last_seq + 1,
-                    quota - len(ids),
-                    fifo_leaser,
-                    budget - used,
-                    ITEM_REPLY_OVERHEAD,
-                    take_first=not ids,
-                    skip=held,
-                    write=not by_record,
+                run = self._fifo_run(
+                    txn, p, last_seq + 1, quota - len(ids), budget - used, not ids, held, None if by_record else leaser
                 )
                 if by_record and run.seqs:
                     recorded.extend(run.seqs)
@@ -376,7 +369,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 attempts.extend(run.attempts)
                 created_at.extend(run.created_at)
                 taken.extend(zip(run.seqs, run.records))
-                deadlines.extend([(deadline, p, seq) for seq in run.seqs])
+                deadline_runs.append((deadline, p, run.seqs))
             if ranked:
                 if run.other is None:
                     if run.full or len(ids) >= quota:
@@ -422,6 +415,36 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             self._granted.append((request, p, taken, record))
         self._ok(request, result)
         return result
+
+    def _fifo_run(
+        self,
+        txn: lmdb.Transaction[bytes],
+        p: int,
+        from_seq: int,
+        quota: int,
+        max_bytes: int,
+        take_first: bool,
+        held: dict[int, int],
+        leaser: PlainLeaser | None,
+    ) -> LeasedRun | RecordRun:
+        """The next run of the FIFO walk: for a lease record (``leaser`` None), its
+        items left as they are; else rewritten as leased by ``leaser``."""
+        if leaser is None:
+            return lease_walk(
+                txn,
+                self.store.db(p),
+                from_seq,
+                quota,
+                now=self.now,
+                max_attempts=self.config.max_attempts,
+                max_bytes=max_bytes,
+                item_overhead=ITEM_REPLY_OVERHEAD,
+                take_first=take_first,
+                skip=held,
+            )
+        return self.store.lease_run(
+            txn, p, from_seq, quota, leaser, max_bytes, ITEM_REPLY_OVERHEAD, take_first=take_first, skip=held
+        )
 
     def _open_record(
         self,
@@ -571,6 +594,10 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
             v.leased_at_sum -= self.now * len(taken)
             taken_seqs = {seq for seq, _ in taken}
             self.lease_deadlines = [d for d in self.lease_deadlines if d[1] != p or d[2] not in taken_seqs]
+            self.lease_deadline_runs = [
+                (d, q, seqs if q != p else [seq for seq in seqs if seq not in taken_seqs])
+                for d, q, seqs in self.lease_deadline_runs
+            ]
             # The caller is gone or too late; answer (if anyone listens) with nothing.
             self.results = [(r, LeaseResult(p) if r is request else res) for r, res in self.results]
 
@@ -750,7 +777,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         done_runs.put(txn, self.store.db(p), first, last, self.now, done_runs.COMPLETED)
         self.done_added = True
         created, leased_at = done
-        self.lease_ends.extend([(p, seq) for seq in range(first, last + 1)])
+        self.lease_end_runs.append((p, range(first, last + 1)))
         v = self.view(p)
         v.leased -= len(ids)
         v.completed += len(ids)
@@ -766,7 +793,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
         self.done_added = True
         self.records_completed += 1
         count = record.count
-        self.lease_ends.extend([(p, seq) for seq in range(record.first, record.last + 1)])
+        self.lease_end_runs.append((p, range(record.first, record.last + 1)))
         v = self.view(p)
         v.leases.close(record.first)
         v.leased -= count

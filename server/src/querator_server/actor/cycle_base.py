@@ -135,11 +135,15 @@ class CycleBase:
         # Leases granted this cycle: (request, partition, [(seq, raw before lease)], the
         # lease record written for its plain items or None).
         self._granted: list[tuple[LeaseRequest, int, list[tuple[int, bytes]], LeaseRecord | None]] = []
-        # Lease deadlines to track once committed: (deadline, partition, seq).
+        # Lease deadlines to track once committed: (deadline, partition, seq), and by
+        # runs (deadline, partition, seqs) for a lease's items (leases.py).
         self.lease_deadlines: list[tuple[int, int, int]] = []
+        self.lease_deadline_runs: list[tuple[int, int, Sequence[int]]] = []
         # Leases that ended before their deadline (completed, retried, deleted), so
-        # the actor's lease timer forgets them: (partition, seq).
+        # the actor's lease timer forgets them: (partition, seq), and by runs
+        # (partition, seqs).
         self.lease_ends: list[tuple[int, int]] = []
+        self.lease_end_runs: list[tuple[int, Sequence[int]]] = []
         # Leases that found nothing and may keep waiting.
         self.unserved: list[LeaseRequest] = []
         # Items moved to the dead-letter outbox: (partition, seq, item with source_id).

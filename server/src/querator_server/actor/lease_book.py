@@ -8,7 +8,9 @@ that opens or closes a lease copies them once, not every cycle that reads them.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
+from itertools import repeat
 
 from ..storage.lease_records import LeaseRecord
 
@@ -44,16 +46,17 @@ class LeaseBook:
         self._writable()
         self.records[record.first] = record
         held, first = self.held, record.first
-        for seq in record.seqs():
-            held[seq] = first
+        # A segment at a time, in C: a lease of 100 items is one or two calls.
+        for low, high, _expire in record.segments:
+            held.update(dict.fromkeys(range(low, high + 1), first))
 
     def close(self, first: int) -> LeaseRecord:
         """Forget the record at ``first`` (completed, written out or taken back)."""
         self._writable()
         record = self.records.pop(first)
         pop = self.held.pop
-        for seq in record.seqs():
-            pop(seq, None)
+        for low, high, _expire in record.segments:
+            deque(map(pop, range(low, high + 1), repeat(None)), maxlen=0)
         return record
 
     def holding(self, seqs: Iterable[int]) -> list[LeaseRecord]:

@@ -656,7 +656,9 @@ class LogicalQueue:
         if cycle.records_written or cycle.records_completed or cycle.records_written_out:
             _lease_record_crash_points(cycle)
         self._leases.end_all(cycle.lease_ends)
+        self._leases.end_runs(cycle.lease_end_runs)
         self._leases.add_all(cycle.lease_deadlines)
+        self._leases.add_runs(cycle.lease_deadline_runs)
         if cycle.more_lifecycle or len(expired) >= LIFECYCLE_BATCH:
             self._lifecycle_pending = True
 

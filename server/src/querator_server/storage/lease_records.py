@@ -28,8 +28,8 @@ the version byte is even: read as an item's flags, it is not leased).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Container, Iterable
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import lmdb
@@ -41,7 +41,9 @@ from .record import (
     _LENGTHS,
     _NO_STRINGS,
     _STATE_FIXED,
+    TAG_ITEM,
     item_key,
+    seq_of_item_key,
 )
 
 TAG_LEASE = b"l"
@@ -123,25 +125,106 @@ def build(seqs: list[int], expires: list[int], created_sum: int, deadline: int, 
     return LeaseRecord(seqs[0], deadline, leased_at, created_sum, tuple(segments))
 
 
-RecordLeaser = Callable[[bytes], "tuple[int, bytes, int, int] | None"]
+@dataclass(slots=True)
+class RecordRun:
+    """What ``lease_walk`` took for one lease record, oldest first, as parallel lists
+    (the fields ``QueueStore.lease_run`` answers, so a lease reads either alike)."""
+
+    seqs: list[int] = field(default_factory=list)
+    expires: list[int] = field(default_factory=list)  # each item's expire deadline
+    records: list[bytes] = field(default_factory=list)  # each item's record, unchanged
+    payloads: list[bytes] = field(default_factory=list)
+    attempts: list[int] = field(default_factory=list)  # once leased
+    created_at: list[int] = field(default_factory=list)
+    last_seq: int = 0  # the last ready seq looked at, 0 for none
+    other: tuple[int, bytes] | None = None  # the ready item it stopped at, not plain
+    size: int = 0  # the records taken, with the overhead per item
+    full: bool = False  # stopped at an item that would have taken it past max_bytes
 
 
-def record_leaser(*, now: int, max_attempts: int) -> RecordLeaser:
-    """The test of one item for a lease record, at ``now``: (its expire deadline, its
-    payload, its attempts once leased, created_at) for a plain item that may be leased
-    again, None for every other (which takes the path that rewrites its record)."""
-    unpack = _STATE_FIXED.unpack_from
-    size = _STATE_FIXED.size + len(_NO_STRINGS)
+# flags, attempts, created_at, expire deadline: what a lease record needs of an item.
+_PLAIN_HEAD = struct.Struct("<BIqq")
 
-    def lease(raw: bytes) -> tuple[int, bytes, int, int] | None:
-        if raw[0] != _PLAIN_FLAGS or raw[_LENGTHS] != _NO_STRINGS:
-            return None
-        _flags, attempts, created, expire, _deadline, _enqueue_at, _leased_at = unpack(raw)
-        if expire <= now or (max_attempts and attempts >= max_attempts):
-            return None
-        return expire, raw[size:], attempts + 1, created
 
-    return lease
+def lease_walk(
+    txn: lmdb.Transaction[bytes],
+    db: Any,
+    from_seq: int,
+    quota: int,
+    *,
+    now: int,
+    max_attempts: int,
+    max_bytes: int,
+    item_overhead: int,
+    take_first: bool,
+    skip: Container[int],
+) -> RecordRun:
+    """The walk of ``QueueStore.lease_run`` for a lease record, with its items left as
+    they are: up to ``quota`` ready items of the partition ``db`` from ``from_seq`` on
+    that a lease record may hold (plain: a payload and nothing else, indexed by an
+    expiry run, not expired, with attempts left under ``max_attempts``), stopping at the
+    first other one (``other``, which takes the path that rewrites it) or at one that
+    would take the records past ``max_bytes`` (each with ``item_overhead``; with
+    ``take_first`` the first is taken whatever its size). Items flagged leased or held
+    by a record (in ``skip``) are passed over. A drain leases every item through this
+    loop, so the test of each item is inlined rather than a call per item."""
+    run = RecordRun()
+    cursor = txn.cursor(db=db)
+    if not cursor.set_range(item_key(from_seq)):
+        return run
+    seqs, records, payloads, attempts, created_at, expires = (
+        run.seqs,
+        run.records,
+        run.payloads,
+        run.attempts,
+        run.created_at,
+        run.expires,
+    )
+    unpack, seq_of, lengths, no_strings = _PLAIN_HEAD.unpack_from, seq_of_item_key, _LENGTHS, _NO_STRINGS
+    head = _STATE_FIXED.size + len(_NO_STRINGS)
+    seq = 0
+    # ``quota`` records of at most ``small`` bytes stay within ``max_bytes``: the sum is
+    # kept item by item only from the first longer one on (most runs never see one).
+    small = max_bytes // max(quota, 1) - item_overhead
+    counting = False
+    size = 0
+    for key, raw in cursor:
+        if key[:1] != TAG_ITEM:
+            break
+        flags = raw[0]
+        if flags & _FLAG_LEASED:
+            continue
+        at = seq_of(key)
+        if skip and at in skip:
+            continue
+        if counting or len(raw) > small:
+            if not counting:
+                counting = True
+                size = sum(map(len, records)) + len(records) * item_overhead
+            cost = len(raw) + item_overhead
+            if size + cost > max_bytes and (seqs or not take_first):
+                run.full = True
+                break
+            size += cost
+        seq = at
+        if flags != _PLAIN_FLAGS or raw[lengths] != no_strings:
+            run.other = (seq, raw)
+            break
+        _flags, tries, created, expire = unpack(raw)
+        if expire <= now or (max_attempts and tries >= max_attempts):
+            run.other = (seq, raw)
+            break
+        seqs.append(seq)
+        records.append(raw)
+        payloads.append(raw[head:])
+        attempts.append(tries + 1)
+        created_at.append(created)
+        expires.append(expire)
+        if len(seqs) >= quota:
+            break
+    run.last_seq = seq
+    run.size = sum(map(len, records)) + len(records) * item_overhead
+    return run
 
 
 def put(txn: lmdb.Transaction[bytes], db: Any, record: LeaseRecord) -> None:
@@ -189,7 +272,9 @@ def write_out(txn: lmdb.Transaction[bytes], db: Any, record: LeaseRecord) -> Non
             raise BrokenLease(f"item {seq} of the lease record at {record.first} is flagged leased")
         flags, attempts = unpack(raw)[:2]
         # flags, attempts | created_at, expire kept | lease deadline | enqueue_at kept | leased_at
-        cursor.put(key, b"".join((_LEASED_FIXED.pack(flags | _FLAG_LEASED, attempts + 1), raw[5:21], deadline, raw[29:37], at, raw[45:])))
+        cursor.put(
+            key, b"".join((_LEASED_FIXED.pack(flags | _FLAG_LEASED, attempts + 1), raw[5:21], deadline, raw[29:37], at, raw[45:]))
+        )
     delete(txn, db, record.first)
 
 
