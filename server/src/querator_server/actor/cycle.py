@@ -19,8 +19,8 @@ from ..model import ITEM_REPLY_OVERHEAD, MAX_METADATA_PAIRS, METADATA_PAIR_OVERH
 from ..storage import Item, done_runs, lease_records
 from ..storage.keyed import LeaseKeyRecord
 from ..storage.lease_records import LeaseRecord, RecordRun, lease_walk
+from ..storage.lease_walks import LeasedRun
 from ..storage.ordered_groups import group_partition
-from ..storage.queue_store import LeasedRun
 from ..storage.record import (
     DEAD_RETRIED,
     ItemState,
