@@ -358,7 +358,7 @@ class Cycle(RedriveSteps, LifecycleSteps, StorageSteps):
                 run = self._fifo_run(
                     txn, p, last_seq + 1, quota - len(ids), budget - used, not ids, held, None if by_record else leaser
                 )
-                if by_record and run.seqs:
+                if isinstance(run, RecordRun) and run.seqs:
                     recorded.extend(run.seqs)
                     expires.extend(run.expires)
                     recorded_created += sum(run.created_at)

@@ -29,8 +29,6 @@ class LeasedRun:
     """What ``lease_run`` leased, oldest first, as parallel lists."""
 
     seqs: list[int] = field(default_factory=list)
-    # For a lease by record (``write=False``): each item's expire deadline.
-    expires: list[int] = field(default_factory=list)
     # Each item's record as it was before the lease (put back if the lease is fenced).
     records: list[bytes] = field(default_factory=list)
     payloads: list[bytes] = field(default_factory=list)
@@ -46,7 +44,6 @@ class LeasedRun:
     full: bool = False
 
 
-
 class LeaseWalks(QueueEnv):
     def lease_run(
         self,
@@ -60,7 +57,6 @@ class LeaseWalks(QueueEnv):
         *,
         take_first: bool,
         skip: Container[int] = (),
-        write: bool = True,
     ) -> LeasedRun:
         """Lease up to ``quota`` ready items of partition ``p`` from ``from_seq`` on, in
         FIFO order, as ``lease`` rewrites them, until one it declines (``other``) or
@@ -70,16 +66,16 @@ class LeaseWalks(QueueEnv):
 
         Each record is rewritten through the cursor that found it, which needs no
         search of the tree, and leased items on the way are skipped by their flag, or,
-        when held by a lease record (lease_records.py), by being in ``skip``. With
-        ``write`` False the records stay as they are (the caller writes a lease record)
-        and ``expires`` gets what ``lease`` answers first: each item's expire deadline.
+        when held by a lease record (lease_records.py), by being in ``skip``. A lease
+        by record walks with ``lease_records.lease_walk`` instead, which leaves the
+        records as they are.
         """
         run = LeasedRun()
         cursor = txn.cursor(db=self._dbs[p])
         if not cursor.set_range(item_key(from_seq)):
             return run
         seqs, records, payloads, attempts, created_at = run.seqs, run.records, run.payloads, run.attempts, run.created_at
-        put, seq_of, expires = cursor.put, seq_of_item_key, run.expires
+        put, seq_of = cursor.put, seq_of_item_key
         seq = 0
         # ``quota`` records of at most ``small`` bytes stay within ``max_bytes``: the sum
         # is kept item by item only from the first longer one on (most runs never see one).
@@ -105,10 +101,7 @@ class LeaseWalks(QueueEnv):
             if leased is None:
                 run.other = (seq, raw)
                 break
-            if write:
-                put(key, leased[0])
-            else:
-                expires.append(leased[0])
+            put(key, leased[0])
             seqs.append(seq)
             records.append(raw)
             payloads.append(leased[1])
