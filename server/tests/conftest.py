@@ -122,7 +122,8 @@ def stubs(server: ThreadServer) -> Iterator[Stubs]:
 def _port_slice() -> range:
     """The ports this test process hands out: below the kernel's ephemeral range (so
     neither a bind to port 0 nor an outgoing connection is ever given one), split
-    between the xdist workers (and one more share for a process outside xdist) so two
+    between the xdist workers (and one more share for a process outside xdist: `./dev
+    test` runs one beside them, telling it their number in QUERATOR_TEST_WORKERS) so two
     workers never pick the same port."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
@@ -132,7 +133,7 @@ def _port_slice() -> range:
     low = 12000
     high = max(ephemeral, low + 2000)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or os.environ.get("QUERATOR_TEST_WORKERS") or 0)
     index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else count
     share = (high - low) // (count + 1)
     start = low + min(index, count) * share

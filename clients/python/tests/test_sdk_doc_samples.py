@@ -1,9 +1,12 @@
 """Every ``python`` block of README.md and docs/*.md, run as written.
 
 Each block runs alone in a fresh interpreter (this venv's python), against a real
-``querator serve`` on the address the samples use, 127.0.0.1:2319, started fresh for
-the block. What the page tells the reader to have made before (a queue, items in it)
-the test makes first; the sample itself is never changed. A block the docs mark with
+``querator serve`` started fresh for the block on a free port of its own: in the copy
+that runs, the address the samples write, 127.0.0.1:2319, is replaced by that one (also
+given as $QUERATOR_ADDRESS, the clients' default), so that the suite's other processes
+beside it never find the docs' port taken or take it. What the page tells the reader
+to have made before (a queue, items in it) the test makes first; the sample itself is
+otherwise never changed. A block the docs mark with
 ``<!-- not run: reason -->`` on the line before is skipped and counted (those marked
 ``<!-- run by the Spark tests ... -->`` run in tests/spark, in one SparkSession); a worker sample
 that runs "until SIGTERM" gets SIGTERM once it has drained its queue and must exit 0.
@@ -29,10 +32,11 @@ import pytest
 import querator
 from querator.testing import make_certificates
 
+from conftest import free_port
+
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-ADDRESS = ("127.0.0.1", 2319)  # the address every sample writes
-ADDRESS_TEXT = f"{ADDRESS[0]}:{ADDRESS[1]}"
+DOC_ADDRESS = "127.0.0.1:2319"  # the address every sample writes
 MAX_NOT_RUN = 1  # sdk.md's first: an example server elsewhere, with the system's CA roots
 
 _BLOCK = re.compile(
@@ -151,20 +155,21 @@ sys.stdout = _WholeLines(sys.stdout)
 """
 
 
-def _listening() -> bool:
+def _listening(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
     with socket.socket() as s:
-        return s.connect_ex(ADDRESS) == 0
+        return s.connect_ex((host, int(port))) == 0
 
 
-def _serve(directory: Path, env: dict[str, str], *extra: str) -> subprocess.Popen[bytes]:
-    assert not _listening(), f"{ADDRESS} is taken: the docs' samples need it free"
+def _serve(directory: Path, address: str, env: dict[str, str], *extra: str) -> subprocess.Popen[bytes]:
+    assert not _listening(address), f"{address} is taken"
     log = open(directory / "serve.log", "wb")  # noqa: SIM115 - the child's
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "querator"), "serve", "--address", ADDRESS_TEXT, "--data-dir", str(directory / "data"), *extra],
+        [str(Path(sys.executable).parent / "querator"), "serve", "--address", address, "--data-dir", str(directory / "data"), *extra],
         cwd=directory, env=env, stderr=log,
     )  # fmt: skip
     deadline = time.monotonic() + 60
-    while not _listening():
+    while not _listening(address):
         assert proc.poll() is None, (directory / "serve.log").read_text()
         assert time.monotonic() < deadline, "querator serve did not listen within 60 s"
         time.sleep(0.1)
@@ -196,13 +201,16 @@ def test_the_docs_have_samples_and_few_are_not_run() -> None:
 
 @pytest.mark.parametrize("sample", RUNNABLE, ids=lambda s: s.name)
 def test_every_python_sample_in_the_docs_runs_as_written(sample: Sample, tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUERATOR_")}
+    env["QUERATOR_ADDRESS"] = address
     probe = tmp_path / "whole-lines"
     probe.mkdir()
     (probe / "sitecustomize.py").write_text(_WHOLE_LINES)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(probe), env.get("PYTHONPATH")]))
     script = tmp_path / "sample.py"
-    script.write_text(sample.text)
+    script.write_text(sample.text.replace(DOC_ADDRESS, address))
+    assert ":2319" not in script.read_text(), f"{sample.name} reaches the docs' port by another name than {DOC_ADDRESS}"
     if re.search(r"^def test_\w+\(querator_client\)", sample.text, re.M):  # a pytest test: run by pytest
         script = script.rename(tmp_path / "test_sample.py")
         result = subprocess.run(
@@ -218,6 +226,7 @@ def test_every_python_sample_in_the_docs_runs_as_written(sample: Sample, tmp_pat
         env["ADMIN_TOKEN"] = ADMIN_TOKEN
         server = _serve(
             tmp_path,
+            address,
             {**env, "QUERATOR_ADMIN_TOKEN": ADMIN_TOKEN},
             "--auth",
             "--tls-cert",
@@ -227,9 +236,9 @@ def test_every_python_sample_in_the_docs_runs_as_written(sample: Sample, tmp_pat
         )
         options = {"root_certificates": (tmp_path / "ca.pem").read_bytes(), "bearer_token": ADMIN_TOKEN}
     else:
-        server = _serve(tmp_path, env)
+        server = _serve(tmp_path, address, env)
     try:
-        with querator.Client(ADDRESS_TEXT, **options) as client:
+        with querator.Client(address, **options) as client:
             setup = next((fn for key, fn in SETUP.items() if sample.text.startswith(key)), None)
             if setup is not None:
                 setup(client)
