@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -93,15 +94,24 @@ def test_produce_quiet_prints_nothing_not_even_progress(srv: EmbeddedServer, cli
 
 
 def test_exit_codes(srv: EmbeddedServer) -> None:
-    missing = querator_cmd(srv.address, "queues", "get", unique("missing"))
+    # Independent commands, run at once: each spends most of its time starting Python.
+    with ThreadPoolExecutor(6) as pool:
+        missing, bad, usage, bad_wait, nonsense, down = pool.map(
+            lambda args: querator_cmd(*args),
+            [
+                (srv.address, "queues", "get", unique("missing")),
+                (srv.address, "queues", "create", "bad name"),
+                (srv.address, "lease"),
+                (srv.address, "lease", "q", "--wait", "soon"),
+                (srv.address, "nonsense"),
+                ("127.0.0.1:1", "queues", "list", "--timeout", "2s"),
+            ],
+        )
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
-    bad = querator_cmd(srv.address, "queues", "create", "bad name")
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "queue.queue_name" in bad.stderr
-    usage = querator_cmd(srv.address, "lease")
     assert usage.returncode == 2 and "usage:" in usage.stderr
-    assert querator_cmd(srv.address, "lease", "q", "--wait", "soon").returncode == 2
-    assert querator_cmd(srv.address, "nonsense").returncode == 2
-    down = querator_cmd("127.0.0.1:1", "queues", "list", "--timeout", "2s")
+    assert bad_wait.returncode == 2
+    assert nonsense.returncode == 2
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
 
 
