@@ -17,7 +17,7 @@ unexpected, every duplicate explained (a lease ran out, a retry, an unknown outc
 
     .venv/bin/python bench/audit.py --duration 600 --seed 7
 
-server/tests/test_audit.py runs it for about 80 s in CI. The seed fixes the fault
+server/tests/test_audit.py runs it with 45 s of faults in CI (QUERATOR_AUDIT_SECONDS=N for longer). The seed fixes the fault
 schedule and the clients' choices, not the threads' timing: a failing seed shows where to
 look, it does not replay the run.
 """
