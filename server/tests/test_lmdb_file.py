@@ -49,6 +49,17 @@ def _header_pages(env: lmdb.Environment) -> int:
     return int(env.info()["last_pgno"]) + 1
 
 
+def _refused_once_cut_to(path: Path, size: int) -> None:
+    """Cut ``path``'s data file to ``size`` bytes: the check refuses it."""
+    os.truncate(path / "data.mdb", size)
+    env = lmdb.open(str(path), max_dbs=8)
+    try:
+        with pytest.raises(StorageError, match="truncated or damaged"):
+            check_data_file(env, str(path))
+    finally:
+        env.close()
+
+
 def _churn_until_short(path: Path, seed: int) -> tuple[int, int]:
     """Commit random puts and deletes (some freed within their own transaction) until a
     commit leaves data.mdb shorter than the header's last page. (size, header bytes)."""
@@ -102,13 +113,7 @@ def test_a_file_cut_below_its_pages_in_use_is_refused_and_cut_to_them_is_not(tmp
     env.close()
     assert _reads_everything(tmp_path) > 0
 
-    os.truncate(data, need - psize)
-    env = lmdb.open(str(tmp_path), max_dbs=8)
-    try:
-        with pytest.raises(StorageError, match="truncated or damaged"):
-            check_data_file(env, str(tmp_path))
-    finally:
-        env.close()
+    _refused_once_cut_to(tmp_path, need - psize)
 
 
 def test_a_free_list_record_spanning_overflow_pages_is_read(tmp_path: Path) -> None:
@@ -133,10 +138,4 @@ def test_a_free_list_record_spanning_overflow_pages_is_read(tmp_path: Path) -> N
     env.close()
     os.truncate(data, layout.pages_needed * psize)
     assert _reads_everything(tmp_path) == 2_000 * 500 + 2
-    os.truncate(data, (layout.pages_needed - 1) * psize)
-    env = lmdb.open(str(tmp_path), max_dbs=8)
-    try:
-        with pytest.raises(StorageError, match="truncated or damaged"):
-            check_data_file(env, str(tmp_path))
-    finally:
-        env.close()
+    _refused_once_cut_to(tmp_path, (layout.pages_needed - 1) * psize)
