@@ -76,11 +76,14 @@ class KeyValue:
     lease: int
 
 
-async def _hold_open(message: Any) -> AsyncIterator[Any]:
-    """A request stream of one message that stays open: etcd ends a watch or a
-    keepalive stream whose client side closed, possibly before it answered."""
+async def _hold_open(message: Any, closed: asyncio.Event) -> AsyncIterator[Any]:
+    """A request stream of one message that stays open until ``closed`` is set: etcd
+    ends a watch or a keepalive stream whose client side closed, possibly before it
+    answered. The caller sets ``closed`` once done with the call: grpc's reader of this
+    stream outlives a call that failed (cancelling a finished call does not stop it),
+    and would wait here until the garbage collector destroyed it pending."""
     yield message
-    await asyncio.Event().wait()
+    await closed.wait()
 
 
 def _kv(kv: Any) -> KeyValue:
@@ -282,8 +285,9 @@ class Etcd:
         etcd answers an expired lease with TTL 0 and no error, so the caller must
         look at the TTL.
         """
+        closed = asyncio.Event()
         call = self._lease.LeaseKeepAlive(
-            _hold_open(rpc.LeaseKeepAliveRequest(ID=lease)), timeout=timeout, metadata=await self._metadata()
+            _hold_open(rpc.LeaseKeepAliveRequest(ID=lease), closed), timeout=timeout, metadata=await self._metadata()
         )
         try:
             async for reply in call:
@@ -291,6 +295,7 @@ class Etcd:
         except grpc.aio.AioRpcError as exc:
             raise await self._failed(exc) from None
         finally:
+            closed.set()
             call.cancel()
         raise EtcdError("etcd closed the keepalive without an answer")
 
@@ -308,7 +313,10 @@ class Etcd:
         create = rpc.WatchCreateRequest(
             key=prefix, range_end=prefix_end(prefix), start_revision=start_revision, progress_notify=True
         )
-        call = self._watch.Watch(_hold_open(rpc.WatchRequest(create_request=create)), metadata=await self._metadata())
+        closed = asyncio.Event()
+        call = self._watch.Watch(
+            _hold_open(rpc.WatchRequest(create_request=create), closed), metadata=await self._metadata()
+        )
         try:
             async for reply in call:
                 if reply.compact_revision:
@@ -332,5 +340,6 @@ class Etcd:
         except grpc.aio.AioRpcError as exc:
             raise await self._failed(exc) from None
         finally:
+            closed.set()
             call.cancel()
         raise EtcdError("etcd ended the watch")
