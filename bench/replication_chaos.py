@@ -49,6 +49,7 @@ from failover_helpers import (  # noqa: E402
     digests,
     in_sync,
     placement,
+    stop_quietly,
     wait_in_sync,
     wait_primary,
 )
@@ -216,11 +217,11 @@ def main(argv: list[str] | None = None) -> int:
                 verdict = chaos.run.finish(drain_s=60)
             if verdict is not None and not verdict.ok:
                 problems.append("checker: " + "; ".join(map(str, verdict.findings[:10])))
-            time.sleep(1)  # the drain's last acknowledgements reach every copy
             observer, _ = chaos.primary()
             members = in_sync(cluster, observer)
-            for node in cluster.nodes:
-                node.stop()
+            # Not one SIGTERM after another: each hands the queue over, a new epoch's
+            # change the copies stopped before it lack.
+            stop_quietly(cluster.nodes)
             found = {n: digests(_node(cluster, n)) for n in members}
             if len({str(d["digest"]) for d in found.values()}) != 1 or len({str(d["position"]) for d in found.values()}) != 1:
                 problems.append(f"in-sync copies differ: {found}")

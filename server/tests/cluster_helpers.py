@@ -196,7 +196,14 @@ class Node:
         """Start the process without waiting for it to serve (``wait_ready`` does)."""
         if self._stderr is not None:
             self._stderr.close()
-        self._stderr = tempfile.TemporaryFile()
+        keep = os.environ.get("QUERATOR_TEST_NODE_LOGS")  # a directory: every start's log kept, for a soak's post-mortem
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            self._stderr = open(os.path.join(keep, f"{self.node_id}-{self.port}.log"), "a+b")  # noqa: SIM115
+            self._stderr.write(f"--- {self.node_id} started at {time.time():.3f}\n".encode())
+            self._stderr.flush()
+        else:
+            self._stderr = tempfile.TemporaryFile()
         env = {**os.environ, "QUERATOR_LOG_LEVEL": "warning", **self.env}
         self.proc = subprocess.Popen(
             [
