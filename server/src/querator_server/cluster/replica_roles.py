@@ -82,6 +82,10 @@ class ShardRoles:
         self._raced_at: dict[int, float] = {}
         self._racing: set[int] = set()
         self._blocked: dict[int, int] = {}  # uid -> the record revision a blocked failover was logged for
+        # uid -> a later epoch a copy or caller spoke of, promised here from that moment
+        # (its durable fence follows in _step_down): a shard deposed that way is not
+        # promoted again under its old epoch meanwhile.
+        self._promised: dict[int, int] = {}
         self._task: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[None]] = set()
         self.failovers = 0
@@ -127,6 +131,7 @@ class ShardRoles:
         """This node holds no copy of ``uid`` any more (the queue was deleted or moved)."""
         async with self._lock(uid):
             self._records.pop(uid, None)
+            self._promised.pop(uid, None)
             shard = self.host.shards.pop(uid, None)
             if shard is not None and shard.primary is not None:
                 await self._demote(shard)
@@ -182,7 +187,7 @@ class ShardRoles:
         if record.primary == me:
             if not in_sync:
                 await self._race(shard, record, include_self=False)
-            elif shard.copy.fenced_epoch() <= record.epoch:
+            elif max(shard.copy.fenced_epoch(), self._promised.get(shard.uid, 0)) <= record.epoch:
                 await self._promote(shard, record)
             else:
                 await self._race(shard, record, include_self=True)
@@ -292,6 +297,11 @@ class ShardRoles:
         # should the asker's election not come: not before _RETRY_RACE_S, so as not to
         # race the asker's (a hand-over's CAS follows its fence at once).
         self._raced_at[uid] = time.monotonic()
+        # Before the deposed primary's own refollow (spawned as it is deposed) can run:
+        # it would find the record still naming this node, this copy not fenced yet, and
+        # promote it again under the old epoch, its next change stored here alone (the
+        # replicas refuse it) and the copy rebuilt by snapshot once another is elected.
+        self._promised[uid] = max(self._promised.get(uid, 0), epoch)
         shard = self.host.shards.get(uid)
         if shard is not None and shard.primary is not None:
             shard.primary.deposed(f"another node speaks of epoch {epoch}")
@@ -309,6 +319,8 @@ class ShardRoles:
             async with shard.lock:
                 if shard.copy.fenced_epoch() < epoch:
                     await shard.copy.fence(epoch)
+            if self._promised.get(uid, 0) <= epoch:
+                self._promised.pop(uid, None)  # the copy's fence says it now
         await self.refollow(uid)
 
     def _soon(self, uid: int) -> None:
