@@ -144,9 +144,11 @@ class ReconcileBackend:
         config = entry.config.replace(partitions=len(entry.homes), reference=entry.local_reference, uid=entry.shard)
         try:
             await self.roles.follow(record, config)
-            if record.primary == self.node:
-                # The serving copy takes the catalog's settings (UpdateQueue, a pause) and
-                # its added partitions; its change sets grow the other copies.
+            # The serving copy takes the catalog's settings (UpdateQueue, a pause) and its
+            # added partitions; its change sets grow the other copies. A record naming this
+            # node it does not serve (a later epoch promised, its copy not the in-sync one)
+            # waits: the election that follows changes the record, and this runs again.
+            if record.primary == self.node and self.roles.serving(entry.shard):
                 await self._settle(config, self.manager.actor(config.name).config)
         except QueratorError as exc:
             log.error("cluster_reconcile_failed", queue=entry.config.name, shard=entry.shard, error=exc.message)

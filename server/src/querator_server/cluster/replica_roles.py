@@ -127,6 +127,11 @@ class ShardRoles:
         """The shards this node follows."""
         return set(self._records)
 
+    def serving(self, uid: int) -> bool:
+        """Whether this node serves shard ``uid`` as its primary now."""
+        shard = self.host.shards.get(uid)
+        return shard is not None and shard.primary is not None
+
     async def forget(self, uid: int) -> None:
         """This node holds no copy of ``uid`` any more (the queue was deleted or moved)."""
         async with self._lock(uid):
