@@ -185,6 +185,7 @@ class Node:
         self.address = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self._stderr: IO[bytes] | None = None
+        self._starts = 0
         self.channel: grpc.Channel | None = None
         self.stubs: Stubs
 
@@ -199,9 +200,9 @@ class Node:
         keep = os.environ.get("QUERATOR_TEST_NODE_LOGS")  # a directory: every start's log kept, for a soak's post-mortem
         if keep:
             os.makedirs(keep, exist_ok=True)
-            self._stderr = open(os.path.join(keep, f"{self.node_id}-{self.port}.log"), "a+b")  # noqa: SIM115
-            self._stderr.write(f"--- {self.node_id} started at {time.time():.3f}\n".encode())
-            self._stderr.flush()
+            self._starts += 1  # a file per start: stderr_text() is still the last start's
+            path = os.path.join(keep, f"{self.node_id}-{self.port}-{self._starts}.log")
+            self._stderr = open(path, "w+b")  # noqa: SIM115
         else:
             self._stderr = tempfile.TemporaryFile()
         env = {**os.environ, "QUERATOR_LOG_LEVEL": "warning", **self.env}
