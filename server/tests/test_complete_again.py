@@ -1,12 +1,13 @@
 """Complete and Retry are safe to send again (issue 31, part 4).
 
-An id its partition completed (or retried) within the queue's lease_timeout answers as
-done; anything else that is not leased fails the whole request as before. Real server,
+An id its partition completed (or retried) within the queue's lease_timeout (and at
+least a minute) answers as done; anything else that is not leased fails the whole request as before. Real server,
 real gRPC, real LMDB; the crash test really ``kill -9``s a ``querator serve`` child.
 """
 
 from __future__ import annotations
 
+import signal
 import tarfile
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import grpc
 import pytest
 
 from querator.v1 import queue_pb2
+from querator_server.actor import lifecycle
 
 from conftest import ProcessServer, Stubs, ThreadServer, dur, wait_until
 
@@ -22,7 +24,9 @@ NOT_FOUND = grpc.StatusCode.NOT_FOUND
 LONG_LEASE = {"seconds": 600}
 
 
-def complete(stubs: Stubs, name: str, partition: int, ids: list[str], keys: list[str] | None = None) -> queue_pb2.CompleteResponse:
+def complete(
+    stubs: Stubs, name: str, partition: int, ids: list[str], keys: list[str] | None = None
+) -> queue_pb2.CompleteResponse:
     request = queue_pb2.CompleteRequest(queue_name=name, partition=partition, ids=ids, lease_keys=keys or [])
     response: queue_pb2.CompleteResponse = stubs.queue.Complete(request, timeout=10)
     return response
@@ -137,7 +141,9 @@ def test_items_completed_by_lease_key_or_by_a_lease_answer_as_done(stubs: Stubs)
         assert stubs.stats("q").partitions[0].total == 0
 
 
-def test_completed_ids_are_forgotten_after_the_lease_timeout(stubs: Stubs) -> None:
+def test_completed_ids_are_forgotten_after_the_lease_timeout(stubs: Stubs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no floor (it is a minute: the next test), a queue of 1 s leases forgets."""
+    monkeypatch.setattr(lifecycle, "DONE_RETENTION_FLOOR_US", 0)  # the server runs in this process
     stubs.create("q", lease_timeout={"seconds": 1})
     stubs.produce("q", [b"a", b"b"])
     got = lease(stubs, "q", 2)
@@ -147,6 +153,31 @@ def test_completed_ids_are_forgotten_after_the_lease_timeout(stubs: Stubs) -> No
     time.sleep(2.5)  # past the lease timeout and the sweep's gap
     stubs.produce("q", [b"wake"])  # any cycle; the sweep also runs on its own timer
     wait_until(lambda: _forgotten(stubs, a), timeout=10)
+
+
+def test_a_complete_sent_again_across_a_pause_longer_than_the_lease_timeout_is_done(proc: ProcessServer) -> None:
+    """Seen in a soak: the answer of a Complete was lost, the node was paused 3.2 s, and
+    the resend it found waiting was answered NOT_FOUND (the 2 s lease timeout had passed
+    in the server's clock), reported as a refused Complete of items in fact done."""
+    stubs = Stubs(grpc.insecure_channel(proc.address))
+    try:
+        stubs.create("q", lease_timeout={"seconds": 2})
+        stubs.produce("q", [b"a", b"b"])
+        got = lease(stubs, "q", 2)
+        ids = [i.id for i in got.items]
+        complete(stubs, "q", got.partition, ids)  # its answer, say, lost
+        assert proc.proc is not None
+        proc.proc.send_signal(signal.SIGSTOP)
+        try:
+            resent = stubs.queue.Complete.future(
+                queue_pb2.CompleteRequest(queue_name="q", partition=got.partition, ids=ids), timeout=20
+            )
+            time.sleep(3.2)
+        finally:
+            proc.proc.send_signal(signal.SIGCONT)
+        assert sorted(resent.result().already_completed) == sorted(ids)  # NOT_FOUND before
+    finally:
+        stubs.channel.close()
 
 
 def _forgotten(stubs: Stubs, item_id: str) -> bool:
@@ -231,6 +262,7 @@ def test_records_left_at_a_kill9_are_still_forgotten_after_the_restart(proc: Pro
     assert list(complete(stubs, "q", 0, [item.id]).already_completed) == [item.id]
     stubs.channel.close()
     proc.kill9()
+    proc.env = {lifecycle.DONE_RETENTION_FLOOR_ENV: "0"}  # the queue's 2 s alone, not the minute
     proc.start()
     stubs = Stubs(grpc.insecure_channel(proc.address))
     try:

@@ -26,11 +26,33 @@ LIFECYCLE_BATCH = 1000
 LIMIT_PLUS_ONE = LIFECYCLE_BATCH + 1
 
 
+# A Complete or Retry sent again after a lost answer can reach the queue well after the
+# first: the SDK waits out a reconnect backoff of up to 10 s, a node restarts, a server
+# process is paused. Seen in a soak: a node paused 3.2 s answered the resend NOT_FOUND,
+# its queue's 2 s lease timeout having passed. A queue of short leases still remembers
+# for this long (one small record per completed run: at 1,000 Completes a second, a
+# minute of them is about 60,000 records of 25 bytes). Tests of the forgetting itself
+# lower it with QUERATOR_TEST_DONE_RETENTION_FLOOR_S (docs/configuration.md).
+DONE_RETENTION_FLOOR_ENV = "QUERATOR_TEST_DONE_RETENTION_FLOOR_S"
+
+
+def _retention_floor_us() -> int:
+    text = os.environ.get(DONE_RETENTION_FLOOR_ENV, "60")
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"{DONE_RETENTION_FLOOR_ENV}={text!r}: not a number of seconds") from None
+    return max(0, int(seconds * 1_000_000))
+
+
+DONE_RETENTION_FLOOR_US = _retention_floor_us()
+
+
 def done_retention_us(lease_timeout_us: int) -> int:
     """How long a partition remembers an item it completed or retried (a Complete or
-    Retry sent again within it is answered as done), and the least time between two
-    sweeps of those records (forgetting them a little late, not once per cycle)."""
-    return lease_timeout_us
+    Retry sent again within it is answered as done): the queue's lease timeout, and at
+    least DONE_RETENTION_FLOOR_US."""
+    return max(lease_timeout_us, DONE_RETENTION_FLOOR_US)
 
 
 DONE_SWEEP_GAP_US = 1_000_000

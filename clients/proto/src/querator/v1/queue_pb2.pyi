@@ -459,7 +459,8 @@ class LeaseRequest(_message.Message):
         fails with Complete's status, and nothing is completed or leased. An OK
         answer means the completion is durable, even when no items were leased.
         The completion is applied once, before any waiting; if the reply is lost,
-        the same ids sent again (within the queue's lease_timeout) count as done,
+        the same ids sent again (within the queue's lease_timeout, and at least a
+        minute) count as done,
         as for Complete (CompleteResponse).
         """
 
@@ -920,10 +921,11 @@ class CompleteResponse(_message.Message):
     """CompleteResponse is sent once the items are durably removed.
 
     A Complete is safe to send again (after a lost answer or UNAVAILABLE): an id
-    its partition completed within the queue's lease_timeout is answered as done
-    rather than NOT_FOUND, and the rest of the request is applied as usual. An id
-    never leased, unknown, re-queued under a new id or completed longer ago still
-    fails the whole request (NOT_FOUND), which then changes nothing.
+    its partition completed within the queue's lease_timeout (and at least a
+    minute) is answered as done rather than NOT_FOUND, and the rest of the
+    request is applied as usual. An id never leased, unknown, re-queued under a
+    new id or completed longer ago still fails the whole request (NOT_FOUND),
+    which then changes nothing.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1069,7 +1071,7 @@ class RetryResponse(_message.Message):
     def already_retried(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The ids (as sent) that were already retried under the same lease by an
         earlier request (this one was sent again within the queue's
-        lease_timeout): they are not retried twice. Those that went to the
+        lease_timeout, and at least a minute): they are not retried twice. Those that went to the
         dead-letter queue then are in dead_ids again.
         """
 

@@ -407,7 +407,8 @@ export type LeaseRequest = Message<"querator.v1.LeaseRequest"> & {
    * fails with Complete's status, and nothing is completed or leased. An OK
    * answer means the completion is durable, even when no items were leased.
    * The completion is applied once, before any waiting; if the reply is lost,
-   * the same ids sent again (within the queue's lease_timeout) count as done,
+   * the same ids sent again (within the queue's lease_timeout, and at least a
+   * minute) count as done,
    * as for Complete (CompleteResponse).
    *
    * @generated from field: repeated string complete_ids = 5;
@@ -893,10 +894,11 @@ export const CompleteRequestSchema: GenMessage<CompleteRequest> = /*@__PURE__*/
  * CompleteResponse is sent once the items are durably removed.
  *
  * A Complete is safe to send again (after a lost answer or UNAVAILABLE): an id
- * its partition completed within the queue's lease_timeout is answered as done
- * rather than NOT_FOUND, and the rest of the request is applied as usual. An id
- * never leased, unknown, re-queued under a new id or completed longer ago still
- * fails the whole request (NOT_FOUND), which then changes nothing.
+ * its partition completed within the queue's lease_timeout (and at least a
+ * minute) is answered as done rather than NOT_FOUND, and the rest of the
+ * request is applied as usual. An id never leased, unknown, re-queued under a
+ * new id or completed longer ago still fails the whole request (NOT_FOUND),
+ * which then changes nothing.
  *
  * @generated from message querator.v1.CompleteResponse
  */
@@ -1047,7 +1049,7 @@ export type RetryResponse = Message<"querator.v1.RetryResponse"> & {
   /**
    * The ids (as sent) that were already retried under the same lease by an
    * earlier request (this one was sent again within the queue's
-   * lease_timeout): they are not retried twice. Those that went to the
+   * lease_timeout, and at least a minute): they are not retried twice. Those that went to the
    * dead-letter queue then are in dead_ids again.
    *
    * @generated from field: repeated string already_retried = 2;
