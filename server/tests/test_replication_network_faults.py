@@ -183,6 +183,34 @@ def test_a_failover_election_applies_only_while_the_old_primary_holds_no_members
         server.stop()
 
 
+def _depose_through_a_failed_election(network: Network, primary: str) -> None:
+    """The two replicas unable to hear each other and every link of ``primary`` silent
+    for 3.1 s: its membership lapses and both replicas promise the next epoch, but their
+    elections fail (the primary registers again first), and they answer it with that
+    epoch once its links are back; then, once a write is taken, every link restored."""
+    cluster = network.cluster
+    node = next(n for n in cluster.nodes if n.node_id == primary)
+    node.stubs.produce(QUEUE, [b"before"])
+    time.sleep(1.5)  # every copy claimed its entry in the in-sync set
+    a, b = [n.node_id for n in cluster.nodes if n.node_id != primary]
+    network.proxies[(a, b)].blackhole()
+    network.proxies[(b, a)].blackhole()
+    apply(network.links(primary, "all"), "blackhole")
+    time.sleep(3.1)
+    for key, proxy in network.proxies.items():
+        if key not in ((a, b), (b, a)):
+            proxy.restore()
+    restored = time.monotonic()
+    while True:
+        try:
+            cluster.nodes[0].stubs.produce(QUEUE, [b"after"])
+            break
+        except grpc.RpcError as exc:
+            assert time.monotonic() < restored + 20, f"no write taken 20 s after the links came back: {exc.details()}"
+            time.sleep(0.2)
+    network.restore()
+
+
 @pytest.mark.timeout(120)
 def test_a_primary_back_before_the_election_that_fenced_its_replicas_completed_elects_itself(tmp_path: Path) -> None:
     """R = 3, the two replicas unable to hear each other (so each candidate waits out its
@@ -191,7 +219,15 @@ def test_a_primary_back_before_the_election_that_fenced_its_replicas_completed_e
     before their elections' transactions, which then fail (the old primary is back).
     Its replicas now refuse epoch 1: the primary must promise epoch 2 too and run the
     election itself. Before it did, it was promoted and deposed again thousands of times
-    and the queue took no write."""
+    and the queue took no write.
+
+    Deposed, it stays deposed under epoch 1. Its own refollow once ran before its copy
+    promised epoch 2, found the record still naming it at epoch 1 and promoted it again
+    (a change then stored on it alone, refused by the replicas: a call answered
+    UNAVAILABLE and a copy the next primary must rebuild), or the promotion was refused
+    half-way ("shard_promote_failed", at error level, also on SIGTERM hand-overs). And
+    while the record still named it, the catalog's reconcile looked for its serving copy
+    to give the catalog's settings, found none, and logged cluster_reconcile_failed."""
     with Network(str(tmp_path), ttl=TTL) as network:
         cluster = network.cluster
         first = cluster.nodes[0]
@@ -199,26 +235,13 @@ def test_a_primary_back_before_the_election_that_fenced_its_replicas_completed_e
         primary, epoch = wait_primary(cluster, first)
         wait_in_sync(cluster, first, 3)
         node = next(n for n in cluster.nodes if n.node_id == primary)
-        node.stubs.produce(QUEUE, [b"before"])
-        time.sleep(1.5)  # every copy claimed its entry in the in-sync set
-        a, b = [n.node_id for n in cluster.nodes if n.node_id != primary]
-        network.proxies[(a, b)].blackhole()
-        network.proxies[(b, a)].blackhole()
-        apply(network.links(primary, "all"), "blackhole")
-        time.sleep(3.1)
-        for key, proxy in network.proxies.items():
-            if key not in ((a, b), (b, a)):
-                proxy.restore()
-        restored = time.monotonic()
-        while True:
-            try:
-                first.stubs.produce(QUEUE, [b"after"])
-                break
-            except grpc.RpcError as exc:
-                assert time.monotonic() < restored + 20, f"no write taken 20 s after the links came back: {exc.details()}"
-                time.sleep(0.2)
-        network.restore()
+        _depose_through_a_failed_election(network, primary)
         now, new_epoch = wait_primary(cluster, first)
         assert new_epoch > epoch, (now, new_epoch)
         deposed = events(node, "shard_deposed")
         assert len(deposed) < 20, f"{len(deposed)} times deposed: {deposed[:3]}"
+        assert [e for e in deposed if e.get("epoch") == epoch], "the primary was never deposed: the case did not happen"
+        promoted = [e for e in events(node, "shard_promoted") if e.get("epoch") == epoch]
+        assert len(promoted) == 1, f"promoted {len(promoted)} times under epoch {epoch}: {promoted}"
+        assert not events(node, "shard_promote_failed"), events(node, "shard_promote_failed")
+        assert not events(node, "cluster_reconcile_failed"), events(node, "cluster_reconcile_failed")
