@@ -22,6 +22,7 @@ from .record import (
     priority_of,
     seq_of_item_key,
 )
+from .run_budget import RunBudget
 
 
 @dataclass(slots=True)
@@ -77,25 +78,18 @@ class LeaseWalks(QueueEnv):
         seqs, records, payloads, attempts, created_at = run.seqs, run.records, run.payloads, run.attempts, run.created_at
         put, seq_of = cursor.put, seq_of_item_key
         seq = 0
-        # ``quota`` records of at most ``small`` bytes stay within ``max_bytes``: the sum
-        # is kept item by item only from the first longer one on (most runs never see one).
-        small = max_bytes // max(quota, 1) - item_overhead
-        counting = False
-        size = 0
+        budget = RunBudget(max_bytes, quota, item_overhead, take_first=take_first)
+        small = budget.small
         for key, raw in cursor:
             if key[:1] != TAG_ITEM:
                 break
             if raw[0] & _FLAG_LEASED or (skip and seq_of(key) in skip):
                 continue
-            if counting or len(raw) > small:
-                if not counting:
-                    counting = True
-                    size = sum(map(len, records)) + len(records) * item_overhead
-                cost = len(raw) + item_overhead
-                if size + cost > max_bytes and (seqs or not take_first):
+            if len(raw) > small:
+                if budget.full(len(raw), records):
                     run.full = True
                     break
-                size += cost  # an item declined below ends the run: its size is not used
+                small = budget.small
             seq = seq_of(key)
             leased = lease(raw)
             if leased is None:
@@ -136,7 +130,7 @@ class LeaseWalks(QueueEnv):
         db = self._dbs[p]
         index, items = txn.cursor(db=db), txn.cursor(db=db)
         seqs, records, payloads, attempts, created_at = run.seqs, run.records, run.payloads, run.attempts, run.created_at
-        size = 0
+        budget = RunBudget(max_bytes, quota, item_overhead, take_first=take_first)
         found = index.set_range(TAG_PRIORITY)
         while found:
             key = index.key()
@@ -147,8 +141,7 @@ class LeaseWalks(QueueEnv):
             if raw is None or raw[0] & _FLAG_LEASED or priority_of(raw) != priority:
                 found = index.delete()
                 continue
-            cost = len(raw) + item_overhead
-            if size + cost > max_bytes and (seqs or not take_first):
+            if budget.full(len(raw), records):
                 run.full = True
                 run.last_seq = seq
                 break
@@ -157,7 +150,6 @@ class LeaseWalks(QueueEnv):
                 run.other = (seq, raw)
                 run.last_seq = seq
                 break
-            size += cost
             items.put(item_key(seq), leased[0])
             seqs.append(seq)
             records.append(raw)
@@ -170,5 +162,5 @@ class LeaseWalks(QueueEnv):
                 break
         if run.last_seq < 0:
             run.last_seq = 0  # the index ran out
-        run.size = size
+        run.size = sum(map(len, records)) + len(records) * item_overhead
         return run
