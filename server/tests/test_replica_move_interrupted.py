@@ -35,21 +35,29 @@ def _placement(node: Node) -> cluster_pb2.QueuePlacement:
     return found
 
 
+def _two_copies_of_items(cluster: Cluster) -> tuple[Node, Node, list[Node], list[bytes]]:
+    """QUEUE with 2 copies in sync holding ITEMS items (enough that a new copy's catch-up,
+    a snapshot, outlasts a kill): its primary, its other copy, the nodes without a copy,
+    and the payloads."""
+    by_id = {n.node_id: n for n in cluster.nodes}
+    n1 = cluster.nodes[0]
+    n1.stubs.create(QUEUE, replicas=2, requested_partitions=2)
+    wait_until(lambda: len(_placement(n1).in_sync) == 2, 20)
+    placed = _placement(n1)
+    primary = by_id[placed.primary]
+    other = by_id[next(n for n in placed.replicas if n != placed.primary)]
+    outside = [n for n in cluster.nodes if n.node_id not in placed.replicas]
+    payloads = [b"item-%06d" % i + b"." * 50 for i in range(ITEMS)]
+    for start in range(0, ITEMS, 1000):
+        primary.stubs.produce(QUEUE, payloads[start : start + 1000])
+    return primary, other, outside, payloads
+
+
 @pytest.mark.timeout(240)
 def test_a_move_cut_short_by_kill_9_of_its_node_loses_nothing_and_finishes_when_run_again(tmp_path: Path) -> None:
     with Cluster(str(tmp_path), size=3, ttl=TTL) as cluster:
-        by_id = {n.node_id: n for n in cluster.nodes}
-        n1 = cluster.nodes[0]
-        n1.stubs.create(QUEUE, replicas=2, requested_partitions=2)
-        wait_until(lambda: len(_placement(n1).in_sync) == 2, 20)
-        placed = _placement(n1)
-        primary = by_id[placed.primary]
-        other = by_id[next(n for n in placed.replicas if n != placed.primary)]
-        target = next(n for n in cluster.nodes if n.node_id not in placed.replicas)
-        # Enough items that the new copy's catch-up (a snapshot) outlasts the kill below.
-        payloads = [b"item-%06d" % i + b"." * 50 for i in range(ITEMS)]
-        for start in range(0, ITEMS, 1000):
-            primary.stubs.produce(QUEUE, payloads[start : start + 1000])
+        primary, other, outside, payloads = _two_copies_of_items(cluster)
+        target = outside[0]
 
         answer: list[object] = []
 
@@ -104,17 +112,7 @@ def test_retiring_the_source_of_a_move_cut_short_keeps_the_queues_count_of_copie
     retired. Its successor is there already: the retire makes no further copy (a retire
     cut short after its own copy was added and run again is in the same state)."""
     with Cluster(str(tmp_path), size=4, ttl=TTL) as cluster:
-        by_id = {n.node_id: n for n in cluster.nodes}
-        n1 = cluster.nodes[0]
-        n1.stubs.create(QUEUE, replicas=2, requested_partitions=2)
-        wait_until(lambda: len(_placement(n1).in_sync) == 2, 20)
-        placed = _placement(n1)
-        primary = by_id[placed.primary]
-        source = by_id[next(n for n in placed.replicas if n != placed.primary)]
-        target, bystander = [n for n in cluster.nodes if n.node_id not in placed.replicas]
-        payloads = [b"item-%06d" % i + b"." * 50 for i in range(ITEMS)]
-        for start in range(0, ITEMS, 1000):
-            primary.stubs.produce(QUEUE, payloads[start : start + 1000])
+        primary, source, (target, bystander), payloads = _two_copies_of_items(cluster)
         stub = cluster_pb2_grpc.ClusterServiceStub(primary.channel)
         request = cluster_pb2.MoveQueueRequest(queue_name=QUEUE, node_id=target.node_id, from_node_id=source.node_id)
         with pytest.raises(grpc.RpcError):  # its deadline passes during the catch-up
