@@ -45,7 +45,6 @@ from .record import (
     item_key,
     seq_of_item_key,
 )
-from .run_budget import RunBudget
 
 TAG_LEASE = b"l"
 _KEY = struct.Struct(">cQ")
@@ -184,8 +183,11 @@ def lease_walk(
     unpack, seq_of, lengths, no_strings = _PLAIN_HEAD.unpack_from, seq_of_item_key, _LENGTHS, _NO_STRINGS
     head = _STATE_FIXED.size + len(_NO_STRINGS)
     seq = 0
-    budget = RunBudget(max_bytes, quota, item_overhead, take_first=take_first)
-    small = budget.small
+    # ``quota`` records of at most ``small`` bytes stay within ``max_bytes``: the sum is
+    # kept item by item only from the first longer one on (most runs never see one).
+    small = max_bytes // max(quota, 1) - item_overhead
+    counting = False
+    size = 0
     for key, raw in cursor:
         if key[:1] != TAG_ITEM:
             break
@@ -195,11 +197,15 @@ def lease_walk(
         at = seq_of(key)
         if skip and at in skip:
             continue
-        if len(raw) > small:
-            if budget.full(len(raw), records):
+        if counting or len(raw) > small:
+            if not counting:
+                counting = True
+                size = sum(map(len, records)) + len(records) * item_overhead
+            cost = len(raw) + item_overhead
+            if size + cost > max_bytes and (seqs or not take_first):
                 run.full = True
                 break
-            small = budget.small
+            size += cost
         seq = at
         if flags != _PLAIN_FLAGS or raw[lengths] != no_strings:
             run.other = (seq, raw)

@@ -22,7 +22,6 @@ from .record import (
     priority_of,
     seq_of_item_key,
 )
-from .run_budget import RunBudget
 
 
 @dataclass(slots=True)
@@ -78,18 +77,25 @@ class LeaseWalks(QueueEnv):
         seqs, records, payloads, attempts, created_at = run.seqs, run.records, run.payloads, run.attempts, run.created_at
         put, seq_of = cursor.put, seq_of_item_key
         seq = 0
-        budget = RunBudget(max_bytes, quota, item_overhead, take_first=take_first)
-        small = budget.small
+        # ``quota`` records of at most ``small`` bytes stay within ``max_bytes``: the sum
+        # is kept item by item only from the first longer one on (most runs never see one).
+        small = max_bytes // max(quota, 1) - item_overhead
+        counting = False
+        size = 0
         for key, raw in cursor:
             if key[:1] != TAG_ITEM:
                 break
             if raw[0] & _FLAG_LEASED or (skip and seq_of(key) in skip):
                 continue
-            if len(raw) > small:
-                if budget.full(len(raw), records):
+            if counting or len(raw) > small:
+                if not counting:
+                    counting = True
+                    size = sum(map(len, records)) + len(records) * item_overhead
+                cost = len(raw) + item_overhead
+                if size + cost > max_bytes and (seqs or not take_first):
                     run.full = True
                     break
-                small = budget.small
+                size += cost  # an item declined below ends the run: its size is not used
             seq = seq_of(key)
             leased = lease(raw)
             if leased is None:
@@ -130,7 +136,7 @@ class LeaseWalks(QueueEnv):
         db = self._dbs[p]
         index, items = txn.cursor(db=db), txn.cursor(db=db)
         seqs, records, payloads, attempts, created_at = run.seqs, run.records, run.payloads, run.attempts, run.created_at
-        budget = RunBudget(max_bytes, quota, item_overhead, take_first=take_first)
+        size = 0
         found = index.set_range(TAG_PRIORITY)
         while found:
             key = index.key()
@@ -141,7 +147,8 @@ class LeaseWalks(QueueEnv):
             if raw is None or raw[0] & _FLAG_LEASED or priority_of(raw) != priority:
                 found = index.delete()
                 continue
-            if budget.full(len(raw), records):
+            cost = len(raw) + item_overhead
+            if size + cost > max_bytes and (seqs or not take_first):
                 run.full = True
                 run.last_seq = seq
                 break
@@ -150,6 +157,7 @@ class LeaseWalks(QueueEnv):
                 run.other = (seq, raw)
                 run.last_seq = seq
                 break
+            size += cost
             items.put(item_key(seq), leased[0])
             seqs.append(seq)
             records.append(raw)
@@ -162,5 +170,5 @@ class LeaseWalks(QueueEnv):
                 break
         if run.last_seq < 0:
             run.last_seq = 0  # the index ran out
-        run.size = sum(map(len, records)) + len(records) * item_overhead
+        run.size = size
         return run
