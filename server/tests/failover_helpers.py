@@ -93,6 +93,20 @@ def events(node: Node, event: str) -> list[dict[str, object]]:
     return found
 
 
+def errors_logged(node: Node) -> list[str]:
+    """The node's log lines at error level or above (since its last start): an ordinary
+    failover or hand-over logs none (it is no fault; the deposition has its own warning)."""
+    found = []
+    for line in node.stderr_text(1 << 30).splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("level") in ("error", "critical"):
+            found.append(line[:300])
+    return found
+
+
 def wait_in_sync(cluster: Cluster, via: Node, count: int, timeout: float = 30) -> float:
     """Seconds until ``via`` sees ``count`` copies in sync."""
     started = time.monotonic()

@@ -23,6 +23,7 @@ from failover_helpers import (
     Run,
     create_queue,
     digests,
+    errors_logged,
     events,
     in_sync,
     placement,
@@ -154,6 +155,7 @@ def test_a_primary_paused_past_its_ttl_acknowledges_nothing_under_its_old_epoch_
         # old primary serves nothing now (it is a replica of the new epoch).
         assert wait_primary(cluster, victim)[0] == new_primary
         assert elected_at - paused_at <= GAP_BOUND_S + 1
+        assert not errors_logged(victim), errors_logged(victim)  # deposed: a warning, not a fault
         found = _check_digests(cluster, observer)
         record_property(
             "figures",
@@ -453,6 +455,7 @@ def test_sigterm_of_the_primary_hands_the_queue_over_to_a_replica_losing_nothing
         # once its lease was revoked): the most advanced copy, without a fencing round.
         handed = events(primary, "cluster_primaries_handed_over")
         assert handed and handed[0]["moved"] == ["audit"], primary.stderr_text()
+        assert not errors_logged(primary), errors_logged(primary)  # a hand-over is no fault
         primary.start()
         wait_in_sync(cluster, observer, 2)
         verdict = run.finish()

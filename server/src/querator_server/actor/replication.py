@@ -115,7 +115,7 @@ class ReplicationGate:
             error = exc
         if error is not None and not self.lost:
             at = f"change {change.lsn} of epoch {change.epoch}" if change is not None else "a change"
-            self._lose(f"{at} was not replicated: {error or type(error).__name__}")
+            self._lose(f"{at} was not replicated: {error or type(error).__name__}", expected=isinstance(error, Unavailable))
         if self.lost:
             self._fail(results)
             return
@@ -136,9 +136,12 @@ class ReplicationGate:
         for request, _result in results:
             answer(request, failed)
 
-    def _lose(self, reason: str) -> None:
+    def _lose(self, reason: str, *, expected: bool) -> None:
+        """``expected``: the replication's own verdict (UNAVAILABLE: this primary was
+        deposed or stopped serving, which every failover and hand-over does, and which
+        the shard already logged as such): a warning. Anything else is a fault: an error."""
         self.lost = reason
-        log.error("replication_lost", queue=self.name, reason=reason)
+        (log.warning if expected else log.error)("replication_lost", queue=self.name, reason=reason)
         self._on_lost(reason)
 
     def abandon(self, reason: str) -> None:
