@@ -81,7 +81,8 @@ class ThreadServer:
 
     def __init__(self, data_dir: str, **settings: object) -> None:
         self.data_dir = data_dir
-        self.config = ServerConfig(address="127.0.0.1:0", data_dir=data_dir, **settings)  # type: ignore[arg-type]
+        settings.setdefault("address", "127.0.0.1:0")
+        self.config = ServerConfig(data_dir=data_dir, **settings)  # type: ignore[arg-type]
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -14,7 +14,7 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from ..errors import FailedPrecondition, NotFound, QueratorError
+from ..errors import FailedPrecondition, NotFound, QueratorError, Unavailable
 from ..logging import get_logger
 from ..manager import QueuesManager
 from ..storage.change_set import ChangeSet, Diverged, Fenced
@@ -118,6 +118,9 @@ class Coordinator(AdminFrontend, ReconcileBackend, CopiesRestore):
         # the same name (from before it joined).
         self._blocked: set[str] = set()
         self._restoring: asyncio.Task[None] | None = None  # copies_restore.py
+        self.unmade: dict[str, str] = {}  # reconcile_backend.py
+        self._again: asyncio.Task[None] | None = None
+        self._again_delay_s = 1.0
         self._restore_again = False
 
     # -- start and stop ------------------------------------------------------------
@@ -163,6 +166,7 @@ class Coordinator(AdminFrontend, ReconcileBackend, CopiesRestore):
         if self._restoring is not None:
             self._restoring.cancel()
             await asyncio.gather(self._restoring, return_exceptions=True)
+        await self.stop_reconciling()
         await self._hand_over_primaries()
         await self.roles.stop()
         await self.catalog.stop()
@@ -223,6 +227,12 @@ class Coordinator(AdminFrontend, ReconcileBackend, CopiesRestore):
                 revision = max(revision, record.mod_revision)
             if revision > self.catalog.applied:  # seen, but not yet applied to local storage
                 await self.catalog.wait_applied(revision, _APPLY_TIMEOUT_S)
+            why = self.unmade.get(name)
+            if why is not None and entry.local_count(self.node) and not self._serving(name):
+                raise Unavailable(
+                    f"queue {name!r}: node {self.node!r} could not make its storage for the queue ({why}); "
+                    "it tries again every few seconds: retry"
+                )
             return self.catalog.routed(entry)
         if self.membership.fenced:  # etcd is likely out of reach: answer now, not after its timeout
             raise NotFound(f"queue {name!r} does not exist (as far as this node knows: it cannot reach the catalog)")

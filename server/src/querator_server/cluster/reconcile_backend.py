@@ -23,6 +23,11 @@ from .replica_roles import ShardRoles
 
 log = get_logger("cluster")
 
+# The pause before a run of the reconcile of its own, while a queue's local storage
+# could not be made: doubling from the first to the most.
+_AGAIN_FIRST_S = 1.0
+_AGAIN_MOST_S = 30.0
+
 
 class ReconcileBackend:
     """Part of Coordinator (coordinator.py holds the state and the wiring)."""
@@ -36,6 +41,13 @@ class ReconcileBackend:
     _reconcile_lock: asyncio.Lock
     _foreign: set[str]
     _blocked: set[str]
+    # Queues whose local storage the last run could not make or change: name -> why.
+    # Tried again by a run of its own (reconcile_again), not only at the next change of
+    # the catalog, which may never come; meanwhile their calls here answer UNAVAILABLE
+    # naming why (coordinator.lookup), not NOT_FOUND for a queue GetQueue shows.
+    unmade: dict[str, str]
+    _again: asyncio.Task[None] | None
+    _again_delay_s: float
 
     async def reconcile(self) -> None:
         async with self._reconcile_lock:
@@ -73,6 +85,31 @@ class ReconcileBackend:
                     except QueratorError as exc:
                         log.warning("cluster_queue_remove_failed", queue=config.name, error=exc.message)
             self._sync_keys()
+            for name in [n for n in self.unmade if n not in catalog.queues]:
+                del self.unmade[name]
+            self._reconcile_again()
+
+    def _reconcile_again(self) -> None:
+        """While a queue's local storage could not be made, another run after a pause
+        (1 s, doubling to 30 s while it keeps failing)."""
+        if not self.unmade:
+            self._again_delay_s = _AGAIN_FIRST_S
+            return
+        if self._again is not None and not self._again.done():
+            return
+        delay, self._again_delay_s = self._again_delay_s, min(self._again_delay_s * 2, _AGAIN_MOST_S)
+
+        async def again() -> None:
+            await asyncio.sleep(delay)
+            self._again = None
+            await self.reconcile()
+
+        self._again = asyncio.get_running_loop().create_task(again(), name="querator-reconcile-again")
+
+    async def stop_reconciling(self) -> None:
+        if self._again is not None:
+            self._again.cancel()
+            await asyncio.gather(self._again, return_exceptions=True)
 
     def _sync_keys(self) -> None:
         """The manager's key ring holds the catalog's keys (changed in place: the ring
@@ -111,15 +148,19 @@ class ReconcileBackend:
                 await self._set_aside_or_drop(name, "the catalog's queue of this name is another generation")
                 local = None
             if count == 0:
+                self.unmade.pop(name, None)
                 return
             config = entry.config.replace(partitions=count, reference=entry.local_reference)
             if local is None:
                 await self.manager.create(config)
                 log.info("cluster_queue_created_here", queue=name, partitions=count)
-                return
-            await self._settle(config, local)
+            else:
+                await self._settle(config, local)
+            self.unmade.pop(name, None)
         except QueratorError as exc:
-            log.error("cluster_reconcile_failed", queue=name, error=exc.message)
+            if self.unmade.get(name) != exc.message:  # once per failure, not once per run
+                log.error("cluster_reconcile_failed", queue=name, error=exc.message)
+            self.unmade[name] = exc.message
 
     async def _settle(self, config: QueueConfig, local: QueueConfig) -> None:
         """Give the local queue ``local`` the catalog's settings and partition count

@@ -22,7 +22,7 @@ from querator.v1 import queue_pb2 as pb
 from querator.v1 import queues_pb2 as qpb
 from querator.v1 import storage_pb2 as spb
 
-from ..errors import FailedPrecondition, NoHealthyPartition, QueratorError, Unavailable
+from ..errors import FailedPrecondition, NoHealthyPartition, NotFound, QueratorError, Unavailable
 from ..model import DEFAULT_WAIT_US, MAX_WAIT_US, check_lease_keys
 from .catalog import CatalogCache
 from .forwarding import NODE_GONE_HELP, Peers, PeerTls, Unreachable
@@ -179,7 +179,25 @@ class Router:
         local: Local,
     ) -> pb.LeaseResponse:
         """Items from this node's partitions when it has some ready; else from another
-        home's; else wait, a slice at a time, looking at every home between slices."""
+        home's; else wait, a slice at a time, looking at every home between slices.
+        A queue deleted while the Lease waits answers it at once, empty, as a single
+        node does (not NOT_FOUND from the slice after the delete)."""
+        try:
+            return await self._look_and_wait(entry, spread, request, context, local)
+        except NotFound:
+            current = self._catalog.queues.get(entry.config.name)
+            if current is not None and current.generation == entry.generation:
+                raise  # the queue is still there: the NOT_FOUND was about something else
+            return pb.LeaseResponse(queue_name=entry.config.name)
+
+    async def _look_and_wait(
+        self,
+        entry: QueueEntry,
+        spread: tuple[str, ...],
+        request: pb.LeaseRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+        local: Local,
+    ) -> pb.LeaseResponse:
         loop = asyncio.get_running_loop()
         remaining = context.time_remaining()
         if request.HasField("request_timeout"):
@@ -331,7 +349,10 @@ class Router:
                     f"queue {request.queue_name!r}: part of it is on {', '.join(away)}, down or not answering; "
                     "cannot tell it is empty"
                 )
-            if any(p.total for p in found.partitions):
+            # What the homes' stats show of what a single node's actor counts as holding
+            # items (LogicalQueue.holds_items): ready, leased, waiting in a group (total),
+            # scheduled, or a faulty partition whose contents are unknown.
+            if any(p.total or p.scheduled or p.faulty for p in found.partitions):
                 raise FailedPrecondition(f"queue {request.queue_name!r} is not empty; delete with force to drop its items")
         return await local(request, context)  # type: ignore[no-any-return]
 

@@ -36,6 +36,7 @@ from ..model import (
 from ..storage import StorageError
 from . import convert as c
 from .authz import Guard
+from .before_routing import checked_before_routing
 from .handlers import generic_handler
 from .send_room import LeaseRoom, SendRoom, StreamRoom, current_stream
 from .stream_call import Sending
@@ -265,7 +266,7 @@ class QueueService:
             "Extend": (self.extend, pb.ExtendRequest, pb.ExtendResponse, Action.CONSUME),
         }
         if self.router is not None:
-            methods = self.router.route(SERVICE, methods)
+            methods = checked_before_routing(self.router.route(SERVICE, methods))
         return generic_handler(
             SERVICE,
             methods,

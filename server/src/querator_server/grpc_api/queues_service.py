@@ -31,6 +31,7 @@ from ..model import (
 from ..queue_admin import QueueAdmin, check_settings
 from . import convert as c
 from .authz import Guard, visible_queues
+from .before_routing import checked_before_routing
 from .handlers import generic_handler
 
 if TYPE_CHECKING:
@@ -305,5 +306,5 @@ class QueuesService:
                 "ResumeQueue": (self.resume_queue, pb.ResumeQueueRequest, pb.ResumeQueueResponse, Action.ADMIN),
         }
         if self.cluster is not None:
-            methods = self.cluster.router.route(SERVICE, methods)
+            methods = checked_before_routing(self.cluster.router.route(SERVICE, methods))
         return generic_handler(SERVICE, methods, guard=self.guard)

@@ -28,6 +28,7 @@ from ..model import (
 )
 from . import convert as c
 from .authz import Guard, current_principal
+from .before_routing import checked_before_routing
 from .handlers import generic_handler
 
 if TYPE_CHECKING:
@@ -281,5 +282,5 @@ class StorageService:
                 "RedriveItems": (self.redrive_items, pb.RedriveItemsRequest, pb.RedriveItemsResponse, Action.ADMIN),
         }
         if self.router is not None:
-            methods = self.router.route(SERVICE, methods)
+            methods = checked_before_routing(self.router.route(SERVICE, methods))
         return generic_handler(SERVICE, methods, guard=self.guard)
