@@ -224,6 +224,80 @@ def test_a_producer_and_a_worker_spread_over_the_nodes_and_handle_every_item_onc
         wait_until(lambda: sum(p.total for p in client.queue_stats(name).partitions) == 0, timeout=30)
 
 
+def _one_id_in_two_partitions(cluster: Cluster, **settings: object) -> str:
+    """A queue whose partitions 0 and 1 (on two nodes) hold one item each under the same
+    id: each node issues ids from its own counters (docs/cluster.md, Limits), so an item
+    is named by its partition and its id together."""
+    name = _new_queue(cluster, partitions=3, **settings)
+    with querator.Client(cluster.nodes[0].address) as admin:
+        ids = [admin.import_items(name, [f"in {p}"], partition=p)[0] for p in (0, 1)]
+    assert ids[0] == ids[1], f"the test needs one id in two partitions, got {ids}"
+    return name
+
+
+def test_a_worker_stopping_completes_an_item_whose_id_another_partitions_item_has(cluster: Cluster) -> None:
+    """Two items of one id (partitions 0 and 1): the first handled and completed while the
+    other runs, the other returning only once the worker is stopping. stop() returns with
+    both completed: it waited for the second (nothing is left leased until its lease
+    timeout, then pending with no one to take it)."""
+    name = _one_id_in_two_partitions(cluster)
+    second_started, stopping = threading.Event(), threading.Event()
+    started: list[str] = []
+    lock = threading.Lock()
+
+    def handle(item: querator.LeasedItem) -> None:
+        with lock:
+            started.append(item.payload.decode())
+            first = len(started) == 1
+        if first:  # held until the other is held too
+            assert second_started.wait(20)
+            return
+        second_started.set()
+        assert stopping.wait(20)
+        time.sleep(0.5)  # still running once the worker stopped leasing (lease_grace)
+
+    with querator.Client([n.address for n in cluster.nodes]) as client:
+        worker = querator.Worker(
+            client, name, handle, concurrency=2, lease_wait=5, lease_grace=0.05, handle_signals=False
+        )
+        with worker:
+            assert second_started.wait(30)
+            wait_until(lambda: worker.stats.completed == 1, timeout=20)
+            stopping.set()
+        assert sorted(started) == ["in 0", "in 1"]
+        assert worker.stats.completed == 2, worker.stats
+        assert [(p.partition, p.total) for p in client.queue_stats(name).partitions] == [(0, 0), (1, 0), (2, 0)]
+
+
+def test_a_worker_keeps_alive_each_of_two_items_of_one_id_in_two_partitions(cluster: Cluster) -> None:
+    """Two items of one id (partitions 0 and 1), the first handled for 2.5 lease
+    timeouts while the other is handled at once: the first's lease is extended all along
+    and it is completed, not lost and handled again."""
+    name = _one_id_in_two_partitions(cluster, lease_timeout="2s")
+    second_done = threading.Event()
+    started: list[str] = []
+    lock = threading.Lock()
+
+    def handle(item: querator.LeasedItem) -> None:
+        with lock:
+            started.append(item.payload.decode())
+            first = len(started) == 1
+        if first:
+            assert second_done.wait(20)
+            time.sleep(5)  # 2.5 lease timeouts
+            return
+        second_done.set()
+
+    with querator.Client([n.address for n in cluster.nodes]) as client:
+        worker = querator.Worker(client, name, handle, concurrency=2, lease_wait=5, handle_signals=False)
+        with worker:
+            # Every item started is settled (an item handled again adds one to both).
+            wait_until(lambda: len(started) >= 2 and worker.stats.completed + worker.stats.lost >= len(started), timeout=30)
+        assert (worker.stats.completed, worker.stats.lost) == (2, 0), worker.stats
+        assert sorted(started) == ["in 0", "in 1"]
+        assert sum(p.total for p in client.queue_stats(name).partitions) == 0
+
+
 def test_the_spark_connectors_calls_take_a_list_of_addresses_and_are_routed(cluster: Cluster) -> None:
     pytest.importorskip("pyspark", reason="the Spark connector needs: pip install 'querator-client[spark]'")
     from querator.spark._options import Connection

@@ -44,7 +44,7 @@ from .keepalive import KeepAlive
 from .options import WorkerHooks, WorkerOptions, WorkerStats
 from .processes import HandlerProcesses
 from .settler import Settler
-from .state import Held
+from .state import Held, HeldKey
 from .threads import HandlerThreads
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class Engine:
         self.handler_timeout = seconds(options.handler_timeout) if options.handler_timeout is not None else None
         self.max_lease = seconds(options.max_lease_duration) if options.max_lease_duration is not None else None
         self.metrics: WorkerMetrics | None = None
-        self.held: dict[str, Held] = {}
+        self.held: dict[HeldKey, Held] = {}
         self.n_waiting = 0  # held items not started yet
         self.n_finished = 0  # held items whose handler returned, waiting for completion
         # Completions for the next Lease call: (held, future of True = completed by the
@@ -422,7 +422,7 @@ class Engine:
         length = self.lease_timeout
         for obj in items:
             held = Held(obj, extend_at=call.sent + length / 2, length=length, leased_at=call.sent)
-            self.held[obj.id] = held
+            self.held[held.key] = held
             self.n_waiting += 1
             held.task = asyncio.create_task(self._process(held))
         self.new_leases.set()
@@ -484,7 +484,7 @@ class Engine:
         return self.calls.sync_item(self._sync_client, fields)
 
     def _forget(self, held: Held) -> None:
-        if self.held.pop(held.item.id, None) is not None:
+        if self.held.pop(held.key, None) is not None:
             self._unwait(held)
             if held.finished:
                 self.n_finished -= 1

@@ -12,6 +12,11 @@ from ..errors import QueratorError
 from .calls import WorkerCalls
 from .options import WorkerStats
 
+#: An item's key among those a worker holds: its partition and its id. In a cluster
+#: each partition's home issues ids from its own counters, so items of two partitions
+#: may have the same id (docs/cluster.md, Limits).
+HeldKey = tuple[int, str]
+
 
 @dataclass(eq=False)
 class Held:
@@ -33,11 +38,15 @@ class Held:
     waiting: bool = True
     task: asyncio.Task[None] | None = None
 
+    @property
+    def key(self) -> HeldKey:
+        return (self.item.partition, self.item.id)
+
 
 class EngineState(Protocol):
     """The engine's parts the settler and keep-alive use."""
 
-    held: dict[str, Held]
+    held: dict[HeldKey, Held]
     stats: WorkerStats
     calls: WorkerCalls
     #: Lease length asked for by Extend (None: the queue's), the queue's lease_timeout,
