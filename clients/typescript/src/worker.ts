@@ -185,6 +185,13 @@ interface Held {
   lost: boolean;
 }
 
+/** An item's key among those a worker holds: its partition and its id. In a cluster each
+ * partition's home issues ids from its own counters, so items of two partitions may have
+ * the same id (docs/cluster.md, Limits). */
+function heldKey(item: LeasedItem): string {
+  return `${item.partition}/${item.id}`;
+}
+
 type RetrySettlement = { held: Held; kind: "retry"; at: Date | undefined; dead: boolean; error: unknown };
 type Settlement = { held: Held; kind: "complete" } | RetrySettlement;
 
@@ -248,7 +255,7 @@ export class Worker {
   #metrics: WorkerMetrics | undefined;
   /** The port the metrics are served on, once run() started with `metricsPort`. */
   metricsPort: number | undefined;
-  readonly #held = new Map<string, Held>();
+  readonly #held = new Map<string, Held>(); // by heldKey()
   readonly #waiting: Held[] = [];
   readonly #running = new Set<Promise<void>>();
   #settlements: Settlement[] = [];
@@ -485,7 +492,7 @@ export class Worker {
             settling: false,
             lost: false,
           };
-          this.#held.set(item.id, held);
+          this.#held.set(heldKey(item), held);
         }
         this.#newLeases?.();
         yield items;
@@ -515,7 +522,7 @@ export class Worker {
 
   #take(items: LeasedItem[]): void {
     for (const item of items) {
-      const held = this.#held.get(item.id)!;
+      const held = this.#held.get(heldKey(item))!;
       if (held.route) this.#waiting.push(held);
       else void this.#noHandler(held);
     }
@@ -586,7 +593,7 @@ export class Worker {
         this.#hook("onRetry", item, error, at);
       }
     } finally {
-      this.#held.delete(item.id);
+      this.#held.delete(heldKey(item));
     }
   }
 
@@ -634,7 +641,7 @@ export class Worker {
       this.#failed(item, error, undefined);
       if (await this.#settle({ held, kind: "retry", at: undefined, dead: true, error })) this.#dead(item, error);
     } finally {
-      this.#held.delete(item.id);
+      this.#held.delete(heldKey(item));
     }
   }
 
@@ -865,7 +872,7 @@ export class Worker {
     this.#stopping = true;
     // Leased but not started: give them back now.
     const waiting = this.#waiting.splice(0);
-    for (const h of waiting) this.#held.delete(h.item.id);
+    for (const h of waiting) this.#held.delete(heldKey(h.item));
     await this.#release(waiting.map((h) => h.item));
     if (this.#running.size) {
       let timer: NodeJS.Timeout | undefined;
@@ -877,7 +884,7 @@ export class Worker {
       if (late) {
         this.#handlerAbort.abort();
         const stuck = [...this.#held.values()].filter((h) => h.started && !h.settling && !h.item.settled);
-        for (const h of stuck) this.#held.delete(h.item.id);
+        for (const h of stuck) this.#held.delete(heldKey(h.item));
         await this.#release(stuck.map((h) => h.item));
       }
     }
