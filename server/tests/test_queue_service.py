@@ -126,6 +126,19 @@ def test_bad_queue_name_is_invalid_argument_on_every_rpc(stubs: Stubs, bad_name:
     expect_invalid("queue_name", q.Extend, extend_req(bad_name, 0, ["a"]), timeout=5)
 
 
+def test_a_bad_request_names_its_field_before_its_queue_is_looked_up(stubs: Stubs) -> None:
+    """A request wrong in itself is INVALID_ARGUMENT naming the field whether or not its
+    queue exists: the checks that need no queue come first (in a cluster too, where the
+    queue is looked up in the catalog before the call reaches a handler)."""
+    q, missing = stubs.queue, "no-such-queue"
+    expect_invalid("batch_size", stubs.lease, missing, batch_size=0, request_timeout=dur(0.2))
+    expect_invalid("client_id", stubs.lease, missing, batch_size=1, client_id="c" * 10_000, request_timeout=dur(0.2))
+    expect_invalid("items", q.Produce, queue_pb2.ProduceRequest(queue_name=missing), timeout=5)
+    both = queue_pb2.ProduceRequest(queue_name=missing, payloads=[b"x"], items=[queue_pb2.ProduceItem(payload=b"y")])
+    expect_invalid("payloads", q.Produce, both, timeout=5)
+    expect_code(NOT_FOUND, stubs.lease, missing, batch_size=1, request_timeout=dur(0.2))
+
+
 def test_longest_valid_queue_name_is_not_invalid(stubs: Stubs) -> None:
     name = "q" * 512
     expect_code(NOT_FOUND, stubs.produce, name, [b"x"])

@@ -66,6 +66,23 @@ def _request_deadline_us(request: object, context: grpc.aio.ServicerContext[Any,
     return min(d for d in (own, call) if d) if (own or call) else 0
 
 
+def check_produce(request: pb.ProduceRequest) -> None:
+    """What a Produce is refused for without looking at its queue."""
+    if request.payloads:
+        if request.items:
+            raise InvalidArgument("payloads", "set items or payloads, not both")
+        c.count(request.payloads, "payloads")
+    else:
+        c.count(request.items, "items")
+
+
+def check_lease(request: pb.LeaseRequest) -> None:
+    """What a Lease is refused for without looking at its queue."""
+    if not 1 <= request.batch_size <= 1000:
+        raise InvalidArgument("batch_size", f"must be between 1 and 1000, got {request.batch_size}")
+    c.text(request.client_id, "client_id", MAX_LABEL_BYTES)
+
+
 class QueueService:
     def __init__(
         self,
@@ -95,13 +112,10 @@ class QueueService:
 
     async def produce(self, request: pb.ProduceRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ProduceResponse:
         name = c.queue_name(request.queue_name)
+        check_produce(request)
         if request.payloads:
-            if request.items:
-                raise InvalidArgument("payloads", "set items or payloads, not both")
-            c.count(request.payloads, "payloads")
             produce = a.ProduceRequest([], list(request.payloads))
         else:
-            c.count(request.items, "items")
             produce = a.ProduceRequest([_new_item(index, item) for index, item in enumerate(request.items)])
         produce.deadline_us = _request_deadline_us(request, context, now_us())
         result: a.ProduceResult = await self.manager.actor(name).submit(produce)
@@ -109,9 +123,7 @@ class QueueService:
 
     async def lease(self, request: pb.LeaseRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.LeaseResponse:
         name = c.queue_name(request.queue_name)
-        if not 1 <= request.batch_size <= 1000:
-            raise InvalidArgument("batch_size", f"must be between 1 and 1000, got {request.batch_size}")
-        c.text(request.client_id, "client_id", MAX_LABEL_BYTES)
+        check_lease(request)
         wait = c.optional_duration_us(request, "request_timeout", "request_timeout", maximum_us=MAX_WAIT_US)
         now = now_us()
         call_deadline = _call_deadline_us(context, now)
@@ -266,7 +278,9 @@ class QueueService:
             "Extend": (self.extend, pb.ExtendRequest, pb.ExtendResponse, Action.CONSUME),
         }
         if self.router is not None:
-            methods = checked_before_routing(self.router.route(SERVICE, methods))
+            methods = checked_before_routing(
+                self.router.route(SERVICE, methods), {"Produce": check_produce, "Lease": check_lease}
+            )
         return generic_handler(
             SERVICE,
             methods,
