@@ -432,3 +432,23 @@ def test_json_before_or_after_serve_logs_json_lines_even_on_a_terminal(tmp_path:
     lines = [line for line in out.decode().splitlines() if line.strip()]
     events = [json.loads(line) for line in lines]  # JSON, not coloured text
     assert "server_started" in [e["event"] for e in events]
+
+
+def test_dlq_show_of_an_id_two_partitions_hold_names_them_rather_than_showing_one(
+    capsys: pytest.CaptureFixture[str], srv: EmbeddedServer, client: querator.Client
+) -> None:
+    """In a cluster ids and message ids are unique per partition only (each home issues
+    its own), so one ID can name an item in each of two partitions. ``dlq show`` without
+    ``-p`` then names the partitions instead of printing whichever it read first. Here
+    two imported dead letters share a message_id, as two homes' items share an id."""
+    dlq = unique("dlq")
+    client.create_queue(dlq, partitions=2)
+    for partition in (0, 1):
+        item = querator.StoredItem(payload=f"p{partition}".encode(), message_id="m-1")
+        client.import_items(dlq, [item], partition=partition)
+    assert main(["dlq", "show", dlq, "m-1", "--address", srv.address]) == 1
+    err = capsys.readouterr().err
+    assert "2 items match 'm-1'" in err and "partitions 0, 1" in err and "-p" in err
+    assert main(["dlq", "show", dlq, "m-1", "-p", "1", "--json", "--address", srv.address]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["partition"], shown["message_id"]) == (1, "m-1")

@@ -19,22 +19,31 @@ _SHOWN = (
 )  # fmt: skip
 
 
-def find_item(client: Client, queue: str, wanted: str, partition: int | None) -> StoredItem | None:
-    """The stored item of ``queue`` whose id, message id or source id is ``wanted``:
-    a listing of its partitions (or of ``partition``), page by page, until found."""
+def find_items(client: Client, queue: str, wanted: str, partition: int | None) -> list[StoredItem]:
+    """The stored items of ``queue`` whose id, message id or source id is ``wanted``, at
+    most one a partition: a listing of each partition (or of ``partition``), page by
+    page, until found there. Every partition is read: in a cluster ids and message ids
+    are unique per partition only (each home issues its own), so two may match."""
     partitions = [partition] if partition is not None else range(client.get_queue(queue).partitions)
+    found: list[StoredItem] = []
     for p in partitions:
         for item in client.list_items(queue, partition=p, page_size=1000):
             if wanted in (item.id, item.message_id, item.source_id):
-                return item
-    return None
+                found.append(item)
+                break
+    return found
 
 
 def cmd_show(args: argparse.Namespace, client: Client) -> int:
-    item = find_item(client, args.queue, args.id, args.partition)
-    if item is None:
+    found = find_items(client, args.queue, args.id, args.partition)
+    if not found:
         print(f"querator: no item {args.id!r} in {args.queue} (looked for it as id, message_id and source_id)", file=sys.stderr)
         return 1
+    if len(found) > 1:
+        where = ", ".join(str(i.partition) for i in found)
+        print(f"querator: {len(found)} items match {args.id!r} in {args.queue}, in partitions {where}; name one with -p", file=sys.stderr)
+        return 1
+    (item,) = found
     if args.json:
         emit_json(stored_json(item), sys.stdout)
         return 0
