@@ -543,7 +543,9 @@ def test_delete_queue_with_items_needs_force(stubs: Stubs, holding: str) -> None
         if holding == "leased":
             assert len(stubs.lease("q").items) == 1
     before = counts(stubs, "q")
-    expect_code(lambda: delete(stubs, "q"), Code.FAILED_PRECONDITION)
+    error = expect_code(lambda: delete(stubs, "q"), Code.FAILED_PRECONDITION)
+    # The same words from a cluster node: the CLI turns "set force" into "add --force".
+    assert error.details() == "queue 'q' still holds items; set force to delete it"
     # The refused delete left the queue whole and working.
     assert get_queue(stubs, "q").queue_name == "q"
     assert counts(stubs, "q") == before

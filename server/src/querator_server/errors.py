@@ -63,6 +63,13 @@ class FailedPrecondition(QueratorError):
     """The current state forbids the operation."""
 
 
+def holds_items(queue: str) -> FailedPrecondition:
+    """A DeleteQueue without ``force`` of a queue that holds items: the same words from
+    a single node's actor and a cluster node's router (the CLI turns "set force" into
+    "add --force")."""
+    return FailedPrecondition(f"queue {queue!r} still holds items; set force to delete it")
+
+
 class ResourceExhausted(QueratorError):
     """The server is overloaded or the request is too big."""
 

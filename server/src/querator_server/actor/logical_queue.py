@@ -27,6 +27,7 @@ from ..errors import (
     QueratorError,
     ResourceExhausted,
     Unavailable,
+    holds_items,
 )
 from ..faults import (
     DEAD_LETTER_STORED,
@@ -914,7 +915,7 @@ class LogicalQueue:
 
     def _apply_delete(self, request: DeleteQueue) -> None:
         if not request.force and self.holds_items():
-            answer(request, FailedPrecondition(f"queue {self.name!r} still holds items; set force to delete it"))
+            answer(request, holds_items(self.name))
             return
         self._closed = NotFound(f"queue {self.name!r} was deleted")
         answer(request, None)

@@ -22,7 +22,7 @@ from querator.v1 import queue_pb2 as pb
 from querator.v1 import queues_pb2 as qpb
 from querator.v1 import storage_pb2 as spb
 
-from ..errors import FailedPrecondition, NoHealthyPartition, NotFound, QueratorError, Unavailable
+from ..errors import NoHealthyPartition, NotFound, QueratorError, Unavailable, holds_items
 from ..model import DEFAULT_WAIT_US, MAX_WAIT_US, check_lease_keys
 from .catalog import CatalogCache
 from .forwarding import NODE_GONE_HELP, Peers, PeerTls, Unreachable
@@ -353,7 +353,7 @@ class Router:
             # items (LogicalQueue.holds_items): ready, leased, waiting in a group (total),
             # scheduled, or a faulty partition whose contents are unknown.
             if any(p.total or p.scheduled or p.faulty for p in found.partitions):
-                raise FailedPrecondition(f"queue {request.queue_name!r} is not empty; delete with force to drop its items")
+                raise holds_items(request.queue_name)
         return await local(request, context)  # type: ignore[no-any-return]
 
     async def redrive(
