@@ -2,10 +2,11 @@
 its first etcd step (the copy added to the shard record) and before its last (the old
 copy dropped), with real etcd and node processes. The node running it is the queue's
 primary, whose copy is the one moving: its death is also a failover. Each step is one
-compare-and-swap leaving a valid record, so the queue serves again from its other
-in-sync copy, the added copy is filled by the new primary, the killed node comes back
-as a copy, and the same move run again finishes it: every acknowledged item is there
-once, and the queue keeps its count of copies."""
+compare-and-swap leaving a valid record, and the record says which move is under way:
+the queue serves again from its other in-sync copy, which fills the added copy and
+finishes the move (cluster/move_finish.py) with nobody running it again; the killed
+node comes back and drops its copy, every acknowledged item is there once, and the
+queue keeps its count of copies."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def _two_copies_of_items(cluster: Cluster) -> tuple[Node, Node, list[Node], list
 
 
 @pytest.mark.timeout(240)
-def test_a_move_cut_short_by_kill_9_of_its_node_loses_nothing_and_finishes_when_run_again(tmp_path: Path) -> None:
+def test_a_move_cut_short_by_kill_9_of_its_node_loses_nothing_and_is_finished_by_the_cluster(tmp_path: Path) -> None:
     with Cluster(str(tmp_path), size=3, ttl=TTL) as cluster:
         primary, other, outside, payloads = _two_copies_of_items(cluster)
         target = outside[0]
@@ -83,18 +84,26 @@ def test_a_move_cut_short_by_kill_9_of_its_node_loses_nothing_and_finishes_when_
         # Cut short: the copy added, the moved one (the primary's) not dropped yet.
         assert sorted(cut["replicas"]) == sorted([primary.node_id, other.node_id, target.node_id]), cut
         assert target.node_id not in [n for n, i in cut["isr"] if i], cut
+        assert cut["move"]["source"] == primary.node_id and cut["move"]["target"] == target.node_id, cut
 
-        # The other in-sync copy takes over and fills the added copy.
-        wait_until(lambda: _placement(other).primary == other.node_id, 20)
-        wait_until(lambda: target.node_id in _placement(other).in_sync, 60)
-        other.stubs.produce(QUEUE, [b"after-failover"])
-        primary.start()  # back as a copy, caught up by the new primary
-        wait_until(lambda: set(_placement(other).in_sync) == {primary.node_id, other.node_id, target.node_id}, 60)
+        # The other in-sync copy takes over, fills the added copy and finishes the move:
+        # the new copy serves, the killed node's copy is dropped.
+        def finished() -> bool:
+            found = _placement(other)
+            return found.primary == target.node_id and set(found.replicas) == set(found.in_sync) == {
+                other.node_id,
+                target.node_id,
+            }
+
+        wait_until(finished, 60)
+        assert "move" not in shard_of(cluster, QUEUE)
+        other.stubs.produce(QUEUE, [b"after-the-move"])
+        primary.start()  # back: no copy of the queue is its own any more
+        wait_until(lambda: primary.node_id in cluster.live(other), 20)
+        assert sorted(_placement(primary).replicas) == sorted([other.node_id, target.node_id])
 
         again = querator("--address", other.address, "cluster", "move", QUEUE, target.node_id, "--json")
-        assert again.returncode == 0, again.stderr
-        final = _placement(other)
-        assert len(final.replicas) == 2 and final.primary == target.node_id, final
+        assert again.returncode == 0, again.stderr  # done already: the queue as it is
         assert json.loads(again.stdout)["primary"] == target.node_id, again.stdout
 
         got: list[bytes] = []
@@ -102,32 +111,36 @@ def test_a_move_cut_short_by_kill_9_of_its_node_loses_nothing_and_finishes_when_
         while len(got) < ITEMS + 1 and time.monotonic() < deadline:
             got += [i.payload for i in target.stubs.lease(QUEUE, 1000, timeout=10, request_timeout=dur(0.3)).items]
         assert len(got) == len(set(got)) == ITEMS + 1, (len(got), len(set(got)))
-        assert set(got) == set(payloads) | {b"after-failover"}
+        assert set(got) == set(payloads) | {b"after-the-move"}
 
 
 @pytest.mark.timeout(240)
 def test_retiring_the_source_of_a_move_cut_short_keeps_the_queues_count_of_copies(tmp_path: Path) -> None:
     """A move cut short by its deadline leaves the queue a copy more than it keeps (the
     new one, filled by the primary); the node it was moving from then dies and is
-    retired. Its successor is there already: the retire makes no further copy (a retire
-    cut short after its own copy was added and run again is in the same state)."""
+    retired. Its successor is there already: the retire makes no further copy, whether
+    it comes before the primary finished the move (it then drops the source's copy, which
+    ends the move) or after."""
     with Cluster(str(tmp_path), size=4, ttl=TTL) as cluster:
         primary, source, (target, bystander), payloads = _two_copies_of_items(cluster)
         stub = cluster_pb2_grpc.ClusterServiceStub(primary.channel)
         request = cluster_pb2.MoveQueueRequest(queue_name=QUEUE, node_id=target.node_id, from_node_id=source.node_id)
         with pytest.raises(grpc.RpcError):  # its deadline passes during the catch-up
             stub.MoveQueue(request, timeout=0.2)
-        wait_until(lambda: target.node_id in _placement(primary).in_sync, 60)
-        assert sorted(_placement(primary).replicas) == sorted([primary.node_id, source.node_id, target.node_id])
+        assert target.node_id in _placement(primary).replicas
 
         source.kill9()
         wait_until(lambda: source.node_id not in cluster.live(primary), 20)
         retired = querator("--address", primary.address, "cluster", "retire", source.node_id, "--json")
-        assert retired.returncode == 0, retired.stderr
-        assert json.loads(retired.stdout)["copies_recreated"] == 0, retired.stdout
+        if retired.returncode != 0:  # the primary finished the move first: the node kept nothing left to retire
+            assert "homes no partition and is not a member" in retired.stderr, retired.stderr
+        else:
+            assert json.loads(retired.stdout)["copies_recreated"] == 0, retired.stdout
+        wait_until(lambda: set(_placement(primary).in_sync) == {primary.node_id, target.node_id}, 60)
         final = _placement(primary)
         assert sorted(final.replicas) == sorted([primary.node_id, target.node_id]), final
         assert bystander.node_id not in shard_of(cluster, QUEUE)["replicas"]
+        assert "move" not in shard_of(cluster, QUEUE)
         got: list[bytes] = []
         deadline = time.monotonic() + 60
         while len(got) < ITEMS and time.monotonic() < deadline:

@@ -13,7 +13,7 @@ from cluster_helpers import Etcd, with_etcd_client
 from querator_server.cluster.etcd import Etcd as EtcdClient
 from querator_server.cluster.etcd import Txn
 from querator_server.cluster.shard_cas import BelowMinIsr, Deposed
-from querator_server.cluster.shard_record import SHARD_UID_BASE, ShardRecord
+from querator_server.cluster.shard_record import SHARD_UID_BASE, Move, ShardRecord
 from querator_server.cluster.shard_table import ShardTable
 
 PREFIX = b"/shards-test/"
@@ -142,5 +142,29 @@ def test_a_retired_nodes_copy_leaves_the_record_never_the_primarys(etcd: Etcd) -
         dropped = await table.drop_copy(record, "n2")
         assert (dropped.replicas, dropped.isr, dropped.min_isr) == (("n1",), (("n1", ""),), 1)
         assert await table.fetch(record.uid) == dropped
+
+    with_etcd_client(etcd, run)
+
+
+def test_a_move_is_recorded_with_its_new_copy_let_go_and_cleared_with_either_copy(etcd: Etcd) -> None:
+    async def run(client: EtcdClient) -> None:
+        n1 = await _member(client, "n1")
+        table = ShardTable(client, PREFIX, n1)
+        record = await _shard(client, table, ["n1", "n2"], 1)
+        move = Move("n1", "n3", lead=True, by="n1", by_revision=n1.create_revision, until_us=123)
+        with pytest.raises(ValueError, match="does not fit"):
+            await table.add_copy(record, "n4", move)  # a move names the copy it adds
+        added = await table.add_copy(record, "n3", move)
+        assert added.move == move and added.replicas == ("n1", "n2", "n3") and "n3" not in added.in_sync()
+        fetched = await table.fetch(record.uid)
+        assert fetched == added  # stored with the record, read back the same
+        let_go = await table.let_go(added)
+        assert let_go.move is not None and let_go.move.by == "" and let_go.move.target == "n3"
+        # Another copy leaving keeps the move; the source or the target leaving ends it.
+        kept = await table.drop_copy(let_go, "n2")
+        assert kept.move == let_go.move and kept.replicas == ("n1", "n3")
+        undone = await table.drop_copy(kept, "n3")
+        assert undone.move is None and undone.replicas == ("n1",)
+        assert b"move" not in undone.encode()  # a record without a move reads as one of an older version
 
     with_etcd_client(etcd, run)

@@ -75,6 +75,18 @@ MOVE_COPIED = "move-copied"
 MOVE_RECORDED = "move-recorded"
 """Moving a queue out of its commit group: the catalog names the copy, the group's is not dropped."""
 
+REPLICA_MOVE_ADDED = "replica-move-added"
+"""A move of a replicated queue's copy (cluster/copy_moves.py): the new copy is in the shard record."""
+
+REPLICA_MOVE_CATCHING_UP = "replica-move-catching-up"
+"""A move of a replicated queue's copy: its node waits for the new copy, not in sync yet."""
+
+REPLICA_MOVE_IN_SYNC = "replica-move-in-sync"
+"""A move of a replicated queue's copy: the new copy is in sync, not handed the primary or the old copy dropped."""
+
+REPLICA_MOVE_HANDED_OVER = "replica-move-handed-over"
+"""A move of a replicated queue's primary copy: the new copy is primary, the old copy not dropped yet."""
+
 FAULT_FILE_ENV = "QUERATOR_FAULT_FILE"
 REQUEST_FAULTS_ENV = "QUERATOR_REQUEST_FAULTS"
 REQUEST_FAULT_METADATA = "querator-fault"

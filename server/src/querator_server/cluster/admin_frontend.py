@@ -33,8 +33,6 @@ from .etcd import Etcd, EtcdError, Txn
 from .failover import Promoted
 from .membership import Membership
 from .placement import Home, QueueEntry, place, place_shard
-from .replica_wire import StatusAsk
-from .shard_cas import Deposed
 from .shard_record import ShardRecord, default_min_in_sync
 
 if TYPE_CHECKING:
@@ -559,6 +557,12 @@ class AdminFrontend(CopyMoves):
             raise FailedPrecondition(
                 f"queue {name!r} keeps one copy of each partition (replicas 1): its partitions cannot move"
             )
+        if record.move is not None and record.move.target == node:
+            # A move there under way (this call made again, or the queue's primary
+            # finishing one cut short): once it is over, this call is done, or starts
+            # it again if it was undone (its new copy's node died before it caught up).
+            await self._moved(record.uid, record.move, within)
+            return await self.move(name, node, source, within)
         if source:
             if source == node:
                 raise InvalidArgument("from_node_id", f"names the target node {node!r} itself")
@@ -589,68 +593,6 @@ class AdminFrontend(CopyMoves):
                 f"(in sync: {', '.join(n for n, i in record.isr if i) or 'none'}); retry once it is"
             )
         return await self._hand_over(record, node)
-
-    async def _move_copy(self, record: ShardRecord, source: str, node: str, within: float) -> ShardRecord:
-        """Move ``source``'s copy to ``node`` (live, without one, or with the copy an
-        earlier call added): add it, wait until the primary has it in sync, hand the
-        primary over to it if ``source`` was the primary, drop ``source``'s copy."""
-        if node not in self.catalog.members:
-            raise FailedPrecondition(f"node {node!r} is not live; a copy is made only on a live node")
-        if node not in record.replicas:
-            record = await self._add_copy(record, node)
-        record = await self._caught_up(record.uid, node, within)
-        if record.primary == source:
-            record = await self._hand_over(record, node, leaving=source)
-        dropped = await self._drop_copy(record, source)
-        await self.catalog.wait_applied(dropped.mod_revision, _APPLY_TIMEOUT_S)
-        return dropped
-
-    async def _hand_over(self, record: ShardRecord, node: str, leaving: str = "") -> ShardRecord:
-        """Elect ``node``; ``leaving``: a node about to stop, left out of the in-sync set
-        when enough copies stay (the new primary then waits for it on no write).
-
-        The old primary first promises the next epoch away (``_fence_primary``): until
-        then it may answer OK a change whose copies' acknowledgements are still on their
-        way to it, and its catalog watch may tell it of the election only after the new
-        primary answered (one that no longer waits for its copy, ``leaving``, answers
-        without it): two epochs would answer at once. A primary that is not live is
-        taken over only while its membership is gone, as a failover does."""
-        self.membership.check()
-        gone = await self._fence_primary(record, node)
-        isr = record.isr
-        rest = tuple(entry for entry in isr if entry[0] != leaving)
-        if leaving and len(rest) >= record.min_isr:
-            isr = rest
-        try:
-            elected = await self.catalog.shards.elect(record, node, isr, primary_gone=gone)
-        except Deposed as exc:
-            raise FailedPrecondition(f"queue {record.queue!r} changed meanwhile ({exc.message}); retry") from None
-        await self.catalog.wait_applied(elected.mod_revision, _APPLY_TIMEOUT_S)
-        log.info("cluster_primary_moved", queue=record.queue, shard=record.uid, old=record.primary, new=node, epoch=elected.epoch)
-        return elected
-
-    async def _fence_primary(self, record: ShardRecord, node: str) -> bool:
-        """Make the primary of ``record`` (unless it is ``node``) stop answering under its
-        epoch: its copy fenced at the next epoch, its serving deposed, before it replies.
-        Returns True when it is not live (the election then requires its member key
-        absent); Unavailable when it is live and does not answer (nothing changed)."""
-        old = record.primary
-        if old == node:
-            return False
-        fence = record.epoch + 1
-        if old == self.node:
-            await self.roles.host.status(StatusAsk(record.uid, fence))
-            return False
-        if old not in self.catalog.members:
-            return True
-        try:
-            await failover.ask(self.router.peers, old, record.uid, fence)
-        except QueratorError as exc:
-            raise Unavailable(
-                f"queue {record.queue!r}: its primary {old!r} did not stop serving for the hand-over ({exc.message}); "
-                "nothing was moved, retry (a primary that is down is replaced by a failover)"
-            ) from None
-        return False
 
     async def drain(
         self, node: str, leaving: bool = False, copies: bool = False, within: float = CATCH_UP_S

@@ -122,6 +122,8 @@ class Coordinator(AdminFrontend, ReconcileBackend, CopiesRestore):
         self._again: asyncio.Task[None] | None = None
         self._again_delay_s = 1.0
         self._restore_again = False
+        self._restore_timer: asyncio.TimerHandle | None = None  # a pass due at a time (move_finish.py)
+        self._letting_go: set[asyncio.Task[None]] = set()  # moves left to the primary (copy_moves.py)
 
     # -- start and stop ------------------------------------------------------------
 
@@ -163,6 +165,8 @@ class Coordinator(AdminFrontend, ReconcileBackend, CopiesRestore):
         self.restore_copies_soon()
 
     async def stop(self) -> None:
+        if self._restore_timer is not None:
+            self._restore_timer.cancel()
         if self._restoring is not None:
             self._restoring.cancel()
             await asyncio.gather(self._restoring, return_exceptions=True)

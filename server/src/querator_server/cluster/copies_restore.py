@@ -12,7 +12,9 @@ record's revision makes a pass that raced another change (a retire, a move, an
 UpdateQueue) fail harmlessly, and the next pass reads the record again. A queue with
 as many copies as its ``replicas`` or more (a move under way) is left alone. Once
 enough of its copies are in sync, its in-sync minimum (capped by the retire at the
-copies left) is raised back to its ``min_in_sync``.
+copies left) is raised back to its ``min_in_sync``. A queue whose record holds a move
+nobody runs any more has it finished or undone first (move_finish.py); a pass is also
+made when such a move's time runs out, or a second after one of its steps failed.
 """
 
 from __future__ import annotations
@@ -21,20 +23,21 @@ import asyncio
 
 from ..errors import QueratorError
 from ..logging import get_logger
-from .copy_moves import CopyMoves
+from .move_finish import MoveFinish
 from .replica_roles import ShardRoles
 from .shard_record import ShardRecord
 
 log = get_logger("cluster")
 
 
-class CopiesRestore(CopyMoves):
+class CopiesRestore(MoveFinish):
     """Part of Coordinator (coordinator.py holds the state and the wiring)."""
 
     roles: ShardRoles
     retired: bool
     _restoring: asyncio.Task[None] | None
     _restore_again: bool
+    _restore_timer: asyncio.TimerHandle | None
 
     def restore_copies_soon(self) -> None:
         """Run a pass in the background (a catalog change must not wait for CASes); a
@@ -55,6 +58,17 @@ class CopiesRestore(CopyMoves):
             except Exception:
                 log.exception("cluster_copy_restore_failed")
 
+    def _restore_in(self, seconds: float) -> None:
+        """A pass in ``seconds`` (unless one is due sooner already)."""
+        loop = asyncio.get_running_loop()
+        when = loop.time() + max(seconds, 0.0)
+        timer = self._restore_timer
+        if timer is not None and not timer.cancelled() and loop.time() <= timer.when() <= when:
+            return
+        if timer is not None:
+            timer.cancel()
+        self._restore_timer = loop.call_at(when, self.restore_copies_soon)
+
     async def restore_copies(self) -> int:
         """One pass: a copy added for each short queue this node is primary of, where a
         live node holds none; the copies added."""
@@ -68,6 +82,11 @@ class CopiesRestore(CopyMoves):
             shard = self.roles.host.shards.get(record.uid)
             if shard is None or shard.primary is None or shard.primary.epoch != record.epoch:
                 continue  # not serving it (yet): the copy it adds must be filled by it
+            if record.move is not None:  # a move under way: its copies are its own
+                later = await self.finish_move(record)
+                if later is not None:
+                    self._restore_in(later)
+                continue
             await self._restore_minimum(record, entry.config.min_in_sync)
             if len(record.replicas) >= entry.config.replicas:
                 continue

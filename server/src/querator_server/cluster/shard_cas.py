@@ -19,7 +19,7 @@ from typing import Protocol
 
 from ..errors import Unavailable
 from .etcd import Etcd, EtcdError, Txn
-from .shard_record import SHARD_UID_BASE, ShardRecord
+from .shard_record import SHARD_UID_BASE, Move, ShardRecord
 
 # Attempts at the uid counter before giving up (each loses only to another create).
 _UID_ATTEMPTS = 20
@@ -143,19 +143,27 @@ def without_copy(record: ShardRecord, node: str) -> ShardRecord:
         raise ValueError(f"shard {record.uid}: {node!r} is its primary (elect another first)")
     replicas = tuple(n for n in record.replicas if n != node)
     isr = tuple(entry for entry in record.isr if entry[0] != node)
-    return dataclasses.replace(record, replicas=replicas, isr=isr, min_isr=min(record.min_isr, len(replicas)))
+    # A move whose source or target leaves is over: finished (its source dropped) or
+    # undone (its target dropped).
+    move = None if record.move is not None and node in (record.move.source, record.move.target) else record.move
+    return dataclasses.replace(record, replicas=replicas, isr=isr, min_isr=min(record.min_isr, len(replicas)), move=move)
 
 
-def with_copy(record: ShardRecord, node: str) -> ShardRecord:
+def with_copy(record: ShardRecord, node: str, move: Move | None = None) -> ShardRecord:
     """``record`` with a new, empty copy on ``node``: in the copies, not in the ISR.
     The primary ships to it (a snapshot first) and counts it once it holds every
-    change acknowledged so far (expand_isr); until then nothing waits for it."""
+    change acknowledged so far (expand_isr); until then nothing waits for it.
+    ``move``: the move this copy is the target of, recorded with it."""
     if node in record.replicas:
         raise ValueError(f"shard {record.uid}: {node!r} holds a copy already (copies: {list(record.replicas)})")
     # A copy of the node left over in the ISR (it cannot be: without_copy removes it)
     # would be counted with an incarnation that is not the new copy's.
     isr = tuple(entry for entry in record.isr if entry[0] != node)
-    return dataclasses.replace(record, replicas=(*record.replicas, node), isr=isr)
+    if move is None:
+        return dataclasses.replace(record, replicas=(*record.replicas, node), isr=isr)
+    if move.target != node or move.source not in record.replicas:
+        raise ValueError(f"shard {record.uid}: a move to {node!r} from {move.source!r} does not fit {list(record.replicas)}")
+    return dataclasses.replace(record, replicas=(*record.replicas, node), isr=isr, move=move)
 
 
 async def next_uid(etcd: Etcd, key: bytes) -> int:

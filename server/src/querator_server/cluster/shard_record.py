@@ -39,6 +39,46 @@ def default_min_in_sync(replicas: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class Move:
+    """A move under way (copy_moves.py, move_finish.py): ``source``'s copy goes to
+    ``target``, written in the compare-and-swap that adds the target's copy and gone
+    with the one that drops either copy. ``lead``: the target is to serve (the moved
+    copy was the primary's). ``by`` / ``by_revision``: the node running it and the
+    create revision of its member key; ``until_us``: the wall-clock time (microseconds)
+    by which that node is done with it. A move whose node is gone (not a member under
+    that revision), that its node let go (``by`` empty) or past ``until_us`` is no
+    longer in progress: the queue's primary finishes it, or undoes it."""
+
+    source: str
+    target: str
+    lead: bool
+    by: str
+    by_revision: int
+    until_us: int
+
+    def encode(self) -> dict[str, object]:
+        return {
+            "source": self.source,
+            "target": self.target,
+            "lead": self.lead,
+            "by": self.by,
+            "by_revision": self.by_revision,
+            "until_us": self.until_us,
+        }
+
+    @classmethod
+    def decode(cls, doc: dict[str, object]) -> Move:
+        return cls(
+            source=str(doc["source"]),
+            target=str(doc["target"]),
+            lead=bool(doc["lead"]),
+            by=str(doc["by"]),
+            by_revision=int(str(doc["by_revision"])),
+            until_us=int(str(doc["until_us"])),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class ShardRecord:
     uid: int
     queue: str
@@ -51,20 +91,21 @@ class ShardRecord:
     isr: tuple[tuple[str, str], ...]  # (node, incarnation), the primary included
     min_isr: int
     mod_revision: int = 0  # of its etcd key; every change compares it
+    move: Move | None = None  # a move under way (absent from the key when None)
 
     def encode(self) -> bytes:
-        return json.dumps(
-            {
-                "queue": self.queue,
-                "generation": self.generation,
-                "epoch": self.epoch,
-                "primary": self.primary,
-                "replicas": list(self.replicas),
-                "isr": [list(entry) for entry in self.isr],
-                "min_isr": self.min_isr,
-            },
-            sort_keys=True,
-        ).encode()
+        doc: dict[str, object] = {
+            "queue": self.queue,
+            "generation": self.generation,
+            "epoch": self.epoch,
+            "primary": self.primary,
+            "replicas": list(self.replicas),
+            "isr": [list(entry) for entry in self.isr],
+            "min_isr": self.min_isr,
+        }
+        if self.move is not None:
+            doc["move"] = self.move.encode()
+        return json.dumps(doc, sort_keys=True).encode()
 
     @classmethod
     def decode(cls, uid: int, data: bytes, mod_revision: int, create_revision: int) -> ShardRecord:
@@ -80,11 +121,17 @@ class ShardRecord:
             isr=tuple((str(node), str(incarnation)) for node, incarnation in doc["isr"]),
             min_isr=int(doc["min_isr"]),
             mod_revision=mod_revision,
+            move=Move.decode(doc["move"]) if doc.get("move") else None,
         )
 
     def in_sync(self) -> tuple[str, ...]:
         """The nodes of the in-sync set, in its order."""
         return tuple(node for node, _ in self.isr)
+
+    def claimed_in_sync(self, node: str) -> bool:
+        """Whether ``node``'s copy is in the in-sync set under its own incarnation (the
+        primary caught it up and counts its acknowledgements)."""
+        return any(n == node and incarnation for n, incarnation in self.isr)
 
     @classmethod
     def new(cls, uid: int, queue: str, copies: list[str], min_isr: int) -> ShardRecord:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 from . import shard_cas
 from .etcd import Etcd, KeyValue
 from .shard_cas import BelowMinIsr, Deposed, Writer
-from .shard_record import ShardRecord
+from .shard_record import Move, ShardRecord
 
 __all__ = ["BelowMinIsr", "Deposed", "ShardGauges", "ShardRecord", "ShardTable", "Writer"]
 
@@ -140,9 +140,16 @@ class ShardTable:
         """Remove ``node``'s copy (a node retired for good); never the primary's."""
         return await self._swap(record, shard_cas.without_copy(record, node))
 
-    async def add_copy(self, record: ShardRecord, node: str) -> ShardRecord:
-        """Add an empty copy on ``node`` (out of the ISR until the primary caught it up)."""
-        return await self._swap(record, shard_cas.with_copy(record, node))
+    async def add_copy(self, record: ShardRecord, node: str, move: Move | None = None) -> ShardRecord:
+        """Add an empty copy on ``node`` (out of the ISR until the primary caught it up);
+        ``move``: the move it is the target of."""
+        return await self._swap(record, shard_cas.with_copy(record, node, move))
+
+    async def let_go(self, record: ShardRecord) -> ShardRecord:
+        """Leave the record's move to the queue's primary (its node stopped running it)."""
+        if record.move is None:
+            raise ValueError(f"shard {record.uid}: no move under way")
+        return await self._swap(record, dataclasses.replace(record, move=dataclasses.replace(record.move, by="")))
 
     async def raise_min_isr(self, record: ShardRecord, min_isr: int) -> ShardRecord:
         """Raise the minimum back (a retire capped it at the copies left), once the

@@ -735,7 +735,10 @@ export const ClusterService: GenService<{
    * primary's) was the primary, the primary is handed over to the new copy, and
    * the moved copy is dropped (its node deletes it). The call waits for the catch-
    * up up to its deadline (at most 60 s): UNAVAILABLE if it is not done by then,
-   * the new copy staying and catching up; the same call again finishes the move.
+   * the new copy staying and catching up. A move cut short (this deadline, the
+   * client gone, the node running it dead) is finished by the queue's primary once
+   * the new copy is in sync, or undone when that copy's node dies before; the same
+   * call again waits for that and answers the queue as it then is.
    * Calls in flight on the old primary answer UNAVAILABLE; nothing acknowledged is
    * lost. FAILED_PRECONDITION for a queue of one copy, a node not live, a copy not
    * in sync, or from_node_id holding no copy; NOT_FOUND for an unknown queue.

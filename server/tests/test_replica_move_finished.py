@@ -1,0 +1,108 @@
+"""A move of a replicated queue's primary copy cut short by kill -9 of the node running
+it, at each of its steps, with real etcd and node processes under the audit's load; the
+node running it is the queue's primary (the most demanding place: up to the hand-over
+its death is also a failover). Nobody runs the command again: the queue's primary
+finishes the move by itself (cluster/move_finish.py), so the queue ends with exactly
+its two copies, the new one serving, both in sync, nothing acknowledged lost (the
+audit's checker) and the copies' digests equal.
+
+The node kills itself at the named step (``QUERATOR_CRASH_AT``, faults.py): after the
+new copy was added to the shard record; while it waits for the copy to catch up; once
+the copy is in sync, before the hand-over; after the hand-over, before the old copy is
+dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from cluster_helpers import Cluster
+from failover_helpers import QUEUE, Run, create_queue, digests, placement, stop_quietly, wait_in_sync
+from replication_helpers import shard_of
+
+from querator.v1 import cluster_pb2, cluster_pb2_grpc
+from querator_server.faults import (
+    REPLICA_MOVE_ADDED,
+    REPLICA_MOVE_CATCHING_UP,
+    REPLICA_MOVE_HANDED_OVER,
+    REPLICA_MOVE_IN_SYNC,
+)
+
+TTL = 2
+
+
+def _settled(record: dict[str, Any], copies: set[str]) -> bool:
+    """The record holds exactly ``copies``, each claimed in sync, and no move."""
+    in_sync = {node for node, incarnation in record["isr"] if incarnation}
+    return not record.get("move") and set(record["replicas"]) == copies and in_sync == copies
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "step", [REPLICA_MOVE_ADDED, REPLICA_MOVE_CATCHING_UP, REPLICA_MOVE_IN_SYNC, REPLICA_MOVE_HANDED_OVER]
+)
+def test_a_move_whose_node_is_killed_at_each_step_is_finished_by_the_cluster(
+    tmp_path: Path, step: str, record_property: Callable[[str, object], None]
+) -> None:
+    with Cluster(str(tmp_path), size=3, ttl=TTL, env={"QUERATOR_CRASH_AT": step}) as cluster:
+        by_id = {n.node_id: n for n in cluster.nodes}
+        create_queue(cluster.nodes[0], replicas=2)
+        wait_in_sync(cluster, cluster.nodes[0], 2)
+        first = placement(cluster.nodes[0])
+        assert first is not None
+        source = by_id[first.primary]
+        other = next(n for n in first.replicas if n != first.primary)
+        target = next(n for n in by_id if n not in first.replicas)
+        run = Run(cluster)
+        run.start()
+        run.load_for(1.0, calls=50)
+
+        answer: list[object] = []
+
+        def move() -> None:
+            stub = cluster_pb2_grpc.ClusterServiceStub(source.channel)
+            request = cluster_pb2.MoveQueueRequest(queue_name=QUEUE, node_id=target)
+            try:
+                answer.append(stub.MoveQueue(request, timeout=30))
+            except grpc.RpcError as exc:
+                answer.append(exc)
+
+        mover = threading.Thread(target=move, daemon=True)
+        mover.start()
+        assert source.proc is not None
+        source.proc.wait(30)  # it kills itself at ``step``
+        killed = time.monotonic()
+        mover.join(30)
+        assert answer and isinstance(answer[0], grpc.RpcError), answer  # the call died with its node
+        cut = shard_of(cluster, QUEUE)
+        assert target in cut["replicas"] and cut.get("move"), cut  # cut short: the move under way
+
+        # Nobody runs the move again: the cluster finishes it.
+        deadline = time.monotonic() + 30
+        record = shard_of(cluster, QUEUE)
+        while not _settled(record, {other, target}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            record = shard_of(cluster, QUEUE)
+        took = time.monotonic() - killed
+        assert _settled(record, {other, target}), record
+        assert record["primary"] == target, record  # the move's intent: the new copy serves
+        live = by_id[other]
+        final = placement(live)
+        assert final is not None and set(final.in_sync) == {other, target}, final
+        run.load_for(0.5, calls=20)
+
+        run.load.addresses.pop(source.node_id)  # the drain after the load leases from the live nodes
+        verdict = run.finish()
+        assert verdict.ok, verdict.figures() + "\n" + "\n".join(map(str, verdict.findings[:10]))
+        assert verdict.acknowledged > 50, verdict.figures()
+        stop_quietly(cluster.nodes)
+        found = {n: digests(by_id[n]) for n in (other, target)}
+        assert len({str(d["digest"]) for d in found.values()}) == 1, found
+        assert len({str(d["position"]) for d in found.values()}) == 1, found
+        record_property("figures", f"{step}: finished {took:.2f} s after the kill; {verdict.figures()}")
