@@ -106,3 +106,67 @@ def test_a_move_whose_node_is_killed_at_each_step_is_finished_by_the_cluster(
         assert len({str(d["digest"]) for d in found.values()}) == 1, found
         assert len({str(d["position"]) for d in found.values()}) == 1, found
         record_property("figures", f"{step}: finished {took:.2f} s after the kill; {verdict.figures()}")
+
+
+@pytest.mark.timeout(120)
+def test_a_move_cut_short_whose_new_copy_dies_before_it_caught_up_is_undone(
+    tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
+    """The node running the move (the primary) killed once the new copy is added, and the
+    new copy's node killed before anything filled it: the move cannot be finished, so the
+    new primary drops the new copy (never in sync, so nothing acknowledged depends on it)
+    and the queue is back on its two copies once the killed primary's node returns."""
+    with Cluster(str(tmp_path), size=3, ttl=TTL, env={"QUERATOR_CRASH_AT": REPLICA_MOVE_ADDED}) as cluster:
+        by_id = {n.node_id: n for n in cluster.nodes}
+        create_queue(cluster.nodes[0], replicas=2)
+        wait_in_sync(cluster, cluster.nodes[0], 2)
+        first = placement(cluster.nodes[0])
+        assert first is not None
+        source = by_id[first.primary]
+        other = next(n for n in first.replicas if n != first.primary)
+        target = next(n for n in by_id if n not in first.replicas)
+        run = Run(cluster)
+        run.start()
+        run.load_for(1.0, calls=50)
+
+        answer: list[object] = []
+
+        def move() -> None:
+            stub = cluster_pb2_grpc.ClusterServiceStub(source.channel)
+            try:
+                answer.append(stub.MoveQueue(cluster_pb2.MoveQueueRequest(queue_name=QUEUE, node_id=target), timeout=30))
+            except grpc.RpcError as exc:
+                answer.append(exc)
+
+        mover = threading.Thread(target=move, daemon=True)
+        mover.start()
+        assert source.proc is not None
+        source.proc.wait(30)  # it kills itself once the new copy is in the record
+        by_id[target].kill9()  # before the next primary (a failover away) fills it
+        killed = time.monotonic()
+        mover.join(30)
+        assert answer and isinstance(answer[0], grpc.RpcError), answer  # the call died with its node
+        cut = shard_of(cluster, QUEUE)
+        assert target in cut["replicas"] and cut["move"]["target"] == target, cut
+
+        deadline = time.monotonic() + 30
+        record = shard_of(cluster, QUEUE)
+        while (record.get("move") or target in record["replicas"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            record = shard_of(cluster, QUEUE)
+        took = time.monotonic() - killed
+        assert not record.get("move") and sorted(record["replicas"]) == sorted([source.node_id, other]), record
+        assert record["primary"] == other, record
+
+        source.start()  # back as a copy of the queue, caught up by the new primary
+        wait_in_sync(cluster, by_id[other], 2)
+        assert _settled(shard_of(cluster, QUEUE), {source.node_id, other})
+        run.load_for(0.5, calls=20)
+        run.load.addresses.pop(target)  # the drain after the load leases from the live nodes
+        verdict = run.finish()
+        assert verdict.ok, verdict.figures() + "\n" + "\n".join(map(str, verdict.findings[:10]))
+        stop_quietly(cluster.nodes)
+        found = {n: digests(by_id[n]) for n in (source.node_id, other)}
+        assert len({str(d["digest"]) for d in found.values()}) == 1, found
+        assert len({str(d["position"]) for d in found.values()}) == 1, found
+        record_property("figures", f"undone {took:.2f} s after the kills; {verdict.figures()}")

@@ -4,6 +4,7 @@ expand, elections, and who wins a race."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -158,6 +159,8 @@ def test_a_move_is_recorded_with_its_new_copy_let_go_and_cleared_with_either_cop
         assert added.move == move and added.replicas == ("n1", "n2", "n3") and "n3" not in added.in_sync()
         fetched = await table.fetch(record.uid)
         assert fetched == added  # stored with the record, read back the same
+        with pytest.raises(ValueError, match="is under way"):  # one move at a time
+            await table.add_copy(added, "n4", dataclasses.replace(move, source="n2", target="n4"))
         let_go = await table.let_go(added)
         assert let_go.move is not None and let_go.move.by == "" and let_go.move.target == "n3"
         # Another copy leaving keeps the move; the source or the target leaving ends it.

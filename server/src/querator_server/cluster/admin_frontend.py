@@ -572,17 +572,19 @@ class AdminFrontend(CopyMoves):
                 raise FailedPrecondition(
                     f"from_node_id: node {source!r} holds no copy of queue {name!r} (copies: {', '.join(record.replicas)})"
                 )
-            # ``node`` holding a copy while the queue has one more than it keeps: a move
-            # cut short (its deadline) after it added the copy; this call finishes it.
-            if node in record.replicas and len(record.replicas) <= entry.config.replicas:
+            # ``node`` holding a copy while the queue has one more than it keeps and no
+            # move recorded: a move cut short by an older version, which recorded none;
+            # this call finishes it.
+            if node in record.replicas and (record.move is not None or len(record.replicas) <= entry.config.replicas):
                 raise FailedPrecondition(
                     f"node {node!r} holds a copy of queue {name!r} already (copies: {', '.join(record.replicas)}); "
                     "a copy moves to a node without one"
                 )
             return await self._move_copy(record, source, node, within)
-        # A node without a copy, or one a move cut short added (the queue has a copy more
-        # than it keeps): the primary's copy moves there.
-        if node not in record.replicas or (len(record.replicas) > entry.config.replicas and record.primary != node):
+        # A node without a copy, or one a move of an older version cut short added (the
+        # queue has a copy more than it keeps, no move recorded): the primary's copy moves there.
+        legacy_cut_short = record.move is None and len(record.replicas) > entry.config.replicas  # no move recorded
+        if node not in record.replicas or (legacy_cut_short and record.primary != node):
             return await self._move_copy(record, record.primary, node, within)
         if record.primary == node:
             return record

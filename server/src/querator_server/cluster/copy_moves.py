@@ -161,6 +161,11 @@ class CopyMoves:
         cancelled), the move is left to the queue's primary (``_let_go_soon``)."""
         if node not in self.catalog.members:
             raise FailedPrecondition(f"node {node!r} is not live; a copy is made only on a live node")
+        if record.move is not None and node not in record.replicas:
+            raise FailedPrecondition(
+                f"queue {record.queue!r}: a move of {record.move.source!r}'s copy to {record.move.target!r} is under way; "
+                "retry once it is over (the queue's primary finishes it if its node gives it up)"
+            )
         move = Move(
             source,
             node,

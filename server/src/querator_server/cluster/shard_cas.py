@@ -161,6 +161,8 @@ def with_copy(record: ShardRecord, node: str, move: Move | None = None) -> Shard
     isr = tuple(entry for entry in record.isr if entry[0] != node)
     if move is None:
         return dataclasses.replace(record, replicas=(*record.replicas, node), isr=isr)
+    if record.move is not None:  # one move at a time: the record keeps one for the primary to finish
+        raise ValueError(f"shard {record.uid}: a move of {record.move.source!r}'s copy to {record.move.target!r} is under way")
     if move.target != node or move.source not in record.replicas:
         raise ValueError(f"shard {record.uid}: a move to {node!r} from {move.source!r} does not fit {list(record.replicas)}")
     return dataclasses.replace(record, replicas=(*record.replicas, node), isr=isr, move=move)
