@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
-from cluster_helpers import Cluster
+from cluster_helpers import Cluster, Node
 from failover_helpers import QUEUE, Run, create_queue, digests, placement, stop_quietly, wait_in_sync
 from replication_helpers import shard_of
 
@@ -34,7 +34,15 @@ from querator_server.faults import (
     REPLICA_MOVE_IN_SYNC,
 )
 
+from conftest import dur, wait_until
+
 TTL = 2
+
+
+def _queue_placement(node: Node, name: str = "paused") -> cluster_pb2.QueuePlacement:
+    stub = cluster_pb2_grpc.ClusterServiceStub(node.channel)
+    (found,) = stub.ClusterInfo(cluster_pb2.ClusterInfoRequest(queue_names=[name]), timeout=10).queues
+    return found
 
 
 def _settled(record: dict[str, Any], copies: set[str]) -> bool:
@@ -170,3 +178,66 @@ def test_a_move_cut_short_whose_new_copy_dies_before_it_caught_up_is_undone(
         assert len({str(d["digest"]) for d in found.values()}) == 1, found
         assert len({str(d["position"]) for d in found.values()}) == 1, found
         record_property("figures", f"undone {took:.2f} s after the kills; {verdict.figures()}")
+
+
+@pytest.mark.timeout(120)
+def test_a_move_given_up_while_etcd_is_down_is_finished_once_etcd_is_back(tmp_path: Path) -> None:
+    """The call running a move (on the queue's other copy) reaches its deadline while etcd
+    is down (kill -9, started again 2 s later), so the node cannot say at once that it
+    gave the move up; it says so once etcd is back (it tries again every 0.5 s), and the
+    primary finishes the move then, rather than at the move's own time (the call's
+    deadline + 15 s)."""
+    with Cluster(str(tmp_path), size=3, ttl=3) as cluster:
+        by_id = {n.node_id: n for n in cluster.nodes}
+        n1 = cluster.nodes[0]
+        n1.stubs.create("paused", replicas=2, requested_partitions=2)
+        wait_until(lambda: len(_queue_placement(n1).in_sync) == 2, 20)
+        first = _queue_placement(n1)
+        source = by_id[first.primary]
+        other = by_id[next(n for n in first.replicas if n != first.primary)]
+        target = next(n for n in by_id if n not in first.replicas)
+        payloads = [b"item-%06d" % i + b"." * 50 for i in range(20_000)]  # a snapshot to fill the new copy
+        for start in range(0, len(payloads), 1000):
+            source.stubs.produce("paused", payloads[start : start + 1000])
+
+        answer: list[object] = []
+
+        def move() -> None:
+            stub = cluster_pb2_grpc.ClusterServiceStub(other.channel)
+            try:
+                answer.append(stub.MoveQueue(cluster_pb2.MoveQueueRequest(queue_name="paused", node_id=target), timeout=2.0))
+            except grpc.RpcError as exc:
+                answer.append(exc)
+
+        mover = threading.Thread(target=move, daemon=True)
+        mover.start()
+        deadline = time.monotonic() + 10
+        record = shard_of(cluster, "paused")
+        while target not in record["replicas"] and time.monotonic() < deadline:
+            time.sleep(0.005)
+            record = shard_of(cluster, "paused")
+        cluster.etcd.kill9()
+        down = time.monotonic()
+        try:
+            assert target in record["replicas"] and record["move"]["by"] == other.node_id, record
+            assert target not in [n for n, i in record["isr"] if i], record
+            mover.join(10)
+            assert answer and isinstance(answer[0], grpc.RpcError), answer  # its deadline, while etcd is down
+            time.sleep(max(0.0, down + 2.0 - time.monotonic()))
+        finally:
+            cluster.etcd.start()
+        back = time.monotonic()
+
+        deadline = time.monotonic() + 10  # well before the move's own time runs out
+        record = shard_of(cluster, "paused")
+        while not _settled(record, {other.node_id, target}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            record = shard_of(cluster, "paused")
+        took = time.monotonic() - back
+        assert _settled(record, {other.node_id, target}) and record["primary"] == target, record
+        print(f"finished {took:.2f} s after etcd was back")
+        got: list[bytes] = []
+        deadline = time.monotonic() + 60
+        while len(got) < len(payloads) and time.monotonic() < deadline:
+            got += [i.payload for i in by_id[target].stubs.lease("paused", 1000, timeout=10, request_timeout=dur(0.3)).items]
+        assert len(got) == len(set(got)) == len(payloads) and set(got) == set(payloads)

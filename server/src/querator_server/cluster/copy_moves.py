@@ -35,6 +35,7 @@ from ..logging import get_logger
 from . import failover
 from .catalog import APPLY_TIMEOUT_S as _APPLY_TIMEOUT_S
 from .catalog import CatalogCache
+from .etcd import EtcdError
 from .membership import Membership
 from .replica_wire import StatusAsk
 from .shard_cas import Deposed
@@ -53,6 +54,10 @@ _POLL_S = 0.05
 # A move is in progress until its call's deadline and this much more (a hand-over and a
 # drop after the catch-up); past that the queue's primary takes it over.
 MOVE_GRACE_S = 15.0
+# A node giving a move up tells the record so again this often while etcd does not
+# answer, up to the move's ``until_us`` (then the primary takes it over anyway).
+_LET_GO_RETRY_S = 0.5
+_LET_GO_ATTEMPTS = 60
 
 
 def needs_hand_over(record: ShardRecord, move: Move) -> bool:
@@ -200,18 +205,26 @@ class CopyMoves:
 
     async def _let_go(self, uid: int) -> None:
         record = self.catalog.shards.get(uid)
-        for _ in range(2):  # the cached record, then etcd's when that one was stale
+        for attempt in range(_LET_GO_ATTEMPTS):
             move = record.move if record is not None else None
-            if record is None or move is None or (move.by, move.by_revision) != (self.node, self.membership.create_revision):
-                return
+            if record is None or move is None or now_us() >= move.until_us:
+                return  # over, or the primary's to finish by now
+            if (move.by, move.by_revision) != (self.node, self.membership.create_revision):
+                return  # let go already, or another node's
+            if attempt:
+                await asyncio.sleep(_LET_GO_RETRY_S)
             try:
                 record = await self.catalog.shards.let_go(record)
-            except Deposed as exc:
+            except Deposed as exc:  # the record read was stale: etcd's is tried
                 record = exc.current
                 continue
-            except QueratorError as exc:
+            except QueratorError as exc:  # etcd out of reach (the change may have applied: read again)
                 log.info("cluster_move_let_go_failed", queue=record.queue, shard=uid, reason=exc.message[:200])
-                return
+                try:
+                    record = await self.catalog.shards.fetch(uid)
+                except EtcdError:
+                    pass
+                continue
             log.info("cluster_move_let_go", queue=record.queue, shard=uid, source=move.source, target=move.target)
             return
 
