@@ -53,20 +53,31 @@ def _settled(record: dict[str, Any], copies: set[str]) -> bool:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "step", [REPLICA_MOVE_ADDED, REPLICA_MOVE_CATCHING_UP, REPLICA_MOVE_IN_SYNC, REPLICA_MOVE_HANDED_OVER]
+    ("step", "drain"),
+    [
+        (REPLICA_MOVE_ADDED, False),
+        (REPLICA_MOVE_CATCHING_UP, False),
+        (REPLICA_MOVE_IN_SYNC, False),
+        (REPLICA_MOVE_HANDED_OVER, False),
+        (REPLICA_MOVE_ADDED, True),
+    ],
+    ids=["move-added", "move-catching-up", "move-in-sync", "move-handed-over", "drain-added"],
 )
 def test_a_move_whose_node_is_killed_at_each_step_is_finished_by_the_cluster(
-    tmp_path: Path, step: str, record_property: Callable[[str, object], None]
+    tmp_path: Path, step: str, drain: bool, record_property: Callable[[str, object], None]
 ) -> None:
+    """``drain``: the move is the one a drain of the queue's other copy makes, run by
+    that copy's node (drained), killed once the new copy is added; the primary stays."""
     with Cluster(str(tmp_path), size=3, ttl=TTL, env={"QUERATOR_CRASH_AT": step}) as cluster:
         by_id = {n.node_id: n for n in cluster.nodes}
         create_queue(cluster.nodes[0], replicas=2)
         wait_in_sync(cluster, cluster.nodes[0], 2)
         first = placement(cluster.nodes[0])
         assert first is not None
-        source = by_id[first.primary]
         other = next(n for n in first.replicas if n != first.primary)
         target = next(n for n in by_id if n not in first.replicas)
+        # The node running the move (killed), the copy that stays, and who serves after.
+        driver, kept, serving = (by_id[other], first.primary, first.primary) if drain else (by_id[first.primary], other, target)
         run = Run(cluster)
         run.start()
         run.load_for(1.0, calls=50)
@@ -74,17 +85,19 @@ def test_a_move_whose_node_is_killed_at_each_step_is_finished_by_the_cluster(
         answer: list[object] = []
 
         def move() -> None:
-            stub = cluster_pb2_grpc.ClusterServiceStub(source.channel)
-            request = cluster_pb2.MoveQueueRequest(queue_name=QUEUE, node_id=target)
+            stub = cluster_pb2_grpc.ClusterServiceStub(driver.channel)
             try:
-                answer.append(stub.MoveQueue(request, timeout=30))
+                if drain:
+                    answer.append(stub.DrainNode(cluster_pb2.DrainNodeRequest(node_id=driver.node_id), timeout=30))
+                else:
+                    answer.append(stub.MoveQueue(cluster_pb2.MoveQueueRequest(queue_name=QUEUE, node_id=target), timeout=30))
             except grpc.RpcError as exc:
                 answer.append(exc)
 
         mover = threading.Thread(target=move, daemon=True)
         mover.start()
-        assert source.proc is not None
-        source.proc.wait(30)  # it kills itself at ``step``
+        assert driver.proc is not None
+        driver.proc.wait(30)  # it kills itself at ``step``
         killed = time.monotonic()
         mover.join(30)
         assert answer and isinstance(answer[0], grpc.RpcError), answer  # the call died with its node
@@ -94,26 +107,26 @@ def test_a_move_whose_node_is_killed_at_each_step_is_finished_by_the_cluster(
         # Nobody runs the move again: the cluster finishes it.
         deadline = time.monotonic() + 30
         record = shard_of(cluster, QUEUE)
-        while not _settled(record, {other, target}) and time.monotonic() < deadline:
+        while not _settled(record, {kept, target}) and time.monotonic() < deadline:
             time.sleep(0.05)
             record = shard_of(cluster, QUEUE)
         took = time.monotonic() - killed
-        assert _settled(record, {other, target}), record
-        assert record["primary"] == target, record  # the move's intent: the new copy serves
-        live = by_id[other]
-        final = placement(live)
-        assert final is not None and set(final.in_sync) == {other, target}, final
+        assert _settled(record, {kept, target}), record
+        assert record["primary"] == serving, record  # the move's intent: the new copy serves if the primary's moved
+        final = placement(by_id[kept])
+        assert final is not None and set(final.in_sync) == {kept, target}, final
         run.load_for(0.5, calls=20)
 
-        run.load.addresses.pop(source.node_id)  # the drain after the load leases from the live nodes
+        run.load.addresses.pop(driver.node_id)  # the drain after the load leases from the live nodes
         verdict = run.finish()
         assert verdict.ok, verdict.figures() + "\n" + "\n".join(map(str, verdict.findings[:10]))
         assert verdict.acknowledged > 50, verdict.figures()
         stop_quietly(cluster.nodes)
-        found = {n: digests(by_id[n]) for n in (other, target)}
+        found = {n: digests(by_id[n]) for n in (kept, target)}
         assert len({str(d["digest"]) for d in found.values()}) == 1, found
         assert len({str(d["position"]) for d in found.values()}) == 1, found
-        record_property("figures", f"{step}: finished {took:.2f} s after the kill; {verdict.figures()}")
+        what = "drain" if drain else "move"
+        record_property("figures", f"{what} {step}: finished {took:.2f} s after the kill; {verdict.figures()}")
 
 
 @pytest.mark.timeout(120)
