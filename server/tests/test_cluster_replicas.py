@@ -175,10 +175,10 @@ def test_cluster_status_prints_each_replicated_queues_primary_epoch_and_in_sync_
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("QUEUE ") and "PRIMARY" in line)
-    assert lines[header].split() == ["QUEUE", "PRIMARY", "EPOCH", "REPLICAS", "IN_SYNC", "MIN_IN_SYNC"]
+    assert lines[header].split() == ["QUEUE", "PRIMARY", "EPOCH", "REPLICAS", "IN_SYNC", "MIN_IN_SYNC", "MOVING"]
     row = next(line.split() for line in lines[header + 1 :] if line.startswith("status-shown "))
     copies = ",".join(record["replicas"])
-    assert row == ["status-shown", record["primary"], "1", copies, copies, "2"]
+    assert row == ["status-shown", record["primary"], "1", copies, copies, "2", "-"]
     as_json = json.loads(querator("--address", n1.address, "cluster", "status", "--json").stdout)
     (listed,) = [q for q in as_json["replicated"] if q["queue"] == "status-shown"]
     assert listed == {
@@ -189,6 +189,8 @@ def test_cluster_status_prints_each_replicated_queues_primary_epoch_and_in_sync_
         "in_sync": record["replicas"],
         "min_in_sync": 2,
         "failover_blocked": "",
+        "moving_from": "",
+        "moving_to": "",
     }
 
 

@@ -85,6 +85,8 @@ def test_a_move_cut_short_by_kill_9_of_its_node_loses_nothing_and_is_finished_by
         assert sorted(cut["replicas"]) == sorted([primary.node_id, other.node_id, target.node_id]), cut
         assert target.node_id not in [n for n, i in cut["isr"] if i], cut
         assert cut["move"]["source"] == primary.node_id and cut["move"]["target"] == target.node_id, cut
+        shown = _placement(other)  # ClusterInfo shows the move until it is over (a failover and a catch-up away)
+        assert (shown.moving_from, shown.moving_to) == (primary.node_id, target.node_id), shown
 
         # The other in-sync copy takes over, fills the added copy and finishes the move:
         # the new copy serves, the killed node's copy is dropped.
@@ -97,6 +99,7 @@ def test_a_move_cut_short_by_kill_9_of_its_node_loses_nothing_and_is_finished_by
 
         wait_until(finished, 60)
         assert "move" not in shard_of(cluster, QUEUE)
+        assert (_placement(other).moving_from, _placement(other).moving_to) == ("", "")
         other.stubs.produce(QUEUE, [b"after-the-move"])
         primary.start()  # back: no copy of the queue is its own any more
         wait_until(lambda: primary.node_id in cluster.live(other), 20)

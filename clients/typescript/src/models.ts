@@ -241,7 +241,8 @@ export interface ClusterMember {
  * primary included; `inSync`, the copies every acknowledged change is durable on;
  * writes need at least `minInSync` of them. `failoverBlocked`: why no live copy can
  * take over from a primary that is not live (asked with `clusterInfo({ checkMembers:
- * true })`; empty otherwise). */
+ * true })`; empty otherwise). `movingFrom` and `movingTo`: a move of a copy under way,
+ * the node whose copy leaves and the node of the copy taking its place (empty when none). */
 export interface ReplicaSet {
   primary: string;
   epoch: number;
@@ -249,6 +250,8 @@ export interface ReplicaSet {
   inSync: string[];
   minInSync: number;
   failoverBlocked: string;
+  movingFrom: string;
+  movingTo: string;
 }
 
 /** A node's view of its cluster at catalog `revision` (a single server: one member,

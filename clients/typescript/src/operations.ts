@@ -549,6 +549,8 @@ export function replicaSet(q: QueuePlacement | undefined): ReplicaSet {
     inSync: [...(q?.inSync ?? [])],
     minInSync: q?.minInSync ?? 0,
     failoverBlocked: q?.failoverBlocked ?? "",
+    movingFrom: q?.movingFrom ?? "",
+    movingTo: q?.movingTo ?? "",
   };
 }
 

@@ -386,7 +386,9 @@ class ReplicaSet:
     copy's node, the primary included; ``in_sync``, the copies every acknowledged change
     is durable on; writes need at least ``min_in_sync`` of them. ``failover_blocked``:
     why no live copy can take over from a primary that is not live (asked with
-    ``cluster_info(check_members=True)``; empty otherwise)."""
+    ``cluster_info(check_members=True)``; empty otherwise). ``moving_from`` and
+    ``moving_to``: a move of a copy under way, the node whose copy leaves and the node
+    of the copy taking its place (empty when none)."""
 
     primary: str
     epoch: int
@@ -394,6 +396,8 @@ class ReplicaSet:
     in_sync: list[str] = field(default_factory=list)
     min_in_sync: int = 0
     failover_blocked: str = ""
+    moving_from: str = ""
+    moving_to: str = ""
 
 
 @dataclass(frozen=True, slots=True)

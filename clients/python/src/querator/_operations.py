@@ -367,7 +367,9 @@ def move_queue(
     request = cluster_pb2.MoveQueueRequest(queue_name=queue, node_id=node_id, from_node_id=from_node_id)
     response = yield Call(CLUSTER, "MoveQueue", request, config.call_timeout(timeout), False)
     q = response.placement
-    return ReplicaSet(q.primary, q.epoch, list(q.replicas), list(q.in_sync), q.min_in_sync, q.failover_blocked)
+    return ReplicaSet(
+        q.primary, q.epoch, list(q.replicas), list(q.in_sync), q.min_in_sync, q.failover_blocked, q.moving_from, q.moving_to
+    )
 
 
 def drain_node(config: ClientConfig, node_id: str, timeout: Seconds | None) -> Operation[tuple[list[str], list[str]]]:

@@ -621,7 +621,16 @@ def cluster_view(response: cluster_pb2.ClusterInfoResponse) -> ClusterView:
         homes={q.queue_name: list(q.homes) for q in response.queues},
         admin_writable=response.admin_writable,
         replicated={
-            q.queue_name: ReplicaSet(q.primary, q.epoch, list(q.replicas), list(q.in_sync), q.min_in_sync, q.failover_blocked)
+            q.queue_name: ReplicaSet(
+                q.primary,
+                q.epoch,
+                list(q.replicas),
+                list(q.in_sync),
+                q.min_in_sync,
+                q.failover_blocked,
+                q.moving_from,
+                q.moving_to,
+            )
             for q in response.queues
             if q.replicas
         },

@@ -239,6 +239,9 @@ def _placement(catalog: CatalogCache, entry: QueueEntry) -> pb.QueuePlacement:
         placement.epoch = record.epoch
         placement.primary = record.primary
         placement.min_in_sync = record.min_isr
+        if record.move is not None:
+            placement.moving_from = record.move.source
+            placement.moving_to = record.move.target
     return placement
 
 

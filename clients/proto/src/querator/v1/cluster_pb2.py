@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19querator/v1/cluster.proto\x12\x0bquerator.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"@\n\x12\x43lusterInfoRequest\x12\x13\n\x0bqueue_names\x18\x01 \x03(\t\x12\x15\n\rcheck_members\x18\x02 \x01(\x08\"\xbd\x01\n\x13\x43lusterInfoResponse\x12\x11\n\tclustered\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\x03\x12+\n\x07members\x18\x04 \x03(\x0b\x32\x1a.querator.v1.ClusterMember\x12+\n\x06queues\x18\x05 \x03(\x0b\x32\x1b.querator.v1.QueuePlacement\x12\x16\n\x0e\x61\x64min_writable\x18\x06 \x01(\x08\"d\n\rClusterMember\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04live\x18\x03 \x01(\x08\x12\x0e\n\x06\x66\x65nced\x18\x04 \x01(\x08\x12\x13\n\x0b\x63heck_error\x18\x05 \x01(\t\"\xbd\x01\n\x0eQueuePlacement\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\r\n\x05homes\x18\x02 \x03(\t\x12\x16\n\x0ekey_partitions\x18\x03 \x01(\x05\x12\x10\n\x08replicas\x18\x04 \x03(\t\x12\x0f\n\x07in_sync\x18\x05 \x03(\t\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\x12\x0f\n\x07primary\x18\x07 \x01(\t\x12\x13\n\x0bmin_in_sync\x18\x08 \x01(\x05\x12\x18\n\x10\x66\x61ilover_blocked\x18\t \x01(\t\"Q\n\x1fRetireNodeDiscardingDataRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1d\n\x15promote_copies_behind\x18\x02 \x01(\x08\"\x8e\x01\n RetireNodeDiscardingDataResponse\x12\x1c\n\x14partitions_recreated\x18\x01 \x01(\x05\x12\x18\n\x10\x63opies_recreated\x18\x02 \x01(\x05\x12\x32\n\x0f\x63opies_promoted\x18\x03 \x03(\x0b\x32\x19.querator.v1.PromotedCopy\"b\n\x0cPromotedCopy\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0b\n\x03lsn\x18\x04 \x01(\x03\x12\x11\n\tnew_epoch\x18\x05 \x01(\x03\",\n\x19ListSetAsideQueuesRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\xaf\x01\n\rSetAsideQueue\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0cset_aside_id\x18\x02 \x01(\t\x12\x12\n\nqueue_name\x18\x03 \x01(\t\x12\r\n\x05items\x18\x04 \x01(\x03\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x30\n\x0cset_aside_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\npartitions\x18\x07 \x01(\x05\"b\n\x1aListSetAsideQueuesResponse\x12*\n\x06queues\x18\x01 \x03(\x0b\x32\x1a.querator.v1.SetAsideQueue\x12\x18\n\x10unanswered_nodes\x18\x02 \x03(\t\"C\n\x1aRemoveSetAsideQueueRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0cset_aside_id\x18\x02 \x01(\t\"J\n\x1bRemoveSetAsideQueueResponse\x12+\n\x07removed\x18\x01 \x01(\x0b\x32\x1a.querator.v1.SetAsideQueue\"M\n\x10MoveQueueRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x14\n\x0c\x66rom_node_id\x18\x03 \x01(\t\"C\n\x11MoveQueueResponse\x12.\n\tplacement\x18\x01 \x01(\x0b\x32\x1b.querator.v1.QueuePlacement\"#\n\x10\x44rainNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"0\n\x11\x44rainNodeResponse\x12\r\n\x05moved\x18\x01 \x03(\t\x12\x0c\n\x04kept\x18\x02 \x03(\t2\xc4\x04\n\x0e\x43lusterService\x12P\n\x0b\x43lusterInfo\x12\x1f.querator.v1.ClusterInfoRequest\x1a .querator.v1.ClusterInfoResponse\x12w\n\x18RetireNodeDiscardingData\x12,.querator.v1.RetireNodeDiscardingDataRequest\x1a-.querator.v1.RetireNodeDiscardingDataResponse\x12\x65\n\x12ListSetAsideQueues\x12&.querator.v1.ListSetAsideQueuesRequest\x1a\'.querator.v1.ListSetAsideQueuesResponse\x12h\n\x13RemoveSetAsideQueue\x12\'.querator.v1.RemoveSetAsideQueueRequest\x1a(.querator.v1.RemoveSetAsideQueueResponse\x12J\n\tMoveQueue\x12\x1d.querator.v1.MoveQueueRequest\x1a\x1e.querator.v1.MoveQueueResponse\x12J\n\tDrainNode\x12\x1d.querator.v1.DrainNodeRequest\x1a\x1e.querator.v1.DrainNodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19querator/v1/cluster.proto\x12\x0bquerator.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"@\n\x12\x43lusterInfoRequest\x12\x13\n\x0bqueue_names\x18\x01 \x03(\t\x12\x15\n\rcheck_members\x18\x02 \x01(\x08\"\xbd\x01\n\x13\x43lusterInfoResponse\x12\x11\n\tclustered\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\x03\x12+\n\x07members\x18\x04 \x03(\x0b\x32\x1a.querator.v1.ClusterMember\x12+\n\x06queues\x18\x05 \x03(\x0b\x32\x1b.querator.v1.QueuePlacement\x12\x16\n\x0e\x61\x64min_writable\x18\x06 \x01(\x08\"d\n\rClusterMember\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04live\x18\x03 \x01(\x08\x12\x0e\n\x06\x66\x65nced\x18\x04 \x01(\x08\x12\x13\n\x0b\x63heck_error\x18\x05 \x01(\t\"\xe5\x01\n\x0eQueuePlacement\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\r\n\x05homes\x18\x02 \x03(\t\x12\x16\n\x0ekey_partitions\x18\x03 \x01(\x05\x12\x10\n\x08replicas\x18\x04 \x03(\t\x12\x0f\n\x07in_sync\x18\x05 \x03(\t\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\x12\x0f\n\x07primary\x18\x07 \x01(\t\x12\x13\n\x0bmin_in_sync\x18\x08 \x01(\x05\x12\x18\n\x10\x66\x61ilover_blocked\x18\t \x01(\t\x12\x13\n\x0bmoving_from\x18\n \x01(\t\x12\x11\n\tmoving_to\x18\x0b \x01(\t\"Q\n\x1fRetireNodeDiscardingDataRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1d\n\x15promote_copies_behind\x18\x02 \x01(\x08\"\x8e\x01\n RetireNodeDiscardingDataResponse\x12\x1c\n\x14partitions_recreated\x18\x01 \x01(\x05\x12\x18\n\x10\x63opies_recreated\x18\x02 \x01(\x05\x12\x32\n\x0f\x63opies_promoted\x18\x03 \x03(\x0b\x32\x19.querator.v1.PromotedCopy\"b\n\x0cPromotedCopy\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0b\n\x03lsn\x18\x04 \x01(\x03\x12\x11\n\tnew_epoch\x18\x05 \x01(\x03\",\n\x19ListSetAsideQueuesRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\xaf\x01\n\rSetAsideQueue\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0cset_aside_id\x18\x02 \x01(\t\x12\x12\n\nqueue_name\x18\x03 \x01(\t\x12\r\n\x05items\x18\x04 \x01(\x03\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x30\n\x0cset_aside_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\npartitions\x18\x07 \x01(\x05\"b\n\x1aListSetAsideQueuesResponse\x12*\n\x06queues\x18\x01 \x03(\x0b\x32\x1a.querator.v1.SetAsideQueue\x12\x18\n\x10unanswered_nodes\x18\x02 \x03(\t\"C\n\x1aRemoveSetAsideQueueRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0cset_aside_id\x18\x02 \x01(\t\"J\n\x1bRemoveSetAsideQueueResponse\x12+\n\x07removed\x18\x01 \x01(\x0b\x32\x1a.querator.v1.SetAsideQueue\"M\n\x10MoveQueueRequest\x12\x12\n\nqueue_name\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x14\n\x0c\x66rom_node_id\x18\x03 \x01(\t\"C\n\x11MoveQueueResponse\x12.\n\tplacement\x18\x01 \x01(\x0b\x32\x1b.querator.v1.QueuePlacement\"#\n\x10\x44rainNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"0\n\x11\x44rainNodeResponse\x12\r\n\x05moved\x18\x01 \x03(\t\x12\x0c\n\x04kept\x18\x02 \x03(\t2\xc4\x04\n\x0e\x43lusterService\x12P\n\x0b\x43lusterInfo\x12\x1f.querator.v1.ClusterInfoRequest\x1a .querator.v1.ClusterInfoResponse\x12w\n\x18RetireNodeDiscardingData\x12,.querator.v1.RetireNodeDiscardingDataRequest\x1a-.querator.v1.RetireNodeDiscardingDataResponse\x12\x65\n\x12ListSetAsideQueues\x12&.querator.v1.ListSetAsideQueuesRequest\x1a\'.querator.v1.ListSetAsideQueuesResponse\x12h\n\x13RemoveSetAsideQueue\x12\'.querator.v1.RemoveSetAsideQueueRequest\x1a(.querator.v1.RemoveSetAsideQueueResponse\x12J\n\tMoveQueue\x12\x1d.querator.v1.MoveQueueRequest\x1a\x1e.querator.v1.MoveQueueResponse\x12J\n\tDrainNode\x12\x1d.querator.v1.DrainNodeRequest\x1a\x1e.querator.v1.DrainNodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,31 +39,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLUSTERMEMBER']._serialized_start=333
   _globals['_CLUSTERMEMBER']._serialized_end=433
   _globals['_QUEUEPLACEMENT']._serialized_start=436
-  _globals['_QUEUEPLACEMENT']._serialized_end=625
-  _globals['_RETIRENODEDISCARDINGDATAREQUEST']._serialized_start=627
-  _globals['_RETIRENODEDISCARDINGDATAREQUEST']._serialized_end=708
-  _globals['_RETIRENODEDISCARDINGDATARESPONSE']._serialized_start=711
-  _globals['_RETIRENODEDISCARDINGDATARESPONSE']._serialized_end=853
-  _globals['_PROMOTEDCOPY']._serialized_start=855
-  _globals['_PROMOTEDCOPY']._serialized_end=953
-  _globals['_LISTSETASIDEQUEUESREQUEST']._serialized_start=955
-  _globals['_LISTSETASIDEQUEUESREQUEST']._serialized_end=999
-  _globals['_SETASIDEQUEUE']._serialized_start=1002
-  _globals['_SETASIDEQUEUE']._serialized_end=1177
-  _globals['_LISTSETASIDEQUEUESRESPONSE']._serialized_start=1179
-  _globals['_LISTSETASIDEQUEUESRESPONSE']._serialized_end=1277
-  _globals['_REMOVESETASIDEQUEUEREQUEST']._serialized_start=1279
-  _globals['_REMOVESETASIDEQUEUEREQUEST']._serialized_end=1346
-  _globals['_REMOVESETASIDEQUEUERESPONSE']._serialized_start=1348
-  _globals['_REMOVESETASIDEQUEUERESPONSE']._serialized_end=1422
-  _globals['_MOVEQUEUEREQUEST']._serialized_start=1424
-  _globals['_MOVEQUEUEREQUEST']._serialized_end=1501
-  _globals['_MOVEQUEUERESPONSE']._serialized_start=1503
-  _globals['_MOVEQUEUERESPONSE']._serialized_end=1570
-  _globals['_DRAINNODEREQUEST']._serialized_start=1572
-  _globals['_DRAINNODEREQUEST']._serialized_end=1607
-  _globals['_DRAINNODERESPONSE']._serialized_start=1609
-  _globals['_DRAINNODERESPONSE']._serialized_end=1657
-  _globals['_CLUSTERSERVICE']._serialized_start=1660
-  _globals['_CLUSTERSERVICE']._serialized_end=2240
+  _globals['_QUEUEPLACEMENT']._serialized_end=665
+  _globals['_RETIRENODEDISCARDINGDATAREQUEST']._serialized_start=667
+  _globals['_RETIRENODEDISCARDINGDATAREQUEST']._serialized_end=748
+  _globals['_RETIRENODEDISCARDINGDATARESPONSE']._serialized_start=751
+  _globals['_RETIRENODEDISCARDINGDATARESPONSE']._serialized_end=893
+  _globals['_PROMOTEDCOPY']._serialized_start=895
+  _globals['_PROMOTEDCOPY']._serialized_end=993
+  _globals['_LISTSETASIDEQUEUESREQUEST']._serialized_start=995
+  _globals['_LISTSETASIDEQUEUESREQUEST']._serialized_end=1039
+  _globals['_SETASIDEQUEUE']._serialized_start=1042
+  _globals['_SETASIDEQUEUE']._serialized_end=1217
+  _globals['_LISTSETASIDEQUEUESRESPONSE']._serialized_start=1219
+  _globals['_LISTSETASIDEQUEUESRESPONSE']._serialized_end=1317
+  _globals['_REMOVESETASIDEQUEUEREQUEST']._serialized_start=1319
+  _globals['_REMOVESETASIDEQUEUEREQUEST']._serialized_end=1386
+  _globals['_REMOVESETASIDEQUEUERESPONSE']._serialized_start=1388
+  _globals['_REMOVESETASIDEQUEUERESPONSE']._serialized_end=1462
+  _globals['_MOVEQUEUEREQUEST']._serialized_start=1464
+  _globals['_MOVEQUEUEREQUEST']._serialized_end=1541
+  _globals['_MOVEQUEUERESPONSE']._serialized_start=1543
+  _globals['_MOVEQUEUERESPONSE']._serialized_end=1610
+  _globals['_DRAINNODEREQUEST']._serialized_start=1612
+  _globals['_DRAINNODEREQUEST']._serialized_end=1647
+  _globals['_DRAINNODERESPONSE']._serialized_start=1649
+  _globals['_DRAINNODERESPONSE']._serialized_end=1697
+  _globals['_CLUSTERSERVICE']._serialized_start=1700
+  _globals['_CLUSTERSERVICE']._serialized_end=2280
 # @@protoc_insertion_point(module_scope)

@@ -167,6 +167,8 @@ class QueuePlacement(_message.Message):
     PRIMARY_FIELD_NUMBER: _builtins.int
     MIN_IN_SYNC_FIELD_NUMBER: _builtins.int
     FAILOVER_BLOCKED_FIELD_NUMBER: _builtins.int
+    MOVING_FROM_FIELD_NUMBER: _builtins.int
+    MOVING_TO_FIELD_NUMBER: _builtins.int
     queue_name: _builtins.str
     """The queue."""
     key_partitions: _builtins.int
@@ -195,6 +197,14 @@ class QueuePlacement(_message.Message):
     ClusterInfoRequest.check_members is set: the answering node asks each
     live copy's node (at most 2 s) what its copy is.
     """
+    moving_from: _builtins.str
+    """A move of a copy under way (MoveQueue, DrainNode): the node whose copy
+    leaves the queue, and the node of the copy that takes its place (it counts
+    in replicas, and in in_sync once caught up). Empty when none. A move whose
+    call was cut short is finished, or undone, by the queue's primary.
+    """
+    moving_to: _builtins.str
+    """The node of the new copy of the move under way (see moving_from)."""
     @_builtins.property
     def homes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The node id homing each partition: homes[p] is partition p's node."""
@@ -224,10 +234,12 @@ class QueuePlacement(_message.Message):
         primary: _builtins.str = ...,
         min_in_sync: _builtins.int = ...,
         failover_blocked: _builtins.str = ...,
+        moving_from: _builtins.str = ...,
+        moving_to: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "failover_blocked", b"failover_blocked", "homes", b"homes", "in_sync", b"in_sync", "key_partitions", b"key_partitions", "min_in_sync", b"min_in_sync", "primary", b"primary", "queue_name", b"queue_name", "replicas", b"replicas"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "failover_blocked", b"failover_blocked", "homes", b"homes", "in_sync", b"in_sync", "key_partitions", b"key_partitions", "min_in_sync", b"min_in_sync", "moving_from", b"moving_from", "moving_to", b"moving_to", "primary", b"primary", "queue_name", b"queue_name", "replicas", b"replicas"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

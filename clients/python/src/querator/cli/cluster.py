@@ -18,7 +18,7 @@ UNHEALTHY = 3
 
 MEMBER_HEADERS = ["NODE", "ADDRESS", "LIVE", "FENCED", "PARTITIONS", "FAULTY"]
 FAULTY_HEADERS = ["QUEUE", "PARTITION", "NODE", "FAILURE"]
-REPLICATED_HEADERS = ["QUEUE", "PRIMARY", "EPOCH", "REPLICAS", "IN_SYNC", "MIN_IN_SYNC"]
+REPLICATED_HEADERS = ["QUEUE", "PRIMARY", "EPOCH", "REPLICAS", "IN_SYNC", "MIN_IN_SYNC", "MOVING"]
 DIED_FOR_GOOD = "docs/cluster.md, \"A node that died for good\""
 
 
@@ -134,7 +134,15 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
         emit_table(
             REPLICATED_HEADERS,
             [
-                [name, c.primary, c.epoch, ",".join(c.replicas), ",".join(c.in_sync), c.min_in_sync]
+                [
+                    name,
+                    c.primary,
+                    c.epoch,
+                    ",".join(c.replicas),
+                    ",".join(c.in_sync),
+                    c.min_in_sync,
+                    f"{c.moving_from}->{c.moving_to}" if c.moving_to else "-",
+                ]
                 for name, c in sorted(view.replicated.items())
             ],
             sys.stdout,
