@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import pytest
 from cluster_helpers import Cluster, Node
-from failover_helpers import QUEUE, Run, create_queue, digests, placement, stop_quietly, wait_in_sync
+from failover_helpers import QUEUE, Run, create_queue, digests, events, placement, stop_quietly, wait_in_sync
 from replication_helpers import shard_of
 
 from querator.v1 import cluster_pb2, cluster_pb2_grpc
@@ -249,6 +249,49 @@ def test_a_move_given_up_while_etcd_is_down_is_finished_once_etcd_is_back(tmp_pa
         took = time.monotonic() - back
         assert _settled(record, {other.node_id, target}) and record["primary"] == target, record
         print(f"finished {took:.2f} s after etcd was back")
+        got: list[bytes] = []
+        deadline = time.monotonic() + 60
+        while len(got) < len(payloads) and time.monotonic() < deadline:
+            got += [i.payload for i in by_id[target].stubs.lease("paused", 1000, timeout=10, request_timeout=dur(0.3)).items]
+        assert len(got) == len(set(got)) == len(payloads) and set(got) == set(payloads)
+
+
+@pytest.mark.timeout(120)
+def test_a_move_whose_client_goes_away_is_finished_by_the_primary(tmp_path: Path) -> None:
+    """The client of a move (run by the queue's other copy) cancels its call while the new
+    copy catches up: the node lets the move go at once, and the primary finishes it."""
+    with Cluster(str(tmp_path), size=3, ttl=TTL, env={"QUERATOR_LOG_LEVEL": "info"}) as cluster:
+        by_id = {n.node_id: n for n in cluster.nodes}
+        n1 = cluster.nodes[0]
+        n1.stubs.create("paused", replicas=2, requested_partitions=2)
+        wait_until(lambda: len(_queue_placement(n1).in_sync) == 2, 20)
+        first = _queue_placement(n1)
+        source = by_id[first.primary]
+        other = by_id[next(n for n in first.replicas if n != first.primary)]
+        target = next(n for n in by_id if n not in first.replicas)
+        payloads = [b"item-%06d" % i + b"." * 50 for i in range(30_000)]  # a snapshot to fill the new copy
+        for start in range(0, len(payloads), 1000):
+            source.stubs.produce("paused", payloads[start : start + 1000])
+
+        stub = cluster_pb2_grpc.ClusterServiceStub(other.channel)
+        call = stub.MoveQueue.future(cluster_pb2.MoveQueueRequest(queue_name="paused", node_id=target), timeout=30)
+        deadline = time.monotonic() + 10
+        record = shard_of(cluster, "paused")
+        while target not in record["replicas"] and time.monotonic() < deadline:
+            time.sleep(0.005)
+            record = shard_of(cluster, "paused")
+        call.cancel()  # the client goes away
+        assert target in record["replicas"] and record["move"]["by"] == other.node_id, record
+
+        deadline = time.monotonic() + 20
+        while not _settled(record, {other.node_id, target}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            record = shard_of(cluster, "paused")
+        assert _settled(record, {other.node_id, target}) and record["primary"] == target, record
+        # Its node let the move go (it finishes it itself only in the rare case of the
+        # cancellation arriving as its step completes, which asyncio may then not raise).
+        let_go = [e["target"] for e in events(other, "cluster_move_let_go")]
+        assert let_go in ([target], []), let_go
         got: list[bytes] = []
         deadline = time.monotonic() + 60
         while len(got) < len(payloads) and time.monotonic() < deadline:

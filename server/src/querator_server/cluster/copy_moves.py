@@ -179,10 +179,10 @@ class CopyMoves:
             by_revision=self.membership.create_revision,
             until_us=now_us() + int((within + MOVE_GRACE_S) * 1_000_000),
         )
-        if node not in record.replicas:
-            record = await self._add_copy(record, node, move)
-            crash_point(REPLICA_MOVE_ADDED)
         try:
+            if node not in record.replicas:
+                record = await self._add_copy(record, node, move)
+                crash_point(REPLICA_MOVE_ADDED)
             record = await self._caught_up(record.uid, node, within)
             crash_point(REPLICA_MOVE_IN_SYNC)
             if needs_hand_over(record, move):
@@ -204,7 +204,10 @@ class CopyMoves:
         task.add_done_callback(self._letting_go.discard)
 
     async def _let_go(self, uid: int) -> None:
-        record = self.catalog.shards.get(uid)
+        try:  # etcd's: the add may have applied without this node having seen it yet
+            record = await self.catalog.shards.fetch(uid)
+        except EtcdError:
+            record = self.catalog.shards.get(uid)
         for attempt in range(_LET_GO_ATTEMPTS):
             move = record.move if record is not None else None
             if record is None or move is None or now_us() >= move.until_us:
