@@ -238,9 +238,7 @@ class Router:
                     return response
             left = give_up - loop.time()
             if left <= 0.05 or (failing is not None and not others):
-                if failing is not None:
-                    raise failing
-                return pb.LeaseResponse(queue_name=entry.config.name)
+                return _nothing_leased(entry, failing)
             request.request_timeout.FromNanoseconds(int(min(left, _LEASE_SLICE_S) * 1e9))
             if here and failing is None:
                 response = await self._lease_here(entry, request, context, local)
@@ -260,9 +258,7 @@ class Router:
                 # The wait took the time left: answered now, not after another look at
                 # every home, which on a loaded machine (load 15-17, two calls' worth of
                 # round trips) ran past a 1 s call's deadline.
-                if failing is not None:
-                    raise failing
-                return pb.LeaseResponse(queue_name=entry.config.name)
+                return _nothing_leased(entry, failing)
 
     # -- Complete, Retry, Extend: at the item's home --------------------------------
 
@@ -520,6 +516,14 @@ def _partial(failed: list[tuple[Part, BaseException]], done: list[Part], ids: Pa
     out.message = text
     out.args = (text,)
     return out
+
+
+def _nothing_leased(entry: QueueEntry, failing: Unavailable | None) -> pb.LeaseResponse:
+    """A Lease's answer once its time is up with no items: this node's storage failure
+    (a full disk) when it had one, rather than "empty"; else empty."""
+    if failing is not None:
+        raise failing
+    return pb.LeaseResponse(queue_name=entry.config.name)
 
 
 def _has_items(response: pb.LeaseResponse) -> bool:
