@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -80,31 +80,26 @@ def in_sync(cluster: Cluster, via: Node) -> list[str]:
     return list(found.in_sync)
 
 
-def events(node: Node, event: str) -> list[dict[str, object]]:
-    """The node's log events named ``event`` (JSON lines on its stderr, since its last start)."""
-    found = []
+def _log_records(node: Node) -> Iterator[tuple[str, dict[str, object]]]:
+    """The node's log lines (JSON on its stderr, since its last start), each with its record."""
     for line in node.stderr_text(1 << 30).splitlines():
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and record.get("event") == event:
-            found.append(record)
-    return found
+        if isinstance(record, dict):
+            yield line, record
+
+
+def events(node: Node, event: str) -> list[dict[str, object]]:
+    """The node's log events named ``event``."""
+    return [record for _, record in _log_records(node) if record.get("event") == event]
 
 
 def errors_logged(node: Node) -> list[str]:
     """The node's log lines at error level or above (since its last start): an ordinary
     failover or hand-over logs none (it is no fault; the deposition has its own warning)."""
-    found = []
-    for line in node.stderr_text(1 << 30).splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("level") in ("error", "critical"):
-            found.append(line[:300])
-    return found
+    return [line[:300] for line, record in _log_records(node) if record.get("level") in ("error", "critical")]
 
 
 def wait_in_sync(cluster: Cluster, via: Node, count: int, timeout: float = 30) -> float:

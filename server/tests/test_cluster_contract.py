@@ -74,12 +74,7 @@ def test_create_when_storage_fails_in_a_cluster_answers_unavailable_until_the_st
     not be made (not NOT_FOUND for a queue GetQueue shows), and once the storage works
     the node makes it without another change of the catalog. Before, every call
     answered NOT_FOUND "queue 'q' does not exist" until some other catalog change."""
-    blockers = [os.path.join(server.data_dir, "groups", "0")]
-    blockers += [os.path.join(server.data_dir, "queues", str(uid)) for uid in range(1, 4)]
-    for path in blockers:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write("not a directory")
+    blockers = test_queues_service.block_new_storage(server.data_dir)
     stubs.create("q")
     error = expect_code(lambda: stubs.produce("q", [b"x"]), grpc.StatusCode.UNAVAILABLE)
     assert "could not make its storage" in (error.details() or ""), error.details()

@@ -797,15 +797,20 @@ def test_admin_changes_survive_a_restart(data_dir: str) -> None:
         srv.stop()
 
 
-def test_create_when_storage_fails_is_unavailable_and_retryable(server: ThreadServer, stubs: Stubs) -> None:
-    # Block where the next queues' storage would go: the first commit group, and the
-    # directories of queues too wide for a group (uids start at 1).
-    blockers = [os.path.join(server.data_dir, "groups", "0")]
-    blockers += [os.path.join(server.data_dir, "queues", str(uid)) for uid in range(1, 4)]
+def block_new_storage(data_dir: str) -> list[str]:
+    """Files where the next queues' storage would go (the first commit group, and the
+    directories of queues too wide for a group: uids start at 1); remove them to unblock."""
+    blockers = [os.path.join(data_dir, "groups", "0")]
+    blockers += [os.path.join(data_dir, "queues", str(uid)) for uid in range(1, 4)]
     for path in blockers:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             f.write("not a directory")
+    return blockers
+
+
+def test_create_when_storage_fails_is_unavailable_and_retryable(server: ThreadServer, stubs: Stubs) -> None:
+    blockers = block_new_storage(server.data_dir)
     expect_code(lambda: stubs.create("q"), Code.UNAVAILABLE)
     expect_code(lambda: stubs.create("wide", requested_partitions=40), Code.UNAVAILABLE)
     expect_code(lambda: get_queue(stubs, "q"), Code.NOT_FOUND)
