@@ -193,6 +193,23 @@ def test_a_move_cut_short_whose_new_copy_dies_before_it_caught_up_is_undone(
         record_property("figures", f"undone {took:.2f} s after the kills; {verdict.figures()}")
 
 
+def _two_copies_filled(cluster: Cluster, items: int) -> tuple[Node, str, list[bytes]]:
+    """Queue "paused" with 2 copies in sync holding ``items`` items (a snapshot to fill a
+    new copy): the node of its copy that is not primary, a node without a copy, the payloads."""
+    by_id = {n.node_id: n for n in cluster.nodes}
+    n1 = cluster.nodes[0]
+    n1.stubs.create("paused", replicas=2, requested_partitions=2)
+    wait_until(lambda: len(_queue_placement(n1).in_sync) == 2, 20)
+    first = _queue_placement(n1)
+    source = by_id[first.primary]
+    other = by_id[next(n for n in first.replicas if n != first.primary)]
+    target = next(n for n in by_id if n not in first.replicas)
+    payloads = [b"item-%06d" % i + b"." * 50 for i in range(items)]
+    for start in range(0, len(payloads), 1000):
+        source.stubs.produce("paused", payloads[start : start + 1000])
+    return other, target, payloads
+
+
 @pytest.mark.timeout(120)
 def test_a_move_given_up_while_etcd_is_down_is_finished_once_etcd_is_back(tmp_path: Path) -> None:
     """The call running a move (on the queue's other copy) reaches its deadline while etcd
@@ -202,16 +219,7 @@ def test_a_move_given_up_while_etcd_is_down_is_finished_once_etcd_is_back(tmp_pa
     deadline + 15 s)."""
     with Cluster(str(tmp_path), size=3, ttl=3) as cluster:
         by_id = {n.node_id: n for n in cluster.nodes}
-        n1 = cluster.nodes[0]
-        n1.stubs.create("paused", replicas=2, requested_partitions=2)
-        wait_until(lambda: len(_queue_placement(n1).in_sync) == 2, 20)
-        first = _queue_placement(n1)
-        source = by_id[first.primary]
-        other = by_id[next(n for n in first.replicas if n != first.primary)]
-        target = next(n for n in by_id if n not in first.replicas)
-        payloads = [b"item-%06d" % i + b"." * 50 for i in range(20_000)]  # a snapshot to fill the new copy
-        for start in range(0, len(payloads), 1000):
-            source.stubs.produce("paused", payloads[start : start + 1000])
+        other, target, payloads = _two_copies_filled(cluster, 20_000)
 
         answer: list[object] = []
 
@@ -262,16 +270,7 @@ def test_a_move_whose_client_goes_away_is_finished_by_the_primary(tmp_path: Path
     copy catches up: the node lets the move go at once, and the primary finishes it."""
     with Cluster(str(tmp_path), size=3, ttl=TTL, env={"QUERATOR_LOG_LEVEL": "info"}) as cluster:
         by_id = {n.node_id: n for n in cluster.nodes}
-        n1 = cluster.nodes[0]
-        n1.stubs.create("paused", replicas=2, requested_partitions=2)
-        wait_until(lambda: len(_queue_placement(n1).in_sync) == 2, 20)
-        first = _queue_placement(n1)
-        source = by_id[first.primary]
-        other = by_id[next(n for n in first.replicas if n != first.primary)]
-        target = next(n for n in by_id if n not in first.replicas)
-        payloads = [b"item-%06d" % i + b"." * 50 for i in range(30_000)]  # a snapshot to fill the new copy
-        for start in range(0, len(payloads), 1000):
-            source.stubs.produce("paused", payloads[start : start + 1000])
+        other, target, payloads = _two_copies_filled(cluster, 30_000)
 
         stub = cluster_pb2_grpc.ClusterServiceStub(other.channel)
         call = stub.MoveQueue.future(cluster_pb2.MoveQueueRequest(queue_name="paused", node_id=target), timeout=30)
