@@ -77,6 +77,10 @@ class Keys:
         return self.prefix + b"page-token-secret"
 
 
+class _Rewatch(Exception):
+    """A rewatch asked for during an apply, made once the apply is done."""
+
+
 class CatalogCache:
     """Queues, members, API keys, tombstones, retired nodes and shard records, at ``revision``."""
 
@@ -97,6 +101,14 @@ class CatalogCache:
         self._caught_up = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
+        # A rewatch asked for while a change is being applied waits for it to finish:
+        # cancelled half-way, the change was never applied (its events are behind the
+        # new watch's start), and a call waiting for it hung until some later change or
+        # the apply timeout (10 s): 2 of 3 loaded runs of test_cluster_contract.py had a
+        # first CreateQueue answer DEADLINE_EXCEEDED that way, the node's standing
+        # (registered, so rewatch) coming while its first change was applied.
+        self._applying = False
+        self._rewatch_due = False
 
     def routed(self, entry: QueueEntry) -> QueueEntry:
         """``entry`` as calls are routed: a replicated queue's partitions all at its
@@ -179,7 +191,9 @@ class CatalogCache:
     def rewatch(self) -> None:
         """Drop the current watch and start another (etcd came back: the old stream may
         be one a paused etcd left silent)."""
-        if self._watch is not None:
+        if self._applying:
+            self._rewatch_due = True
+        elif self._watch is not None:
             self._watch.cancel()
 
     async def _run(self) -> None:
@@ -197,7 +211,7 @@ class CatalogCache:
                 log.warning("catalog_watch_compacted", revision=self.revision, compacted=exc.revision)
                 relist = True
                 continue
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, _Rewatch):
                 if self._task is not None and self._task.cancelling():
                     raise
                 delay = _RETRY_FIRST_S  # rewatch(): at once
@@ -216,7 +230,14 @@ class CatalogCache:
             self.watching = True
             self.apply_events(revision, events)
             if events:
-                await self._changed()
+                self._applying = True
+                try:
+                    await self._changed()
+                finally:
+                    self._applying = False
+                if self._rewatch_due:
+                    self._rewatch_due = False
+                    raise _Rewatch
             else:  # a progress note: nothing changed up to ``revision``
                 async with self._caught_up:
                     self.applied = max(self.applied, revision)
